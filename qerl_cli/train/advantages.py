@@ -20,7 +20,9 @@ SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1:
-        raise QerlError(f"rewards must be a 1-D tensor of prompts x group_size values, got {tuple(rewards.shape)}")
+        raise QerlError(
+            f"rewards must be a 1-D tensor of prompts x group_size values, got {tuple(rewards.shape)}"
+        )
     if group_size < 1 or rewards.numel() % group_size != 0:
         raise QerlError(
             f"{rewards.numel()} rewards cannot be split into groups of {group_size}: "
@@ -86,7 +88,9 @@ def dapo_overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int) -> t
     ``buffer`` 0 degenerates to a hard cut (0 up to L, -1 beyond).
     """
     if max_len < 1 or buffer < 0 or buffer > max_len:
-        raise QerlError(f"overlong shaping needs 0 <= buffer <= max_len and max_len >= 1; got {buffer=}, {max_len=}")
+        raise QerlError(
+            f"overlong shaping needs 0 <= buffer <= max_len and max_len >= 1; got {buffer=}, {max_len=}"
+        )
     lengths = torch.as_tensor(lengths)
     y = lengths.to(torch.float64 if lengths.dtype == torch.float64 else torch.float32)
     start = float(max_len - buffer)
@@ -160,7 +164,7 @@ class DynamicSampler(Generic[T]):
         self.rounds += 1
         self.generated += len(keep)
         taken = 0
-        for item, k in zip(groups, keep):
+        for item, k in zip(groups, keep, strict=True):
             if not k:
                 self.dropped += 1
             elif self.needed > 0:
@@ -170,7 +174,9 @@ class DynamicSampler(Generic[T]):
                 self.surplus += 1
         return taken
 
-    def fill(self, generate: Callable[[int], tuple[torch.Tensor, Sequence[T]]], prompts_per_round: int) -> None:
+    def fill(
+        self, generate: Callable[[int], tuple[torch.Tensor, Sequence[T]]], prompts_per_round: int
+    ) -> None:
         """Run ``generate(prompts_per_round) -> (rewards, groups)`` until :attr:`done`."""
         while not self.done:
             rewards, groups = generate(prompts_per_round)
