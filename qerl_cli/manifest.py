@@ -178,7 +178,9 @@ class RunDir:
                 "restore it or move the run directory aside"
             ) from exc
         if not isinstance(data, dict) or not isinstance(data.get("schema_version"), int):
-            raise QerlError(f"{self.manifest_path} is not a qerl manifest (no schema_version): use another --run directory")
+            raise QerlError(
+                f"{self.manifest_path} is not a qerl manifest (no schema_version): use another --run directory"
+            )
         if data["schema_version"] > SCHEMA_VERSION:
             raise QerlError(
                 f"{self.manifest_path} has schema {data['schema_version']}, newer than this qerl understands "

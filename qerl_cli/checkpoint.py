@@ -1,0 +1,258 @@
+"""Write and read quantized checkpoints in the formats vLLM and transformers load unchanged.
+
+compressed-tensors formats (nvfp4, mxfp4, int4, int8, fp8): tensors named as REFERENCE.md section 2
+specifies, `quantization_config` written by compressed-tensors' own `ModelCompressor.update_config`.
+nf4: bitsandbytes' serialisation (weight, weight.absmax, weight.quant_map, weight.quant_state...).
+bf16: a plain checkpoint. `qerl_quant.json` beside them records qerl's own metadata.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from qerl_cli.errors import QerlError
+from qerl_cli.formats import FORMATS, QuantizedWeight, dequantize
+from qerl_cli.qlinear import QuantLinear
+
+QERL_META = "qerl_quant.json"
+SHARD_BYTES = 4 * 2**30
+# Layers that vLLM fuses into one GEMM must share one NVFP4 global scale.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def matches(name: str, patterns: list[str]) -> bool:
+    """compressed-tensors style: exact name, `re:` regex, glob, or a trailing name component."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p):
+            return True
+    return False
+
+
+def target_linears(model: nn.Module, ignore: list[str]) -> tuple[dict[str, nn.Linear], list[str]]:
+    """The Linear layers to quantize, and the names of Linear layers left unquantized."""
+    targets: dict[str, nn.Linear] = {}
+    skipped: list[str] = []
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        if matches(name, ignore) or (tied and name == "lm_head"):
+            skipped.append(name)
+        else:
+            targets[name] = m
+    return targets, skipped
+
+
+def fused_global_scales(targets: dict[str, nn.Linear]) -> dict[str, torch.Tensor]:
+    """NVFP4 global scale per layer, shared (max amax) across q/k/v and across gate/up."""
+    from qerl_cli.formats import nvfp4_global_scale
+
+    amax = {n: m.weight.detach().float().abs().max() for n, m in targets.items()}
+    scales: dict[str, torch.Tensor] = {}
+    for name in targets:
+        parent, _, leaf = name.rpartition(".")
+        group = next((g for g in FUSED_GROUPS if leaf in g), (leaf,))
+        members = [f"{parent}.{g}" if parent else g for g in group if (f"{parent}.{g}" if parent else g) in targets]
+        scales[name] = nvfp4_global_scale(max(amax[m] for m in members))
+    return scales
+
+
+def ct_quantization_config(fmt: str, ignore: list[str], group_size: int | None) -> Any:
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, preset_name_to_scheme
+
+    spec = FORMATS[fmt]
+    scheme = preset_name_to_scheme(spec.ct_preset, ["Linear"])
+    if fmt == "int4" and group_size and scheme.weights.group_size != group_size:
+        scheme = QuantizationScheme(
+            targets=["Linear"],
+            weights=scheme.weights.model_copy(update={"group_size": group_size}),
+            input_activations=scheme.input_activations,
+        )
+    return QuantizationConfig(
+        config_groups={"group_0": scheme}, format=spec.ct_format, ignore=ignore, quantization_status="compressed"
+    )
+
+
+def _bnb_state_tensors(prefix: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    t = qw.tensors
+    state = {"quant_type": "nf4", "blocksize": 64, "dtype": str(qw.dtype).removeprefix("torch."),
+             "shape": list(qw.shape)}
+    blob = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+    return {
+        f"{prefix}.weight": t["weight"],
+        f"{prefix}.weight.absmax": t["absmax"],
+        f"{prefix}.weight.quant_map": t["quant_map"],
+        f"{prefix}.weight.quant_state.bitsandbytes__nf4": blob,
+    }
+
+
+def save_tensors(state: dict[str, torch.Tensor], out_dir: Path) -> list[str]:
+    """Write safetensors shards (and an index when there is more than one); returns file names."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in state.items():
+        nbytes = v.numel() * v.element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    return names
+
+
+def write_config(model: nn.Module, out_dir: Path, fmt: str, ignore: list[str], group_size: int | None,
+                 dtype: torch.dtype) -> None:
+    cfg = copy.deepcopy(model.config)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    cfg.dtype = str(dtype).removeprefix("torch.")
+    cfg.save_pretrained(str(out_dir))
+    if FORMATS[fmt].ct_format:
+        from compressed_tensors.compressors import ModelCompressor
+
+        ModelCompressor(quantization_config=ct_quantization_config(fmt, ignore, group_size)).update_config(str(out_dir))
+    elif fmt == "nf4":
+        path = out_dir / "config.json"
+        data = json.loads(path.read_text())
+        data["quantization_config"] = {
+            "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+            "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False,
+            "bnb_4bit_compute_dtype": str(dtype).removeprefix("torch."), "bnb_4bit_quant_storage": "uint8",
+            "llm_int8_skip_modules": ignore,
+        }
+        path.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+# ---- reading -------------------------------------------------------------------------------------
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise QerlError(f"{directory} has no .safetensors files: run `qerl quantize` again")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    out[k] = sf.get_tensor(k)
+        except Exception as exc:
+            raise QerlError(f"{f} is unreadable or truncated ({exc}): run `qerl quantize` again") from exc
+    return out
+
+
+def detect_format(config: dict[str, Any]) -> tuple[str, int | None]:
+    qc = config.get("quantization_config")
+    if not qc:
+        return "bf16", None
+    if qc.get("quant_method") == "bitsandbytes":
+        return "nf4", 64
+    if qc.get("quant_method") != "compressed-tensors":
+        raise QerlError(f"unsupported quantization method {qc.get('quant_method')!r}: qerl reads compressed-tensors")
+    by_ct = {s.ct_format: name for name, s in FORMATS.items() if s.ct_format}
+    fmt = by_ct.get(qc.get("format"))
+    if fmt is None:
+        raise QerlError(f"unsupported compressed-tensors format {qc.get('format')!r}; qerl reads {sorted(by_ct)}")
+    groups = list(qc.get("config_groups", {}).values())
+    gs = groups[0].get("weights", {}).get("group_size") if groups else None
+    return fmt, gs
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):  # noqa: ANN201
+    """Build the model with `QuantLinear` layers holding the packed tensors of a qerl checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = json.loads((directory / "config.json").read_text())
+    fmt, group_size = detect_format(config_dict)
+    config = AutoConfig.from_pretrained(str(directory))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = read_tensors(directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+    if fmt == "bf16":
+        quantized: set[str] = set()
+    elif fmt == "nf4":
+        quantized = {k[: -len(".weight.absmax")] for k in state if k.endswith(".weight.absmax")}
+    else:
+        quantized = {k.rsplit(".", 1)[0] for k in state if k.endswith((".weight_packed", ".weight_scale"))}
+    for name in sorted(quantized):
+        linear = model.get_submodule(name)
+        n, k = linear.out_features, linear.in_features
+        if fmt == "nf4":
+            tensors = {"weight": state.pop(f"{name}.weight"), "absmax": state.pop(f"{name}.weight.absmax"),
+                       "quant_map": state.pop(f"{name}.weight.quant_map")}
+            state.pop(f"{name}.weight.quant_state.bitsandbytes__nf4", None)
+        else:
+            prefix = f"{name}."
+            tensors = {key[len(prefix):]: state.pop(key) for key in list(state) if key.startswith(prefix)
+                       and key[len(prefix):] != "bias"}
+            tensors.pop("weight_shape", None)
+        bias = state.pop(f"{name}.bias", None)
+        ql = QuantLinear(k, n, fmt, {kk: v.to(device) for kk, v in tensors.items()}, dtype, group_size,
+                         bias.to(device) if bias is not None else None)
+        _set_module(model, name, ql)
+
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
+                                                 for k, v in state.items()}, strict=False, assign=True)
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = [m for m in missing if not (tied and m == "lm_head.weight") and m.rsplit(".", 1)[0] not in quantized]
+    if unexpected or missing:
+        raise QerlError(
+            f"checkpoint {directory} does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]}): "
+            "run `qerl quantize` again"
+        )
+    if tied:
+        model.tie_weights()
+    _materialize_meta_buffers(model, config, device)
+    model.to(device)
+    model.eval()
+    model.qerl_format = fmt
+    return model
+
+
+def _materialize_meta_buffers(model: nn.Module, config: Any, device: str | torch.device) -> None:
+    """Non-persistent buffers (rotary inv_freq) are not in the file: rebuild those modules for real."""
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            try:
+                with torch.device(device):
+                    fresh = type(module)(config=config)
+            except TypeError as exc:
+                raise QerlError(f"cannot rebuild {name} ({type(module).__name__}) after loading: {exc}") from exc
+            _set_module(model, name, fresh)
+
+
+def dequantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full-precision weights of every QuantLinear (for tests and reports)."""
+    return {f"{n}.weight": dequantize(m.quantized_weight, torch.float32) for n, m in model.named_modules()
+            if isinstance(m, QuantLinear)}

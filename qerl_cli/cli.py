@@ -1,0 +1,133 @@
+"""The thin `qerl` command line: parse options, call a library function, print a rich summary."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from qerl_cli.errors import QerlError
+
+app = typer.Typer(
+    name="qerl",
+    help="RL for LLMs on low-bit weights: quantize -> train -> eval -> bench, through one run directory.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+bench_app = typer.Typer(help="Benchmarks: kernels, rollout, mismatch, step, sanity.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+console = Console()
+err_console = Console(stderr=True)
+_state = {"debug": False}
+
+RunOpt = Annotated[Path, typer.Option("--run", help="Run directory shared by all stages.")]
+
+
+@app.callback()
+def _main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False) -> None:
+    _state["debug"] = debug or os.environ.get("QERL_DEBUG") == "1"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+@app.command()
+def quantize(
+    model: Annotated[str | None, typer.Argument(help="HF id, local dir or .gguf; default: embedded SmolLM2.")] = None,
+    run: RunOpt = Path("runs/default"),
+    format: Annotated[str, typer.Option("--format", "-f", help="nvfp4|mxfp4|int4|int8|fp8|nf4|bf16")] = "nvfp4",
+    ignore: Annotated[list[str] | None, typer.Option("--ignore", help="Layer patterns left unquantized.")] = None,
+    method: Annotated[str, typer.Option(help="rtn (data-free) | gptq | awq (need qerl[llmcompressor]).")] = "rtn",
+    dtype: Annotated[str, typer.Option(help="Dtype of unquantized tensors and scales: bf16|fp16.")] = "bf16",
+    seed: int = 0,
+    show_layers: Annotated[int, typer.Option(help="Rows of the per-layer error table to print (worst first).")] = 12,
+) -> None:
+    """Quantize a model into RUN/model as a compressed-tensors checkpoint."""
+    from rich.progress import Progress
+
+    from qerl_cli.quantize import quantize_model
+
+    with Progress(console=err_console, transient=True) as bar:
+        task = bar.add_task("quantizing", total=None)
+
+        def progress(name: str, i: int, n: int) -> None:
+            bar.update(task, total=n, completed=i, description=name)
+
+        res = quantize_model(run, model, fmt=format, ignore=ignore, method=method, dtype=dtype, seed=seed,
+                             progress=progress)
+    s = res.summary()
+    table = Table(title=f"{res.fmt} per-layer error (worst {min(show_layers, len(res.layers))} of {len(res.layers)})")
+    for col in ("layer", "shape", "rel. Frobenius err", "max |err|"):
+        table.add_column(col, justify="right" if col != "layer" else "left")
+    for e in sorted(res.layers, key=lambda e: -e.rel_fro)[:show_layers]:
+        table.add_row(e.name, f"{e.shape[0]}x{e.shape[1]}", f"{e.rel_fro:.4f}", f"{e.max_abs:.4g}")
+    console.print(table)
+    console.print(
+        f"[bold]{res.source.display}[/] -> [bold]{res.model_dir}[/] ({res.fmt}): "
+        f"{_fmt_bytes(res.bytes_before)} (bf16) -> {_fmt_bytes(res.bytes_after)} "
+        f"({s['compression']:.2f}x); rel. error mean {s['rel_fro_mean']:.4f}, max {s['rel_fro_max']:.4f}; "
+        f"unquantized: {', '.join(res.skipped) or 'none'}"
+    )
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(ctx: typer.Context, run: RunOpt = Path("runs/default")) -> None:
+    """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN)."""
+    raise QerlError("qerl train is not available in this build yet (issue 4): only `qerl quantize` runs")
+
+
+@app.command(name="eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def eval_(ctx: typer.Context, task: str = typer.Argument(..., help="gsm8k|math500|arith"),
+          run: RunOpt = Path("runs/default")) -> None:
+    """Evaluate the run's model (with its latest adapter) on GSM8K, MATH-500 or arith."""
+    raise QerlError("qerl eval is not available in this build yet (issue 6): only `qerl quantize` runs")
+
+
+@bench_app.command("kernels")
+def bench_kernels() -> None:
+    """Time qerl's quantized GEMM kernels against BF16 cuBLAS and installed peers (GPU)."""
+    raise QerlError("qerl bench kernels is not available in this build yet (issue 3)")
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except QerlError as exc:
+        if _state["debug"]:
+            raise
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted[/]: the run directory was left consistent; rerun to continue")
+        sys.exit(130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except (typer.Abort, EOFError):
+        sys.exit(1)
+    except Exception as exc:  # click usage errors arrive here in standalone_mode=False
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(2)
+        if _state["debug"]:
+            raise
+        err_console.print(f"[bold red]internal error:[/] {exc.__class__.__name__}: {exc} (rerun with --debug "
+                          "for the traceback and please report it)", highlight=False, soft_wrap=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

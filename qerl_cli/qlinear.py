@@ -1,0 +1,98 @@
+"""`QuantLinear`: a frozen quantized linear layer that keeps its packed weights in memory.
+
+It is deliberately not an `nn.Linear` subclass, so peft can never silently merge an adapter into
+packed bytes; qerl registers its own LoRA layer for it. On CUDA the forward runs qerl's Triton
+kernels (fused dequantize-GEMM, and the transposed product in backward); elsewhere it dequantizes
+with the torch reference and multiplies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qerl_cli.formats import QuantizedWeight, dequantize, quantize
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequant(W)^T + b with W stored in one of qerl's formats (buffers, never trained)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fmt: str,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.bfloat16,
+        group_size: int | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fmt = fmt
+        self.dtype = dtype
+        self.group_size = group_size
+        self._tensor_names = tuple(tensors)
+        for name, t in tensors.items():
+            self.register_buffer(name, t)
+        self.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False) if bias is not None else None
+        # Optional CPU-side cache of the dequantized weight (off by default: it costs the bf16 memory
+        # the format exists to save). Trainers on CPU switch it on for speed.
+        self.cache_dequantized = False
+        self._cache: torch.Tensor | None = None
+        self._kernel_state: object | None = None  # load-time repack owned by qerl_kernels
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        fmt: str,
+        *,
+        global_scale: torch.Tensor | None = None,
+        group_size: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> QuantLinear:
+        qw = quantize(linear.weight.detach(), fmt, global_scale=global_scale, group_size=group_size, dtype=dtype)
+        return cls.from_quantized(qw, bias=linear.bias)
+
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantLinear:
+        n, k = qw.shape
+        return cls(k, n, qw.fmt, qw.tensors, qw.dtype, qw.group_size, bias)
+
+    @property
+    def quantized_weight(self) -> QuantizedWeight:
+        tensors = {name: getattr(self, name) for name in self._tensor_names}
+        return QuantizedWeight(self.fmt, (self.out_features, self.in_features), tensors, self.dtype, self.group_size)
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        if self.cache_dequantized:
+            if self._cache is None or self._cache.dtype != dtype:
+                self._cache = dequantize(self.quantized_weight, dtype)
+            return self._cache
+        return dequantize(self.quantized_weight, dtype)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.quantized_weight.nbytes()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from qerl_cli import kernel_dispatch
+
+            y = kernel_dispatch.quant_linear(x, self)
+            if y is not None:
+                return y
+        w = self.dequantized_weight(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        gs = f", group_size={self.group_size}" if self.group_size else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}{gs}"
+
+
+def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}

@@ -1,0 +1,212 @@
+"""The `qerl quantize` stage: model -> DIR/model (a vLLM/transformers-loadable quantized checkpoint).
+
+Data-free round-to-nearest by default; GPTQ/AWQ through llm-compressor when that extra is installed.
+Records a per-layer error table and sizes in the manifest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_cli.checkpoint import (
+    FORMATS,
+    QERL_META,
+    _bnb_state_tensors,
+    fused_global_scales,
+    save_tensors,
+    target_linears,
+    write_config,
+)
+from qerl_cli.errors import QerlError
+from qerl_cli.formats import dequantize, int4_group_size, quantize
+from qerl_cli.manifest import RunDir, sha256_file, staged_directory
+from qerl_cli.models import DTYPES, ModelSource, load_model, resolve_model
+
+METHODS = ("rtn", "gptq", "awq")
+
+
+@dataclass
+class LayerError:
+    name: str
+    shape: tuple[int, int]
+    rel_fro: float
+    max_abs: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "rel_fro": self.rel_fro, "max_abs": self.max_abs}
+
+
+@dataclass
+class QuantizeResult:
+    run: Path
+    model_dir: Path
+    fmt: str
+    source: ModelSource
+    layers: list[LayerError] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    group_size: int | None = None
+
+    def summary(self) -> dict[str, Any]:
+        rel = [e.rel_fro for e in self.layers] or [0.0]
+        return {
+            "format": self.fmt,
+            "layers_quantized": len(self.layers),
+            "layers_skipped": self.skipped,
+            "group_size": self.group_size,
+            "rel_fro_mean": sum(rel) / len(rel),
+            "rel_fro_max": max(rel),
+            "max_abs_max": max((e.max_abs for e in self.layers), default=0.0),
+            "bytes_before_bf16": self.bytes_before,
+            "bytes_after": self.bytes_after,
+            "compression": self.bytes_before / self.bytes_after if self.bytes_after else None,
+        }
+
+
+def _source_hashes(src: ModelSource) -> dict[str, str]:
+    if src.kind == "hub":
+        return {}
+    root = Path(src.location)
+    files = [root / src.gguf_file] if src.gguf_file else sorted(root.glob("*.safetensors"))
+    return {f.name: sha256_file(f) for f in files}
+
+
+def _common_int4_group(ks: list[int]) -> int:
+    try:
+        return min(int4_group_size(k) for k in ks)
+    except ValueError as exc:
+        raise QerlError(f"INT4 needs every quantized layer's K divisible by 32 ({exc}): add it to --ignore") from exc
+
+
+def _check_shapes(fmt: str, targets: dict[str, torch.nn.Module]) -> None:
+    block = {"nvfp4": 16, "mxfp4": 32}.get(fmt)
+    for name, m in targets.items():
+        k = m.in_features
+        if block and k % block:
+            raise QerlError(f"layer {name} has K={k}, not a multiple of {block} as {fmt} needs: add it to --ignore")
+        if fmt == "nf4" and m.weight.numel() % 64:
+            raise QerlError(f"layer {name} has {m.weight.numel()} weights, not a multiple of 64: add it to --ignore")
+
+
+def quantize_model(
+    run_dir: str | Path,
+    model: str | None = None,
+    *,
+    fmt: str = "nvfp4",
+    ignore: list[str] | None = None,
+    method: str = "rtn",
+    dtype: str = "bf16",
+    seed: int = 0,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> QuantizeResult:
+    """Quantize `model` (default: the embedded SmolLM2) into `run_dir/model` and record the stage."""
+    if fmt not in FORMATS:
+        raise QerlError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if method not in METHODS:
+        raise QerlError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+    if method != "rtn" and importlib.util.find_spec("llmcompressor") is None:
+        raise QerlError(
+            f"--method {method} needs llm-compressor: pip install 'qerl[llmcompressor]' (or use --method rtn)"
+        )
+    if method != "rtn" and fmt not in ("nvfp4", "mxfp4", "int4", "int8", "fp8"):
+        raise QerlError(f"--method {method} writes compressed-tensors formats only, not {fmt}")
+    if dtype not in ("bf16", "fp16"):
+        raise QerlError(f"--dtype must be bf16 or fp16, not {dtype}")
+    ignore = list(ignore) if ignore is not None else ["lm_head"]
+    out_dtype = DTYPES[dtype]
+    run = RunDir(run_dir)
+    src = resolve_model(model)
+    torch.manual_seed(seed)
+    config = {"model": src.to_json(), "format": fmt, "ignore": ignore, "method": method, "dtype": dtype}
+    with run.stage("quantize", config=config, inputs={"model": {**src.to_json(), "sha256": _source_hashes(src)}},
+                   seeds={"torch": seed}) as rec:
+        hf_model, tokenizer = load_model(src, dtype=torch.float32)
+        targets, skipped = target_linears(hf_model, ignore)
+        if not targets:
+            raise QerlError(f"no Linear layer left to quantize after --ignore {ignore}")
+        _check_shapes(fmt, targets)
+        result = QuantizeResult(run.path, run.path / "model", fmt, src, skipped=skipped)
+        result.bytes_before = sum(p.numel() * 2 for n, p in hf_model.state_dict().items()
+                                  if not (n == "lm_head.weight" and hf_model.config.tie_word_embeddings))
+        group_size = _common_int4_group([m.in_features for m in targets.values()]) if fmt == "int4" else None
+        if method != "rtn":
+            _calibrated(hf_model, fmt, method, ignore)
+        global_scales = fused_global_scales(targets) if FORMATS[fmt].fused_global_scale else {}
+
+        state: dict[str, torch.Tensor] = {}
+        for i, (name, linear) in enumerate(targets.items()):
+            if progress:
+                progress(name, i, len(targets))
+            w = linear.weight.detach().float()
+            qw = quantize(w, fmt, global_scale=global_scales.get(name), group_size=group_size, dtype=out_dtype)
+            err = (dequantize(qw, torch.float32) - w)
+            result.layers.append(LayerError(name, qw.shape, (err.norm() / w.norm().clamp(min=1e-30)).item(),
+                                            err.abs().max().item()))
+            if fmt == "nf4":
+                state.update(_bnb_state_tensors(name, qw))
+            elif fmt == "bf16":
+                state[f"{name}.weight"] = qw.tensors["weight"]
+            else:
+                state.update({f"{name}.{k}": v for k, v in qw.tensors.items()})
+            if linear.bias is not None:
+                state[f"{name}.bias"] = linear.bias.detach().to(out_dtype)
+        quantized_weights = {f"{n}.weight" for n in targets}
+        for k, v in hf_model.state_dict().items():
+            if k in quantized_weights or k in state:
+                continue
+            if k == "lm_head.weight" and hf_model.config.tie_word_embeddings:
+                continue
+            state[k] = v.to(out_dtype) if v.is_floating_point() else v
+        result.group_size = group_size or FORMATS[fmt].group_size
+
+        with staged_directory(run.path / "model") as tmp:
+            files = save_tensors(state, tmp)
+            write_config(hf_model, tmp, fmt, skipped, group_size, out_dtype)
+            tokenizer.save_pretrained(str(tmp))
+            if getattr(hf_model, "generation_config", None) is not None:
+                hf_model.generation_config.save_pretrained(str(tmp))
+            meta = {"qerl_format": fmt, "method": method, "source": src.to_json(), "ignore": ignore,
+                    "skipped": skipped, "group_size": result.group_size,
+                    "layers": [e.to_json() for e in result.layers]}
+            (tmp / QERL_META).write_text(json.dumps(meta, indent=2))
+            hashes = {f: sha256_file(tmp / f) for f in files}
+            result.bytes_after = sum((tmp / f).stat().st_size for f in files)
+        rec.outputs = {"model": {"path": run.rel(result.model_dir), "format": fmt, "files": hashes,
+                                 "ct_format": FORMATS[fmt].ct_format}}
+        rec.metrics = result.summary()
+        rec.extra = {"layers": [e.to_json() for e in result.layers]}
+    return result
+
+
+def _calibrated(hf_model: torch.nn.Module, fmt: str, method: str, ignore: list[str]) -> None:
+    """GPTQ/AWQ through llm-compressor: it updates the weights in place; qerl then packs them.
+
+    llm-compressor computes the quantization-aware weights (error feedback / activation-aware scales)
+    on a calibration set; RTN packing of those weights reproduces its codes because the scales are
+    recomputed from the same weights with the same arithmetic.
+    """
+    from llmcompressor import oneshot  # type: ignore[import-not-found]
+    from llmcompressor.modifiers.awq import AWQModifier  # type: ignore[import-not-found]
+    from llmcompressor.modifiers.quantization import GPTQModifier  # type: ignore[import-not-found]
+
+    from qerl_cli.tasks.datasets import load_task
+
+    scheme = FORMATS[fmt].ct_preset
+    modifier = (GPTQModifier if method == "gptq" else AWQModifier)(targets="Linear", scheme=scheme, ignore=ignore)
+    examples = load_task("gsm8k", split="train", limit=128).examples
+    from datasets import Dataset  # type: ignore[import-not-found]
+
+    ds = Dataset.from_dict({"text": [e.prompt for e in examples]})
+    oneshot(model=hf_model, dataset=ds, recipe=modifier, num_calibration_samples=len(examples),
+            max_seq_length=512)
+    if math.isnan(sum(p.float().sum().item() for p in hf_model.parameters())):
+        raise QerlError(f"{method} produced NaN weights: try --method rtn")
