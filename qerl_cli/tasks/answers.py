@@ -222,6 +222,8 @@ def answer_number(text: str | None) -> str | None:
     the last number inside it ("The total is 18"). Keeps strict answers strict and prose answers usable."""
     if text is None:
         return None
+    # A boxed/tagged LaTeX fraction is one number, not the two integers inside it.
+    text = re.sub(r"\\[dt]?frac\{(\d+)\}\{(\d+)\}", r"\1/\2", text)
     if parse_number(text) is not None:
         return text
     return extract_flexible(text)

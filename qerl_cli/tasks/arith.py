@@ -239,11 +239,14 @@ def generate_arith(
     weights = parse_level_spec(level)
     counts = _allocate(n, weights)
     rng = random.Random(f"qerl-arith:{seed}:{split}")
-    problems: list[ArithProblem] = []
+    keyed: list[tuple[float, ArithProblem]] = []
     for k in sorted(counts):
-        problems.extend(_draw(k, split, counts[k], rng, unique=(split == "test")))
-    rng.shuffle(problems)
-    return problems
+        drawn = _draw(k, split, counts[k], rng, unique=(split == "test"))
+        # Interleave levels by jittered relative position rather than a global shuffle: each level's
+        # order (already random) is kept, so a train pass covers its pool before repeating any problem.
+        keyed.extend(((i + rng.random()) / len(drawn), p) for i, p in enumerate(drawn))
+    keyed.sort(key=lambda kp: kp[0])
+    return [p for _, p in keyed]
 
 
 def pool_size(level: int, split: str) -> int:

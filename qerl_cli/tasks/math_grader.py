@@ -352,6 +352,13 @@ class MathGrader:
         for w in self._workers:
             w.kill()
 
+    def __del__(self) -> None:
+        # Workers would exit on their own at EOF of stdin; killing them here frees the memory sooner.
+        try:
+            self.close()
+        except Exception:
+            pass
+
     def __enter__(self) -> MathGrader:
         return self
 
