@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -212,3 +214,18 @@ def test_fallback_reads_every_reference_solution() -> None:
     rows = [json.loads(line) for line in MATH500.open()]
     misses = [r["unique_id"] for r in rows if not fallback_equal(extract_math_answer(r["solution"]), r["answer"])]
     assert misses == []
+
+
+@needs_math_verify
+def test_worker_that_cannot_start_falls_back_once_and_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An interpreter that exits at once stands in for a broken environment (no real library is faked).
+    false = shutil.which("false")
+    if false is None:
+        pytest.skip("no `false` executable")
+    monkeypatch.setattr(sys, "executable", false)
+    with MathGrader(timeout_s=2.0, use_math_verify=True) as g:
+        first = g.grade("$\\boxed{3}$", "3")
+        assert (first.correct, first.method) == (True, "fallback")
+        assert first.note.startswith("error: math_verify worker did not start")
+        second = g.grade("$\\boxed{4}$", "3")  # no second start attempt: same note, decided at once
+        assert (second.correct, second.method, second.note) == (False, "fallback", first.note)
