@@ -1,0 +1,298 @@
+"""``BuiltinEngine``: rollouts with the trainer's own modules (LoRA and quantized layers included).
+
+Usage::
+
+    engine = BuiltinEngine(model, tokenizer, max_batch_slots=64, max_model_len=2048)
+    result = engine.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=512, seed=0))
+    engine.release()   # give the KV cache back before the training step
+
+``generate`` puts the model in eval mode for the rollout (LoRA dropout off) and restores every module's
+training flag afterwards. The KV cache is allocated on first use and kept until ``release()``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from qerl_cli.errors import QerlError
+from qerl_cli.rollout.kv_cache import CacheShape, KVCache, plan_num_slots
+from qerl_cli.rollout.model_runner import (
+    CudaGraphDecoder,
+    ModelRunner,
+    graph_fingerprint,
+    kv_len_buckets,
+)
+from qerl_cli.rollout.sampling import SamplingParams, TokenNoise
+from qerl_cli.rollout.scheduler import Scheduler, Sequence
+
+_CACHE_ALIGN = 64  # cache length multiple: keeps SDPA mask/K strides aligned for the fused kernels
+
+
+@dataclass
+class Sample:
+    """One generated completion. ``token_ids`` include the stop token when it ended the sample;
+    ``logprobs[i]`` is the float32 log-prob of ``token_ids[i]`` under the processed distribution."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: torch.Tensor
+    finish_reason: str  # "stop" | "length"
+    text: str | None = None
+
+
+@dataclass
+class RolloutResult:
+    """Samples ordered by (prompt_index, sample_index); ``timings`` in seconds; ``stats`` counters.
+
+    timings: prefill_s, decode_s, total_s, tokens (generated, kept), tokens_per_s (tokens / total_s),
+    decode_tokens_per_s, ttft (start of generate -> first tokens on the host).
+    stats: seed, num_slots, prefill_prompts (prefills run: once per prompt, not per sample),
+    prefill_batches, prefill_tokens, prefill_padded_tokens, decode_steps, decode_row_steps, syncs,
+    discarded_tokens (computed past a stop before the host saw it).
+    """
+
+    samples: list[Sample]
+    timings: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, int] = field(default_factory=dict)
+
+    def for_prompt(self, prompt_index: int) -> list[Sample]:
+        return [s for s in self.samples if s.prompt_index == prompt_index]
+
+
+def _eos_ids(model: nn.Module, tokenizer: object | None) -> list[int]:
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
+    return []
+
+
+class BuiltinEngine:
+    """Continuous-batching rollout engine over a Llama/Qwen2/Qwen3 model's own modules.
+
+    Args:
+        model: ``*ForCausalLM`` (or a peft model around one); its Linear layers may be any callable
+            module. Never copied: weights, LoRA factors and norm weights are read live.
+        tokenizer: needed for string prompts, stop strings and ``Sample.text``.
+        max_batch_slots: upper bound on concurrently decoded sequences (KV-cache slots).
+        max_model_len: prompt + completion tokens per sequence.
+        gpu_memory_utilization: on CUDA, fraction of the whole GPU the process may use once the cache
+            is allocated (vLLM's meaning); the cache gets what is left after current use and an
+            activation reserve, capped at ``max_batch_slots``. Ignored on CPU.
+        dtype: activation and KV-cache dtype; defaults to the embedding weight's dtype.
+        max_prefill_tokens: padded tokens per prefill batch (at least one prompt is always taken).
+        sync_every: decode steps between host syncs (default 8 on CUDA, 1 on CPU).
+        cuda_graphs: capture the decode step as CUDA graphs (CUDA only).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: object | None = None,
+        *,
+        max_batch_slots: int = 64,
+        max_model_len: int = 2048,
+        gpu_memory_utilization: float = 0.5,
+        dtype: torch.dtype | None = None,
+        max_prefill_tokens: int = 8192,
+        sync_every: int | None = None,
+        cuda_graphs: bool = True,
+    ) -> None:
+        if max_batch_slots < 1:
+            raise QerlError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
+        if max_model_len < 2:
+            raise QerlError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_batch_slots = max_batch_slots
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.max_prefill_tokens = max_prefill_tokens
+        cache_len = -(-max_model_len // _CACHE_ALIGN) * _CACHE_ALIGN
+        self.runner = ModelRunner(model, max_len=max_model_len, dtype=dtype, cache_len=cache_len)
+        self.device = self.runner.device
+        on_cuda = self.device.type == "cuda"
+        self.sync_every = sync_every if sync_every is not None else (8 if on_cuda else 1)
+        self.use_graphs = cuda_graphs and on_cuda
+        self.shape = CacheShape(
+            num_layers=self.runner.num_layers,
+            num_kv_heads=self.runner.num_kv_heads,
+            head_dim=self.runner.head_dim,
+            max_len=cache_len,
+            dtype=self.runner.dtype,
+        )
+        self.kv_buckets = kv_len_buckets(cache_len)
+        self.noise = TokenNoise(self.runner.vocab_size, self.device)
+        self._graphs: CudaGraphDecoder | None = None
+
+    # ----- memory -------------------------------------------------------------------------------------
+
+    def _activation_reserve(self) -> int:
+        """Rough peak of non-cache memory during a rollout (bytes); generous on purpose."""
+        cfg = self.runner.config
+        elem = torch.empty((), dtype=self.runner.dtype).element_size()
+        hidden, inter = int(cfg.hidden_size), int(cfg.intermediate_size)
+        r = self.runner
+        per_token = (
+            4 * hidden
+            + 3 * inter
+            + (r.num_heads + 2 * r.num_kv_heads) * r.head_dim
+            + 2 * r.num_layers * r.num_kv_heads * r.head_dim  # prefill K/V handed to the slots
+        )
+        prefill = int(1.5 * self.max_prefill_tokens * per_token * elem)
+        # Sampling works on [slots, vocab]: float32 logits/logp/noise and int64 hashes.
+        sampling = self.max_batch_slots * r.vocab_size * 48
+        return prefill + sampling + (512 << 20)
+
+    def _ensure_cache(self) -> KVCache:
+        cache = self.runner.cache
+        if cache is None or not cache.allocated:
+            slots = plan_num_slots(
+                self.shape,
+                self.max_batch_slots,
+                self.device,
+                self.gpu_memory_utilization,
+                self._activation_reserve(),
+            )
+            cache = KVCache(self.shape, slots, self.device)
+            self.runner.cache = cache
+        return cache
+
+    @property
+    def num_slots(self) -> int:
+        return self._ensure_cache().num_slots
+
+    def release(self) -> None:
+        """Free the KV cache and CUDA graphs (the next ``generate`` reallocates and recaptures)."""
+        if self.runner.cache is not None:
+            self.runner.cache.release()
+        self.runner.cache = None
+        self._graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ----- generation ---------------------------------------------------------------------------------
+
+    def _tokenize(self, prompts: list[list[int]] | list[str]) -> list[list[int]]:
+        out: list[list[int]] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise QerlError("string prompts need a tokenizer; pass one to BuiltinEngine")
+                ids = list(self.tokenizer(p)["input_ids"])
+            else:
+                ids = [int(t) for t in p]
+            if not ids:
+                raise QerlError(f"prompt {i} is empty")
+            if len(ids) >= self.max_model_len:
+                raise QerlError(
+                    f"prompt {i} has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room to generate"
+                )
+            out.append(ids)
+        return out
+
+    def _stop_checker(self, stops: list[str]):  # noqa: ANN202 - returns a scheduler.StopCheck
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise QerlError("stop strings need a tokenizer; pass one to BuiltinEngine")
+        overlap = max(len(s) for s in stops) + 8
+
+        def check(seq: Sequence, checked: int) -> int | None:
+            # Only tokens added since the last check can complete a stop string; decode a tail that
+            # reaches `overlap` tokens back (a token carries at least one character) to find out cheaply.
+            tail = tokenizer.decode(seq.tokens[max(0, checked - overlap) :])
+            if not any(s in tail for s in stops):
+                return None
+            for cut in range(max(1, checked), len(seq.tokens) + 1):
+                text = tokenizer.decode(seq.tokens[:cut])
+                if any(s in text for s in stops):
+                    return cut
+            return None
+
+        return check
+
+    def _decode_fn(self):  # noqa: ANN202
+        if not self.use_graphs:
+            return self.runner.decode_step
+        fingerprint = graph_fingerprint(self.runner)
+        if self._graphs is None or self._graphs.fingerprint != fingerprint:
+            self._graphs = CudaGraphDecoder(self.runner, self._ensure_cache().num_slots)
+            self._graphs.fingerprint = fingerprint
+        return self._graphs
+
+    def generate(
+        self,
+        prompts: list[list[int]] | list[str],
+        sampling: SamplingParams,
+        *,
+        norm_overrides: dict[str, torch.Tensor] | None = None,
+    ) -> RolloutResult:
+        """Generate ``sampling.n`` completions per prompt.
+
+        ``norm_overrides`` maps norm module names (``model.layers.3.input_layernorm``, optional
+        ``.weight`` suffix or peft ``base_model.model.`` prefix) to replacement weights for this call
+        only (AQN without touching the model).
+        """
+        if self.runner.embed_tokens.weight.device != self.device:
+            raise QerlError("the model moved to another device after the engine was built; build a new one")
+        ids = self._tokenize(prompts)
+        stop_ids = set(
+            sampling.stop_token_ids if sampling.stop_token_ids is not None else _eos_ids(self.model, self.tokenizer)
+        )
+        seed = sampling.resolved_seed()
+        max_new = [min(sampling.max_tokens, self.max_model_len - len(p)) for p in ids]
+        flags = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                cache = self._ensure_cache()
+                self.runner.bind_norms(norm_overrides, static=self.use_graphs)
+                scheduler = Scheduler(
+                    runner=self.runner,
+                    cache=cache,
+                    decode_fn=self._decode_fn(),
+                    params=sampling,
+                    seed=seed,
+                    noise=self.noise,
+                    stop_token_ids=stop_ids,
+                    stop_check=self._stop_checker(sampling.stop) if sampling.stop else None,
+                    sync_every=self.sync_every,
+                    max_prefill_tokens=self.max_prefill_tokens,
+                    kv_buckets=self.kv_buckets,
+                )
+                seqs = scheduler.run(ids, max_new)
+        finally:
+            for module, was_training in flags:
+                module.training = was_training
+        total = time.perf_counter() - t0
+        samples = [
+            Sample(
+                prompt_index=s.prompt_index,
+                sample_index=s.sample_index,
+                prompt_token_ids=s.prompt,
+                token_ids=s.tokens,
+                logprobs=torch.tensor(s.logprobs, dtype=torch.float32),
+                finish_reason=s.finish_reason or "length",
+                text=self.tokenizer.decode(s.tokens, skip_special_tokens=True) if self.tokenizer else None,
+            )
+            for s in seqs
+        ]
+        tokens = sum(len(s.token_ids) for s in samples)
+        timings = {
+            "prefill_s": scheduler.prefill_s,
+            "decode_s": scheduler.decode_s,
+            "total_s": total,
+            "tokens": float(tokens),
+            "tokens_per_s": tokens / total if total > 0 else 0.0,
+            "decode_tokens_per_s": tokens / scheduler.decode_s if scheduler.decode_s > 0 else 0.0,
+            "ttft": scheduler.ttft or 0.0,
+        }
+        stats = dict(scheduler.stats, seed=seed, num_slots=cache.num_slots)
+        return RolloutResult(samples=samples, timings=timings, stats=stats)

@@ -1,0 +1,97 @@
+"""Preallocated static KV cache: one row ("slot") per running sequence, fixed maximum length.
+
+Layout ``[layers, slots, max_len, kv_heads, head_dim]`` for K and for V. A slot is a contiguous
+``[max_len, kv_heads, head_dim]`` block, so the decode step can read the first ``B`` slots as a plain view
+(no gather) and SDPA/flash kernels take ``[B, max_len, kv_heads, head_dim]`` transposed without a copy.
+The scheduler keeps the running sequences in slots ``0..B-1`` (it compacts on retire), which is what
+makes that view possible.
+
+The cache is zero-initialised: masked-out positions still enter the attention matmul with weight 0,
+and ``0 * NaN`` would poison it, so stale memory must never hold NaN/Inf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qerl_cli.errors import QerlError
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_len: int
+    dtype: torch.dtype
+
+    def bytes_per_slot(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.max_len * self.num_kv_heads * self.head_dim * elem
+
+
+def plan_num_slots(
+    shape: CacheShape,
+    max_slots: int,
+    device: torch.device,
+    gpu_memory_utilization: float,
+    reserve_bytes: int,
+) -> int:
+    """How many slots to allocate: ``max_slots``, fewer if the memory budget says so.
+
+    On CUDA the budget follows vLLM's meaning of ``gpu_memory_utilization``: the fraction of the whole
+    GPU this process may hold. What is already in use (weights, optimizer state, other tensors) and
+    ``reserve_bytes`` (activations of a prefill chunk and of sampling) come off it; the rest is KV
+    cache. On CPU the explicit ``max_slots`` is used as is.
+    """
+    if device.type != "cuda":
+        return max_slots
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise QerlError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    budget = int(total * gpu_memory_utilization) - used - reserve_bytes
+    per_slot = shape.bytes_per_slot()
+    fit = budget // per_slot if budget > 0 else 0
+    if fit < 1:
+        raise QerlError(
+            f"no room for even one KV-cache slot: budget {budget / 2**30:.2f} GiB "
+            f"(gpu_memory_utilization={gpu_memory_utilization}, in use {used / 2**30:.2f} GiB of "
+            f"{total / 2**30:.2f} GiB), one slot of {shape.max_len} tokens needs {per_slot / 2**30:.3f} GiB; "
+            "raise gpu_memory_utilization or lower max_model_len"
+        )
+    return int(min(max_slots, fit))
+
+
+class KVCache:
+    """K and V tensors ``[layers, slots, max_len, kv_heads, head_dim]``; ``release()`` frees them."""
+
+    def __init__(self, shape: CacheShape, num_slots: int, device: torch.device) -> None:
+        self.shape = shape
+        self.num_slots = num_slots
+        dims = (shape.num_layers, num_slots, shape.max_len, shape.num_kv_heads, shape.head_dim)
+        self.k: torch.Tensor | None = torch.zeros(dims, dtype=shape.dtype, device=device)
+        self.v: torch.Tensor | None = torch.zeros(dims, dtype=shape.dtype, device=device)
+
+    @property
+    def allocated(self) -> bool:
+        return self.k is not None
+
+    def write_prompt(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy one prompt's K/V, each ``[layers, length, kv_heads, head_dim]``, into positions 0..length-1."""
+        assert self.k is not None and self.v is not None
+        length = k.shape[1]
+        self.k[:, slot, :length].copy_(k)
+        self.v[:, slot, :length].copy_(v)
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of every layer from slot ``src`` to slot ``dst``."""
+        assert self.k is not None and self.v is not None
+        self.k[:, dst, :length].copy_(self.k[:, src, :length])
+        self.v[:, dst, :length].copy_(self.v[:, src, :length])
+
+    def release(self) -> None:
+        self.k = None
+        self.v = None

@@ -1,0 +1,372 @@
+"""Forward passes over the trainer's own Hugging Face module tree: prefill and one decode step.
+
+Nothing is copied. The runner calls the projection modules the model holds
+(``layer.self_attn.q_proj(x)``, ``layer.mlp(x)``, ``lm_head(x)``), so LoRA wrappers, quantized modules
+(qerl's ``QuantLinear`` is not an ``nn.Linear``) and their kernels all apply. What the runner computes
+itself, it reproduces from transformers' Llama/Qwen2/Qwen3 code:
+
+* RMSNorm: ``w * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``. ``w`` is read by reference
+  from the module at every call (AQN swaps norm weights in place before a rollout), unless
+  ``norm_overrides`` supplies a replacement for that module.
+* RoPE: cos/sin come from the model's own ``model.model.rotary_emb`` evaluated once for positions
+  ``0..max_len-1`` (so default, linear, llama3 and yarn scaling are exact); positions index that table.
+  Sequence-length-dependent variants (dynamic NTK, longrope) are refused.
+* Attention: torch SDPA. Prefill runs a right-padded batch with ``is_causal=True`` (valid queries never
+  see padding keys, so no mask is needed and flash kernels apply). Decode attends a query token per slot
+  over the slot's cache up to a length bucket with a ``position <= current`` mask; grouped-query
+  attention folds the query heads of one KV head into SDPA's query-length axis, so K/V are never
+  repeated.
+
+The decode step (``decode_step``) is one function of static-shaped tensors with no host sync, so a CUDA
+graph (``CudaGraphDecoder``) or ``torch.compile(mode="reduce-overhead")`` can wrap it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qerl_cli.errors import QerlError
+from qerl_cli.rollout.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+_UNSUPPORTED_ROPE = ("dynamic", "longrope")
+_PEFT_PREFIX = "base_model.model."
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` inside a peft ``PeftModel`` (LoRA layers stay injected in it), or the model."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _rope_type(config: object) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(params, dict):
+        return str(params.get("rope_type", params.get("type", "default")))
+    return "default"
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _norm_eps(module: nn.Module, default: float) -> float:
+    for attr in ("variance_epsilon", "eps"):
+        value = getattr(module, attr, None)
+        if isinstance(value, float):
+            return value
+    return default
+
+
+class ModelRunner:
+    """Prefill and decode over a Llama/Qwen2/Qwen3 ``*ForCausalLM`` (optionally peft-wrapped)."""
+
+    def __init__(
+        self, model: nn.Module, *, max_len: int, dtype: torch.dtype | None = None, cache_len: int | None = None
+    ) -> None:
+        self.lm = unwrap_causal_lm(model)
+        cfg = self.lm.config
+        self.config = cfg
+        if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+            raise QerlError(
+                f"the builtin rollout engine supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                f"got {getattr(cfg, 'model_type', None)!r}"
+            )
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])) or getattr(
+            cfg, "use_sliding_window", False
+        ):
+            raise QerlError("sliding-window attention is not supported by the builtin rollout engine")
+        rope = _rope_type(cfg)
+        if rope in _UNSUPPORTED_ROPE:
+            raise QerlError(f"rope type {rope!r} depends on the sequence length; the builtin engine refuses it")
+        inner = self.lm.model
+        self.embed_tokens: nn.Module = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.lm_head: nn.Module = self.lm.lm_head
+        self.num_layers = len(self.layers)
+        attn0 = self.layers[0].self_attn
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(attn0, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.groups = self.num_heads // self.num_kv_heads
+        self.scale = float(getattr(attn0, "scaling", self.head_dim**-0.5))
+        self.has_qk_norm = hasattr(attn0, "q_norm") and hasattr(attn0, "k_norm")
+        self.vocab_size = int(cfg.vocab_size)
+        weight = self.embed_tokens.weight
+        self.device = weight.device
+        self.dtype = dtype or weight.dtype
+        self.max_len = max_len
+        self.cache_len = cache_len or max_len
+        max_pos = getattr(cfg, "max_position_embeddings", None)
+        if max_pos is not None and max_len > int(max_pos):
+            raise QerlError(f"max_model_len {max_len} exceeds the model's max_position_embeddings {max_pos}")
+
+        default_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        self.norm_modules: dict[str, nn.Module] = {"model.norm": inner.norm}
+        for i, layer in enumerate(self.layers):
+            self.norm_modules[f"model.layers.{i}.input_layernorm"] = layer.input_layernorm
+            self.norm_modules[f"model.layers.{i}.post_attention_layernorm"] = layer.post_attention_layernorm
+            if self.has_qk_norm:
+                self.norm_modules[f"model.layers.{i}.self_attn.q_norm"] = layer.self_attn.q_norm
+                self.norm_modules[f"model.layers.{i}.self_attn.k_norm"] = layer.self_attn.k_norm
+        self.norm_eps = {name: _norm_eps(m, default_eps) for name, m in self.norm_modules.items()}
+        # Name -> weight used by the forward; set by bind_norms() at the start of every generate().
+        self.norm_w: dict[str, torch.Tensor] = {}
+        self._static_norms: dict[str, torch.Tensor] | None = None
+
+        with torch.no_grad():
+            positions = torch.arange(self.cache_len, device=self.device)[None, :]
+            probe = torch.zeros((), dtype=self.dtype, device=self.device)
+            cos, sin = inner.rotary_emb(probe, position_ids=positions)
+        self.cos = cos[0].to(self.dtype).contiguous()  # [cache_len, head_dim]
+        self.sin = sin[0].to(self.dtype).contiguous()
+        self.cache: KVCache | None = None
+
+    # ----- norm weights -------------------------------------------------------------------------------
+
+    def resolve_overrides(self, overrides: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Map user names (``model.layers.0.input_layernorm[.weight]``, peft-prefixed or not) to tensors."""
+        resolved: dict[str, torch.Tensor] = {}
+        for raw, tensor in (overrides or {}).items():
+            name = raw[len(_PEFT_PREFIX) :] if raw.startswith(_PEFT_PREFIX) else raw
+            name = name[: -len(".weight")] if name.endswith(".weight") else name
+            module = self.norm_modules.get(name)
+            if module is None:
+                raise QerlError(f"norm_overrides: {raw!r} is not a norm module of this model")
+            if tuple(tensor.shape) != tuple(module.weight.shape):
+                raise QerlError(
+                    f"norm_overrides[{raw!r}] has shape {tuple(tensor.shape)}, expected {tuple(module.weight.shape)}"
+                )
+            resolved[name] = tensor.to(device=module.weight.device, dtype=module.weight.dtype)
+        return resolved
+
+    def bind_norms(self, overrides: dict[str, torch.Tensor] | None, static: bool) -> None:
+        """Choose the norm weights for this rollout.
+
+        Eager: the module's own ``weight`` Parameter (by reference) or the override. Static (CUDA graph):
+        a captured graph reads fixed addresses, so current values are copied into persistent buffers.
+        """
+        resolved = self.resolve_overrides(overrides)
+        current = {n: resolved.get(n, m.weight) for n, m in self.norm_modules.items()}
+        if not static:
+            self.norm_w = current
+            return
+        if self._static_norms is None:
+            self._static_norms = {n: w.detach().clone() for n, w in current.items()}
+        for n, w in current.items():
+            self._static_norms[n].copy_(w)
+        self.norm_w = self._static_norms
+
+    def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.norm_w[name], self.norm_eps[name])
+
+    # ----- shared layer stack -------------------------------------------------------------------------
+
+    def _layers(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Run every decoder layer on ``h`` [B, T, hidden]; ``attend(i, q, k, v)`` -> [B, T, heads*dim].
+
+        q/k/v arrive as [B, T, heads, head_dim] after q/k-norm (Qwen3) and RoPE; cos/sin broadcast to them.
+        """
+        b, t = h.shape[:2]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = self._norm(f"model.layers.{i}.input_layernorm", h)
+            q = attn.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+            k = attn.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+            if self.has_qk_norm:
+                q = self._norm(f"model.layers.{i}.self_attn.q_norm", q)
+                k = self._norm(f"model.layers.{i}.self_attn.k_norm", k)
+            q = _apply_rope(q, cos, sin)
+            k = _apply_rope(k, cos, sin)
+            h = h + attn.o_proj(attend(i, q, k, v))
+            x = self._norm(f"model.layers.{i}.post_attention_layernorm", h)
+            h = h + layer.mlp(x)
+        return h
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids).to(self.dtype)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self._norm("model.norm", h))
+
+    # ----- prefill ------------------------------------------------------------------------------------
+
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill a right-padded batch ``ids`` [P, T] with true ``lengths`` [P] (device tensors).
+
+        Returns the logits of each prompt's last token [P, V] and the K/V of every layer
+        ``[layers, P, T, kv_heads, head_dim]`` (positions >= length are padding garbage, never copied).
+        The caller copies a prompt's K/V into as many slots as it has samples.
+        """
+        p, t = ids.shape
+        kv_shape = (self.num_layers, p, t, self.num_kv_heads, self.head_dim)
+        k_out = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
+        v_out = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
+        cos = self.cos[:t][None, :, None, :]
+        sin = self.sin[:t][None, :, None, :]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_out[i].copy_(k)
+            v_out[i].copy_(v)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=self.groups > 1,
+            )
+            return o.transpose(1, 2).reshape(p, t, self.num_heads * self.head_dim)
+
+        h = self._layers(self._embed(ids), cos, sin, attend)
+        last = h[torch.arange(p, device=self.device), lengths - 1]
+        return self._logits(last), k_out, v_out
+
+    # ----- decode -------------------------------------------------------------------------------------
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One token for each of the first B slots. tokens/positions: int64 [B]; returns logits [B, V].
+
+        Slot ``b`` holds its sequence's K/V at positions < positions[b]; this step writes position
+        ``positions[b]`` and attends keys ``0..positions[b]`` of the first ``kv_len`` cache positions.
+        Static shapes for a fixed (B, kv_len), no host sync: safe to capture in a CUDA graph.
+        """
+        assert self.cache is not None and self.cache.k is not None and self.cache.v is not None
+        cache_k, cache_v = self.cache.k, self.cache.v
+        b = tokens.shape[0]
+        rows = torch.arange(b, device=tokens.device)
+        cos = self.cos[positions][:, None, None, :]
+        sin = self.sin[positions][:, None, None, :]
+        keys = torch.arange(kv_len, device=tokens.device)
+        mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, kv_len]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            layer_k, layer_v = cache_k[i], cache_v[i]
+            layer_k.index_put_((rows, positions), k[:, 0])
+            layer_v.index_put_((rows, positions), v[:, 0])
+            # [B, kv_len, kv_heads, d] -> [B, kv_heads, kv_len, d]: a strided view, no copy.
+            keys_b = layer_k[:b, :kv_len].transpose(1, 2)
+            vals_b = layer_v[:b, :kv_len].transpose(1, 2)
+            # Head h uses KV head h // groups (transformers' repeat_kv), so [B, heads, d] viewed as
+            # [B, kv_heads, groups, d] puts a KV head's query heads on SDPA's query-length axis.
+            qg = q.reshape(b, self.num_kv_heads, self.groups, self.head_dim)
+            o = F.scaled_dot_product_attention(qg, keys_b, vals_b, attn_mask=mask, scale=self.scale)
+            return o.reshape(b, 1, self.num_heads * self.head_dim)
+
+        h = self._layers(self._embed(tokens[:, None]), cos, sin, attend)
+        return self._logits(h[:, 0])
+
+
+def _bucket_sizes(max_slots: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s < max_slots]
+    sizes += list(range(16, max_slots, 16))
+    return sizes + [max_slots]
+
+
+def kv_len_buckets(max_len: int, smallest: int = 128) -> list[int]:
+    """Attention length buckets for decode: powers of two from ``smallest``, capped by the cache length."""
+    buckets = []
+    size = smallest
+    while size < max_len:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_len]
+
+
+class CudaGraphDecoder:
+    """Replays ``ModelRunner.decode_step`` from CUDA graphs, one per (batch bucket, kv-length bucket).
+
+    * Batches are padded up to a bucket; the padding rows decode token 0 at position 0 into slots
+      ``B..bucket-1``, which are free (the scheduler keeps running sequences in slots ``0..B-1``), and a
+      free slot's position 0 is rewritten by the prefill that next occupies it. Buckets never exceed the
+      slot count.
+    * Graphs are captured lazily, the first time a (bucket, kv_len) pair is needed, with the live inputs
+      already in the static buffers: the warm-up runs then write exactly the K/V the real step writes
+      (idempotent), so capturing mid-rollout cannot corrupt a running sequence.
+    * All graphs share one memory pool; they never run concurrently, and each keeps its output alive.
+    * A graph bakes in the address of every tensor it reads (weights, LoRA factors, cache, norm
+      buffers). ``fingerprint`` records those addresses; the engine drops the graphs when it changes
+      (cache reallocated after ``release()``, parameters re-assigned, adapters toggled).
+    """
+
+    def __init__(self, runner: ModelRunner, max_slots: int) -> None:
+        self.runner = runner
+        self.buckets = _bucket_sizes(max_slots)
+        device = runner.device
+        self.tokens = torch.zeros(max_slots, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_slots, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.fingerprint: tuple | None = None
+
+    def bucket(self, b: int) -> int:
+        return next(s for s in self.buckets if s >= b)
+
+    def _capture(self, bs: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        tokens, positions = self.tokens[:bs], self.positions[:bs]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: lazy inits and cuBLAS workspaces happen outside the capture
+                self.runner.decode_step(tokens, positions, kv_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.runner.decode_step(tokens, positions, kv_len)
+        return graph, out
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        b = tokens.shape[0]
+        bs = self.bucket(b)
+        self.tokens[:b].copy_(tokens)
+        self.positions[:b].copy_(positions)
+        if bs > b:
+            self.tokens[b:bs].zero_()
+            self.positions[b:bs].zero_()
+        key = (bs, kv_len)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(bs, kv_len)
+        graph, out = entry
+        graph.replay()
+        return out[:b]
+
+
+def graph_fingerprint(runner: ModelRunner) -> tuple:
+    """Addresses a captured decode graph depends on, plus peft adapter switches read at capture time."""
+    parts: list[object] = []
+    for name, t in list(runner.lm.named_parameters()) + list(runner.lm.named_buffers()):
+        parts.append((name, t.data_ptr(), tuple(t.shape)))
+    for name, module in runner.lm.named_modules():
+        if hasattr(module, "disable_adapters") or hasattr(module, "merged"):
+            parts.append(
+                (
+                    name,
+                    getattr(module, "disable_adapters", None),
+                    getattr(module, "merged", None),
+                    tuple(getattr(module, "active_adapters", ()) or ()),
+                )
+            )
+    cache = runner.cache
+    if cache is not None and cache.k is not None and cache.v is not None:
+        parts.append(("kv", cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape)))
+    return tuple(parts)

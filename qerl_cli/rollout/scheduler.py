@@ -1,0 +1,302 @@
+"""Continuous batching over a fixed number of KV-cache slots.
+
+* Each prompt is prefilled ONCE; its K/V is copied into one slot per sample (``n`` samples share the
+  prefill, and the first token of each sample is drawn from the shared last-token logits with that
+  sample's own noise key). If fewer than ``n`` slots are free, the prompt's K/V and logits wait in a
+  stash (at most one prompt at a time) until slots free up.
+* Running sequences always occupy slots ``0..B-1``: when a sequence finishes, the sequence in the
+  highest slot moves into its slot (one slot copy per finished sequence, not a gather per step), so the
+  decode step works on a contiguous prefix of the cache.
+* The decode loop runs ``k`` steps on the device between host syncs (``sync_every``), sampling on
+  device. ``k`` never exceeds the smallest remaining length budget, so length limits are exact without
+  a sync; a stop token found at a sync truncates the sequence there and the few steps computed past it
+  are dropped (they cannot change anything: noise is keyed per sequence and step, and a sequence only
+  reads its own slot).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from qerl_cli.rollout.kv_cache import KVCache
+from qerl_cli.rollout.model_runner import ModelRunner
+from qerl_cli.rollout.sampling import SamplingParams, TokenNoise, sample_tokens
+
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (sequence, number of tokens already checked) -> completion length ending at the stop string, or None
+StopCheck = Callable[["Sequence", int], "int | None"]
+
+
+@dataclass
+class Sequence:
+    prompt_index: int
+    sample_index: int
+    uid: int
+    prompt: list[int]
+    max_new: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def cache_len(self) -> int:
+        """Positions already in the KV cache (the last sampled token is not yet)."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+@dataclass
+class _Stash:
+    prompt_index: int
+    next_sample: int
+    logits: torch.Tensor  # [V]
+    k: torch.Tensor  # [layers, len, kv_heads, head_dim]
+    v: torch.Tensor
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cache: KVCache,
+        decode_fn: DecodeFn,
+        params: SamplingParams,
+        seed: int,
+        noise: TokenNoise,
+        stop_token_ids: set[int],
+        stop_check: StopCheck | None,
+        sync_every: int,
+        max_prefill_tokens: int,
+        kv_buckets: list[int],
+    ) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.decode_fn = decode_fn
+        self.params = params
+        self.seed = seed
+        self.noise = noise
+        self.stop_ids = stop_token_ids
+        self.stop_check = stop_check
+        self.sync_every = max(1, sync_every)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.kv_buckets = kv_buckets
+        self.num_slots = cache.num_slots
+        device = runner.device
+        # Per-slot decode state, on device.
+        self.tok = torch.zeros(self.num_slots, dtype=torch.int64, device=device)
+        self.pos = torch.zeros(self.num_slots, dtype=torch.int64, device=device)
+        self.uid = torch.zeros(self.num_slots, dtype=torch.int64, device=device)
+        self.step = torch.zeros(self.num_slots, dtype=torch.int64, device=device)
+        self.rows: list[Sequence] = []
+        self.done: list[Sequence] = []
+        self.stash: _Stash | None = None
+        self.waiting: deque[int] = deque()
+        self.prompts: list[list[int]] = []
+        self.max_new: list[int] = []
+        self.stats = {
+            "prefill_prompts": 0,
+            "prefill_batches": 0,
+            "prefill_tokens": 0,
+            "prefill_padded_tokens": 0,
+            "decode_steps": 0,
+            "decode_row_steps": 0,
+            "syncs": 0,
+            "discarded_tokens": 0,
+        }
+        self.prefill_s = 0.0
+        self.decode_s = 0.0
+        self.ttft: float | None = None
+        self._t0 = 0.0
+
+    # ----- main loop ----------------------------------------------------------------------------------
+
+    def run(self, prompts: list[list[int]], max_new: list[int]) -> list[Sequence]:
+        self.prompts, self.max_new = prompts, max_new
+        self.waiting = deque(range(len(prompts)))
+        self._t0 = time.perf_counter()
+        while self.waiting or self.stash is not None or self.rows:
+            if len(self.rows) < self.num_slots and (self.waiting or self.stash is not None):
+                t = time.perf_counter()
+                self._admit()
+                self.prefill_s += time.perf_counter() - t
+            if self.rows:
+                t = time.perf_counter()
+                self._decode_window()
+                self.decode_s += time.perf_counter() - t
+        self.done.sort(key=lambda s: (s.prompt_index, s.sample_index))
+        return self.done
+
+    # ----- admission: prefill and first token ---------------------------------------------------------
+
+    def _new_sequence(self, prompt_index: int, sample_index: int) -> Sequence:
+        return Sequence(
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            uid=prompt_index * self.params.n + sample_index,
+            prompt=self.prompts[prompt_index],
+            max_new=self.max_new[prompt_index],
+        )
+
+    def _take_from_stash(self, free: int, new: list[Sequence], logit_rows: list[torch.Tensor]) -> int:
+        stash = self.stash
+        assert stash is not None
+        while free > 0 and stash.next_sample < self.params.n:
+            seq = self._new_sequence(stash.prompt_index, stash.next_sample)
+            self.cache.write_prompt(len(self.rows) + len(new), stash.k, stash.v)
+            new.append(seq)
+            logit_rows.append(stash.logits)
+            stash.next_sample += 1
+            free -= 1
+        if stash.next_sample == self.params.n:
+            self.stash = None
+        return free
+
+    def _pick_prefill_batch(self, free: int) -> list[int]:
+        batch: list[int] = []
+        longest = 0
+        slots = 0
+        while self.waiting and slots < free:
+            idx = self.waiting[0]
+            length = len(self.prompts[idx])
+            padded = (len(batch) + 1) * max(longest, length)
+            if batch and padded > self.max_prefill_tokens:
+                break
+            batch.append(self.waiting.popleft())
+            longest = max(longest, length)
+            slots += self.params.n
+        return batch
+
+    def _admit(self) -> None:
+        free = self.num_slots - len(self.rows)
+        new: list[Sequence] = []
+        logit_rows: list[torch.Tensor] = []
+        if self.stash is not None:
+            free = self._take_from_stash(free, new, logit_rows)
+        if free > 0 and self.waiting:
+            batch = self._pick_prefill_batch(free)
+            self._prefill(batch, free, new, logit_rows)
+        if not new:
+            return
+        self._start(new, logit_rows)
+
+    def _prefill(self, batch: list[int], free: int, new: list[Sequence], logit_rows: list[torch.Tensor]) -> None:
+        device = self.runner.device
+        lengths = [len(self.prompts[i]) for i in batch]
+        width = max(lengths)
+        ids = torch.zeros((len(batch), width), dtype=torch.int64)
+        for row, i in enumerate(batch):
+            ids[row, : lengths[row]] = torch.tensor(self.prompts[i], dtype=torch.int64)
+        logits, k, v = self.runner.prefill(ids.to(device), torch.tensor(lengths, device=device))
+        self.stats["prefill_prompts"] += len(batch)
+        self.stats["prefill_batches"] += 1
+        self.stats["prefill_tokens"] += sum(lengths)
+        self.stats["prefill_padded_tokens"] += len(batch) * width
+        for row, i in enumerate(batch):
+            pk, pv = k[:, row, : lengths[row]], v[:, row, : lengths[row]]
+            sample = 0
+            while sample < self.params.n and free > 0:
+                self.cache.write_prompt(len(self.rows) + len(new), pk, pv)
+                new.append(self._new_sequence(i, sample))
+                logit_rows.append(logits[row])
+                sample += 1
+                free -= 1
+            if sample < self.params.n:
+                # Only the last prompt of a batch can overflow: the batch was sized to the free slots.
+                self.stash = _Stash(i, sample, logits[row].clone(), pk.clone(), pv.clone())
+
+    def _start(self, new: list[Sequence], logit_rows: list[torch.Tensor]) -> None:
+        device = self.runner.device
+        b0, m = len(self.rows), len(new)
+        uids = torch.tensor([s.uid for s in new], dtype=torch.int64, device=device)
+        steps = torch.zeros(m, dtype=torch.int64, device=device)
+        tokens, logprobs = sample_tokens(torch.stack(logit_rows), self.params, self.noise, self.seed, uids, steps)
+        self.tok[b0 : b0 + m] = tokens
+        self.pos[b0 : b0 + m] = torch.tensor([len(s.prompt) for s in new], dtype=torch.int64, device=device)
+        self.uid[b0 : b0 + m] = uids
+        self.step[b0 : b0 + m] = 1
+        host_tokens, host_lps = tokens.tolist(), logprobs.float().cpu().tolist()
+        self.stats["syncs"] += 1
+        if self.ttft is None:
+            self.ttft = time.perf_counter() - self._t0
+        self.rows.extend(new)
+        finished = []
+        for j, seq in enumerate(new):
+            if self._append(seq, [host_tokens[j]], [host_lps[j]]):
+                finished.append(b0 + j)
+        self._retire(finished)
+
+    # ----- decode -------------------------------------------------------------------------------------
+
+    def _kv_bucket(self, need: int) -> int:
+        return next(b for b in self.kv_buckets if b >= need)
+
+    def _decode_window(self) -> None:
+        b = len(self.rows)
+        k = min(self.sync_every, min(s.max_new - len(s.tokens) for s in self.rows))
+        # The last step of the window processes the token at position cache_len + k - 1.
+        kv_len = self._kv_bucket(max(s.cache_len for s in self.rows) + k)
+        tok, pos, uid, step = self.tok[:b], self.pos[:b], self.uid[:b], self.step[:b]
+        out_tokens, out_lps = [], []
+        for _ in range(k):
+            logits = self.decode_fn(tok, pos, kv_len)
+            t, lp = sample_tokens(logits, self.params, self.noise, self.seed, uid, step)
+            out_tokens.append(t)
+            out_lps.append(lp)
+            tok.copy_(t)
+            pos.add_(1)
+            step.add_(1)
+        host_tokens = torch.stack(out_tokens, dim=1).cpu().tolist()  # [B, k]
+        host_lps = torch.stack(out_lps, dim=1).float().cpu().tolist()
+        self.stats["decode_steps"] += k
+        self.stats["decode_row_steps"] += k * b
+        self.stats["syncs"] += 1
+        finished = [i for i, seq in enumerate(self.rows) if self._append(seq, host_tokens[i], host_lps[i])]
+        self._retire(finished)
+
+    def _append(self, seq: Sequence, tokens: list[int], lps: list[float]) -> bool:
+        """Add a window's tokens to ``seq`` up to its first finish; True if it finished."""
+        checked = len(seq.tokens)
+        for j, (token, lp) in enumerate(zip(tokens, lps, strict=True)):
+            seq.tokens.append(token)
+            seq.logprobs.append(lp)
+            if token in self.stop_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.tokens) >= seq.max_new:
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                self.stats["discarded_tokens"] += len(tokens) - j - 1
+                break
+        if self.stop_check is not None:
+            cut = self.stop_check(seq, checked)
+            if cut is not None:
+                self.stats["discarded_tokens"] += len(seq.tokens) - cut
+                del seq.tokens[cut:]
+                del seq.logprobs[cut:]
+                seq.finish_reason = "stop"
+        return seq.finish_reason is not None
+
+    def _retire(self, finished: list[int]) -> None:
+        """Drop finished rows; refill their slots from the highest running slots (compaction)."""
+        if not finished:
+            return
+        gone = set(finished)
+        keep_b = len(self.rows) - len(gone)
+        holes = [i for i in range(keep_b) if i in gone]
+        movers = [i for i in range(keep_b, len(self.rows)) if i not in gone]
+        for i in sorted(gone):
+            self.done.append(self.rows[i])
+        for dst, src in zip(holes, movers, strict=True):
+            seq = self.rows[src]
+            self.cache.copy_slot(src, dst, seq.cache_len)
+            self.rows[dst] = seq
+        if holes:
+            device = self.runner.device
+            dst_t = torch.tensor(holes, device=device)
+            src_t = torch.tensor(movers, device=device)
+            for state in (self.tok, self.pos, self.uid, self.step):
+                state[dst_t] = state[src_t]
+        del self.rows[keep_b:]
