@@ -24,8 +24,9 @@ from transformers.generation.logits_process import (
 )
 
 from qerl_cli.errors import QerlError
+from qerl_cli.qlinear import QuantLinear
 from qerl_cli.rollout import BuiltinEngine, Engine, SamplingParams, make_engine
-from qerl_cli.rollout.sampling import TokenNoise, process_logits, sample_tokens
+from qerl_cli.rollout.sampling import TokenNoise, process_logits, sample_tokens, seed_key
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
@@ -127,24 +128,27 @@ def test_sampler_frequencies_determinism_and_batch_invariance() -> None:
     probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
     rows = 40000
     logits = probs.log().expand(rows, -1)
-    noise = TokenNoise(5, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    noise = TokenNoise(5, cpu)
     params = SamplingParams(temperature=1.0)
     uids = torch.arange(rows)
     steps = torch.full((rows,), 3)
-    tokens, lps = sample_tokens(logits, params, noise, 1234, uids, steps)
+    tokens, lps = sample_tokens(logits, params, noise, seed_key(1234, cpu), uids, steps)
     freq = torch.bincount(tokens, minlength=5).float() / rows
     assert torch.allclose(freq, probs, atol=0.01), freq  # 4 sigma of a binomial at p=.5 is 0.01
     assert torch.allclose(lps, probs.log()[tokens], atol=1e-6)
-    again, _ = sample_tokens(logits, params, noise, 1234, uids, steps)
+    again, _ = sample_tokens(logits, params, noise, seed_key(1234, cpu), uids, steps)
     assert torch.equal(tokens, again)
-    other_seed, _ = sample_tokens(logits, params, noise, 1235, uids, steps)
+    other_seed, _ = sample_tokens(logits, params, noise, seed_key(1235, cpu), uids, steps)
     assert not torch.equal(tokens, other_seed)
     # A row's draw depends only on (seed, uid, step): any sub-batch, in any order, draws the same.
     pick = torch.tensor([39999, 7, 123, 7000])
-    sub, _ = sample_tokens(logits[pick], params, noise, 1234, uids[pick], steps[pick])
+    sub, _ = sample_tokens(logits[pick], params, noise, seed_key(1234, cpu), uids[pick], steps[pick])
     assert torch.equal(sub, tokens[pick])
     # Greedy: argmax, log-prob under the temperature-1 processed distribution.
-    g_tok, g_lp = sample_tokens(logits[:2], SamplingParams(temperature=0.0), noise, 0, uids[:2], steps[:2])
+    g_tok, g_lp = sample_tokens(
+        logits[:2], SamplingParams(temperature=0.0), noise, seed_key(0, cpu), uids[:2], steps[:2]
+    )
     assert g_tok.tolist() == [0, 0] and torch.allclose(g_lp, probs.log()[0].expand(2), atol=1e-6)
 
 
@@ -326,29 +330,13 @@ def test_tiny_qwen_greedy_equals_transformers(kind: str) -> None:
     assert_tiny_greedy_matches(model)
 
 
-class Int8Projection(nn.Module):
-    """A quantized projection that is not an nn.Linear: int8 weight, per-row scale, bias."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        w = linear.weight.detach()
-        scale = w.abs().amax(dim=1, keepdim=True) / 127.0
-        self.register_buffer("q", torch.round(w / scale).to(torch.int8))
-        self.register_buffer("scale", scale)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ (self.q.to(x.dtype) * self.scale).T
-        return y if self.bias is None else y + self.bias
-
-
 def test_quantized_modules_and_lora_are_applied() -> None:
     from peft import LoraConfig, get_peft_model
 
     model = tiny_model("qwen2")
-    for layer in model.model.layers:
-        layer.self_attn.q_proj = Int8Projection(layer.self_attn.q_proj)
-        layer.mlp.down_proj = Int8Projection(layer.mlp.down_proj)
+    for layer in model.model.layers:  # qerl's QuantLinear is not an nn.Linear: the engine must call it
+        layer.self_attn.q_proj = QuantLinear.from_linear(layer.self_attn.q_proj, "nvfp4", dtype=torch.float32)
+        layer.mlp.down_proj = QuantLinear.from_linear(layer.mlp.down_proj, "int4", group_size=32, dtype=torch.float32)
     before = BuiltinEngine(model, None, max_batch_slots=2, max_model_len=64).generate(
         TINY_PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[])
     )

@@ -113,11 +113,16 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def row_keys(seed: int, uids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """32-bit key per row from (seed, sequence uid, step); uids/steps are int64 [B]."""
+def seed_key(seed: int, device: torch.device) -> torch.Tensor:
+    """The 32-bit key of a call's seed, as a 0-dim int64 tensor on ``device`` (made once per call:
+    building it from a Python int every step would cost a host-to-device copy per step)."""
     s_lo, s_hi = seed & _M32, (seed >> 32) & _M32
-    base = mix32(torch.tensor(s_lo ^ 0x243F6A88, dtype=torch.int64, device=uids.device))
-    base = mix32(base ^ s_hi)
+    base = mix32(torch.tensor(s_lo ^ 0x243F6A88, dtype=torch.int64))
+    return mix32(base ^ s_hi).to(device)
+
+
+def row_keys(base: torch.Tensor, uids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """32-bit key per row from (seed key, sequence uid, step); uids/steps are int64 [B]."""
     k = mix32(base ^ (uids & _M32))
     return mix32(k ^ (steps & _M32))
 
@@ -143,15 +148,19 @@ def sample_tokens(
     logits: torch.Tensor,
     params: SamplingParams,
     noise: TokenNoise,
-    seed: int,
+    key: torch.Tensor,
     uids: torch.Tensor,
     steps: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row on the logits' device. Returns (tokens int64 [B], logprobs float32 [B])."""
+    """Sample one token per row on the logits' device. Returns (tokens int64 [B], logprobs float32 [B]).
+
+    ``key`` is ``seed_key(seed, device)``; ``uids``/``steps`` (int64 [B]) name each row's sequence and
+    step, which with the key fully determine the row's noise.
+    """
     logp = process_logits(logits, params.temperature, params.top_k, params.top_p)
     if params.greedy:
         tokens = torch.argmax(logits, dim=-1)
     else:
-        e = noise.exponential(row_keys(seed, uids, steps))
+        e = noise.exponential(row_keys(key, uids, steps))
         tokens = torch.argmax(logp - torch.log(e), dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -25,7 +25,7 @@ import torch
 
 from qerl_cli.rollout.kv_cache import KVCache
 from qerl_cli.rollout.model_runner import ModelRunner
-from qerl_cli.rollout.sampling import SamplingParams, TokenNoise, sample_tokens
+from qerl_cli.rollout.sampling import SamplingParams, TokenNoise, sample_tokens, seed_key
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 # (sequence, number of tokens already checked) -> completion length ending at the stop string, or None
@@ -77,7 +77,7 @@ class Scheduler:
         self.cache = cache
         self.decode_fn = decode_fn
         self.params = params
-        self.seed = seed
+        self.key = seed_key(seed, runner.device)
         self.noise = noise
         self.stop_ids = stop_token_ids
         self.stop_check = stop_check
@@ -213,7 +213,7 @@ class Scheduler:
         b0, m = len(self.rows), len(new)
         uids = torch.tensor([s.uid for s in new], dtype=torch.int64, device=device)
         steps = torch.zeros(m, dtype=torch.int64, device=device)
-        tokens, logprobs = sample_tokens(torch.stack(logit_rows), self.params, self.noise, self.seed, uids, steps)
+        tokens, logprobs = sample_tokens(torch.stack(logit_rows), self.params, self.noise, self.key, uids, steps)
         self.tok[b0 : b0 + m] = tokens
         self.pos[b0 : b0 + m] = torch.tensor([len(s.prompt) for s in new], dtype=torch.int64, device=device)
         self.uid[b0 : b0 + m] = uids
@@ -243,7 +243,7 @@ class Scheduler:
         out_tokens, out_lps = [], []
         for _ in range(k):
             logits = self.decode_fn(tok, pos, kv_len)
-            t, lp = sample_tokens(logits, self.params, self.noise, self.seed, uid, step)
+            t, lp = sample_tokens(logits, self.params, self.noise, self.key, uid, step)
             out_tokens.append(t)
             out_lps.append(lp)
             tok.copy_(t)
