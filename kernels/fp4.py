@@ -1,0 +1,469 @@
+"""NVFP4 / MXFP4 W4A16 kernels: fused dequantize-GEMM, its transpose for backward, and a dequantizer.
+
+Weights stay in the compressed-tensors layout (REFERENCE.md sections 1-2): `weight_packed` uint8
+[N, K/2] with element 2j in the low nibble, `weight_scale` [N, K/G] (E4M3 for NVFP4, G = 16; E8M0
+for MXFP4, G = 32) and, for NVFP4, `weight_global_scale` float32 [1]. No repack is needed: a K-tile
+of bytes decodes into a low-nibble and a high-nibble tile that `tl.join` interleaves back.
+
+Scaling. Every kernel dequantizes to `w' = code * scale * 2**F` and multiplies the fp32 result by
+`alpha = 2**-F` (MXFP4) or `2**-F / G` (NVFP4, so the per-tensor division happens once). With
+F = -8 for NVFP4, and F = min(0, 128 - max exponent) for MXFP4, every `code * scale * 2**F`
+is exact in fp16 and bf16 (<= 6 significant bits, inside the normal/subnormal range), so the tensor
+cores see the exact dequantized weight and only the final scaling rounds.
+
+The FP4 decode on the GPU is one inline-PTX block per 4 bytes: `prmt` spreads two bytes into the
+high byte of each 16-bit half, shifts move the 3 magnitude bits of a nibble into the low exponent bits
+and the top mantissa bit of an fp16/bf16 (which reads the value times 2**-14 / 2**-126, subnormal
+included) and the sign to bit 15; one packed `fma`/`mul` applies the block scale, pre-multiplied by
+2**14 / 2**126. The interpreter and `DECODE_ARITH` build the fp32 bit pattern with integer ops
+instead; `DECODE_LUT` reads a 16-entry table.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from qerl_kernels._common import DECODE_ARITH, DECODE_ASM, DECODE_LUT, INTERPRET, TileConfig, interpreter_config
+
+NVFP4_F = -8
+_P118 = tl.constexpr(2.0**118)
+
+_LUT: dict[torch.device, torch.Tensor] = {}
+
+
+def e2m1_lut(device: torch.device) -> torch.Tensor:
+    if device not in _LUT:
+        mags = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+        _LUT[device] = torch.tensor(mags + [-m for m in mags], dtype=torch.float32, device=device)
+    return _LUT[device]
+
+
+# ---- element decoders ------------------------------------------------------------------------------
+@triton.jit
+def _e2m1_f32(c):
+    """E2M1 code (uint32 0..15) -> fp32 value, by building its bit pattern (no subnormals involved)."""
+    mag = c & 7
+    # codes >= 2 are normal: exponent e-1+127, top mantissa bit m; code 1 is 0.5; code 0 is 0
+    bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), tl.where(mag == 1, 126 << 23, 0))
+    bits = bits | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4x2_bf16(b, s):
+    """bytes b (uint8) and per-byte scales s (bf16, pre-multiplied by 2**126) -> (low, high) nibble values."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 x, t, u, h, z;
+        mov.b32 z, 0x80008000;
+        prmt.b32 x, $4, 0, 0x1404;
+        shr.b32 t, x, 6;
+        and.b32 t, t, 0x01C001C0;
+        and.b32 h, x, 0x80008000;
+        or.b32 h, h, t;
+        fma.rn.bf16x2 $2, h, $5, z;
+        shl.b32 u, x, 4;
+        and.b32 u, u, 0x80008000;
+        shr.b32 t, x, 2;
+        and.b32 t, t, 0x01C001C0;
+        or.b32 u, u, t;
+        fma.rn.bf16x2 $0, u, $5, z;
+        prmt.b32 x, $4, 0, 0x3424;
+        shr.b32 t, x, 6;
+        and.b32 t, t, 0x01C001C0;
+        and.b32 h, x, 0x80008000;
+        or.b32 h, h, t;
+        fma.rn.bf16x2 $3, h, $6, z;
+        shl.b32 u, x, 4;
+        and.b32 u, u, 0x80008000;
+        shr.b32 t, x, 2;
+        and.b32 t, t, 0x01C001C0;
+        or.b32 u, u, t;
+        fma.rn.bf16x2 $1, u, $6, z;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r",
+        args=[b, s],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _fp4x2_f16(b, s):
+    """bytes b (uint8) and per-byte scales s (fp16, pre-multiplied by 2**14) -> (low, high) nibble values."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 x, t, u, h;
+        prmt.b32 x, $4, 0, 0x1404;
+        shr.b32 t, x, 3;
+        and.b32 t, t, 0x0E000E00;
+        and.b32 h, x, 0x80008000;
+        or.b32 h, h, t;
+        mul.rn.f16x2 $2, h, $5;
+        shl.b32 u, x, 4;
+        and.b32 u, u, 0x80008000;
+        shl.b32 t, x, 1;
+        and.b32 t, t, 0x0E000E00;
+        or.b32 u, u, t;
+        mul.rn.f16x2 $0, u, $5;
+        prmt.b32 x, $4, 0, 0x3424;
+        shr.b32 t, x, 3;
+        and.b32 t, t, 0x0E000E00;
+        and.b32 h, x, 0x80008000;
+        or.b32 h, h, t;
+        mul.rn.f16x2 $3, h, $6;
+        shl.b32 u, x, 4;
+        and.b32 u, u, 0x80008000;
+        shl.b32 t, x, 1;
+        and.b32 t, t, 0x0E000E00;
+        or.b32 u, u, t;
+        mul.rn.f16x2 $1, u, $6;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r",
+        args=[b, s],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+# ---- block scales --------------------------------------------------------------------------------
+@triton.jit
+def _scale_f32(s, gs, F, NVFP4: tl.constexpr, EXACT: tl.constexpr):
+    """Block scale as fp32: times 2**F, or (EXACT, NVFP4) the reference's own `scale / global_scale`."""
+    if NVFP4:
+        sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if EXACT:
+            return sf / gs
+        else:
+            return sf * 0.00390625  # 2**NVFP4_F
+    else:
+        e = tl.minimum(tl.maximum(s.to(tl.int32) + F, 0), 254)
+        return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_16(s, F, NVFP4: tl.constexpr, F16: tl.constexpr):
+    """Block scale for the asm decoder (which yields value * 2**-14 in fp16, value * 2**-126 in bf16)."""
+    if NVFP4:
+        sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if F16:
+            return (sf * 64.0).to(tl.float16)  # 2**(14 + F)
+        else:
+            return (sf * _P118).to(tl.bfloat16)  # 2**(126 + F)
+    else:
+        if F16:
+            e = tl.minimum(tl.maximum(s.to(tl.int32) - 98 + F, 0), 30)  # 2**(e - 127 + F + 14) in fp16 bits
+            return (e << 10).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            e = tl.minimum(tl.maximum(s.to(tl.int32) + 126 + F, 0), 254)
+            return (e << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _fp4_tile(w_ptr, s_ptr, lut_ptr, gs, offs_n, k0, N, K, F,
+              BN: tl.constexpr, BK: tl.constexpr, NVFP4: tl.constexpr, DECODE: tl.constexpr,
+              F32: tl.constexpr, F16: tl.constexpr, EXACT: tl.constexpr, EVEN_N: tl.constexpr,
+              EVEN_K: tl.constexpr):
+    """Dequantized tile W[offs_n, k0:k0+BK] (times 2**F unless EXACT) in fp32 (F32) or fp16/bf16."""
+    GS: tl.constexpr = 16 if NVFP4 else 32
+    kb = k0 // 2 + tl.arange(0, BK // 2)
+    ks = k0 // GS + tl.arange(0, BK // GS)
+    w_ptrs = w_ptr + offs_n[:, None] * (K // 2) + kb[None, :]
+    s_ptrs = s_ptr + offs_n[:, None] * (K // GS) + ks[None, :]
+    if EVEN_N and EVEN_K:
+        b = tl.load(w_ptrs)
+        s = tl.load(s_ptrs)
+    else:
+        nm = offs_n[:, None] < N
+        b = tl.load(w_ptrs, mask=nm & (kb[None, :] < K // 2), other=0)
+        s = tl.load(s_ptrs, mask=nm & (ks[None, :] < K // GS), other=0)
+    if DECODE == 0 and not F32 and not EXACT:
+        sc = _scale_16(s, F, NVFP4, F16)
+        sb = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, BK // GS, GS // 2)), (BN, BK // 2))
+        if F16:
+            lo, hi = _fp4x2_f16(b, sb)
+        else:
+            lo, hi = _fp4x2_bf16(b, sb)
+    else:
+        sc = _scale_f32(s, gs, F, NVFP4, EXACT)
+        sb = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, BK // GS, GS // 2)), (BN, BK // 2))
+        c = b.to(tl.uint32)
+        if DECODE == 2:
+            lo = tl.load(lut_ptr + (c & 15))
+            hi = tl.load(lut_ptr + (c >> 4))
+        else:
+            lo = _e2m1_f32(c & 15)
+            hi = _e2m1_f32(c >> 4)
+        lo = lo * sb
+        hi = hi * sb
+        if not F32:
+            if F16:
+                lo = lo.to(tl.float16)
+                hi = hi.to(tl.float16)
+            else:
+                lo = lo.to(tl.bfloat16)
+                hi = hi.to(tl.bfloat16)
+    return tl.reshape(tl.join(lo, hi), (BN, BK))
+
+
+@triton.jit
+def _grouped(pid, num_a, num_b, GROUP: tl.constexpr):
+    """Grouped launch order: GROUP consecutive CTAs share one B tile, so each W tile leaves HBM once."""
+    per_group = GROUP * num_b
+    first_a = (pid // per_group) * GROUP
+    size_a = tl.minimum(num_a - first_a, GROUP)
+    pid_a = first_a + (pid % per_group) % size_a
+    pid_b = (pid % per_group) // size_a
+    return pid_a, pid_b
+
+
+# ---- y = x @ dequant(W)^T ------------------------------------------------------------------------
+@triton.jit
+def _fp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, bias_ptr, y_ptr, ws_ptr,
+                   M, N, K, stride_xm, stride_ym, k_split, alpha, F,
+                   NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                   DECODE: tl.constexpr, F32: tl.constexpr, F16: tl.constexpr,
+                   EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    # swap-AB: the weight tile is the MMA's M side (>= 64 rows) and the few activation rows its N side
+    pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    m_mask = offs_m < M
+    gs = 1.0
+    if NVFP4:
+        gs = tl.load(gs_ptr)
+    k_start = pid_k * k_split
+    k_end = tl.minimum(k_start + k_split, K)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BK):
+        w = _fp4_tile(w_ptr, s_ptr, lut_ptr, gs, offs_n, k0, N, K, F, BN, BK, NVFP4, DECODE, F32, F16, False,
+                      EVEN_N, EVEN_K)
+        kx = k0 + offs_k
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + kx[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & (kx[None, :] < K), other=0.0)
+        if F32:
+            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    if NVFP4:
+        acc = acc * (alpha / gs)
+    else:
+        acc = acc * alpha
+    n_mask = offs_n < N
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT:
+        base = ws_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym, S, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Second pass of split-K: sum the S fp32 partials in a fixed order (deterministic), add bias, cast."""
+    pid_m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    base = ws_ptr + pid_m * N + offs
+    for s in range(0, S):
+        acc += tl.load(base + s * M * N, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + pid_m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- dx = dy @ dequant(W) ------------------------------------------------------------------------
+@triton.jit
+def _fp4_mm_t_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, dx_ptr,
+                     M, N, K, stride_dym, stride_dxm, alpha, F,
+                     NVFP4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     GROUP_M: tl.constexpr, DECODE: tl.constexpr, F32: tl.constexpr, F16: tl.constexpr,
+                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m, pid_k = _grouped(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(K, BK), GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    m_mask = offs_m < M
+    gs = 1.0
+    if NVFP4:
+        gs = tl.load(gs_ptr)
+    acc = tl.zeros((BM, BK), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        w = _fp4_tile(w_ptr, s_ptr, lut_ptr, gs, offs_n, pid_k * BK, N, K, F, BN, BK, NVFP4, DECODE, F32, F16,
+                      False, EVEN_N, EVEN_K)
+        dy_ptrs = dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :]
+        if EVEN_N:
+            dy = tl.load(dy_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            dy = tl.load(dy_ptrs, mask=m_mask[:, None] & (offs_n[None, :] < N), other=0.0)
+        if F32:
+            acc = tl.dot(dy.to(tl.float32), w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(dy, w, acc)
+    if NVFP4:
+        acc = acc * (alpha / gs)
+    else:
+        acc = acc * alpha
+    mask = m_mask[:, None] & (offs_k[None, :] < K)
+    tl.store(dx_ptr + offs_m[:, None] * stride_dxm + offs_k[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- W = dequant(packed) -------------------------------------------------------------------------
+@triton.jit
+def _fp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, lut_ptr, out_ptr, N, K, F,
+                        NVFP4: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DECODE: tl.constexpr,
+                        F32: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    # EXACT: the reference's own arithmetic (`code * (scale / global_scale)` in fp32, one rounding)
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * BK
+    gs = 1.0
+    if NVFP4:
+        gs = tl.load(gs_ptr)
+    w = _fp4_tile(w_ptr, s_ptr, lut_ptr, gs, offs_n, k0, N, K, 0, BN, BK, NVFP4, DECODE, True, False, True,
+                  EVEN_N, EVEN_K)
+    offs_k = k0 + tl.arange(0, BK)
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- host side -----------------------------------------------------------------------------------
+def group_size(fmt: str) -> int:
+    if fmt == "nvfp4":
+        return 16
+    if fmt == "mxfp4":
+        return 32
+    raise ValueError(f"not an FP4 format: {fmt!r}")
+
+
+def mxfp4_shift(scale: torch.Tensor) -> int:
+    """F for MXFP4: the largest shift <= 0 that keeps `6 * 2**(e-127+F)` and its 16-bit scale finite."""
+    return min(0, 128 - int(scale.max().item())) if scale.numel() else 0
+
+
+_ASM_FAILED: list[str] = []  # set when the inline-PTX decoder failed to build; default dispatch then uses ARITH
+
+
+def _decode_mode(decode: int | None) -> int:
+    if INTERPRET:
+        return DECODE_LUT if decode == DECODE_LUT else DECODE_ARITH
+    if decode is None:
+        return DECODE_ARITH if _ASM_FAILED else DECODE_ASM
+    return decode
+
+
+def _launch(kernel, grid, args: tuple, decode: int | None, **meta) -> None:  # noqa: ANN001
+    """Launch; if the default asm decoder fails to compile on this GPU/toolchain, warn once and use ARITH."""
+    dec = _decode_mode(decode)
+    try:
+        kernel[grid](*args, DECODE=dec, **meta)
+    except Exception as exc:
+        if decode is not None or dec != DECODE_ASM:
+            raise
+        import warnings
+
+        _ASM_FAILED.append(repr(exc)[:500])
+        warnings.warn(f"qerl_kernels: inline-asm FP4 decoder failed ({exc!r:.200}); using the arithmetic decoder",
+                      stacklevel=3)
+        kernel[grid](*args, DECODE=DECODE_ARITH, **meta)
+
+
+def _launch_args(fmt: str, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
+                 shift: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, float]:
+    nv = fmt == "nvfp4"
+    group_size(fmt)
+    if nv and global_scale is None:
+        raise ValueError("NVFP4 needs weight_global_scale")
+    s = scale.view(torch.uint8)
+    gs = global_scale if nv else s  # unused pointer for MXFP4
+    F = NVFP4_F if nv else (mxfp4_shift(scale) if shift is None else shift)
+    return packed, s, gs, F, 2.0 ** (-F)
+
+
+def fp4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
+               fmt: str, cfg: TileConfig, *, bias: torch.Tensor | None = None, shift: int | None = None,
+               decode: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[M, N] = x[M, K] @ dequant(W)^T (+ bias), fp32 accumulation, y in x's dtype.
+
+    `cfg.split_k` > 1 writes fp32 partials and sums them in a second, fixed-order pass.
+    `shift` (MXFP4 only) is `mxfp4_shift(scale)`; pass it cached to avoid a device sync per call.
+    """
+    n, k = packed.shape[0], packed.shape[1] * 2
+    m = x.shape[0]
+    f32 = INTERPRET or x.dtype == torch.float32
+    if INTERPRET:
+        cfg = interpreter_config(cfg)
+    packed, s, gs, F, alpha = _launch_args(fmt, packed, scale, global_scale, shift)
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.bk)))
+    k_split = triton.cdiv(triton.cdiv(k, split), cfg.bk) * cfg.bk
+    split = triton.cdiv(k, k_split)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    bias_arg = bias if bias is not None else y
+    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), split)
+    _launch(
+        _fp4_mm_kernel, grid,
+        (x, packed, s, gs, e2m1_lut(x.device), bias_arg, y, ws, m, n, k, x.stride(0), y.stride(0), k_split, alpha, F),
+        decode,
+        NVFP4=fmt == "nvfp4", HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=8, F32=f32,
+        F16=x.dtype == torch.float16, EVEN_N=n % cfg.bn == 0, EVEN_K=k % cfg.bk == 0,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+    if split > 1:
+        block = 1024
+        splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+            ws, bias_arg, y, m, n, y.stride(0), split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y
+
+
+def fp4_matmul_t(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
+                 fmt: str, cfg: TileConfig, *, shift: int | None = None, decode: int | None = None) -> torch.Tensor:
+    """dx[M, K] = dy[M, N] @ dequant(W) (the input gradient of y = x @ W^T), fp32 accumulation."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    m = dy.shape[0]
+    f32 = INTERPRET or dy.dtype == torch.float32
+    if INTERPRET:
+        cfg = interpreter_config(cfg)
+    packed, s, gs, F, alpha = _launch_args(fmt, packed, scale, global_scale, shift)
+    dx = torch.empty((m, k), dtype=dy.dtype, device=dy.device)
+    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(k, cfg.bk),)
+    _launch(
+        _fp4_mm_t_kernel, grid,
+        (dy, packed, s, gs, e2m1_lut(dy.device), dx, m, n, k, dy.stride(0), dx.stride(0), alpha, F), decode,
+        NVFP4=fmt == "nvfp4", BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=8, F32=f32,
+        F16=dy.dtype == torch.float16, EVEN_N=n % cfg.bn == 0, EVEN_K=k % cfg.bk == 0,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+    return dx
+
+
+def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None, fmt: str,
+                   dtype: torch.dtype, *, bn: int = 32, bk: int = 256, decode: int | None = None) -> torch.Tensor:
+    """dequant(W) [N, K] in `dtype`, with the reference's exact arithmetic (bit-identical to `dequantize`)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    packed, s, gs, _, _ = _launch_args(fmt, packed, scale, global_scale, 0)
+    out = torch.empty((n, k), dtype=dtype, device=packed.device)
+    bk = min(bk, triton.next_power_of_2(k))
+    dec = DECODE_LUT if decode == DECODE_LUT else DECODE_ARITH
+    _fp4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        packed, s, gs, e2m1_lut(packed.device), out, n, k, 0,
+        NVFP4=fmt == "nvfp4", BN=bn, BK=bk, DECODE=dec, F32=True, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0,
+        num_warps=4, num_stages=1 if INTERPRET else 2,
+    )
+    return out

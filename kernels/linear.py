@@ -1,0 +1,203 @@
+"""`quant_linear(x, module)`: run a `QuantLinear` through qerl's kernels, forward and backward.
+
+Dispatch by M (rows of activations):
+- decode (M <= 16): the fused kernel with a 16-row activation tile and split-K so that every SM
+  streams weights (two-pass deterministic reduction);
+- mid M: the fused kernel with larger activation tiles;
+- large M: whichever measured faster on Hopper: the fused kernel, or the exact Triton dequantizer
+  into a transient bf16 weight followed by cuBLAS (`LARGE_M_DEQUANT`).
+INT8/FP8 use the W8A16 kernels; FP8 weights with bf16 activations at M >= `FP8_ACT_MIN_M` take the
+FP8xFP8 tensor-core path (per-token activation scales, the FP8_DYNAMIC scheme) unless
+`QERL_FP8_ACT=0`. Backward is `QuantLinearFunction`: it saves no activation (the frozen weight has
+no gradient) and computes dx = dy @ dequant(W) with the transposed kernel, so training a LoRA on the
+quantized base never keeps a bf16 copy of the weight.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+from qerl_kernels._common import INTERPRET, TileConfig, num_sms, split_k_for
+from qerl_kernels.fp4 import fp4_dequantize, fp4_matmul, fp4_matmul_t, mxfp4_shift
+from qerl_kernels.w8 import fp8_scaled_matmul, w8_matmul, w8_matmul_t
+
+if TYPE_CHECKING:
+    from torch import nn
+
+FP4_FORMATS = ("nvfp4", "mxfp4")
+W8_FORMATS = ("int8", "fp8")
+SUPPORTED = FP4_FORMATS + W8_FORMATS
+
+# Rows from which a transient dequantized weight + cuBLAS beats the fused kernel (H100/H200, measured by
+# `qerl bench kernels`); the backward product switches at its own threshold.
+LARGE_M_DEQUANT = int(os.environ.get("QERL_FP4_DEQUANT_M", "1024"))
+LARGE_M_DEQUANT_T = int(os.environ.get("QERL_FP4_DEQUANT_T_M", "1024"))
+FP8_ACT_MIN_M = int(os.environ.get("QERL_FP8_ACT_MIN_M", "64"))
+
+
+def _fp8_act_mode() -> str:
+    return os.environ.get("QERL_FP8_ACT", "auto")
+
+
+# ---- launch configurations -----------------------------------------------------------------------
+def fp4_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
+    """Tile shape for the fused FP4 kernel at M rows (tuned on H100/H200 by `qerl bench kernels --sweep`)."""
+    if m <= 16:
+        bm, bn, bk, warps, stages = 16, 128, 256, 4, 4
+    elif m <= 32:
+        bm, bn, bk, warps, stages = 32, 128, 256, 4, 4
+    elif m <= 64:
+        bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
+    elif m <= 128:
+        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
+    else:
+        bm, bn, bk, warps, stages = 128, 256, 64, 8, 3
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    return TileConfig(bm, bn, bk, warps, stages, split_k_for(tiles, k, bk, sms))
+
+
+def fp4_t_config(m: int, n: int, k: int) -> TileConfig:
+    """Tile shape for dx = dy @ dequant(W) (output tile [bm, bk], reduction over N in steps of bn)."""
+    if m <= 64:
+        return TileConfig(64, 128, 64, 4, 4)
+    return TileConfig(128, 64, 128, 8, 3)
+
+
+def w8_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
+    if m <= 16:
+        bm, bn, bk, warps, stages = 16, 128, 128, 4, 4
+    elif m <= 64:
+        bm, bn, bk, warps, stages = max(16, triton.next_power_of_2(m)), 128, 128, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    return TileConfig(bm, bn, bk, warps, stages, split_k_for(tiles, k, bk, sms))
+
+
+def w8_t_config(m: int, n: int, k: int) -> TileConfig:
+    return TileConfig(64, 64, 64, 4, 3) if m <= 64 else TileConfig(128, 64, 128, 8, 3)
+
+
+# ---- per-module state (load-time, cached in module._kernel_state) ----------------------------------
+@dataclass
+class KernelState:
+    key: tuple
+    fmt: str
+    n: int
+    k: int
+    shift: int = 0  # MXFP4 exponent shift F (see fp4.py)
+    fp8_scale_row: torch.Tensor | None = None  # FP8 weight scale as fp32 [1, N] for torch._scaled_mm
+    extra: dict = field(default_factory=dict)
+
+
+def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: getattr(module, name) for name in module._tensor_names}
+
+
+def _key(module: nn.Module) -> tuple:
+    return tuple((name, t.data_ptr(), t.device, t.dtype) for name, t in _tensors(module).items())
+
+
+def kernel_state(module: nn.Module) -> KernelState:
+    """Derived, load-time data for `module` (rebuilt when its buffers move or change)."""
+    key = _key(module)
+    st = getattr(module, "_kernel_state", None)
+    if isinstance(st, KernelState) and st.key == key:
+        return st
+    t = _tensors(module)
+    st = KernelState(key, module.fmt, module.out_features, module.in_features)
+    if module.fmt == "mxfp4":
+        st.shift = mxfp4_shift(t["weight_scale"])
+    if module.fmt == "fp8":
+        st.fp8_scale_row = t["weight_scale"].float().reshape(1, -1).contiguous()
+    module._kernel_state = st
+    return st
+
+
+# ---- forward / backward on 2-D activations ---------------------------------------------------------
+def _use_fp8_act(x: torch.Tensor, st: KernelState) -> bool:
+    mode = _fp8_act_mode()
+    if st.fmt != "fp8" or mode == "0" or INTERPRET or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(x.device) < (8, 9) or st.k % 16 or st.n % 16:
+        return False
+    return mode == "1" or x.shape[0] >= FP8_ACT_MIN_M
+
+
+def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """y = x @ dequant(W)^T + b for 2-D contiguous-rows x [M, K] (no autograd)."""
+    st = kernel_state(module)
+    t = _tensors(module)
+    m = x.shape[0]
+    bias = module.bias
+    sms = num_sms(x.device)
+    if st.fmt in FP4_FORMATS:
+        gs = t.get("weight_global_scale")
+        if m >= LARGE_M_DEQUANT and not INTERPRET:
+            w = fp4_dequantize(t["weight_packed"], t["weight_scale"], gs, st.fmt, x.dtype)
+            return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+        cfg = fp4_config(m, st.n, st.k, sms)
+        return fp4_matmul(x, t["weight_packed"], t["weight_scale"], gs, st.fmt, cfg, bias=bias, shift=st.shift)
+    if _use_fp8_act(x, st):
+        return fp8_scaled_matmul(x, t["weight"], st.fp8_scale_row, None if bias is None else bias.to(x.dtype))
+    return w8_matmul(x, t["weight"], t["weight_scale"], w8_config(m, st.n, st.k, sms), bias=bias)
+
+
+def linear_backward_dx(dy: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """dx = dy @ dequant(W) for 2-D dy [M, N]."""
+    st = kernel_state(module)
+    t = _tensors(module)
+    m = dy.shape[0]
+    if st.fmt in FP4_FORMATS:
+        gs = t.get("weight_global_scale")
+        if m >= LARGE_M_DEQUANT_T and not INTERPRET:
+            w = fp4_dequantize(t["weight_packed"], t["weight_scale"], gs, st.fmt, dy.dtype)
+            return dy @ w
+        return fp4_matmul_t(dy, t["weight_packed"], t["weight_scale"], gs, st.fmt, fp4_t_config(m, st.n, st.k),
+                            shift=st.shift)
+    return w8_matmul_t(dy, t["weight"], t["weight_scale"], w8_t_config(m, st.n, st.k))
+
+
+class QuantLinearFunction(torch.autograd.Function):
+    """y = x @ dequant(W)^T + b with a frozen quantized W: backward returns dx only.
+
+    Nothing is saved for backward: the weight gradient is never needed, and dx = dy @ dequant(W) reads
+    the packed weight straight from the module, so no bf16 copy of W outlives a kernel.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, module: nn.Module) -> torch.Tensor:  # noqa: ANN001
+        ctx.module = module
+        return linear_forward(x, module)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return linear_backward_dx(dy.contiguous(), ctx.module), None
+
+
+def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor | None:
+    """`QuantLinear.forward` on qerl's kernels, or None when no kernel covers the case (caller falls back)."""
+    if module.fmt not in SUPPORTED or x.shape[-1] != module.in_features:
+        return None
+    if not (x.is_cuda or INTERPRET):
+        return None
+    allowed = (torch.bfloat16, torch.float16, torch.float32) if INTERPRET else (torch.bfloat16, torch.float16)
+    if x.dtype not in allowed:
+        return None
+    if module.bias is not None and module.bias.requires_grad:
+        return None
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, module.in_features)
+    if x2.shape[0] == 0:
+        return x.new_zeros(*lead, module.out_features)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if torch.is_grad_enabled() and x.requires_grad:
+        y = QuantLinearFunction.apply(x2, module)
+    else:
+        y = linear_forward(x2, module)
+    return y.reshape(*lead, module.out_features)

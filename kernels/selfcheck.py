@@ -1,0 +1,158 @@
+"""GPU correctness check of every kernel path against the torch reference (`python -m qerl_kernels.selfcheck`).
+
+Each check draws fresh random weights and activations, NaN-poisons what it can, and compares with
+float64 `x @ dequantize(W)^T` by relative Frobenius error. Run by scripts/gpu_kernels.sh before timing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import partial as bind
+
+import torch
+from qerl_kernels._common import DECODE_ARITH, DECODE_ASM, DECODE_LUT, TileConfig
+
+TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def run_selfcheck(device: str = "cuda", seed: int = 0,
+                  shapes: tuple[tuple[int, int, int], ...] = ((1, 256, 512), (5, 200, 352), (130, 4608, 3584)),
+                  module_ms: tuple[int, ...] = (1, 16, 100, 1100)) -> list[dict]:
+    from qerl_kernels import linear as ql
+    from qerl_kernels.fp4 import fp4_dequantize, fp4_matmul, fp4_matmul_t, mxfp4_shift
+    from qerl_kernels.w8 import fp8_scaled_matmul, quantize_rows_fp8, w8_matmul, w8_matmul_t
+
+    from qerl_cli.formats import dequantize, quantize
+    from qerl_cli.formats.fp4 import to_e4m3
+    from qerl_cli.qlinear import QuantLinear
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    out: list[dict] = []
+
+    def check(path: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, tol: float, **info) -> None:
+        try:
+            got = fn().clone()
+            sync()
+            rel = _rel(got, ref)
+            again = fn()
+            det = bool(torch.equal(got, again))
+            ok = rel <= tol and det
+            out.append({"path": path, "rel": rel, "tol": tol, "deterministic": det, "ok": ok, **info})
+        except Exception as exc:
+            out.append({"path": path, "rel": None, "tol": tol, "ok": False, "error": repr(exc)[:400], **info})
+
+    for fmt in ("nvfp4", "mxfp4"):
+        for n_, k_ in ((200, 352), (256, 512), (1000, 3584)):
+            if k_ % 32:
+                continue
+            w = (torch.randn(n_, k_, generator=g) * 0.05).to(device)
+            qw = quantize(w, fmt)
+            t = qw.tensors
+            gs = t.get("weight_global_scale")
+            for dt in (torch.bfloat16, torch.float16):
+                ref_w = dequantize(qw, dt)
+                check(f"{fmt}-dequant-exact-{dt}",
+                      bind(fp4_dequantize, t["weight_packed"], t["weight_scale"], gs, fmt, dt), ref_w, 0.0, N=n_, K=k_)
+        for m, n, k in shapes:
+            if k % 32:
+                continue
+            w = (torch.randn(n, k, generator=g) * 0.05).to(device)
+            qw = quantize(w, fmt)
+            t = qw.tensors
+            gs = t.get("weight_global_scale")
+            wd = dequantize(qw, torch.float32).double()
+            shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else None
+            for dt in (torch.bfloat16, torch.float16):
+                x = torch.randn(m, k, generator=g).to(device=device, dtype=dt)
+                ref = x.double() @ wd.T
+                runs = [(DECODE_ASM, "asm", ql.fp4_config(m, n, k)),
+                        (DECODE_ASM, "asm", TileConfig(16, 64, 128, 4, 3, 3))]
+                if m == 5:
+                    runs += [(DECODE_ARITH, "arith", TileConfig(64, 128, 64, 4, 3)),
+                             (DECODE_LUT, "lut", TileConfig(64, 128, 64, 4, 3))]
+                for dec, dname, cfg in runs:
+                    if True:
+                        y = torch.full((m, n), float("nan"), dtype=dt, device=device)
+                        check(f"{fmt}-fwd-{dname}-{cfg.key()}-{dt}",
+                              bind(fp4_matmul, x, t["weight_packed"], t["weight_scale"], gs, fmt, cfg, shift=shift,
+                                   decode=dec, out=y),
+                              ref, TOL[dt], M=m, N=n, K=k)
+                dy = torch.randn(m, n, generator=g).to(device=device, dtype=dt)
+                check(f"{fmt}-dx-{dt}", bind(fp4_matmul_t, dy, t["weight_packed"], t["weight_scale"], gs, fmt,
+                                             ql.fp4_t_config(m, n, k), shift=shift),
+                      dy.double() @ wd, TOL[dt], M=m, N=n, K=k)
+    for fmt in ("int8", "fp8"):
+        for m, n, k in shapes:
+            w = (torch.randn(n, k, generator=g) * 0.05).to(device)
+            qw = quantize(w, fmt, dtype=torch.bfloat16)
+            t = qw.tensors
+            wd = dequantize(qw, torch.float32).double()
+            for dt in (torch.bfloat16, torch.float16):
+                x = torch.randn(m, k, generator=g).to(device=device, dtype=dt)
+                check(f"{fmt}-fwd-{dt}", bind(w8_matmul, x, t["weight"], t["weight_scale"], ql.w8_config(m, n, k)),
+                      x.double() @ wd.T, TOL[dt], M=m, N=n, K=k)
+                dy = torch.randn(m, n, generator=g).to(device=device, dtype=dt)
+                check(f"{fmt}-dx-{dt}", bind(w8_matmul_t, dy, t["weight"], t["weight_scale"], ql.w8_t_config(m, n, k)),
+                      dy.double() @ wd, TOL[dt], M=m, N=n, K=k)
+            if fmt == "fp8" and n % 16 == 0 and k % 16 == 0 and torch.device(device).type == "cuda":
+                x = torch.randn(m, k, generator=g).to(device=device, dtype=torch.bfloat16)
+                row = t["weight_scale"].float().reshape(1, -1)
+                check("fp8xfp8-scaled_mm", bind(fp8_scaled_matmul, x, t["weight"], row),
+                      x.double() @ wd.T, 0.06, M=m, N=n, K=k)
+    # activation quantization is bit-exact with the torch reference on the GPU
+    x = torch.randn(7, 1000, generator=g).to(device) * torch.logspace(-3, 3, 7).to(device)[:, None]
+    q, s = quantize_rows_fp8(x)
+    ref_s = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
+    exact = bool(torch.equal(q.float(), to_e4m3(x / ref_s).float())) and torch.allclose(s, ref_s, rtol=1e-6)
+    out.append({"path": "fp8-act-quant-exact", "ok": exact, "rel": 0.0, "tol": 0.0})
+    # QuantLinear on CUDA: forward dispatch at several M, and autograd dx
+    for fmt in ("nvfp4", "mxfp4", "int8", "fp8"):
+        lin = torch.nn.Linear(512, 384, bias=True).to(device)
+        mod = QuantLinear.from_linear(lin, fmt).to(device)
+        wd = mod.dequantized_weight(torch.float32).double()
+        for m in module_ms:
+            x = torch.randn(m, 512, generator=g).to(device=device, dtype=torch.bfloat16).requires_grad_(True)
+            y = mod(x)
+            ref = x.double() @ wd.T + mod.bias.double()
+            tol = 0.06 if (fmt == "fp8" and m >= ql.FP8_ACT_MIN_M) else TOL[torch.bfloat16]
+            dy = torch.randn_like(y)
+            y.backward(dy)
+            used = isinstance(mod._kernel_state, ql.KernelState)
+            out.append({"path": f"QuantLinear-{fmt}-fwd", "M": m, "rel": _rel(y, ref), "tol": tol, "kernel": used,
+                        "ok": used and _rel(y, ref) <= tol})
+            out.append({"path": f"QuantLinear-{fmt}-dx", "M": m, "rel": _rel(x.grad, dy.double() @ wd),
+                        "tol": TOL[torch.bfloat16], "ok": _rel(x.grad, dy.double() @ wd) <= TOL[torch.bfloat16]})
+    return out
+
+
+def main() -> int:
+    res = run_selfcheck()
+    bad = [r for r in res if not r["ok"]]
+    for r in bad:
+        print("FAIL", json.dumps(r))
+    worst = {}
+    for r in res:
+        key = r["path"].split("-m")[0]
+        if r.get("rel") is not None and (key not in worst or r["rel"] > worst[key]):
+            worst[key] = r["rel"]
+    for k, v in sorted(worst.items()):
+        print(f"  {k:48s} worst rel err {v:.2e}")
+    print(f"selfcheck: {len(res) - len(bad)}/{len(res)} passed")
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(res, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

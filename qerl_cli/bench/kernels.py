@@ -1,0 +1,407 @@
+"""`qerl bench kernels`: time qerl's quantized GEMMs against BF16 cuBLAS and installed peers on one GPU.
+
+For each model's decoder-layer linears (qkv, o, gate_up, down) and each M, every method is timed with
+`triton.testing.do_bench` (median) on a CUDA graph that calls the GEMM once per weight copy, rotating
+over enough copies that the weights cannot stay in L2 (do_bench also flushes L2 before each replay);
+the time per GEMM is the replay time over the number of copies. Graphs take the Python launch cost out
+of the number for every method alike, as rollout engines do for decoding. The run also measures its
+own ceilings (device copy bandwidth, a bf16 8192^3 matmul) and reports achieved GB/s and TFLOP/s
+against them, plus the backward product dx = dy @ W at M = 2048.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_cli.errors import QerlError
+
+MODELS: dict[str, dict[str, int]] = {
+    "qwen2.5-7b": {"hidden": 3584, "heads": 28, "kv_heads": 4, "head_dim": 128, "intermediate": 18944},
+    "qwen2.5-32b": {"hidden": 5120, "heads": 40, "kv_heads": 8, "head_dim": 128, "intermediate": 27648},
+}
+QERL_METHODS = ("nvfp4", "mxfp4", "int8", "fp8", "fp8xfp8")
+TARGETS = {1: 3.0, 16: 2.5, 64: 1.8, 128: 1.5, 256: 1.0, 512: 0.95, 2048: 0.95}
+BACKWARD_TARGET = 0.9
+
+
+def layer_linears(model: str) -> list[tuple[str, int, int]]:
+    """(name, N=out, K=in) of one decoder layer's GEMMs, q/k/v and gate/up fused as vLLM runs them."""
+    if model not in MODELS:
+        raise QerlError(f"unknown model shape {model!r}; choose from {', '.join(MODELS)}")
+    c = MODELS[model]
+    attn = c["heads"] * c["head_dim"]
+    return [
+        ("qkv", (c["heads"] + 2 * c["kv_heads"]) * c["head_dim"], c["hidden"]),
+        ("o", c["hidden"], attn),
+        ("gate_up", 2 * c["intermediate"], c["hidden"]),
+        ("down", c["hidden"], c["intermediate"]),
+    ]
+
+
+def _require_cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        raise QerlError("qerl bench kernels needs a CUDA GPU")
+    return torch.device("cuda")
+
+
+# ---- timing --------------------------------------------------------------------------------------
+def time_calls(calls: Sequence[Callable[[], Any]], *, graph: bool = True, rep_ms: int = 40) -> tuple[float, str]:
+    """Median ms per call over `calls` (one per weight copy); returns (ms, 'graph' | 'eager')."""
+    import triton
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:  # compile, autotune, allocate workspaces outside the graph
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    mode = "eager"
+    if graph:
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for c in calls:
+                    c()
+            fn, per, mode = g.replay, len(calls), "graph"
+        except Exception:  # a peer that cannot be captured is timed eagerly
+            torch.cuda.synchronize()
+            graph = False
+    if not graph:
+        it = itertools.cycle(calls)
+        fn, per = (lambda: next(it)()), 1
+    ms = triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+    return ms / per, mode
+
+
+def measure_ceilings(device: torch.device) -> dict[str, float]:
+    """Device copy bandwidth (bytes read + written) and bf16 8192^3 matmul rate, measured now."""
+    import triton
+
+    n = 1 << 28
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    t = triton.testing.do_bench(partial(dst.copy_, src), warmup=10, rep=100, return_mode="median")
+    bw = 2 * n * 2 / (t * 1e-3)
+    src = dst = None
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    t = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    return {"copy_GBps": bw / 1e9, "bf16_matmul_TFLOPs": 2 * 8192**3 / (t * 1e-3) / 1e12}
+
+
+# ---- weights -------------------------------------------------------------------------------------
+def _copies(nbytes: int, l2: int, cap: int = 48) -> int:
+    return max(1, min(cap, math.ceil(3 * l2 / max(nbytes, 1))))
+
+
+def _quant_modules(w: torch.Tensor, fmt: str, copies_for: Callable[[int], int]) -> list[torch.nn.Module]:
+    from qerl_cli.formats import QuantizedWeight, quantize
+    from qerl_cli.qlinear import QuantLinear
+
+    qw = quantize(w, fmt, dtype=torch.bfloat16)
+    mods = []
+    for _ in range(copies_for(qw.nbytes())):
+        t = {k: v.clone() for k, v in qw.tensors.items()}
+        mods.append(QuantLinear.from_quantized(QuantizedWeight(qw.fmt, qw.shape, t, qw.dtype, qw.group_size)))
+    return mods
+
+
+def _method_calls(method: str, w: torch.Tensor, x: torch.Tensor, copies_for: Callable[[int], int],
+                  cache: dict) -> tuple[list[Callable[[], Any]], int]:
+    """Callables (one per weight copy) computing x @ W^T by `method`, and the weight bytes per copy."""
+    import torch.nn.functional as F
+    from qerl_kernels import linear as ql
+    from qerl_kernels.fp4 import fp4_dequantize, fp4_matmul
+    from qerl_kernels.w8 import fp8_scaled_matmul
+
+    def mods(fmt: str) -> list[torch.nn.Module]:
+        if fmt not in cache:
+            cache[fmt] = _quant_modules(w, fmt, copies_for)
+        return cache[fmt]
+
+    if method == "bf16":
+        ws = [w] + [w.clone() for _ in range(copies_for(w.numel() * 2) - 1)]
+        return [lambda w_=w_: F.linear(x, w_) for w_ in ws], w.numel() * 2
+    base = method.split("-")[0].replace("fp8xfp8", "fp8")
+    if method in ("nvfp4", "mxfp4", "int8", "fp8"):
+        ms = mods(method)
+        if method == "fp8":  # W8A16 kernel regardless of the FP8xFP8 policy
+            return [lambda m_=m_: ql.w8_matmul(x, m_.weight, m_.weight_scale,
+                                               ql.w8_config(x.shape[0], m_.out_features, m_.in_features))
+                    for m_ in ms], ms[0].weight_nbytes
+        return [lambda m_=m_: ql.linear_forward(x, m_) for m_ in ms], ms[0].weight_nbytes
+    if method == "fp8xfp8":
+        ms = mods("fp8")
+        rows = [m_.weight_scale.float().reshape(1, -1).contiguous() for m_ in ms]
+        return [lambda m_=m_, r_=r_: fp8_scaled_matmul(x, m_.weight, r_) for m_, r_ in zip(ms, rows, strict=True)], \
+            ms[0].weight_nbytes
+    if method.endswith("-fused") or method.endswith("-dequant"):
+        ms = mods(base)
+        st = [ql.kernel_state(m_) for m_ in ms]
+        m = x.shape[0]
+        if method.endswith("-fused"):
+            cfg = ql.fp4_config(m, ms[0].out_features, ms[0].in_features)
+            calls = [partial(fp4_matmul, x, m_.weight_packed, m_.weight_scale,
+                             getattr(m_, "weight_global_scale", None), base, cfg, shift=s_.shift)
+                     for m_, s_ in zip(ms, st, strict=True)]
+            return calls, ms[0].weight_nbytes
+        return [lambda m_=m_: F.linear(x, fp4_dequantize(m_.weight_packed, m_.weight_scale,
+                                                         getattr(m_, "weight_global_scale", None), base, x.dtype))
+                for m_ in ms], ms[0].weight_nbytes
+    raise ValueError(f"unknown method {method!r}")
+
+
+# ---- peers (each optional; absent or failing peers are reported, never fatal) ----------------------
+def _peer_calls(peer: str, w: torch.Tensor, x: torch.Tensor,
+                copies_for: Callable[[int], int]) -> tuple[list[Callable[[], Any]], int]:
+    n, k = w.shape
+    if peer == "bnb-nf4":
+        import bitsandbytes as bnb
+
+        mods = []
+        for _ in range(copies_for(n * k // 2)):
+            lin = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+            lin.weight = bnb.nn.Params4bit(w.detach().cpu(), requires_grad=False, quant_type="nf4")
+            mods.append(lin.to(w.device))
+        return [lambda m_=m_: m_(x) for m_ in mods], n * k // 2 + n * k // 64 * 4
+    if peer == "tinygemm-int4":  # torchao's int4 weight-only CUDA kernel, called through torch.ops.aten
+        group = 128
+        packs = []
+        for _ in range(copies_for(n * k // 2)):
+            q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=w.device)
+            packed = torch.ops.aten._convert_weight_to_int4pack(q, 8)
+            sz = torch.randn(k // group, n, 2, dtype=torch.bfloat16, device=w.device) * 0.01
+            packs.append((packed, sz))
+        return [lambda p_=p_: torch.ops.aten._weight_int4pack_mm(x, p_[0], group, p_[1]) for p_ in packs], \
+            n * k // 2 + n * k // group * 4
+    if peer.startswith("gemlite-"):
+        from gemlite.helper import A16W4_MXFP
+
+        mods = []
+        for _ in range(copies_for(n * k // 2)):
+            lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16, device=w.device)
+            lin.weight.data.copy_(w)
+            mods.append(A16W4_MXFP(device=str(w.device), dtype=torch.bfloat16).from_linear(lin))
+        return [lambda m_=m_: m_(x) for m_ in mods], n * k // 2 + n * k // 32
+    raise ValueError(f"unknown peer {peer!r}")
+
+
+def available_peers() -> list[str]:
+    import importlib.util
+
+    peers = []
+    if importlib.util.find_spec("bitsandbytes"):
+        peers.append("bnb-nf4")
+    if hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+        peers.append("tinygemm-int4")
+    if importlib.util.find_spec("gemlite"):
+        peers.append("gemlite-mxfp4")
+    return peers
+
+
+# ---- the benchmark -------------------------------------------------------------------------------
+def bench_kernels(
+    shapes: Sequence[str] = ("qwen2.5-7b", "qwen2.5-32b"),
+    ms: Sequence[int] = (1, 16, 64, 128, 256, 512, 2048),
+    out_json: Path | None = None,
+    *,
+    methods: Sequence[str] = ("bf16",) + QERL_METHODS,
+    peers: Sequence[str] | None = None,
+    backward: bool = True,
+    variants: bool = True,
+    rep_ms: int = 40,
+    log: Callable[[str], None] | None = print,
+) -> dict[str, Any]:
+    """Time every method on every layer GEMM of `shapes` at every M; return (and write) the results dict.
+
+    `peers=None` benchmarks every installed peer; `variants` adds the fused-only and dequantize+cuBLAS
+    NVFP4 variants at M >= 256 (the data behind the large-M dispatch threshold).
+    """
+    device = _require_cuda()
+    import triton
+
+    props = torch.cuda.get_device_properties(device)
+    l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
+    peers = available_peers() if peers is None else list(peers)
+    res: dict[str, Any] = {
+        "device": props.name, "sms": props.multi_processor_count, "l2_bytes": l2,
+        "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
+        "timing": "triton.testing.do_bench median over CUDA-graph replays of rotating weight copies",
+        "ms": list(ms), "shapes": list(shapes), "results": [], "layer": [], "backward": [], "errors": [],
+    }
+    res["ceilings"] = measure_ceilings(device)
+    if log:
+        log(f"ceilings: {res['ceilings']}")
+
+    def record(model: str, name: str, n: int, k: int, m: int, method: str, calls, wbytes: int) -> None:
+        try:
+            t, mode = time_calls(calls, rep_ms=rep_ms)
+        except Exception as exc:  # keep going; a failing method is reported, not fatal
+            res["errors"].append({"model": model, "gemm": name, "M": m, "method": method, "error": repr(exc)[:300]})
+            return
+        nbytes = wbytes + m * k * 2 + m * n * 2
+        res["results"].append({
+            "model": model, "gemm": name, "N": n, "K": k, "M": m, "method": method, "ms": t, "timing": mode,
+            "GBps": nbytes / (t * 1e-3) / 1e9, "TFLOPs": 2 * m * n * k / (t * 1e-3) / 1e12,
+        })
+
+    copies_for = lambda nbytes: _copies(nbytes, l2)  # noqa: E731
+    for model in shapes:
+        for name, n, k in layer_linears(model):
+            w = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
+            cache: dict = {}
+            for m in ms:
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                meths = list(methods)
+                if variants and m >= 256:
+                    meths += ["nvfp4-fused", "nvfp4-dequant"]
+                for method in meths:
+                    try:
+                        calls, wb = _method_calls(method, w, x, copies_for, cache)
+                    except Exception as exc:
+                        res["errors"].append({"model": model, "gemm": name, "M": m, "method": method,
+                                              "error": repr(exc)[:300]})
+                        continue
+                    record(model, name, n, k, m, method, calls, wb)
+                for peer in peers:
+                    try:
+                        calls, wb = _peer_calls(peer, w, x, copies_for)
+                    except Exception as exc:
+                        res["errors"].append({"model": model, "gemm": name, "M": m, "method": peer,
+                                              "error": repr(exc)[:300]})
+                        continue
+                    record(model, name, n, k, m, peer, calls, wb)
+                    del calls
+                if log:
+                    done = [r for r in res["results"] if r["model"] == model and r["gemm"] == name and r["M"] == m]
+                    log(f"{model} {name} M={m}: " + ", ".join(f"{r['method']} {r['ms'] * 1e3:.1f}us" for r in done))
+            if backward:
+                _bench_backward(res, model, name, w, cache, copies_for, rep_ms)
+            del cache, w
+            torch.cuda.empty_cache()
+    summarize(res)
+    if out_json is not None:
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_json).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def _bench_backward(res: dict, model: str, name: str, w: torch.Tensor, cache: dict,
+                    copies_for: Callable[[int], int], rep_ms: int, m: int = 2048) -> None:
+    from qerl_kernels import linear as ql
+    from qerl_kernels.fp4 import fp4_matmul_t
+
+    n, k = w.shape
+    dy = torch.randn(m, n, device=w.device, dtype=torch.bfloat16)
+    entries: list[tuple[str, list, int]] = []
+    ws = [w] + [w.clone() for _ in range(copies_for(w.numel() * 2) - 1)]
+    entries.append(("bf16", [lambda w_=w_: dy @ w_ for w_ in ws], w.numel() * 2))
+    for fmt in ("nvfp4", "mxfp4", "int8", "fp8"):
+        if fmt not in cache:
+            cache[fmt] = _quant_modules(w, fmt, copies_for)
+        mods = cache[fmt]
+        entries.append((fmt, [lambda m_=m_: ql.linear_backward_dx(dy, m_) for m_ in mods], mods[0].weight_nbytes))
+        if fmt == "nvfp4":
+            cfg = ql.fp4_t_config(m, n, k)
+            entries.append(("nvfp4-fused", [partial(fp4_matmul_t, dy, m_.weight_packed, m_.weight_scale,
+                                                    m_.weight_global_scale, "nvfp4", cfg) for m_ in mods],
+                            mods[0].weight_nbytes))
+    for method, calls, wb in entries:
+        try:
+            t, mode = time_calls(calls, rep_ms=rep_ms)
+        except Exception as exc:
+            res["errors"].append({"model": model, "gemm": name, "M": m, "method": f"dx-{method}",
+                                  "error": repr(exc)[:300]})
+            continue
+        res["backward"].append({"model": model, "gemm": name, "N": n, "K": k, "M": m, "method": method, "ms": t,
+                                "timing": mode, "TFLOPs": 2 * m * n * k / (t * 1e-3) / 1e12,
+                                "GBps": (wb + m * (n + k) * 2) / (t * 1e-3) / 1e9})
+
+
+def summarize(res: dict) -> None:
+    """Fill res['layer'] / res['backward_layer']: per model, M and method, the 4 GEMMs summed, vs BF16."""
+    layer = []
+    for key, rows in _group(res["results"], ("model", "M", "method")).items():
+        if len(rows) == 4:
+            layer.append({"model": key[0], "M": key[1], "method": key[2], "ms": sum(r["ms"] for r in rows)})
+    base = {(r["model"], r["M"]): r["ms"] for r in layer if r["method"] == "bf16"}
+    for r in layer:
+        b = base.get((r["model"], r["M"]))
+        r["speedup"] = b / r["ms"] if b else None
+    res["layer"] = layer
+    bl = []
+    for key, rows in _group(res["backward"], ("model", "M", "method")).items():
+        if len(rows) == 4:
+            bl.append({"model": key[0], "M": key[1], "method": key[2], "ms": sum(r["ms"] for r in rows)})
+    bb = {(r["model"], r["M"]): r["ms"] for r in bl if r["method"] == "bf16"}
+    for r in bl:
+        b = bb.get((r["model"], r["M"]))
+        r["speedup"] = b / r["ms"] if b else None
+    res["backward_layer"] = bl
+
+
+def _group(rows: Iterable[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+def render_tables(res: dict) -> list[Any]:
+    """rich Tables: per model, layer time (us) and speedup over BF16 for every method and M."""
+    from rich.table import Table
+
+    tables = []
+    ceil = res.get("ceilings", {})
+    for model in res["shapes"]:
+        rows = [r for r in res["layer"] if r["model"] == model]
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        t = Table(title=f"{model}: one decoder layer's 4 GEMMs, {res['device']} "
+                        f"(copy {ceil.get('copy_GBps', 0):.0f} GB/s, bf16 {ceil.get('bf16_matmul_TFLOPs', 0):.0f} "
+                        "TFLOP/s); us, (x BF16)")
+        t.add_column("M", justify="right")
+        for meth in methods:
+            t.add_column(meth, justify="right")
+        for m in res["ms"]:
+            cells = []
+            for meth in methods:
+                r = next((r for r in rows if r["M"] == m and r["method"] == meth), None)
+                if r is None:
+                    cells.append("-")
+                elif meth == "bf16":
+                    cells.append(f"{r['ms'] * 1e3:.1f}")
+                else:
+                    cells.append(f"{r['ms'] * 1e3:.1f} ({r['speedup']:.2f}x)")
+            t.add_row(str(m), *cells)
+        bl = [r for r in res.get("backward_layer", []) if r["model"] == model]
+        if bl:
+            t.add_row("dx@2048", *[next((f"{r['ms'] * 1e3:.1f} ({r['speedup']:.2f}x)" for r in bl
+                                         if r["method"] == meth), "-") for meth in methods])
+        tables.append(t)
+    return tables
+
+
+def short_summary(res: dict, model: str = "qwen2.5-7b", method: str = "nvfp4") -> list[str]:
+    """Plain lines: speedup of `method` over BF16 at each M vs the issue's targets."""
+    out = []
+    for m in res["ms"]:
+        r = next((r for r in res["layer"] if r["model"] == model and r["M"] == m and r["method"] == method), None)
+        if r and r["speedup"]:
+            tgt = TARGETS.get(m)
+            ok = "" if tgt is None else (" ok" if r["speedup"] >= tgt else f" MISS (target {tgt}x)")
+            out.append(f"{model} {method} M={m}: {r['ms'] * 1e3:.1f} us, {r['speedup']:.2f}x BF16{ok}")
+    r = next((r for r in res.get("backward_layer", []) if r["model"] == model and r["method"] == method), None)
+    if r and r["speedup"]:
+        ok = " ok" if r["speedup"] >= BACKWARD_TARGET else f" MISS (target {BACKWARD_TARGET}x)"
+        out.append(f"{model} {method} dx M=2048: {r['ms'] * 1e3:.1f} us, {r['speedup']:.2f}x BF16{ok}")
+    return out

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The whole GPU run of qerl's kernels in one call (the GPU machine has no network and no qerl install):
+#   1. put the repo on PYTHONPATH, with kernels/ importable as `qerl_kernels`;
+#   2. install peer wheels from .whl/ if present (bitsandbytes, gemlite; optional);
+#   3. check every kernel path against the torch reference on the GPU;
+#   4. (optional) sweep the FP4 tile configurations;
+#   5. run `qerl bench kernels` and print the short tables last; JSON and logs go to $OUT.
+# Knobs: QERL_GPU_STAGES (default "info selfcheck bench"; add "sweep", "peers"),
+#        QERL_BENCH_SHAPES (default "qwen2.5-7b qwen2.5-32b"), QERL_BENCH_MS (default "1 16 64 128 256 512 2048").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out/gpu}
+mkdir -p "$OUT" /tmp/qk
+ln -sfn "$PWD/kernels" /tmp/qk/qerl_kernels
+export PYTHONPATH="$PWD:/tmp/qk${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+STAGES=${QERL_GPU_STAGES:-"info selfcheck bench"}
+SHAPES=${QERL_BENCH_SHAPES:-"qwen2.5-7b qwen2.5-32b"}
+MS=${QERL_BENCH_MS:-"1 16 64 128 256 512 2048"}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+t0=$(date +%s)
+stamp() { echo "[gpu_kernels +$(( $(date +%s) - t0 ))s] $*"; }
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "peer wheels did not install; peers skipped"
+fi
+
+if has info; then
+  stamp info
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+fi
+
+if has selfcheck; then
+  stamp selfcheck
+  timeout "${QERL_SELFCHECK_TIMEOUT:-300}" python3 -m qerl_kernels.selfcheck "$OUT/selfcheck.json" 2>&1 \
+    | tee "$OUT/selfcheck.log" | tail -n 60
+fi
+
+if has sweep; then
+  stamp sweep
+  timeout "${QERL_SWEEP_TIMEOUT:-300}" python3 -m qerl_kernels.tune "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" \
+    | grep -v '^sweep ' | tail -n 80
+fi
+
+cat > /tmp/qk/run_bench.py <<'EOF'
+import os, sys
+from pathlib import Path
+from rich.console import Console
+from qerl_cli.bench.kernels import bench_kernels, render_tables, short_summary
+shapes = tuple(os.environ.get("QERL_BENCH_SHAPES", "qwen2.5-7b qwen2.5-32b").split())
+ms = tuple(int(m) for m in os.environ.get("QERL_BENCH_MS", "1 16 64 128 256 512 2048").split())
+kw = eval("dict(" + sys.argv[2] + ")")
+log = open(Path(sys.argv[1]).with_suffix(".log"), "w")
+res = bench_kernels(shapes, ms, Path(sys.argv[1]), log=lambda s: print(s, file=log, flush=True), **kw)
+con = Console(width=250)
+for t in render_tables(res):
+    con.print(t)
+for s in shapes:
+    for line in short_summary(res, s):
+        print(line)
+for e in res["errors"][:20]:
+    print("error:", e)
+EOF
+
+if has bench; then
+  stamp bench
+  QERL_BENCH_SHAPES="$SHAPES" QERL_BENCH_MS="$MS" timeout "${QERL_BENCH_TIMEOUT:-420}" \
+    python3 /tmp/qk/run_bench.py "$OUT/bench.json" "peers=[]"
+fi
+
+if has peers; then
+  stamp peers
+  QERL_BENCH_SHAPES="${QERL_PEER_SHAPES:-qwen2.5-7b}" QERL_BENCH_MS="$MS" timeout "${QERL_PEERS_TIMEOUT:-200}" \
+    python3 /tmp/qk/run_bench.py "$OUT/peers.json" 'methods=("bf16",), backward=False, variants=False'
+fi
+stamp done
