@@ -164,12 +164,13 @@ def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def detect_format(config: dict[str, Any]) -> tuple[str, int | None]:
+def detect_format(config: dict[str, Any]) -> tuple[str, int | None, str | None]:
+    """(format, group size, activation quantization) of a checkpoint's config.json."""
     qc = config.get("quantization_config")
     if not qc:
-        return "bf16", None
+        return "bf16", None, None
     if qc.get("quant_method") == "bitsandbytes":
-        return "nf4", 64
+        return "nf4", 64, None
     if qc.get("quant_method") != "compressed-tensors":
         raise QerlError(f"unsupported quantization method {qc.get('quant_method')!r}: qerl reads compressed-tensors")
     by_ct = {s.ct_format: name for name, s in FORMATS.items() if s.ct_format}
@@ -178,7 +179,13 @@ def detect_format(config: dict[str, Any]) -> tuple[str, int | None]:
         raise QerlError(f"unsupported compressed-tensors format {qc.get('format')!r}; qerl reads {sorted(by_ct)}")
     groups = list(qc.get("config_groups", {}).values())
     gs = groups[0].get("weights", {}).get("group_size") if groups else None
-    return fmt, gs
+    acts = (groups[0].get("input_activations") or {}) if groups else {}
+    act_quant = None
+    if acts and acts.get("dynamic") and acts.get("strategy") == "token" and acts.get("num_bits") == 8:
+        act_quant = "fp8" if acts.get("type") == "float" else "int8"
+    elif acts:
+        raise QerlError(f"unsupported activation quantization {acts}: qerl runs dynamic per-token 8-bit only")
+    return fmt, gs, act_quant
 
 
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -191,7 +198,7 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config_dict = json.loads((directory / "config.json").read_text())
-    fmt, group_size = detect_format(config_dict)
+    fmt, group_size, act_quant = detect_format(config_dict)
     config = AutoConfig.from_pretrained(str(directory))
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -219,7 +226,7 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
             tensors.pop("weight_shape", None)
         bias = state.pop(f"{name}.bias", None)
         ql = QuantLinear(k, n, fmt, {kk: v.to(device) for kk, v in tensors.items()}, dtype, group_size,
-                         bias.to(device) if bias is not None else None)
+                         bias.to(device) if bias is not None else None, act_quant)
         _set_module(model, name, ql)
 
     missing, unexpected = model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v

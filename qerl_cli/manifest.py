@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,6 +136,7 @@ class StageRecord:
     env: dict[str, Any] = field(default_factory=dict)
     pid: int = field(default_factory=os.getpid)
     error: str | None = None
+    attempt: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -305,10 +307,11 @@ class RunDir:
         entry = rec.to_dict()
         data["stages"][rec.key] = entry
         history = data["history"]
-        if history and history[-1].get("key") == rec.key and history[-1].get("started") == rec.started:
-            history[-1] = {k: entry[k] for k in ("stage", "key", "status", "started", "finished")}
+        summary = {k: entry[k] for k in ("stage", "key", "attempt", "status", "started", "finished")}
+        if history and history[-1].get("attempt") == rec.attempt:
+            history[-1] = summary
         else:
-            history.append({k: entry[k] for k in ("stage", "key", "status", "started", "finished")})
+            history.append(summary)
         data["updated"] = now_iso()
         self._write(data)
 

@@ -107,8 +107,13 @@ def quantize_model(
     dtype: str = "bf16",
     seed: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
+    loaded: tuple[Any, Any] | None = None,
 ) -> QuantizeResult:
-    """Quantize `model` (default: the embedded SmolLM2) into `run_dir/model` and record the stage."""
+    """Quantize `model` (default: the embedded SmolLM2) into `run_dir/model` and record the stage.
+
+    `loaded` passes an already loaded fp32 (model, tokenizer) of that same source (tests, notebooks);
+    its weights are read, never modified.
+    """
     if fmt not in FORMATS:
         raise QerlError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
     if method not in METHODS:
@@ -129,7 +134,7 @@ def quantize_model(
     config = {"model": src.to_json(), "format": fmt, "ignore": ignore, "method": method, "dtype": dtype}
     with run.stage("quantize", config=config, inputs={"model": {**src.to_json(), "sha256": _source_hashes(src)}},
                    seeds={"torch": seed}) as rec:
-        hf_model, tokenizer = load_model(src, dtype=torch.float32)
+        hf_model, tokenizer = loaded if loaded is not None else load_model(src, dtype=torch.float32)
         targets, skipped = target_linears(hf_model, ignore)
         if not targets:
             raise QerlError(f"no Linear layer left to quantize after --ignore {ignore}")

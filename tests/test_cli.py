@@ -1,0 +1,110 @@
+"""The `qerl` command line: bad input gives one clear line and exit code 2, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def qerl(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200", "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, "-m", "qerl_cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=300)
+
+
+def assert_one_line_error(res: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr
+    err = res.stderr.strip()
+    assert err.count("\n") == 0, err
+    for n in needles:
+        assert n in err, err
+
+
+def test_help_lists_the_four_stages() -> None:
+    res = qerl("--help")
+    assert res.returncode == 0
+    for cmd in ("quantize", "train", "eval", "bench"):
+        assert cmd in res.stdout
+
+
+def test_unknown_format(tmp_path: Path) -> None:
+    assert_one_line_error(qerl("quantize", "--run", str(tmp_path / "r"), "--format", "fp5"),
+                          "unknown format 'fp5'", "nvfp4")
+
+
+def test_unknown_method(tmp_path: Path) -> None:
+    assert_one_line_error(qerl("quantize", "--run", str(tmp_path / "r"), "--method", "magic"), "unknown method")
+
+
+def test_model_that_does_not_exist(tmp_path: Path) -> None:
+    assert_one_line_error(qerl("quantize", str(tmp_path / "nope"), "--run", str(tmp_path / "r")),
+                          "does not exist")
+
+
+def test_run_dir_is_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("")
+    assert_one_line_error(qerl("quantize", "--run", str(f)), "is a file")
+
+
+def test_truncated_gguf(tmp_path: Path) -> None:
+    from qerl_cli.models import embedded_gguf_path
+
+    src = embedded_gguf_path()
+    bad = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        bad.write_bytes(f.read(src.stat().st_size // 2))
+    res = qerl("quantize", str(bad), "--run", str(tmp_path / "r"))
+    assert_one_line_error(res, "truncated")
+    assert not (tmp_path / "r" / "model").exists()
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert manifest["stages"]["quantize"]["status"] == "failed"
+
+
+def test_truncated_safetensors(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                vocab_size=128).save_pretrained(model_dir)
+    save_file({"model.embed_tokens.weight": torch.randn(128, 32)}, str(model_dir / "model.safetensors"))
+    data = (model_dir / "model.safetensors").read_bytes()
+    (model_dir / "model.safetensors").write_bytes(data[: len(data) - 100])
+    assert_one_line_error(qerl("quantize", str(model_dir), "--run", str(tmp_path / "r")), "truncated")
+
+
+def test_corrupted_manifest_is_not_overwritten(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "manifest.json").write_text("{not json")
+    assert_one_line_error(qerl("quantize", "--run", str(run)), "corrupted")
+    assert (run / "manifest.json").read_text() == "{not json"
+
+
+def test_debug_shows_traceback(tmp_path: Path) -> None:
+    res = qerl("--debug", "quantize", "--run", str(tmp_path / "r"), "--format", "fp5")
+    assert res.returncode != 0 and "Traceback" in res.stderr
+
+
+@pytest.mark.slow
+def test_quantize_default_model_end_to_end(tmp_path: Path) -> None:
+    """`qerl quantize --run r` with no model: the embedded default, NVFP4, recorded in the manifest."""
+    run = tmp_path / "r"
+    res = qerl("quantize", "--run", str(run))
+    assert res.returncode == 0, res.stderr
+    assert "nvfp4" in res.stdout and "unquantized: lm_head" in res.stdout.replace("\n", " ")
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["stages"]["quantize"]["status"] == "completed"
+    assert (run / "model" / "model.safetensors").is_file()
+    assert not [p for p in run.iterdir() if p.name.startswith(".model")]
+    shutil.rmtree(run)
