@@ -81,6 +81,11 @@ class QuantLinear(nn.Module):
         return dequantize(self.quantized_weight, dtype)
 
     @property
+    def qweight(self) -> torch.Tensor:
+        """The main packed tensor (peft and other tools look here for the layer's device)."""
+        return getattr(self, self._tensor_names[0])
+
+    @property
     def weight_nbytes(self) -> int:
         return self.quantized_weight.nbytes()
 
