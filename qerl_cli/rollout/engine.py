@@ -89,6 +89,8 @@ class BuiltinEngine:
         max_prefill_tokens: padded tokens per prefill batch (at least one prompt is always taken).
         sync_every: decode steps between host syncs (default 8 on CUDA, 1 on CPU).
         cuda_graphs: capture the decode step as CUDA graphs (CUDA only).
+        compile_decode: wrap the decode step in ``torch.compile`` (fuses the small elementwise ops; the
+            first rollout pays the compile time).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class BuiltinEngine:
         max_prefill_tokens: int = 8192,
         sync_every: int | None = None,
         cuda_graphs: bool = True,
+        compile_decode: bool = False,
     ) -> None:
         if max_batch_slots < 1:
             raise QerlError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
@@ -120,6 +123,8 @@ class BuiltinEngine:
         on_cuda = self.device.type == "cuda"
         self.sync_every = sync_every if sync_every is not None else (8 if on_cuda else 1)
         self.use_graphs = cuda_graphs and on_cuda
+        if compile_decode:
+            self.runner.compile_decode()
         self.shape = CacheShape(
             num_layers=self.runner.num_layers,
             num_kv_heads=self.runner.num_kv_heads,
@@ -219,7 +224,7 @@ class BuiltinEngine:
 
     def _decode_fn(self):  # noqa: ANN202
         if not self.use_graphs:
-            return self.runner.decode_step
+            return self.runner.step_fn
         fingerprint = graph_fingerprint(self.runner)
         if self._graphs is None or self._graphs.fingerprint != fingerprint:
             self._graphs = CudaGraphDecoder(self.runner, self._ensure_cache().num_slots)

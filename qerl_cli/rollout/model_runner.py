@@ -133,8 +133,16 @@ class ModelRunner:
         self.cos = cos[0].to(self.dtype).contiguous()  # [cache_len, head_dim]
         self.sin = sin[0].to(self.dtype).contiguous()
         self.cache: KVCache | None = None
+        # What the engine calls for a decode step: decode_step itself, or a torch.compile of it.
+        self.step_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = self.decode_step
 
-    # ----- norm weights -------------------------------------------------------------------------------
+    def compile_decode(self) -> None:
+        """Wrap the decode step in ``torch.compile`` (Inductor fuses the norm/RoPE/mask elementwise ops,
+        which at small batch cost as much GPU time as the GEMMs). Dynamic shapes: one compile serves
+        every batch bucket and kv length; CUDA graphs are then captured around the compiled code."""
+        self.step_fn = torch.compile(self.decode_step, dynamic=True)
+
+    # ----- norm weights ---------------------------------------------------------------------------------
 
     def resolve_overrides(self, overrides: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Map user names (``model.layers.0.input_layernorm[.weight]``, peft-prefixed or not) to tensors."""
@@ -326,12 +334,12 @@ class CudaGraphDecoder:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: lazy inits and cuBLAS workspaces happen outside the capture
-                self.runner.decode_step(tokens, positions, kv_len)
+            for _ in range(2):  # warm-up: compiles, lazy inits, cuBLAS workspaces happen outside the capture
+                self.runner.step_fn(tokens, positions, kv_len)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.runner.decode_step(tokens, positions, kv_len)
+            out = self.runner.step_fn(tokens, positions, kv_len)
         return graph, out
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -357,15 +365,14 @@ def graph_fingerprint(runner: ModelRunner) -> tuple:
     for name, t in list(runner.lm.named_parameters()) + list(runner.lm.named_buffers()):
         parts.append((name, t.data_ptr(), tuple(t.shape)))
     for name, module in runner.lm.named_modules():
-        if hasattr(module, "disable_adapters") or hasattr(module, "merged"):
-            parts.append(
-                (
-                    name,
-                    getattr(module, "disable_adapters", None),
-                    getattr(module, "merged", None),
-                    tuple(getattr(module, "active_adapters", ()) or ()),
-                )
-            )
+        # peft tuner layers expose these as properties; models expose same-named methods (skipped).
+        switches = []
+        for attr in ("disable_adapters", "merged", "active_adapters"):
+            value = getattr(module, attr, None)
+            if value is not None and not callable(value):
+                switches.append((attr, tuple(value) if isinstance(value, list | tuple) else value))
+        if switches:
+            parts.append((name, tuple(switches)))
     cache = runner.cache
     if cache is not None and cache.k is not None and cache.v is not None:
         parts.append(("kv", cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape)))

@@ -176,14 +176,16 @@ class Scheduler:
         logit_rows: list[torch.Tensor] = []
         if self.stash is not None:
             free = self._take_from_stash(free, new, logit_rows)
-        if free > 0 and self.waiting:
+        while free > 0 and self.waiting and self.stash is None:
             batch = self._pick_prefill_batch(free)
-            self._prefill(batch, free, new, logit_rows)
+            free -= self._prefill(batch, free, new, logit_rows)
         if not new:
             return
         self._start(new, logit_rows)
 
-    def _prefill(self, batch: list[int], free: int, new: list[Sequence], logit_rows: list[torch.Tensor]) -> None:
+    def _prefill(self, batch: list[int], free: int, new: list[Sequence], logit_rows: list[torch.Tensor]) -> int:
+        """Prefill ``batch`` and hand its samples up to ``free`` slots; returns the slots taken."""
+        taken = free
         device = self.runner.device
         lengths = [len(self.prompts[i]) for i in batch]
         width = max(lengths)
@@ -207,6 +209,7 @@ class Scheduler:
             if sample < self.params.n:
                 # Only the last prompt of a batch can overflow: the batch was sized to the free slots.
                 self.stash = _Stash(i, sample, logits[row].clone(), pk.clone(), pv.clone())
+        return taken - free
 
     def _start(self, new: list[Sequence], logit_rows: list[torch.Tensor]) -> None:
         device = self.runner.device
