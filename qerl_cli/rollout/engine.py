@@ -8,6 +8,11 @@ Usage::
 
 ``generate`` puts the model in eval mode for the rollout (LoRA dropout off) and restores every module's
 training flag afterwards. The KV cache is allocated on first use and kept until ``release()``.
+
+Measured once on an H200 (random weights of the Qwen2.5-0.5B shape, bf16, 256 prompt + 256 sampled
+tokens, torch 2.11): CUDA graphs 2,333 tok/s at 8 prompts and 12,817 at 64; eager 536 and 4,083;
+transformers ``generate`` (dynamic cache) 518 and 4,499. At this size the step is bound by ~40 small
+kernels per layer (norm, RoPE, cache write), not by the GEMMs; fusing them is the next speed-up.
 """
 
 from __future__ import annotations
@@ -89,8 +94,6 @@ class BuiltinEngine:
         max_prefill_tokens: padded tokens per prefill batch (at least one prompt is always taken).
         sync_every: decode steps between host syncs (default 8 on CUDA, 1 on CPU).
         cuda_graphs: capture the decode step as CUDA graphs (CUDA only).
-        compile_decode: wrap the decode step in ``torch.compile`` (fuses the small elementwise ops; the
-            first rollout pays the compile time).
     """
 
     def __init__(
@@ -105,7 +108,6 @@ class BuiltinEngine:
         max_prefill_tokens: int = 8192,
         sync_every: int | None = None,
         cuda_graphs: bool = True,
-        compile_decode: bool = False,
     ) -> None:
         if max_batch_slots < 1:
             raise QerlError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
@@ -123,8 +125,6 @@ class BuiltinEngine:
         on_cuda = self.device.type == "cuda"
         self.sync_every = sync_every if sync_every is not None else (8 if on_cuda else 1)
         self.use_graphs = cuda_graphs and on_cuda
-        if compile_decode:
-            self.runner.compile_decode()
         self.shape = CacheShape(
             num_layers=self.runner.num_layers,
             num_kv_heads=self.runner.num_kv_heads,
