@@ -224,6 +224,101 @@ def _grouped(pid, num_a, num_b, GROUP: tl.constexpr):
     return pid_a, pid_b
 
 
+# ---- repacked layout (load-time, kept in the module's kernel state) --------------------------------
+# Within every 64-byte unit of a row (128 elements), byte q*16 + g holds original byte 4g + q. A thread
+# of the Hopper MMA that owns K-pair column q of the A fragment then finds all its bytes of the unit in
+# one contiguous 16-byte run, so the tile loads with 16-byte vectors and decodes straight into the
+# fragment's registers. Block scales are pre-converted to the 16-bit factor the asm decoder multiplies
+# by (the same exact `scale * 2**(F + 14 or 126)` as `_scale_16`) and read as int32 pairs.
+@triton.jit
+def _fp4_tile_v2(w_ptr, s_ptr, offs_n, k0, N, K,
+                 BN: tl.constexpr, BK: tl.constexpr, NVFP4: tl.constexpr, F32: tl.constexpr,
+                 F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    GS: tl.constexpr = 16 if NVFP4 else 32
+    UN: tl.constexpr = BK // 128
+    BPU: tl.constexpr = 128 // GS
+    u = tl.arange(0, UN)
+    q = tl.arange(0, 4)
+    g = tl.arange(0, 16)
+    off = k0 // 2 + u[:, None, None] * 64 + q[None, :, None] * 16 + g[None, None, :]
+    w_ptrs = w_ptr + offs_n[:, None, None, None] * (K // 2) + off[None, :, :, :]
+    kw = k0 // (2 * GS) + tl.arange(0, BK // (2 * GS))
+    s_ptrs = s_ptr + offs_n[:, None] * (K // (2 * GS)) + kw[None, :]
+    if EVEN_N and EVEN_K:
+        b = tl.load(w_ptrs)
+        sw = tl.load(s_ptrs)
+    else:
+        nm = offs_n < N
+        um = (k0 + u * 128) < K
+        b = tl.load(w_ptrs, mask=nm[:, None, None, None] & um[None, :, None, None], other=0)
+        sw = tl.load(s_ptrs, mask=nm[:, None] & (kw[None, :] < K // (2 * GS)), other=0)
+    s_lo = (sw & 0xFFFF).to(tl.int16)
+    s_hi = (sw >> 16).to(tl.int16)
+    if F32:  # interpreter / fp32 activations: fp16-format scales, integer decode, fp32 products
+        sc = tl.join(s_lo.to(tl.float16, bitcast=True).to(tl.float32) * 0.00006103515625,  # * 2**-14
+                     s_hi.to(tl.float16, bitcast=True).to(tl.float32) * 0.00006103515625)
+        sc = tl.reshape(sc, (BN, UN, 1, BPU, 1))
+        sb = tl.reshape(tl.broadcast_to(sc, (BN, UN, 4, BPU, 16 // BPU)), (BN, UN, 4, 16))
+        c = b.to(tl.uint32)
+        lo = _e2m1_f32(c & 15) * sb
+        hi = _e2m1_f32(c >> 4) * sb
+    else:
+        if F16:
+            sc = tl.join(s_lo.to(tl.float16, bitcast=True), s_hi.to(tl.float16, bitcast=True))
+        else:
+            sc = tl.join(s_lo.to(tl.bfloat16, bitcast=True), s_hi.to(tl.bfloat16, bitcast=True))
+        sc = tl.reshape(sc, (BN, UN, 1, BPU, 1))
+        sb = tl.reshape(tl.broadcast_to(sc, (BN, UN, 4, BPU, 16 // BPU)), (BN, UN, 4, 16))
+        if F16:
+            lo, hi = _fp4x2_f16(b, sb)
+        else:
+            lo, hi = _fp4x2_bf16(b, sb)
+    w = tl.permute(tl.join(lo, hi), (0, 1, 3, 2, 4))  # [BN, UN, 16(g), 4(q), 2(nibble)] = k order
+    return tl.reshape(w, (BN, BK))
+
+
+@triton.jit
+def _fp4_mm_v2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr, ws_ptr,
+                      M, N, K, stride_xm, stride_ym, k_split, alpha,
+                      NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                      F32: tl.constexpr, F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    m_mask = offs_m < M
+    k_start = pid_k * k_split
+    k_end = tl.minimum(k_start + k_split, K)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BK):
+        w = _fp4_tile_v2(w_ptr, s_ptr, offs_n, k0, N, K, BN, BK, NVFP4, F32, F16, EVEN_N, EVEN_K)
+        kx = k0 + offs_k
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + kx[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & (kx[None, :] < K), other=0.0)
+        if F32:
+            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    if NVFP4:
+        acc = acc * (alpha / tl.load(gs_ptr))
+    else:
+        acc = acc * alpha
+    n_mask = offs_n < N
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT:
+        base = ws_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 # ---- y = x @ dequant(W)^T ------------------------------------------------------------------------
 @triton.jit
 def _fp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, bias_ptr, y_ptr, ws_ptr,
@@ -467,3 +562,69 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
         num_warps=4, num_stages=1 if INTERPRET else 2,
     )
     return out
+
+
+# ---- repacked (v2) host side -------------------------------------------------------------------------
+def repack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] compressed-tensors bytes -> the v2 layout (needs K % 128 == 0): a bijection, same size."""
+    n, kb = packed.shape
+    if kb % 64:
+        raise ValueError(f"the repacked FP4 layout needs K % 128 == 0, got K={2 * kb}")
+    return packed.reshape(n, kb // 64, 16, 4).transpose(-1, -2).contiguous().reshape(n, kb)
+
+
+def unrepack_fp4(repacked: torch.Tensor) -> torch.Tensor:
+    n, kb = repacked.shape
+    return repacked.reshape(n, kb // 64, 4, 16).transpose(-1, -2).contiguous().reshape(n, kb)
+
+
+def kernel_scales(scale: torch.Tensor, fmt: str, dtype: torch.dtype, shift: int = 0) -> torch.Tensor:
+    """Block scales as the 16-bit factor the v2 decoder multiplies by, viewed as int32 pairs [N, K/(2G)].
+
+    bf16: scale * 2**(126 + F); fp16 (also the fp32/interpreter path): scale * 2**(14 + F). Exact.
+    """
+    bf16 = dtype == torch.bfloat16 and not INTERPRET
+    if fmt == "nvfp4":
+        s = scale.float() * (2.0 ** (126 + NVFP4_F) if bf16 else 2.0 ** (14 + NVFP4_F))
+        out = s.to(torch.bfloat16 if bf16 else torch.float16)
+    else:
+        e = scale.to(torch.int32) + shift
+        bits = ((e + 126).clamp(0, 254) << 7) if bf16 else ((e - 98).clamp(0, 30) << 10)
+        out = bits.to(torch.int16)
+    if out.shape[1] % 2:
+        raise ValueError("the repacked FP4 layout needs an even number of scale blocks per row")
+    return out.contiguous().view(torch.int32)
+
+
+def fp4_matmul_v2(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor,
+                  global_scale: torch.Tensor | None, fmt: str, cfg: TileConfig, *, shift: int = 0,
+                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp4_matmul` on the repacked layout (`repack_fp4`) with `kernel_scales(scale, fmt, x.dtype, shift)`."""
+    n, k = repacked.shape[0], repacked.shape[1] * 2
+    m = x.shape[0]
+    f32 = INTERPRET or x.dtype == torch.float32
+    if INTERPRET:
+        cfg = interpreter_config(cfg)
+    if cfg.bk % 128:
+        raise ValueError("the repacked FP4 kernel needs BK % 128 == 0")
+    nv = fmt == "nvfp4"
+    F = NVFP4_F if nv else shift
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.bk)))
+    k_split = triton.cdiv(triton.cdiv(k, split), cfg.bk) * cfg.bk
+    split = triton.cdiv(k, k_split)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    bias_arg = bias if bias is not None else y
+    gs = global_scale if nv else kscales
+    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), split)
+    _fp4_mm_v2_kernel[grid](
+        x, repacked, kscales, gs, bias_arg, y, ws, m, n, k, x.stride(0), y.stride(0), k_split, 2.0 ** (-F),
+        NVFP4=nv, HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=8, F32=f32, F16=x.dtype == torch.float16,
+        EVEN_N=n % cfg.bn == 0, EVEN_K=k % cfg.bk == 0, num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+    if split > 1:
+        block = 1024
+        splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+            ws, bias_arg, y, m, n, y.stride(0), split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y

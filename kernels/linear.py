@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 from qerl_kernels._common import INTERPRET, TileConfig, num_sms, split_k_for
-from qerl_kernels.fp4 import fp4_dequantize, fp4_matmul, fp4_matmul_t, mxfp4_shift
+from qerl_kernels.fp4 import (
+    fp4_dequantize,
+    fp4_matmul,
+    fp4_matmul_t,
+    fp4_matmul_v2,
+    kernel_scales,
+    mxfp4_shift,
+    repack_fp4,
+)
 from qerl_kernels.w8 import fp8_scaled_matmul, w8_matmul, w8_matmul_t
 
 if TYPE_CHECKING:
@@ -37,6 +45,9 @@ SUPPORTED = FP4_FORMATS + W8_FORMATS
 LARGE_M_DEQUANT = int(os.environ.get("QERL_FP4_DEQUANT_M", "1024"))
 LARGE_M_DEQUANT_T = int(os.environ.get("QERL_FP4_DEQUANT_T_M", "1024"))
 FP8_ACT_MIN_M = int(os.environ.get("QERL_FP8_ACT_MIN_M", "64"))
+# The repacked FP4 layout (fp4.repack_fp4) costs one more copy of the packed weight (0.5 byte/weight) in
+# the module's kernel state; QERL_FP4_REPACK=0 keeps only the checkpoint layout (slower kernel).
+REPACK = os.environ.get("QERL_FP4_REPACK", "1") != "0"
 
 
 def _fp8_act_mode() -> str:
@@ -44,18 +55,23 @@ def _fp8_act_mode() -> str:
 
 
 # ---- launch configurations -----------------------------------------------------------------------
-def fp4_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
-    """Tile shape for the fused FP4 kernel at M rows (tuned on H100/H200 by `qerl bench kernels --sweep`)."""
-    if m <= 16:
-        bm, bn, bk, warps, stages = 16, 128, 256, 4, 4
+def fp4_config(m: int, n: int, k: int, sms: int = 132, repacked: bool = True) -> TileConfig:
+    """Tile shape for the fused FP4 kernel at M rows (from `python -m qerl_kernels.tune` on an H200)."""
+    if not repacked:  # checkpoint-layout kernel (fp4_matmul)
+        if m <= 16:
+            bm, bn, bk, warps, stages = 16, 64, 256, 4, 4
+        elif m <= 64:
+            bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
+        else:
+            bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+    elif m <= 16:
+        bm, bn, bk, warps, stages = 16, 128, 128, 4, 4
     elif m <= 32:
-        bm, bn, bk, warps, stages = 32, 128, 256, 4, 4
+        bm, bn, bk, warps, stages = 32, 128, 128, 4, 4
     elif m <= 64:
         bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
-    elif m <= 128:
-        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
     else:
-        bm, bn, bk, warps, stages = 128, 256, 64, 8, 3
+        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     return TileConfig(bm, bn, bk, warps, stages, split_k_for(tiles, k, bk, sms))
 
@@ -90,6 +106,8 @@ class KernelState:
     n: int
     k: int
     shift: int = 0  # MXFP4 exponent shift F (see fp4.py)
+    repacked: torch.Tensor | None = None  # FP4 weight in the v2 layout (fp4.repack_fp4), when K % 128 == 0
+    kscales: dict = field(default_factory=dict)  # activation dtype -> fp4.kernel_scales(...)
     fp8_scale_row: torch.Tensor | None = None  # FP8 weight scale as fp32 [1, N] for torch._scaled_mm
     extra: dict = field(default_factory=dict)
 
@@ -112,6 +130,8 @@ def kernel_state(module: nn.Module) -> KernelState:
     st = KernelState(key, module.fmt, module.out_features, module.in_features)
     if module.fmt == "mxfp4":
         st.shift = mxfp4_shift(t["weight_scale"])
+    if module.fmt in FP4_FORMATS and REPACK and module.in_features % 128 == 0:
+        st.repacked = repack_fp4(t["weight_packed"])
     if module.fmt == "fp8":
         st.fp8_scale_row = t["weight_scale"].float().reshape(1, -1).contiguous()
     module._kernel_state = st
@@ -128,6 +148,22 @@ def _use_fp8_act(x: torch.Tensor, st: KernelState) -> bool:
     return mode == "1" or x.shape[0] >= FP8_ACT_MIN_M
 
 
+def fp4_fused(x: torch.Tensor, module: nn.Module, cfg: TileConfig | None = None) -> torch.Tensor:
+    """The fused FP4 kernel (repacked layout when the state has it), bias included."""
+    st = kernel_state(module)
+    t = _tensors(module)
+    gs = t.get("weight_global_scale")
+    m = x.shape[0]
+    if st.repacked is not None:
+        cfg = cfg or fp4_config(m, st.n, st.k, num_sms(x.device))
+        ks = st.kscales.get(x.dtype)
+        if ks is None:
+            ks = st.kscales[x.dtype] = kernel_scales(t["weight_scale"], st.fmt, x.dtype, st.shift)
+        return fp4_matmul_v2(x, st.repacked, ks, gs, st.fmt, cfg, shift=st.shift, bias=module.bias)
+    cfg = cfg or fp4_config(m, st.n, st.k, num_sms(x.device), repacked=False)
+    return fp4_matmul(x, t["weight_packed"], t["weight_scale"], gs, st.fmt, cfg, bias=module.bias, shift=st.shift)
+
+
 def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """y = x @ dequant(W)^T + b for 2-D contiguous-rows x [M, K] (no autograd)."""
     st = kernel_state(module)
@@ -140,8 +176,7 @@ def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         if m >= LARGE_M_DEQUANT and not INTERPRET:
             w = fp4_dequantize(t["weight_packed"], t["weight_scale"], gs, st.fmt, x.dtype)
             return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
-        cfg = fp4_config(m, st.n, st.k, sms)
-        return fp4_matmul(x, t["weight_packed"], t["weight_scale"], gs, st.fmt, cfg, bias=bias, shift=st.shift)
+        return fp4_fused(x, module)
     if _use_fp8_act(x, st):
         return fp8_scaled_matmul(x, t["weight"], st.fp8_scale_row, None if bias is None else bias.to(x.dtype))
     return w8_matmul(x, t["weight"], t["weight_scale"], w8_config(m, st.n, st.k, sms), bias=bias)

@@ -25,10 +25,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_selfcheck(device: str = "cuda", seed: int = 0,
-                  shapes: tuple[tuple[int, int, int], ...] = ((1, 256, 512), (5, 200, 352), (130, 4608, 3584)),
+                  shapes: tuple[tuple[int, int, int], ...] = ((1, 256, 512), (5, 200, 352), (130, 4608, 3584),
+                                                              (7, 72, 384)),
                   module_ms: tuple[int, ...] = (1, 16, 100, 1100)) -> list[dict]:
     from qerl_kernels import linear as ql
-    from qerl_kernels.fp4 import fp4_dequantize, fp4_matmul, fp4_matmul_t, mxfp4_shift
+    from qerl_kernels.fp4 import (
+        fp4_dequantize,
+        fp4_matmul,
+        fp4_matmul_t,
+        fp4_matmul_v2,
+        kernel_scales,
+        mxfp4_shift,
+        repack_fp4,
+    )
     from qerl_kernels.w8 import fp8_scaled_matmul, quantize_rows_fp8, w8_matmul, w8_matmul_t
 
     from qerl_cli.formats import dequantize, quantize
@@ -86,6 +95,15 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
                         check(f"{fmt}-fwd-{dname}-{cfg.key()}-{dt}",
                               bind(fp4_matmul, x, t["weight_packed"], t["weight_scale"], gs, fmt, cfg, shift=shift,
                                    decode=dec, out=y),
+                              ref, TOL[dt], M=m, N=n, K=k)
+                if k % 128 == 0:
+                    wr = repack_fp4(t["weight_packed"])
+                    ks = kernel_scales(t["weight_scale"], fmt, dt, shift or 0)
+                    for cfg in (ql.fp4_config(m, n, k), TileConfig(16, 64, 256, 4, 4, 3),
+                                TileConfig(128, 128, 128, 8, 3), TileConfig(64, 128, 256, 4, 3)):
+                        y = torch.full((m, n), float("nan"), dtype=dt, device=device)
+                        check(f"{fmt}-fwd-v2-{cfg.key()}-{dt}",
+                              bind(fp4_matmul_v2, x, wr, ks, gs, fmt, cfg, shift=shift or 0, out=y),
                               ref, TOL[dt], M=m, N=n, K=k)
                 dy = torch.randn(m, n, generator=g).to(device=device, dtype=dt)
                 check(f"{fmt}-dx-{dt}", bind(fp4_matmul_t, dy, t["weight_packed"], t["weight_scale"], gs, fmt,

@@ -14,26 +14,26 @@ from functools import partial
 
 import torch
 import triton
-from qerl_kernels._common import DECODE_ARITH, DECODE_ASM, DECODE_LUT, TileConfig, num_sms, split_k_for
+from qerl_kernels._common import DECODE_ARITH, DECODE_ASM, TileConfig, num_sms, split_k_for
 
 CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {
-    # (bm, bn, bk, warps, stages)
-    1: [(16, 128, 256, 4, 4), (16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (16, 64, 512, 4, 3), (16, 128, 256, 8, 3),
-        (16, 256, 128, 8, 3)],
-    64: [(64, 128, 128, 4, 4), (64, 128, 256, 4, 3), (64, 64, 256, 4, 4), (32, 128, 256, 4, 4), (64, 256, 128, 8, 3)],
-    128: [(128, 128, 128, 8, 3), (128, 128, 64, 8, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
-          (128, 256, 64, 8, 3)],
-    256: [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3)],
+    # (bm, bn, bk, warps, stages) for the repacked kernel (bk % 128 == 0); none of these spills on sm_90
+    1: [(16, 128, 128, 4, 4), (16, 64, 256, 4, 4), (16, 64, 128, 4, 4), (16, 128, 256, 4, 3), (16, 128, 128, 4, 6)],
+    64: [(64, 128, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3)],
+    128: [(128, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 128, 256, 8, 2), (128, 64, 128, 4, 4)],
+    256: [(128, 128, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 256, 8, 2), (128, 256, 128, 8, 3)],
 }
 CANDIDATES[16] = CANDIDATES[1]
-CANDIDATES[32] = [(32, 128, 256, 4, 4), (32, 128, 128, 4, 4), (16, 128, 256, 4, 4)]
 CANDIDATES[512] = CANDIDATES[256]
 CANDIDATES[2048] = CANDIDATES[256]
+# the checkpoint-layout kernel, once per M for comparison
+V1_CFG = {1: (16, 64, 256, 4, 4), 16: (16, 64, 256, 4, 4), 64: (64, 128, 128, 4, 4), 128: (128, 128, 64, 8, 4),
+          256: (128, 128, 64, 8, 3), 512: (128, 128, 64, 8, 3), 2048: (256, 128, 64, 8, 3)}
 
 
 def sweep_fp4(model: str = "qwen2.5-7b", ms: tuple[int, ...] = (1, 16, 64, 128, 256, 512, 2048), fmt: str = "nvfp4",
               rep_ms: int = 25, log: Callable[[str], None] | None = print) -> list[dict]:
-    from qerl_kernels.fp4 import fp4_matmul
+    from qerl_kernels.fp4 import fp4_matmul, fp4_matmul_v2, kernel_scales
     from qerl_kernels.linear import kernel_state
 
     from qerl_cli.bench.kernels import _copies, _quant_modules, layer_linears, time_calls
@@ -45,35 +45,44 @@ def sweep_fp4(model: str = "qwen2.5-7b", ms: tuple[int, ...] = (1, 16, 64, 128, 
     for name, n, k in layer_linears(model):
         w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
         mods = _quant_modules(w, fmt, lambda b: _copies(b, l2))
-        shifts = [kernel_state(m_).shift for m_ in mods]
+        states = [kernel_state(m_) for m_ in mods]
+        kss = [kernel_scales(m_.weight_scale, fmt, torch.bfloat16, st.shift)
+               for m_, st in zip(mods, states, strict=True)]
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            runs: list[tuple[TileConfig, int]] = []
-            for bm, bn, bk, wp, st in CANDIDATES.get(m, CANDIDATES[256]):
+            runs: list[tuple[TileConfig, str]] = []
+            for bm, bn, bk, wp, stg in CANDIDATES.get(m, CANDIDATES[256]):
                 base = split_k_for(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, bk, sms)
                 splits = {base}
                 if m <= 64:
                     splits |= {max(1, base // 2), min(32, base * 2)}
                 for sp in sorted(splits):
-                    runs.append((TileConfig(bm, bn, bk, wp, st, sp), DECODE_ASM))
-            if m in (1, 128, 2048):
-                c0 = runs[0][0]
-                runs += [(c0, DECODE_ARITH), (c0, DECODE_LUT)]
-            for cfg, dec in runs:
-                calls = [partial(fp4_matmul, x, m_.weight_packed, m_.weight_scale,
-                                 getattr(m_, "weight_global_scale", None), fmt, cfg, shift=s_, decode=dec)
-                         for m_, s_ in zip(mods, shifts, strict=True)]
+                    runs.append((TileConfig(bm, bn, bk, wp, stg, sp), "v2"))
+            bm, bn, bk, wp, stg = V1_CFG.get(m, V1_CFG[256])
+            runs.append((TileConfig(bm, bn, bk, wp, stg, split_k_for(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, bk,
+                                                                      sms)), "v1"))
+            if m in (1, 128):
+                runs.append((runs[-1][0], "v1-arith"))
+            for cfg, kind in runs:
+                if kind == "v2":
+                    calls = [partial(fp4_matmul_v2, x, st.repacked, ks, getattr(m_, "weight_global_scale", None), fmt,
+                                     cfg, shift=st.shift) for m_, st, ks in zip(mods, states, kss, strict=True)]
+                else:
+                    dec = DECODE_ARITH if kind == "v1-arith" else DECODE_ASM
+                    calls = [partial(fp4_matmul, x, m_.weight_packed, m_.weight_scale,
+                                     getattr(m_, "weight_global_scale", None), fmt, cfg, shift=st.shift, decode=dec)
+                             for m_, st in zip(mods, states, strict=True)]
                 try:
                     t, _ = time_calls(calls, rep_ms=rep_ms)
                 except Exception as exc:
-                    rows.append({"gemm": name, "M": m, "cfg": cfg.key(), "decode": dec, "error": repr(exc)[:300]})
+                    rows.append({"gemm": name, "M": m, "cfg": cfg.key(), "decode": kind, "error": repr(exc)[:300]})
                     continue
-                rows.append({"gemm": name, "N": n, "K": k, "M": m, "cfg": cfg.key(), "decode": dec, "ms": t})
+                rows.append({"gemm": name, "N": n, "K": k, "M": m, "cfg": cfg.key(), "decode": kind, "ms": t})
             if log:
                 best = min((r for r in rows if r["gemm"] == name and r["M"] == m and "ms" in r),
                            key=lambda r: r["ms"], default=None)
                 if best:
-                    log(f"sweep {name} M={m}: best {best['cfg']} dec{best['decode']} {best['ms'] * 1e3:.1f}us")
+                    log(f"sweep {name} M={m}: best {best['cfg']} {best['decode']} {best['ms'] * 1e3:.1f}us")
         del mods, w
         torch.cuda.empty_cache()
     return rows
@@ -86,7 +95,7 @@ def summarize_sweep(rows: list[dict]) -> list[str]:
         per: dict[str, dict[str, float]] = {}
         for r in rows:
             if r["M"] == m and "ms" in r:
-                tile = r["cfg"].rsplit("x", 1)[0] + f"/dec{r['decode']}"
+                tile = r["cfg"].rsplit("x", 1)[0] + f"/{r['decode']}"
                 g = per.setdefault(tile, {})
                 g[r["gemm"]] = min(g.get(r["gemm"], 1e9), r["ms"])
         full = {t: sum(v.values()) for t, v in per.items() if len(v) == 4}

@@ -24,6 +24,7 @@ from qerl_kernels import (
     w8_matmul_t,
 )
 from qerl_kernels._common import split_k_for
+from qerl_kernels.fp4 import fp4_matmul_v2, kernel_scales, repack_fp4, unrepack_fp4
 from qerl_kernels.linear import KernelState, fp4_config
 
 from qerl_cli.errors import QerlError
@@ -195,3 +196,21 @@ def test_bench_kernels_needs_a_gpu() -> None:
         pytest.skip("a GPU is present")
     with pytest.raises(QerlError, match="needs a CUDA GPU"):
         bench_kernels(("qwen2.5-7b",), (1,), None)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fp4_repacked_kernel(fmt: str, dtype: torch.dtype) -> None:
+    # the load-time repack is a bijection of the checkpoint bytes; the v2 kernel reads it with 16-bit scales
+    for i, (m, n, k) in enumerate([(1, 40, 256), (17, 33, 384)]):
+        qw, wd, g = _weights(fmt, n, k, seed=30 + i)
+        t = qw.tensors
+        wr = repack_fp4(t["weight_packed"])
+        assert torch.equal(unrepack_fp4(wr), t["weight_packed"]) and not torch.equal(wr, t["weight_packed"])
+        shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else 0
+        ks = kernel_scales(t["weight_scale"], fmt, dtype, shift)
+        x = torch.randn(m, k, generator=g).to(dtype)
+        for cfg in (TileConfig(16, 32, 128), TileConfig(32, 32, 256, split_k=2)):
+            y = torch.full((m, n), float("nan"), dtype=dtype)
+            fp4_matmul_v2(x, wr, ks, t.get("weight_global_scale"), fmt, cfg, shift=shift, out=y)
+            assert _rel(y, x.double() @ wd.T) < TOL[dtype], (fmt, m, n, k, cfg)

@@ -121,7 +121,7 @@ def _method_calls(method: str, w: torch.Tensor, x: torch.Tensor, copies_for: Cal
     """Callables (one per weight copy) computing x @ W^T by `method`, and the weight bytes per copy."""
     import torch.nn.functional as F
     from qerl_kernels import linear as ql
-    from qerl_kernels.fp4 import fp4_dequantize, fp4_matmul
+    from qerl_kernels.fp4 import fp4_dequantize
     from qerl_kernels.w8 import fp8_scaled_matmul
 
     def mods(fmt: str) -> list[torch.nn.Module]:
@@ -145,16 +145,11 @@ def _method_calls(method: str, w: torch.Tensor, x: torch.Tensor, copies_for: Cal
         rows = [m_.weight_scale.float().reshape(1, -1).contiguous() for m_ in ms]
         return [lambda m_=m_, r_=r_: fp8_scaled_matmul(x, m_.weight, r_) for m_, r_ in zip(ms, rows, strict=True)], \
             ms[0].weight_nbytes
-    if method.endswith("-fused") or method.endswith("-dequant"):
+    if method.endswith("-fused"):
         ms = mods(base)
-        st = [ql.kernel_state(m_) for m_ in ms]
-        m = x.shape[0]
-        if method.endswith("-fused"):
-            cfg = ql.fp4_config(m, ms[0].out_features, ms[0].in_features)
-            calls = [partial(fp4_matmul, x, m_.weight_packed, m_.weight_scale,
-                             getattr(m_, "weight_global_scale", None), base, cfg, shift=s_.shift)
-                     for m_, s_ in zip(ms, st, strict=True)]
-            return calls, ms[0].weight_nbytes
+        return [partial(ql.fp4_fused, x, m_) for m_ in ms], ms[0].weight_nbytes
+    if method.endswith("-dequant"):
+        ms = mods(base)
         return [lambda m_=m_: F.linear(x, fp4_dequantize(m_.weight_packed, m_.weight_scale,
                                                          getattr(m_, "weight_global_scale", None), base, x.dtype))
                 for m_ in ms], ms[0].weight_nbytes
