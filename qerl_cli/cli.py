@@ -82,10 +82,79 @@ def quantize(
     )
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def train(ctx: typer.Context, run: RunOpt = Path("runs/default")) -> None:
-    """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN)."""
-    raise QerlError("qerl train is not available in this build yet (issue 4): only `qerl quantize` runs")
+Opt = typer.Option
+
+
+@app.command()
+def train(
+    run: RunOpt = Path("runs/default"),
+    config: Annotated[str | None, Opt("--config", help="YAML preset (templates/NAME.yaml or a path).")] = None,
+    dry_run: Annotated[bool, Opt("--dry-run", help="Print the resolved config and exit.")] = False,
+    resume: Annotated[bool, Opt("--resume", help="Continue from the run's latest checkpoint.")] = False,
+    algo: Annotated[str | None, Opt(help="grpo|dapo|dr_grpo|gspo|pg_seq_is|pg_seq_tis")] = None,
+    aqn: Annotated[bool | None, Opt("--aqn/--no-aqn", help="Adaptive quantization noise.")] = None,
+    aqn_sigma_start: float | None = None,
+    aqn_sigma_end: float | None = None,
+    aqn_stages: int | None = None,
+    task: Annotated[str | None, Opt(help="gsm8k|math|arith|jsonl:PATH")] = None,
+    task_level: Annotated[str | None, Opt(help="arith difficulty (1-7, 'mixed', 'd=0.5').")] = None,
+    reward: Annotated[str | None, Opt(help="Reward registry name or dotted path.")] = None,
+    steps: int | None = None,
+    batch_prompts: int | None = None,
+    num_generations: int | None = None,
+    max_completion_length: int | None = None,
+    temperature: float | None = None,
+    lr: float | None = None,
+    lora_rank: int | None = None,
+    lora_alpha: float | None = None,
+    lora_targets: Annotated[str | None, Opt(help="Comma-separated module names.")] = None,
+    beta: float | None = None,
+    epsilon: float | None = None,
+    epsilon_high: float | None = None,
+    scale_rewards: Annotated[str | None, Opt(help="group|batch|none")] = None,
+    precision: Annotated[str | None, Opt(help="bf16|fp16|fp32")] = None,
+    correction: Annotated[str | None, Opt(help="none|token_tis|token_mis|seq_tis|seq_mis|geo_mis")] = None,
+    correction_cap: float | None = None,
+    rollout_engine: Annotated[str | None, Opt(help="builtin|vllm")] = None,
+    gpu_memory_utilization: float | None = None,
+    micro_batch_size: int | None = None,
+    save_steps: int | None = None,
+    seed: int | None = None,
+) -> None:
+    """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN, TIS/MIS)."""
+    import yaml
+
+    from qerl_cli.train.config import build_config
+
+    overrides = dict(
+        algo=algo, aqn=aqn, aqn_sigma_start=aqn_sigma_start, aqn_sigma_end=aqn_sigma_end, aqn_stages=aqn_stages,
+        task=task, task_level=task_level, reward=reward, steps=steps, batch_prompts=batch_prompts,
+        num_generations=num_generations, max_completion_length=max_completion_length, temperature=temperature,
+        lr=lr, lora_rank=lora_rank, lora_alpha=lora_alpha,
+        lora_targets=[t.strip() for t in lora_targets.split(",")] if lora_targets else None, beta=beta,
+        epsilon=epsilon, epsilon_high=epsilon_high, scale_rewards=scale_rewards, precision=precision,
+        correction=correction, correction_cap=correction_cap, rollout_engine=rollout_engine,
+        gpu_memory_utilization=gpu_memory_utilization, micro_batch_size=micro_batch_size, save_steps=save_steps,
+        seed=seed,
+    )
+    if config is None and not _has_cuda():
+        config = "quick_cpu"  # the CPU-sized preset when nothing else is asked for
+    cfg = build_config(config, overrides)
+    if dry_run:
+        console.print(yaml.safe_dump(cfg.resolved().to_dict(), sort_keys=False).rstrip())
+        return
+    from qerl_cli.train.console import TrainConsole
+    from qerl_cli.train.trainer import train as run_train
+
+    with TrainConsole(console, cfg.resolved()) as ui:
+        res = run_train(run, cfg, resume=resume, on_step=ui.update)
+    ui.summary(res)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @app.command(name="eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

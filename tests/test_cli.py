@@ -7,15 +7,17 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 
 def qerl(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the CLI the way users do; cwd outside the repo keeps the `kernels/` folder off sys.path."""
     env = {**os.environ, "COLUMNS": "200", "TRITON_INTERPRET": "1"}
-    return subprocess.run([sys.executable, "-m", "qerl_cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "qerl_cli", *args], capture_output=True, text=True,
+                          cwd=cwd or Path(tempfile.gettempdir()), env=env, timeout=600)
 
 
 def assert_one_line_error(res: subprocess.CompletedProcess[str], *needles: str) -> None:

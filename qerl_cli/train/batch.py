@@ -1,0 +1,75 @@
+"""Turn rollouts into padded training tensors, and compute sampled-token log-probs with the training forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qerl_cli.train.losses import token_entropy
+
+
+@dataclass
+class RolloutBatch:
+    """Right-padded prompt+completion rows; completion positions are where `mask` is 1.
+
+    `rollout_logp` [B, T] holds the engine's log-probs of the sampled tokens (mu), aligned with the
+    completion tokens; T = longest completion.
+    """
+
+    input_ids: torch.Tensor  # [B, L] prompt + completion, right padded
+    attention_mask: torch.Tensor  # [B, L]
+    prompt_lens: torch.Tensor  # [B]
+    completion_ids: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T] float, 1 on completion tokens kept for the loss
+    rollout_logp: torch.Tensor  # [B, T]
+    lengths: torch.Tensor  # [B] completion lengths
+    truncated: torch.Tensor  # [B] bool, hit max length without a stop
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        return RolloutBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+    def rows(self, idx: slice) -> RolloutBatch:
+        return RolloutBatch(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+
+
+def build_batch(prompts: list[list[int]], completions: list[list[int]], rollout_logps: list[torch.Tensor],
+                truncated: list[bool], pad_id: int, mask_truncated: bool = False) -> RolloutBatch:
+    b = len(prompts)
+    t = max(1, max(len(c) for c in completions))
+    lmax = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    input_ids = torch.full((b, lmax), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, lmax), dtype=torch.long)
+    comp = torch.full((b, t), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, t), dtype=torch.float32)
+    mu = torch.zeros((b, t), dtype=torch.float32)
+    for i, (p, c, lp) in enumerate(zip(prompts, completions, rollout_logps, strict=True)):
+        n = len(p) + len(c)
+        input_ids[i, :n] = torch.tensor(p + c)
+        attn[i, :n] = 1
+        if c:
+            comp[i, : len(c)] = torch.tensor(c)
+            mask[i, : len(c)] = 0.0 if (mask_truncated and truncated[i]) else 1.0
+            mu[i, : len(c)] = lp[: len(c)].float()
+    return RolloutBatch(input_ids, attn, torch.tensor([len(p) for p in prompts]), comp, mask, mu,
+                        torch.tensor([len(c) for c in completions]), torch.tensor(truncated))
+
+
+def sampled_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float,
+                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(y_t) [B, T] under logits / temperature (the distribution the rollout sampled), fp32.
+
+    Only the completion positions' logits are materialised in fp32, to bound memory.
+    """
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    logits = out.logits
+    b, t = batch.completion_ids.shape
+    # logits at position j predict token j+1: completion token k sits at prompt_len + k
+    pos = (batch.prompt_lens.unsqueeze(1) - 1 + torch.arange(t, device=logits.device).unsqueeze(0))
+    pos = pos.clamp(max=logits.shape[1] - 1)
+    sel = logits.gather(1, pos.unsqueeze(-1).expand(b, t, logits.shape[-1])).float() / temperature
+    logp_all = torch.log_softmax(sel, dim=-1)
+    logp = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = token_entropy(sel.detach()) if with_entropy else None
+    return logp * (batch.mask > 0), entropy

@@ -1,0 +1,162 @@
+"""`qerl train` configuration: TRL-style names, YAML presets, flag overrides, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qerl_cli.errors import QerlError
+
+ALGOS = ("grpo", "dapo", "dr_grpo", "gspo", "pg_seq_is", "pg_seq_tis")
+CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mis")
+PRECISIONS = ("bf16", "fp16", "fp32")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a run. Field names follow TRL's GRPOConfig where one exists."""
+
+    algo: str = "grpo"
+    task: str = "arith"
+    reward: str | None = None  # default: the task's reward
+    steps: int = 20
+    batch_prompts: int = 8
+    num_generations: int = 8
+    max_completion_length: int = 256
+    max_prompt_length: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    lr: float | None = None  # default per precision/paper: 1e-5 (QeRL used 1e-5..3e-5 for NVFP4 LoRA)
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    lora_rank: int = 32
+    lora_alpha: float | None = None  # default 2 * rank
+    lora_targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    lora_dropout: float = 0.0
+    beta: float = 0.0
+    epsilon: float | None = None  # default per algo (grpo 0.2; gspo 3e-4)
+    epsilon_high: float | None = None  # default per algo (dapo 0.28; gspo 4e-4)
+    scale_rewards: str | None = None  # default per algo: group (dr_grpo: none)
+    mask_truncated_completions: bool = False
+    overlong_buffer: int | None = None  # DAPO soft overlong punishment buffer (default: max_len / 4 for dapo)
+    dynamic_sampling: bool | None = None  # default: on for dapo
+    max_refill_rounds: int = 3
+    precision: str = "bf16"
+    correction: str = "none"
+    correction_cap: float | None = None
+    aqn: bool = False
+    aqn_sigma_start: float = 1e-2
+    aqn_sigma_end: float = 5e-4
+    aqn_stages: int = 10
+    rollout_engine: str = "builtin"
+    gpu_memory_utilization: float = 0.5
+    max_batch_slots: int = 256
+    micro_batch_size: int = 8
+    gradient_checkpointing: bool = False
+    save_steps: int = 10
+    keep_checkpoints: int = 3
+    seed: int = 0
+    shots: int | None = None
+    chat_template: bool = False
+    task_level: str | None = None  # arith difficulty knob
+    log_rollouts: bool = True
+
+    def resolved(self) -> TrainConfig:
+        """Fill per-algorithm defaults so the manifest records what actually ran."""
+        c = dataclasses.replace(self)
+        if c.lr is None:
+            c.lr = 1e-5
+        if c.lora_alpha is None:
+            c.lora_alpha = 2 * c.lora_rank
+        if c.scale_rewards is None:
+            c.scale_rewards = "none" if c.algo == "dr_grpo" else "group"
+        if c.dynamic_sampling is None:
+            c.dynamic_sampling = c.algo == "dapo"
+        if c.overlong_buffer is None:
+            c.overlong_buffer = c.max_completion_length // 4 if c.algo == "dapo" else 0
+        if c.correction_cap is None and c.correction != "none":
+            from qerl_cli.train.corrections import DEFAULT_IS_CAP
+
+            c.correction_cap = DEFAULT_IS_CAP[c.correction]
+        from qerl_cli.train.losses import DEFAULT_CLIP, resolve_clip
+
+        if c.algo in DEFAULT_CLIP:
+            c.epsilon, c.epsilon_high = resolve_clip(c.algo, c.epsilon, c.epsilon_high)
+        return c
+
+    def validate(self) -> None:
+        def choice(name: str, value: Any, options: tuple[str, ...]) -> None:
+            if value not in options:
+                raise QerlError(f"--{name.replace('_', '-')} must be one of {', '.join(options)}, not {value!r}")
+
+        choice("algo", self.algo, ALGOS)
+        choice("correction", self.correction, CORRECTIONS)
+        choice("precision", self.precision, PRECISIONS)
+        choice("rollout_engine", self.rollout_engine, ("builtin", "vllm"))
+        if self.scale_rewards is not None:
+            choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        for name in ("steps", "batch_prompts", "num_generations", "max_completion_length", "lora_rank",
+                     "micro_batch_size", "save_steps", "aqn_stages"):
+            if getattr(self, name) < 1:
+                raise QerlError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.num_generations < 2 and self.algo != "pg_seq_is":
+            raise QerlError("--num-generations must be >= 2: group-relative advantages need a group")
+        if self.temperature <= 0:
+            raise QerlError("--temperature must be > 0 for RL rollouts (log-probs of a sampled distribution)")
+        if self.lr is not None and not self.lr > 0:
+            raise QerlError(f"--lr must be > 0, got {self.lr}")
+        if self.aqn and not self.aqn_sigma_start > 0:
+            raise QerlError("--aqn-sigma-start must be > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELD_NAMES = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        templates = Path(__file__).resolve().parents[2] / "templates"
+        alt = templates / p.name if p.suffix else templates / f"{p.name}.yaml"
+        if alt.is_file():
+            p = alt
+        else:
+            raise QerlError(f"config {path} does not exist (presets: {', '.join(list_presets())})")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise QerlError(f"config {p} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    if not isinstance(data, dict):
+        raise QerlError(f"config {p} must be a mapping of option: value")
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - FIELD_NAMES)
+    if unknown:
+        raise QerlError(f"config {p} has unknown options {unknown}; see `qerl train --help`")
+    return data
+
+
+def list_presets() -> list[str]:
+    templates = Path(__file__).resolve().parents[2] / "templates"
+    return sorted(p.stem for p in templates.glob("*.yaml")) if templates.is_dir() else []
+
+
+def build_config(yaml_path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
+    """YAML preset first, then explicit flags (only those the user gave) on top."""
+    data: dict[str, Any] = load_yaml(yaml_path) if yaml_path else {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        cfg = TrainConfig(**data)
+    except TypeError as exc:
+        raise QerlError(f"bad train option: {exc}") from exc
+    cfg.validate()
+    return cfg

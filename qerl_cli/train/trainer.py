@@ -1,0 +1,499 @@
+"""The RL loop: rollout (builtin engine on the live adapters, AQN-noised norms) -> rewards -> advantages
+-> log-prob recompute and mismatch metrics -> clipped policy loss -> optimizer step -> log, checkpoint.
+
+Everything a run needs comes from the run directory that `qerl quantize` wrote. Resume is exact: the
+rollout seed of step N is a function of (seed, N), the data order of (seed, epoch), and the AQN noise
+stream, optimizer, scheduler, scaler and RNG states are restored from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_cli.errors import QerlError
+from qerl_cli.manifest import RunDir, sha256_file
+from qerl_cli.runlayout import checkpoints_dir, quantized_model_dir, resolve_checkpoint, train_dir
+from qerl_cli.train.batch import RolloutBatch, build_batch, sampled_logprobs
+from qerl_cli.train.config import TrainConfig
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class PromptStream:
+    """Seeded, resumable order over the task's examples: a fresh permutation every epoch."""
+
+    size: int
+    seed: int
+    epoch: int = 0
+    index: int = 0
+    _perm: list[int] = field(default_factory=list)
+
+    def _permutation(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.size, generator=g).tolist()
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            if not self._perm:
+                self._perm = self._permutation()
+            if self.index >= self.size:
+                self.epoch += 1
+                self.index = 0
+                self._perm = self._permutation()
+            out.append(self._perm[self.index])
+            self.index += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._perm = self._permutation()
+
+
+def rollout_seed(seed: int, step: int, round_: int) -> int:
+    return (seed * 1_000_003 + step * 7919 + round_ * 104_729) % (2**31 - 1)
+
+
+class GracefulStop:
+    """First Ctrl-C: finish the step, checkpoint, exit cleanly. Second: interrupt at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: Any = None
+
+    def __enter__(self) -> GracefulStop:
+        def handler(signum: int, frame: Any) -> None:
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+
+        with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+            self._old = signal.signal(signal.SIGINT, handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+@dataclass
+class TrainResult:
+    run: Path
+    steps_done: int
+    metrics: list[dict[str, Any]]
+    checkpoint: Path | None
+    stopped_early: bool = False
+
+
+class Trainer:
+    def __init__(self, run: RunDir, cfg: TrainConfig, *, device: str | None = None,
+                 on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.run = run
+        self.cfg = cfg.resolved()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = PRECISION_DTYPES[self.cfg.precision]
+        self.on_step = on_step
+        self.model_dir = quantized_model_dir(run)
+        self.metrics_path = train_dir(run) / "metrics.jsonl"
+        self.rollouts_dir = train_dir(run) / "rollouts"
+
+    # ---- setup -----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from qerl_cli.lora import attach_lora, make_lora_config
+        from qerl_cli.models import load_model
+        from qerl_cli.rollout import make_engine
+        from qerl_cli.tasks import get_reward, load_task
+        from qerl_cli.train.aqn import AQN
+
+        c = self.cfg
+        torch.manual_seed(c.seed)
+        base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            # no kernels on CPU: keep each frozen base weight dequantized once instead of on every call
+            from qerl_cli.qlinear import quant_linears
+
+            for m in quant_linears(base).values():
+                m.cache_dequantized = True
+        if c.gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base.enable_input_require_grads()
+        self.model = attach_lora(base, make_lora_config(c.lora_rank, c.lora_alpha, c.lora_targets, c.lora_dropout),
+                                 seed=c.seed)
+        self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
+        if not self.params or any("lora_" not in n for n, p in self.model.named_parameters() if p.requires_grad):
+            raise QerlError("only LoRA adapters may be trainable; check --lora-targets")
+        level = c.task_level
+        self.task = load_task(c.task, split="train", shots=c.shots, chat_template=c.chat_template,
+                              tokenizer=self.tokenizer, seed=c.seed, level=level)
+        if not self.task.examples:
+            raise QerlError(f"task {c.task} has no training examples")
+        self.reward_name = c.reward or self.task.reward
+        self.reward_fn = get_reward(self.reward_name)
+        self.prompt_ids = [self._encode(e.prompt) for e in self.task.examples]
+        self.stream = PromptStream(len(self.task.examples), c.seed)
+        max_len = max(len(p) for p in self.prompt_ids) + c.max_completion_length + 1
+        self.engine = make_engine(c.rollout_engine, self.model, self.tokenizer,
+                                  max_batch_slots=min(c.max_batch_slots, c.batch_prompts * c.num_generations),
+                                  max_model_len=max_len, gpu_memory_utilization=c.gpu_memory_utilization,
+                                  dtype=self.dtype)
+        self.aqn = (AQN(self.model, c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
+                        stages=c.aqn_stages, seed=c.seed) if c.aqn else None)
+        self.optimizer = torch.optim.AdamW(self.params, lr=c.lr, weight_decay=c.weight_decay, betas=(0.9, 0.99))
+        warm = max(0, c.warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=c.precision == "fp16")
+        self.step = 0
+
+    def _encode(self, prompt: str) -> list[int]:
+        ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+        bos = self.tokenizer.bos_token_id
+        if bos is not None and not self.cfg.chat_template and (not ids or ids[0] != bos) and \
+                getattr(self.tokenizer, "add_bos_token", False):
+            ids = [bos] + ids
+        return ids[-self.cfg.max_prompt_length:]
+
+    # ---- resume ----------------------------------------------------------------------------------
+    def resume(self) -> int:
+        from qerl_cli.train.checkpointing import load_adapter_weights, load_checkpoint, set_rng_state
+
+        try:
+            ckpt = resolve_checkpoint(self.run, "latest")
+        except QerlError:
+            self._truncate_metrics(0)  # killed before the first checkpoint: start over cleanly
+            return 0
+        assert ckpt is not None
+        state = load_checkpoint(ckpt)
+        saved = state.get("config", {})
+        for key in ("algo", "lora_rank", "lora_targets", "precision", "seed", "task", "aqn"):
+            if key in saved and saved[key] != getattr(self.cfg, key):
+                raise QerlError(f"--resume with a different {key} ({getattr(self.cfg, key)!r}, checkpoint has "
+                                f"{saved[key]!r}): use the original settings or a new --run directory")
+        load_adapter_weights(self.model, ckpt / "adapter")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.stream.load(state["data"])
+        if self.aqn is not None and state.get("aqn"):
+            self.aqn.load_state_dict(state["aqn"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self._truncate_metrics(self.step)
+        return self.step
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop metric lines of steps after the checkpoint (they will be recomputed identically)."""
+        if not self.metrics_path.is_file():
+            return
+        keep = [line for line in self.metrics_path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        from qerl_cli.manifest import atomic_write_text
+
+        atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))
+
+    # ---- one step --------------------------------------------------------------------------------
+    def _generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None):
+        from qerl_cli.rollout import SamplingParams
+
+        c = self.cfg
+        sp = SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p, top_k=-1,
+                            max_tokens=c.max_completion_length, stop=list(self.task.stop),
+                            seed=rollout_seed(c.seed, self.step, round_))
+        res = self.engine.generate([self.prompt_ids[i] for i in indices], sp, norm_overrides=norm_overrides)
+        return res
+
+    def _score(self, indices: list[int], samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        from qerl_cli.tasks.rewards import safe_rewards
+
+        g = self.cfg.num_generations
+        prompts = [self.task.examples[indices[s.prompt_index]].prompt for s in samples]
+        completions = [s.text or "" for s in samples]
+        answers = [self.task.examples[indices[s.prompt_index]].answer for s in samples]
+        raw = torch.tensor(safe_rewards(self.reward_fn, prompts, completions, answer=answers),
+                           dtype=torch.float32)
+        assert raw.numel() == len(indices) * g
+        shaped = raw.clone()
+        if self.cfg.algo == "dapo" and self.cfg.overlong_buffer:
+            from qerl_cli.train.advantages import dapo_overlong_penalty
+
+            lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
+            shaped = shaped + dapo_overlong_penalty(lengths, self.cfg.max_completion_length, self.cfg.overlong_buffer)
+        return raw, shaped
+
+    def train_step(self) -> dict[str, Any]:
+        from qerl_cli.train.advantages import DynamicSampler, group_advantages
+        from qerl_cli.train.corrections import is_weights, mismatch_metrics
+        from qerl_cli.train.losses import entropy_from_logits, policy_loss  # noqa: F401
+
+        c = self.cfg
+        g = c.num_generations
+        metrics: dict[str, Any] = {"step": self.step + 1}
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+        # -- rollout (AQN noise in the rollout policy only)
+        t0 = time.perf_counter()
+        overrides = None
+        if self.aqn is not None:
+            overrides = self.aqn.noisy_norm_weights(self.step)
+            metrics.update(self.aqn.last_metrics)
+        groups: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]] = []
+        rollout_timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
+        sampler = DynamicSampler(c.batch_prompts, g, max_refill_rounds=c.max_refill_rounds) if c.dynamic_sampling \
+            else None
+        round_ = 0
+        while True:
+            need = c.batch_prompts if sampler is None else sampler.needed
+            indices = self.stream.take(need)
+            res = self._generate(indices, round_, overrides)
+            for k in rollout_timing:
+                rollout_timing[k] += float(res.timings.get(k, 0.0))
+            raw, shaped = self._score(indices, res.samples)
+            new_groups = [(indices[p], res.samples[p * g:(p + 1) * g], raw[p * g:(p + 1) * g],
+                           shaped[p * g:(p + 1) * g]) for p in range(len(indices))]
+            if sampler is None:
+                groups = new_groups
+                break
+            sampler.add(shaped, new_groups)
+            round_ += 1
+            if sampler.done:
+                groups, ds_stats = sampler.result()
+                metrics.update(ds_stats)
+                break
+        if on_cuda:
+            self.engine.release()
+        t_rollout = time.perf_counter() - t0
+        if not groups:
+            raise QerlError("dynamic sampling kept no group (every group had equal rewards); raise "
+                            "--max-refill-rounds or lower the task difficulty")
+
+        samples = [s for _, ss, _, _ in groups for s in ss]
+        raw = torch.cat([r for _, _, r, _ in groups])
+        shaped = torch.cat([s for _, _, _, s in groups])
+        adv, adv_stats = group_advantages(shaped, g, c.scale_rewards)
+        metrics.update(adv_stats)
+        metrics["accuracy"] = (raw >= 1.0 - 1e-6).float().mean().item()
+        metrics["reward/raw_mean"] = raw.mean().item()
+
+        prompt_ids = [self.prompt_ids[idx] for idx, ss, _, _ in groups for _ in ss]
+        truncated = [s.finish_reason == "length" for s in samples]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        batch = build_batch(prompt_ids, [s.token_ids for s in samples], [s.logprobs for s in samples], truncated,
+                            pad, mask_truncated=c.mask_truncated_completions).to(self.device)
+        lengths = batch.lengths.float()
+        metrics["completions/mean_length"] = lengths.mean().item()
+        metrics["completions/min_length"] = lengths.min().item()
+        metrics["completions/max_length"] = lengths.max().item()
+        metrics["completions/clipped_ratio"] = batch.truncated.float().mean().item()
+
+        # -- recompute pi_old with the training forward (clean norms), mismatch vs the rollout's mu
+        t1 = time.perf_counter()
+        valid = (torch.arange(batch.mask.shape[1], device=self.device)[None, :] < batch.lengths[:, None]).float()
+        old_logp, ref_logp, entropies = self._forward_no_grad(batch, c.beta > 0)
+        metrics.update(mismatch_metrics(old_logp, batch.rollout_logp, valid))
+        isw = None
+        if c.correction != "none":
+            isw, is_metrics = is_weights(c.correction, old_logp, batch.rollout_logp, valid, cap=c.correction_cap)
+            metrics.update(is_metrics)
+        metrics["entropy"] = ((entropies * batch.mask).sum() / batch.mask.sum().clamp(min=1)).item()
+        t_recompute = time.perf_counter() - t1
+
+        # -- policy update
+        t2 = time.perf_counter()
+        loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw)
+        metrics.update(loss_metrics)
+        t_train = time.perf_counter() - t2
+
+        self.step += 1
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["timing/rollout_s"] = t_rollout
+        metrics["timing/recompute_s"] = t_recompute
+        metrics["timing/train_s"] = t_train
+        metrics["timing/rollout_tokens_per_s"] = rollout_timing["tokens"] / max(t_rollout, 1e-9)
+        metrics["timing/rollout_tokens"] = rollout_timing["tokens"]
+        if on_cuda:
+            metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        self._log_rollouts(groups, adv, metrics["step"])
+        return metrics
+
+    def _forward_no_grad(self, batch: RolloutBatch, with_ref: bool):
+        mb = self.cfg.micro_batch_size
+        old, ref, ent = [], [], []
+        with torch.no_grad(), self._autocast():
+            for i in range(0, batch.input_ids.shape[0], mb):
+                part = batch.rows(slice(i, i + mb))
+                lp, e = sampled_logprobs(self.model, part, self.cfg.temperature, with_entropy=True)
+                old.append(lp)
+                ent.append(e)
+                if with_ref:
+                    with self.model.disable_adapter():
+                        ref.append(sampled_logprobs(self.model, part, self.cfg.temperature)[0])
+        return torch.cat(old), (torch.cat(ref) if with_ref else None), torch.cat(ent)
+
+    @contextlib.contextmanager
+    def _autocast(self) -> Iterator[None]:
+        # weights and activations already live in the run's precision; nothing to autocast
+        yield
+
+    def _update(self, batch: RolloutBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
+                adv: torch.Tensor, isw: torch.Tensor | None) -> dict[str, float]:
+        from qerl_cli.train.losses import policy_loss
+
+        c = self.cfg
+        bsz = batch.input_ids.shape[0]
+        normalizer = {"dapo": batch.mask.sum().clamp(min=1).item(),
+                      "dr_grpo": float(bsz * c.max_completion_length)}.get(c.algo, float(bsz))
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        agg: dict[str, float] = {}
+        total_loss = 0.0
+        mb = c.micro_batch_size
+        for i in range(0, bsz, mb):
+            sl = slice(i, i + mb)
+            part = batch.rows(sl)
+            logp, _ = sampled_logprobs(self.model, part, c.temperature)
+            loss, m = policy_loss(
+                c.algo, logp, old_logp[sl], adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
+                max_completion_length=c.max_completion_length, is_weights=None if isw is None else isw[sl],
+                ref_logp=None if ref_logp is None else ref_logp[sl], beta=c.beta, rollout_logp=part.rollout_logp,
+                loss_normalizer=normalizer)
+            if not torch.isfinite(loss):
+                raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}")
+            self.scaler.scale(loss).backward()
+            total_loss += loss.item()
+            w = (sl.stop if sl.stop < bsz else bsz) - i
+            for k, v in m.items():
+                agg[k] = agg.get(k, 0.0) + v * w / bsz
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
+        finite = bool(torch.isfinite(grad_norm))
+        if not finite and c.precision != "fp16":
+            raise NonFiniteLoss(f"the gradient norm became {grad_norm.item()} at step {self.step + 1}")
+        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+        self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
+        self.scaler.update()
+        self.scheduler.step()
+        self.model.eval()
+        agg["loss"] = total_loss
+        agg["grad_norm"] = grad_norm.item() if finite else float("nan")
+        if self.scaler.is_enabled():
+            agg["fp16/loss_scale"] = scale_before
+            agg["fp16/step_skipped"] = float(not finite)
+        return agg
+
+    def _log_rollouts(self, groups: list[Any], adv: torch.Tensor, step: int) -> None:
+        if not self.cfg.log_rollouts:
+            return
+        self.rollouts_dir.mkdir(parents=True, exist_ok=True)
+        lines = []
+        k = 0
+        for idx, samples, raw, shaped in groups:
+            ex = self.task.examples[idx]
+            for j, s in enumerate(samples):
+                lp = s.logprobs
+                lines.append(json.dumps({
+                    "prompt_index": idx, "sample": j, "prompt": ex.prompt[-500:], "answer": ex.answer,
+                    "completion": s.text, "reward": raw[j].item(), "shaped_reward": shaped[j].item(),
+                    "advantage": adv[k].item(), "length": len(s.token_ids), "finish_reason": s.finish_reason,
+                    "logprob_sum": float(lp.sum()) if lp.numel() else 0.0,
+                    "logprob_min": float(lp.min()) if lp.numel() else 0.0,
+                }))
+                k += 1
+        from qerl_cli.manifest import atomic_write_text
+
+        atomic_write_text(self.rollouts_dir / f"step_{step:05d}.jsonl", "\n".join(lines) + "\n")
+
+    def append_metrics(self, metrics: dict[str, Any]) -> None:
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+            f.flush()
+
+    def save(self) -> Path:
+        from qerl_cli.train.checkpointing import save_checkpoint
+
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "data": self.stream.state(),
+            "aqn": self.aqn.state_dict() if self.aqn is not None else None,
+            "config": self.cfg.to_dict(),
+        }
+        return save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(), self.cfg.keep_checkpoints)
+
+
+class NonFiniteLoss(QerlError):
+    """NaN/inf in the loss or gradients; the last good checkpoint stays the one to resume."""
+
+
+def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device: str | None = None,
+          on_step: Callable[[dict[str, Any]], None] | None = None,
+          on_setup: Callable[[Trainer], None] | None = None) -> TrainResult:
+    """Run `cfg.steps` RL steps on the run's quantized model; resumable with `resume=True`."""
+    run = RunDir(run_dir, create=False)
+    trainer = Trainer(run, cfg, device=device, on_step=on_step)
+    model_rec = run.require("quantize")
+    inputs = {"model": {"path": model_rec["outputs"]["model"]["path"],
+                        "files": model_rec["outputs"]["model"].get("files", {}),
+                        "format": model_rec["outputs"]["model"].get("format")}}
+    with run.stage("train", config=trainer.cfg.to_dict(), inputs=inputs, seeds={"seed": trainer.cfg.seed}) as rec:
+        if not resume and (checkpoints_dir(run).exists() or trainer.metrics_path.exists()):
+            raise QerlError(f"{train_dir(run)} already holds a training run: pass --resume to continue it, or use "
+                            "a new --run directory")
+        try:
+            trainer.setup()
+        except torch.cuda.OutOfMemoryError as exc:
+            raise QerlError("out of GPU memory while loading the model: lower --gpu-memory-utilization") from exc
+        start = trainer.resume() if resume else 0
+        if on_setup:
+            on_setup(trainer)
+        history: list[dict[str, Any]] = []
+        last_ckpt: Path | None = None
+        stopped = False
+        with GracefulStop() as stop:
+            while trainer.step < trainer.cfg.steps:
+                try:
+                    m = trainer.train_step()
+                except torch.cuda.OutOfMemoryError as exc:
+                    raise QerlError(
+                        f"out of GPU memory at step {trainer.step + 1}: lower --batch-prompts, "
+                        "--micro-batch-size or --max-completion-length, or use --gradient-checkpointing; the last "
+                        "checkpoint is intact (--resume)") from exc
+                trainer.append_metrics(m)
+                history.append(m)
+                if on_step:
+                    on_step(m)
+                done = trainer.step >= trainer.cfg.steps
+                if done or trainer.step % trainer.cfg.save_steps == 0 or stop.requested:
+                    last_ckpt = trainer.save()
+                    rec.outputs = {"checkpoint": run.rel(last_ckpt), "metrics": run.rel(trainer.metrics_path),
+                                   "adapter_sha256": sha256_file(last_ckpt / "adapter" / "adapter_model.safetensors"),
+                                   "steps_done": trainer.step}
+                    run.save(rec)
+                if stop.requested and not done:
+                    stopped = True
+                    break
+        rec.metrics = {"steps_done": trainer.step, "resumed_from": start,
+                       **({k: history[-1][k] for k in ("reward", "accuracy", "completions/mean_length")
+                           if k in history[-1]} if history else {})}
+        if stopped:
+            # recorded as interrupted; the checkpoint just written is what --resume continues from
+            raise KeyboardInterrupt
+    return TrainResult(run.path, trainer.step, history, last_ckpt, stopped)
