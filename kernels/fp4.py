@@ -233,17 +233,26 @@ def _grouped(pid, num_a, num_b, GROUP: tl.constexpr):
 @triton.jit
 def _fp4_tile_v2(w_ptr, s_ptr, offs_n, k0, N, K,
                  BN: tl.constexpr, BK: tl.constexpr, NVFP4: tl.constexpr, F32: tl.constexpr,
-                 F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+                 F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TILED: tl.constexpr):
     GS: tl.constexpr = 16 if NVFP4 else 32
     UN: tl.constexpr = BK // 128
     BPU: tl.constexpr = 128 // GS
+    WPU: tl.constexpr = 64 // GS  # int32 scale words per row and unit
     u = tl.arange(0, UN)
     q = tl.arange(0, 4)
     g = tl.arange(0, 16)
-    off = k0 // 2 + u[:, None, None] * 64 + q[None, :, None] * 16 + g[None, None, :]
-    w_ptrs = w_ptr + offs_n[:, None, None, None] * (K // 2) + off[None, :, :, :]
     kw = k0 // (2 * GS) + tl.arange(0, BK // (2 * GS))
-    s_ptrs = s_ptr + offs_n[:, None] * (K // (2 * GS)) + kw[None, :]
+    if TILED:  # [N/64, K/128, 64 rows, 64 bytes]: every (64-row block, unit) is one contiguous 4 KB chunk
+        chunk = (offs_n // 64) * (K // 128) + k0 // 128
+        w_ptrs = (w_ptr + (chunk * 4096 + (offs_n % 64) * 64)[:, None, None, None]
+                  + (u[:, None, None] * 4096 + q[None, :, None] * 16 + g[None, None, :])[None, :, :, :])
+        kl = tl.arange(0, BK // (2 * GS))
+        s_ptrs = (s_ptr + (chunk * (64 * WPU) + (offs_n % 64) * WPU)[:, None]
+                  + ((kl // WPU) * (64 * WPU) + kl % WPU)[None, :])
+    else:
+        off = k0 // 2 + u[:, None, None] * 64 + q[None, :, None] * 16 + g[None, None, :]
+        w_ptrs = w_ptr + offs_n[:, None, None, None] * (K // 2) + off[None, :, :, :]
+        s_ptrs = s_ptr + offs_n[:, None] * (K // (2 * GS)) + kw[None, :]
     if EVEN_N and EVEN_K:
         b = tl.load(w_ptrs)
         sw = tl.load(s_ptrs)
@@ -282,7 +291,8 @@ def _fp4_mm_v2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr, ws_ptr,
                       M, N, K, stride_xm, stride_ym, k_split, alpha,
                       NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                      F32: tl.constexpr, F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+                      F32: tl.constexpr, F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                      TILED: tl.constexpr):
     pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -293,7 +303,7 @@ def _fp4_mm_v2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr, ws_ptr,
     k_end = tl.minimum(k_start + k_split, K)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
-        w = _fp4_tile_v2(w_ptr, s_ptr, offs_n, k0, N, K, BN, BK, NVFP4, F32, F16, EVEN_N, EVEN_K)
+        w = _fp4_tile_v2(w_ptr, s_ptr, offs_n, k0, N, K, BN, BK, NVFP4, F32, F16, EVEN_N, EVEN_K, TILED)
         kx = k0 + offs_k
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + kx[None, :]
         if EVEN_K:
@@ -565,20 +575,33 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
 
 
 # ---- repacked (v2) host side -------------------------------------------------------------------------
-def repack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] compressed-tensors bytes -> the v2 layout (needs K % 128 == 0): a bijection, same size."""
+def repack_fp4(packed: torch.Tensor, tiled: bool = False) -> torch.Tensor:
+    """[N, K/2] compressed-tensors bytes -> the v2 layout (needs K % 128 == 0): a bijection, same size.
+
+    `tiled` (needs N % 64 == 0) also orders the 64-byte row units as [N/64, K/128, 64, 64], so the
+    kernel's weight tile of every K step is whole 4 KB chunks instead of 64-byte pieces of 64+ rows.
+    """
     n, kb = packed.shape
     if kb % 64:
         raise ValueError(f"the repacked FP4 layout needs K % 128 == 0, got K={2 * kb}")
-    return packed.reshape(n, kb // 64, 16, 4).transpose(-1, -2).contiguous().reshape(n, kb)
+    out = packed.reshape(n, kb // 64, 16, 4).transpose(-1, -2)
+    if tiled:
+        if n % 64:
+            raise ValueError(f"the tiled FP4 layout needs N % 64 == 0, got N={n}")
+        out = out.reshape(n // 64, 64, kb // 64, 64).transpose(1, 2)
+    return out.contiguous().reshape(n, kb)
 
 
-def unrepack_fp4(repacked: torch.Tensor) -> torch.Tensor:
+def unrepack_fp4(repacked: torch.Tensor, tiled: bool = False) -> torch.Tensor:
     n, kb = repacked.shape
-    return repacked.reshape(n, kb // 64, 4, 16).transpose(-1, -2).contiguous().reshape(n, kb)
+    t = repacked
+    if tiled:
+        t = t.reshape(n // 64, kb // 64, 64, 64).transpose(1, 2).contiguous()
+    return t.reshape(n, kb // 64, 4, 16).transpose(-1, -2).contiguous().reshape(n, kb)
 
 
-def kernel_scales(scale: torch.Tensor, fmt: str, dtype: torch.dtype, shift: int = 0) -> torch.Tensor:
+def kernel_scales(scale: torch.Tensor, fmt: str, dtype: torch.dtype, shift: int = 0,
+                  tiled: bool = False) -> torch.Tensor:
     """Block scales as the 16-bit factor the v2 decoder multiplies by, viewed as int32 pairs [N, K/(2G)].
 
     bf16: scale * 2**(126 + F); fp16 (also the fp32/interpreter path): scale * 2**(14 + F). Exact.
@@ -593,13 +616,19 @@ def kernel_scales(scale: torch.Tensor, fmt: str, dtype: torch.dtype, shift: int 
         out = bits.to(torch.int16)
     if out.shape[1] % 2:
         raise ValueError("the repacked FP4 layout needs an even number of scale blocks per row")
+    if tiled:  # [N/64, K/128, 64, 128/G], like the tiled weight
+        n, nb = out.shape
+        spu = 128 // group_size(fmt)
+        out = out.reshape(n // 64, 64, nb // spu, spu).transpose(1, 2).reshape(n, nb)
     return out.contiguous().view(torch.int32)
 
 
 def fp4_matmul_v2(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor,
                   global_scale: torch.Tensor | None, fmt: str, cfg: TileConfig, *, shift: int = 0,
-                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp4_matmul` on the repacked layout (`repack_fp4`) with `kernel_scales(scale, fmt, x.dtype, shift)`."""
+                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  tiled: bool = False) -> torch.Tensor:
+    """`fp4_matmul` on the repacked layout (`repack_fp4`) with `kernel_scales(scale, fmt, x.dtype, shift)`;
+    `tiled` must match how both were made."""
     n, k = repacked.shape[0], repacked.shape[1] * 2
     m = x.shape[0]
     f32 = INTERPRET or x.dtype == torch.float32
@@ -621,7 +650,7 @@ def fp4_matmul_v2(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor
         x, repacked, kscales, gs, bias_arg, y, ws, m, n, k, x.stride(0), y.stride(0), k_split, 2.0 ** (-F),
         NVFP4=nv, HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=8, F32=f32, F16=x.dtype == torch.float16,
-        EVEN_N=n % cfg.bn == 0, EVEN_K=k % cfg.bk == 0, num_warps=cfg.warps, num_stages=cfg.stages,
+        EVEN_N=n % cfg.bn == 0, EVEN_K=k % cfg.bk == 0, TILED=tiled, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     if split > 1:
         block = 1024

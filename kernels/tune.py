@@ -18,7 +18,8 @@ from qerl_kernels._common import DECODE_ARITH, DECODE_ASM, TileConfig, num_sms, 
 
 CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {
     # (bm, bn, bk, warps, stages) for the repacked kernel (bk % 128 == 0); none of these spills on sm_90
-    1: [(16, 128, 128, 4, 4), (16, 64, 256, 4, 4), (16, 64, 128, 4, 4), (16, 128, 256, 4, 3), (16, 128, 128, 4, 6)],
+    1: [(16, 128, 128, 4, 4), (16, 64, 256, 4, 4), (16, 64, 128, 4, 4), (16, 128, 256, 4, 3), (16, 128, 128, 4, 6),
+        (16, 256, 128, 8, 4)],
     64: [(64, 128, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3)],
     128: [(128, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 128, 256, 8, 2), (128, 64, 128, 4, 4)],
     256: [(128, 128, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 256, 8, 2), (128, 256, 128, 8, 3)],
@@ -31,9 +32,9 @@ V1_CFG = {1: (16, 64, 256, 4, 4), 16: (16, 64, 256, 4, 4), 64: (64, 128, 128, 4,
           256: (128, 128, 64, 8, 3), 512: (128, 128, 64, 8, 3), 2048: (256, 128, 64, 8, 3)}
 
 
-def sweep_fp4(model: str = "qwen2.5-7b", ms: tuple[int, ...] = (1, 16, 64, 128, 256, 512, 2048), fmt: str = "nvfp4",
+def sweep_fp4(model: str = "qwen2.5-7b", ms: tuple[int, ...] = (1, 16, 64, 128, 256, 512), fmt: str = "nvfp4",
               rep_ms: int = 25, log: Callable[[str], None] | None = print) -> list[dict]:
-    from qerl_kernels.fp4 import fp4_matmul, fp4_matmul_v2, kernel_scales
+    from qerl_kernels.fp4 import fp4_matmul, fp4_matmul_v2, kernel_scales, repack_fp4
     from qerl_kernels.linear import kernel_state
 
     from qerl_cli.bench.kernels import _copies, _quant_modules, layer_linears, time_calls
@@ -48,6 +49,10 @@ def sweep_fp4(model: str = "qwen2.5-7b", ms: tuple[int, ...] = (1, 16, 64, 128, 
         states = [kernel_state(m_) for m_ in mods]
         kss = [kernel_scales(m_.weight_scale, fmt, torch.bfloat16, st.shift)
                for m_, st in zip(mods, states, strict=True)]
+        tiled = n % 64 == 0
+        wts = [repack_fp4(m_.weight_packed, tiled=True) for m_ in mods] if tiled else []
+        kts = [kernel_scales(m_.weight_scale, fmt, torch.bfloat16, st.shift, tiled=True)
+               for m_, st in zip(mods, states, strict=True)] if tiled else []
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             runs: list[tuple[TileConfig, str]] = []
@@ -58,6 +63,8 @@ def sweep_fp4(model: str = "qwen2.5-7b", ms: tuple[int, ...] = (1, 16, 64, 128, 
                     splits |= {max(1, base // 2), min(32, base * 2)}
                 for sp in sorted(splits):
                     runs.append((TileConfig(bm, bn, bk, wp, stg, sp), "v2"))
+                    if tiled and bn % 64 == 0:
+                        runs.append((TileConfig(bm, bn, bk, wp, stg, sp), "v3"))
             bm, bn, bk, wp, stg = V1_CFG.get(m, V1_CFG[256])
             runs.append((TileConfig(bm, bn, bk, wp, stg, split_k_for(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, bk,
                                                                       sms)), "v1"))
@@ -67,6 +74,10 @@ def sweep_fp4(model: str = "qwen2.5-7b", ms: tuple[int, ...] = (1, 16, 64, 128, 
                 if kind == "v2":
                     calls = [partial(fp4_matmul_v2, x, st.repacked, ks, getattr(m_, "weight_global_scale", None), fmt,
                                      cfg, shift=st.shift) for m_, st, ks in zip(mods, states, kss, strict=True)]
+                elif kind == "v3":
+                    calls = [partial(fp4_matmul_v2, x, wt, kt, getattr(m_, "weight_global_scale", None), fmt,
+                                     cfg, shift=st.shift, tiled=True)
+                             for m_, st, wt, kt in zip(mods, states, wts, kts, strict=True)]
                 else:
                     dec = DECODE_ARITH if kind == "v1-arith" else DECODE_ASM
                     calls = [partial(fp4_matmul, x, m_.weight_packed, m_.weight_scale,

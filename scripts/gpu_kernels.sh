@@ -76,4 +76,29 @@ if has peers; then
   QERL_BENCH_SHAPES="${QERL_PEER_SHAPES:-qwen2.5-7b}" QERL_BENCH_MS="$MS" timeout "${QERL_PEERS_TIMEOUT:-200}" \
     python3 /tmp/qk/run_bench.py "$OUT/peers.json" 'methods=("bf16",), backward=False, variants=False'
 fi
+if has profile; then  # hardware counters of the fused FP4 kernel on one Qwen2.5-7B GEMM (gate_up), M=1
+  stamp profile
+  cat > /tmp/qk/prof.py <<'EOF'
+import torch
+from qerl_cli.formats import quantize
+from qerl_kernels._common import TileConfig
+from qerl_kernels.fp4 import fp4_matmul_v2, kernel_scales, repack_fp4
+n, k = 37888, 3584
+qw = quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), "nvfp4")
+t = qw.tensors
+x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+cfg = TileConfig(16, 128, 128, 4, 4, 1)
+args = {tiled: (repack_fp4(t["weight_packed"], tiled=tiled),
+                kernel_scales(t["weight_scale"], "nvfp4", torch.bfloat16, 0, tiled=tiled)) for tiled in (False, True)}
+for _ in range(2):
+    for tiled, (w, s) in args.items():
+        fp4_matmul_v2(x, w, s, t["weight_global_scale"], "nvfp4", cfg, tiled=tiled)
+torch.cuda.synchronize()
+EOF
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout "${QERL_PROFILE_TIMEOUT:-150}" "$NCU" --clock-control none -k regex:_fp4_mm_v2 --launch-skip 2 --launch-count 2 \
+    --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \
+    --section MemoryWorkloadAnalysis python3 /tmp/qk/prof.py > "$OUT/ncu.txt" 2>&1
+  grep -E "_fp4_mm|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Stall|Registers Per|Block Limit|L2 Hit|Mem Busy|Max Bandwidth|Warp Cycles Per Issued" "$OUT/ncu.txt" | head -80
+fi
 stamp done
