@@ -57,13 +57,11 @@ def check_activation(x: torch.Tensor, k: int) -> None:
         raise ValueError("activations must be contiguous along K")
 
 
-def split_k_for(tiles: int, k: int, bk: int, sms: int, max_split: int = 16) -> int:
-    """Smallest split of K that puts about two CTAs on every SM, keeping >= 2 K-tiles per split."""
-    if tiles >= sms:
-        return 1
+def split_k_for(tiles: int, k: int, bk: int, sms: int, max_split: int = 16, waves: int = 2) -> int:
+    """Smallest power-of-two split of K giving >= `waves` CTAs per SM, keeping >= 2 K-tiles per split."""
     ktiles = triton.cdiv(k, bk)
     split = 1
-    while tiles * split < 2 * sms and split * 2 <= max_split and ktiles // (split * 2) >= 2:
+    while tiles * split < waves * sms and split * 2 <= max_split and ktiles // (split * 2) >= 2:
         split *= 2
     return split
 

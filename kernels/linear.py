@@ -42,7 +42,7 @@ SUPPORTED = FP4_FORMATS + W8_FORMATS
 
 # Rows from which a transient dequantized weight + cuBLAS beats the fused kernel (H100/H200, measured by
 # `qerl bench kernels`); the backward product switches at its own threshold.
-LARGE_M_DEQUANT = int(os.environ.get("QERL_FP4_DEQUANT_M", "1024"))
+LARGE_M_DEQUANT = int(os.environ.get("QERL_FP4_DEQUANT_M", "512"))
 LARGE_M_DEQUANT_T = int(os.environ.get("QERL_FP4_DEQUANT_T_M", "1024"))
 FP8_ACT_MIN_M = int(os.environ.get("QERL_FP8_ACT_MIN_M", "64"))
 # The repacked FP4 layout (fp4.repack_fp4) costs one more copy of the packed weight (0.5 byte/weight) in
@@ -64,16 +64,23 @@ def fp4_config(m: int, n: int, k: int, sms: int = 132, repacked: bool = True) ->
             bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
         else:
             bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
-    elif m <= 16:
-        bm, bn, bk, warps, stages = 16, 128, 128, 4, 4
-    elif m <= 32:
-        bm, bn, bk, warps, stages = 32, 128, 128, 4, 4
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        return TileConfig(bm, bn, bk, warps, stages, split_k_for(tiles, k, bk, sms))
+    # repacked (tiled) kernel, from the sweep of one Qwen2.5-7B layer on an H200 (docs/benchmarks.md)
+    waves, max_split = 2, 16
+    if m <= 16:
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+        waves = 6  # decode is latency-bound: ~6 CTAs per SM keep enough weight loads in flight
     elif m <= 64:
-        bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
-    else:
+        bm, bn, bk, warps, stages = 64, 128, 128, 4, 3
+        max_split = 8
+    elif m <= 128:
         bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
+        max_split = 8
+    else:
+        bm, bn, bk, warps, stages = 256, 128, 128, 8, 3
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    return TileConfig(bm, bn, bk, warps, stages, split_k_for(tiles, k, bk, sms))
+    return TileConfig(bm, bn, bk, warps, stages, split_k_for(tiles, k, bk, sms, max_split, waves))
 
 
 def fp4_t_config(m: int, n: int, k: int) -> TileConfig:
@@ -107,6 +114,7 @@ class KernelState:
     k: int
     shift: int = 0  # MXFP4 exponent shift F (see fp4.py)
     repacked: torch.Tensor | None = None  # FP4 weight in the v2 layout (fp4.repack_fp4), when K % 128 == 0
+    tiled: bool = False  # repacked in 4 KB chunks (N % 64 == 0 too)
     kscales: dict = field(default_factory=dict)  # activation dtype -> fp4.kernel_scales(...)
     fp8_scale_row: torch.Tensor | None = None  # FP8 weight scale as fp32 [1, N] for torch._scaled_mm
     extra: dict = field(default_factory=dict)
@@ -131,7 +139,8 @@ def kernel_state(module: nn.Module) -> KernelState:
     if module.fmt == "mxfp4":
         st.shift = mxfp4_shift(t["weight_scale"])
     if module.fmt in FP4_FORMATS and REPACK and module.in_features % 128 == 0:
-        st.repacked = repack_fp4(t["weight_packed"])
+        st.tiled = module.out_features % 64 == 0
+        st.repacked = repack_fp4(t["weight_packed"], tiled=st.tiled)
     if module.fmt == "fp8":
         st.fp8_scale_row = t["weight_scale"].float().reshape(1, -1).contiguous()
     module._kernel_state = st
@@ -158,8 +167,8 @@ def fp4_fused(x: torch.Tensor, module: nn.Module, cfg: TileConfig | None = None)
         cfg = cfg or fp4_config(m, st.n, st.k, num_sms(x.device))
         ks = st.kscales.get(x.dtype)
         if ks is None:
-            ks = st.kscales[x.dtype] = kernel_scales(t["weight_scale"], st.fmt, x.dtype, st.shift)
-        return fp4_matmul_v2(x, st.repacked, ks, gs, st.fmt, cfg, shift=st.shift, bias=module.bias)
+            ks = st.kscales[x.dtype] = kernel_scales(t["weight_scale"], st.fmt, x.dtype, st.shift, tiled=st.tiled)
+        return fp4_matmul_v2(x, st.repacked, ks, gs, st.fmt, cfg, shift=st.shift, bias=module.bias, tiled=st.tiled)
     cfg = cfg or fp4_config(m, st.n, st.k, num_sms(x.device), repacked=False)
     return fp4_matmul(x, t["weight_packed"], t["weight_scale"], gs, st.fmt, cfg, bias=module.bias, shift=st.shift)
 

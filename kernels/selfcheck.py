@@ -96,14 +96,16 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
                               bind(fp4_matmul, x, t["weight_packed"], t["weight_scale"], gs, fmt, cfg, shift=shift,
                                    decode=dec, out=y),
                               ref, TOL[dt], M=m, N=n, K=k)
-                if k % 128 == 0:
-                    wr = repack_fp4(t["weight_packed"])
-                    ks = kernel_scales(t["weight_scale"], fmt, dt, shift or 0)
+                for tiled in (False, True):
+                    if k % 128 or (tiled and n % 64):
+                        continue
+                    wr = repack_fp4(t["weight_packed"], tiled=tiled)
+                    ks = kernel_scales(t["weight_scale"], fmt, dt, shift or 0, tiled=tiled)
                     for cfg in (ql.fp4_config(m, n, k), TileConfig(16, 64, 256, 4, 4, 3),
-                                TileConfig(128, 128, 128, 8, 3), TileConfig(64, 128, 256, 4, 3)):
+                                TileConfig(128, 128, 128, 8, 3), TileConfig(256, 128, 128, 8, 3, 2)):
                         y = torch.full((m, n), float("nan"), dtype=dt, device=device)
-                        check(f"{fmt}-fwd-v2-{cfg.key()}-{dt}",
-                              bind(fp4_matmul_v2, x, wr, ks, gs, fmt, cfg, shift=shift or 0, out=y),
+                        check(f"{fmt}-fwd-v{3 if tiled else 2}-{cfg.key()}-{dt}",
+                              bind(fp4_matmul_v2, x, wr, ks, gs, fmt, cfg, shift=shift or 0, out=y, tiled=tiled),
                               ref, TOL[dt], M=m, N=n, K=k)
                 dy = torch.randn(m, n, generator=g).to(device=device, dtype=dt)
                 check(f"{fmt}-dx-{dt}", bind(fp4_matmul_t, dy, t["weight_packed"], t["weight_scale"], gs, fmt,
@@ -138,7 +140,7 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
         lin = torch.nn.Linear(512, 384, bias=True).to(device)
         mod = QuantLinear.from_linear(lin, fmt).to(device)
         wd = mod.dequantized_weight(torch.float32).double()
-        for m in module_ms:
+        for m in module_ms:  # 1, 16: decode; 100: tiled; 1100: dequantize + cuBLAS
             x = torch.randn(m, 512, generator=g).to(device=device, dtype=torch.bfloat16).requires_grad_(True)
             y = mod(x)
             ref = x.double() @ wd.T + mod.bias.double()

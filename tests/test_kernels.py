@@ -148,18 +148,21 @@ def test_fp8_activation_quantization() -> None:
     assert _rel(q.float() * s, x) < 2 * _rel(ref_q * ref_s, x)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "int8", "fp8"])
-def test_quant_linear_forward_backward(fmt: str) -> None:
+@pytest.mark.parametrize(("fmt", "k", "n"), [("nvfp4", 96, 40), ("mxfp4", 96, 40), ("int8", 96, 40),
+                                            ("fp8", 96, 40), ("nvfp4", 256, 64), ("mxfp4", 128, 128)])
+def test_quant_linear_forward_backward(fmt: str, k: int, n: int) -> None:
+    # K % 128 == 0 and N % 64 == 0 take the repacked, tiled FP4 kernel; the others the checkpoint layout
     torch.manual_seed(0)
-    lin = torch.nn.Linear(96, 40, bias=True)
+    lin = torch.nn.Linear(k, n, bias=True)
     mod = QuantLinear.from_linear(lin, fmt, dtype=torch.float32)
     wd = mod.dequantized_weight(torch.float32).double()
-    x = torch.randn(2, 3, 96, requires_grad=True)
+    x = torch.randn(2, 3, k, requires_grad=True)
     y = quant_linear(x, mod)
-    assert y is not None and y.shape == (2, 3, 40)
+    assert y is not None and y.shape == (2, 3, n)
     assert isinstance(mod._kernel_state, KernelState) and kernel_state(mod) is mod._kernel_state
+    assert mod._kernel_state.tiled == (fmt in ("nvfp4", "mxfp4") and k % 128 == 0 and n % 64 == 0)
     assert _rel(y, x.double() @ wd.T + mod.bias.double()) < TOL[torch.float32]
-    node = y.grad_fn.next_functions[0][0]  # below the reshape back to [2, 3, 40]
+    node = y.grad_fn.next_functions[0][0]  # below the reshape back to [2, 3, n]
     assert type(node).__name__ == "QuantLinearFunctionBackward"
     assert node.saved_tensors == ()  # no activation and no bf16 weight kept for backward
     dy = torch.randn_like(y)
@@ -183,7 +186,8 @@ def test_dispatch_splits_k_only_when_tiles_are_few() -> None:
     assert split_k_for(tiles=28, k=18944, bk=256, sms=132) == 16  # 448 CTAs: every SM streams weights
     assert split_k_for(tiles=28, k=512, bk=256, sms=132) == 1  # never below two K-tiles per split
     decode, mid = fp4_config(1, 3584, 18944), fp4_config(128, 37888, 3584)
-    assert decode.bm == 16 and decode.split_k > 1
+    assert decode.bm == 16 and decode.split_k == 16 and decode.bk % 128 == 0
+    assert fp4_config(1, 37888, 3584).split_k == 2  # 592 tiles: two K halves reach ~6 CTAs per SM
     assert mid.bm >= 64 and mid.split_k == 1
 
 
@@ -200,17 +204,19 @@ def test_bench_kernels_needs_a_gpu() -> None:
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_fp4_repacked_kernel(fmt: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("tiled", [False, True])
+def test_fp4_repacked_kernel(fmt: str, dtype: torch.dtype, tiled: bool) -> None:
     # the load-time repack is a bijection of the checkpoint bytes; the v2 kernel reads it with 16-bit scales
-    for i, (m, n, k) in enumerate([(1, 40, 256), (17, 33, 384)]):
+    for i, (m, n, k) in enumerate([(1, 64, 256), (17, 128, 384)] if tiled else [(1, 40, 256), (17, 33, 384)]):
         qw, wd, g = _weights(fmt, n, k, seed=30 + i)
         t = qw.tensors
-        wr = repack_fp4(t["weight_packed"])
-        assert torch.equal(unrepack_fp4(wr), t["weight_packed"]) and not torch.equal(wr, t["weight_packed"])
+        wr = repack_fp4(t["weight_packed"], tiled=tiled)
+        assert torch.equal(unrepack_fp4(wr, tiled=tiled), t["weight_packed"])
+        assert not torch.equal(wr, t["weight_packed"])
         shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else 0
-        ks = kernel_scales(t["weight_scale"], fmt, dtype, shift)
+        ks = kernel_scales(t["weight_scale"], fmt, dtype, shift, tiled=tiled)
         x = torch.randn(m, k, generator=g).to(dtype)
-        for cfg in (TileConfig(16, 32, 128), TileConfig(32, 32, 256, split_k=2)):
+        for cfg in (TileConfig(16, 64, 128), TileConfig(32, 64, 256, split_k=2)):
             y = torch.full((m, n), float("nan"), dtype=dtype)
-            fp4_matmul_v2(x, wr, ks, t.get("weight_global_scale"), fmt, cfg, shift=shift, out=y)
+            fp4_matmul_v2(x, wr, ks, t.get("weight_global_scale"), fmt, cfg, shift=shift, out=y, tiled=tiled)
             assert _rel(y, x.double() @ wd.T) < TOL[dtype], (fmt, m, n, k, cfg)

@@ -277,6 +277,9 @@ def bench_kernels(
                         continue
                     record(model, name, n, k, m, peer, calls, wb)
                     del calls
+                if out_json is not None:  # partial results survive a timeout
+                    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+                    Path(out_json).write_text(json.dumps(res, indent=1))
                 if log:
                     done = [r for r in res["results"] if r["model"] == model and r["gemm"] == name and r["M"] == m]
                     log(f"{model} {name} M={m}: " + ", ".join(f"{r['method']} {r['ms'] * 1e3:.1f}us" for r in done))
