@@ -1,0 +1,557 @@
+"""`qerl eval`: score a run's model (quantized base + LoRA adapter) on GSM8K, MATH-500, arith or a jsonl task.
+
+Protocol, and why:
+- The model is the run's quantized checkpoint (`DIR/model`) with the adapter of the chosen training
+  checkpoint applied (`latest` by default, `base` for none), so one command pair shows the RL gain.
+  QeRL's released eval never applied the LoRA (REFERENCE.md section 3); here the adapter's sha256 is in
+  every result, and a base evaluation has none.
+- Prompts, shots and stop strings come from `qerl_cli.tasks`, the same module the trainer uses, so a
+  model is evaluated on the format it was trained on. Completions are cut at the first stop string
+  (as lm-eval does) before scoring: text the model wrote after "Question:" belongs to a new question.
+- One generation, several scorers side by side: GSM8K strict (`#### N`), flexible (last number) and
+  answer-tag; MATH-500 math-verify with a normalised exact-match fallback, and the exact match alone;
+  arith the first number of the first line. Every accuracy carries a 95% interval.
+- Greedy pass@1 by default; with samples=K (temperature > 0) pass@1 and pass@K (unbiased estimator)
+  and the mean accuracy. With K > 1 the interval is taken over problems (a problem's K samples are not
+  independent), with K = 1 it is the Wilson interval.
+
+Outputs: `DIR/eval/<task>-<checkpoint>[-<harness>].json` (scores + full protocol + hashes) and
+`...samples.jsonl` (one line per sample), both written atomically, and a manifest stage under the key
+`eval/<task>-<checkpoint>[-<harness>]`. The adapters for lm-eval-harness and lighteval produce the
+same files through `qerl_cli.eval.lm_eval_adapter` and `qerl_cli.eval.lighteval_adapter`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.errors import QerlError
+from qerl_cli.eval.metrics import breakdown, mean_and_ci95, pass_at_k
+from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, now_iso, sha256_file
+
+log = logging.getLogger(__name__)
+
+HARNESSES = ("builtin", "lm-eval", "lighteval")
+TASK_CHOICES = "gsm8k, math500, arith (or arith:<level>), jsonl:PATH"
+# Which task each external harness runs (its own task definition, our bundled data).
+HARNESS_TASKS = {"lm-eval": "gsm8k", "lighteval": "math500"}
+RESULT_SCHEMA = 1
+# Arith problems are generated; the test set must not move with the sampling seed.
+DATA_SEED = 0
+PROMPT_PLACEHOLDER = "{question}"
+
+SCORER_DOCS = {
+    "strict": "GSM8K strict-match: number after the last '#### ' (lm-eval's regex), compared exactly",
+    "flexible": "GSM8K flexible-extract: last number in the completion, compared exactly",
+    "answer_tag": "declared answer: <answer>..</answer>, 'The answer is ..', or \\boxed{..}; its number",
+    "math": "MATH: math-verify (worker processes, wall-clock timeout) else normalised exact match",
+    "exact": "MATH: normalised exact match of the last \\boxed{} (or answer tag) only",
+    "arith": "first number of the completion's first line equals the answer exactly",
+}
+PRIMARY = {"gsm8k": "strict", "math": "math", "arith": "arith"}
+
+
+# ------------------------------------------------------------------------------------------- scoring
+
+
+def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
+    """Text before the first occurrence of any stop string (lm-eval's `until` post-processing)."""
+    for s in stops:
+        if s:
+            text = text.split(s)[0]
+    return text
+
+
+def score_gsm8k(completions: Sequence[str], golds: Sequence[str]) -> list[dict[str, Any]]:
+    """Per completion: {"extracted": {scorer: str|None}, "correct": {scorer: bool}} for strict/flexible/tag."""
+    from qerl_cli.tasks.answers import extract_gsm8k, numbers_equal
+
+    out = []
+    for c, g in zip(completions, golds, strict=True):
+        ext = {mode: extract_gsm8k(c, mode) for mode in ("strict", "flexible", "answer_tag")}
+        out.append({"extracted": ext, "correct": {m: numbers_equal(v, g) for m, v in ext.items()}})
+    return out
+
+
+def score_math(completions: Sequence[str], golds: Sequence[str], workers: int = 2) -> list[dict[str, Any]]:
+    """math-verify (+ fallback) and the normalised exact match alone, with the deciding method per sample."""
+    from qerl_cli.tasks.math_grader import MathGrader, extract_math_answer, fallback_equal
+
+    with MathGrader(workers=workers) as grader:
+        grades = grader.grade_many(list(completions), list(golds))
+    out = []
+    for c, g, grade in zip(completions, golds, grades, strict=True):
+        pred = extract_math_answer(c)
+        out.append({
+            "extracted": {"math": grade.pred, "exact": pred},
+            "correct": {"math": bool(grade.correct), "exact": fallback_equal(pred, g)},
+            "grader": {"method": grade.method, "note": grade.note},
+        })
+    return out
+
+
+def score_arith(completions: Sequence[str], golds: Sequence[str]) -> list[dict[str, Any]]:
+    from qerl_cli.tasks.answers import extract_first_number
+    from qerl_cli.tasks.arith import STOP
+    from qerl_cli.tasks.arith import score_arith as _score
+
+    return [{"extracted": {"arith": extract_first_number(c.split(STOP, 1)[0])}, "correct": {"arith": _score(c, g)}}
+            for c, g in zip(completions, golds, strict=True)]
+
+
+def scorer_versions(kind: str) -> dict[str, str]:
+    import qerl_cli
+    from qerl_cli.env_info import git_commit
+
+    qerl = f"qerl {qerl_cli.__version__}" + (f" (git {git_commit()})" if git_commit() else "")
+    if kind == "math":
+        from qerl_cli.tasks.math_grader import scorer_version
+
+        return {"math": scorer_version(), "exact": f"{qerl} tasks.math_grader.fallback_equal"}
+    if kind == "gsm8k":
+        return {m: f"{qerl} tasks.answers.extract_gsm8k({m!r}) + numbers_equal" for m in
+                ("strict", "flexible", "answer_tag")}
+    return {"arith": f"{qerl} tasks.arith.score_arith"}
+
+
+def _problem_scores(per_problem: list[list[bool]], samples: int) -> dict[str, Any]:
+    """accuracy (mean over samples), pass@1 and pass@K, each with a 95% interval over problems."""
+    fractions = [sum(p) / len(p) for p in per_problem]
+    out: dict[str, Any] = {
+        "accuracy": mean_and_ci95(fractions).as_dict(),
+        "correct": sum(sum(p) for p in per_problem),
+        "total": sum(len(p) for p in per_problem),
+    }
+    for k in sorted({1, samples}):
+        values = [pass_at_k(len(p), sum(p), k) for p in per_problem]
+        out[f"pass@{k}"] = mean_and_ci95(values).as_dict()
+    return out
+
+
+def aggregate(records: list[dict[str, Any]], scorers: Sequence[str], samples: int,
+              group_keys: Sequence[str] = ()) -> dict[str, Any]:
+    """Scores per scorer from per-sample records (fields problem, correct{scorer}, meta{group keys})."""
+    by_problem: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        by_problem.setdefault(r["problem"], []).append(r)
+    problems = [by_problem[i] for i in sorted(by_problem)]
+    scores: dict[str, Any] = {}
+    for s in scorers:
+        per_problem = [[bool(r["correct"][s]) for r in rs] for rs in problems]
+        entry = _problem_scores(per_problem, samples)
+        for key in group_keys:
+            rows = [{"group": rs[0]["meta"].get(key), "acc": sum(p) / len(p)}
+                    for rs, p in zip(problems, per_problem, strict=True)]
+            entry[f"by_{key}"] = {str(g): ci.as_dict() for g, ci in breakdown(rows, "group", "acc").items()}
+        scores[s] = entry
+    return scores
+
+
+# ------------------------------------------------------------------------------------------- setup
+
+
+@dataclass
+class _Resolved:
+    run: RunDir
+    task_name: str  # canonical: gsm8k | math500 | arith[:level] | jsonl:PATH
+    task_kind: str  # reward kind: gsm8k | math | arith
+    slug: str
+    model_dir: Path
+    model_record: dict[str, Any]
+    checkpoint_requested: str
+    checkpoint_name: str
+    checkpoint_dir: Path | None
+    data_files: dict[str, str] = field(default_factory=dict)
+
+
+def _canonical_task(task: str) -> tuple[str, str]:
+    """(canonical name, file-name slug) or a QerlError naming the valid tasks."""
+    from qerl_cli.tasks.datasets import _MATH_ALIASES
+
+    raw = (task or "").strip()
+    key, sep, arg = raw.partition(":")
+    low = key.lower()
+    if low == "gsm8k" and not sep:
+        return "gsm8k", "gsm8k"
+    if low in _MATH_ALIASES and not sep:
+        return "math500", "math500"
+    if low == "arith":
+        if sep and not arg.strip():
+            raise QerlError("task 'arith:' needs a level after the colon, e.g. arith:3 or arith:mixed")
+        return (f"arith:{arg.strip()}", "arith-" + re.sub(r"[^A-Za-z0-9_.]+", "_", arg.strip())) if sep \
+            else ("arith", "arith")
+    if low == "jsonl":
+        if not arg.strip():
+            raise QerlError("task jsonl needs a path: use jsonl:PATH, e.g. jsonl:data/my_task.jsonl")
+        path = Path(arg.strip()).expanduser()
+        return f"jsonl:{path}", "jsonl-" + re.sub(r"[^A-Za-z0-9_.]+", "_", path.stem)
+    raise QerlError(f"unknown task {task!r}: use one of {TASK_CHOICES}")
+
+
+def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _Resolved:
+    from qerl_cli.runlayout import quantized_model_dir, resolve_checkpoint
+
+    if harness not in HARNESSES:
+        raise QerlError(f"unknown harness {harness!r}: use one of {', '.join(HARNESSES)}")
+    name, slug = _canonical_task(task)
+    if harness in HARNESS_TASKS and name != HARNESS_TASKS[harness]:
+        raise QerlError(f"--harness {harness} runs {HARNESS_TASKS[harness]} only, not {task!r}: "
+                        "use the builtin harness for other tasks")
+    run = RunDir(run_dir, create=False)
+    model_dir = quantized_model_dir(run)
+    model_record = run.require("quantize")
+    ckpt_dir = resolve_checkpoint(run, checkpoint)
+    ckpt_name = "base" if ckpt_dir is None else ckpt_dir.name
+    if ckpt_dir is not None:
+        # resolve_checkpoint only lists checkpoints whose adapter_config.json exists; the weights must too.
+        weights = ckpt_dir / "adapter" / "adapter_model.safetensors"
+        if not weights.is_file():
+            raise QerlError(f"checkpoint {ckpt_dir} has no adapter/adapter_model.safetensors: the checkpoint is "
+                            f"incomplete; pick another with --checkpoint step_N or --checkpoint base")
+    slug = f"{slug}-{ckpt_name}" + ("" if harness == "builtin" else f"-{harness}")
+    kind = "gsm8k" if name == "gsm8k" else "math" if name == "math500" else "arith" if name.startswith("arith") \
+        else "jsonl"
+    return _Resolved(run, name, kind, slug, model_dir, model_record, checkpoint, ckpt_name, ckpt_dir)
+
+
+def _data_files(task_name: str, shots: int) -> dict[str, str]:
+    """sha256 of the data files a task reads (bundled files by their package-relative path)."""
+    from qerl_cli.tasks.datasets import DATA_DIR
+
+    if task_name == "gsm8k":
+        files = [DATA_DIR / "gsm8k" / "test.jsonl"] + ([DATA_DIR / "gsm8k" / "train.jsonl"] if shots else [])
+    elif task_name == "math500":
+        files = [DATA_DIR / "math500" / "test.jsonl"]
+    elif task_name.startswith("jsonl:"):
+        p = Path(task_name.partition(":")[2])
+        return {str(p): sha256_file(p)}
+    else:
+        return {}
+    return {f"qerl_cli/data/{f.parent.name}/{f.name}": sha256_file(f) for f in files}
+
+
+def _question(task_kind: str, ex: Any) -> str:
+    meta = ex.meta
+    if "question" in meta:
+        return meta["question"]
+    if "problem" in meta:
+        return meta["problem"]
+    if task_kind == "arith" and "a" in meta:
+        return f"{meta['a']} {meta['op']} {meta['b']}"
+    return ex.prompt
+
+
+def _group_keys(task_name: str) -> tuple[str, ...]:
+    if task_name == "math500":
+        return ("subject", "level")
+    if task_name.startswith("arith"):
+        return ("level", "op")
+    return ()
+
+
+def _pick_device(device: str | None) -> str:
+    import torch
+
+    if device:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def run_eval(
+    run_dir: str | Path,
+    task: str,
+    *,
+    checkpoint: str = "latest",
+    limit: int | None = None,
+    samples: int = 1,
+    temperature: float | None = None,
+    max_tokens: int | None = None,
+    shots: int | None = None,
+    chat_template: bool | None = None,
+    harness: str = "builtin",
+    seed: int = 0,
+    device: str | None = None,
+    batch_slots: int = 64,
+) -> dict[str, Any]:
+    """Evaluate the run's quantized model with a checkpoint's adapter; write results; return the result dict.
+
+    checkpoint: "latest" (default; an error pointing to `qerl train` or `--checkpoint base` when the run
+    has none), "step_N", or "base" (no adapter). samples=1 is greedy pass@1 unless a temperature is
+    given; samples=K>1 samples at `temperature` (default 1.0) and reports pass@1, pass@K and the mean
+    accuracy. max_tokens/shots default to the task's (gsm8k 256/0, math500 1024/0, arith 8/4);
+    chat_template=None means a plain completion prompt (the task default).
+    harness: "builtin" (qerl's rollout engine and scorers), "lm-eval" (lm-eval-harness' gsm8k task and
+    filters on this model, offline) or "lighteval" (lighteval's math_500 metric on this model, offline).
+    """
+    t_start = time.perf_counter()
+    # ---- validate everything cheap before loading anything
+    if limit is not None and limit < 1:
+        raise QerlError(f"--limit must be >= 1, got {limit}")
+    if samples < 1:
+        raise QerlError(f"--samples must be >= 1, got {samples}")
+    if temperature is not None and temperature < 0:
+        raise QerlError(f"--temperature must be >= 0, got {temperature}")
+    if temperature is None:
+        temperature = 0.0 if samples == 1 else 1.0
+    if samples > 1 and temperature == 0:
+        raise QerlError(f"--samples {samples} with --temperature 0 gives {samples} identical greedy samples: "
+                        "give a temperature > 0 (e.g. --temperature 1.0) or use --samples 1")
+    if max_tokens is not None and max_tokens < 1:
+        raise QerlError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if batch_slots < 1:
+        raise QerlError(f"batch_slots must be >= 1, got {batch_slots}")
+    if harness in ("lm-eval", "lighteval") and samples != 1:
+        raise QerlError(f"--harness {harness} runs one sample per problem: use --samples 1 (or the builtin harness "
+                        "for pass@k)")
+    res = _resolve(run_dir, task, checkpoint, harness)
+    if harness == "lm-eval":
+        from qerl_cli.eval.lm_eval_adapter import require_lm_eval
+
+        require_lm_eval()
+    elif harness == "lighteval":
+        from qerl_cli.eval.lighteval_adapter import require_lighteval
+
+        require_lighteval()
+
+    import torch
+
+    from qerl_cli.models import load_model, load_tokenizer, resolve_model
+    from qerl_cli.tasks import load_task
+
+    # Tokenizer first: the task (and its data file) is checked before the model is loaded.
+    tokenizer = load_tokenizer(resolve_model(str(res.model_dir)))
+    task_obj = load_task(res.task_name, split="test", shots=shots, chat_template=bool(chat_template),
+                         tokenizer=tokenizer, limit=limit, seed=DATA_SEED)
+    if not task_obj.examples:
+        raise QerlError(f"task {res.task_name} has no examples to evaluate (limit={limit})")
+    kind = task_obj.reward if res.task_kind == "jsonl" else res.task_kind
+    if kind not in PRIMARY:
+        raise QerlError(f"task {res.task_name} uses reward {kind!r}, which qerl eval cannot score")
+    max_new = max_tokens if max_tokens is not None else task_obj.max_new_tokens
+    res.data_files = _data_files(res.task_name, task_obj.shots)
+
+    device = _pick_device(device)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    t_load = time.perf_counter()
+    model, tokenizer = load_model(str(res.model_dir), dtype=dtype, device=device)
+    adapter_info: dict[str, Any] | None = None
+    if res.checkpoint_dir is not None:
+        from qerl_cli.lora import adapter_summary, load_adapter
+
+        adapter_dir = res.checkpoint_dir / "adapter"
+        model = load_adapter(model, adapter_dir)
+        adapter_info = {"path": res.run.rel(adapter_dir), **adapter_summary(adapter_dir)}
+    model.eval()
+    load_s = time.perf_counter() - t_load
+
+    protocol = {
+        "split": "test",
+        "limit": limit,
+        "num_problems": len(task_obj.examples),
+        "shots": task_obj.shots,
+        "chat_template": task_obj.chat_template,
+        "prompt_template": task_obj.build_prompt(PROMPT_PLACEHOLDER),
+        "prompt_placeholder": PROMPT_PLACEHOLDER,
+        "stop": list(task_obj.stop),
+        "stop_token_ids": "model eos",
+        "truncate_at_stop": True,
+        "sampling": {"n": samples, "temperature": temperature, "top_p": 1.0, "top_k": -1, "seed": seed},
+        "max_tokens": max_new,
+        "data_files": res.data_files,
+        "data_seed": DATA_SEED if kind == "arith" else None,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device,
+        "engine": "qerl builtin rollout engine",
+    }
+    config = {"task": res.task_name, "harness": harness, "checkpoint": checkpoint, "limit": limit, "samples": samples,
+              "temperature": temperature, "max_tokens": max_new, "shots": task_obj.shots,
+              "chat_template": task_obj.chat_template, "batch_slots": batch_slots, "device": device}
+    inputs = {"model": {"path": res.run.rel(res.model_dir), **_model_hashes(res.model_record)},
+              "adapter": adapter_info, "data": res.data_files}
+
+    with res.run.stage("eval", config=config, inputs=inputs, seeds={"sampling": seed},
+                       key=f"eval/{res.slug}") as rec:
+        t_gen = time.perf_counter()
+        if harness == "builtin":
+            records, extra, scorers = _run_builtin(model, tokenizer, task_obj, kind, samples, temperature, max_new,
+                                                   seed, batch_slots)
+        elif harness == "lm-eval":
+            from qerl_cli.eval.lm_eval_adapter import run_lm_eval_gsm8k
+
+            records, extra = run_lm_eval_gsm8k(model, tokenizer, task_obj, max_tokens=max_new,
+                                               temperature=temperature, seed=seed, batch_slots=batch_slots)
+            scorers = list(extra["scorers"])
+            protocol["engine"] = "qerl builtin rollout engine behind lm_eval.api.model.LM"
+        else:
+            from qerl_cli.eval.lighteval_adapter import run_lighteval_math500
+
+            records, extra = run_lighteval_math500(model, tokenizer, task_obj, max_tokens=max_new,
+                                                   temperature=temperature, seed=seed, batch_slots=batch_slots)
+            scorers = list(extra["scorers"])
+            protocol["engine"] = "qerl builtin rollout engine behind lighteval LightevalModel"
+        gen_s = time.perf_counter() - t_gen
+        if harness == "builtin":
+            protocol["scorers"] = {s: SCORER_DOCS[s] for s in scorers}
+            protocol["scorer_versions"] = scorer_versions(kind)
+        else:
+            protocol["scorers"] = extra["scorer_docs"]
+            protocol["scorer_versions"] = extra["scorer_versions"]
+            protocol["harness_task"] = extra["harness_task"]
+        primary = PRIMARY[kind] if harness == "builtin" else extra["primary"]
+        scores = aggregate(records, scorers, samples, _group_keys(res.task_name))
+        rel_dir = res.run.rel(_eval_dir(res.run))
+        files = {"result": f"{rel_dir}/{res.slug}.json", "samples": f"{rel_dir}/{res.slug}.samples.jsonl"}
+        finish = Counter(r.get("finish_reason", "unknown") for r in records)
+        tokens = sum(int(r.get("tokens", 0)) for r in records)
+        result = {
+            "schema": RESULT_SCHEMA,
+            "task": res.task_name,
+            "harness": harness,
+            "created": now_iso(),
+            "run": str(res.run.path),
+            "checkpoint": {"requested": res.checkpoint_requested, "name": res.checkpoint_name,
+                           "path": res.run.rel(res.checkpoint_dir) if res.checkpoint_dir else None,
+                           "adapter_sha256": adapter_info["sha256"] if adapter_info else None,
+                           "adapter": adapter_info},
+            "model": {"path": res.run.rel(res.model_dir), **_model_hashes(res.model_record)},
+            "protocol": protocol,
+            "primary": primary,
+            "scores": scores,
+            "harness_results": extra.get("harness_results"),
+            "counts": {"problems": len(task_obj.examples), "samples": len(records), "finish_reason": dict(finish),
+                       "completion_tokens": tokens},
+            "timings": {"load_s": round(load_s, 3), "generate_s": round(gen_s, 3),
+                        "total_s": round(time.perf_counter() - t_start, 3),
+                        "tokens_per_s": round(tokens / gen_s, 2) if gen_s > 0 else None},
+            "files": files,
+        }
+        out_dir = _eval_dir(res.run)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(res.run.abs(files["samples"]),
+                          "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
+        atomic_write_json(res.run.abs(files["result"]), result)
+        rec.outputs = files
+        rec.metrics = {"primary": primary, **{s: scores[s]["accuracy"]["mean"] for s in scorers},
+                       **{f"{primary}/pass@{samples}": scores[primary][f"pass@{samples}"]["mean"]}}
+    return result
+
+
+def _eval_dir(run: RunDir) -> Path:
+    from qerl_cli.runlayout import eval_dir
+
+    return eval_dir(run)
+
+
+def _model_hashes(rec: dict[str, Any]) -> dict[str, Any]:
+    out = rec.get("outputs", {}).get("model", {})
+    return {"format": out.get("format"), "files": out.get("files", {}),
+            "source": rec.get("config", {}).get("model")}
+
+
+def _run_builtin(model: Any, tokenizer: Any, task: Any, kind: str, samples: int, temperature: float,
+                 max_new: int, seed: int, batch_slots: int) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+    from qerl_cli.rollout import SamplingParams
+
+    prompts = task.prompts
+    sampling = SamplingParams(n=samples, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=max_new,
+                              stop=list(task.stop), seed=seed)
+    outputs = generate_texts(model, tokenizer, prompts, sampling, batch_slots)
+    golds = [task.examples[s["prompt_index"]].answer for s in outputs]
+    completions = [truncate_at_stop(s["text"], task.stop) for s in outputs]
+    scorer: Callable[[Sequence[str], Sequence[str]], list[dict[str, Any]]] = {
+        "gsm8k": score_gsm8k, "math": score_math, "arith": score_arith}[kind]
+    scored = scorer(completions, golds)
+    records = []
+    for s, comp, sc in zip(outputs, completions, scored, strict=True):
+        ex = task.examples[s["prompt_index"]]
+        records.append({
+            "problem": s["prompt_index"],
+            "sample": s["sample_index"],
+            "id": ex.meta.get("unique_id", ex.meta.get("index", s["prompt_index"])),
+            "question": _question(kind, ex),
+            "gold": ex.answer,
+            "completion": comp,
+            "finish_reason": s["finish_reason"],
+            "tokens": s["tokens"],
+            **sc,
+            "meta": {k: v for k, v in ex.meta.items() if k in ("subject", "level", "op")},
+        })
+    scorers = list(scored[0]["correct"]) if scored else []
+    return records, {}, scorers
+
+
+def generate_texts(model: Any, tokenizer: Any, prompts: list[str], sampling: Any, batch_slots: int) -> list[dict]:
+    """Generate with the builtin engine; one dict per sample (prompt_index, sample_index, text, ...).
+
+    The engine keeps the token that completed a stop string, so `text` may run past it; callers cut it
+    with `truncate_at_stop`.
+    """
+    from qerl_cli.rollout import BuiltinEngine
+
+    ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    longest = max(len(i) for i in ids)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    need = longest + sampling.max_tokens + 1
+    if limit is not None and need > int(limit):
+        raise QerlError(f"the longest prompt has {longest} tokens; with --max-tokens {sampling.max_tokens} that "
+                        f"exceeds the model's context of {limit}: lower --max-tokens or --shots")
+    engine = BuiltinEngine(model, tokenizer, max_batch_slots=batch_slots, max_model_len=need)
+    try:
+        result = engine.generate(ids, sampling)
+    finally:
+        engine.release()
+    return [{"prompt_index": s.prompt_index, "sample_index": s.sample_index,
+             "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
+             "finish_reason": s.finish_reason, "tokens": len(s.token_ids)} for s in result.samples]
+
+
+# ------------------------------------------------------------------------------------------- table
+
+
+def _fmt_ci(ci: dict[str, Any]) -> str:
+    return f"{100 * ci['mean']:.1f} [{100 * ci['low']:.1f}, {100 * ci['high']:.1f}]"
+
+
+def render_eval_table(result: dict[str, Any]):  # noqa: ANN201 - rich.table.Table
+    """A rich table of a run_eval result: one row per scorer, then the primary scorer's breakdowns."""
+    from rich.table import Table
+
+    samples = result["protocol"]["sampling"]["n"]
+    ckpt = result["checkpoint"]
+    title = (f"{result['task']} · {ckpt['name']} · {result['harness']} · "
+             f"{result['counts']['problems']} problems x {samples}")
+    table = Table(title=title, show_lines=False)
+    table.add_column("scorer")
+    table.add_column("accuracy % [95% CI]", justify="right")
+    ks = sorted({1, samples})
+    for k in ks:
+        table.add_column(f"pass@{k} %", justify="right")
+    table.add_column("correct/total", justify="right")
+    primary = result["primary"]
+    for name, sc in result["scores"].items():
+        label = f"{name} *" if name == primary else name
+        table.add_row(label, _fmt_ci(sc["accuracy"]), *[f"{100 * sc[f'pass@{k}']['mean']:.1f}" for k in ks],
+                      f"{sc['correct']}/{sc['total']}")
+    for key, groups in result["scores"].get(primary, {}).items():
+        if not key.startswith("by_"):
+            continue
+        table.add_section()
+        for g, ci in groups.items():
+            table.add_row(f"  {key[3:]} {g}", _fmt_ci(ci), *["" for _ in ks], f"n={ci['n']}")
+    adapter = ckpt["adapter_sha256"]
+    table.caption = (f"* primary · adapter {adapter[:12] if adapter else 'none (base)'} · "
+                     f"T={result['protocol']['sampling']['temperature']} · max_tokens "
+                     f"{result['protocol']['max_tokens']} · shots {result['protocol']['shots']} · "
+                     f"{result['files']['result']}")
+    return table
