@@ -287,8 +287,8 @@ def _fp4_tile_v2(w_ptr, s_ptr, offs_n, k0, N, K,
 
 
 @triton.jit
-def _fp4_mm_v2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr, ws_ptr,
-                      M, N, K, stride_xm, stride_ym, k_split, alpha,
+def _fp4_mm_v2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+                      M, N, K, stride_xm, stride_ym, k_split, alpha, S,
                       NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                       F32: tl.constexpr, F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
@@ -323,6 +323,20 @@ def _fp4_mm_v2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr, ws_ptr,
     if SPLIT:
         base = ws_ptr + pid_k.to(tl.int64) * M * N
         tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
+        # Serial split-K: the last CTA of this output tile to arrive sums the S partials in the fixed
+        # order s = 0..S-1 (bit-identical whichever CTA that is), adds bias, stores, resets the counter.
+        tl.debug_barrier()
+        tile = pid_m * tl.cdiv(N, BN) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == S - 1:
+            out = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in range(0, S):
+                out += tl.load(ws_ptr + s * M * N + offs_m[None, :] * N + offs_n[:, None], mask=mask,
+                               other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -645,15 +659,29 @@ def fp4_matmul_v2(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     bias_arg = bias if bias is not None else y
     gs = global_scale if nv else kscales
-    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), split)
-    _fp4_mm_v2_kernel[grid](
-        x, repacked, kscales, gs, bias_arg, y, ws, m, n, k, x.stride(0), y.stride(0), k_split, 2.0 ** (-F),
-        NVFP4=nv, HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
+    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    cnt = tile_counters(x.device, tiles) if split > 1 else ws
+    _fp4_mm_v2_kernel[(tiles, split)](
+        x, repacked, kscales, gs, bias_arg, y, ws, cnt, m, n, k, x.stride(0), y.stride(0), k_split, 2.0 ** (-F), split,
+        NVFP4=nv, HAS_BIAS=bias is not None, SPLIT=split > 1,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=8, F32=f32, F16=x.dtype == torch.float16,
         EVEN_N=n % cfg.bn == 0, EVEN_K=k % cfg.bk == 0, TILED=tiled, num_warps=cfg.warps, num_stages=cfg.stages,
     )
-    if split > 1:
-        block = 1024
-        splitk_reduce_kernel[(m, triton.cdiv(n, block))](
-            ws, bias_arg, y, m, n, y.stride(0), split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for serial split-K, one buffer per (device, stream).
+
+    The kernels leave every counter at 0 again, so one buffer serves all calls on a stream, CUDA-graph
+    replays included; a second stream gets its own so concurrent GEMMs never share a counter.
+    """
+    sid = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, sid)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = _COUNTERS[key] = torch.zeros(max(4096, tiles), dtype=torch.int32, device=device)
+    return buf

@@ -74,7 +74,8 @@ fi
 if has peers; then
   stamp peers
   QERL_BENCH_SHAPES="${QERL_PEER_SHAPES:-qwen2.5-7b}" QERL_BENCH_MS="$MS" timeout "${QERL_PEERS_TIMEOUT:-200}" \
-    python3 /tmp/qk/run_bench.py "$OUT/peers.json" 'methods=("bf16",), backward=False, variants=False'
+    python3 /tmp/qk/run_bench.py "$OUT/peers.json" "methods=('bf16',), backward=False, variants=False, \
+peers=${QERL_PEER_LIST:-None}"
 fi
 if has profile; then  # hardware counters of the fused FP4 kernel on one Qwen2.5-7B GEMM (gate_up), M=1
   stamp profile

@@ -24,7 +24,7 @@ from qerl_kernels import (
     w8_matmul_t,
 )
 from qerl_kernels._common import split_k_for
-from qerl_kernels.fp4 import fp4_matmul_v2, kernel_scales, repack_fp4, unrepack_fp4
+from qerl_kernels.fp4 import fp4_matmul_v2, kernel_scales, repack_fp4, tile_counters, unrepack_fp4
 from qerl_kernels.linear import KernelState, fp4_config
 
 from qerl_cli.errors import QerlError
@@ -220,3 +220,5 @@ def test_fp4_repacked_kernel(fmt: str, dtype: torch.dtype, tiled: bool) -> None:
             y = torch.full((m, n), float("nan"), dtype=dtype)
             fp4_matmul_v2(x, wr, ks, t.get("weight_global_scale"), fmt, cfg, shift=shift, out=y, tiled=tiled)
             assert _rel(y, x.double() @ wd.T) < TOL[dtype], (fmt, m, n, k, cfg)
+    # serial split-K leaves its arrival counters at zero for the next call
+    assert not tile_counters(torch.device("cpu"), 1).any()
