@@ -292,7 +292,7 @@ def _fp4_mm_v2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
                       NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                       F32: tl.constexpr, F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                      TILED: tl.constexpr):
+                      TILED: tl.constexpr, SERIAL: tl.constexpr):
     pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -323,20 +323,22 @@ def _fp4_mm_v2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
     if SPLIT:
         base = ws_ptr + pid_k.to(tl.int64) * M * N
         tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
-        # Serial split-K: the last CTA of this output tile to arrive sums the S partials in the fixed
-        # order s = 0..S-1 (bit-identical whichever CTA that is), adds bias, stores, resets the counter.
-        tl.debug_barrier()
-        tile = pid_m * tl.cdiv(N, BN) + pid_n
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived == S - 1:
-            out = tl.zeros((BN, BM), dtype=tl.float32)
-            for s in range(0, S):
-                out += tl.load(ws_ptr + s * M * N + offs_m[None, :] * N + offs_n[:, None], mask=mask,
-                               other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+        if SERIAL:
+            # Serial split-K: the last CTA of this output tile to arrive sums the S partials in the fixed
+            # order s = 0..S-1 (bit-identical whichever CTA that is), adds bias, stores, resets the counter.
+            tl.debug_barrier()
+            tile = pid_m * tl.cdiv(N, BN) + pid_n
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if arrived == S - 1:
+                out = tl.zeros((BN, BM), dtype=tl.float32)
+                for s in range(0, S):
+                    out += tl.load(ws_ptr + s * M * N + offs_m[None, :] * N + offs_n[:, None], mask=mask,
+                                   other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+                tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
+                         mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -640,9 +642,14 @@ def kernel_scales(scale: torch.Tensor, fmt: str, dtype: torch.dtype, shift: int 
 def fp4_matmul_v2(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor,
                   global_scale: torch.Tensor | None, fmt: str, cfg: TileConfig, *, shift: int = 0,
                   bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  tiled: bool = False) -> torch.Tensor:
+                  tiled: bool = False, serial: bool | None = None) -> torch.Tensor:
     """`fp4_matmul` on the repacked layout (`repack_fp4`) with `kernel_scales(scale, fmt, x.dtype, shift)`;
-    `tiled` must match how both were made."""
+    `tiled` must match how both were made.
+
+    With split-K, `serial` (default: M <= 16) reduces inside the same launch (the last CTA of a tile sums
+    the partials in fixed order); otherwise a second kernel does. Both are deterministic. The in-kernel
+    reduction saves a launch at decode sizes but costs registers, which hurt the larger tiles on an H200.
+    """
     n, k = repacked.shape[0], repacked.shape[1] * 2
     m = x.shape[0]
     f32 = INTERPRET or x.dtype == torch.float32
@@ -660,13 +667,19 @@ def fp4_matmul_v2(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor
     bias_arg = bias if bias is not None else y
     gs = global_scale if nv else kscales
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    cnt = tile_counters(x.device, tiles) if split > 1 else ws
+    serial = split > 1 and (m <= 16 if serial is None else serial)
+    cnt = tile_counters(x.device, tiles) if serial else ws
     _fp4_mm_v2_kernel[(tiles, split)](
         x, repacked, kscales, gs, bias_arg, y, ws, cnt, m, n, k, x.stride(0), y.stride(0), k_split, 2.0 ** (-F), split,
-        NVFP4=nv, HAS_BIAS=bias is not None, SPLIT=split > 1,
+        NVFP4=nv, HAS_BIAS=bias is not None and (split == 1 or serial), SPLIT=split > 1,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=8, F32=f32, F16=x.dtype == torch.float16,
-        EVEN_N=n % cfg.bn == 0, EVEN_K=k % cfg.bk == 0, TILED=tiled, num_warps=cfg.warps, num_stages=cfg.stages,
+        EVEN_N=n % cfg.bn == 0, EVEN_K=k % cfg.bk == 0, TILED=tiled, SERIAL=serial,
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
+    if split > 1 and not serial:
+        block = 1024
+        splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+            ws, bias_arg, y, m, n, y.stride(0), split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y
 
 

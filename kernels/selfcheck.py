@@ -101,11 +101,14 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
                         continue
                     wr = repack_fp4(t["weight_packed"], tiled=tiled)
                     ks = kernel_scales(t["weight_scale"], fmt, dt, shift or 0, tiled=tiled)
-                    for cfg in (ql.fp4_config(m, n, k), TileConfig(16, 64, 256, 4, 4, 3),
-                                TileConfig(128, 128, 128, 8, 3), TileConfig(256, 128, 128, 8, 3, 2)):
+                    for cfg, serial in ((ql.fp4_config(m, n, k), None), (TileConfig(16, 64, 256, 4, 4, 3), True),
+                                        (TileConfig(16, 64, 128, 4, 4, 4), False),
+                                        (TileConfig(128, 128, 128, 8, 3), None),
+                                        (TileConfig(256, 128, 128, 8, 3, 2), None)):
                         y = torch.full((m, n), float("nan"), dtype=dt, device=device)
-                        check(f"{fmt}-fwd-v{3 if tiled else 2}-{cfg.key()}-{dt}",
-                              bind(fp4_matmul_v2, x, wr, ks, gs, fmt, cfg, shift=shift or 0, out=y, tiled=tiled),
+                        check(f"{fmt}-fwd-v{3 if tiled else 2}-{cfg.key()}-serial{serial}-{dt}",
+                              bind(fp4_matmul_v2, x, wr, ks, gs, fmt, cfg, shift=shift or 0, out=y, tiled=tiled,
+                                   serial=serial),
                               ref, TOL[dt], M=m, N=n, K=k)
                 dy = torch.randn(m, n, generator=g).to(device=device, dtype=dt)
                 check(f"{fmt}-dx-{dt}", bind(fp4_matmul_t, dy, t["weight_packed"], t["weight_scale"], gs, fmt,

@@ -216,9 +216,11 @@ def test_fp4_repacked_kernel(fmt: str, dtype: torch.dtype, tiled: bool) -> None:
         shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else 0
         ks = kernel_scales(t["weight_scale"], fmt, dtype, shift, tiled=tiled)
         x = torch.randn(m, k, generator=g).to(dtype)
-        for cfg in (TileConfig(16, 64, 128), TileConfig(32, 64, 256, split_k=2)):
+        for cfg, serial in ((TileConfig(16, 64, 128), None), (TileConfig(32, 64, 256, split_k=2), True),
+                            (TileConfig(16, 64, 128, split_k=3), False)):
             y = torch.full((m, n), float("nan"), dtype=dtype)
-            fp4_matmul_v2(x, wr, ks, t.get("weight_global_scale"), fmt, cfg, shift=shift, out=y, tiled=tiled)
-            assert _rel(y, x.double() @ wd.T) < TOL[dtype], (fmt, m, n, k, cfg)
+            fp4_matmul_v2(x, wr, ks, t.get("weight_global_scale"), fmt, cfg, shift=shift, out=y, tiled=tiled,
+                          serial=serial)
+            assert _rel(y, x.double() @ wd.T) < TOL[dtype], (fmt, m, n, k, cfg, serial)
     # serial split-K leaves its arrival counters at zero for the next call
     assert not tile_counters(torch.device("cpu"), 1).any()
