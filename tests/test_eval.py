@@ -228,6 +228,17 @@ def test_math500_scorers_and_breakdowns(eval_run: Path) -> None:
     assert result["files"]["result"] == "eval/math500-base.json"
 
 
+def test_jsonl_task(eval_run: Path, tmp_path: Path) -> None:
+    data = tmp_path / "sums.jsonl"
+    rows = [{"prompt": "2 + 3 = 5\n4 + 4 =", "answer": 8}, {"prompt": "1 + 2 = 3\n5 + 1 =", "answer": "6"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run_eval(eval_run, f"jsonl:{data}", checkpoint="base", max_tokens=4)
+    assert result["files"]["result"] == "eval/jsonl-sums-base.json"
+    assert set(result["scores"]) == {"strict", "flexible", "answer_tag"}  # numeric answers: GSM8K scorers
+    assert result["protocol"]["data_files"] == {str(data): sha256_file(data)}
+    assert [r["gold"] for r in _samples(eval_run, result)] == ["8", "6"]
+
+
 def test_render_eval_table(base_gsm8k: dict) -> None:
     from rich.console import Console
 
@@ -309,8 +320,13 @@ def _lm_eval_strict(completion: str) -> str:
     return m[0] if m else "[invalid]"
 
 
-def _compare_lm_eval(run: Path, builtin: dict, lm: dict, shots: int, limit: int) -> None:
-    task = load_task("gsm8k", split="test", shots=shots, limit=limit)
+def _compare_lm_eval(run: Path, builtin: dict, lm: dict, shots: int, limit: int, chat: bool = False) -> None:
+    tokenizer = None
+    if chat:
+        from qerl_cli.models import load_tokenizer, resolve_model
+
+        tokenizer = load_tokenizer(resolve_model(str(run / "model")))
+    task = load_task("gsm8k", split="test", shots=shots, limit=limit, chat_template=chat, tokenizer=tokenizer)
     ours, theirs = _samples(run, builtin), _samples(run, lm)
     assert len(ours) == len(theirs) == limit
     assert lm["protocol"]["prompt_template"] == builtin["protocol"]["prompt_template"]
@@ -342,13 +358,16 @@ def test_lm_eval_agrees_with_builtin_zero_shot(eval_run: Path, base_gsm8k: dict)
     _compare_lm_eval(eval_run, base_gsm8k, lm, shots=0, limit=LIMIT)
 
 
-def test_lm_eval_agrees_with_builtin_few_shot(eval_run: Path) -> None:
+def test_lm_eval_agrees_with_builtin_few_shot_chat(eval_run: Path) -> None:
+    """One shot (lm-eval's first_n sampler = qerl's first train row) inside the chat template, with the
+    trained adapter."""
     pytest.importorskip("lm_eval", reason="lm-eval not installed (pip install 'qerl[lm-eval]')")
-    kw = {"checkpoint": f"step_{STEP}", "limit": 3, "max_tokens": 32, "shots": 1}
+    kw = {"checkpoint": f"step_{STEP}", "limit": 3, "max_tokens": 32, "shots": 1, "chat_template": True}
     builtin = run_eval(eval_run, "gsm8k", **kw)
     lm = run_eval(eval_run, "gsm8k", harness="lm-eval", **kw)
     assert lm["checkpoint"]["adapter_sha256"] == builtin["checkpoint"]["adapter_sha256"] is not None
-    _compare_lm_eval(eval_run, builtin, lm, shots=1, limit=3)
+    assert lm["protocol"]["chat_template"] is True and "<|im_start|>user" in lm["protocol"]["prompt_template"]
+    _compare_lm_eval(eval_run, builtin, lm, shots=1, limit=3, chat=True)
 
 
 # ------------------------------------------------------------------------------ lighteval adapter
