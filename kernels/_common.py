@@ -43,20 +43,6 @@ def interpreter_config(cfg: TileConfig) -> TileConfig:
     return TileConfig(cfg.bm, cfg.bn, cfg.bk, 4, 1, cfg.split_k)
 
 
-def compute_f32(x: torch.Tensor) -> bool:
-    """Whether a kernel must take its interpreter-safe fp32 path for activations `x`."""
-    return INTERPRET or x.dtype == torch.float32
-
-
-def check_activation(x: torch.Tensor, k: int) -> None:
-    if x.ndim != 2 or x.shape[1] != k:
-        raise ValueError(f"expected activations [M, {k}], got {tuple(x.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"activations must be bf16, fp16 or fp32, got {x.dtype}")
-    if x.stride(1) != 1:
-        raise ValueError("activations must be contiguous along K")
-
-
 def split_k_for(tiles: int, k: int, bk: int, sms: int, max_split: int = 16, waves: int = 2) -> int:
     """Smallest power-of-two split of K giving >= `waves` CTAs per SM, keeping >= 2 K-tiles per split."""
     ktiles = triton.cdiv(k, bk)

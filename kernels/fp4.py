@@ -1,9 +1,12 @@
 """NVFP4 / MXFP4 W4A16 kernels: fused dequantize-GEMM, its transpose for backward, and a dequantizer.
 
-Weights stay in the compressed-tensors layout (REFERENCE.md sections 1-2): `weight_packed` uint8
-[N, K/2] with element 2j in the low nibble, `weight_scale` [N, K/G] (E4M3 for NVFP4, G = 16; E8M0
-for MXFP4, G = 32) and, for NVFP4, `weight_global_scale` float32 [1]. No repack is needed: a K-tile
-of bytes decodes into a low-nibble and a high-nibble tile that `tl.join` interleaves back.
+Inputs are the compressed-tensors tensors (REFERENCE.md sections 1-2): `weight_packed` uint8 [N, K/2]
+with element 2j in the low nibble, `weight_scale` [N, K/G] (E4M3 for NVFP4, G = 16; E8M0 for MXFP4,
+G = 32) and, for NVFP4, `weight_global_scale` float32 [1]. `fp4_matmul`, `fp4_matmul_t` and
+`fp4_dequantize` read that layout directly (a K-tile of bytes decodes into a low-nibble and a
+high-nibble tile that `tl.join` interleaves back). `fp4_matmul_v2`, the fast forward, reads a load-time
+repack (`repack_fp4`, same size, a bijection): bytes permuted so each MMA thread's bytes are one
+16-byte run, optionally in 4 KB tile-major chunks, with 16-bit pre-scaled block scales (`kernel_scales`).
 
 Scaling. Every kernel dequantizes to `w' = code * scale * 2**F` and multiplies the fp32 result by
 `alpha = 2**-F` (MXFP4) or `2**-F / G` (NVFP4, so the per-tensor division happens once). With

@@ -1,16 +1,22 @@
 """`quant_linear(x, module)`: run a `QuantLinear` through qerl's kernels, forward and backward.
 
-Dispatch by M (rows of activations):
-- decode (M <= 16): the fused kernel with a 16-row activation tile and split-K so that every SM
-  streams weights (two-pass deterministic reduction);
-- mid M: the fused kernel with larger activation tiles;
-- large M: whichever measured faster on Hopper: the fused kernel, or the exact Triton dequantizer
-  into a transient bf16 weight followed by cuBLAS (`LARGE_M_DEQUANT`).
-INT8/FP8 use the W8A16 kernels; FP8 weights with bf16 activations at M >= `FP8_ACT_MIN_M` take the
-FP8xFP8 tensor-core path (per-token activation scales, the FP8_DYNAMIC scheme) unless
-`QERL_FP8_ACT=0`. Backward is `QuantLinearFunction`: it saves no activation (the frozen weight has
-no gradient) and computes dx = dy @ dequant(W) with the transposed kernel, so training a LoRA on the
-quantized base never keeps a bf16 copy of the weight.
+FP4 (NVFP4/MXFP4) dispatch by M, the rows of activations (thresholds from the H200 runs in
+docs/benchmarks.md):
+- M <= 16 (decode): fused dequantize-GEMM on the load-time repacked weight (`fp4.repack_fp4`, tiled),
+  16-row activation tile, split-K to ~6 CTAs per SM, reduced in the same launch in fixed order;
+- 16 < M < `LARGE_M_DEQUANT` (512): the same kernel with 64/128/256-row activation tiles, split-K with a
+  second fixed-order reduction pass when tiles are few;
+- M >= 512: the exact Triton dequantizer into a transient bf16 weight, then cuBLAS (it measured faster).
+Both reductions are deterministic (no float atomics). INT8/FP8 use the W8A16 kernels; FP8 weights with
+bf16 activations at M >= `FP8_ACT_MIN_M` take the FP8xFP8 tensor-core path (per-token activation
+scales: the FP8_DYNAMIC scheme) unless `QERL_FP8_ACT=0`.
+
+Backward is `QuantLinearFunction`: it saves no tensor (the frozen weight has no gradient and dx does
+not need x) and computes dx = dy @ dequant(W) with the transposed fused kernel; from
+`LARGE_M_DEQUANT_T` rows (1024) it dequantizes one layer's weight transiently and calls cuBLAS, which
+was 1.8x faster at M = 2048 (set QERL_FP4_DEQUANT_T_M very high to never build that transient copy).
+The repacked weight lives in `module._kernel_state` next to the checkpoint-layout buffers
+(+0.5 byte per weight; QERL_FP4_REPACK=0 turns it off and uses the slower checkpoint-layout kernel).
 """
 
 from __future__ import annotations
