@@ -23,13 +23,23 @@ def embedded():
     return load_model(None, dtype=torch.float32)
 
 
+class _QuantizedRuns(dict):
+    """fmt -> QuantizeResult, quantized from the shared embedded model on first use."""
+
+    def __init__(self, embedded, tmp_path_factory) -> None:
+        super().__init__()
+        self._embedded = embedded
+        self._factory = tmp_path_factory
+
+    def __missing__(self, fmt: str):
+        from qerl_cli.quantize import quantize_model
+
+        path = self._factory.mktemp(f"run_{fmt}")
+        self[fmt] = quantize_model(path, None, fmt=fmt, loaded=self._embedded)
+        return self[fmt]
+
+
 @pytest.fixture(scope="session")
 def quantized_runs(embedded, tmp_path_factory):
-    """One run directory per format, quantized from the shared embedded model."""
-    from qerl_cli.quantize import quantize_model
-
-    runs = {}
-    for fmt in ("nvfp4", "mxfp4", "int4", "int8", "fp8", "nf4", "bf16"):
-        path = tmp_path_factory.mktemp(f"run_{fmt}")
-        runs[fmt] = quantize_model(path, None, fmt=fmt, loaded=embedded)
-    return runs
+    """Run directories per format (`quantized_runs["nvfp4"]`), each quantized once per session."""
+    return _QuantizedRuns(embedded, tmp_path_factory)

@@ -62,11 +62,17 @@ def sampled_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float,
 
     Only the completion positions' logits are materialised in fp32, to bound memory.
     """
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    logits = out.logits
     b, t = batch.completion_ids.shape
-    # logits at position j predict token j+1: completion token k sits at prompt_len + k
-    pos = (batch.prompt_lens.unsqueeze(1) - 1 + torch.arange(t, device=logits.device).unsqueeze(0))
+    seq_len = batch.input_ids.shape[1]
+    # logits at position j predict token j+1: completion token k sits at prompt_len + k. Only the window
+    # of positions that some row needs goes through lm_head (the vocab projection dominates small models).
+    first = int(batch.prompt_lens.min()) - 1
+    last = min(int(batch.prompt_lens.max()) - 1 + t, seq_len)
+    keep = torch.arange(first, last, device=batch.input_ids.device)
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                logits_to_keep=keep)
+    logits = out.logits  # [B, last - first, V]
+    pos = (batch.prompt_lens.unsqueeze(1) - 1 - first + torch.arange(t, device=logits.device).unsqueeze(0))
     pos = pos.clamp(max=logits.shape[1] - 1)
     sel = logits.gather(1, pos.unsqueeze(-1).expand(b, t, logits.shape[-1])).float() / temperature
     logp_all = torch.log_softmax(sel, dim=-1)
