@@ -165,9 +165,27 @@ def eval_(ctx: typer.Context, task: str = typer.Argument(..., help="gsm8k|math50
 
 
 @bench_app.command("kernels")
-def bench_kernels() -> None:
-    """Time qerl's quantized GEMM kernels against BF16 cuBLAS and installed peers (GPU)."""
-    raise QerlError("qerl bench kernels is not available in this build yet (issue 3)")
+def bench_kernels(
+    shapes: Annotated[str, Opt(help="Comma-separated: qwen2.5-7b,qwen2.5-32b")] = "qwen2.5-7b,qwen2.5-32b",
+    ms: Annotated[str, Opt("--m", help="Comma-separated rows M.")] = "1,16,64,128,256,512,2048",
+    methods: Annotated[str, Opt(help="bf16,nvfp4,mxfp4,int8,fp8,fp8xfp8")] = "bf16,nvfp4,mxfp4,int8,fp8,fp8xfp8",
+    peers: Annotated[str | None, Opt(help="Peers to time (default: every installed one); 'none' for none.")] = None,
+    backward: Annotated[bool, Opt("--backward/--no-backward", help="Time dx = dy @ W at M=2048.")] = True,
+    out: Annotated[Path, Opt(help="JSON output path.")] = Path("bench-kernels.json"),
+) -> None:
+    """Time qerl's quantized GEMM kernels against BF16 cuBLAS and installed peers (CUDA GPU)."""
+    from qerl_cli.bench.kernels import bench_kernels as run
+    from qerl_cli.bench.kernels import render_tables, short_summary
+
+    peer_list = None if peers is None else ([] if peers == "none" else peers.split(","))
+    res = run(shapes=tuple(shapes.split(",")), ms=tuple(int(m) for m in ms.split(",")), out_json=out,
+              methods=tuple(methods.split(",")), peers=peer_list, backward=backward,
+              log=lambda msg: err_console.print(msg, highlight=False))
+    for table in render_tables(res):
+        console.print(table)
+    for line in short_summary(res):
+        console.print(line, highlight=False)
+    console.print(f"JSON: {out}")
 
 
 def main() -> None:
