@@ -36,7 +36,9 @@ log = logging.getLogger(__name__)
 
 TASK_NAME = "qerl_gsm8k"
 FILTERS = ("strict-match", "flexible-extract")
-MIN_VERSION = (0, 4, 8)
+# The version whose prompt construction the tests check against the builtin harness (prompts are
+# built by lm-eval's fewshot_context, which changed within 0.4.x).
+MIN_VERSION = (0, 4, 13)
 
 
 def require_lm_eval() -> str:
@@ -102,9 +104,8 @@ def gsm8k_task_config(*, shots: int, max_tokens: int, temperature: float = 0.0,
 def _lm_class() -> type:
     """QerlLM, built lazily so that importing this module does not import lm_eval."""
     from lm_eval.api.model import LM
-    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
-    from qerl_cli.eval.harness import generate_texts
+    from qerl_cli.eval.harness import generate_texts, truncate_at_stop
     from qerl_cli.rollout import SamplingParams
 
     class QerlLM(LM):
@@ -136,6 +137,7 @@ def _lm_class() -> type:
             raise NotImplementedError("qerl's lm-eval adapter runs generate_until tasks only")
 
         def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+            # As lm-eval's HFLM: stop at any `until` string or the EOS text, and cut the text at the first.
             eos_id = self.tokenizer.eos_token_id
             eos = self.tokenizer.decode([eos_id], skip_special_tokens=False) if eos_id is not None else None
             groups: dict[str, list[int]] = {}
@@ -146,17 +148,21 @@ def _lm_class() -> type:
                 # Doc order, whatever order lm-eval hands them in: sampling noise is keyed on the prompt's
                 # position, so this keeps sampled runs identical to the builtin harness' for one seed.
                 idx = sorted(idx, key=lambda i: (requests[i].doc_id, i))
-                kwargs = normalize_gen_kwargs(requests[idx[0]].args[1], 256)
-                until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+                kwargs = dict(requests[idx[0]].args[1])
+                until = kwargs.get("until") or []
+                until = [until] if isinstance(until, str) else list(until)
+                if eos and eos not in until:
+                    until.append(eos)
+                max_gen = next((kwargs[k] for k in ("max_gen_toks", "max_new_tokens", "max_tokens") if k in kwargs),
+                               256)
                 temperature = float(kwargs.get("temperature") or 0.0) if kwargs.get("do_sample") else 0.0
                 sampling = SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=-1,
-                                          max_tokens=int(kwargs["max_gen_toks"]), stop=[s for s in until if s],
-                                          seed=self.seed)
+                                          max_tokens=int(max_gen), stop=[s for s in until if s], seed=self.seed)
                 contexts = [requests[i].args[0] for i in idx]
                 gens = generate_texts(self.model, self.tokenizer, contexts, sampling, self.batch_slots)
                 for g in gens:
                     i = idx[g["prompt_index"]]
-                    text = postprocess_generated_text(g["text"], until, None)
+                    text = truncate_at_stop(g["text"], until)
                     out[i] = text
                     self.generations[requests[i].doc_id] = {"context": contexts[g["prompt_index"]], "text": text,
                                                             "finish_reason": g["finish_reason"],
