@@ -157,11 +157,32 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-@app.command(name="eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def eval_(ctx: typer.Context, task: str = typer.Argument(..., help="gsm8k|math500|arith"),
-          run: RunOpt = Path("runs/default")) -> None:
-    """Evaluate the run's model (with its latest adapter) on GSM8K, MATH-500 or arith."""
-    raise QerlError("qerl eval is not available in this build yet (issue 6): only `qerl quantize` runs")
+@app.command(name="eval")
+def eval_(
+    task: Annotated[str, typer.Argument(help="gsm8k | math500 | arith")],
+    run: RunOpt = Path("runs/default"),
+    checkpoint: Annotated[str, Opt(help="latest | step_N | base (no adapter)")] = "latest",
+    limit: Annotated[int | None, Opt(help="Evaluate the first N problems.")] = None,
+    samples: Annotated[int, Opt(help="Samples per problem (K > 1: pass@1, pass@K, mean accuracy).")] = 1,
+    temperature: Annotated[float | None, Opt(help="Sampling temperature (default: greedy for K=1).")] = None,
+    max_tokens: Annotated[int | None, Opt(help="Max new tokens (default per task).")] = None,
+    shots: Annotated[int | None, Opt(help="Few-shot examples (0 or 5 for gsm8k).")] = None,
+    chat_template: Annotated[bool | None, Opt("--chat-template/--no-chat-template")] = None,
+    harness: Annotated[str, Opt(help="builtin | lm-eval | lighteval")] = "builtin",
+    seed: int = 0,
+    json_only: Annotated[bool, Opt("--json", help="Print the JSON result only.")] = False,
+) -> None:
+    """Evaluate the run's model (with its latest adapter) on GSM8K, MATH-500 or arith, scored exactly."""
+    import json
+
+    from qerl_cli.eval.harness import render_eval_table, run_eval
+
+    res = run_eval(run, task, checkpoint=checkpoint, limit=limit, samples=samples, temperature=temperature,
+                   max_tokens=max_tokens, shots=shots, chat_template=chat_template, harness=harness, seed=seed)
+    if json_only:
+        print(json.dumps(res, indent=2, default=str))
+        return
+    console.print(render_eval_table(res))
 
 
 @bench_app.command("kernels")
