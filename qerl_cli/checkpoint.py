@@ -227,6 +227,8 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
         bias = state.pop(f"{name}.bias", None)
         ql = QuantLinear(k, n, fmt, {kk: v.to(device) for kk, v in tensors.items()}, dtype, group_size,
                          bias.to(device) if bias is not None else None, act_quant)
+        # No kernels off CUDA: dequantize each frozen weight once rather than on every forward
+        ql.cache_dequantized = torch.device(device).type == "cpu"
         _set_module(model, name, ql)
 
     missing, unexpected = model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v

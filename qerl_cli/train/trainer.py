@@ -122,12 +122,6 @@ class Trainer:
         c = self.cfg
         torch.manual_seed(c.seed)
         base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device)
-        if self.device.type == "cpu":
-            # no kernels on CPU: keep each frozen base weight dequantized once instead of on every call
-            from qerl_cli.qlinear import quant_linears
-
-            for m in quant_linears(base).values():
-                m.cache_dequantized = True
         if c.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
