@@ -1,0 +1,646 @@
+"""`qerl bench rollout`: tokens/s of the builtin rollout engine per weight format and batch size.
+
+For each format a model is built (``shape``: a randomly initialised model of a real architecture, made
+on the device layer by layer, see :mod:`qerl_cli.bench.shapes`; ``run_dir``: the run's quantized
+model), LoRA rank ``lora_rank`` is attached with nonzero B so the adapters really compute, and for each
+batch size ``batch`` random prompts of ``prompt_len`` tokens are generated to ``new_tokens`` tokens
+(one sample per prompt, temperature 1, stop tokens ignored: ``eos_mode="fixed"``). Each cell is run
+once untimed at the same batch (compiles kernels, captures the decode graphs of every KV-length
+bucket), then timed once.
+
+Reported per cell: prefill tok/s (prompt tokens / prefill time), decode tok/s (tokens sampled by
+decode steps / decode time), end-to-end tok/s (all generated tokens / wall time of ``generate``),
+time to first token, peak GPU memory, and on CUDA the decode roofline: one decode step must read the
+weights (quantized linears as stored, bf16 embeddings/lm_head/norms/biases, fp32 LoRA factors) and
+each sequence's KV cache up to its context; at the mean context of the run
+(``prompt_len + new_tokens / 2``) that is ``weights + batch * kv_bytes_per_token * mean_ctx`` bytes per
+step, over the device copy bandwidth measured at the start of the same run (bytes read + written, as
+`qerl bench kernels` measures it). % of roofline = decode tok/s over ``batch / step time``.
+
+``eos_mode="eos"`` ends samples at EOS instead (realistic lengths). A random model never picks one
+particular token, so for ``shape`` models the stop set is ``vocab / mean_len`` token ids, which gives
+geometric lengths with mean ~``new_tokens / 2`` on the near-uniform random model (capped at
+``new_tokens``); with ``run_dir`` the model's own EOS is used. ``"both"`` runs each cell both ways.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import importlib.util
+import math
+import random
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qerl_cli.errors import QerlError
+
+DEFAULT_FORMATS = ("bf16", "nvfp4", "mxfp4", "int8", "fp8", "nf4")
+DEFAULT_BATCHES = (1, 8, 64, 256)
+EOS_MODES = ("fixed", "eos", "both")
+SCHEMA = 1
+# Formats that run through qerl's Triton kernels on CUDA (qerl_kernels.linear.SUPPORTED); others use
+# the torch reference (dequantize every forward, then matmul) unless a peer library covers them.
+KERNEL_FORMATS = ("nvfp4", "mxfp4", "int8", "fp8")
+# Stored bytes per quantized weight (payload + scales), plus the load-time repacked FP4 copy the kernels
+# keep beside the checkpoint layout (+0.5 byte/weight, qerl_kernels.linear.REPACK).
+_BYTES_PER_WEIGHT = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "int8": 1.0, "fp8": 1.0,
+                     "nf4": 0.5 + 4 / 64, "int4": 0.5 + 2 / 128}
+_RESIDENT_EXTRA = {"nvfp4": 0.5, "mxfp4": 0.5}
+H100_80GB_GIB = 81559 / 1024  # what an H100 80GB reports (nvidia-smi 81559 MiB)
+TARGETS = (
+    # (format, batch, minimum % of roofline, minimum speed-up over qerl's bf16 at that batch)
+    ("nvfp4", 8, 70.0, None),
+    ("nvfp4", 64, 50.0, 1.5),
+)
+
+
+# ---- inputs ----------------------------------------------------------------------------------------
+def _check_args(shape: str | None, run_dir: Path | None, formats: Iterable[str], batches: Iterable[int],
+                prompt_len: int, new_tokens: int, lora_rank: int, eos_mode: str) -> tuple[list[str], list[int]]:
+    from qerl_cli.formats import FORMATS
+
+    if (shape is None) == (run_dir is None):
+        raise QerlError("give exactly one of --shape (random model of an architecture) or --run (the run's model)")
+    if eos_mode not in EOS_MODES:
+        raise QerlError(f"eos_mode must be one of {', '.join(EOS_MODES)}, not {eos_mode!r}")
+    fmts = list(dict.fromkeys(formats))
+    bad = [f for f in fmts if f not in FORMATS]
+    if bad or not fmts:
+        raise QerlError(f"unknown format(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(FORMATS)}")
+    bs = sorted(dict.fromkeys(int(b) for b in batches))
+    if not bs or bs[0] < 1:
+        raise QerlError(f"batch sizes must be positive integers, got {list(batches)}")
+    if prompt_len < 1 or new_tokens < 1:
+        raise QerlError(f"prompt_len and new_tokens must be >= 1, got {prompt_len} and {new_tokens}")
+    if lora_rank < 0:
+        raise QerlError(f"lora_rank must be >= 0 (0: no LoRA), got {lora_rank}")
+    return fmts, bs
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _nf4_backend(device: torch.device) -> str:
+    if device.type == "cuda" and importlib.util.find_spec("bitsandbytes") is not None:
+        return "bitsandbytes"
+    return "reference"
+
+
+def format_backend(fmt: str, device: torch.device) -> str:
+    """Which code runs a format's linears here: qerl-triton | cublas | bitsandbytes | reference."""
+    if fmt == "bf16":
+        return "cublas" if device.type == "cuda" else "torch"
+    if fmt == "nf4":
+        return _nf4_backend(device)
+    if fmt in KERNEL_FORMATS and device.type == "cuda" and importlib.util.find_spec("qerl_kernels") is not None:
+        return "qerl-triton"
+    return "reference"
+
+
+# ---- model ---------------------------------------------------------------------------------------
+def _use_bitsandbytes_nf4(model: nn.Module) -> int:
+    """Route every NF4 QuantLinear through bitsandbytes' 4-bit matmul (same codes, same packing)."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import QuantState
+
+    from qerl_cli.qlinear import QuantLinear
+
+    count = 0
+    for m in model.modules():
+        if not isinstance(m, QuantLinear) or m.fmt != "nf4":
+            continue
+        qs = QuantState(absmax=m.absmax.float(), shape=torch.Size([m.out_features, m.in_features]),
+                        code=m.quant_map.float(), blocksize=64, quant_type="nf4", dtype=m.dtype)
+        packed, bias = m.weight, m.bias
+
+        def forward(x: torch.Tensor, _w: torch.Tensor = packed, _qs: Any = qs, _b: Any = bias) -> torch.Tensor:
+            return bnb.matmul_4bit(x, _w.t(), quant_state=_qs, bias=None if _b is None else _b.to(x.dtype))
+
+        m.forward = forward
+        count += 1
+    return count
+
+
+def _attach_lora(model: nn.Module, rank: int, seed: int) -> nn.Module:
+    """LoRA on every decoder linear with B ~ N(0, 1e-3): nonzero, so both adapter GEMMs really run."""
+    if rank == 0:
+        return model
+    from qerl_cli.lora import attach_lora, make_lora_config
+
+    peft_model = attach_lora(model, make_lora_config(rank=rank), seed=seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
+    return peft_model
+
+
+def model_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes one decode step reads: base weights (quantized as stored, bf16 rest, no embedding table:
+    a step gathers B rows of it) and LoRA factors; plus what is resident (repacked FP4 copies too)."""
+    from qerl_cli.qlinear import QuantLinear
+
+    weights = lora = 0
+    seen: set[int] = set()
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            weights += m.weight_nbytes + (0 if m.bias is None else m.bias.numel() * m.bias.element_size())
+            continue
+        if isinstance(m, nn.Embedding):
+            continue
+        for p in m.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if "lora_" in name:
+                lora += p.numel() * p.element_size()
+            else:
+                weights += p.numel() * p.element_size()
+    resident = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        resident += t.numel() * t.element_size()
+    for m in model.modules():
+        st = getattr(m, "_kernel_state", None)
+        rep = getattr(st, "repacked", None)
+        if isinstance(rep, torch.Tensor):
+            resident += rep.numel() * rep.element_size()
+    return {"weights": weights, "lora": lora, "resident": resident}
+
+
+def _estimate_gib(spec: Any, fmt: str, batch: int, max_len: int, lora_rank: int) -> float:
+    """Rough resident memory of a shape model + KV cache (for skipping what cannot fit, before trying)."""
+    per_w = _BYTES_PER_WEIGHT.get(fmt, 2.0) + _RESIDENT_EXTRA.get(fmt, 0.0)
+    emb = spec.vocab * spec.hidden * 2 * (1 if spec.tie_embeddings else 2)
+    lora = spec.layers * sum(n + k for _, n, k in spec.linear_shapes()) * lora_rank * 4
+    kv = batch * max_len * spec.kv_bytes_per_token()
+    return (spec.linear_params() * per_w + emb + lora + kv) / 2**30
+
+
+def _free(*objs: Any) -> None:
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    msg = str(exc)
+    return "out of memory" in msg.lower() or "no room for even one KV-cache slot" in msg
+
+
+# ---- measurement ----------------------------------------------------------------------------------
+def measure_copy_bandwidth(device: torch.device) -> float | None:
+    """Device-to-device copy GB/s (bytes read + written; median of triton's do_bench), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    import triton
+
+    n = 1 << 28
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+    _free(src, dst)
+    return 2 * n * 2 / (ms * 1e-3) / 1e9
+
+
+def _prompts(batch: int, prompt_len: int, vocab: int, avoid: set[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(batch):
+        row = []
+        while len(row) < prompt_len:
+            t = rng.randrange(vocab)
+            if t not in avoid:
+                row.append(t)
+        out.append(row)
+    return out
+
+
+def _eos_ids(mode: str, vocab: int, new_tokens: int, model_eos: list[int] | None, from_shape: bool) -> list[int] | None:
+    """Stop ids for a cell: [] for fixed length; for random models a vocab/mean_len-sized stop set."""
+    if mode == "fixed":
+        return []
+    if not from_shape:
+        return model_eos  # None: the model's own EOS
+    mean_len = max(1.0, new_tokens / 2)
+    k = max(1, min(vocab - 1, round(vocab / mean_len)))
+    return list(range(vocab - k, vocab))
+
+
+def _precapture(engine: Any, batch: int) -> None:
+    """Capture the decode graphs of every KV-length bucket now, so no capture lands in the timed run.
+
+    Uses the engine's graph decoder (built by the warm-up generate); any failure just leaves capture to
+    the timed run (a few extra eager steps, about 1%)."""
+    graphs = getattr(engine, "_graphs", None)
+    if graphs is None or not hasattr(graphs, "_capture"):
+        return
+    bs = graphs.bucket(batch)
+    with torch.no_grad():
+        for kv in engine.kv_buckets:
+            if (bs, kv) not in graphs.graphs:
+                graphs.graphs[(bs, kv)] = graphs._capture(bs, kv)
+    torch.cuda.synchronize()
+
+
+def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, new_tokens: int, vocab: int,
+              stop_ids: list[int] | None, device: torch.device, gpu_memory_utilization: float, seed: int,
+              warmup: bool) -> dict[str, Any]:
+    from qerl_cli.rollout import BuiltinEngine, SamplingParams
+
+    engine = BuiltinEngine(model, tokenizer, max_batch_slots=batch, max_model_len=prompt_len + new_tokens,
+                           gpu_memory_utilization=gpu_memory_utilization, dtype=torch.bfloat16)
+    avoid = set(stop_ids or [])
+    prompts = _prompts(batch, prompt_len, vocab, avoid, seed)
+    try:
+        if warmup:
+            warm = SamplingParams(n=1, temperature=1.0, max_tokens=min(new_tokens, 16), stop_token_ids=[],
+                                  seed=seed + 1)
+            engine.generate(prompts, warm)
+            if device.type == "cuda" and engine.use_graphs:
+                _precapture(engine, batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        params = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=new_tokens,
+                                stop_token_ids=stop_ids, seed=seed)
+        res = engine.generate(prompts, params)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+        peak_reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None
+        slots = engine.num_slots
+        kv_gib = engine.runner.cache.shape.bytes_per_slot() * slots / 2**30
+    finally:
+        engine.release()
+    t, st = res.timings, res.stats
+    n_seq = len(res.samples)
+    tokens = int(t["tokens"])
+    decode_tokens = tokens - n_seq  # each sample's first token comes from the prefill logits
+    lengths = [len(s.token_ids) for s in res.samples]
+    return {
+        "prefill_tok_s": st["prefill_tokens"] / t["prefill_s"] if t["prefill_s"] > 0 else None,
+        "decode_tok_s": decode_tokens / t["decode_s"] if t["decode_s"] > 0 else None,
+        "e2e_tok_s": t["tokens_per_s"],
+        "ttft_s": t["ttft"],
+        "prefill_s": t["prefill_s"],
+        "decode_s": t["decode_s"],
+        "total_s": t["total_s"],
+        "tokens": tokens,
+        "mean_new_tokens": sum(lengths) / max(1, len(lengths)),
+        "stopped": sum(s.finish_reason == "stop" for s in res.samples),
+        "decode_steps": st["decode_steps"],
+        "num_slots": slots,
+        "kv_cache_gib": kv_gib,
+        "peak_mem_gib": peak,
+        "peak_reserved_gib": peak_reserved,
+    }
+
+
+def _roofline(cell: dict[str, Any], *, batch: int, bytes_: dict[str, int], kv_per_token: int, prompt_len: int,
+              bw_gbps: float | None) -> None:
+    """Fill roofline fields for a fixed-length cell (None off CUDA or for EOS-terminated cells)."""
+    cell["roofline_tok_s"] = cell["pct_roofline"] = cell["step_bytes"] = None
+    if bw_gbps is None or cell.get("status") != "ok" or cell.get("mode") != "fixed":
+        return
+    mean_ctx = prompt_len + cell["mean_new_tokens"] / 2
+    step_bytes = bytes_["weights"] + bytes_["lora"] + batch * kv_per_token * mean_ctx
+    roof = batch * bw_gbps * 1e9 / step_bytes
+    cell["step_bytes"] = step_bytes
+    cell["roofline_tok_s"] = roof
+    cell["pct_roofline"] = 100.0 * cell["decode_tok_s"] / roof if cell["decode_tok_s"] else None
+
+
+def _evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, checked on the cells this run has (fixed-length rows only)."""
+    rows = {(c["format"], c["batch"]): c for c in res["results"] if c["mode"] == "fixed"}
+    out: list[dict[str, Any]] = []
+    for fmt, batch, min_pct, min_speedup in TARGETS:
+        c = rows.get((fmt, batch))
+        if c is None or c["status"] != "ok":
+            continue
+        pct = c.get("pct_roofline")
+        t = {"target": f"{fmt} batch {batch} >= {min_pct:.0f}% of roofline", "value": pct,
+             "met": None if pct is None else pct >= min_pct}
+        out.append(t)
+        base = rows.get(("bf16", batch))
+        if min_speedup is not None and base is not None and base["status"] == "ok" and base["decode_tok_s"]:
+            sp = c["decode_tok_s"] / base["decode_tok_s"]
+            out.append({"target": f"{fmt} batch {batch} >= {min_speedup}x qerl bf16 (decode tok/s)", "value": sp,
+                        "met": sp >= min_speedup})
+    if res.get("shape") == "qwen2.5-32b":
+        c = rows.get(("nvfp4", 64))
+        if c is not None:
+            peak = c.get("peak_reserved_gib")
+            fits = c["status"] == "ok" and c.get("num_slots") == 64 and peak is not None and peak <= H100_80GB_GIB
+            out.append({"target": f"32B nvfp4 batch 64 fits in an 80 GB GPU ({H100_80GB_GIB:.1f} GiB)",
+                        "value": peak, "met": fits})
+    return out
+
+
+# ---- output ---------------------------------------------------------------------------------------
+def _fmt(v: Any, spec: str = "{:,.0f}") -> str:
+    if v is None:
+        return "-"
+    return spec.format(v) if isinstance(v, int | float) else str(v)
+
+
+def render_table(res: dict[str, Any]) -> Any:
+    """A rich Table of every cell."""
+    from rich.table import Table
+
+    model = res.get("shape") or res.get("model_dir")
+    gpu = res["env"]["device"].get("gpu") or "CPU"
+    table = Table(title=f"qerl bench rollout: {model}, {res['config']['prompt_len']} prompt + "
+                        f"{res['config']['new_tokens']} new tokens, LoRA r={res['config']['lora_rank']}, {gpu}")
+    cols = ("format", "linears", "batch", "mode", "prefill tok/s", "decode tok/s", "e2e tok/s", "TTFT s",
+            "peak GiB", "roofline tok/s", "% roofline", "status")
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("format", "linears", "mode", "status") else "right")
+    for c in res["results"]:
+        table.add_row(c["format"], c["backend"], str(c["batch"]), c["mode"], _fmt(c.get("prefill_tok_s")),
+                      _fmt(c.get("decode_tok_s")), _fmt(c.get("e2e_tok_s")), _fmt(c.get("ttft_s"), "{:.3f}"),
+                      _fmt(c.get("peak_reserved_gib") or c.get("peak_mem_gib"), "{:.1f}"),
+                      _fmt(c.get("roofline_tok_s")), _fmt(c.get("pct_roofline"), "{:.1f}"), c["status"])
+    return table
+
+
+def short_summary(res: dict[str, Any]) -> list[str]:
+    """A few plain lines: ceilings, targets met or missed, output files."""
+    lines = []
+    bw = res.get("copy_GBps")
+    lines.append(f"copy bandwidth: {bw:,.0f} GB/s" if bw else "copy bandwidth: not measured (no CUDA)")
+    for t in res.get("targets", []):
+        val = t["value"]
+        v = "-" if val is None else (f"{val:.2f}" if isinstance(val, float) else str(val))
+        state = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+        lines.append(f"target {t['target']}: {v} -> {state}")
+    lines.append(f"JSON: {res['files']['json']}  plot: {res['files']['plot']}")
+    return lines
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    """PNG: decode and end-to-end tok/s vs batch per format (log-log), roofline dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    formats = list(dict.fromkeys(c["format"] for c in res["results"]))
+    colors = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(formats)}
+    for ax, key, title in ((axes[0], "decode_tok_s", "decode tok/s"), (axes[1], "e2e_tok_s", "end-to-end tok/s")):
+        for fmt in formats:
+            for mode, style in (("fixed", "-o"), ("eos", ":s")):
+                cells = [c for c in res["results"] if c["format"] == fmt and c["mode"] == mode
+                         and c["status"] == "ok" and c.get(key)]
+                if not cells:
+                    continue
+                label = fmt if mode == "fixed" else f"{fmt} (EOS)"
+                ax.plot([c["batch"] for c in cells], [c[key] for c in cells], style, color=colors[fmt], label=label)
+                roof = [(c["batch"], c["roofline_tok_s"]) for c in cells if c.get("roofline_tok_s")]
+                if key == "decode_tok_s" and roof:
+                    ax.plot(*zip(*roof, strict=True), "--", color=colors[fmt], alpha=0.5, linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (sequences)")
+        ax.set_title(title + (" (dashed: weight+KV roofline)" if key == "decode_tok_s" else ""))
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    cfg = res["config"]
+    fig.suptitle(f"{res.get('shape') or res.get('model_dir')}: {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
+                 f"LoRA r={cfg['lora_rank']}, {res['env']['device'].get('gpu') or 'CPU'}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- main ----------------------------------------------------------------------------------------
+def bench_rollout(
+    *,
+    shape: str | None = None,
+    run_dir: Path | None = None,
+    formats: Iterable[str] = DEFAULT_FORMATS,
+    batches: Iterable[int] = DEFAULT_BATCHES,
+    prompt_len: int = 256,
+    new_tokens: int = 1024,
+    lora_rank: int = 32,
+    out_dir: Path | None = None,
+    eos_mode: str = "fixed",
+    log: Callable[[str], None] = print,
+    seed: int = 0,
+    warmup: bool = True,
+    gpu_memory_utilization: float = 0.9,
+    memory_cap_gib: float | None = None,
+    time_budget_s: float | None = None,
+) -> dict[str, Any]:
+    """Benchmark the builtin rollout engine; returns the result dict (also written as JSON + PNG).
+
+    Exactly one of ``shape`` (tiny | qwen2.5-0.5b | qwen2.5-7b | qwen2.5-14b | qwen2.5-32b: a random
+    model built on the device) or ``run_dir`` (the run's quantized model; ``formats`` is then the run's
+    format) is required. ``memory_cap_gib`` caps this process's GPU memory (e.g. 79.6 to check that a
+    configuration fits an 80 GB H100 while running on a larger GPU); ``time_budget_s`` skips the cells
+    that would start after it (recorded as skipped). Cells that do not fit are recorded as OOM/skipped.
+    """
+    from qerl_cli.bench.shapes import get_shape
+    from qerl_cli.env_info import environment
+    from qerl_cli.manifest import RunDir, atomic_write_json
+
+    fmts, bs = _check_args(shape, run_dir, formats, batches, prompt_len, new_tokens, lora_rank, eos_mode)
+    device = _device()
+    spec = None
+    run = model_dir = None
+    if shape is not None:
+        spec = get_shape(shape)
+        if device.type != "cuda" and shape not in ("tiny", "qwen2.5-0.5b"):
+            raise QerlError(f"shape {shape} needs a CUDA GPU; on CPU use --shape tiny")
+    else:
+        from qerl_cli.checkpoint import detect_format
+        from qerl_cli.runlayout import quantized_model_dir
+
+        run = RunDir(run_dir, create=False)
+        model_dir = quantized_model_dir(run)
+        import json
+
+        run_fmt = detect_format(json.loads((model_dir / "config.json").read_text()))[0]
+        if fmts != [run_fmt]:
+            log(f"--run: benchmarking the run's model ({run_fmt}); formats {fmts} ignored")
+        fmts = [run_fmt]
+    out = Path(out_dir) if out_dir is not None else (run.path / "bench" if run is not None else Path("bench-rollout"))
+    out.mkdir(parents=True, exist_ok=True)
+    modes = ["fixed", "eos"] if eos_mode == "both" else [eos_mode]
+    max_len = prompt_len + new_tokens
+    if model_dir is None and spec is not None and max_len > spec.max_positions:
+        raise QerlError(f"prompt_len + new_tokens = {max_len} exceeds the {shape} shape's "
+                        f"{spec.max_positions} positions")
+
+    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if device.type == "cuda" else None
+    gmu = gpu_memory_utilization
+    if device.type == "cuda" and memory_cap_gib is not None:
+        frac = min(1.0, memory_cap_gib / total_gib)
+        torch.cuda.set_per_process_memory_fraction(frac)
+        gmu = min(gmu, frac)
+    t_start = time.perf_counter()
+    res: dict[str, Any] = {
+        "schema": SCHEMA,
+        "kind": "bench/rollout",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "shape": shape,
+        "model_dir": str(model_dir) if model_dir else None,
+        "config": {"formats": fmts, "batches": bs, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                   "lora_rank": lora_rank, "eos_mode": eos_mode, "seed": seed, "warmup": warmup,
+                   "gpu_memory_utilization": gmu, "memory_cap_gib": memory_cap_gib,
+                   "time_budget_s": time_budget_s, "sampling": "temperature 1.0, top_p 1, top_k off, n=1"},
+        "env": environment(),
+        "gpu_total_gib": total_gib,
+        "copy_GBps": None,
+        "models": {},
+        "results": [],
+    }
+    bw = measure_copy_bandwidth(device)
+    res["copy_GBps"] = bw
+    if bw:
+        log(f"copy bandwidth {bw:,.0f} GB/s (read + write)")
+    cell_times: dict[tuple[int, str], float] = {}
+
+    for fmt in fmts:
+        backend = format_backend(fmt, device)
+
+        def record(batch: int, mode: str, status: str, _fmt: str = fmt, _backend: str = backend, **kw: Any) -> None:
+            res["results"].append({"format": _fmt, "backend": _backend, "batch": batch, "mode": mode,
+                                   "status": status, **kw})
+
+        fitting = list(bs)
+        if spec is not None and device.type == "cuda":
+            cap = memory_cap_gib or total_gib
+            fitting = [b for b in bs if _estimate_gib(spec, fmt, b, max_len, lora_rank) <= 0.97 * cap]
+            for b in bs:
+                if b not in fitting:
+                    est = _estimate_gib(spec, fmt, b, max_len, lora_rank)
+                    for mode in modes:
+                        record(b, mode, "OOM/skipped", note=f"needs ~{est:.0f} GiB of {cap:.0f}")
+                    log(f"{fmt} batch {b}: OOM/skipped (estimated {est:.0f} GiB > {cap:.0f} GiB)")
+        if not fitting:
+            continue
+        if time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
+            for b in fitting:
+                for mode in modes:
+                    record(b, mode, "skipped (time budget)")
+            continue
+        model = tokenizer = None
+        try:
+            t0 = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            if spec is not None:
+                from qerl_cli.bench.shapes import build_random_model
+
+                model = build_random_model(spec, fmt, device, dtype=torch.bfloat16, seed=seed)
+            else:
+                from qerl_cli.models import load_model
+
+                model, tokenizer = load_model(str(model_dir), dtype=torch.bfloat16, device=device)
+            if fmt == "nf4" and backend == "bitsandbytes":
+                _use_bitsandbytes_nf4(model)
+            model = _attach_lora(model, lora_rank, seed)
+            build_s = time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - recorded per cell, the bench goes on
+            _free(model)
+            model = None
+            status = "OOM/skipped" if _is_oom(exc) else f"error: {str(exc).splitlines()[0][:160]}"
+            log(f"{fmt}: model build failed: {status}")
+            for b in fitting:
+                for mode in modes:
+                    record(b, mode, status)
+            continue
+        cfg = model.config
+        vocab = int(cfg.vocab_size)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        kv_per_token = 2 * int(cfg.num_hidden_layers) * int(cfg.num_key_value_heads) * head_dim * 2
+        nbytes = model_bytes(model)
+        eos_cfg = getattr(cfg, "eos_token_id", None)
+        model_eos = None if eos_cfg is None else [int(e) for e in (eos_cfg if isinstance(eos_cfg, list) else [eos_cfg])]
+        res["models"][fmt] = {
+            "backend": backend,
+            "build_s": build_s,
+            "weight_bytes": nbytes["weights"],
+            "lora_bytes": nbytes["lora"],
+            "resident_gib": nbytes["resident"] / 2**30,
+            "kv_bytes_per_token": kv_per_token,
+            "build_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        }
+        log(f"{fmt}: model ready in {build_s:.1f}s ({backend}; step reads {nbytes['weights'] / 2**30:.2f} GiB "
+            f"weights + {nbytes['lora'] / 2**30:.2f} GiB LoRA)")
+        for b in fitting:
+            for mode in modes:
+                key = (b, mode)
+                guess = cell_times.get(key, 0.0)
+                if time_budget_s is not None and time.perf_counter() - t_start + guess > time_budget_s:
+                    record(b, mode, "skipped (time budget)")
+                    log(f"{fmt} batch {b} {mode}: skipped (time budget)")
+                    continue
+                stop_ids = _eos_ids(mode, vocab, new_tokens, model_eos, from_shape=spec is not None)
+                t0 = time.perf_counter()
+                try:
+                    cell = _run_cell(model, tokenizer, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
+                                     vocab=vocab, stop_ids=stop_ids, device=device, gpu_memory_utilization=gmu,
+                                     seed=seed, warmup=warmup)
+                    status = "ok" if cell["num_slots"] >= b else f"ok ({cell['num_slots']} slots fit)"
+                except Exception as exc:  # noqa: BLE001
+                    cell = {}
+                    status = "OOM/skipped" if _is_oom(exc) else f"error: {str(exc).splitlines()[0][:160]}"
+                    _free()
+                cell_times[key] = time.perf_counter() - t0
+                row = {"format": fmt, "backend": backend, "batch": b, "mode": mode, "status": status, **cell}
+                _roofline(row, batch=b, bytes_=nbytes, kv_per_token=kv_per_token, prompt_len=prompt_len, bw_gbps=bw)
+                res["results"].append(row)
+                log(f"{fmt} batch {b} {mode}: {status}; decode {_fmt(row.get('decode_tok_s'))} tok/s, "
+                    f"e2e {_fmt(row.get('e2e_tok_s'))} tok/s, prefill {_fmt(row.get('prefill_tok_s'))} tok/s, "
+                    f"TTFT {_fmt(row.get('ttft_s'), '{:.3f}')} s, "
+                    f"peak {_fmt(row.get('peak_reserved_gib'), '{:.1f}')} GiB, "
+                    f"{_fmt(row.get('pct_roofline'), '{:.1f}')}% of roofline ({cell_times[key]:.0f}s)")
+        _free(model)
+        model = None
+
+    res["results"].sort(key=lambda c: (fmts.index(c["format"]), c["batch"], c["mode"]))
+    for c in res["results"]:
+        c.setdefault("roofline_tok_s", None)
+        c.setdefault("pct_roofline", None)
+    res["targets"] = _evaluate_targets(res)
+    res["wall_s"] = time.perf_counter() - t_start
+    json_path, png_path = out / "rollout.json", out / "rollout.png"
+    res["files"] = {"json": str(json_path), "plot": str(png_path)}
+    plot(res, png_path)
+    atomic_write_json(json_path, _jsonable(res))
+    if run is not None:
+        _record_stage(run, res, json_path, png_path)
+    return res
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def _record_stage(run: Any, res: dict[str, Any], json_path: Path, png_path: Path) -> None:
+    """Record the bench in the run's manifest under key bench/rollout (after the fact: one short write)."""
+    cfg = res["config"]
+    with run.stage("bench", config=cfg, inputs={"model": run.rel(res["model_dir"])}, key="bench/rollout") as rec:
+        rec.outputs = {"json": {"path": run.rel(json_path)}, "plot": {"path": run.rel(png_path)}}
+        rec.metrics = {f"{c['format']}/b{c['batch']}/{c['mode']}/decode_tok_s": c.get("decode_tok_s")
+                       for c in res["results"] if c["status"] == "ok"}
+        rec.extra = {"copy_GBps": res["copy_GBps"], "targets": res["targets"]}

@@ -1,0 +1,197 @@
+"""Randomly initialised models of real architectures, built on the device one layer at a time.
+
+``build_random_model("qwen2.5-7b", "nvfp4", device)`` constructs the model skeleton on the meta device
+(no memory), then for each decoder layer draws random bf16 weights on ``device``, quantizes them to
+:class:`~qerl_cli.qlinear.QuantLinear` (or keeps the ``nn.Linear`` for bf16) and frees the bf16 copy
+before the next layer. The whole model never exists in bf16 unless bf16 is the format asked for, so a
+32B model in NVFP4 can be built on one 80 GB GPU without a download.
+
+What stays bf16, as ``qerl quantize`` leaves it: embeddings, ``lm_head`` (ignored by default), norms,
+biases. Weights are N(0, 0.02) (the usual initializer range of these configs), norms 1; q/k/v and
+gate/up share one NVFP4 global scale, as vLLM's fused GEMMs need and ``qerl quantize`` writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from qerl_cli.errors import QerlError
+
+WEIGHT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """An architecture's size; ``family`` picks the transformers config class (qwen2 | llama)."""
+
+    name: str
+    family: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tie_embeddings: bool
+    max_positions: int = 32768
+    rope_theta: float = 1_000_000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def linear_shapes(self) -> list[tuple[str, int, int]]:
+        """(name, out N, in K) of one decoder layer's linears, as the model holds them (unfused)."""
+        d, kv = self.head_dim, self.kv_heads * self.head_dim
+        return [
+            ("self_attn.q_proj", self.heads * d, self.hidden),
+            ("self_attn.k_proj", kv, self.hidden),
+            ("self_attn.v_proj", kv, self.hidden),
+            ("self_attn.o_proj", self.hidden, self.heads * d),
+            ("mlp.gate_proj", self.intermediate, self.hidden),
+            ("mlp.up_proj", self.intermediate, self.hidden),
+            ("mlp.down_proj", self.hidden, self.intermediate),
+        ]
+
+    def linear_params(self) -> int:
+        """Weights of every decoder-layer linear (what gets quantized)."""
+        return self.layers * sum(n * k for _, n, k in self.linear_shapes())
+
+    def kv_bytes_per_token(self, elem: int = 2) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * elem
+
+    def config(self) -> Any:
+        from transformers import LlamaConfig, Qwen2Config
+
+        common = dict(
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            vocab_size=self.vocab,
+            tie_word_embeddings=self.tie_embeddings,
+            max_position_embeddings=self.max_positions,
+            rms_norm_eps=1e-6,
+            initializer_range=WEIGHT_STD,
+        )
+        if self.family == "qwen2":
+            cfg = Qwen2Config(**common, rope_theta=self.rope_theta, use_sliding_window=False)
+        elif self.family == "llama":
+            cfg = LlamaConfig(**common, rope_theta=self.rope_theta, head_dim=self.head_dim)
+        else:
+            raise QerlError(f"unknown model family {self.family!r}")
+        cfg.eos_token_id = self.vocab - 1
+        return cfg
+
+
+# Sizes from the models' own config.json (Qwen2.5 Instruct releases).
+SHAPES: dict[str, ModelShape] = {
+    "tiny": ModelShape("tiny", "llama", 64, 128, 2, 4, 2, 256, False, max_positions=4096, rope_theta=10000.0),
+    "qwen2.5-0.5b": ModelShape("qwen2.5-0.5b", "qwen2", 896, 4864, 24, 14, 2, 151936, True),
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", "qwen2", 3584, 18944, 28, 28, 4, 152064, False),
+    "qwen2.5-14b": ModelShape("qwen2.5-14b", "qwen2", 5120, 13824, 48, 40, 8, 152064, False),
+    "qwen2.5-32b": ModelShape("qwen2.5-32b", "qwen2", 5120, 27648, 64, 40, 8, 152064, False),
+}
+
+
+def get_shape(name: str) -> ModelShape:
+    shape = SHAPES.get(name)
+    if shape is None:
+        raise QerlError(f"unknown model shape {name!r}; choose one of {', '.join(SHAPES)}")
+    return shape
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def _quantized(linears: dict[str, nn.Linear], fmt: str, dtype: torch.dtype) -> dict[str, nn.Module]:
+    """Quantize a layer's freshly drawn linears (nvfp4: one global scale per fused q/k/v and gate/up).
+
+    Off CUDA there are no kernels: each frozen weight is dequantized once and cached, as
+    ``checkpoint.load_quantized`` does on CPU."""
+    if fmt == "bf16":
+        return dict(linears)
+    from qerl_cli.checkpoint import fused_global_scales
+    from qerl_cli.qlinear import QuantLinear
+
+    scales = fused_global_scales(linears) if fmt == "nvfp4" else {}
+    out: dict[str, nn.Module] = {}
+    for name, lin in linears.items():
+        ql = QuantLinear.from_linear(lin, fmt, global_scale=scales.get(name), dtype=dtype)
+        ql.cache_dequantized = lin.weight.device.type == "cpu"
+        out[name] = ql
+    return out
+
+
+def _materialize_rest(model: nn.Module, config: Any, device: torch.device, dtype: torch.dtype,
+                      gen: torch.Generator) -> None:
+    """Everything outside the decoder linears: embeddings N(0, 0.02), norms 1, rotary tables rebuilt."""
+    for mod_name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            # Non-persistent buffers (rotary inv_freq) are computed in __init__: rebuild the module for real.
+            with torch.device(device):
+                _set_module(model, mod_name, type(module)(config=config))
+            continue
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            if not p.is_meta:
+                continue
+            if isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and p_name == "weight"):
+                t = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, WEIGHT_STD, generator=gen)
+            elif p.ndim == 1:  # RMSNorm weight
+                t = torch.ones(p.shape, dtype=dtype, device=device)
+            else:
+                raise QerlError(f"cannot initialise {mod_name}.{p_name} of shape {tuple(p.shape)}")
+            setattr(module, p_name, nn.Parameter(t, requires_grad=False))
+    if getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise QerlError(f"random model left tensors on the meta device: {left[:3]}")
+
+
+def build_random_model(shape: str | ModelShape, fmt: str, device: str | torch.device, *,
+                       dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
+    """A randomly initialised ``*ForCausalLM`` of ``shape`` on ``device`` with its decoder linears in ``fmt``.
+
+    Peak memory: the final model plus one layer's bf16 weights (and the quantizer's temporaries).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from qerl_cli.formats import FORMATS
+
+    spec = get_shape(shape) if isinstance(shape, str) else shape
+    if fmt not in FORMATS:
+        raise QerlError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    device = torch.device(device)
+    config = spec.config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for i in range(spec.layers):
+        prefix = f"model.layers.{i}"
+        layer = model.get_submodule(prefix)
+        fresh: dict[str, nn.Linear] = {}
+        for sub, m in layer.named_modules():
+            if not isinstance(m, nn.Linear):
+                continue
+            lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=device, dtype=dtype)
+            lin.requires_grad_(False)
+            lin.weight.normal_(0.0, WEIGHT_STD, generator=gen)
+            if lin.bias is not None:
+                lin.bias.normal_(0.0, WEIGHT_STD, generator=gen)
+            fresh[f"{prefix}.{sub}"] = lin
+        for name, module in _quantized(fresh, fmt, dtype).items():
+            _set_module(model, name, module)
+        del fresh  # the bf16 draws of this layer are garbage now (unless the format is bf16)
+    _materialize_rest(model, config, device, dtype, gen)
+    model.eval()
+    model.qerl_format = fmt
+    return model
