@@ -1,0 +1,153 @@
+"""`bench_rollout` on CPU with the tiny random Llama shape: files, fields, roofline off CUDA, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qerl_cli.bench.rollout import _eos_ids, _roofline, bench_rollout, model_bytes, render_table, short_summary
+from qerl_cli.bench.shapes import SHAPES, build_random_model, get_shape
+from qerl_cli.errors import QerlError
+from qerl_cli.manifest import RunDir
+from qerl_cli.qlinear import QuantLinear
+
+CELL_FIELDS = ("prefill_tok_s", "decode_tok_s", "e2e_tok_s", "ttft_s", "peak_mem_gib", "roofline_tok_s",
+               "pct_roofline", "num_slots", "tokens", "mean_new_tokens", "status", "backend")
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    res = bench_rollout(shape="tiny", formats=("bf16", "nvfp4"), batches=(2, 1), prompt_len=5, new_tokens=4,
+                        out_dir=out, warmup=False, log=lambda _msg: None)
+    return res, out
+
+
+def test_tiny_bench_writes_json_and_plot(tiny_result):
+    res, out = tiny_result
+    assert (out / "rollout.png").stat().st_size > 1000
+    on_disk = json.loads((out / "rollout.json").read_text())
+    assert on_disk["kind"] == "bench/rollout" and on_disk["shape"] == "tiny"
+    assert on_disk["config"]["batches"] == [1, 2]
+    cells = on_disk["results"]
+    assert [(c["format"], c["batch"]) for c in cells] == [("bf16", 1), ("bf16", 2), ("nvfp4", 1), ("nvfp4", 2)]
+    for c in cells:
+        assert set(CELL_FIELDS) <= set(c)
+        assert c["status"] == "ok" and c["mode"] == "fixed"
+        # fixed length: every sequence generates exactly new_tokens (stop tokens ignored)
+        assert c["tokens"] == 4 * c["batch"] and c["mean_new_tokens"] == 4
+        assert c["decode_tok_s"] > 0 and c["e2e_tok_s"] > 0 and c["prefill_tok_s"] > 0 and c["ttft_s"] > 0
+        # no CUDA: no copy bandwidth, so no roofline and no GPU memory figure
+        assert c["roofline_tok_s"] is None and c["pct_roofline"] is None and c["peak_mem_gib"] is None
+    assert on_disk["copy_GBps"] is None
+    assert {c["backend"] for c in cells if c["format"] == "nvfp4"} == {"reference"}
+    assert res["targets"] == []  # the targets' cells carry no roofline off CUDA
+
+
+def test_tiny_bench_model_bytes(tiny_result):
+    res, _ = tiny_result
+    spec = SHAPES["tiny"]
+    # LoRA r=32 in fp32 on all 7 linears of both layers: (in + out) * r * 4 bytes each
+    lora = spec.layers * sum(n + k for _, n, k in spec.linear_shapes()) * 32 * 4
+    assert res["models"]["bf16"]["lora_bytes"] == lora == res["models"]["nvfp4"]["lora_bytes"]
+    # bf16 step reads every linear in bf16, the lm_head (256 x 64), 5 norms of 64; no embedding table
+    bf16 = spec.linear_params() * 2 + 256 * 64 * 2 + 5 * 64 * 2
+    assert res["models"]["bf16"]["weight_bytes"] == bf16
+    # NVFP4: 4-bit codes + one E4M3 scale per 16 + a float32 global scale per linear
+    nv = spec.linear_params() // 2 + spec.linear_params() // 16 + 4 * 7 * spec.layers
+    assert res["models"]["nvfp4"]["weight_bytes"] == nv + 256 * 64 * 2 + 5 * 64 * 2
+
+
+def test_random_model_is_quantized_per_layer_with_fused_global_scales():
+    model = build_random_model("tiny", "nvfp4", "cpu", seed=3)
+    layer = model.model.layers[1]
+    q, k, v = (getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj"))
+    gate, up, down = layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj
+    assert all(isinstance(m, QuantLinear) and m.fmt == "nvfp4" for m in (q, k, v, gate, up, down))
+    assert torch.equal(q.weight_global_scale, k.weight_global_scale)
+    assert torch.equal(q.weight_global_scale, v.weight_global_scale)
+    assert torch.equal(gate.weight_global_scale, up.weight_global_scale)
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    w = q.dequantized_weight(torch.float32)
+    assert 0.015 < w.std().item() < 0.025  # N(0, 0.02) survives 4-bit quantization roughly
+    assert torch.equal(model.model.norm.weight, torch.ones(64, dtype=torch.bfloat16))
+    # same seed, same weights
+    again = build_random_model("tiny", "nvfp4", "cpu", seed=3)
+    assert torch.equal(again.model.layers[1].self_attn.q_proj.weight_packed, q.weight_packed)
+
+
+def test_real_shapes_match_the_published_sizes():
+    # Parameter counts of Qwen2.5 7B / 32B (embedding + untied lm_head + layers)
+    for name, total in (("qwen2.5-7b", 7.62e9), ("qwen2.5-32b", 32.76e9)):
+        s = get_shape(name)
+        params = s.linear_params() + 2 * s.vocab * s.hidden
+        assert abs(params - total) / total < 0.01, (name, params)
+    assert SHAPES["qwen2.5-7b"].kv_bytes_per_token() == 2 * 28 * 4 * 128 * 2
+
+
+def test_roofline_arithmetic():
+    # 1 GB of weights, no LoRA, 1000 B of KV per token, batch 4 at mean context 100 + 50 = 150 tokens
+    cell = {"status": "ok", "mode": "fixed", "mean_new_tokens": 100, "decode_tok_s": 1000.0}
+    _roofline(cell, batch=4, bytes_={"weights": 10**9, "lora": 0}, kv_per_token=1000, prompt_len=100, bw_gbps=1000.0)
+    step_bytes = 10**9 + 4 * 1000 * 150
+    assert cell["step_bytes"] == step_bytes
+    assert cell["roofline_tok_s"] == pytest.approx(4 * 1e12 / step_bytes)
+    assert cell["pct_roofline"] == pytest.approx(100 * 1000.0 / (4 * 1e12 / step_bytes))
+    eos_cell = {"status": "ok", "mode": "eos", "mean_new_tokens": 10, "decode_tok_s": 5.0}
+    _roofline(eos_cell, batch=1, bytes_={"weights": 1, "lora": 0}, kv_per_token=1, prompt_len=1, bw_gbps=1.0)
+    assert eos_cell["roofline_tok_s"] is None
+
+
+def test_eos_stop_set_gives_realistic_lengths():
+    assert _eos_ids("fixed", 1000, 100, [7], from_shape=True) == []
+    assert _eos_ids("eos", 1000, 100, [7], from_shape=False) == [7]
+    stop = _eos_ids("eos", 1000, 100, None, from_shape=True)
+    assert len(stop) == 20 and stop[-1] == 999  # vocab / (new_tokens / 2) ids: mean length ~50 of 100
+
+
+def test_model_bytes_counts_tied_lm_head_once():
+    model = build_random_model("tiny", "bf16", "cpu")
+    model.lm_head.weight = model.model.embed_tokens.weight
+    spec = SHAPES["tiny"]
+    assert model_bytes(model)["weights"] == spec.linear_params() * 2 + 256 * 64 * 2 + 5 * 64 * 2
+
+
+def test_rendering(tiny_result):
+    res, out = tiny_result
+    assert render_table(res).row_count == 4
+    lines = short_summary(res)
+    assert lines[0] == "copy bandwidth: not measured (no CUDA)"
+    assert str(out / "rollout.json") in lines[-1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"shape": "llama-9000b"}, "unknown model shape 'llama-9000b'"),
+        ({}, "give exactly one of --shape"),
+        ({"shape": "tiny", "formats": ("nvfp5",)}, "unknown format(s) nvfp5"),
+        ({"shape": "tiny", "batches": (0,)}, "batch sizes must be positive"),
+        ({"shape": "tiny", "eos_mode": "sometimes"}, "eos_mode must be one of"),
+        ({"shape": "tiny", "prompt_len": 4000, "new_tokens": 200}, "exceeds the tiny shape's 4096 positions"),
+    ],
+)
+def test_bad_input_is_one_line(kwargs, message, tmp_path):
+    with pytest.raises(QerlError) as info:
+        bench_rollout(out_dir=tmp_path, log=lambda _msg: None, **kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_run_dir_without_quantize_stage(tmp_path):
+    RunDir(tmp_path / "r")  # an empty run directory
+    with pytest.raises(QerlError, match=r"has no quantize stage: run `qerl quantize --run .*` first"):
+        bench_rollout(run_dir=tmp_path / "r", log=lambda _msg: None)
+    with pytest.raises(QerlError, match="does not exist"):
+        bench_rollout(run_dir=tmp_path / "missing", log=lambda _msg: None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU refusal")
+def test_large_shape_needs_cuda(tmp_path):
+    with pytest.raises(QerlError, match="needs a CUDA GPU"):
+        bench_rollout(shape="qwen2.5-7b", out_dir=tmp_path, log=lambda _msg: None)
