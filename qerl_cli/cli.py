@@ -211,14 +211,20 @@ def bench_kernels(
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)
+        # typer turns KeyboardInterrupt into exit code 130 and, outside standalone mode, returns it
+        if rc == 130:
+            raise KeyboardInterrupt
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except QerlError as exc:
         if _state["debug"]:
             raise
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        err_console.print("[yellow]interrupted[/]: the run directory was left consistent; rerun to continue")
+        err_console.print("[yellow]interrupted[/]: the run directory was left consistent; rerun to continue "
+                          "(`qerl train ... --resume` continues from the last checkpoint)")
         sys.exit(130)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,42 +43,39 @@ def test_failed_and_interrupted_stages_are_recorded(tmp_path: Path) -> None:
     assert [h["status"] for h in run.read()["history"]] == ["failed", "interrupted"]
 
 
-def _hold_lock(path: str, ready: mp.Event, release: mp.Event) -> None:  # type: ignore[valid-type]
-    run = RunDir(path)
-    with run.lock():
-        ready.set()
-        release.wait(30)
+HOLD_LOCK = """
+import sys, time
+from qerl_cli.manifest import RunDir
+with RunDir(sys.argv[1]).lock():
+    print("locked", flush=True)
+    sys.stdin.readline()
+"""
+
+KILLED_MID_STAGE = """
+import os, signal, sys
+from qerl_cli.manifest import RunDir
+with RunDir(sys.argv[1]).stage("train"):
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
 
 
 def test_second_writer_is_refused(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    ready, release = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_hold_lock, args=(str(tmp_path), ready, release))
-    proc.start()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     try:
-        assert ready.wait(60)
+        assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunLockedError, match=r"another qerl process \(pid \d+\) is writing"):
             with RunDir(tmp_path).stage("quantize"):
                 pass
     finally:
-        release.set()
-        proc.join(30)
+        holder.communicate("\n", timeout=60)
     with RunDir(tmp_path).stage("quantize"):  # free again once the holder exits
         pass
 
 
-def _killed_mid_stage(path: str) -> None:
-    run = RunDir(path)
-    with run.stage("train"):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def test_sigkill_mid_stage_reads_as_interrupted(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=_killed_mid_stage, args=(str(tmp_path),))
-    proc.start()
-    proc.join(60)
-    assert proc.exitcode == -signal.SIGKILL
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_STAGE, str(tmp_path)], timeout=120)
+    assert proc.returncode == -signal.SIGKILL
     raw = json.loads((tmp_path / "manifest.json").read_text())
     assert raw["stages"]["train"]["status"] == "running"  # what the killed process left
     assert RunDir(tmp_path).record("train")["status"] == "interrupted"  # what readers are told

@@ -2,7 +2,8 @@
 
 Tolerances were measured on SmolLM2-135M (fp32 logits of two prompts vs the unquantized model) on
 2026-11-21 and set with headroom; a 135M model is far more sensitive to 4-bit weights than a 7B.
-Measured: KL(base||quant) nvfp4 0.27, mxfp4 0.60, int4 0.46, int8 0.004, fp8 0.020, nf4 0.35, bf16 1e-4.
+Measured: KL(base||quant) nvfp4 0.27, mxfp4 0.60, int4 0.46, int8 0.042 (W8A8: per-token int8 activations;
+0.004 with the weights alone), fp8 0.020, nf4 0.35, bf16 1e-4.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ TOLERANCE = {
     "nvfp4": (0.6, 0.6, 0.11),
     "mxfp4": (1.2, 0.6, 0.13),
     "int4": (1.0, 0.45, 0.125),
-    "int8": (0.02, 0.93, 0.01),
+    "int8": (0.08, 0.9, 0.01),
     "fp8": (0.06, 0.9, 0.03),
     "nf4": (0.8, 0.6, 0.11),
     "bf16": (0.002, 0.99, 0.002),

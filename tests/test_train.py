@@ -158,3 +158,23 @@ def test_task_file_with_missing_column(run_dir: Path, tmp_path: Path) -> None:
     bad.write_text('{"prompt": "1+1=", "solution": "2"}\n')
     res = qerl("train", "--run", str(run_dir), "--config", "quick_cpu", "--task", f"jsonl:{bad}", "--steps", "1")
     assert res.returncode == 2 and "answer" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_ctrl_c_checkpoints_and_exits_cleanly(run_dir: Path) -> None:
+    args = ["--config", "quick_cpu", "--steps", "50", "--save-steps", "50", *SMALL]
+    proc = qerl("train", "--run", str(run_dir), *args, wait=False)
+    metrics_file = run_dir / "train" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and not (metrics_file.exists() and metrics_file.read_text().strip()):
+        if proc.poll() is not None:
+            pytest.fail(f"training ended early: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "interrupted" in err
+    done = len(metrics(run_dir))
+    assert done < 50
+    latest = (run_dir / "train" / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{done}"  # the step in flight finished, then a checkpoint was written
+    assert json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]["status"] == "interrupted"
