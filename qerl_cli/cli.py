@@ -209,6 +209,31 @@ def bench_kernels(
     console.print(f"JSON: {out}")
 
 
+@bench_app.command("rollout")
+def bench_rollout(
+    run: Annotated[Path | None, Opt("--run", help="Use the run's quantized model.")] = None,
+    shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|qwen2.5-14b|qwen2.5-32b")] = None,
+    formats: Annotated[str, Opt(help="Comma-separated formats (with --shape).")] = "bf16,nvfp4,mxfp4,int8,fp8,nf4",
+    batches: Annotated[str, Opt(help="Comma-separated batch sizes.")] = "1,8,64,256",
+    prompt_len: int = 256,
+    new_tokens: int = 1024,
+    lora_rank: int = 32,
+    eos: Annotated[bool, Opt("--eos/--fixed-length", help="Stop at EOS instead of a fixed length.")] = False,
+    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench or ./bench-rollout).")] = None,
+) -> None:
+    """Rollout tokens/s, TTFT and memory per format and batch, against the weight+KV roofline."""
+    from qerl_cli.bench.rollout import bench_rollout as run_bench
+    from qerl_cli.bench.rollout import render_table, short_summary
+
+    res = run_bench(shape=shape, run_dir=run, formats=tuple(formats.split(",")) if run is None else (),
+                    batches=tuple(int(b) for b in batches.split(",")), prompt_len=prompt_len, new_tokens=new_tokens,
+                    lora_rank=lora_rank, out_dir=out, eos_mode="eos" if eos else "fixed",
+                    log=lambda msg: err_console.print(msg, highlight=False))
+    console.print(render_table(res))
+    for line in short_summary(res):
+        console.print(line, highlight=False)
+
+
 def main() -> None:
     try:
         rc = app(standalone_mode=False)
