@@ -146,15 +146,7 @@ def quantize_model(
             with staged_directory(run.path / "model") as tmp:
                 result.layers, files = _llmcompressor_checkpoint(hf_model, tokenizer, targets, fmt, method,
                                                                  skipped, tmp)
-                (tmp / QERL_META).write_text(json.dumps(
-                    {"qerl_format": fmt, "method": method, "source": src.to_json(), "ignore": ignore,
-                     "skipped": skipped, "layers": [e.to_json() for e in result.layers]}, indent=2))
-                hashes = {f: sha256_file(tmp / f) for f in files}
-                result.bytes_after = sum((tmp / f).stat().st_size for f in files)
-            rec.outputs = {"model": {"path": run.rel(result.model_dir), "format": fmt, "files": hashes,
-                                     "ct_format": FORMATS[fmt].ct_format}}
-            rec.metrics = result.summary()
-            rec.extra = {"layers": [e.to_json() for e in result.layers]}
+                _finish(rec, run, result, tmp, files, method, ignore)
             return result
         global_scales = fused_global_scales(targets) if FORMATS[fmt].fused_global_scale else {}
 
@@ -190,17 +182,23 @@ def quantize_model(
             tokenizer.save_pretrained(str(tmp))
             if getattr(hf_model, "generation_config", None) is not None:
                 hf_model.generation_config.save_pretrained(str(tmp))
-            meta = {"qerl_format": fmt, "method": method, "source": src.to_json(), "ignore": ignore,
-                    "skipped": skipped, "group_size": result.group_size,
-                    "layers": [e.to_json() for e in result.layers]}
-            (tmp / QERL_META).write_text(json.dumps(meta, indent=2))
-            hashes = {f: sha256_file(tmp / f) for f in files}
-            result.bytes_after = sum((tmp / f).stat().st_size for f in files)
-        rec.outputs = {"model": {"path": run.rel(result.model_dir), "format": fmt, "files": hashes,
-                                 "ct_format": FORMATS[fmt].ct_format}}
-        rec.metrics = result.summary()
-        rec.extra = {"layers": [e.to_json() for e in result.layers]}
+            _finish(rec, run, result, tmp, files, method, ignore)
     return result
+
+
+def _finish(rec: Any, run: RunDir, result: QuantizeResult, tmp: Path, files: list[str], method: str,
+            ignore: list[str]) -> None:
+    """Write qerl's metadata beside the (still staged) checkpoint and fill the manifest record."""
+    meta = {"qerl_format": result.fmt, "method": method, "source": result.source.to_json(), "ignore": ignore,
+            "skipped": result.skipped, "group_size": result.group_size,
+            "layers": [e.to_json() for e in result.layers]}
+    (tmp / QERL_META).write_text(json.dumps(meta, indent=2))
+    hashes = {f: sha256_file(tmp / f) for f in files}
+    result.bytes_after = sum((tmp / f).stat().st_size for f in files)
+    rec.outputs = {"model": {"path": run.rel(result.model_dir), "format": result.fmt, "files": hashes,
+                             "ct_format": FORMATS[result.fmt].ct_format}}
+    rec.metrics = result.summary()
+    rec.extra = {"layers": [e.to_json() for e in result.layers]}
 
 
 def _llmcompressor_checkpoint(
