@@ -145,7 +145,9 @@ def _attach_lora(model: nn.Module, rank: int, seed: int) -> nn.Module:
 
 def model_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes one decode step reads: base weights (quantized as stored, bf16 rest, no embedding table:
-    a step gathers B rows of it) and LoRA factors; plus what is resident (repacked FP4 copies too)."""
+    a step gathers B rows of it) and LoRA factors; plus what is resident now (parameters, buffers and any
+    repacked FP4 copies the kernels have made: those appear at the first CUDA forward, so a model
+    measured right after it is built shows none of them)."""
     from qerl_cli.qlinear import QuantLinear
 
     weights = lora = 0
