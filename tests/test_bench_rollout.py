@@ -142,7 +142,7 @@ def test_bad_input_is_one_line(kwargs, message, tmp_path):
 def test_run_dir_without_quantize_stage(tmp_path):
     RunDir(tmp_path / "r")  # an empty run directory
     with pytest.raises(QerlError, match=r"has no quantize stage: run `qerl quantize --run .*` first"):
-        bench_rollout(run_dir=tmp_path / "r", log=lambda _msg: None)
+        bench_rollout(run_dir=tmp_path / "r", formats=(), log=lambda _msg: None)  # as the CLI passes it
     with pytest.raises(QerlError, match="does not exist"):
         bench_rollout(run_dir=tmp_path / "missing", log=lambda _msg: None)
 
@@ -151,3 +151,16 @@ def test_run_dir_without_quantize_stage(tmp_path):
 def test_large_shape_needs_cuda(tmp_path):
     with pytest.raises(QerlError, match="needs a CUDA GPU"):
         bench_rollout(shape="qwen2.5-7b", out_dir=tmp_path, log=lambda _msg: None)
+
+
+def test_run_dir_bench_records_stage(quantized_runs):
+    """With --run: the run's own model and format, files under RUN/bench, a completed bench/rollout stage."""
+    run = quantized_runs["nvfp4"].run  # shared with the quantize/train tests: no extra quantization
+    res = bench_rollout(run_dir=run, formats=(), batches=(1,), prompt_len=4, new_tokens=2, warmup=False,
+                        log=lambda _msg: None)
+    assert [(c["format"], c["status"], c["tokens"]) for c in res["results"]] == [("nvfp4", "ok", 2)]
+    assert (run / "bench" / "rollout.json").is_file() and (run / "bench" / "rollout.png").is_file()
+    rec = RunDir(run).record("bench/rollout")
+    assert rec["status"] == "completed" and rec["stage"] == "bench"
+    assert rec["outputs"]["json"]["path"] == "bench/rollout.json" and rec["inputs"]["model"] == "model"
+    assert rec["metrics"]["nvfp4/b1/fixed/decode_tok_s"] > 0

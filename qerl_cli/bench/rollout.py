@@ -71,7 +71,7 @@ def _check_args(shape: str | None, run_dir: Path | None, formats: Iterable[str],
         raise QerlError(f"eos_mode must be one of {', '.join(EOS_MODES)}, not {eos_mode!r}")
     fmts = list(dict.fromkeys(formats))
     bad = [f for f in fmts if f not in FORMATS]
-    if bad or not fmts:
+    if bad or (not fmts and run_dir is None):  # with a run, its own format is used
         raise QerlError(f"unknown format(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(FORMATS)}")
     bs = sorted(dict.fromkeys(int(b) for b in batches))
     if not bs or bs[0] < 1:
@@ -474,7 +474,7 @@ def bench_rollout(
         import json
 
         run_fmt = detect_format(json.loads((model_dir / "config.json").read_text()))[0]
-        if fmts != [run_fmt]:
+        if fmts and fmts != [run_fmt]:
             log(f"--run: benchmarking the run's model ({run_fmt}); formats {fmts} ignored")
         fmts = [run_fmt]
     out = Path(out_dir) if out_dir is not None else (run.path / "bench" if run is not None else Path("bench-rollout"))
