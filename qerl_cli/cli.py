@@ -214,9 +214,9 @@ def bench_rollout(
     run: Annotated[Path | None, Opt("--run", help="Use the run's quantized model.")] = None,
     shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|qwen2.5-14b|qwen2.5-32b")] = None,
     formats: Annotated[str, Opt(help="Comma-separated formats (with --shape).")] = "bf16,nvfp4,mxfp4,int8,fp8,nf4",
-    batches: Annotated[str, Opt(help="Comma-separated batch sizes.")] = "1,8,64,256",
+    batches: Annotated[str | None, Opt(help="Comma-separated batch sizes (default 1,8,64,256; 1,8 on CPU).")] = None,
     prompt_len: int = 256,
-    new_tokens: int = 1024,
+    new_tokens: Annotated[int | None, Opt(help="New tokens per sequence (default 1024; 64 on CPU).")] = None,
     lora_rank: int = 32,
     eos: Annotated[bool, Opt("--eos/--fixed-length", help="Stop at EOS instead of a fixed length.")] = False,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench or ./bench-rollout).")] = None,
@@ -225,6 +225,9 @@ def bench_rollout(
     from qerl_cli.bench.rollout import bench_rollout as run_bench
     from qerl_cli.bench.rollout import render_table, short_summary
 
+    gpu = _has_cuda()
+    batches = batches or ("1,8,64,256" if gpu else "1,8")
+    new_tokens = new_tokens or (1024 if gpu else 64)
     res = run_bench(shape=shape, run_dir=run, formats=tuple(formats.split(",")) if run is None else (),
                     batches=tuple(int(b) for b in batches.split(",")), prompt_len=prompt_len, new_tokens=new_tokens,
                     lora_rank=lora_rank, out_dir=out, eos_mode="eos" if eos else "fixed",
