@@ -109,6 +109,7 @@ def test_resume_after_sigkill_reproduces_metrics_exactly(run_dir: Path, tmp_path
 
     refused = qerl("train", "--run", str(run_dir), *args)
     assert refused.returncode == 2 and "--resume" in refused.stderr
+    assert json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]["status"] == "running"  # untouched
     resumed = qerl("train", "--run", str(run_dir), *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     got, want = metrics(run_dir), metrics(reference)

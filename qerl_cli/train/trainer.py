@@ -447,10 +447,11 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
     inputs = {"model": {"path": model_rec["outputs"]["model"]["path"],
                         "files": model_rec["outputs"]["model"].get("files", {}),
                         "format": model_rec["outputs"]["model"].get("format")}}
+    if not resume and (checkpoints_dir(run).exists() or trainer.metrics_path.exists()):
+        # refused before the stage starts, so the finished run's manifest record stays as it was
+        raise QerlError(f"{train_dir(run)} already holds a training run: pass --resume to continue it, or use "
+                        "a new --run directory")
     with run.stage("train", config=trainer.cfg.to_dict(), inputs=inputs, seeds={"seed": trainer.cfg.seed}) as rec:
-        if not resume and (checkpoints_dir(run).exists() or trainer.metrics_path.exists()):
-            raise QerlError(f"{train_dir(run)} already holds a training run: pass --resume to continue it, or use "
-                            "a new --run directory")
         try:
             trainer.setup()
         except torch.cuda.OutOfMemoryError as exc:
