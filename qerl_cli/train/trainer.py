@@ -485,6 +485,12 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
                 if stop.requested and not done:
                     stopped = True
                     break
+        if last_ckpt is None and trainer.step > 0:  # resumed a run that had already finished its steps
+            last_ckpt = resolve_checkpoint(run, "latest")
+            assert last_ckpt is not None
+            rec.outputs = {"checkpoint": run.rel(last_ckpt), "metrics": run.rel(trainer.metrics_path),
+                           "adapter_sha256": sha256_file(last_ckpt / "adapter" / "adapter_model.safetensors"),
+                           "steps_done": trainer.step}
         rec.metrics = {"steps_done": trainer.step, "resumed_from": start,
                        **({k: history[-1][k] for k in ("reward", "accuracy", "completions/mean_length")
                            if k in history[-1]} if history else {})}
