@@ -1,0 +1,526 @@
+"""`qerl report`: one self-contained HTML page (and its PNGs) from a run directory's manifest and outputs.
+
+The page is the evidence a user looks at: training curves (reward, entropy, length, mismatch, AQN),
+eval scores base vs trained with confidence intervals, and rollout throughput and memory. Every PNG
+is embedded as a base64 data URI and the CSS is inline, so `index.html` opens offline and can be
+mailed around alone. A stage the run does not have is an absent section with the command that
+produces it. Every file is written atomically, the page last, so a killed report leaves no
+half-written file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.errors import QerlError
+from qerl_cli.manifest import MANIFEST_NAME, RunDir, atomic_write_bytes, atomic_write_text, now_iso
+
+REPORT_DIRNAME = "report"
+INDEX_NAME = "index.html"
+
+# Which command produces each section, shown where the section is absent.
+PRODUCERS = {
+    "quantize": "qerl quantize --run {run}",
+    "train": "qerl train --run {run}",
+    "eval": "qerl eval --run {run} --checkpoint base  (and --checkpoint latest after training)",
+    "bench/rollout": "qerl bench rollout --run {run}",
+}
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Rows of metrics.jsonl, skipping a torn last line (a trainer killed mid-write)."""
+    rows = []
+    if not path.is_file():
+        return rows
+    for line in path.read_text(errors="replace").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
+            rows.append(row)
+    # A resumed run may log a step twice; the later line is the one the run continued from.
+    by_step = {int(r["step"]): r for r in rows}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _series(rows: list[dict[str, Any]], key: str, positive: bool = False) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and v == v and (not positive or v > 0):
+            xs.append(int(r["step"]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def _load_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _checkpoint_order(name: str) -> tuple[int, int, str]:
+    if name == "base":
+        return (0, 0, name)
+    m = _STEP_RE.match(name)
+    return (1, int(m.group(1)), name) if m else (2, 0, name)
+
+
+def _read_evals(run: RunDir, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """Eval results: every parseable DIR/eval/*.json with scores, plus any a manifest record points at."""
+    paths: dict[Path, str] = {}
+    for key, rec in manifest["stages"].items():
+        if key.startswith("eval/") and rec.get("status") == "completed":
+            rel = (rec.get("outputs") or {}).get("result")
+            if isinstance(rel, str):
+                paths[run.abs(rel).resolve()] = key
+    edir = run.path / "eval"
+    if edir.is_dir():
+        for p in sorted(edir.glob("*.json")):
+            paths.setdefault(p.resolve(), "")
+    out = []
+    for p in sorted(paths):
+        data = _load_json(p)
+        if not data or not isinstance(data.get("scores"), dict) or not data["scores"]:
+            continue
+        ckpt = data.get("checkpoint")
+        name = ckpt.get("name") if isinstance(ckpt, dict) else ckpt
+        primary = data.get("primary") or next(iter(data["scores"]))
+        acc = (data["scores"].get(primary) or {}).get("accuracy")
+        if not isinstance(acc, dict) or "mean" not in acc:
+            continue
+        out.append({"task": str(data.get("task", "?")), "checkpoint": str(name or "?"), "primary": primary,
+                    "accuracy": acc, "file": run.rel(p), "harness": data.get("harness")})
+    out.sort(key=lambda e: (e["task"], _checkpoint_order(e["checkpoint"])))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ plots
+
+
+def _figure(nrows: int = 1, ncols: int = 1, width: float = 6.4, height: float = 3.6):
+    # The object API with an Agg canvas: no pyplot global state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * ncols if ncols > 1 else width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    return fig, [ax for row in axes for ax in row]
+
+
+def _png(fig) -> bytes:  # noqa: ANN001 - matplotlib.figure.Figure
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def _line_plot(ax, rows, keys: list[tuple[str, str]], ylabel: str, log: bool = False) -> bool:  # noqa: ANN001
+    drawn = False
+    for i, (key, label) in enumerate(keys):
+        xs, ys = _series(rows, key, positive=log)
+        if xs:
+            # Dashed later series, so one that equals the first (reward == accuracy) stays visible.
+            ax.plot(xs, ys, marker="o", markersize=3, label=label, linestyle="-" if i == 0 else "--")
+            drawn = True
+    if not drawn:
+        return False
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    if len(keys) > 1:
+        ax.legend(fontsize=8)
+    return True
+
+
+def _train_plots(rows: list[dict[str, Any]]) -> dict[str, tuple[str, Callable[[], bytes | None]]]:
+    """name -> (caption, draw). Each draw returns PNG bytes, or None when the metrics lack that series."""
+
+    def simple(keys: list[tuple[str, str]], ylabel: str, title: str, log: bool = False):
+        def draw() -> bytes | None:
+            fig, (ax,) = _figure()
+            if not _line_plot(ax, rows, keys, ylabel, log=log):
+                return None
+            ax.set_title(title)
+            return _png(fig)
+        return draw
+
+    def aqn() -> bytes | None:
+        fig, (a1, a2) = _figure(1, 2, width=4.2)
+        ok1 = _line_plot(a1, rows, [("aqn/sigma", "sigma")], "AQN sigma")
+        ok2 = _line_plot(a2, rows, [("aqn/noise_norm", "noise norm")], "AQN noise norm")
+        if not (ok1 or ok2):
+            return None
+        a1.set_title("AQN noise scale")
+        a2.set_title("AQN noise norm")
+        return _png(fig)
+
+    def throughput() -> bytes | None:
+        has_mem = bool(_series(rows, "memory/peak_gb")[0])
+        fig, axes = _figure(1, 2 if has_mem else 1, width=4.2 if has_mem else 6.4)
+        if not _line_plot(axes[0], rows, [("timing/rollout_tokens_per_s", "rollout tokens/s")], "tokens/s"):
+            return None
+        axes[0].set_title("Rollout throughput during training")
+        if has_mem:
+            _line_plot(axes[1], rows, [("memory/peak_gb", "peak GB")], "peak memory (GB)")
+            axes[1].set_title("Peak GPU memory")
+        return _png(fig)
+
+    return {
+        "train_reward": ("Reward and accuracy vs step",
+                         simple([("reward", "reward"), ("accuracy", "accuracy")], "mean over batch",
+                                "Reward and accuracy")),
+        "train_entropy": ("Entropy vs step (exploration)",
+                          simple([("entropy", "entropy")], "mean token entropy (nats)", "Policy entropy")),
+        "train_length": ("Response length vs step",
+                         simple([("completions/mean_length", "mean"), ("completions/max_length", "max")],
+                                "tokens", "Completion length")),
+        "train_mismatch": ("Training-inference mismatch k3 vs step (log scale)",
+                           simple([("sampling/k3", "k3")], "k3 (log)", "Mismatch k3", log=True)),
+        "train_aqn": ("AQN sigma and noise norm vs step", aqn),
+        "train_throughput": ("Rollout tokens/s (and peak memory) vs step", throughput),
+    }
+
+
+def _eval_plot(evals: list[dict[str, Any]]) -> bytes:
+    import numpy as np
+
+    tasks = sorted({e["task"] for e in evals})
+    ckpts = sorted({e["checkpoint"] for e in evals}, key=_checkpoint_order)
+    fig, (ax,) = _figure(width=max(5.0, 1.6 + 1.4 * len(tasks) * max(1, len(ckpts)) * 0.6))
+    width = 0.8 / len(ckpts)
+    x = np.arange(len(tasks))
+    for i, ck in enumerate(ckpts):
+        means, lo, hi, pos = [], [], [], []
+        for j, task in enumerate(tasks):
+            for e in evals:
+                if e["task"] == task and e["checkpoint"] == ck:
+                    a = e["accuracy"]
+                    m = 100 * a["mean"]
+                    means.append(m)
+                    lo.append(max(0.0, m - 100 * a.get("low", a["mean"])))
+                    hi.append(max(0.0, 100 * a.get("high", a["mean"]) - m))
+                    pos.append(x[j] + (i - (len(ckpts) - 1) / 2) * width)
+        if not pos:
+            continue
+        bars = ax.bar(pos, means, width * 0.95, yerr=[lo, hi], capsize=4, label=ck)
+        ax.bar_label(bars, labels=[f"{m:.1f}" for m in means], fontsize=8, padding=2, label_type="center")
+    ax.set_xticks(x, tasks)
+    ax.set_ylabel("accuracy % (95% CI)")
+    ax.set_ylim(0, 105)
+    ax.set_title("Eval: base vs trained")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    return _png(fig)
+
+
+def _bench_plot(bench: dict[str, Any]) -> bytes | None:
+    results = [r for r in bench.get("results", []) if isinstance(r, dict) and r.get("status", "ok") == "ok"]
+    if not results:
+        return None
+    labels = [f"{r.get('format', '?')}\nb{r.get('batch', '?')}" for r in results]
+    fig, (a1, a2) = _figure(1, 2, width=4.2)
+    x = list(range(len(results)))
+    w = 0.4
+    dec = [float(r.get("decode_tok_s") or 0) for r in results]
+    e2e = [float(r.get("e2e_tok_s") or 0) for r in results]
+    a1.bar([i - w / 2 for i in x], dec, w, label="decode")
+    a1.bar([i + w / 2 for i in x], e2e, w, label="end-to-end")
+    a1.set_xticks(x, labels)
+    a1.set_ylabel("tokens/s")
+    a1.set_title("Rollout throughput")
+    a1.legend(fontsize=8)
+    a1.grid(True, axis="y", alpha=0.3)
+    # Peak memory where measured (GPU); on CPU only the resident weight size is known.
+    peak = [r.get("peak_mem_gib") for r in results]
+    if any(isinstance(p, (int, float)) for p in peak):
+        a2.bar(x, [float(p or 0) for p in peak], 0.6, color="tab:red")
+        a2.set_xticks(x, labels)
+        a2.set_ylabel("peak memory (GiB)")
+        a2.set_title("Rollout peak memory")
+    else:
+        models = bench.get("models") or {}
+        names = list(models)
+        a2.bar(range(len(names)), [float((models[n] or {}).get("resident_gib") or 0) for n in names], 0.6,
+               color="tab:red")
+        a2.set_xticks(range(len(names)), names)
+        a2.set_ylabel("resident weights + LoRA (GiB)")
+        a2.set_title("Model memory (no peak measured)")
+    a2.grid(True, axis="y", alpha=0.3)
+    return _png(fig)
+
+
+def _quantize_plot(layers: list[dict[str, Any]]) -> bytes | None:
+    vals = [float(x["rel_fro"]) for x in layers if isinstance(x, dict) and isinstance(x.get("rel_fro"), (int, float))]
+    if not vals:
+        return None
+    fig, (ax,) = _figure(height=3.0)
+    ax.hist(vals, bins=min(40, max(5, len(vals) // 4)), color="tab:purple")
+    ax.set_xlabel("relative Frobenius error ||W - Q(W)|| / ||W||")
+    ax.set_ylabel("layers")
+    ax.set_title(f"Quantization error over {len(vals)} layers")
+    return _png(fig)
+
+
+# ------------------------------------------------------------------------------------------ html
+
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:0;background:#f6f7f9;color:#1c1e21}
+header{background:#1f3a5f;color:#fff;padding:16px 28px}
+header h1{margin:0;font-size:22px} header p{margin:4px 0 0;opacity:.85;font-size:13px}
+main{max-width:1100px;margin:0 auto;padding:12px 28px 40px}
+section{background:#fff;border:1px solid #dde1e6;border-radius:8px;padding:14px 20px;margin:16px 0}
+h2{font-size:18px;margin:4px 0 10px}
+table{border-collapse:collapse;font-size:13px;margin:6px 0}
+td,th{border-bottom:1px solid #e6e8eb;padding:4px 10px;text-align:left}
+th{background:#f0f2f5} td.num{text-align:right;font-variant-numeric:tabular-nums}
+figure{margin:8px 0;display:inline-block;vertical-align:top;width:49%} figure.wide{width:98%}
+figure img{width:100%;border:1px solid #eee}
+figcaption{font-size:12px;color:#555}
+.missing{color:#8a5a00;background:#fff7e0;border-color:#f0d58a}
+.status-completed{color:#17803d;font-weight:600} .status-failed,.status-interrupted{color:#b42318;font-weight:600}
+.status-running{color:#8a5a00;font-weight:600}
+code{background:#f0f2f5;padding:1px 4px;border-radius:3px}
+"""
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _kv_table(pairs: list[tuple[str, Any]]) -> str:
+    body = "".join(f"<tr><th>{_esc(k)}</th><td class='num'>{_esc(_fmt(v))}</td></tr>" for k, v in pairs)
+    return f"<table>{body}</table>"
+
+
+def _img(png: bytes, caption: str, name: str) -> str:
+    data = base64.b64encode(png).decode("ascii")
+    # Two single-panel plots per row; a multi-panel one (wider PNG, width in the IHDR chunk) gets a row.
+    wide = " class='wide'" if int.from_bytes(png[16:20], "big") > 700 else ""
+    return (f"<figure{wide}><img alt='{_esc(caption)}' data-plot='{_esc(name)}' src='data:image/png;base64,{data}'>"
+            f"<figcaption>{_esc(caption)} &middot; {_esc(name)}.png</figcaption></figure>")
+
+
+def _missing(title: str, stage: str, run: Path) -> str:
+    cmd = PRODUCERS[stage].format(run=run)
+    return (f"<section class='missing' id='{_esc(stage.replace('/', '-'))}'><h2>{_esc(title)}</h2>"
+            f"<p>Not in this run: <code>{_esc(cmd)}</code> produces it.</p></section>")
+
+
+# ------------------------------------------------------------------------------------------ build
+
+
+def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
+    """Write `out_dir/index.html` (default DIR/report) and its PNGs; return what was found and written.
+
+    The result: run, out_dir, html (path), plots (name -> path), stages (key -> status, duration_s),
+    sections (name -> present, or the command that produces it), numbers (label -> value).
+    """
+    run_path = Path(run_dir).expanduser()
+    if not run_path.is_dir():
+        raise QerlError(f"run directory {run_path} does not exist: pass the --run directory of a qerl run")
+    if not (run_path / MANIFEST_NAME).is_file():
+        raise QerlError(f"{run_path} has no {MANIFEST_NAME}: it is not a qerl run; run `qerl quantize --run "
+                        f"{run_path}` first")
+    run = RunDir(run_path, create=False)
+    manifest = run.read()
+    stages = manifest["stages"]
+    out = Path(out_dir).expanduser() if out_dir is not None else run.path / REPORT_DIRNAME
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise QerlError(f"cannot create report directory {out}: {exc.strerror or exc}") from exc
+
+    pngs: dict[str, bytes] = {}
+    parts: list[str] = []
+    sections: dict[str, str] = {}
+    numbers: dict[str, Any] = {}
+
+    stage_status = {}
+    for key, rec in stages.items():
+        # `record` turns a stale 'running' (its process is gone) into 'interrupted'.
+        status = (run.record(key) or rec).get("status", "?")
+        stage_status[key] = {"status": status, "duration_s": rec.get("duration_s"), "finished": rec.get("finished")}
+    rows_html = "".join(
+        f"<tr><td>{_esc(k)}</td><td class='status-{_esc(v['status'])}'>{_esc(v['status'])}</td>"
+        f"<td class='num'>{_esc(_fmt(v['duration_s']))}</td><td>{_esc(v['finished'] or '')}</td></tr>"
+        for k, v in stage_status.items())
+    parts.append("<section id='stages'><h2>Stages</h2><table><tr><th>stage</th><th>status</th>"
+                 f"<th>duration (s)</th><th>finished</th></tr>{rows_html}</table></section>")
+
+    # ---- quantize
+    q = stages.get("quantize")
+    if q:
+        m = q.get("metrics") or {}
+        pairs = [(k, m[k]) for k in ("format", "layers_quantized", "group_size", "rel_fro_mean", "rel_fro_max",
+                                     "bytes_before_bf16", "bytes_after", "compression") if k in m]
+        numbers.update({f"quantize/{k}": v for k, v in pairs})
+        body = _kv_table(pairs)
+        png = _quantize_plot((q.get("extra") or {}).get("layers") or [])
+        if png:
+            pngs["quantize_error"] = png
+            body += _img(png, "Per-layer quantization error", "quantize_error")
+        parts.append(f"<section id='quantize'><h2>Quantization</h2>{body}</section>")
+        sections["quantize"] = "present"
+    else:
+        parts.append(_missing("Quantization", "quantize", run.path))
+        sections["quantize"] = PRODUCERS["quantize"].format(run=run.path)
+
+    # ---- train
+    t = stages.get("train")
+    metrics_rel = ((t or {}).get("outputs") or {}).get("metrics") or "train/metrics.jsonl"
+    rows = _read_metrics(run.abs(metrics_rel))
+    if t or rows:
+        cfg = (t or {}).get("config") or {}
+        pairs = [(k, cfg[k]) for k in ("algo", "task", "steps", "batch_prompts", "num_generations",
+                                       "max_completion_length", "lr", "lora_rank", "precision", "correction")
+                 if k in cfg]
+        if rows:
+            last = rows[-1]
+            pairs += [("steps logged", len(rows))]
+            for k in ("reward", "accuracy", "entropy", "completions/mean_length", "sampling/k3"):
+                if isinstance(last.get(k), (int, float)):
+                    pairs.append((f"last {k}", last[k]))
+                    numbers[f"train/{k}"] = last[k]
+            numbers["train/steps"] = len(rows)
+        body = _kv_table(pairs)
+        if rows:
+            for name, (caption, draw) in _train_plots(rows).items():
+                png = draw()
+                if png:
+                    pngs[name] = png
+                    body += _img(png, caption, name)
+        else:
+            body += f"<p>No metrics in <code>{_esc(metrics_rel)}</code> yet.</p>"
+        parts.append(f"<section id='train'><h2>Training</h2>{body}</section>")
+        sections["train"] = "present"
+    else:
+        parts.append(_missing("Training", "train", run.path))
+        sections["train"] = PRODUCERS["train"].format(run=run.path)
+
+    # ---- eval
+    evals = _read_evals(run, manifest)
+    if evals:
+        trs = "".join(
+            f"<tr><td>{_esc(e['task'])}</td><td>{_esc(e['checkpoint'])}</td><td>{_esc(e['primary'])}</td>"
+            f"<td class='num'>{100 * e['accuracy']['mean']:.1f}</td>"
+            f"<td class='num'>[{100 * e['accuracy'].get('low', 0):.1f}, {100 * e['accuracy'].get('high', 0):.1f}]"
+            f"</td><td class='num'>{_esc(e['accuracy'].get('n', ''))}</td><td>{_esc(e['file'])}</td></tr>"
+            for e in evals)
+        body = ("<table><tr><th>task</th><th>checkpoint</th><th>scorer</th><th>accuracy %</th><th>95% CI</th>"
+                f"<th>n</th><th>file</th></tr>{trs}</table>")
+        pngs["eval_scores"] = _eval_plot(evals)
+        body += _img(pngs["eval_scores"], "Eval accuracy per checkpoint with 95% CI", "eval_scores")
+        for e in evals:
+            numbers[f"eval/{e['task']}-{e['checkpoint']}"] = e["accuracy"]["mean"]
+        parts.append(f"<section id='eval'><h2>Evaluation</h2>{body}</section>")
+        sections["eval"] = "present"
+    else:
+        parts.append(_missing("Evaluation", "eval", run.path))
+        sections["eval"] = PRODUCERS["eval"].format(run=run.path)
+
+    # ---- bench rollout
+    b = stages.get("bench/rollout")
+    bench_rel = (((b or {}).get("outputs") or {}).get("json") or {}).get("path") or "bench/rollout.json"
+    bench = _load_json(run.abs(bench_rel)) if (b is None or b.get("status") == "completed") else None
+    png = _bench_plot(bench) if bench else None
+    if bench and png:
+        trs = "".join(
+            f"<tr><td>{_esc(r.get('format'))}</td><td class='num'>{_esc(r.get('batch'))}</td>"
+            f"<td class='num'>{_esc(_fmt(r.get('decode_tok_s')))}</td><td class='num'>{_esc(_fmt(r.get('e2e_tok_s')))}"
+            f"</td><td class='num'>{_esc(_fmt(r.get('peak_mem_gib')))}</td></tr>"
+            for r in bench.get("results", []) if isinstance(r, dict))
+        body = ("<table><tr><th>format</th><th>batch</th><th>decode tok/s</th><th>e2e tok/s</th>"
+                f"<th>peak GiB</th></tr>{trs}</table>")
+        pngs["bench_rollout"] = png
+        body += _img(png, "Rollout tokens/s and memory (qerl bench rollout)", "bench_rollout")
+        for r in bench.get("results", []):
+            if isinstance(r, dict) and isinstance(r.get("decode_tok_s"), (int, float)):
+                numbers[f"bench/{r.get('format')}/b{r.get('batch')}/decode_tok_s"] = r["decode_tok_s"]
+        parts.append(f"<section id='bench-rollout'><h2>Rollout benchmark</h2>{body}</section>")
+        sections["bench/rollout"] = "present"
+    else:
+        parts.append(_missing("Rollout benchmark", "bench/rollout", run.path))
+        sections["bench/rollout"] = PRODUCERS["bench/rollout"].format(run=run.path)
+
+    created = now_iso()
+    page = (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>qerl report: {_esc(run.path.name)}"
+        f"</title><style>{_CSS}</style></head><body><header><h1>qerl report &mdash; {_esc(run.path.name)}</h1>"
+        f"<p>{_esc(run.path.resolve())} &middot; generated {_esc(created)}</p></header><main>"
+        + "".join(parts) + "</main></body></html>\n"
+    )
+
+    plots = {}
+    for name, data in pngs.items():
+        path = out / f"{name}.png"
+        atomic_write_bytes(path, data)
+        plots[name] = path
+    index = out / INDEX_NAME
+    atomic_write_text(index, page)  # last: a page only exists once every picture it names does
+    return {"run": run.path, "out_dir": out, "html": index, "plots": plots, "stages": stage_status,
+            "sections": sections, "numbers": numbers, "created": created}
+
+
+def render_summary(result: dict[str, Any]):  # noqa: ANN201 - rich.console.Group
+    """Terminal summary of a build_report result: stages with status, key numbers, absent sections, paths."""
+    from rich.console import Group
+    from rich.table import Table
+
+    stages = Table(title=f"qerl report · {result['run']}")
+    stages.add_column("stage")
+    stages.add_column("status")
+    stages.add_column("duration s", justify="right")
+    colors = {"completed": "green", "failed": "red", "interrupted": "red", "running": "yellow"}
+    for key, st in result["stages"].items():
+        c = colors.get(st["status"], "white")
+        stages.add_row(key, f"[{c}]{st['status']}[/{c}]", _fmt(st["duration_s"]) if st["duration_s"] is not None
+                       else "")
+    nums = Table(title="key numbers")
+    nums.add_column("metric")
+    nums.add_column("value", justify="right")
+    for k, v in result["numbers"].items():
+        pct = k.startswith("eval/") or k.endswith(("/reward", "/accuracy"))
+        nums.add_row(k, f"{100 * v:.1f}%" if pct and isinstance(v, float) else _fmt(v))
+    missing = Table(title="absent sections", show_header=False)
+    missing.add_column("section")
+    missing.add_column("produce with")
+    for name, what in result["sections"].items():
+        if what != "present":
+            missing.add_row(name, what)
+    items: list[Any] = [stages, nums]
+    if missing.row_count:
+        items.append(missing)
+    items.append(f"[bold]report[/bold] {result['html']}  ({len(result['plots'])} plots)")
+    return Group(*items)
