@@ -7,9 +7,12 @@ only locate it). transformers loads GGUF dequantized.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,6 +136,25 @@ def load_tokenizer(src: ModelSource):  # noqa: ANN201 - a transformers tokenizer
     return tok
 
 
+@contextlib.contextmanager
+def _quiet_gguf_progress() -> Iterator[None]:
+    """transformers' GGUF loader draws a bare tqdm bar (not its own switchable one) on every load."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
 def load_model(
     model: str | ModelSource | None = None,
     *,
@@ -158,7 +180,8 @@ def load_model(
     hf_logging.disable_progress_bar()
     try:
         kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-        m = AutoModelForCausalLM.from_pretrained(src.location, dtype=dtype, **kwargs)
+        with _quiet_gguf_progress():
+            m = AutoModelForCausalLM.from_pretrained(src.location, dtype=dtype, **kwargs)
     except (OSError, ValueError, json.JSONDecodeError) as exc:
         hint = " (no network here? give a local directory)" if src.kind == "hub" else ""
         raise QerlError(f"could not load model {src.display}{hint}: {str(exc).splitlines()[0]}") from exc
