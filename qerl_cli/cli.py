@@ -237,6 +237,17 @@ def bench_rollout(
         console.print(line, highlight=False)
 
 
+@app.command()
+def report(
+    run: RunOpt = Path("runs/default"),
+    out: Annotated[Path | None, Opt(help="Output folder (default RUN/report).")] = None,
+) -> None:
+    """Write RUN/report/index.html (self-contained, offline) and PNGs from every stage's outputs."""
+    from qerl_cli.report import build_report, render_summary
+
+    console.print(render_summary(build_report(run, out)))
+
+
 def main() -> None:
     try:
         rc = app(standalone_mode=False)
