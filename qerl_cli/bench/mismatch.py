@@ -1,0 +1,429 @@
+"""`qerl bench mismatch`: offline training-inference mismatch per precision and weight format.
+
+REFERENCE.md section 5. For every weight format (``bf16`` = unquantized) and every precision
+(bf16 / fp16 / fp32) the same model is put in that precision, completions are sampled with the builtin
+rollout engine (mu: the log-probs of the processed distribution it sampled from), and the sampled
+tokens are scored again with the training forward (pi: the HF model, teacher-forced, as the trainer
+computes pi_old). Both engines run in the same precision on the same weights, so every difference is
+rounding: different kernels, different reduction orders, a KV cache versus one full forward.
+
+Per cell: k1 = mean_t(log mu - log pi), k3 = mean_t(rho - log rho - 1) with rho = pi / mu,
+max_t |mu - pi| in probability space, the distribution of the sequence log-ratio sum_t log rho_t
+(mean / std / min / max) and its growth with length (least-squares slope of |sum_t log rho_t| on the
+completion length, per token). Per format, the BF16-over-FP16 k3 ratio (the paper's claim: switching
+both engines to FP16 cuts mismatch ~24x; qerl's target is >= 10x).
+
+Models: without ``run_dir`` the embedded SmolLM2-135M is loaded once in fp32 and each format quantizes
+its linears (lm_head excepted) from those fp32 weights, so the codes are the same at every precision.
+With ``run_dir`` the run's quantized checkpoint is loaded in each precision (its format only).
+Outputs (written only when the whole bench has finished, each file atomically): ``mismatch.json``,
+``mismatch_scatter.png`` (pi vs mu token probabilities, one panel per precision, formats coloured) and
+``mismatch_seq.png`` (sequence log-ratio vs completion length, one panel per precision).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import io
+import math
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qerl_cli.errors import QerlError
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_PRECISIONS = ("bf16", "fp16", "fp32")
+DEFAULT_FORMATS = ("bf16", "nvfp4", "mxfp4", "int8", "fp8")
+TASKS = ("arith", "gsm8k")
+SCHEMA = 1
+K3_RATIO_TARGET = 10.0  # issue 7: FP16 k3 at least 10x below BF16 (the paper reports ~24x)
+_SCATTER_POINTS = 4000  # token pairs kept per cell for the scatter plot (not written to JSON)
+_LOGP_ROWS = 16  # rows per training forward: bounds the fp32 logits window in memory
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+def _check_args(precisions: Iterable[str], formats: Iterable[str], task: str, prompts: int, samples: int,
+                max_tokens: int, temperature: float) -> tuple[list[str], list[str]]:
+    from qerl_cli.formats import FORMATS
+
+    precs = list(dict.fromkeys(precisions))
+    bad = [p for p in precs if p not in PRECISIONS]
+    if bad or not precs:
+        raise QerlError(f"unknown precision(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(PRECISIONS)}")
+    fmts = list(dict.fromkeys(formats))
+    bad = [f for f in fmts if f not in FORMATS]
+    if bad:
+        raise QerlError(f"unknown format(s) {', '.join(bad)}; choose from {', '.join(FORMATS)}")
+    if task.partition(":")[0].strip().lower() not in TASKS:
+        raise QerlError(f"unknown task {task!r} for bench mismatch: use one of {', '.join(TASKS)}")
+    for name, v in (("prompts", prompts), ("samples", samples), ("max_tokens", max_tokens)):
+        if not isinstance(v, int) or v < 1:
+            raise QerlError(f"{name} must be a positive integer, got {v!r}")
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature) and temperature > 0):
+        raise QerlError(f"temperature must be > 0 (mismatch is measured on sampled tokens), got {temperature!r}")
+    return precs, fmts
+
+
+# ---- models ---------------------------------------------------------------------------------------
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+# Formats whose stored tensors do not depend on the model dtype (FP8/E8M0 block scales, fp32 global
+# scale): quantized once and shared by every precision. The others store their scales in the model dtype.
+_DTYPE_FREE_FORMATS = ("nvfp4", "mxfp4")
+
+
+def _cast_copy(base: nn.Module, fmt: str, dtype: torch.dtype,
+               cache: dict[tuple[str, Any], dict[str, Any]] | None = None) -> nn.Module:
+    """A copy of the fp32 ``base`` in ``dtype`` with its target linears quantized to ``fmt`` (from fp32)."""
+    from qerl_cli.checkpoint import fused_global_scales, target_linears
+    from qerl_cli.formats import quantize
+    from qerl_cli.qlinear import DEFAULT_ACT_QUANT, QuantLinear
+
+    model = copy.deepcopy(base).to(dtype)
+    # Rotary frequencies stay fp32, as from_pretrained(dtype=...) leaves them.
+    base_bufs = dict(base.named_buffers())
+    for name, _ in list(model.named_buffers()):
+        if name.rsplit(".", 1)[-1] in ("inv_freq", "original_inv_freq") and name in base_bufs:
+            mod_name, _, leaf = name.rpartition(".")
+            model.get_submodule(mod_name)._buffers[leaf] = base_bufs[name].clone()
+    if fmt != "bf16":
+        targets, _ = target_linears(base, ["lm_head"])
+        key = (fmt, None if fmt in _DTYPE_FREE_FORMATS else dtype)
+        qws = cache.get(key) if cache is not None else None
+        if qws is None:
+            scales = fused_global_scales(targets) if fmt == "nvfp4" else {}
+            qws = {name: quantize(lin.weight.detach(), fmt, global_scale=scales.get(name), dtype=dtype)
+                   for name, lin in targets.items()}
+            if cache is not None:
+                cache[key] = qws
+        for name, lin in targets.items():
+            qw = qws[name]
+            n, k = qw.shape
+            ql = QuantLinear(k, n, fmt, dict(qw.tensors), dtype, qw.group_size, lin.bias, DEFAULT_ACT_QUANT.get(fmt))
+            ql.cache_dequantized = True  # no kernels off CUDA: dequantize each frozen weight once
+            _set_module(model, name, ql)
+    model.eval()
+    return model
+
+
+# ---- measurement ----------------------------------------------------------------------------------
+def _abs_slope(lengths: torch.Tensor, seq: torch.Tensor) -> float:
+    """Least-squares slope of |seq log-ratio| on completion length (0.0 when undefined)."""
+    if lengths.numel() < 2:
+        return 0.0
+    x = lengths.double()
+    y = seq.abs().double()
+    dx = x - x.mean()
+    sxx = (dx * dx).sum()
+    return ((dx * (y - y.mean())).sum() / sxx).item() if sxx > 0 else 0.0
+
+
+def _run_cell(model: nn.Module, tok: Any, prompt_ids: list[list[int]], stop: list[str], *, dtype: torch.dtype,
+              samples: int, max_tokens: int, temperature: float, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Sample (mu), recompute (pi), measure. Returns (JSON row, plot data)."""
+    from qerl_cli.rollout import BuiltinEngine, SamplingParams
+    from qerl_cli.train.batch import build_batch, sampled_logprobs
+    from qerl_cli.train.corrections import mismatch_metrics
+
+    t0 = time.perf_counter()
+    engine = BuiltinEngine(model, tok, max_batch_slots=len(prompt_ids) * samples,
+                           max_model_len=max(len(p) for p in prompt_ids) + max_tokens, dtype=dtype)
+    try:
+        out = engine.generate(prompt_ids, SamplingParams(n=samples, temperature=temperature, top_p=1.0, top_k=-1,
+                                                         max_tokens=max_tokens, stop=stop, seed=seed))
+    finally:
+        engine.release()
+    t_sample = time.perf_counter() - t0
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    batch = build_batch([s.prompt_token_ids for s in out.samples], [s.token_ids for s in out.samples],
+                        [s.logprobs for s in out.samples], [s.finish_reason == "length" for s in out.samples], pad)
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        pi = torch.cat([sampled_logprobs(model, batch.rows(slice(i, i + _LOGP_ROWS)), temperature)[0]
+                        for i in range(0, batch.mask.shape[0], _LOGP_ROWS)])
+    t_score = time.perf_counter() - t1
+    mu, mask = batch.rollout_logp, batch.mask
+    m = mismatch_metrics(pi, mu, mask)
+    valid = mask > 0
+    seq = ((pi.double() - mu.double()) * mask).sum(-1)
+    lengths = mask.sum(-1)
+    row = {
+        "k1": m["sampling/k1"],
+        "k3": m["sampling/k3"],
+        "max_abs_dprob": m["sampling/max_abs_dprob"],
+        "seq_log_ratio_mean": m["sampling/seq_log_ratio_mean"],
+        "seq_log_ratio_std": seq.std().item() if seq.numel() > 1 else 0.0,
+        "seq_log_ratio_min": m["sampling/seq_log_ratio_min"],
+        "seq_log_ratio_max": m["sampling/seq_log_ratio_max"],
+        "seq_abs_log_ratio_len_slope": _abs_slope(lengths, seq),
+        "seq_log_ratio_len_slope": m["sampling/seq_log_ratio_len_slope"],
+        "seq_log_ratio_len_corr": m["sampling/seq_log_ratio_len_corr"],
+        "sequences": len(out.samples),
+        "tokens": int(valid.sum()),
+        "mean_length": lengths.mean().item(),
+        "sample_s": t_sample,
+        "score_s": t_score,
+        # (length, sum_t log rho_t) per sequence: small, and what the length plot shows
+        "seq_points": [[int(n), float(s)] for n, s in zip(lengths.tolist(), seq.tolist(), strict=True)],
+    }
+    mu_p, pi_p = mu[valid].double().exp(), pi[valid].double().exp()
+    if mu_p.numel() > _SCATTER_POINTS:
+        keep = torch.randperm(mu_p.numel(), generator=torch.Generator().manual_seed(seed))[:_SCATTER_POINTS]
+        mu_p, pi_p = mu_p[keep], pi_p[keep]
+    return row, {"mu": mu_p.tolist(), "pi": pi_p.tolist()}
+
+
+def _ratios(results: list[dict[str, Any]], fmts: list[str]) -> list[dict[str, Any]]:
+    """Per format: k3(bf16) / k3(fp16), against the >= 10x target."""
+    k3 = {(r["format"], r["precision"]): r.get("k3") for r in results if r.get("status") == "ok"}
+    out = []
+    for f in fmts:
+        b, h = k3.get((f, "bf16")), k3.get((f, "fp16"))
+        if b is None or h is None:
+            continue
+        ratio = b / h if h > 0 else math.inf
+        out.append({"format": f, "k3_bf16": b, "k3_fp16": h, "bf16_over_fp16": ratio,
+                    "target": K3_RATIO_TARGET, "met": ratio >= K3_RATIO_TARGET})
+    return out
+
+
+# ---- the bench ------------------------------------------------------------------------------------
+def bench_mismatch(
+    *,
+    run_dir: Path | None = None,
+    precisions: Iterable[str] = DEFAULT_PRECISIONS,
+    formats: Iterable[str] = DEFAULT_FORMATS,
+    task: str = "arith",
+    prompts: int = 16,
+    samples: int = 4,
+    max_tokens: int = 32,
+    temperature: float = 1.0,
+    seed: int = 0,
+    out_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Measure pi-vs-mu mismatch for every (format, precision); write JSON + 2 PNGs; return the result.
+
+    Output directory: ``out_dir``, else ``run_dir/bench``, else ``./bench-mismatch``. With ``run_dir``
+    the run's quantized model and its single format are used, and the bench is recorded in the
+    manifest under ``bench/mismatch``. Nothing is written until every cell has run.
+    """
+    from qerl_cli.env_info import environment
+    from qerl_cli.manifest import atomic_write_json
+    from qerl_cli.models import load_model
+    from qerl_cli.tasks import load_task
+
+    precs, fmts = _check_args(precisions, formats, task, prompts, samples, max_tokens, temperature)
+    run = model_dir = None
+    if run_dir is not None:
+        import json
+
+        from qerl_cli.checkpoint import detect_format
+        from qerl_cli.manifest import RunDir
+        from qerl_cli.runlayout import quantized_model_dir
+
+        run = RunDir(run_dir, create=False)
+        model_dir = quantized_model_dir(run)
+        run_fmt = detect_format(json.loads((model_dir / "config.json").read_text()))[0]
+        if fmts and fmts != [run_fmt] and fmts != list(DEFAULT_FORMATS):
+            log(f"--run: measuring the run's model ({run_fmt}); formats {fmts} ignored")
+        fmts = [run_fmt]
+    elif not fmts:
+        raise QerlError(f"no format given; choose from {', '.join(DEFAULT_FORMATS)}")
+    out = Path(out_dir) if out_dir is not None else (run.path / "bench" if run is not None else Path("bench-mismatch"))
+
+    t_start = time.perf_counter()
+    torch.manual_seed(seed)
+    log(f"loading {'the embedded model' if model_dir is None else model_dir} ...")
+    base, tok = load_model(None if model_dir is None else str(model_dir), dtype=torch.float32, device="cpu")
+    task_obj = load_task(task, split="test", limit=prompts, seed=seed)
+    texts = task_obj.prompts[:prompts]
+    if not texts:
+        raise QerlError(f"task {task!r} has no test prompts")
+    prompt_ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    stop = list(task_obj.stop)
+
+    res: dict[str, Any] = {
+        "schema": SCHEMA,
+        "kind": "bench/mismatch",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": "embedded SmolLM2-135M" if model_dir is None else str(model_dir),
+        "config": {"precisions": precs, "formats": fmts, "task": task, "prompts": len(texts), "samples": samples,
+                   "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "engine": "builtin",
+                   "stop": stop, "sampling": f"temperature {temperature}, top_p 1, top_k off"},
+        "env": environment(),
+        "results": [],
+    }
+    scatter: dict[tuple[str, str], dict[str, Any]] = {}
+    for fmt in fmts:
+        qcache: dict[tuple[str, Any], dict[str, Any]] = {}  # this format's quantized weights, per dtype
+        for prec in precs:
+            dtype = PRECISIONS[prec]
+            t0 = time.perf_counter()
+            model = None
+            try:
+                if model_dir is None:
+                    model = _cast_copy(base, fmt, dtype, qcache)
+                else:
+                    model, _ = load_model(str(model_dir), dtype=dtype, device="cpu")
+                row, pts = _run_cell(model, tok, prompt_ids, stop, dtype=dtype, samples=samples,
+                                     max_tokens=max_tokens, temperature=temperature, seed=seed)
+                row = {"format": fmt, "precision": prec, "status": "ok", **row}
+                scatter[(fmt, prec)] = pts
+            except QerlError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - recorded per cell, the bench goes on
+                row = {"format": fmt, "precision": prec, "status": f"error: {str(exc).splitlines()[0][:160]}"}
+            finally:
+                del model
+            row["wall_s"] = time.perf_counter() - t0
+            res["results"].append(row)
+            if row["status"] == "ok":
+                log(f"{fmt} / {prec}: k1 {row['k1']:.3e}  k3 {row['k3']:.3e}  max|dp| {row['max_abs_dprob']:.3e}  "
+                    f"seq log-ratio {row['seq_log_ratio_mean']:+.3e} +- {row['seq_log_ratio_std']:.3e}  "
+                    f"({row['tokens']} tokens, {row['wall_s']:.1f}s)")
+            else:
+                log(f"{fmt} / {prec}: {row['status']}")
+    res["k3_ratios"] = _ratios(res["results"], fmts)
+    res["wall_s"] = time.perf_counter() - t_start
+
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, scatter_path, seq_path = out / "mismatch.json", out / "mismatch_scatter.png", out / "mismatch_seq.png"
+    res["files"] = {"json": str(json_path), "scatter": str(scatter_path), "seq": str(seq_path)}
+    plot_scatter(res, scatter, scatter_path)
+    plot_seq(res, seq_path)
+    atomic_write_json(json_path, _jsonable(res))  # last: a JSON on disk means a finished bench
+    if run is not None:
+        _record_stage(run, res, json_path, scatter_path, seq_path)
+    return res
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def _record_stage(run: Any, res: dict[str, Any], json_path: Path, scatter_path: Path, seq_path: Path) -> None:
+    """Record the bench in the run's manifest under key bench/mismatch (after the fact: one short write)."""
+    with run.stage("bench", config=res["config"], inputs={"model": run.rel(res["model"])}, key="bench/mismatch") as rec:
+        rec.outputs = {"json": {"path": run.rel(json_path)}, "scatter": {"path": run.rel(scatter_path)},
+                       "seq": {"path": run.rel(seq_path)}}
+        rec.metrics = {f"{r['format']}/{r['precision']}/{k}": r[k] for r in res["results"] if r["status"] == "ok"
+                       for k in ("k1", "k3", "max_abs_dprob")}
+        rec.extra = {"k3_ratios": _jsonable(res["k3_ratios"])}
+
+
+# ---- presentation ---------------------------------------------------------------------------------
+def _fmt(v: Any, spec: str = "{:.2e}") -> str:
+    return "-" if v is None else spec.format(v)
+
+
+def render_table(res: dict[str, Any]) -> Any:
+    """A rich Table: one row per (format, precision), then the BF16/FP16 k3 ratio per format."""
+    from rich.table import Table
+
+    c = res["config"]
+    table = Table(title=f"qerl bench mismatch: {res['model']}, {c['task']} x {c['prompts']} prompts x "
+                        f"{c['samples']} samples, <= {c['max_tokens']} tokens, T={c['temperature']}, builtin engine")
+    cols = ("format", "precision", "k1", "k3", "max |dp|", "seq lr mean", "seq lr std", "seq lr min", "seq lr max",
+            "|seq lr|/token", "tokens", "status")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("format", "precision", "status") else "right")
+    for r in res["results"]:
+        table.add_row(r["format"], r["precision"], _fmt(r.get("k1")), _fmt(r.get("k3")), _fmt(r.get("max_abs_dprob")),
+                      _fmt(r.get("seq_log_ratio_mean")), _fmt(r.get("seq_log_ratio_std")),
+                      _fmt(r.get("seq_log_ratio_min")), _fmt(r.get("seq_log_ratio_max")),
+                      _fmt(r.get("seq_abs_log_ratio_len_slope")), str(r.get("tokens", "-")), r["status"])
+    return table
+
+
+def short_summary(res: dict[str, Any]) -> list[str]:
+    """Plain lines: the BF16/FP16 k3 ratio per format against the target, and the output files."""
+    lines = []
+    for r in res.get("k3_ratios", []):
+        state = "met" if r["met"] else "MISSED"
+        lines.append(f"{r['format']}: k3 bf16/fp16 = {r['bf16_over_fp16']:.1f}x (target >= {r['target']:.0f}x) "
+                     f"-> {state}")
+    f = res["files"]
+    lines.append(f"JSON: {f['json']}  plots: {f['scatter']}, {f['seq']}")
+    return lines
+
+
+def _save(fig: Any, path: Path) -> None:
+    from qerl_cli.manifest import atomic_write_bytes
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _figure(n: int) -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 4.4), squeeze=False)
+    return fig, axes[0]
+
+
+def plot_scatter(res: dict[str, Any], points: dict[tuple[str, str], dict[str, Any]], path: Path) -> None:
+    """PNG: pi vs mu token probability, one panel per precision, formats coloured, diagonal dashed."""
+    import matplotlib.pyplot as plt
+
+    precs, fmts = res["config"]["precisions"], res["config"]["formats"]
+    fig, axes = _figure(len(precs))
+    k3 = {(r["format"], r["precision"]): r.get("k3") for r in res["results"]}
+    for ax, prec in zip(axes, precs, strict=True):
+        ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+        for fmt in fmts:
+            p = points.get((fmt, prec))
+            if p:
+                ax.scatter(p["mu"], p["pi"], s=4, alpha=0.5, label=f"{fmt} (k3 {_fmt(k3.get((fmt, prec)))})")
+        ax.set_title(f"{prec}: training pi vs rollout mu")
+        ax.set_xlabel("mu(y_t) (rollout engine)")
+        ax.set_ylabel("pi(y_t) (training forward)")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7, markerscale=3, loc="upper left")
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_seq(res: dict[str, Any], path: Path) -> None:
+    """PNG: sequence log-ratio sum_t log(pi/mu) vs completion length, one panel per precision."""
+    import matplotlib.pyplot as plt
+
+    precs, fmts = res["config"]["precisions"], res["config"]["formats"]
+    fig, axes = _figure(len(precs))
+    rows = {(r["format"], r["precision"]): r for r in res["results"] if r["status"] == "ok"}
+    for ax, prec in zip(axes, precs, strict=True):
+        ax.axhline(0.0, color="k", lw=0.8, ls="--")
+        for fmt in fmts:
+            r = rows.get((fmt, prec))
+            if r and r["seq_points"]:
+                lens, lr = zip(*r["seq_points"], strict=True)
+                ax.scatter(lens, lr, s=8, alpha=0.6,
+                           label=f"{fmt} (|lr| {_fmt(r['seq_abs_log_ratio_len_slope'])}/tok)")
+        ax.set_title(f"{prec}: sequence log-ratio vs length")
+        ax.set_xlabel("completion length (tokens)")
+        ax.set_ylabel("sum_t log(pi/mu)")
+        ax.legend(fontsize=7, markerscale=2, loc="upper left")
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
