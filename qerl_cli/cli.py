@@ -237,6 +237,31 @@ def bench_rollout(
         console.print(line, highlight=False)
 
 
+@bench_app.command("mismatch")
+def bench_mismatch(
+    run: Annotated[Path | None, Opt("--run", help="Use the run's quantized model (else the embedded model).")] = None,
+    precisions: Annotated[str, Opt(help="Comma-separated: bf16,fp16,fp32")] = "bf16,fp16,fp32",
+    formats: Annotated[str, Opt(help="Comma-separated formats (embedded model).")] = "bf16,nvfp4,mxfp4,int8,fp8",
+    task: str = "arith",
+    prompts: int = 16,
+    samples: int = 4,
+    max_tokens: int = 32,
+    temperature: float = 1.0,
+    seed: int = 0,
+    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench or ./bench-mismatch).")] = None,
+) -> None:
+    """Training-inference mismatch (k1, k3, max |dp|, sequence log-ratio) per precision x format, with plots."""
+    from qerl_cli.bench.mismatch import bench_mismatch as run_bench
+    from qerl_cli.bench.mismatch import render_table, short_summary
+
+    res = run_bench(run_dir=run, precisions=tuple(precisions.split(",")), formats=tuple(formats.split(",")),
+                    task=task, prompts=prompts, samples=samples, max_tokens=max_tokens, temperature=temperature,
+                    seed=seed, out_dir=out, log=lambda msg: err_console.print(msg, highlight=False))
+    console.print(render_table(res))
+    for line in short_summary(res):
+        console.print(line, highlight=False)
+
+
 @app.command()
 def report(
     run: RunOpt = Path("runs/default"),
