@@ -14,6 +14,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -53,6 +54,17 @@ def _disk_error(path: Path, exc: OSError) -> QerlError:
     if exc.errno == errno.ENOSPC:
         return QerlError(f"out of disk space while writing {path}: free some space and run the command again")
     return QerlError(f"could not write {path}: {exc.strerror or exc}")
+
+
+def jsonable(obj: Any) -> Any:
+    """Plain JSON data: dict keys as strings, tuples as lists, NaN/inf as null (strict JSON has neither)."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

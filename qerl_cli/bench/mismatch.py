@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.manifest import jsonable
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_PRECISIONS = ("bf16", "fp16", "fp32")
@@ -301,20 +302,10 @@ def bench_mismatch(
     res["files"] = {"json": str(json_path), "scatter": str(scatter_path), "seq": str(seq_path)}
     plot_scatter(res, scatter, scatter_path)
     plot_seq(res, seq_path)
-    atomic_write_json(json_path, _jsonable(res))  # last: a JSON on disk means a finished bench
+    atomic_write_json(json_path, jsonable(res))  # last: a JSON on disk means a finished bench
     if run is not None:
         _record_stage(run, res, json_path, scatter_path, seq_path)
     return res
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
 
 
 def _record_stage(run: Any, res: dict[str, Any], json_path: Path, scatter_path: Path, seq_path: Path) -> None:
@@ -324,7 +315,7 @@ def _record_stage(run: Any, res: dict[str, Any], json_path: Path, scatter_path: 
                        "seq": {"path": run.rel(seq_path)}}
         rec.metrics = {f"{r['format']}/{r['precision']}/{k}": r[k] for r in res["results"] if r["status"] == "ok"
                        for k in ("k1", "k3", "max_abs_dprob")}
-        rec.extra = {"k3_ratios": _jsonable(res["k3_ratios"])}
+        rec.extra = {"k3_ratios": jsonable(res["k3_ratios"])}
 
 
 # ---- presentation ---------------------------------------------------------------------------------

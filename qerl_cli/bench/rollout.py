@@ -28,7 +28,6 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import importlib.util
-import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -39,6 +38,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.manifest import jsonable
 
 DEFAULT_FORMATS = ("bf16", "nvfp4", "mxfp4", "int8", "fp8", "nf4")
 DEFAULT_BATCHES = (1, 8, 64, 256)
@@ -622,20 +622,10 @@ def bench_rollout(
     json_path, png_path = out / "rollout.json", out / "rollout.png"
     res["files"] = {"json": str(json_path), "plot": str(png_path)}
     plot(res, png_path)
-    atomic_write_json(json_path, _jsonable(res))
+    atomic_write_json(json_path, jsonable(res))
     if run is not None:
         _record_stage(run, res, json_path, png_path)
     return res
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
 
 
 def _record_stage(run: Any, res: dict[str, Any], json_path: Path, png_path: Path) -> None:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,13 +99,11 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, run: RunDir, cfg: TrainConfig, *, device: str | None = None,
-                 on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(self, run: RunDir, cfg: TrainConfig, *, device: str | None = None) -> None:
         self.run = run
         self.cfg = cfg.resolved()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = PRECISION_DTYPES[self.cfg.precision]
-        self.on_step = on_step
         self.model_dir = quantized_model_dir(run)
         self.metrics_path = train_dir(run) / "metrics.jsonl"
         self.rollouts_dir = train_dir(run) / "rollouts"
@@ -231,7 +228,6 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         from qerl_cli.train.advantages import DynamicSampler, group_advantages
         from qerl_cli.train.corrections import is_weights, mismatch_metrics
-        from qerl_cli.train.losses import entropy_from_logits, policy_loss  # noqa: F401
 
         c = self.cfg
         g = c.num_generations
@@ -328,7 +324,7 @@ class Trainer:
     def _forward_no_grad(self, batch: RolloutBatch, with_ref: bool):
         mb = self.cfg.micro_batch_size
         old, ref, ent = [], [], []
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad():
             for i in range(0, batch.input_ids.shape[0], mb):
                 part = batch.rows(slice(i, i + mb))
                 lp, e = sampled_logprobs(self.model, part, self.cfg.temperature, with_entropy=True)
@@ -338,11 +334,6 @@ class Trainer:
                     with self.model.disable_adapter():
                         ref.append(sampled_logprobs(self.model, part, self.cfg.temperature)[0])
         return torch.cat(old), (torch.cat(ref) if with_ref else None), torch.cat(ent)
-
-    @contextlib.contextmanager
-    def _autocast(self) -> Iterator[None]:
-        # weights and activations already live in the run's precision; nothing to autocast
-        yield
 
     def _update(self, batch: RolloutBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
                 adv: torch.Tensor, isw: torch.Tensor | None) -> dict[str, float]:
@@ -414,9 +405,10 @@ class Trainer:
 
     def append_metrics(self, metrics: dict[str, Any]) -> None:
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        from qerl_cli.manifest import jsonable
+
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(clean) + "\n")
+            f.write(json.dumps(jsonable(metrics)) + "\n")
             f.flush()
 
     def save(self) -> Path:
@@ -437,12 +429,18 @@ class NonFiniteLoss(QerlError):
     """NaN/inf in the loss or gradients; the last good checkpoint stays the one to resume."""
 
 
+def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, Any]:
+    return {"checkpoint": run.rel(ckpt), "metrics": run.rel(trainer.metrics_path),
+            "adapter_sha256": sha256_file(ckpt / "adapter" / "adapter_model.safetensors"),
+            "steps_done": trainer.step}
+
+
 def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device: str | None = None,
           on_step: Callable[[dict[str, Any]], None] | None = None,
           on_setup: Callable[[Trainer], None] | None = None) -> TrainResult:
     """Run `cfg.steps` RL steps on the run's quantized model; resumable with `resume=True`."""
     run = RunDir(run_dir, create=False)
-    trainer = Trainer(run, cfg, device=device, on_step=on_step)
+    trainer = Trainer(run, cfg, device=device)
     model_rec = run.require("quantize")
     inputs = {"model": {"path": model_rec["outputs"]["model"]["path"],
                         "files": model_rec["outputs"]["model"].get("files", {}),
@@ -478,9 +476,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
                 done = trainer.step >= trainer.cfg.steps
                 if done or trainer.step % trainer.cfg.save_steps == 0 or stop.requested:
                     last_ckpt = trainer.save()
-                    rec.outputs = {"checkpoint": run.rel(last_ckpt), "metrics": run.rel(trainer.metrics_path),
-                                   "adapter_sha256": sha256_file(last_ckpt / "adapter" / "adapter_model.safetensors"),
-                                   "steps_done": trainer.step}
+                    rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
                     run.save(rec)
                 if stop.requested and not done:
                     stopped = True
@@ -488,9 +484,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
         if last_ckpt is None and trainer.step > 0:  # resumed a run that had already finished its steps
             last_ckpt = resolve_checkpoint(run, "latest")
             assert last_ckpt is not None
-            rec.outputs = {"checkpoint": run.rel(last_ckpt), "metrics": run.rel(trainer.metrics_path),
-                           "adapter_sha256": sha256_file(last_ckpt / "adapter" / "adapter_model.safetensors"),
-                           "steps_done": trainer.step}
+            rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
         rec.metrics = {"steps_done": trainer.step, "resumed_from": start,
                        **({k: history[-1][k] for k in ("reward", "accuracy", "completions/mean_length")
                            if k in history[-1]} if history else {})}
