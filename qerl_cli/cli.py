@@ -249,6 +249,9 @@ def bench_mismatch(
     temperature: float = 1.0,
     seed: int = 0,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench or ./bench-mismatch).")] = None,
+    shape: Annotated[str | None, Opt(help="Random model of this shape, e.g. qwen2.5-7b.")] = None,
+    device: Annotated[str, Opt(help="cpu | cuda")] = "cpu",
+    prompt_len: Annotated[int, Opt(help="Random prompt length with --shape.")] = 64,
 ) -> None:
     """Training-inference mismatch (k1, k3, max |dp|, sequence log-ratio) per precision x format, with plots."""
     from qerl_cli.bench.mismatch import bench_mismatch as run_bench
@@ -256,7 +259,8 @@ def bench_mismatch(
 
     res = run_bench(run_dir=run, precisions=tuple(precisions.split(",")), formats=tuple(formats.split(",")),
                     task=task, prompts=prompts, samples=samples, max_tokens=max_tokens, temperature=temperature,
-                    seed=seed, out_dir=out, log=lambda msg: err_console.print(msg, highlight=False))
+                    seed=seed, out_dir=out, shape=shape, device=device, prompt_len=prompt_len,
+                    log=lambda msg: err_console.print(msg, highlight=False))
     console.print(render_table(res))
     for line in short_summary(res):
         console.print(line, highlight=False)

@@ -105,3 +105,19 @@ def test_abs_slope_and_ratios_by_hand():
             {"format": "fp8", "precision": "bf16", "status": "ok", "k3": 1e-3}]
     (r,) = _ratios(rows, ["int8", "fp8"])  # fp8 has no fp16 cell: no ratio
     assert r["format"] == "int8" and r["bf16_over_fp16"] == pytest.approx(20.0) and r["met"]
+
+
+def test_shape_model_fixed_length(tmp_path):
+    """--shape: a random model, random prompts, EOS ignored so every completion has max_tokens tokens."""
+    res = bench_mismatch(shape="tiny", precisions=("bf16", "fp32"), formats=("bf16", "nvfp4"), prompts=3, samples=2,
+                         max_tokens=8, prompt_len=5, out_dir=tmp_path, log=lambda _: None)
+    assert res["model"] == "random tiny" and res["config"]["fixed_length"]
+    for row in res["results"]:
+        assert row["status"] == "ok"
+        assert row["tokens"] == 3 * 2 * 8 and row["mean_length"] == 8
+        assert all(n == 8 for n, _ in row["seq_points"])
+    fp32 = {r["format"]: r["k3"] for r in res["results"] if r["precision"] == "fp32"}
+    bf16 = {r["format"]: r["k3"] for r in res["results"] if r["precision"] == "bf16"}
+    assert all(fp32[f] < bf16[f] for f in fp32)  # fp32 engines agree better than bf16 ones
+    with pytest.raises(QerlError, match="exclusive"):
+        bench_mismatch(shape="tiny", run_dir=tmp_path, out_dir=tmp_path, log=lambda _: None)

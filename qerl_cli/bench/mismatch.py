@@ -110,7 +110,7 @@ def _cast_copy(base: nn.Module, fmt: str, dtype: torch.dtype,
             qw = qws[name]
             n, k = qw.shape
             ql = QuantLinear(k, n, fmt, dict(qw.tensors), dtype, qw.group_size, lin.bias, DEFAULT_ACT_QUANT.get(fmt))
-            ql.cache_dequantized = True  # no kernels off CUDA: dequantize each frozen weight once
+            ql.cache_dequantized = lin.weight.device.type == "cpu"  # no kernels off CUDA: dequantize once
             _set_module(model, name, ql)
     model.eval()
     return model
@@ -129,7 +129,8 @@ def _abs_slope(lengths: torch.Tensor, seq: torch.Tensor) -> float:
 
 
 def _run_cell(model: nn.Module, tok: Any, prompt_ids: list[list[int]], stop: list[str], *, dtype: torch.dtype,
-              samples: int, max_tokens: int, temperature: float, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+              samples: int, max_tokens: int, temperature: float, seed: int,
+              ignore_eos: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """Sample (mu), recompute (pi), measure. Returns (JSON row, plot data)."""
     from qerl_cli.rollout import BuiltinEngine, SamplingParams
     from qerl_cli.train.batch import build_batch, sampled_logprobs
@@ -140,19 +141,25 @@ def _run_cell(model: nn.Module, tok: Any, prompt_ids: list[list[int]], stop: lis
                            max_model_len=max(len(p) for p in prompt_ids) + max_tokens, dtype=dtype)
     try:
         out = engine.generate(prompt_ids, SamplingParams(n=samples, temperature=temperature, top_p=1.0, top_k=-1,
-                                                         max_tokens=max_tokens, stop=stop, seed=seed))
+                                                         max_tokens=max_tokens, stop=stop, seed=seed,
+                                                         stop_token_ids=[] if ignore_eos else None))
     finally:
         engine.release()
     t_sample = time.perf_counter() - t0
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    pad = 0 if tok is None else (tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0))
+    device = next(model.parameters()).device
     batch = build_batch([s.prompt_token_ids for s in out.samples], [s.token_ids for s in out.samples],
-                        [s.logprobs for s in out.samples], [s.finish_reason == "length" for s in out.samples], pad)
+                        [s.logprobs for s in out.samples], [s.finish_reason == "length" for s in out.samples],
+                        pad).to(device)
     t1 = time.perf_counter()
     with torch.no_grad():
         pi = torch.cat([sampled_logprobs(model, batch.rows(slice(i, i + _LOGP_ROWS)), temperature)[0]
                         for i in range(0, batch.mask.shape[0], _LOGP_ROWS)])
     t_score = time.perf_counter() - t1
-    mu, mask = batch.rollout_logp, batch.mask
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        t_score = time.perf_counter() - t1
+    pi, mu, mask = pi.cpu(), batch.rollout_logp.cpu(), batch.mask.cpu()
     m = mismatch_metrics(pi, mu, mask)
     valid = mask > 0
     seq = ((pi.double() - mu.double()) * mask).sum(-1)
@@ -210,9 +217,19 @@ def bench_mismatch(
     temperature: float = 1.0,
     seed: int = 0,
     out_dir: Path | None = None,
+    shape: str | None = None,
+    device: str = "cpu",
+    prompt_len: int = 64,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measure pi-vs-mu mismatch for every (format, precision); write JSON + 2 PNGs; return the result.
+
+    ``shape`` (e.g. ``qwen2.5-7b``) measures a randomly initialised model of that architecture instead
+    (fp32 draws, quantized per format from them), on random ``prompt_len``-token prompts with generation
+    forced to ``max_tokens`` (EOS ignored): the paper's model sizes without a download. Random weights
+    give a flat next-token distribution, so absolute k3 values are not comparable with a trained model's;
+    the BF16/FP16 ratio is what such a run checks. ``device`` runs both engines there (``cuda``: the
+    rollout engine's CUDA graphs and Triton kernels against the training forward).
 
     Output directory: ``out_dir``, else ``run_dir/bench``, else ``./bench-mismatch``. With ``run_dir``
     the run's quantized model and its single format are used, and the bench is recorded in the
@@ -224,6 +241,10 @@ def bench_mismatch(
     from qerl_cli.tasks import load_task
 
     precs, fmts = _check_args(precisions, formats, task, prompts, samples, max_tokens, temperature)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise QerlError("--device cuda asked for but no CUDA GPU is visible; use --device cpu")
+    if shape is not None and run_dir is not None:
+        raise QerlError("--shape and --run are exclusive: a shape is a random model, --run measures the run's model")
     run = model_dir = None
     if run_dir is not None:
         import json
@@ -244,23 +265,37 @@ def bench_mismatch(
 
     t_start = time.perf_counter()
     torch.manual_seed(seed)
-    log(f"loading {'the embedded model' if model_dir is None else model_dir} ...")
-    base, tok = load_model(None if model_dir is None else str(model_dir), dtype=torch.float32, device="cpu")
-    task_obj = load_task(task, split="test", limit=prompts, seed=seed)
-    texts = task_obj.prompts[:prompts]
-    if not texts:
-        raise QerlError(f"task {task!r} has no test prompts")
-    prompt_ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
-    stop = list(task_obj.stop)
+    if shape is not None:
+        from qerl_cli.bench.shapes import build_random_model, get_shape
+
+        spec = get_shape(shape)
+        log(f"building a random {shape} (fp32) on {device} ...")
+        base, tok = build_random_model(spec, "bf16", device, dtype=torch.float32, seed=seed), None
+        gen = torch.Generator().manual_seed(seed)
+        prompt_ids = torch.randint(0, spec.vocab, (prompts, prompt_len), generator=gen).tolist()
+        stop: list[str] = []
+        model_name, task_name = f"random {shape}", f"random tokens ({prompt_len})"
+    else:
+        log(f"loading {'the embedded model' if model_dir is None else model_dir} ...")
+        base, tok = load_model(None if model_dir is None else str(model_dir), dtype=torch.float32, device=device)
+        task_obj = load_task(task, split="test", limit=prompts, seed=seed)
+        texts = task_obj.prompts[:prompts]
+        if not texts:
+            raise QerlError(f"task {task!r} has no test prompts")
+        prompt_ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
+        stop = list(task_obj.stop)
+        model_name = "embedded SmolLM2-135M" if model_dir is None else str(model_dir)
+        task_name = task
 
     res: dict[str, Any] = {
         "schema": SCHEMA,
         "kind": "bench/mismatch",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": "embedded SmolLM2-135M" if model_dir is None else str(model_dir),
-        "config": {"precisions": precs, "formats": fmts, "task": task, "prompts": len(texts), "samples": samples,
-                   "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "engine": "builtin",
-                   "stop": stop, "sampling": f"temperature {temperature}, top_p 1, top_k off"},
+        "model": model_name,
+        "config": {"precisions": precs, "formats": fmts, "task": task_name, "prompts": len(prompt_ids),
+                   "samples": samples, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+                   "engine": "builtin", "stop": stop, "sampling": f"temperature {temperature}, top_p 1, top_k off",
+                   "device": device, "shape": shape, "fixed_length": shape is not None},
         "env": environment(),
         "results": [],
     }
@@ -275,9 +310,10 @@ def bench_mismatch(
                 if model_dir is None:
                     model = _cast_copy(base, fmt, dtype, qcache)
                 else:
-                    model, _ = load_model(str(model_dir), dtype=dtype, device="cpu")
+                    model, _ = load_model(str(model_dir), dtype=dtype, device=device)
                 row, pts = _run_cell(model, tok, prompt_ids, stop, dtype=dtype, samples=samples,
-                                     max_tokens=max_tokens, temperature=temperature, seed=seed)
+                                     max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                     ignore_eos=shape is not None)
                 row = {"format": fmt, "precision": prec, "status": "ok", **row}
                 scatter[(fmt, prec)] = pts
             except QerlError:
@@ -286,6 +322,8 @@ def bench_mismatch(
                 row = {"format": fmt, "precision": prec, "status": f"error: {str(exc).splitlines()[0][:160]}"}
             finally:
                 del model
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
             row["wall_s"] = time.perf_counter() - t0
             res["results"].append(row)
             if row["status"] == "ok":
