@@ -120,6 +120,9 @@ def train(
     micro_batch_size: int | None = None,
     save_steps: int | None = None,
     seed: int | None = None,
+    finetune: Annotated[str | None, Opt(help="lora | full (all weights but embeddings; needs a bf16 run dir)")] = None,
+    rollout_quant: Annotated[str | None, Opt(help="FlashRL rollouts: none|int8|fp8|nvfp4|mxfp4 (bf16 run dir)")] = None,
+    requant_scales: Annotated[str | None, Opt(help="fixed (int8 default) | dynamic")] = None,
 ) -> None:
     """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN, TIS/MIS)."""
     import yaml
@@ -135,7 +138,7 @@ def train(
         epsilon=epsilon, epsilon_high=epsilon_high, scale_rewards=scale_rewards, precision=precision,
         correction=correction, correction_cap=correction_cap, rollout_engine=rollout_engine,
         gpu_memory_utilization=gpu_memory_utilization, micro_batch_size=micro_batch_size, save_steps=save_steps,
-        seed=seed,
+        seed=seed, finetune=finetune, rollout_quant=rollout_quant, requant_scales=requant_scales,
     )
     if config is None and not _has_cuda():
         config = "quick_cpu"  # the CPU-sized preset when nothing else is asked for

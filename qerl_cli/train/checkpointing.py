@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run: RunDir, step: int, peft_model: Any, state: dict[str, Any], config: dict[str, Any],
-                    keep: int) -> Path:
+                    keep: int, *, write_weights: Callable[[Path], None] | None = None) -> Path:
+    """`write_weights(dir)` replaces the adapter save (--finetune full writes its trained weights)."""
     final = checkpoints_dir(run) / checkpoint_name(step)
     final.parent.mkdir(parents=True, exist_ok=True)
     with staged_directory(final) as tmp:
-        peft_model.save_pretrained(str(tmp / "adapter"))
+        if write_weights is not None:
+            write_weights(tmp)
+        else:
+            peft_model.save_pretrained(str(tmp / "adapter"))
         torch.save({**state, "rng": rng_state(), "step": step}, tmp / STATE_FILE)
         atomic_write_json(tmp / "config.json", config)
     write_latest(run, step)

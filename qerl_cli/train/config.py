@@ -15,6 +15,10 @@ ALGOS = ("grpo", "dapo", "dr_grpo", "gspo", "pg_seq_is", "pg_seq_tis")
 CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mis")
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCALE_REWARDS = ("group", "batch", "none")
+FINETUNES = ("lora", "full")
+ROLLOUT_QUANTS = ("none", "int8", "fp8", "nvfp4", "mxfp4")
+REQUANT_SCALES = ("fixed", "dynamic")
+FLASHRL_IS_CAP = 2.0  # FlashRL's token-TIS cap C
 
 
 @dataclass
@@ -50,7 +54,7 @@ class TrainConfig:
     dynamic_sampling: bool | None = None  # default: on for dapo
     max_refill_rounds: int = 3
     precision: str = "bf16"
-    correction: str = "none"
+    correction: str | None = None  # default: none, or token_tis (C = 2) with --rollout-quant (FlashRL)
     correction_cap: float | None = None
     aqn: bool = False
     aqn_sigma_start: float = 1e-2
@@ -68,6 +72,9 @@ class TrainConfig:
     chat_template: bool = False
     task_level: str | None = None  # arith difficulty knob
     log_rollouts: bool = True
+    finetune: str = "lora"  # lora | full (all weights but embeddings/lm_head; see docs/flashrl.md)
+    rollout_quant: str = "none"  # FlashRL: rollouts on a quantized copy re-quantized after every update
+    requant_scales: str | None = None  # default: fixed for int8 (calibrated once), dynamic otherwise
 
     def resolved(self) -> TrainConfig:
         """Fill per-algorithm defaults so the manifest records what actually ran."""
@@ -82,6 +89,13 @@ class TrainConfig:
             c.dynamic_sampling = c.algo == "dapo"
         if c.overlong_buffer is None:
             c.overlong_buffer = c.max_completion_length // 4 if c.algo == "dapo" else 0
+        if c.rollout_quant != "none" and c.requant_scales is None:
+            c.requant_scales = "fixed" if c.rollout_quant == "int8" else "dynamic"
+        if c.correction is None:
+            # FlashRL corrects its quantized rollouts with token TIS, C = 2, unless told otherwise
+            c.correction = "token_tis" if c.rollout_quant != "none" else "none"
+            if c.correction == "token_tis" and c.correction_cap is None:
+                c.correction_cap = FLASHRL_IS_CAP
         if c.correction_cap is None and c.correction != "none":
             from qerl_cli.train.corrections import DEFAULT_IS_CAP
 
@@ -98,7 +112,22 @@ class TrainConfig:
                 raise QerlError(f"--{name.replace('_', '-')} must be one of {', '.join(options)}, not {value!r}")
 
         choice("algo", self.algo, ALGOS)
-        choice("correction", self.correction, CORRECTIONS)
+        if self.correction is not None:
+            choice("correction", self.correction, CORRECTIONS)
+        choice("finetune", self.finetune, FINETUNES)
+        choice("rollout_quant", self.rollout_quant, ROLLOUT_QUANTS)
+        if self.requant_scales is not None:
+            choice("requant_scales", self.requant_scales, REQUANT_SCALES)
+            if self.rollout_quant == "none":
+                raise QerlError("--requant-scales only applies with --rollout-quant int8|fp8|nvfp4|mxfp4")
+            if self.requant_scales == "fixed" and self.rollout_quant != "int8":
+                raise QerlError(f"--requant-scales fixed is for --rollout-quant int8 only ({self.rollout_quant} "
+                                "scales are recomputed at every update): use --requant-scales dynamic")
+        if self.finetune == "full" and self.beta > 0:
+            raise QerlError("--beta > 0 needs a frozen reference model, which --finetune full does not keep: "
+                            "use --beta 0 or --finetune lora")
+        if self.rollout_quant != "none" and self.rollout_engine != "builtin":
+            raise QerlError("--rollout-quant needs the builtin rollout engine (--rollout-engine builtin)")
         choice("precision", self.precision, PRECISIONS)
         choice("rollout_engine", self.rollout_engine, ("builtin", "vllm"))
         if self.scale_rewards is not None:

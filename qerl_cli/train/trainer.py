@@ -122,11 +122,28 @@ class Trainer:
         if c.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
-        self.model = attach_lora(base, make_lora_config(c.lora_rank, c.lora_alpha, c.lora_targets, c.lora_dropout),
-                                 seed=c.seed)
-        self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
-        if not self.params or any("lora_" not in n for n, p in self.model.named_parameters() if p.requires_grad):
-            raise QerlError("only LoRA adapters may be trainable; check --lora-targets")
+        self.full = self.rollout_quant = None  # FlashRL modes (qerl_cli/train/full_finetune.py, rollout_quant.py)
+        if c.finetune == "full" or c.rollout_quant != "none":
+            from qerl_cli.train.rollout_quant import check_full_precision_base
+
+            check_full_precision_base(base, "--finetune full" if c.finetune == "full" else "--rollout-quant")
+        if c.finetune == "full":
+            from qerl_cli.train.full_finetune import FullFinetune
+
+            self.model = base
+            self.full = FullFinetune(base)
+            self.params = self.full.params
+        else:
+            self.model = attach_lora(base, make_lora_config(c.lora_rank, c.lora_alpha, c.lora_targets,
+                                                            c.lora_dropout), seed=c.seed)
+            self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
+            if not self.params or any("lora_" not in n for n, p in self.model.named_parameters() if p.requires_grad):
+                raise QerlError("only LoRA adapters may be trainable; check --lora-targets")
+        if c.rollout_quant != "none":
+            from qerl_cli.train.rollout_quant import RolloutQuant
+
+            self.rollout_quant = RolloutQuant(self.model, c.rollout_quant, scales=c.requant_scales or "dynamic",
+                                              dtype=self.dtype)
         level = c.task_level
         self.task = load_task(c.task, split="train", shots=c.shots, chat_template=c.chat_template,
                               tokenizer=self.tokenizer, seed=c.seed, level=level)
@@ -137,7 +154,8 @@ class Trainer:
         self.prompt_ids = [self._encode(e.prompt) for e in self.task.examples]
         self.stream = PromptStream(len(self.task.examples), c.seed)
         max_len = max(len(p) for p in self.prompt_ids) + c.max_completion_length + 1
-        self.engine = make_engine(c.rollout_engine, self.model, self.tokenizer,
+        rollout_model = self.model if self.rollout_quant is None else self.rollout_quant.model
+        self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer,
                                   max_batch_slots=min(c.max_batch_slots, c.batch_prompts * c.num_generations),
                                   max_model_len=max_len, gpu_memory_utilization=c.gpu_memory_utilization,
                                   dtype=self.dtype)
@@ -170,11 +188,18 @@ class Trainer:
         assert ckpt is not None
         state = load_checkpoint(ckpt)
         saved = state.get("config", {})
-        for key in ("algo", "lora_rank", "lora_targets", "precision", "seed", "task", "aqn"):
+        for key in ("algo", "lora_rank", "lora_targets", "precision", "seed", "task", "aqn", "finetune",
+                    "rollout_quant", "requant_scales"):
             if key in saved and saved[key] != getattr(self.cfg, key):
                 raise QerlError(f"--resume with a different {key} ({getattr(self.cfg, key)!r}, checkpoint has "
                                 f"{saved[key]!r}): use the original settings or a new --run directory")
-        load_adapter_weights(self.model, ckpt / "adapter")
+        if self.full is not None:
+            self.full.load(ckpt)
+        else:
+            load_adapter_weights(self.model, ckpt / "adapter")
+        if self.rollout_quant is not None:  # the rollout copy follows the restored weights (and INT8 scales)
+            self.rollout_quant.load_state_dict(state.get("rollout_quant"))
+            self.rollout_quant.requantize_()
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -307,6 +332,10 @@ class Trainer:
         t2 = time.perf_counter()
         loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw)
         metrics.update(loss_metrics)
+        if self.full is not None:
+            self.full.sync_()
+        if self.rollout_quant is not None:
+            metrics.update(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
         t_train = time.perf_counter() - t2
 
         self.step += 1
@@ -421,8 +450,10 @@ class Trainer:
             "data": self.stream.state(),
             "aqn": self.aqn.state_dict() if self.aqn is not None else None,
             "config": self.cfg.to_dict(),
+            "rollout_quant": self.rollout_quant.state_dict() if self.rollout_quant is not None else None,
         }
-        return save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(), self.cfg.keep_checkpoints)
+        return save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(), self.cfg.keep_checkpoints,
+                               write_weights=self.full.save if self.full is not None else None)
 
 
 class NonFiniteLoss(QerlError):
@@ -430,8 +461,10 @@ class NonFiniteLoss(QerlError):
 
 
 def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, Any]:
-    return {"checkpoint": run.rel(ckpt), "metrics": run.rel(trainer.metrics_path),
-            "adapter_sha256": sha256_file(ckpt / "adapter" / "adapter_model.safetensors"),
+    adapter = ckpt / "adapter" / "adapter_model.safetensors"
+    weights = {"adapter_sha256": sha256_file(adapter)} if adapter.is_file() else \
+        {"weights_sha256": sha256_file(ckpt / "weights.safetensors")}  # --finetune full
+    return {"checkpoint": run.rel(ckpt), "metrics": run.rel(trainer.metrics_path), **weights,
             "steps_done": trainer.step}
 
 
