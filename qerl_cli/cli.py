@@ -310,6 +310,10 @@ def report(
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--":
+        # `torchrun ... -m qerl_cli -- train --run DIR`: the `--` keeps torchrun from reading --run as its
+        # --run-path; some Python versions pass it on to the script
+        del sys.argv[1]
     try:
         rc = app(standalone_mode=False)
         # typer turns KeyboardInterrupt into exit code 130 and, outside standalone mode, returns it

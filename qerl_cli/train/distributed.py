@@ -362,7 +362,7 @@ def launch(nproc: int, argv: list[str], *, debug: bool = False) -> int:
     env = {**os.environ, **SAFE_NCCL_ENV}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "qerl_cli", *argv]
+           "-m", "qerl_cli", "--", *argv]  # `--`: else torchrun reads qerl's --run as its --run-path
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
     assert proc.stderr is not None
     saw_error = hiding = False
@@ -381,3 +381,18 @@ def launch(nproc: int, argv: list[str], *, debug: bool = False) -> int:
         sys.stderr.write(f"error: a training process failed (torchrun exit code {rc}); rerun with --debug for "
                          "torchrun's report\n")
     return 2 if saw_error else 1
+
+
+def replica_digests(params: list[torch.nn.Parameter], ctx: DistContext, step: int) -> list[str]:
+    """sha256 of every rank's trainable parameters; raises on every rank if the replicas diverged (they must
+    stay bitwise identical: same init, same summed gradients, same optimizer arithmetic)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().float().contiguous().cpu().numpy().tobytes())
+    digests = ctx.gather_objects(h.hexdigest())
+    if len(set(digests)) > 1:
+        raise QerlError(f"LoRA adapters diverged across ranks at step {step} ({len(set(digests))} different "
+                        "replicas): report this; the last consistent checkpoint is the one before")
+    return digests

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -532,6 +533,12 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
                 stop_now = ctx.any_true(stop.requested)  # every rank stops at the same step
                 if done or trainer.step % trainer.cfg.save_steps == 0 or stop_now:
                     last_ckpt = trainer.save()
+                    if ctx.enabled:
+                        from qerl_cli.train.distributed import replica_digests
+
+                        rec.extra["dist"] = {"world_size": ctx.world_size, "backend": ctx.backend,
+                                             "adapter_digests": replica_digests(trainer.params, ctx, trainer.step),
+                                             "pids": ctx.gather_objects(os.getpid())}
                     if ctx.is_main:
                         rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
                         run.save(rec)
