@@ -118,16 +118,15 @@ class DistContext:
             err = exc
         errors = self.gather_objects(None if err is None else f"{err.__class__.__name__}: {err}"
                                      if not isinstance(err, QerlError) else str(err))
-        if err is not None:
-            if self.is_main or isinstance(err, QerlError):
-                raise err
-            raise DistributedAbort(str(err)) from err
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            r, msg = failed[0]
-            if self.is_main:
-                raise QerlError(f"{what} failed on rank {r}: {msg}")
-            raise DistributedAbort(f"{what} failed on rank {r}")
+        if not failed:
+            return
+        if not self.is_main:  # rank 0 says why; the others leave quietly
+            raise DistributedAbort(f"{what} failed on rank {failed[0][0]}") from err
+        if err is not None:
+            raise err
+        r, msg = failed[0]
+        raise QerlError(f"{what} failed on rank {r}: {msg}")
 
 
 _CTX = DistContext()
