@@ -216,7 +216,8 @@ def test_setup_error_on_a_rank_stops_all_with_one_line(run_dir: Path) -> None:
     assert res.returncode != 0
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "nonexistent" in errors[0], res.stderr[-2000:]
-    assert "Traceback" not in res.stderr.split("torch.distributed")[0]  # ranks print no traceback
+    # the ranks print no traceback (torchrun itself reports the failed children; `qerl train --gpus` hides that)
+    assert not [line for line in res.stderr.splitlines() if line.lstrip().startswith("File") and "qerl_cli" in line]
 
 
 def test_gpus_option_refuses_on_cpu(run_dir: Path) -> None:
