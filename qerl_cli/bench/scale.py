@@ -143,7 +143,9 @@ def main() -> None:
     ap.add_argument("--format", default="nvfp4")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--batch-prompts", type=int, default=8)
+    ap.add_argument("--batch-prompts", type=int, default=8, help="Global prompts per step.")
+    ap.add_argument("--batch-prompts-per-rank", type=int, default=None,
+                    help="Prompts per rank (global = this x world size: weak scaling); overrides --batch-prompts.")
     ap.add_argument("--num-generations", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -152,6 +154,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    import os
+
+    if a.batch_prompts_per_rank:
+        a.batch_prompts = a.batch_prompts_per_rank * int(os.environ.get("WORLD_SIZE", "1"))
     res = run(a.shape, a.format, a.steps, a.warmup, a.batch_prompts, a.num_generations, a.prompt_len, a.new_tokens,
               a.lora_rank, a.micro_batch_size, a.seed, a.out)
     if res["world_size"] == 1 or __import__("qerl_cli.train.distributed", fromlist=["x"]).current().is_main:
