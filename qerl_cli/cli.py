@@ -123,11 +123,22 @@ def train(
     finetune: Annotated[str | None, Opt(help="lora | full (all weights but embeddings; needs a bf16 run dir)")] = None,
     rollout_quant: Annotated[str | None, Opt(help="FlashRL rollouts: none|int8|fp8|nvfp4|mxfp4 (bf16 run dir)")] = None,
     requant_scales: Annotated[str | None, Opt(help="fixed (int8 default) | dynamic")] = None,
+    gpus: Annotated[int | None, Opt("--gpus", help="Data-parallel on N GPUs: launches torchrun, one process per "
+                                    "GPU (NCCL). On CPU use `torchrun --nproc-per-node N -m qerl_cli train` (gloo).")
+                    ] = None,
 ) -> None:
     """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN, TIS/MIS)."""
     import yaml
 
+    from qerl_cli.train import distributed
     from qerl_cli.train.config import build_config
+
+    in_torchrun = "LOCAL_RANK" in os.environ
+    if gpus is not None and not in_torchrun and not dry_run:
+        if _launch_gpus(gpus):
+            return
+    if gpus is not None and in_torchrun and gpus != int(os.environ.get("WORLD_SIZE", "1")):
+        raise QerlError(f"--gpus {gpus} under torchrun with {os.environ['WORLD_SIZE']} processes: drop --gpus")
 
     overrides = dict(
         algo=algo, aqn=aqn, aqn_sigma_start=aqn_sigma_start, aqn_sigma_end=aqn_sigma_end, aqn_stages=aqn_stages,
@@ -149,9 +160,34 @@ def train(
     from qerl_cli.train.console import TrainConsole
     from qerl_cli.train.trainer import train as run_train
 
-    with TrainConsole(console, cfg.resolved()) as ui:
-        res = run_train(run, cfg, resume=resume, on_step=ui.update)
-    ui.summary(res)
+    ctx = distributed.init_from_env()
+    if not ctx.is_main:  # only rank 0 prints the console panel
+        run_train(run, cfg, resume=resume)
+    else:
+        with TrainConsole(console, cfg.resolved()) as ui:
+            res = run_train(run, cfg, resume=resume, on_step=ui.update)
+        ui.summary(res)
+    distributed.shutdown()  # on success only: after a failure the process exits without more collectives
+
+
+def _launch_gpus(n: int) -> bool:
+    """`qerl train --gpus N`: rerun this command under torchrun with N processes (minus --gpus).
+
+    False for N = 1: one GPU needs no launcher, the command runs in this process."""
+    import torch
+
+    from qerl_cli.train.distributed import launch, strip_option
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 1 or n > have:
+        raise QerlError(f"--gpus {n} needs {n} CUDA GPUs but {have} are visible; on CPU run "
+                        "`torchrun --nproc-per-node N -m qerl_cli train ...` (gloo) instead")
+    if n == 1:
+        return False
+    rc = launch(n, strip_option(sys.argv[1:], "--gpus"), debug=_state["debug"])
+    if rc:
+        sys.exit(rc)
+    return True
 
 
 def _has_cuda() -> bool:
@@ -281,6 +317,10 @@ def report(
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--":
+        # `torchrun ... -m qerl_cli -- train --run DIR`: the `--` keeps torchrun from reading --run as its
+        # --run-path; some Python versions pass it on to the script
+        del sys.argv[1]
     try:
         rc = app(standalone_mode=False)
         # typer turns KeyboardInterrupt into exit code 130 and, outside standalone mode, returns it
@@ -291,6 +331,8 @@ def main() -> None:
     except QerlError as exc:
         if _state["debug"]:
             raise
+        if getattr(exc, "quiet", False):  # another rank failed and rank 0 said why
+            sys.exit(exc.exit_code)
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:

@@ -20,7 +20,8 @@ CUDA graph). A token is drawn with the exponential race (equivalent to Gumbel-ma
 ``argmax_v  logp_v - log(E_v)`` with ``E_v = -log(1 - u_v) ~ Exp(1)``, which picks ``v`` with
 probability ``p_v``. Because the noise of a row depends only on its own key and never on its batch
 row, slot or neighbours, a sequence samples the same tokens whether it runs alone or among others
-(given the same logits). ``uid = prompt_index * n + sample_index`` within one ``generate`` call.
+(given the same logits). ``uid = (prompt_offset + prompt_index) * n + sample_index`` within one ``generate``
+call (``prompt_offset`` 0 unless a caller splits one batch over several calls).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class SamplingParams:
     is kept as the last generated token (a policy must learn to emit it). ``stop`` strings end a
     sample at the first token whose decoded completion contains one of them (that token is kept).
     ``seed=None`` draws a fresh seed; the one used is reported in ``RolloutResult.stats["seed"]``.
+    ``prompt_offset`` shifts the prompt index in each sequence's noise key (``uid``): a call on prompts
+    ``p..q`` of a larger batch with ``prompt_offset=p`` samples what one call on the whole batch would
+    (data-parallel rollout splits a batch across ranks this way).
     """
 
     n: int = 1
@@ -53,6 +57,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    prompt_offset: int = 0
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -61,6 +66,8 @@ class SamplingParams:
             raise QerlError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise QerlError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.prompt_offset < 0:
+            raise QerlError(f"SamplingParams.prompt_offset must be >= 0, got {self.prompt_offset}")
         if self.max_tokens < 1:
             raise QerlError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
         if isinstance(self.stop, str):

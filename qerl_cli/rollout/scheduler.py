@@ -136,7 +136,7 @@ class Scheduler:
         return Sequence(
             prompt_index=prompt_index,
             sample_index=sample_index,
-            uid=prompt_index * self.params.n + sample_index,
+            uid=(self.params.prompt_offset + prompt_index) * self.params.n + sample_index,
             prompt=self.prompts[prompt_index],
             max_new=self.max_new[prompt_index],
         )

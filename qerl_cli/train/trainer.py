@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -107,6 +108,9 @@ class Trainer:
         self.model_dir = quantized_model_dir(run)
         self.metrics_path = train_dir(run) / "metrics.jsonl"
         self.rollouts_dir = train_dir(run) / "rollouts"
+        from qerl_cli.train.distributed import current
+
+        self.dist = current()  # world_size 1 unless launched by torchrun (train/distributed.py)
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -127,6 +131,9 @@ class Trainer:
             from qerl_cli.train.rollout_quant import check_full_precision_base
 
             check_full_precision_base(base, "--finetune full" if c.finetune == "full" else "--rollout-quant")
+        if c.finetune == "full" and self.dist.world_size > 1:
+            raise QerlError("--finetune full runs on one process only (data-parallel training averages LoRA "
+                            "adapters); use --finetune lora with torchrun/--gpus, or one GPU")
         if c.finetune == "full":
             from qerl_cli.train.full_finetune import FullFinetune
 
@@ -213,7 +220,7 @@ class Trainer:
 
     def _truncate_metrics(self, step: int) -> None:
         """Drop metric lines of steps after the checkpoint (they will be recomputed identically)."""
-        if not self.metrics_path.is_file():
+        if not self.dist.is_main or not self.metrics_path.is_file():
             return
         keep = [line for line in self.metrics_path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= step]
@@ -222,13 +229,15 @@ class Trainer:
         atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))
 
     # ---- one step --------------------------------------------------------------------------------
-    def _generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None):
+    def _generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None,
+                  prompt_offset: int = 0):
         from qerl_cli.rollout import SamplingParams
 
         c = self.cfg
+        # prompt_offset: these prompts start at that position of the round (noise keyed by global position)
         sp = SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p, top_k=-1,
                             max_tokens=c.max_completion_length, stop=list(self.task.stop),
-                            seed=rollout_seed(c.seed, self.step, round_))
+                            seed=rollout_seed(c.seed, self.step, round_), prompt_offset=prompt_offset)
         res = self.engine.generate([self.prompt_ids[i] for i in indices], sp, norm_overrides=norm_overrides)
         return res
 
@@ -272,13 +281,21 @@ class Trainer:
         sampler = DynamicSampler(c.batch_prompts, g, max_refill_rounds=c.max_refill_rounds) if c.dynamic_sampling \
             else None
         round_ = 0
+        busy = [0.0] * self.dist.world_size
         while True:
             need = c.batch_prompts if sampler is None else sampler.needed
             indices = self.stream.take(need)
-            res = self._generate(indices, round_, overrides)
+            if self.dist.enabled:  # every rank generates a share, all get the whole round in prompt order
+                from qerl_cli.train.distributed import rollout_round
+
+                res = rollout_round(self, indices, round_, overrides)
+                raw, shaped = res.raw, res.shaped
+                busy = [a + b for a, b in zip(busy, res.busy_s, strict=True)]
+            else:
+                res = self._generate(indices, round_, overrides)
+                raw, shaped = self._score(indices, res.samples)
             for k in rollout_timing:
                 rollout_timing[k] += float(res.timings.get(k, 0.0))
-            raw, shaped = self._score(indices, res.samples)
             new_groups = [(indices[p], res.samples[p * g:(p + 1) * g], raw[p * g:(p + 1) * g],
                            shaped[p * g:(p + 1) * g]) for p in range(len(indices))]
             if sampler is None:
@@ -293,6 +310,10 @@ class Trainer:
         if on_cuda:
             self.engine.release()
         t_rollout = time.perf_counter() - t0
+        if self.dist.enabled:
+            from qerl_cli.train.distributed import rollout_metrics
+
+            metrics.update(rollout_metrics(self.dist.world_size, busy))
         if not groups:
             raise QerlError("dynamic sampling kept no group (every group had equal rewards); raise "
                             "--max-refill-rounds or lower the task difficulty")
@@ -319,7 +340,12 @@ class Trainer:
         # -- recompute pi_old with the training forward (clean norms), mismatch vs the rollout's mu
         t1 = time.perf_counter()
         valid = (torch.arange(batch.mask.shape[1], device=self.device)[None, :] < batch.lengths[:, None]).float()
-        old_logp, ref_logp, entropies = self._forward_no_grad(batch, c.beta > 0)
+        if self.dist.enabled:
+            from qerl_cli.train.distributed import forward_no_grad_sharded
+
+            old_logp, ref_logp, entropies = forward_no_grad_sharded(self, batch, c.beta > 0)
+        else:
+            old_logp, ref_logp, entropies = self._forward_no_grad(batch, c.beta > 0)
         metrics.update(mismatch_metrics(old_logp, batch.rollout_logp, valid))
         isw = None
         if c.correction != "none":
@@ -330,7 +356,12 @@ class Trainer:
 
         # -- policy update
         t2 = time.perf_counter()
-        loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw)
+        rows = None
+        if self.dist.enabled:
+            from qerl_cli.train.distributed import shard_rows
+
+            rows = shard_rows(batch.input_ids.shape[0], self.dist.rank, self.dist.world_size)
+        loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw, rows=rows)
         metrics.update(loss_metrics)
         if self.full is not None:
             self.full.sync_()
@@ -365,11 +396,14 @@ class Trainer:
         return torch.cat(old), (torch.cat(ref) if with_ref else None), torch.cat(ent)
 
     def _update(self, batch: RolloutBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
-                adv: torch.Tensor, isw: torch.Tensor | None) -> dict[str, float]:
+                adv: torch.Tensor, isw: torch.Tensor | None, rows: slice | None = None) -> dict[str, float]:
+        """One optimizer step; ``rows``: this rank's shard of the batch (normalisers stay the whole batch's)."""
+        from qerl_cli.train.distributed import reduce_gradients, reduce_loss_metrics
         from qerl_cli.train.losses import policy_loss
 
         c = self.cfg
         bsz = batch.input_ids.shape[0]
+        lo, hi = (0, bsz) if rows is None else (rows.start, rows.stop)
         normalizer = {"dapo": batch.mask.sum().clamp(min=1).item(),
                       "dr_grpo": float(bsz * c.max_completion_length)}.get(c.algo, float(bsz))
         self.model.train()
@@ -377,8 +411,8 @@ class Trainer:
         agg: dict[str, float] = {}
         total_loss = 0.0
         mb = c.micro_batch_size
-        for i in range(0, bsz, mb):
-            sl = slice(i, i + mb)
+        for i in range(lo, hi, mb):
+            sl = slice(i, min(i + mb, hi))
             part = batch.rows(sl)
             logp, _ = sampled_logprobs(self.model, part, c.temperature)
             loss, m = policy_loss(
@@ -390,9 +424,11 @@ class Trainer:
                 raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}")
             self.scaler.scale(loss).backward()
             total_loss += loss.item()
-            w = (sl.stop if sl.stop < bsz else bsz) - i
+            w = sl.stop - i
             for k, v in m.items():
                 agg[k] = agg.get(k, 0.0) + v * w / bsz
+        reduce_gradients(self.params, self.dist)  # no-op on one process
+        total_loss, agg = reduce_loss_metrics(total_loss, agg, self.dist)
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))
@@ -411,7 +447,7 @@ class Trainer:
         return agg
 
     def _log_rollouts(self, groups: list[Any], adv: torch.Tensor, step: int) -> None:
-        if not self.cfg.log_rollouts:
+        if not self.cfg.log_rollouts or not self.dist.is_main:
             return
         self.rollouts_dir.mkdir(parents=True, exist_ok=True)
         lines = []
@@ -433,6 +469,8 @@ class Trainer:
         atomic_write_text(self.rollouts_dir / f"step_{step:05d}.jsonl", "\n".join(lines) + "\n")
 
     def append_metrics(self, metrics: dict[str, Any]) -> None:
+        if not self.dist.is_main:
+            return
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         from qerl_cli.manifest import jsonable
 
@@ -441,7 +479,12 @@ class Trainer:
             f.flush()
 
     def save(self) -> Path:
+        from qerl_cli.runlayout import checkpoint_name
         from qerl_cli.train.checkpointing import save_checkpoint
+
+        if not self.dist.is_main:  # rank 0 writes; wait until the checkpoint is complete
+            self.dist.barrier()
+            return checkpoints_dir(self.run) / checkpoint_name(self.step)
 
         state = {
             "optimizer": self.optimizer.state_dict(),
@@ -452,8 +495,10 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "rollout_quant": self.rollout_quant.state_dict() if self.rollout_quant is not None else None,
         }
-        return save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(), self.cfg.keep_checkpoints,
+        path = save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(), self.cfg.keep_checkpoints,
                                write_weights=self.full.save if self.full is not None else None)
+        self.dist.barrier()
+        return path
 
 
 class NonFiniteLoss(QerlError):
@@ -468,12 +513,22 @@ def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, 
             "steps_done": trainer.step}
 
 
+def trainer_device() -> str | None:
+    """The device of this rank under torchrun (cuda:LOCAL_RANK / cpu); None (the default) otherwise."""
+    from qerl_cli.train.distributed import current
+
+    return current().device
+
+
 def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device: str | None = None,
           on_step: Callable[[dict[str, Any]], None] | None = None,
           on_setup: Callable[[Trainer], None] | None = None) -> TrainResult:
     """Run `cfg.steps` RL steps on the run's quantized model; resumable with `resume=True`."""
+    from qerl_cli.train.distributed import follower_stage
+
     run = RunDir(run_dir, create=False)
-    trainer = Trainer(run, cfg, device=device)
+    trainer = Trainer(run, cfg, device=device or trainer_device())
+    ctx = trainer.dist
     model_rec = run.require("quantize")
     inputs = {"model": {"path": model_rec["outputs"]["model"]["path"],
                         "files": model_rec["outputs"]["model"].get("files", {}),
@@ -482,12 +537,16 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
         # refused before the stage starts, so the finished run's manifest record stays as it was
         raise QerlError(f"{train_dir(run)} already holds a training run: pass --resume to continue it, or use "
                         "a new --run directory")
-    with run.stage("train", config=trainer.cfg.to_dict(), inputs=inputs, seeds={"seed": trainer.cfg.seed}) as rec:
-        try:
-            trainer.setup()
-        except torch.cuda.OutOfMemoryError as exc:
-            raise QerlError("out of GPU memory while loading the model: lower --gpu-memory-utilization") from exc
-        start = trainer.resume() if resume else 0
+    # only rank 0 takes the run lock and writes the manifest; other ranks only read the run directory
+    stage = run.stage("train", config=trainer.cfg.to_dict(), inputs=inputs, seeds={"seed": trainer.cfg.seed}) \
+        if ctx.is_main else follower_stage("train")
+    with stage as rec:
+        with ctx.agree("setup"):  # a failure on any rank stops every rank with one clear line
+            try:
+                trainer.setup()
+            except torch.cuda.OutOfMemoryError as exc:
+                raise QerlError("out of GPU memory while loading the model: lower --gpu-memory-utilization") from exc
+            start = trainer.resume() if resume else 0
         if on_setup:
             on_setup(trainer)
         history: list[dict[str, Any]] = []
@@ -507,17 +566,26 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
                 if on_step:
                     on_step(m)
                 done = trainer.step >= trainer.cfg.steps
-                if done or trainer.step % trainer.cfg.save_steps == 0 or stop.requested:
+                stop_now = ctx.any_true(stop.requested)  # every rank stops at the same step
+                if done or trainer.step % trainer.cfg.save_steps == 0 or stop_now:
                     last_ckpt = trainer.save()
-                    rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
-                    run.save(rec)
-                if stop.requested and not done:
+                    if ctx.enabled:
+                        from qerl_cli.train.distributed import replica_digests
+
+                        rec.extra["dist"] = {"world_size": ctx.world_size, "backend": ctx.backend,
+                                             "adapter_digests": replica_digests(trainer.params, ctx, trainer.step),
+                                             "pids": ctx.gather_objects(os.getpid())}
+                    if ctx.is_main:
+                        rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
+                        run.save(rec)
+                if stop_now and not done:
                     stopped = True
                     break
         if last_ckpt is None and trainer.step > 0:  # resumed a run that had already finished its steps
             last_ckpt = resolve_checkpoint(run, "latest")
             assert last_ckpt is not None
-            rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
+            if ctx.is_main:
+                rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
         rec.metrics = {"steps_done": trainer.step, "resumed_from": start,
                        **({k: history[-1][k] for k in ("reward", "accuracy", "completions/mean_length")
                            if k in history[-1]} if history else {})}

@@ -1,0 +1,171 @@
+"""Data-parallel scaling of one RL step (issue 9): run under torchrun at 1, 2, 4 ranks and compare.
+
+Each rank builds the same random model of a shape (qerl_cli/bench/shapes.py) on its device with LoRA and
+runs the REAL trainer step (Trainer.train_step: store-counter rollout share, all-gather of the batch,
+advantages, row-sharded backward, summed gradients, optimizer) on synthetic token prompts with
+fixed-length generation (EOS disabled) and random rewards seeded per (prompt, sample), so advantages are
+non-zero. Rank 0 writes a JSON with per-step seconds and global tokens/s (prompt + generated tokens of
+the whole batch per step second); tokens/s per GPU at N ranks over tokens/s at 1 rank is the scaling
+efficiency. ``python -m qerl_cli.bench.scale --help`` for the options; scripts/gpu_scale.sh drives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from qerl_cli.manifest import atomic_write_json
+
+
+def _reward(prompts: list[str], completions: list[str], answer: list[str] | None = None, **_: Any) -> list[float]:
+    # the prompt string is the example's global index; the samples of one prompt arrive contiguously, so
+    # the position modulo the group is the sample index: the reward is a function of (prompt, sample)
+    g = _reward.group  # type: ignore[attr-defined]
+    return [random.Random(f"{p}/{j % g}").random() for j, p in enumerate(prompts)]
+
+
+def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: int, prompt_len: int,
+                  new_tokens: int, lora_rank: int, micro_batch_size: int, seed: int, num_prompts: int = 4096,
+                  device: str | None = None) -> Any:
+    """A Trainer over an in-memory random shape model (no run directory), on this rank's device."""
+    from qerl_cli.bench.shapes import build_random_model, get_shape
+    from qerl_cli.lora import attach_lora, make_lora_config
+    from qerl_cli.rollout import make_engine
+    from qerl_cli.tasks.datasets import Example
+    from qerl_cli.train.config import TrainConfig
+    from qerl_cli.train.distributed import current
+    from qerl_cli.train.trainer import PRECISION_DTYPES, PromptStream, Trainer
+
+    ctx = current()
+    dev = torch.device(device or ctx.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = "bf16" if dev.type == "cuda" else "fp32"
+    cfg = TrainConfig(algo="dapo", steps=10**6, batch_prompts=batch_prompts, num_generations=num_generations,
+                      max_completion_length=new_tokens, lora_rank=lora_rank, precision=precision,
+                      micro_batch_size=micro_batch_size, dynamic_sampling=False, overlong_buffer=0, seed=seed,
+                      log_rollouts=False, lr=1e-5).resolved()
+    dtype = PRECISION_DTYPES[precision]
+    model = build_random_model(shape, fmt, dev, dtype=dtype, seed=seed)
+    for src in (model.config, getattr(model, "generation_config", None)):
+        if src is not None:
+            src.eos_token_id = None  # fixed-length generation: every sample runs new_tokens tokens
+    model = attach_lora(model, make_lora_config(lora_rank), seed=seed)
+    t = Trainer.__new__(Trainer)
+    t.cfg, t.device, t.dtype, t.dist, t.step = cfg, dev, dtype, ctx, 0
+    t.model = model
+    t.params = [p for p in model.parameters() if p.requires_grad]
+    t.tokenizer = SimpleNamespace(pad_token_id=0)
+    t.task = SimpleNamespace(examples=[Example(prompt=str(i), answer="") for i in range(num_prompts)], stop=[])
+    _reward.group = num_generations  # type: ignore[attr-defined]
+    t.reward_name, t.reward_fn = "bench_random", _reward
+    vocab = get_shape(shape).vocab
+    g = torch.Generator().manual_seed(seed)
+    t.prompt_ids = torch.randint(3, vocab - 1, (num_prompts, prompt_len), generator=g).tolist()
+    t.stream = PromptStream(num_prompts, seed)
+    t.engine = make_engine("builtin", model, None, max_batch_slots=min(cfg.max_batch_slots,
+                                                                      batch_prompts * num_generations),
+                           max_model_len=prompt_len + new_tokens + 1, gpu_memory_utilization=0.5, dtype=dtype)
+    t.aqn = None
+    t.optimizer = torch.optim.AdamW(t.params, lr=cfg.lr, betas=(0.9, 0.99))
+    t.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda s: 1.0)
+    t.scaler = torch.amp.GradScaler(dev.type, enabled=False)
+    return t
+
+
+def run(shape: str = "tiny", fmt: str = "nvfp4", steps: int = 3, warmup: int = 1, batch_prompts: int = 8,
+        num_generations: int = 4, prompt_len: int = 64, new_tokens: int = 32, lora_rank: int = 16,
+        micro_batch_size: int = 8, seed: int = 0, out: str | Path | None = None) -> dict[str, Any]:
+    from qerl_cli.train.distributed import current, init_from_env
+
+    init_from_env()
+    ctx = current()
+    t0 = time.perf_counter()
+    trainer = build_trainer(shape, fmt, batch_prompts=batch_prompts, num_generations=num_generations,
+                            prompt_len=prompt_len, new_tokens=new_tokens, lora_rank=lora_rank,
+                            micro_batch_size=micro_batch_size, seed=seed)
+    build_s = time.perf_counter() - t0
+    rows = []
+    for i in range(warmup + steps):
+        ctx.barrier()
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        m = trainer.train_step()
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        dt = max(ctx.gather_objects(dt))  # a step ends when its slowest rank does
+        if i >= warmup:
+            rows.append({"step_s": dt, **{k: m.get(k) for k in (
+                "timing/rollout_s", "timing/recompute_s", "timing/train_s", "timing/rollout_tokens_per_s",
+                "dist/rollout_s_max", "dist/rollout_s_min", "dist/rollout_idle_frac", "grad_norm", "reward",
+                "memory/peak_gb")}})
+    tokens = batch_prompts * num_generations * (prompt_len + new_tokens)
+    step_s = statistics.median(r["step_s"] for r in rows) if rows else float("nan")
+    on_cuda = trainer.device.type == "cuda"
+    res = {"shape": shape, "format": fmt, "world_size": ctx.world_size, "backend": ctx.backend,
+           "device": str(trainer.device), "gpu": torch.cuda.get_device_name() if on_cuda else None,
+           "config": {"batch_prompts": batch_prompts, "num_generations": num_generations, "prompt_len": prompt_len,
+                      "new_tokens": new_tokens, "lora_rank": lora_rank, "micro_batch_size": micro_batch_size,
+                      "steps": steps, "warmup": warmup, "seed": seed},
+           "build_s": build_s, "step_s_median": step_s, "tokens_per_step": tokens,
+           "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / ctx.world_size,
+           "generated_tokens_per_s": batch_prompts * num_generations * new_tokens / step_s, "steps_detail": rows}
+    if ctx.is_main and out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(Path(out), res)
+    return res
+
+
+def scaling_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Efficiency of each world size: tokens/s per GPU over the 1-rank tokens/s (same shape and config)."""
+    base = next((r for r in results if r["world_size"] == 1), None)
+    out = []
+    for r in sorted(results, key=lambda r: r["world_size"]):
+        eff = r["tokens_per_s_per_gpu"] / base["tokens_per_s"] if base else None
+        out.append({"world_size": r["world_size"], "step_s": r["step_s_median"], "tokens_per_s": r["tokens_per_s"],
+                    "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "efficiency": eff,
+                    "idle_frac": statistics.mean(d["dist/rollout_idle_frac"] or 0.0 for d in r["steps_detail"])
+                    if r["world_size"] > 1 and r["steps_detail"] else 0.0})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--format", default="nvfp4")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--batch-prompts", type=int, default=8, help="Global prompts per step.")
+    ap.add_argument("--batch-prompts-per-rank", type=int, default=None,
+                    help="Prompts per rank (global = this x world size: weak scaling); overrides --batch-prompts.")
+    ap.add_argument("--num-generations", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    import os
+
+    if a.batch_prompts_per_rank:
+        a.batch_prompts = a.batch_prompts_per_rank * int(os.environ.get("WORLD_SIZE", "1"))
+    res = run(a.shape, a.format, a.steps, a.warmup, a.batch_prompts, a.num_generations, a.prompt_len, a.new_tokens,
+              a.lora_rank, a.micro_batch_size, a.seed, a.out)
+    if res["world_size"] == 1 or __import__("qerl_cli.train.distributed", fromlist=["x"]).current().is_main:
+        print(json.dumps({k: res[k] for k in ("world_size", "step_s_median", "tokens_per_s", "tokens_per_s_per_gpu")}))
+    from qerl_cli.train.distributed import shutdown
+
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
