@@ -165,7 +165,7 @@ class Trainer:
         self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer,
                                   max_batch_slots=min(c.max_batch_slots, c.batch_prompts * c.num_generations),
                                   max_model_len=max_len, gpu_memory_utilization=c.gpu_memory_utilization,
-                                  dtype=self.dtype)
+                                  dtype=self.dtype, model_dir=self.model_dir)
         self.aqn = (AQN(self.model, c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
                         stages=c.aqn_stages, seed=c.seed) if c.aqn else None)
         self.optimizer = torch.optim.AdamW(self.params, lr=c.lr, weight_decay=c.weight_decay, betas=(0.9, 0.99))

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU check of the vllm rollout engine (issue 5), in one call: NVFP4 (and bf16 for comparison) served by
+# vLLM with the LoRA pushed as tensors, log-probs against qerl's training forward, sleep/wake, 2 train steps.
+# Needs vLLM importable on the GPU machine (it has no network: the image must have it, or a wheel dir in
+# $QERL_VLLM_WHL_DIR, installed with --no-index). Quantized runs come from $QERL_VLLM_MODEL (a local HF dir or
+# .gguf; default: the embedded SmolLM2 when importable). Stages ($QERL_VLLM_STAGES, default "info nvfp4 bf16 train").
+# Files under $OUT: vllm_<fmt>/vllm_check.json, gpu_vllm.log.  Deadline: $QERL_DEADLINE_S (default 570 s).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${OUT:-$PWD/out/gpu_vllm}
+mkdir -p "$OUT" /tmp/qk
+ln -sfn "$REPO/qerl_cli" /tmp/qk/qerl_cli
+ln -sfn "$REPO/kernels" /tmp/qk/qerl_kernels
+export PYTHONPATH="/tmp/qk" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+STAGES=${QERL_VLLM_STAGES:-"info nvfp4 bf16 train"}
+MODEL=${QERL_VLLM_MODEL:-}
+DEADLINE=$(( $(date +%s) + ${QERL_DEADLINE_S:-570} ))
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+left() { echo $(( DEADLINE - $(date +%s) )); }
+qerl() { (cd /tmp && python3 -c "from qerl_cli.cli import main; main()" "$@"); }
+exec > >(tee -a "$OUT/gpu_vllm.log") 2>&1
+if [ -n "${QERL_VLLM_WHL_DIR:-}" ] && compgen -G "$QERL_VLLM_WHL_DIR/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --find-links "$QERL_VLLM_WHL_DIR" vllm || echo "vllm wheels did not install"
+fi
+if ! python3 -P -c "import vllm" 2>/dev/null; then echo "vLLM is not importable here: nothing to check"; exit 3; fi
+has info && python3 -P -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
+for fmt in nvfp4 bf16; do
+  has "$fmt" || continue
+  [ "$(left)" -gt 90 ] || { echo "skip $fmt: $(left) s left"; continue; }
+  rm -rf "/tmp/vr_$fmt"
+  qerl quantize $MODEL --run "/tmp/vr_$fmt" --format "$fmt" 2>&1 | tail -2
+  (cd /tmp && timeout $(( $(left) - 30 )) python3 "$REPO/scripts/vllm_check.py" --run "/tmp/vr_$fmt" --dtype bf16 \
+    --prompts 16 --n 8 --new 128 --out "$OUT/vllm_$fmt") 2>&1 | grep -v " INFO \| WARNING " | tail -5
+done
+if has train && [ -d /tmp/vr_nvfp4 ] && [ "$(left)" -gt 60 ]; then
+  timeout $(( $(left) - 10 )) bash -c "cd /tmp && python3 -c 'from qerl_cli.cli import main; main()' train \
+--run /tmp/vr_nvfp4 --rollout-engine vllm --config gpu_arith --steps 2 --save-steps 2 2>&1 | grep -v ' INFO \| WARNING ' | tail -12"
+fi
+echo "== summary"; cat "$OUT"/vllm_*/vllm_check.json 2>/dev/null | grep -E '"(dtype|k1|max_abs_dlogp|wake_s|sleep_s|tokens_per_s)"'
