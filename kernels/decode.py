@@ -47,21 +47,22 @@ def _add_rmsnorm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, xout_ptr, n_cols, stride_
     tl.store(xout_ptr + row * stride_xo + cols, (w * n).to(xout_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                h_out: torch.Tensor | None = None,
+                x_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, rmsnorm(h + delta) * weight) over the last dim; ``delta=None``: (h, rmsnorm(h) * weight).
 
-    Inputs: same dtype, last dim contiguous. Returns new tensors shaped like ``h``."""
+    Inputs: same dtype, contiguous. Returns new tensors shaped like ``h`` (or the given contiguous outs)."""
     n_cols = h.shape[-1]
     h2 = h.reshape(-1, n_cols)
     rows = h2.shape[0]
-    x = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    x = x_out if x_out is not None else torch.empty(h.shape, dtype=h.dtype, device=h.device)
     x2 = x.view(-1, n_cols)
     if delta is None:
         hout, d2, ho2 = h, h2, h2
     else:
         d2 = delta.reshape(-1, n_cols)
-        hout = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        hout = h_out if h_out is not None else torch.empty(h.shape, dtype=h.dtype, device=h.device)
         ho2 = hout.view(-1, n_cols)
     if rows:
         block = triton.next_power_of_2(n_cols)
@@ -118,7 +119,8 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qout_ptr, kc
 
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+                  sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                  q_out: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE + KV-cache write for one decode token per slot.
 
     q [B, H*D] / k, v [B, HK*D] (row-strided, head dims contiguous), positions int64 [B], cos/sin tables
@@ -129,7 +131,8 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     hk, d = cache_k.shape[-2], cache_k.shape[-1]
     h = q.shape[-1] // d
     half = d // 2
-    q_out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
+    if q_out is None:
+        q_out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     if b:
         _rope_kv_kernel[(b,)](q, k, v, positions, cos, sin, q_out, cache_k, cache_v, q.stride(0), k.stride(0),
                               v.stride(0), cos.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0),
@@ -150,9 +153,9 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, (s * u).to(dt), mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for contiguous same-shape, same-dtype tensors."""
-    out = torch.empty_like(gate)
+    out = out if out is not None else torch.empty_like(gate)
     n = gate.numel()
     if n:
         block = 1024
