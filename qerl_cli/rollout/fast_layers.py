@@ -150,9 +150,14 @@ class LayerPlan:
     down: ProjGroup | None
 
 
+# transformers' MLPs whose forward is exactly down(act(gate(x)) * up(x))
+_GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP")
+
+
 def _is_silu_mlp(mlp: nn.Module) -> bool:
     act = getattr(mlp, "act_fn", None)
-    return all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) and isinstance(act, nn.SiLU)
+    silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"  # transformers' ACT2FN["silu"]
+    return type(mlp).__name__ in _GATED_MLPS and silu
 
 
 class FastPlan:

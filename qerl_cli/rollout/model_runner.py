@@ -309,7 +309,9 @@ class ModelRunner:
         cos = self.cos[positions][:, None, None, :]
         sin = self.sin[positions][:, None, None, :]
         keys = torch.arange(kv_len, device=tokens.device)
-        mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, kv_len]
+        visible = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, kv_len]
+        # SDPA turns a boolean mask into this additive one in every layer; build it once per step
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device).masked_fill_(~visible, float("-inf"))
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             layer_k, layer_v = cache_k[i], cache_v[i]
