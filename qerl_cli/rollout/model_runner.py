@@ -19,6 +19,11 @@ itself, it reproduces from transformers' Llama/Qwen2/Qwen3 code:
 
 The decode step (``decode_step``) is one function of static-shaped tensors with no host sync, so a CUDA
 graph (``CudaGraphDecoder``) or ``torch.compile(mode="reduce-overhead")`` can wrap it.
+
+Fast path (``fast_layers.py``, docs/decode.md): LoRA layers run through in-dtype shadows of A and
+B*scaling (``fast_lora``; refreshed in place by ``prepare()`` at every rollout), and on CUDA residual
+add + RMSNorm, RoPE + KV-cache write and SiLU*mul are fused Triton kernels (``fused_kernels``).
+``QERL_FAST_DECODE=0`` turns both off.
 """
 
 from __future__ import annotations
