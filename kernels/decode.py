@@ -11,6 +11,7 @@ activations the results equal the torch path up to reduction order.
 * ``rope_kv_write``: RoPE of one decode token's q and k at each slot's position, the rotated k and the
   v written into the KV cache at ``[slot, position]``; returns rotated q ``[B, heads, head_dim]``.
 * ``silu_mul``: ``silu(gate).to(dtype) * up``.
+* ``token_uniform``: the sampler's counter-based uniforms over [B, V] (bit-identical to its torch hashing).
 
 Only basic ``tl`` ops (load/store/arange/sum/exp/sqrt), so the same source compiles with Triton 3.6 and
 runs under the 3.9 interpreter. ``LAUNCHES`` counts launches per kernel (op-count tests).
@@ -161,4 +162,42 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
         block = 1024
         _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4)
         LAUNCHES["silu_mul"] += 1
+    return out
+
+
+@triton.jit
+def _mix32(x):
+    # lowbias32 on values in [0, 2^32) held as int64; a wrapped int64 product keeps its low 32 bits exact
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _token_uniform_kernel(keys_ptr, vhash_ptr, out_ptr, n_vocab, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_vocab
+    key = tl.load(keys_ptr + row).to(tl.int64)
+    vh = tl.load(vhash_ptr + cols, mask=mask, other=0).to(tl.int64)
+    h = _mix32(key ^ vh)
+    u = (h.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2^-32
+    u = tl.minimum(u, 0.99999994039535522)  # 1 - 2^-24
+    tl.store(out_ptr + row * stride_out + cols, u, mask=mask)
+
+
+def token_uniform(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """u[b, v] = clamp((mix32(keys[b] ^ vocab_hash[v]) + 0.5) * 2^-32, max=1 - 2^-24), float32 [B, V].
+
+    Bit-identical to ``qerl_cli.rollout.sampling.TokenNoise``'s torch arithmetic (integer hashing is exact,
+    int -> fp32 conversion and the fp32 ops round the same), in one pass instead of ~25 int64 passes."""
+    b, n = keys.shape[0], vocab_hash.shape[0]
+    out = torch.empty(b, n, dtype=torch.float32, device=keys.device)
+    if b and n:
+        block = 1024
+        _token_uniform_kernel[(b, triton.cdiv(n, block))](keys, vocab_hash, out, n, out.stride(0), BLOCK=block,
+                                                         num_warps=4)
+        LAUNCHES["token_uniform"] += 1
     return out

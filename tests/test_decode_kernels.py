@@ -128,3 +128,21 @@ def test_fused_ops_first_use_check_falls_back(caplog) -> None:
             got_h, got_x = ops2.add_rms_norm(h, d, w, 1e-6)
             assert torch.equal(got_h, h + d) and torch.equal(got_x, rms_norm_ref(h + d, w, 1e-6))
     assert [r.message.count("PTX assembly failed") for r in caplog.records] == [1]
+
+
+def test_token_uniform_is_bit_identical_to_the_sampler() -> None:
+    from qerl_kernels.decode import token_uniform
+
+    from qerl_cli.rollout.sampling import TokenNoise, row_keys, seed_key
+
+    cpu = torch.device("cpu")
+    torch_noise = TokenNoise(1500, cpu, fused=False)  # 1500: one full 1024 block and a ragged one
+    fused_noise = TokenNoise(1500, cpu, fused=True)
+    assert fused_noise.fused and not torch_noise.fused
+    # keys over the whole 32-bit range, the hashed ones the sampler really uses among them
+    keys = torch.cat([row_keys(seed_key(99, cpu), torch.arange(5), torch.tensor([0, 3, 7, 100, 2**20])),
+                      torch.tensor([0, 2**32 - 1, 2**31, 12345])])
+    u = token_uniform(keys, torch_noise.vocab_hash)
+    assert torch.equal(u, torch_noise.uniform(keys))
+    assert torch.equal(fused_noise.exponential(keys), torch_noise.exponential(keys))
+    assert fused_noise.fused  # the first-use bit check passed

@@ -146,7 +146,10 @@ def test_fast_decode_path_on_cuda(monkeypatch) -> None:
     assert f_tokens == s_tokens
     for a, b in zip(f_lps, s_lps, strict=True):
         assert torch.allclose(a, b, atol=1e-4)
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=5, stop_token_ids=[])
+    assert run(fast, sampled)[0] == run(slow, sampled)[0]
+    assert fast.noise.fused  # the Triton sampling noise passed its bit-exact first-use check
     monkeypatch.setenv("QERL_FAST_DECODE", "0")
     off = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=256)
-    assert not off.runner.fast_lora and not off.runner.ops.triton
+    assert not off.runner.fast_lora and not off.runner.ops.triton and not off.noise.fused
     assert run(off, greedy)[0] == s_tokens

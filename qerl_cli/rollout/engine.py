@@ -187,10 +187,11 @@ class BuiltinEngine:
         return self._ensure_cache().num_slots
 
     def release(self) -> None:
-        """Free the KV cache and CUDA graphs (the next ``generate`` reallocates and recaptures)."""
+        """Free the KV cache, LoRA shadows and CUDA graphs (the next ``generate`` reallocates and recaptures)."""
         if self.runner.cache is not None:
             self.runner.cache.release()
         self.runner.cache = None
+        self.runner.plan = None  # the LoRA shadows too (rebuilt by the next generate)
         self._graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -270,9 +271,11 @@ class BuiltinEngine:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
+                # LoRA shadows <- the trainer's current factors (in place); before the cache is sized, so
+                # the budget sees them
+                self.runner.prepare()
                 cache = self._ensure_cache()
                 self.runner.bind_norms(norm_overrides, static=self.use_graphs)
-                self.runner.prepare()  # LoRA shadows <- the trainer's current factors (in place)
                 scheduler = Scheduler(
                     runner=self.runner,
                     cache=cache,
