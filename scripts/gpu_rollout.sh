@@ -172,6 +172,8 @@ for fmt in ("nvfp4", "bf16"):
         roof = "-" if f.get("pct_roofline") is None else f"{f['pct_roofline']:.1f}"
         print(f"{fmt:6} {b:>5} {ta or 0:>10.0f} {tf or 0:>10.0f} {ms(ta):>11} {ms(tf):>10} {sp:>8} {roof:>8}")
 EOF
+  # a kernel that failed to build or its first-use check falls back with one warning: say so here
+  grep -h "qerl fused" "$OUT/gpu_rollout.log" | sort | uniq -c | grep . || echo "fastab: no fused-kernel fallbacks logged"
 fi
 
 if has bench7b || has bench32b || has beos || has bench256; then
