@@ -154,7 +154,7 @@ class LayerPlan:
 _GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP")
 
 
-def _is_silu_mlp(mlp: nn.Module) -> bool:
+def is_silu_mlp(mlp: nn.Module) -> bool:
     act = getattr(mlp, "act_fn", None)
     silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"  # transformers' ACT2FN["silu"]
     return type(mlp).__name__ in _GATED_MLPS and silu
@@ -169,7 +169,7 @@ class FastPlan:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = ProjGroup([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
             o = ProjGroup([attn.o_proj], dtype, device)
-            if _is_silu_mlp(mlp):
+            if is_silu_mlp(mlp):
                 gate_up = ProjGroup([mlp.gate_proj, mlp.up_proj], dtype, device)
                 down = ProjGroup([mlp.down_proj], dtype, device)
             else:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.fast_layers import FastPlan, FusedOps, _is_silu_mlp, apply_rope_ref, rms_norm_ref, signature
+from qerl_cli.rollout.fast_layers import FastPlan, FusedOps, apply_rope_ref, is_silu_mlp, rms_norm_ref, signature
 from qerl_cli.rollout.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -57,7 +57,7 @@ def _rope_type(config: object) -> str:
     return "default"
 
 
-# kept under their old names: other modules and tests import them from here
+# the torch references, under the names this module always used
 _rms_norm = rms_norm_ref
 _apply_rope = apply_rope_ref
 
@@ -252,7 +252,7 @@ class ModelRunner:
             if lp is not None and lp.gate_up is not None and lp.down is not None:
                 gate, up = lp.gate_up(x)
                 delta = lp.down(self.ops.silu_mul(gate, up, mlp.act_fn))[0]
-            elif self.ops.triton and _is_silu_mlp(mlp):
+            elif self.ops.triton and is_silu_mlp(mlp):
                 delta = mlp.down_proj(self.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn))
             else:
                 delta = mlp(x)
