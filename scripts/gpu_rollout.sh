@@ -20,9 +20,13 @@
 #   train     qerl quantize + qerl train --config gpu_arith on the embedded SmolLM2 (needs both GGUF parts)
 #   beos      7B nvfp4/bf16 batch 64 ending at EOS (realistic lengths), with the time left
 #   bench256  7B nvfp4/bf16 batch 256, with the time left
+#   fastab    A/B of the fast decode path (docs/decode.md): 7B shape, nvfp4 + bf16, batches 8 and 64, 256 prompt +
+#             256 new tokens, first with QERL_FAST_DECODE=0, then the default (fast); prints a speed-up table.
+#             Run it alone: QERL_ROLLOUT_STAGES="info fastab" (it runs before the other bench stages);
+#             QERL_FA_SHAPE / QERL_FA_PROMPT / QERL_FA_NEW shrink it (CPU check: tiny, 16, 8)
 # The whole call keeps to $QERL_DEADLINE_S (default 570 s): stage time limits come from what is left.
 # Files under $OUT (at most 8 come back): b7/rollout.{json,png}, b32/rollout.{json,png}, train_metrics.jsonl,
-# gpu_rollout.log, b7eos/rollout.json, b7x/rollout.json (smoke: smoke05/, smoke7/).
+# gpu_rollout.log, b7eos/rollout.json, b7x/rollout.json (smoke: smoke05/, smoke7/; fastab: fa_off/, fa_on/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -133,6 +137,45 @@ EOF
 DEADLINE=${QERL_DEADLINE_S:-570}
 left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 N=1024 BUDGET1=290 EST32=100 EST1=0 EST256=150
+if has fastab; then
+  # fast path off first, then on; each pass gets about half of what is left, capped
+  for mode in off on; do
+    L=$(left)
+    if [ $mode = off ]; then B=$(( (L - 30) / 2 )); else B=$(( L - 20 )); fi
+    (( B > 240 )) && B=240
+    stamp "fastab $mode (${B}s)"
+    fast=$([ $mode = off ] && echo 0 || echo 1)
+    QERL_FAST_DECODE=$fast bench $(( B + 10 )) "dict(shape='${QERL_FA_SHAPE:-qwen2.5-7b}', formats=('nvfp4','bf16'), \
+batches=(8,64), prompt_len=${QERL_FA_PROMPT:-256}, new_tokens=${QERL_FA_NEW:-256}, out_dir='$OUT/fa_$mode', time_budget_s=$B)"
+    rm -f "$OUT/fa_$mode/rollout.png"
+  done
+  python3 -P - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+runs = {}
+for mode in ("off", "on"):
+    p = out / f"fa_{mode}" / "rollout.json"
+    if p.is_file():
+        for c in json.loads(p.read_text())["results"]:
+            runs[(mode, c["format"], c["batch"])] = c
+print("== fastab: QERL_FAST_DECODE=0 (off) vs default (on), LoRA r32; shape and lengths in fa_*/rollout.json")
+print(f"{'fmt':6} {'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'off ms/step':>11} {'on ms/step':>10} "
+      f"{'speed-up':>8} {'on %roof':>8}")
+for fmt in ("nvfp4", "bf16"):
+    for b in (8, 64):
+        a, f = runs.get(("off", fmt, b), {}), runs.get(("on", fmt, b), {})
+        ta, tf = a.get("decode_tok_s"), f.get("decode_tok_s")
+        def ms(t):
+            return "-" if not t else f"{1000 * b / t:.2f}"
+        sp = f"{tf / ta:.2f}x" if ta and tf else "-"
+        roof = "-" if f.get("pct_roofline") is None else f"{f['pct_roofline']:.1f}"
+        print(f"{fmt:6} {b:>5} {ta or 0:>10.0f} {tf or 0:>10.0f} {ms(ta):>11} {ms(tf):>10} {sp:>8} {roof:>8}")
+EOF
+  # a kernel that failed to build or its first-use check falls back with one warning: say so here
+  grep -h "qerl fused" "$OUT/gpu_rollout.log" | sort | uniq -c | grep . || echo "fastab: no fused-kernel fallbacks logged"
+fi
+
 if has bench7b || has bench32b || has beos || has bench256; then
   eval "$(plan "$(left)")"
   N=${QERL_R7_NEW:-$N}

@@ -122,3 +122,34 @@ def test_graphs_follow_lora_toggles_and_bf16() -> None:
         assert without == run(eager, greedy)[0]
     assert without != with_lora
     assert run(graphs, greedy)[0] == with_lora == run(eager, greedy)[0]
+
+
+def test_fast_decode_path_on_cuda(monkeypatch) -> None:
+    """The fused Triton kernels build, pass their first-use check and, with LoRA shadows, give the module
+    path's greedy tokens (fp32) inside CUDA graphs; QERL_FAST_DECODE=0 turns the whole path off."""
+    from peft import LoraConfig, get_peft_model
+    from qerl_kernels import decode as decode_kernels
+
+    model = random_model("qwen3", torch.float32)
+    lora = LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(model, lora).eval()
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[])
+    before = sum(decode_kernels.LAUNCHES.values())
+    fast = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=256)
+    f_tokens, f_lps = run(fast, greedy)
+    assert fast.runner.ops.triton and all(fast.runner.ops.enabled.values()), fast.runner.ops.enabled
+    assert sum(decode_kernels.LAUNCHES.values()) > before and fast._graphs is not None and fast._graphs.graphs
+    slow = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=256, fast_lora=False,
+                         fused_kernels=False)
+    s_tokens, s_lps = run(slow, greedy)
+    assert f_tokens == s_tokens
+    for a, b in zip(f_lps, s_lps, strict=True):
+        assert torch.allclose(a, b, atol=1e-4)
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=5, stop_token_ids=[])
+    assert run(fast, sampled)[0] == run(slow, sampled)[0]
+    assert fast.noise.fused  # the Triton sampling noise passed its bit-exact first-use check
+    monkeypatch.setenv("QERL_FAST_DECODE", "0")
+    off = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=256)
+    assert not off.runner.fast_lora and not off.runner.ops.triton and not off.noise.fused
+    assert run(off, greedy)[0] == s_tokens

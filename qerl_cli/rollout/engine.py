@@ -94,6 +94,10 @@ class BuiltinEngine:
         max_prefill_tokens: padded tokens per prefill batch (at least one prompt is always taken).
         sync_every: decode steps between host syncs (default 8 on CUDA, 1 on CPU).
         cuda_graphs: capture the decode step as CUDA graphs (CUDA only).
+        fast_lora: run LoRA layers through in-dtype shadows of A and B*scaling, refreshed in place at
+            every ``generate`` (``fast_layers.py``); False calls the peft modules.
+        fused_kernels: fused Triton kernels for norm/RoPE/KV-write/SiLU (default: on CUDA only).
+            ``QERL_FAST_DECODE=0`` in the environment turns both off.
     """
 
     def __init__(
@@ -108,6 +112,8 @@ class BuiltinEngine:
         max_prefill_tokens: int = 8192,
         sync_every: int | None = None,
         cuda_graphs: bool = True,
+        fast_lora: bool = True,
+        fused_kernels: bool | None = None,
     ) -> None:
         if max_batch_slots < 1:
             raise QerlError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
@@ -120,7 +126,14 @@ class BuiltinEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_prefill_tokens = max_prefill_tokens
         cache_len = -(-max_model_len // _CACHE_ALIGN) * _CACHE_ALIGN
-        self.runner = ModelRunner(model, max_len=max_model_len, dtype=dtype, cache_len=cache_len)
+        self.runner = ModelRunner(
+            model,
+            max_len=max_model_len,
+            dtype=dtype,
+            cache_len=cache_len,
+            fast_lora=fast_lora,
+            fused_kernels=fused_kernels,
+        )
         self.device = self.runner.device
         on_cuda = self.device.type == "cuda"
         self.sync_every = sync_every if sync_every is not None else (8 if on_cuda else 1)
@@ -174,10 +187,11 @@ class BuiltinEngine:
         return self._ensure_cache().num_slots
 
     def release(self) -> None:
-        """Free the KV cache and CUDA graphs (the next ``generate`` reallocates and recaptures)."""
+        """Free the KV cache, LoRA shadows and CUDA graphs (the next ``generate`` reallocates and recaptures)."""
         if self.runner.cache is not None:
             self.runner.cache.release()
         self.runner.cache = None
+        self.runner.plan = None  # the LoRA shadows too (rebuilt by the next generate)
         self._graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -257,6 +271,9 @@ class BuiltinEngine:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
+                # LoRA shadows <- the trainer's current factors (in place); before the cache is sized, so
+                # the budget sees them
+                self.runner.prepare()
                 cache = self._ensure_cache()
                 self.runner.bind_norms(norm_overrides, static=self.use_graphs)
                 scheduler = Scheduler(

@@ -19,10 +19,16 @@ itself, it reproduces from transformers' Llama/Qwen2/Qwen3 code:
 
 The decode step (``decode_step``) is one function of static-shaped tensors with no host sync, so a CUDA
 graph (``CudaGraphDecoder``) or ``torch.compile(mode="reduce-overhead")`` can wrap it.
+
+Fast path (``fast_layers.py``, docs/decode.md): LoRA layers run through in-dtype shadows of A and
+B*scaling (``fast_lora``; refreshed in place by ``prepare()`` at every rollout), and on CUDA residual
+add + RMSNorm, RoPE + KV-cache write and SiLU*mul are fused Triton kernels (``fused_kernels``).
+``QERL_FAST_DECODE=0`` turns both off.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -30,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.rollout.fast_layers import FastPlan, FusedOps, apply_rope_ref, is_silu_mlp, rms_norm_ref, signature
 from qerl_cli.rollout.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -50,16 +57,9 @@ def _rope_type(config: object) -> str:
     return "default"
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+# the torch references, under the names this module always used
+_rms_norm = rms_norm_ref
+_apply_rope = apply_rope_ref
 
 
 def _norm_eps(module: nn.Module, default: float) -> float:
@@ -74,7 +74,14 @@ class ModelRunner:
     """Prefill and decode over a Llama/Qwen2/Qwen3 ``*ForCausalLM`` (optionally peft-wrapped)."""
 
     def __init__(
-        self, model: nn.Module, *, max_len: int, dtype: torch.dtype | None = None, cache_len: int | None = None
+        self,
+        model: nn.Module,
+        *,
+        max_len: int,
+        dtype: torch.dtype | None = None,
+        cache_len: int | None = None,
+        fast_lora: bool = True,
+        fused_kernels: bool | None = None,
     ) -> None:
         self.lm = unwrap_causal_lm(model)
         cfg = self.lm.config
@@ -138,6 +145,27 @@ class ModelRunner:
         # SLOWER than the plain graphs (cause not established) and took 85 s to compile, so no option uses it.
         self.step_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = self.decode_step
 
+        # The fast path (fast_layers.py): LoRA through shadows, fused Triton kernels on CUDA.
+        # QERL_FAST_DECODE=0 turns both off (A/B runs in one process tree).
+        fast_env = os.environ.get("QERL_FAST_DECODE", "1") != "0"
+        self.fast_lora = fast_lora and fast_env
+        if fused_kernels is None:
+            fused_kernels = self.device.type == "cuda"
+        self.ops = FusedOps(triton=fused_kernels and fast_env)
+        self.plan: FastPlan | None = None
+
+    def prepare(self) -> None:
+        """Called at the start of every rollout: (re)build the projection plan when a LoRA switch changed,
+        else refresh its shadows in place from the trainer's current LoRA factors."""
+        if not self.fast_lora:
+            self.plan = None
+            return
+        sig = signature(self.layers)
+        if self.plan is None or self.plan.signature != sig:
+            self.plan = FastPlan(self.layers, self.dtype, self.device)
+        else:
+            self.plan.refresh()
+
     # ----- norm weights ---------------------------------------------------------------------------------
 
     def resolve_overrides(self, overrides: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -174,7 +202,12 @@ class ModelRunner:
         self.norm_w = self._static_norms
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.norm_w[name], self.norm_eps[name])
+        return self.ops.rms_norm(x, self.norm_w[name], self.norm_eps[name])
+
+    def _add_norm(self, name: str, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is None:
+            return h, self._norm(name, h)
+        return self.ops.add_rms_norm(h, delta, self.norm_w[name], self.norm_eps[name])
 
     # ----- shared layer stack -------------------------------------------------------------------------
 
@@ -184,33 +217,53 @@ class ModelRunner:
         cos: torch.Tensor,
         sin: torch.Tensor,
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        rope_in_attend: bool = False,
     ) -> torch.Tensor:
-        """Run every decoder layer on ``h`` [B, T, hidden]; ``attend(i, q, k, v)`` -> [B, T, heads*dim].
+        """Run every decoder layer on ``h`` [B, T, hidden] and return the FINAL-NORMED hidden states.
 
-        q/k/v arrive as [B, T, heads, head_dim] after q/k-norm (Qwen3) and RoPE; cos/sin broadcast to them.
+        ``attend(i, q, k, v)`` -> [B, T, heads*dim]; q/k/v arrive as [B, T, heads, head_dim] after q/k-norm
+        (Qwen3) and, unless ``rope_in_attend``, RoPE (cos/sin broadcast to them). Each residual add is fused
+        with the norm that reads its result (``ops.add_rms_norm``), the last one with the model's final norm.
         """
         b, t = h.shape[:2]
+        plan = self.plan
+        delta: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = self._norm(f"model.layers.{i}.input_layernorm", h)
-            q = attn.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+            lp = plan.layers[i] if plan is not None else None
+            h, x = self._add_norm(f"model.layers.{i}.input_layernorm", h, delta)
+            if lp is not None:
+                q, k, v = lp.qkv(x)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q = q.view(b, t, self.num_heads, self.head_dim)
+            k = k.view(b, t, self.num_kv_heads, self.head_dim)
+            v = v.view(b, t, self.num_kv_heads, self.head_dim)
             if self.has_qk_norm:
                 q = self._norm(f"model.layers.{i}.self_attn.q_norm", q)
                 k = self._norm(f"model.layers.{i}.self_attn.k_norm", k)
-            q = _apply_rope(q, cos, sin)
-            k = _apply_rope(k, cos, sin)
-            h = h + attn.o_proj(attend(i, q, k, v))
-            x = self._norm(f"model.layers.{i}.post_attention_layernorm", h)
-            h = h + layer.mlp(x)
-        return h
+            if not rope_in_attend:
+                q = _apply_rope(q, cos, sin)
+                k = _apply_rope(k, cos, sin)
+            o = attend(i, q, k, v)
+            delta = lp.o(o)[0] if lp is not None else attn.o_proj(o)
+            h, x = self._add_norm(f"model.layers.{i}.post_attention_layernorm", h, delta)
+            mlp = layer.mlp
+            if lp is not None and lp.gate_up is not None and lp.down is not None:
+                gate, up = lp.gate_up(x)
+                delta = lp.down(self.ops.silu_mul(gate, up, mlp.act_fn))[0]
+            elif self.ops.triton and is_silu_mlp(mlp):
+                delta = mlp.down_proj(self.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn))
+            else:
+                delta = mlp(x)
+        return self._add_norm("model.norm", h, delta)[1]
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids).to(self.dtype)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self._norm("model.norm", h))
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of final-normed hidden states."""
+        return self.lm_head(x)
 
     # ----- prefill ------------------------------------------------------------------------------------
 
@@ -241,8 +294,8 @@ class ModelRunner:
             )
             return o.transpose(1, 2).reshape(p, t, self.num_heads * self.head_dim)
 
-        h = self._layers(self._embed(ids), cos, sin, attend)
-        last = h[torch.arange(p, device=self.device), lengths - 1]
+        x = self._layers(self._embed(ids), cos, sin, attend)
+        last = x[torch.arange(p, device=self.device), lengths - 1]
         return self._logits(last), k_out, v_out
 
     # ----- decode -------------------------------------------------------------------------------------
@@ -261,12 +314,14 @@ class ModelRunner:
         cos = self.cos[positions][:, None, None, :]
         sin = self.sin[positions][:, None, None, :]
         keys = torch.arange(kv_len, device=tokens.device)
-        mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, kv_len]
+        visible = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, kv_len]
+        # SDPA turns a boolean mask into this additive one in every layer; build it once per step
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device).masked_fill_(~visible, float("-inf"))
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             layer_k, layer_v = cache_k[i], cache_v[i]
-            layer_k.index_put_((rows, positions), k[:, 0])
-            layer_v.index_put_((rows, positions), v[:, 0])
+            # RoPE of q and k and the cache write of k and v at each slot's position: one kernel on CUDA
+            q = self.ops.rope_kv_write(q, k, v, positions, rows, cos, sin, self.cos, self.sin, layer_k, layer_v)
             # [B, kv_len, kv_heads, d] -> [B, kv_heads, kv_len, d]: a strided view, no copy.
             keys_b = layer_k[:b, :kv_len].transpose(1, 2)
             vals_b = layer_v[:b, :kv_len].transpose(1, 2)
@@ -276,8 +331,8 @@ class ModelRunner:
             o = F.scaled_dot_product_attention(qg, keys_b, vals_b, attn_mask=mask, scale=self.scale)
             return o.reshape(b, 1, self.num_heads * self.head_dim)
 
-        h = self._layers(self._embed(tokens[:, None]), cos, sin, attend)
-        return self._logits(h[:, 0])
+        x = self._layers(self._embed(tokens[:, None]), cos, sin, attend, rope_in_attend=True)
+        return self._logits(x[:, 0])
 
 
 def _bucket_sizes(max_slots: int) -> list[int]:
@@ -369,6 +424,8 @@ def graph_fingerprint(runner: ModelRunner) -> tuple:
                 switches.append((attr, tuple(value) if isinstance(value, list | tuple) else value))
         if switches:
             parts.append((name, tuple(switches)))
+    if runner.plan is not None:
+        parts.append(("fast_lora", runner.plan.fingerprint()))
     cache = runner.cache
     if cache is not None and cache.k is not None and cache.v is not None:
         parts.append(("kv", cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape)))

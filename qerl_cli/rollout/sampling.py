@@ -26,6 +26,8 @@ call (``prompt_offset`` 0 unless a caller splits one batch over several calls).
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 from dataclasses import dataclass, field
 
@@ -34,6 +36,7 @@ import torch
 from qerl_cli.errors import QerlError
 
 _M32 = 0xFFFFFFFF
+_log = logging.getLogger("qerl.rollout")
 
 
 @dataclass
@@ -135,19 +138,62 @@ def row_keys(base: torch.Tensor, uids: torch.Tensor, steps: torch.Tensor) -> tor
 
 
 class TokenNoise:
-    """Counter-based exponential noise E[B, V] ~ Exp(1), a pure function of (seed, uid, step, v)."""
+    """Counter-based exponential noise E[B, V] ~ Exp(1), a pure function of (seed, uid, step, v).
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    ``fused`` (default: on CUDA, unless ``QERL_FAST_DECODE=0``) computes the uniforms with one Triton
+    kernel (``qerl_kernels.decode.token_uniform``) instead of ~25 int64 passes over [B, V]; its first
+    result is compared bit for bit with the torch arithmetic, and any failure or difference logs one
+    warning and keeps the torch path.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device, fused: bool | None = None) -> None:
         v = torch.arange(vocab_size, dtype=torch.int64, device=device)
         # Hash the vocabulary index once; per step only one mixer pass over [B, V] remains.
         self.vocab_hash = mix32(mix32(v ^ 0x9E3779B9))
+        if fused is None:
+            fused = device.type == "cuda" and os.environ.get("QERL_FAST_DECODE", "1") != "0"
+        self._kernel = None
+        self._checked = False
+        if fused:
+            try:
+                from qerl_kernels.decode import token_uniform
 
-    def exponential(self, keys: torch.Tensor) -> torch.Tensor:
+                self._kernel = token_uniform
+            except Exception as exc:  # noqa: BLE001 - any import problem means: torch path
+                _log.warning("qerl fused sampling noise unavailable (%s); using the torch path", exc)
+
+    @property
+    def fused(self) -> bool:
+        return self._kernel is not None
+
+    def uniform(self, keys: torch.Tensor) -> torch.Tensor:
+        """The torch arithmetic: u[b, v] in (0, 1) from the row keys [B] (int64 holding 32-bit values)."""
         h = mix32(keys[:, None] ^ self.vocab_hash[None, :])
         # u in (0, 1) at 2^-32 resolution near 0; E = -log(1 - u) keeps full relative precision for the
         # small E that decide rare tokens, and the clamp keeps E finite near u = 1.
         u = (h.to(torch.float32) + 0.5) * (2.0**-32)
-        u = u.clamp(max=1.0 - 2.0**-24)
+        return u.clamp(max=1.0 - 2.0**-24)
+
+    def _fused_uniform(self, keys: torch.Tensor) -> torch.Tensor | None:
+        try:
+            u = self._kernel(keys, self.vocab_hash)  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001
+            self._kernel = None
+            _log.warning("qerl fused sampling noise disabled, torch path used instead: %s: %s",
+                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return None
+        if not self._checked:
+            self._checked = True
+            if not torch.equal(u, self.uniform(keys)):
+                self._kernel = None
+                _log.warning("qerl fused sampling noise disabled: its first result differs from the torch path")
+                return None
+        return u
+
+    def exponential(self, keys: torch.Tensor) -> torch.Tensor:
+        u = self._fused_uniform(keys) if self._kernel is not None else None
+        if u is None:
+            u = self.uniform(keys)
         return -torch.log1p(-u)
 
 

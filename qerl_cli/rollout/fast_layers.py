@@ -1,0 +1,370 @@
+"""The decode step's fast path: a per-projection plan resolved once, LoRA through small shadows.
+
+Why: through peft every LoRA linear costs ~6 kernels on top of its base GEMM (cast x to the adapter's
+fp32, two fp32 GEMMs, scale, cast back, add), 7 linears per layer. At decode sizes these launches, not
+the GEMMs, set the step time.
+
+What: ``FastPlan`` resolves, for every linear the runner calls, the base module (``QuantLinear``,
+``nn.Linear``, a bitsandbytes layer: anything callable) and, for a peft LoRA layer with one active
+plain adapter, its A, B and scaling. It keeps shadows ``A`` and ``B * scaling`` in the activation
+dtype, refreshed IN PLACE (``copy_``) by ``refresh()`` at the start of every ``generate()`` (LoRA
+factors are tiny, so this costs nothing measurable, and CUDA graphs that captured the shadows' addresses
+stay valid). Projections sharing an input (q/k/v, gate/up) concatenate their A shadows so one ``mm``
+serves all of them; then each projection is ``addmm(base(x), h_i, (s*B)^T)``:
+``y = base(x) + (x @ A^T) @ (s*B)^T``. With fp32 activations the shadows are fp32 and this is the
+training math up to GEMM ordering; with bf16/fp16 the adapter product is rounded to that dtype (peft
+computes it in fp32), a rounding-level difference.
+
+Anything unusual (several active adapters, DoRA or another LoRA variant, LoRA bias, merged weights,
+``fan_in_fan_out``) keeps the module's own forward for that projection. Disabled adapters
+(``disable_adapter()``) resolve to the bare base module; ``signature()`` notices any switch and the
+runner rebuilds the plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def _lora_layer_cls() -> type | None:
+    try:
+        from peft.tuners.lora.layer import LoraLayer
+    except ImportError:  # peft is optional for the runner
+        return None
+    return LoraLayer
+
+
+def switches(module: nn.Module) -> tuple:
+    """The peft switches that decide how a LoRA layer computes (empty for a plain module)."""
+    cls = _lora_layer_cls()
+    if cls is None or not isinstance(module, cls):
+        return ()
+    return (bool(module.disable_adapters), bool(module.merged), tuple(module.active_adapters),
+            tuple(float(module.scaling.get(a, 0.0)) for a in module.active_adapters))
+
+
+@dataclass
+class _Lora:
+    a: torch.Tensor  # the trainer's lora_A weight [r, in] (read at refresh)
+    b: torch.Tensor  # lora_B weight [out, r]
+    scaling: float
+
+
+def resolve(module: nn.Module) -> tuple[nn.Module, _Lora | None] | None:
+    """(base module, plain LoRA or None), or None when only the module's own forward is exact."""
+    cls = _lora_layer_cls()
+    if cls is None or not isinstance(module, cls):
+        return module, None
+    base = module.get_base_layer()
+    if module.disable_adapters:
+        # peft unmerges on a disabled forward; a merged layer is left to do that itself
+        return None if module.merged else (base, None)
+    if module.merged or getattr(module, "fan_in_fan_out", False):
+        return None
+    names = [a for a in module.active_adapters if a in module.lora_A]
+    if not names:
+        return base, None
+    if len(names) > 1:
+        return None
+    name = names[0]
+    if name in (getattr(module, "lora_variant", None) or {}) or (getattr(module, "use_dora", None) or {}).get(name):
+        return None
+    lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+    if not isinstance(lora_a, nn.Linear) or not isinstance(lora_b, nn.Linear) or lora_b.bias is not None:
+        return None
+    dropout = module.lora_dropout[name]
+    if dropout.training and getattr(dropout, "p", 0.0) > 0:
+        return None  # a live dropout draws noise; only the module reproduces it
+    return base, _Lora(lora_a.weight, lora_b.weight, float(module.scaling[name]))
+
+
+class ProjGroup:
+    """Linears that share one input: one ``mm`` for their concatenated LoRA A shadows, then per
+    projection ``addmm(base(x), h_i, sB_i^T)``. Projections the plan cannot express call the module."""
+
+    def __init__(self, modules: list[nn.Module], dtype: torch.dtype, device: torch.device) -> None:
+        self.modules = modules
+        self.calls: list[nn.Module] = []
+        self.loras: list[_Lora | None] = []
+        for m in modules:
+            r = resolve(m)
+            self.calls.append(m if r is None else r[0])
+            self.loras.append(None if r is None else r[1])
+        ranks = [lo.a.shape[0] if lo is not None else 0 for lo in self.loras]
+        self.slices: list[tuple[int, int] | None] = []
+        start = 0
+        for lo, r in zip(self.loras, ranks, strict=True):
+            self.slices.append((start, start + r) if lo is not None else None)
+            start += r
+        self.a_cat: torch.Tensor | None = None
+        self.sb: list[torch.Tensor | None] = [None] * len(modules)
+        if start:
+            in_f = next(lo.a.shape[1] for lo in self.loras if lo is not None)
+            self.a_cat = torch.empty(start, in_f, dtype=dtype, device=device)
+            for i, lo in enumerate(self.loras):
+                if lo is not None:
+                    self.sb[i] = torch.empty(lo.b.shape, dtype=dtype, device=device)
+        self.refresh()
+
+    @property
+    def has_lora(self) -> bool:
+        return self.a_cat is not None
+
+    def refresh(self) -> None:
+        """Copy the trainer's current factors into the shadows, in place (addresses never change)."""
+        with torch.no_grad():
+            for i, lo in enumerate(self.loras):
+                if lo is None:
+                    continue
+                s0, s1 = self.slices[i]  # type: ignore[misc]
+                self.a_cat[s0:s1].copy_(lo.a)  # type: ignore[index]
+                # scale in the factor's own precision (fp32 master), round once into the shadow
+                self.sb[i].copy_(lo.b * lo.scaling)  # type: ignore[union-attr]
+
+    def shadows(self) -> list[torch.Tensor]:
+        return [t for t in [self.a_cat, *self.sb] if t is not None]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``x`` [..., in] -> one output [..., out_i] per projection."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        h = torch.mm(x2, self.a_cat.t()) if self.a_cat is not None else None
+        outs = []
+        for call, lo, sl, sb in zip(self.calls, self.loras, self.slices, self.sb, strict=True):
+            y = call(x2)
+            if lo is not None:
+                y = torch.addmm(y, h[:, sl[0] : sl[1]], sb.t())  # type: ignore[index,union-attr]
+            outs.append(y.view(*lead, y.shape[-1]))
+        return outs
+
+
+@dataclass
+class LayerPlan:
+    qkv: ProjGroup
+    o: ProjGroup
+    gate_up: ProjGroup | None  # None: the MLP is not gate/up/down with SiLU; call layer.mlp
+    down: ProjGroup | None
+
+
+# transformers' MLPs whose forward is exactly down(act(gate(x)) * up(x))
+_GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP")
+
+
+def is_silu_mlp(mlp: nn.Module) -> bool:
+    act = getattr(mlp, "act_fn", None)
+    silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"  # transformers' ACT2FN["silu"]
+    return type(mlp).__name__ in _GATED_MLPS and silu
+
+
+class FastPlan:
+    """Per-layer projection groups of a Llama/Qwen decoder stack (see the module docstring)."""
+
+    def __init__(self, layers: list[nn.Module], dtype: torch.dtype, device: torch.device) -> None:
+        self.layers: list[LayerPlan] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = ProjGroup([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
+            o = ProjGroup([attn.o_proj], dtype, device)
+            if is_silu_mlp(mlp):
+                gate_up = ProjGroup([mlp.gate_proj, mlp.up_proj], dtype, device)
+                down = ProjGroup([mlp.down_proj], dtype, device)
+            else:
+                gate_up = down = None
+            self.layers.append(LayerPlan(qkv, o, gate_up, down))
+        self.signature = signature(layers)
+
+    def groups(self) -> list[ProjGroup]:
+        out: list[ProjGroup] = []
+        for lp in self.layers:
+            out += [g for g in (lp.qkv, lp.o, lp.gate_up, lp.down) if g is not None]
+        return out
+
+    def refresh(self) -> None:
+        for g in self.groups():
+            g.refresh()
+
+    def fingerprint(self) -> tuple:
+        """Addresses of the shadows (a captured graph reads them)."""
+        return tuple(t.data_ptr() for g in self.groups() for t in g.shadows())
+
+
+def signature(layers: list[nn.Module]) -> tuple:
+    """Every LoRA switch and adapter-factor identity the plan depends on; a change means rebuild."""
+    parts: list[object] = []
+    cls = _lora_layer_cls()
+    for layer in layers:
+        for m in layer.modules():
+            if cls is not None and isinstance(m, cls):
+                sw = switches(m)
+                factors = tuple(
+                    (n, m.lora_A[n].weight.data_ptr(), tuple(m.lora_A[n].weight.shape), m.lora_B[n].weight.data_ptr())
+                    for n in m.active_adapters if n in m.lora_A
+                )
+                parts.append((sw, factors, bool(m.lora_dropout.training)))
+    return tuple(parts)
+
+
+# ----- fused elementwise ops: Triton on CUDA, the torch reference elsewhere --------------------------------
+
+log = logging.getLogger("qerl.rollout")
+
+# First-use check tolerance (relative L2 error vs the torch reference): rounding-level differences pass,
+# a miscompiled kernel does not.
+_CHECK_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama/Qwen RMSNorm: ``w * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+class FusedOps:
+    """The decode step's elementwise work. ``triton=True`` routes it to ``qerl_kernels.decode``.
+
+    The first call of each kernel is checked against the torch reference on the same inputs (outside
+    graph capture, which always follows eager warm-up runs); an exception or a mismatch logs one warning
+    and that op stays on the torch path, so a kernel that fails to build on a GPU costs no run.
+    """
+
+    NAMES = ("add_rmsnorm", "rope_kv_write", "silu_mul")
+
+    def __init__(self, triton: bool) -> None:
+        self.enabled = dict.fromkeys(self.NAMES, triton)
+        self.checked: set[str] = set()
+        self._k = None
+        if triton:
+            try:
+                from qerl_kernels import decode as kernels
+
+                self._k = kernels
+            except Exception as exc:  # noqa: BLE001 - any import/build problem means: torch path
+                log.warning("qerl fused decode kernels unavailable (%s); using the torch path", exc)
+                self.enabled = dict.fromkeys(self.NAMES, False)
+
+    @property
+    def triton(self) -> bool:
+        return any(self.enabled.values())
+
+    def _fail(self, name: str, why: str) -> None:
+        self.enabled[name] = False
+        log.warning("qerl fused decode kernel %s disabled, torch path used instead: %s", name, why)
+
+    def _try(self, name: str, run, ref):  # noqa: ANN001, ANN202 - small local dispatcher
+        """Run the kernel; on first use compare with ``ref()``; return None to request the torch path."""
+        try:
+            out = run()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(name, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            return None
+        if name not in self.checked and not _capturing():
+            self.checked.add(name)
+            got, want = out if isinstance(out, tuple) else (out,), ref()
+            want = want if isinstance(want, tuple) else (want,)
+            for g, w in zip(got, want, strict=True):
+                err = _rel_err(g, w)
+                if err > _CHECK_TOL.get(w.dtype, 3e-2):
+                    self._fail(name, f"first-use check: relative error {err:.3g} vs the torch reference")
+                    return None
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.enabled["add_rmsnorm"] and _fusable(x, weight):
+            out = self._try("add_rmsnorm", lambda: self._k.add_rmsnorm(x, None, weight, eps)[1],
+                            lambda: rms_norm_ref(x, weight, eps))
+            if out is not None:
+                return out
+        return rms_norm_ref(x, weight, eps)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, rmsnorm(h + delta)); new tensors, ``h`` is left as it was."""
+        if self.enabled["add_rmsnorm"] and _fusable(h, weight, delta):
+
+            def ref() -> tuple[torch.Tensor, torch.Tensor]:
+                s = h + delta
+                return s, rms_norm_ref(s, weight, eps)
+
+            out = self._try("add_rmsnorm", lambda: self._k.add_rmsnorm(h, delta, weight, eps), ref)
+            if out is not None:
+                return out
+        h = h + delta
+        return h, rms_norm_ref(h, weight, eps)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        if (self.enabled["silu_mul"] and gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape
+                and gate.dtype == up.dtype):
+            out = self._try("silu_mul", lambda: self._k.silu_mul(gate, up), lambda: act(gate) * up)
+            if out is not None:
+                return out
+        return act(gate) * up
+
+    def rope_kv_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      rows: torch.Tensor, cos_g: torch.Tensor, sin_g: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """One decode token per slot: q/k/v [B, 1, heads, D]; rotate q and k, write k and v into the layer's
+        cache [slots, max_len, kv_heads, D] at (row b, positions[b]). Returns rotated q [B, heads, D].
+        ``cos_g``/``sin_g``: the tables gathered at ``positions`` [B, 1, 1, D] (torch path)."""
+
+        def ref() -> torch.Tensor:
+            qr = apply_rope_ref(q, cos_g, sin_g)[:, 0]
+            cache_k.index_put_((rows, positions), apply_rope_ref(k, cos_g, sin_g)[:, 0])
+            cache_v.index_put_((rows, positions), v[:, 0])
+            return qr
+
+        b, _, hq, d = q.shape
+        if (self.enabled["rope_kv_write"] and d % 2 == 0 and q.dtype == k.dtype == v.dtype == cos.dtype
+                and _rows_ok(q) and _rows_ok(k) and _rows_ok(v) and cache_k.stride(-1) == 1
+                and cache_k.stride(-2) == d and cache_v.stride(-1) == 1 and cache_v.stride(-2) == d):
+            q2, k2, v2 = q.reshape(b, hq * d), k.reshape(b, -1), v.reshape(b, -1)
+            name = "rope_kv_write"
+            try:
+                out = self._k.rope_kv_write(q2, k2, v2, positions, cos, sin, cache_k, cache_v)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(name, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                return ref()
+            if name in self.checked or _capturing():
+                return out
+            # first use: the reference re-writes the same cache rows; compare them and q
+            self.checked.add(name)
+            got_k, got_v = cache_k[rows, positions].clone(), cache_v[rows, positions].clone()
+            want_q = ref()
+            bad = max(_rel_err(out, want_q), _rel_err(got_k, cache_k[rows, positions]),
+                      _rel_err(got_v, cache_v[rows, positions]))
+            if bad > _CHECK_TOL.get(q.dtype, 3e-2):
+                self._fail(name, f"first-use check: relative error {bad:.3g} vs the torch reference")
+                return want_q
+            return out
+        return ref()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """[B, 1, heads, D] whose heads and D are packed (the row stride may be anything)."""
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+
+
+def _fusable(h: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None = None) -> bool:
+    ok = h.is_contiguous() and w.is_contiguous() and w.dtype == h.dtype and w.dim() == 1 and w.numel() == h.shape[-1]
+    return ok and (d is None or (d.is_contiguous() and d.dtype == h.dtype and d.shape == h.shape))
