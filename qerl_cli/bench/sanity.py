@@ -268,7 +268,10 @@ def bench_sanity(
     run = RunDir(run_dir, create=False)
     run.require("quantize")
     base = dict(overrides or {})
-    cells = grid_cells(grid or {})
+    axes = dict(grid or {})
+    if "format" in axes:  # format slowest: each format's model is loaded once
+        axes = {"format": axes.pop("format"), **axes}
+    cells = grid_cells(axes)
     cfgs = [build_bench_config(default_config(device), {**base, **{k: v for k, v in c.items() if k != "format"}})
             for c in cells]  # every cell validated before anything runs
     out = Path(out_dir) if out_dir is not None else run.path / "bench"
