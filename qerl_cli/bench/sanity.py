@@ -265,8 +265,6 @@ def bench_sanity(
             raise QerlError(f"{name} must be a positive integer, got {v!r}")
     select_perfectible([], lo, hi)  # checks the band
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    run = RunDir(run_dir, create=False)
-    run.require("quantize")
     base = dict(overrides or {})
     axes = dict(grid or {})
     if "format" in axes:  # format slowest: each format's model is loaded once
@@ -274,6 +272,8 @@ def bench_sanity(
     cells = grid_cells(axes)
     cfgs = [build_bench_config(default_config(device), {**base, **{k: v for k, v in c.items() if k != "format"}})
             for c in cells]  # every cell validated before anything runs
+    run = RunDir(run_dir, create=False)
+    run.require("quantize")
     out = Path(out_dir) if out_dir is not None else run.path / "bench"
     base_cfg = build_bench_config(default_config(device), base)
     t_start = time.perf_counter()
