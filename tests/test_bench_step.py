@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -49,7 +50,9 @@ def test_tiny_shape_phases_tokens_speedup(tmp_path):
 
 
 def test_run_dir_step_and_manifest(quantized_runs, tmp_path):
-    run_path = quantized_runs["nvfp4"].run
+    run_path = tmp_path / "run"  # a copy: the shared session run's manifest stays as other tests expect it
+    shutil.copytree(quantized_runs["nvfp4"].run, run_path, ignore=shutil.ignore_patterns(".lock", "train", "eval",
+                                                                                        "bench"))
     out = tmp_path / "b"
     res = bench_step(run_dir=run_path, overrides={**SMALL, "aqn": False}, warmup=1, measure=1, out_dir=out,
                      log=lambda _m: None)
