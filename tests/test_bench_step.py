@@ -54,15 +54,17 @@ def test_run_dir_step_and_manifest(quantized_runs, tmp_path):
     shutil.copytree(quantized_runs["nvfp4"].run, run_path, ignore=shutil.ignore_patterns(".lock", "train", "eval",
                                                                                         "bench"))
     out = tmp_path / "b"
-    res = bench_step(run_dir=run_path, overrides={**SMALL, "aqn": False}, warmup=1, measure=1, out_dir=out,
+    # one measured step of 1 prompt x 2 generations, zero-shot prompts: the CPU cost is the model, not the step
+    res = bench_step(run_dir=run_path, overrides={**SMALL, "aqn": False, "batch_prompts": 1, "shots": 0,
+                                                  "max_completion_length": 4}, warmup=0, measure=1, out_dir=out,
                      log=lambda _m: None)
     (row,) = res["results"]
     assert row["format"] == "nvfp4" and row["status"] == "ok"
     _check_phases(row)
-    assert row["aqn_s"] == 0.0
+    assert row["aqn_s"] < 1e-3  # AQN off: two clock reads
     # the engine's token count is the completions' lengths summed (real lengths: EOS / stop strings)
     for step in row["steps"]:
-        assert step["rollout_tokens"] == step["generated_tokens"] and 4 <= step["rollout_tokens"] <= 32
+        assert step["rollout_tokens"] == step["generated_tokens"] and 2 <= step["rollout_tokens"] <= 8
     rec = RunDir(run_path, create=False).record("bench/step")
     assert rec["status"] == "completed" and rec["outputs"]["json"]["path"].endswith("step.json")
     assert not (run_path / "train").exists()  # checkpoints went to a scratch run, not the run's train/
