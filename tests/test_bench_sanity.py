@@ -93,3 +93,25 @@ def test_bad_input(tmp_path):
         parse_axes(["lora_targets=q_proj,v_proj"])
     with pytest.raises(QerlError, match="--precision must be one of"):
         bench_sanity(run_dir=empty, grid=parse_axes(["precision=bf16,fp8"]), log=lambda _m: None)
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["bench", "step", "--shape", "tiny", "--set", "bogus=1"], ["unknown train option 'bogus'", "lora_rank"]),
+    (["bench", "step", "--shape", "tiny", "--finetune", "full"], ["unknown train option 'finetune'"]),
+    (["bench", "sanity", "--run", "{tmp}/r", "--grid", "colour=red,blue"], ["neither 'format' nor a train option"]),
+    (["bench", "sanity", "--run", "{tmp}/missing"], ["qerl quantize --run"]),
+])
+def test_cli_bad_input_is_one_line(tmp_path, args, needles):
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    env = {**os.environ, "COLUMNS": "200", "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-m", "qerl_cli", *[a.format(tmp=tmp_path) for a in args]],
+                         capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    err = res.stderr.strip()
+    assert err.count("\n") == 0, err
+    for n in needles:
+        assert n in err, err
