@@ -305,6 +305,67 @@ def bench_mismatch(
         console.print(line, highlight=False)
 
 
+SetOpt = Annotated[list[str] | None, Opt("--set", help="TrainConfig override KEY=VALUE (repeatable).")]
+
+
+@bench_app.command("step")
+def bench_step(
+    run: Annotated[Path | None, Opt("--run", help="Use the run's model, task and reward.")] = None,
+    shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|qwen2.5-14b|qwen2.5-32b")] = None,
+    formats: Annotated[str | None, Opt(help="Comma-separated: bf16,nvfp4,nf4 (mxfp4,int8,fp8 too); "
+                                             "default bf16,nvfp4,nf4 with --shape, the run's with --run.")] = None,
+    set_: SetOpt = None,
+    finetune: Annotated[str | None, Opt(help="Passed as the finetune train option (FlashRL).")] = None,
+    rollout_quant: Annotated[str | None, Opt(help="Passed as the rollout_quant train option (FlashRL).")] = None,
+    prompt_len: Annotated[int, Opt(help="Synthetic prompt tokens (--shape).")] = 256,
+    warmup: Annotated[int, Opt(help="Warm-up steps, not measured.")] = 1,
+    measure: Annotated[int, Opt(help="Measured steps (median).")] = 3,
+    memory_cap_gib: Annotated[float | None, Opt(help="Cap this process's GPU memory (GiB).")] = None,
+    time_budget: Annotated[float | None, Opt(help="Skip formats that would start after this many seconds.")] = None,
+    seed: int = 0,
+    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench or ./bench-step).")] = None,
+) -> None:
+    """One RL step of the trainer broken down by phase (rollout .. checkpoint) per format, vs BF16-LoRA."""
+    from qerl_cli.bench.overrides import parse_sets
+    from qerl_cli.bench.step import bench_step as run_bench
+    from qerl_cli.bench.step import render_table, short_summary
+
+    items = list(set_ or [])
+    items += [f"finetune={finetune}"] if finetune is not None else []
+    items += [f"rollout_quant={rollout_quant}"] if rollout_quant is not None else []
+    res = run_bench(run_dir=run, shape=shape, formats=formats.split(",") if formats else None,
+                    overrides=parse_sets(items), prompt_len=prompt_len, warmup=warmup, measure=measure, out_dir=out,
+                    seed=seed, memory_cap_gib=memory_cap_gib, time_budget_s=time_budget,
+                    log=lambda msg: err_console.print(msg, highlight=False))
+    console.print(render_table(res))
+    for line in short_summary(res):
+        console.print(line, highlight=False)
+
+
+@bench_app.command("sanity")
+def bench_sanity(
+    run: RunOpt = Path("runs/default"),
+    grid: Annotated[list[str] | None, Opt("--grid", help="Axis KEY=V1,V2 (format or a train option; repeatable).")]
+    = None,
+    set_: SetOpt = None,
+    candidates: Annotated[int, Opt(help="Problems sampled to find the perfectible ones.")] = 64,
+    samples: Annotated[int, Opt(help="Samples per candidate problem.")] = 40,
+    lo: Annotated[float, Opt(help="Lowest pass rate kept.")] = 0.2,
+    hi: Annotated[float, Opt(help="Highest pass rate kept.")] = 0.8,
+    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench).")] = None,
+) -> None:
+    """Steps until training accuracy > 95% on the model's perfectible problems, per grid cell."""
+    from qerl_cli.bench.overrides import parse_sets
+    from qerl_cli.bench.sanity import bench_sanity as run_bench
+    from qerl_cli.bench.sanity import parse_axes, render_table, short_summary
+
+    res = run_bench(run_dir=run, grid=parse_axes(grid), overrides=parse_sets(set_), candidates=candidates,
+                    samples=samples, lo=lo, hi=hi, out_dir=out, log=lambda msg: err_console.print(msg, highlight=False))
+    console.print(render_table(res))
+    for line in short_summary(res):
+        console.print(line, highlight=False)
+
+
 @app.command()
 def report(
     run: RunOpt = Path("runs/default"),

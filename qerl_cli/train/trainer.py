@@ -105,7 +105,9 @@ class Trainer:
         self.cfg = cfg.resolved()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = PRECISION_DTYPES[self.cfg.precision]
-        self.model_dir = quantized_model_dir(run)
+        # resolved in setup() unless a model is injected (benches build theirs in memory)
+        self.model_dir: Path | None = None
+        self.last_checkpoint_s = 0.0
         self.metrics_path = train_dir(run) / "metrics.jsonl"
         self.rollouts_dir = train_dir(run) / "rollouts"
         from qerl_cli.train.distributed import current
@@ -113,7 +115,14 @@ class Trainer:
         self.dist = current()  # world_size 1 unless launched by torchrun (train/distributed.py)
 
     # ---- setup -----------------------------------------------------------------------------------
-    def setup(self) -> None:
+    def setup(self, *, model: torch.nn.Module | None = None, tokenizer: Any = None, task: Any = None,
+              prompt_ids: list[list[int]] | None = None, reward_fn: Callable[..., Any] | None = None) -> None:
+        """Load the run's model, task and reward, or take them in memory (benchmarks: `qerl bench step|sanity`).
+
+        ``model`` (a base model on this trainer's device, in its dtype) replaces the run's checkpoint;
+        ``tokenizer`` may then be None when ``prompt_ids`` gives the prompts as token ids; ``task``
+        replaces ``cfg.task`` and ``reward_fn`` the task's reward.
+        """
         from qerl_cli.lora import attach_lora, make_lora_config
         from qerl_cli.models import load_model
         from qerl_cli.rollout import make_engine
@@ -122,7 +131,11 @@ class Trainer:
 
         c = self.cfg
         torch.manual_seed(c.seed)
-        base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device)
+        if model is None:
+            self.model_dir = quantized_model_dir(self.run)
+            base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device)
+        else:
+            base, self.tokenizer = model, tokenizer
         if c.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
@@ -152,13 +165,17 @@ class Trainer:
             self.rollout_quant = RolloutQuant(self.model, c.rollout_quant, scales=c.requant_scales or "dynamic",
                                               dtype=self.dtype)
         level = c.task_level
-        self.task = load_task(c.task, split="train", shots=c.shots, chat_template=c.chat_template,
-                              tokenizer=self.tokenizer, seed=c.seed, level=level)
+        self.task = task if task is not None else load_task(
+            c.task, split="train", shots=c.shots, chat_template=c.chat_template, tokenizer=self.tokenizer,
+            seed=c.seed, level=level)
         if not self.task.examples:
-            raise QerlError(f"task {c.task} has no training examples")
+            raise QerlError(f"task {self.task.name} has no training examples")
         self.reward_name = c.reward or self.task.reward
-        self.reward_fn = get_reward(self.reward_name)
-        self.prompt_ids = [self._encode(e.prompt) for e in self.task.examples]
+        self.reward_fn = reward_fn if reward_fn is not None else get_reward(self.reward_name)
+        self.prompt_ids = ([list(p) for p in prompt_ids] if prompt_ids is not None
+                           else [self._encode(e.prompt) for e in self.task.examples])
+        if len(self.prompt_ids) != len(self.task.examples):
+            raise QerlError(f"{len(self.prompt_ids)} prompt id lists for {len(self.task.examples)} task examples")
         self.stream = PromptStream(len(self.task.examples), c.seed)
         max_len = max(len(p) for p in self.prompt_ids) + c.max_completion_length + 1
         rollout_model = self.model if self.rollout_quant is None else self.rollout_quant.model
@@ -229,6 +246,18 @@ class Trainer:
         atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))
 
     # ---- one step --------------------------------------------------------------------------------
+    def _clock(self) -> float:
+        """perf_counter after the device's queued work: CUDA phases would otherwise bleed into the next."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _phase_peak(self, metrics: dict[str, Any], phase: str) -> None:
+        """Record this phase's CUDA peak and restart the count for the next phase."""
+        if self.device.type == "cuda":
+            metrics[f"memory/{phase}_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def _generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None,
                   prompt_offset: int = 0):
         from qerl_cli.rollout import SamplingParams
@@ -270,12 +299,17 @@ class Trainer:
         if on_cuda:
             torch.cuda.reset_peak_memory_stats()
 
-        # -- rollout (AQN noise in the rollout policy only)
-        t0 = time.perf_counter()
+        # -- AQN: this step's noisy norm weights (timed on their own; they feed the rollout policy only)
+        ta = self._clock()
         overrides = None
         if self.aqn is not None:
             overrides = self.aqn.noisy_norm_weights(self.step)
             metrics.update(self.aqn.last_metrics)
+        t_aqn = self._clock() - ta
+        self._phase_peak(metrics, "aqn")
+
+        # -- rollout
+        t0 = time.perf_counter()
         groups: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]] = []
         rollout_timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
         sampler = DynamicSampler(c.batch_prompts, g, max_refill_rounds=c.max_refill_rounds) if c.dynamic_sampling \
@@ -309,7 +343,8 @@ class Trainer:
                 break
         if on_cuda:
             self.engine.release()
-        t_rollout = time.perf_counter() - t0
+        t_rollout = self._clock() - t0
+        self._phase_peak(metrics, "rollout")
         if self.dist.enabled:
             from qerl_cli.train.distributed import rollout_metrics
 
@@ -328,7 +363,8 @@ class Trainer:
 
         prompt_ids = [self.prompt_ids[idx] for idx, ss, _, _ in groups for _ in ss]
         truncated = [s.finish_reason == "length" for s in samples]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        pad = 0 if pad is None else pad
         batch = build_batch(prompt_ids, [s.token_ids for s in samples], [s.logprobs for s in samples], truncated,
                             pad, mask_truncated=c.mask_truncated_completions).to(self.device)
         lengths = batch.lengths.float()
@@ -338,7 +374,7 @@ class Trainer:
         metrics["completions/clipped_ratio"] = batch.truncated.float().mean().item()
 
         # -- recompute pi_old with the training forward (clean norms), mismatch vs the rollout's mu
-        t1 = time.perf_counter()
+        t1 = self._clock()
         valid = (torch.arange(batch.mask.shape[1], device=self.device)[None, :] < batch.lengths[:, None]).float()
         if self.dist.enabled:
             from qerl_cli.train.distributed import forward_no_grad_sharded
@@ -352,10 +388,11 @@ class Trainer:
             isw, is_metrics = is_weights(c.correction, old_logp, batch.rollout_logp, valid, cap=c.correction_cap)
             metrics.update(is_metrics)
         metrics["entropy"] = ((entropies * batch.mask).sum() / batch.mask.sum().clamp(min=1)).item()
-        t_recompute = time.perf_counter() - t1
+        t_recompute = self._clock() - t1
+        self._phase_peak(metrics, "recompute")
 
-        # -- policy update
-        t2 = time.perf_counter()
+        # -- policy update (forward+backward, then optimizer: timed apart inside _update)
+        t2 = self._clock()
         rows = None
         if self.dist.enabled:
             from qerl_cli.train.distributed import shard_rows
@@ -367,17 +404,22 @@ class Trainer:
             self.full.sync_()
         if self.rollout_quant is not None:
             metrics.update(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
-        t_train = time.perf_counter() - t2
+        t_train = self._clock() - t2
+        if on_cuda:
+            metrics["memory/train_peak_gb"] = max(metrics.get("memory/fwd_bwd_peak_gb", 0.0),
+                                                  metrics.get("memory/optimizer_peak_gb", 0.0))
 
         self.step += 1
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         metrics["timing/rollout_s"] = t_rollout
         metrics["timing/recompute_s"] = t_recompute
         metrics["timing/train_s"] = t_train
+        metrics["timing/aqn_s"] = t_aqn
         metrics["timing/rollout_tokens_per_s"] = rollout_timing["tokens"] / max(t_rollout, 1e-9)
         metrics["timing/rollout_tokens"] = rollout_timing["tokens"]
         if on_cuda:
-            metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            metrics["memory/peak_gb"] = max(v for k, v in metrics.items()
+                                            if k.startswith("memory/") and k.endswith("_peak_gb"))
         self._log_rollouts(groups, adv, metrics["step"])
         return metrics
 
@@ -407,6 +449,7 @@ class Trainer:
         normalizer = {"dapo": batch.mask.sum().clamp(min=1).item(),
                       "dr_grpo": float(bsz * c.max_completion_length)}.get(c.algo, float(bsz))
         self.model.train()
+        t_fb = self._clock()
         self.optimizer.zero_grad(set_to_none=True)
         agg: dict[str, float] = {}
         total_loss = 0.0
@@ -429,6 +472,9 @@ class Trainer:
                 agg[k] = agg.get(k, 0.0) + v * w / bsz
         reduce_gradients(self.params, self.dist)  # no-op on one process
         total_loss, agg = reduce_loss_metrics(total_loss, agg, self.dist)
+        t_opt = self._clock()
+        agg["timing/fwd_bwd_s"] = t_opt - t_fb
+        self._phase_peak(agg, "fwd_bwd")
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))
@@ -438,6 +484,8 @@ class Trainer:
         self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
         self.scheduler.step()
+        agg["timing/optimizer_s"] = self._clock() - t_opt
+        self._phase_peak(agg, "optimizer")
         self.model.eval()
         agg["loss"] = total_loss
         agg["grad_norm"] = grad_norm.item() if finite else float("nan")
@@ -495,8 +543,10 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "rollout_quant": self.rollout_quant.state_dict() if self.rollout_quant is not None else None,
         }
+        t0 = self._clock()
         path = save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(), self.cfg.keep_checkpoints,
                                write_weights=self.full.save if self.full is not None else None)
+        self.last_checkpoint_s = self._clock() - t0
         self.dist.barrier()
         return path
 
@@ -569,6 +619,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
                 stop_now = ctx.any_true(stop.requested)  # every rank stops at the same step
                 if done or trainer.step % trainer.cfg.save_steps == 0 or stop_now:
                     last_ckpt = trainer.save()
+                    m["timing/checkpoint_s"] = trainer.last_checkpoint_s  # in history; the jsonl line is written
                     if ctx.enabled:
                         from qerl_cli.train.distributed import replica_digests
 

@@ -1,0 +1,383 @@
+"""`qerl bench sanity`: steps until training accuracy passes 95% on the model's perfectible problems.
+
+(i) The perfectible subset: ``candidates`` problems of the run's task (``--set task=arith|gsm8k|math``)
+are each sampled ``samples`` times (default 40) with the builtin engine on the run's model (no adapter:
+a fresh LoRA has B = 0, so this is the initial policy), scored with the task's reward, and the problems
+solved a fraction in [``lo``, ``hi``] (default [0.2, 0.8]) of the time are kept. The subset is saved as
+``perfectible.json`` (every candidate's pass rate, the source task, the model hash, the sampling
+settings) and reused by a later bench with the same settings on the same model.
+
+(ii) Each grid cell trains from the same initial adapter (same seed) on that subset: a ``Trainer`` with
+the subset injected as its task (``Trainer.setup(task=...)``), the cell's TrainConfig, and the model in
+the cell's ``format`` (the run's own, or a copy quantized from the run's source, bench/runmodels.py).
+Per cell: training accuracy per step, the first step whose accuracy exceeds ``threshold`` (or "not
+reached" with the final and best plateau: means over the last / best ``window`` steps), whether it
+collapsed (a non-finite loss, or the plateau falling by ``collapse_drop`` after its best), wall time.
+
+(iii) ``sanity.json``, ``sanity.png`` (accuracy vs step per cell), each written atomically, last.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import gc
+import io
+import json
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_cli.errors import QerlError
+from qerl_cli.manifest import jsonable
+
+SCHEMA = 1
+THRESHOLD = 0.95
+WINDOW = 3
+COLLAPSE_DROP = 0.3
+
+
+def default_config(device: torch.device) -> dict[str, Any]:
+    """The bench's TrainConfig defaults (quick_cpu-sized on CPU); --set values go on top."""
+    return {
+        "task": "arith", "batch_prompts": 8, "num_generations": 8, "max_completion_length": 8, "lr": 2e-4,
+        "lora_rank": 16, "precision": "bf16" if device.type == "cuda" else "fp32", "steps": 20,
+        "micro_batch_size": 32, "save_steps": 10**9, "log_rollouts": False, "aqn_stages": 4,
+    }
+
+
+def select_perfectible(pass_rates: Sequence[float], lo: float = 0.2, hi: float = 0.8) -> list[int]:
+    """Indices of the problems whose pass rate lies in [lo, hi] (both ends included)."""
+    if not (0.0 <= lo <= hi <= 1.0):
+        raise QerlError(f"the perfectible band needs 0 <= lo <= hi <= 1, got lo={lo}, hi={hi}")
+    return [i for i, r in enumerate(pass_rates) if lo <= r <= hi]
+
+
+def curve_summary(acc: Sequence[float], threshold: float = THRESHOLD, window: int = WINDOW,
+                  collapse_drop: float = COLLAPSE_DROP) -> dict[str, Any]:
+    """Steps to threshold (1-based, None if never), final/best plateau (window means), collapse flag."""
+    vals = [float(a) for a in acc]
+    reached = next((i + 1 for i, a in enumerate(vals) if a > threshold), None)
+    if not vals:
+        return {"steps_to_threshold": None, "final": None, "best": None, "collapsed": False}
+    w = max(1, min(window, len(vals)))
+    means = [sum(vals[i:i + w]) / w for i in range(len(vals) - w + 1)]
+    best_i = max(range(len(means)), key=lambda i: means[i])
+    collapsed = any(math.isnan(a) for a in vals) or (means[best_i] - means[-1] >= collapse_drop
+                                                     and best_i < len(means) - 1)
+    return {"steps_to_threshold": reached, "final": means[-1], "best": means[best_i], "collapsed": collapsed}
+
+
+def _encode(tok: Any, prompt: str, max_len: int, chat_template: bool) -> list[int]:
+    """As Trainer._encode: the training prompts, token for token."""
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    bos = tok.bos_token_id
+    if bos is not None and not chat_template and (not ids or ids[0] != bos) and getattr(tok, "add_bos_token", False):
+        ids = [bos] + ids
+    return ids[-max_len:]
+
+
+def measure_pass_rates(model: Any, tok: Any, task: Any, *, samples: int, max_tokens: int, temperature: float,
+                       seed: int, max_prompt_length: int, chat_template: bool, dtype: torch.dtype) -> list[float]:
+    """Fraction of ``samples`` sampled completions per problem that the task's reward scores as correct."""
+    from qerl_cli.rollout import BuiltinEngine, SamplingParams
+    from qerl_cli.tasks import get_reward
+    from qerl_cli.tasks.rewards import safe_rewards
+
+    prompt_ids = [_encode(tok, e.prompt, max_prompt_length, chat_template) for e in task.examples]
+    engine = BuiltinEngine(model, tok, max_batch_slots=min(256, len(prompt_ids) * samples),
+                           max_model_len=max(len(p) for p in prompt_ids) + max_tokens + 1, dtype=dtype)
+    try:
+        res = engine.generate(prompt_ids, SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens,
+                                                         stop=list(task.stop), seed=seed))
+    finally:
+        engine.release()
+    ex = task.examples
+    rewards = safe_rewards(get_reward(task.reward), [ex[s.prompt_index].prompt for s in res.samples],
+                           [s.text or "" for s in res.samples], answer=[ex[s.prompt_index].answer for s in res.samples])
+    hits = [0] * len(ex)
+    for s, r in zip(res.samples, rewards, strict=True):
+        hits[s.prompt_index] += r >= 1.0 - 1e-6
+    return [h / samples for h in hits]
+
+
+class ModelCache:
+    """The last loaded (format, dtype) model: cells copy it instead of reloading (and re-dequantizing on CPU)."""
+
+    def __init__(self, run: Any, out: Path, device: torch.device, log: Callable[[str], None]) -> None:
+        self.run, self.out, self.device, self.log = run, out, device, log
+        self.key: tuple[str, torch.dtype] | None = None
+        self.model: Any = None
+        self.tok: Any = None
+
+    def get(self, fmt: str, dtype: torch.dtype) -> tuple[Any, Any]:
+        from qerl_cli.bench.runmodels import format_model_dir
+        from qerl_cli.models import load_model
+
+        if self.key != (fmt, dtype):
+            self.model = None
+            gc.collect()
+            self.model, self.tok = load_model(str(format_model_dir(self.run, fmt, self.out, self.log)), dtype=dtype,
+                                              device=self.device)
+            self.key = (fmt, dtype)
+        return self.model, self.tok
+
+
+def build_subset(run: Any, cfg: Any, *, candidates: int, samples: int, lo: float, hi: float, temperature: float,
+                 out: Path, models: ModelCache, log: Callable[[str], None]) -> dict[str, Any]:
+    """The perfectible subset of the run's model (reused from ``out/perfectible.json`` when it matches)."""
+    from qerl_cli.bench.runmodels import model_hash, run_format
+    from qerl_cli.manifest import atomic_write_json
+    from qerl_cli.tasks import load_task
+    from qerl_cli.train.trainer import PRECISION_DTYPES
+
+    key = {"task": cfg.task, "task_level": cfg.task_level, "shots": cfg.shots, "chat_template": cfg.chat_template,
+           "model_hash": model_hash(run), "candidates": candidates, "samples": samples, "lo": lo, "hi": hi,
+           "temperature": temperature, "max_tokens": cfg.max_completion_length, "seed": cfg.seed}
+    path = out / "perfectible.json"
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            old = {}
+        if old.get("key") == key:
+            log(f"reusing the perfectible subset in {path} ({len(old['selected'])} of {candidates} problems)")
+            return old
+    dtype = PRECISION_DTYPES[cfg.precision]
+    model, tok = models.get(run_format(run), dtype)
+    task = load_task(cfg.task, split="train", shots=cfg.shots, chat_template=cfg.chat_template, tokenizer=tok,
+                     seed=cfg.seed, level=cfg.task_level, limit=candidates)
+    examples = task.examples[:candidates]
+    task.examples = examples
+    if not examples:
+        raise QerlError(f"task {cfg.task} has no training problems to build the perfectible subset from")
+    t0 = time.perf_counter()
+    log(f"sampling {samples} completions for each of {len(examples)} {task.name} problems ...")
+    rates = measure_pass_rates(model, tok, task, samples=samples, max_tokens=cfg.max_completion_length,
+                               temperature=temperature, seed=cfg.seed, max_prompt_length=cfg.max_prompt_length,
+                               chat_template=cfg.chat_template, dtype=dtype)
+    selected = select_perfectible(rates, lo, hi)
+    subset = {
+        "schema": SCHEMA, "kind": "bench/sanity/perfectible", "key": key, "source_task": task.name,
+        "reward": task.reward, "stop": list(task.stop), "wall_s": time.perf_counter() - t0,
+        "problems": [{"index": i, "prompt": e.prompt, "answer": e.answer, "pass_rate": r}
+                     for i, (e, r) in enumerate(zip(examples, rates, strict=True))],
+        "selected": selected,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, jsonable(subset))
+    log(f"perfectible subset: {len(selected)} of {len(examples)} problems with pass rate in [{lo}, {hi}] -> {path}")
+    return subset
+
+
+def _subset_task(subset: dict[str, Any]) -> Any:
+    from qerl_cli.tasks.datasets import Example, Task
+
+    rows = {p["index"]: p for p in subset["problems"]}
+    examples = [Example(rows[i]["prompt"], rows[i]["answer"], {"pass_rate": rows[i]["pass_rate"]})
+                for i in subset["selected"]]
+    return Task(f"perfectible:{subset['source_task']}", "train", examples, subset["reward"], tuple(subset["stop"]),
+                lambda q: q, max_new_tokens=subset["key"]["max_tokens"])
+
+
+def cell_label(cell: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in cell.items()) or "base"
+
+
+def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], models: ModelCache,
+              device: torch.device, log: Callable[[str], None]) -> dict[str, Any]:
+    from qerl_cli.bench.runmodels import run_format
+    from qerl_cli.manifest import RunDir
+    from qerl_cli.train.trainer import PRECISION_DTYPES, NonFiniteLoss, Trainer
+
+    fmt = cell.get("format", run_format(run))
+    label = cell_label(cell)
+    row: dict[str, Any] = {"cell": cell, "label": label, "format": fmt, "accuracy": [], "reward": [], "loss": []}
+    t0 = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="qerl-sanity-"))
+    trainer = model = None
+    try:
+        base, tok = models.get(fmt, PRECISION_DTYPES[cfg.precision])
+        model = copy.deepcopy(base)  # LoRA attaches in place; every cell starts from the same weights
+        trainer = Trainer(RunDir(scratch), cfg, device=str(device))
+        trainer.setup(model=model, tokenizer=tok, task=_subset_task(subset))
+        status = "ok"
+        for _ in range(cfg.steps):
+            try:
+                m = trainer.train_step()
+            except NonFiniteLoss as exc:
+                row["accuracy"].append(float("nan"))
+                status = f"non-finite: {exc}"
+                break
+            row["accuracy"].append(float(m["accuracy"]))
+            row["reward"].append(float(m["reward/raw_mean"]))
+            row["loss"].append(float(m.get("loss", float("nan"))))
+            log(f"[{label}] step {trainer.step}: accuracy {m['accuracy']:.3f}")
+        row["status"] = status
+    except Exception as exc:  # noqa: BLE001 - recorded per cell, the grid goes on
+        if isinstance(exc, QerlError) and "run directory" in str(exc):
+            raise
+        row["status"] = f"error: {str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}"
+        log(f"[{label}] {row['status']}")
+    finally:
+        if trainer is not None and getattr(trainer, "engine", None) is not None:
+            trainer.engine.release()
+        trainer = model = None
+        gc.collect()
+        shutil.rmtree(scratch, ignore_errors=True)
+    row.update(curve_summary(row["accuracy"]))
+    row["steps_run"] = len(row["accuracy"])
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def bench_sanity(
+    *,
+    run_dir: Path,
+    grid: dict[str, list[Any]] | None = None,
+    overrides: dict[str, Any] | None = None,
+    candidates: int = 64,
+    samples: int = 40,
+    lo: float = 0.2,
+    hi: float = 0.8,
+    sample_temperature: float = 1.0,
+    out_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Build (or reuse) the perfectible subset, train every grid cell on it, write JSON + PNG.
+
+    ``grid`` maps ``format`` and TrainConfig fields to the values to cross (bench/overrides.py
+    parse_grid); ``overrides`` are TrainConfig fields for every cell (``--set``), over
+    :func:`default_config`. Recorded in the run's manifest under ``bench/sanity``.
+    """
+    from qerl_cli.bench.overrides import build_bench_config, grid_cells
+    from qerl_cli.env_info import environment
+    from qerl_cli.manifest import RunDir, atomic_write_json
+
+    for name, v in (("candidates", candidates), ("samples", samples)):
+        if not isinstance(v, int) or v < 1:
+            raise QerlError(f"{name} must be a positive integer, got {v!r}")
+    select_perfectible([], lo, hi)  # checks the band
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    base = dict(overrides or {})
+    axes = dict(grid or {})
+    if "format" in axes:  # format slowest: each format's model is loaded once
+        axes = {"format": axes.pop("format"), **axes}
+    cells = grid_cells(axes)
+    cfgs = [build_bench_config(default_config(device), {**base, **{k: v for k, v in c.items() if k != "format"}})
+            for c in cells]  # every cell validated before anything runs
+    run = RunDir(run_dir, create=False)
+    run.require("quantize")
+    out = Path(out_dir) if out_dir is not None else run.path / "bench"
+    base_cfg = build_bench_config(default_config(device), base)
+    t_start = time.perf_counter()
+    models = ModelCache(run, out, device, log)
+    subset = build_subset(run, base_cfg, candidates=candidates, samples=samples, lo=lo, hi=hi,
+                          temperature=sample_temperature, out=out, models=models, log=log)
+    if not subset["selected"]:
+        raise QerlError(f"no problem of {candidates} has a pass rate in [{lo}, {hi}] on this model: widen the "
+                        "band (--lo/--hi), raise --candidates, or pick an easier task (--set task_level=1)")
+    res: dict[str, Any] = {
+        "schema": SCHEMA, "kind": "bench/sanity",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": str(run.path),
+        "config": {"grid": jsonable(grid or {}), "overrides": jsonable(base), "train": base_cfg.resolved().to_dict(),
+                   "threshold": THRESHOLD, "window": WINDOW, "collapse_drop": COLLAPSE_DROP,
+                   "subset": {k: subset[k] for k in ("key", "selected", "source_task")}},
+        "env": environment(),
+        "results": [],
+    }
+    for cell, cfg in zip(cells, cfgs, strict=True):
+        row = _run_cell(run, cell, cfg, subset, models, device, log)
+        res["results"].append(row)
+        reached = row["steps_to_threshold"]
+        log(f"[{row['label']}] {row['status']}: " + (f"> {THRESHOLD:.0%} at step {reached}" if reached else
+            f"not reached in {row['steps_run']} steps (final {_f(row['final'])}, best {_f(row['best'])})") +
+            (" COLLAPSED" if row["collapsed"] else "") + f", {row['wall_s']:.0f}s")
+    res["wall_s"] = time.perf_counter() - t_start
+
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / "sanity.json", out / "sanity.png"
+    res["files"] = {"json": str(json_path), "plot": str(png_path), "subset": str(out / "perfectible.json")}
+    plot(res, png_path)
+    atomic_write_json(json_path, jsonable(res))  # last: a JSON on disk means a finished bench
+    with run.stage("bench", config=res["config"], inputs={"model": run.rel(quantized_dir(run))},
+                   key="bench/sanity") as rec:
+        rec.outputs = {"json": {"path": run.rel(json_path)}, "plot": {"path": run.rel(png_path)},
+                       "subset": {"path": run.rel(out / "perfectible.json")}}
+        rec.metrics = {f"{r['label']}/steps_to_threshold": r["steps_to_threshold"] for r in res["results"]}
+    return res
+
+
+def quantized_dir(run: Any) -> Path:
+    from qerl_cli.runlayout import quantized_model_dir
+
+    return quantized_model_dir(run)
+
+
+# ---- presentation -------------------------------------------------------------------------------
+def _f(v: Any, spec: str = "{:.3f}") -> str:
+    return "-" if v is None else spec.format(v)
+
+
+def render_table(res: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    c = res["config"]
+    sub = c["subset"]
+    table = Table(title=f"qerl bench sanity: {res['model']}, {len(sub['selected'])} perfectible {sub['source_task']} "
+                        f"problems (pass rate in [{sub['key']['lo']}, {sub['key']['hi']}] over "
+                        f"{sub['key']['samples']} samples), threshold {c['threshold']:.0%}")
+    for col in ("cell", "steps to > threshold", "final", "best", "collapsed", "steps", "wall s", "status"):
+        table.add_column(col, justify="left" if col in ("cell", "status") else "right")
+    for r in res["results"]:
+        table.add_row(r["label"], str(r["steps_to_threshold"] or "not reached"), _f(r["final"]), _f(r["best"]),
+                      "yes" if r["collapsed"] else "no", str(r["steps_run"]), _f(r["wall_s"], "{:.0f}"), r["status"])
+    return table
+
+
+def short_summary(res: dict[str, Any]) -> list[str]:
+    f = res["files"]
+    return [f"JSON: {f['json']}  plot: {f['plot']}  subset: {f['subset']}"]
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    """PNG: training accuracy vs step, one line per cell, the threshold dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from qerl_cli.manifest import atomic_write_bytes
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for r in res["results"]:
+        acc = r["accuracy"]
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", ms=3, label=r["label"])
+    ax.axhline(res["config"]["threshold"], color="k", ls="--", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("qerl bench sanity: accuracy on the perfectible subset", fontsize=10)
+    if res["results"]:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def parse_axes(items: Iterable[str] | None) -> dict[str, list[Any]]:
+    """``--grid`` items -> axes (``format`` checked against qerl's formats)."""
+    from qerl_cli.bench.overrides import parse_grid
+    from qerl_cli.formats import FORMATS
+
+    return parse_grid(items, FORMATS)

@@ -1,0 +1,448 @@
+"""`qerl bench step`: one RL step of the real trainer, broken down by phase, per weight format.
+
+Every step is ``Trainer.train_step()`` followed by ``Trainer.save()`` (qerl_cli/train/trainer.py), on a
+Trainer whose model is built here and injected (``Trainer.setup(model=...)``), with its checkpoints
+in a scratch run directory that is deleted afterwards. Phases, as the trainer times them (on CUDA each
+boundary synchronizes, and each phase's peak memory is counted from its own start):
+
+  aqn         drawing this step's noisy RMSNorm weights (0 without AQN)
+  rollout     generation with the builtin engine and reward scoring
+  recompute   the no-grad training forward that gives pi_old (and the mismatch metrics)
+  fwd_bwd     forward + backward of the policy loss over the micro-batches
+  optimizer   unscale, clip, AdamW step, scheduler
+  checkpoint  ``Trainer.save()`` (adapter + optimizer state, atomically)
+  other       the step's wall time minus the phases (advantages, batch building, bookkeeping)
+
+Warm-up steps (Triton compiles, CUDA graph captures, allocator growth) are run and discarded; each
+number is the median over the measured steps. The speed-up is the BF16-LoRA step time over the format's.
+
+Models: ``shape`` builds a random model of a real architecture on the device (bench/shapes.py) with
+synthetic token prompts of ``prompt_len`` tokens, generation forced to ``max_completion_length`` tokens
+(EOS ignored), no tokenizer, and seeded uniform random rewards (every group has distinct rewards, so
+advantages are non-zero and the update does real work). ``run_dir`` uses the run's model, task and
+reward (real lengths: EOS and stop strings end samples); formats other than the run's are quantized
+from the run's source into ``<out>/models/<format>`` (bench/runmodels.py). ``nf4`` is QLoRA through
+bitsandbytes' 4-bit matmul and needs CUDA and bitsandbytes (else skipped with the reason).
+Outputs (written last, each atomically): ``step.json`` and ``step.png`` (stacked phase bars).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import importlib.util
+import io
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_cli.errors import QerlError
+from qerl_cli.manifest import jsonable
+
+PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")
+MEM_PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")
+DEFAULT_FORMATS = ("bf16", "nvfp4", "nf4")
+ALLOWED_FORMATS = ("bf16", "nvfp4", "nf4", "mxfp4", "int8", "fp8")
+CPU_SHAPES = ("tiny", "qwen2.5-0.5b")
+SCHEMA = 1
+# issue 7: NVFP4 end-to-end step vs BF16-LoRA; 32B NVFP4 LoRA (8 x 1024 tokens, grad ckpt) peak memory
+SPEEDUP_TARGETS = {"qwen2.5-7b": 1.5, "qwen2.5-32b": 2.0}
+PEAK_TARGET_GB = 40.0
+
+
+def default_config(device: torch.device, warmup: int, measure: int) -> dict[str, Any]:
+    """The bench's TrainConfig defaults (user --set values go on top)."""
+    return {
+        "batch_prompts": 8, "num_generations": 8, "max_completion_length": 256, "lora_rank": 32,
+        "precision": "bf16" if device.type == "cuda" else "fp32", "micro_batch_size": 8, "lr": 1e-5,
+        "steps": warmup + measure, "save_steps": 10**9, "keep_checkpoints": 1, "log_rollouts": False,
+        "aqn": True, "aqn_stages": max(1, warmup + measure),
+    }
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def nf4_skip_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "skipped: NF4 QLoRA runs through bitsandbytes, which needs a CUDA GPU"
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "skipped: bitsandbytes is not installed (pip install bitsandbytes)"
+    return None
+
+
+def synthetic_reward(seed: int) -> Callable[..., list[float]]:
+    """Uniform random rewards from a seeded stream: distinct within a group, so advantages are non-zero."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def synthetic_random_reward(prompts: Any, completions: Any, answer: Any = None, **kw: Any) -> list[float]:
+        return torch.rand(len(completions), generator=gen, dtype=torch.float64).tolist()
+
+    return synthetic_random_reward
+
+
+def synthetic_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` random token ids (the last id, the shapes' EOS, never drawn)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab - 1) for _ in range(length)] for _ in range(n)]
+
+
+def _synthetic_task(n: int, prompt_len: int, completion_len: int) -> Any:
+    from qerl_cli.tasks.datasets import Example, Task
+
+    examples = [Example(prompt=f"<synthetic prompt {i}: {prompt_len} random token ids>", answer="")
+                for i in range(n)]
+    return Task("synthetic", "train", examples, "synthetic_random_reward", (), lambda q: q,
+                max_new_tokens=completion_len)
+
+
+def _free(*objs: Any) -> None:
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+# ---- one format ---------------------------------------------------------------------------------
+def _build_shape_model(spec: Any, fmt: str, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    from qerl_cli.bench.rollout import _use_bitsandbytes_nf4
+    from qerl_cli.bench.shapes import build_random_model
+
+    model = build_random_model(spec, fmt, device, dtype=dtype, seed=seed)
+    if fmt == "nf4":
+        _use_bitsandbytes_nf4(model)
+    # Fixed-length generation: with no EOS id anywhere (and no tokenizer) the engine never stops early.
+    model.config.eos_token_id = None
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = None
+    return model
+
+
+def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None], label: str) -> list[dict[str, Any]]:
+    """Run warm-up + measured steps (train_step + save); per measured step: phase seconds, tokens, peaks."""
+    on_cuda = trainer.device.type == "cuda"
+    rows = []
+    for i in range(warmup + measure):
+        t0 = trainer._clock()
+        m = trainer.train_step()
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+        trainer.save()
+        step_s = trainer._clock() - t0
+        n_seq = trainer.cfg.batch_prompts * trainer.cfg.num_generations
+        row = {f"{p}_s": float(m.get(f"timing/{p}_s", 0.0)) for p in PHASES if p != "checkpoint"}
+        row["checkpoint_s"] = trainer.last_checkpoint_s
+        row["step_s"] = step_s
+        row["other_s"] = step_s - sum(row[f"{p}_s"] for p in PHASES)
+        row["rollout_tokens"] = int(m["timing/rollout_tokens"])
+        row["generated_tokens"] = int(round(m["completions/mean_length"] * n_seq))
+        row["sequences"] = n_seq
+        row["accuracy"] = m.get("accuracy")
+        row["loss"] = m.get("loss")
+        if on_cuda:
+            for p in MEM_PHASES[:-1]:
+                row[f"mem_{p}_gb"] = m.get(f"memory/{p}_peak_gb")
+            row["mem_checkpoint_gb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
+            row["peak_gb"] = max(v for k, v in row.items() if k.startswith("mem_") and v is not None)
+        row["warmup"] = i < warmup
+        rows.append(row)
+        log(f"{label} step {i + 1}{' (warm-up)' if i < warmup else ''}: {step_s:.2f}s = rollout "
+            f"{row['rollout_s']:.2f} + recompute {row['recompute_s']:.2f} + fwd+bwd {row['fwd_bwd_s']:.2f} + "
+            f"optimizer {row['optimizer_s']:.3f} + aqn {row['aqn_s']:.3f} + checkpoint {row['checkpoint_s']:.2f} "
+            f"+ other {row['other_s']:.2f}; {row['rollout_tokens']} tokens")
+    return rows
+
+
+def _summarize(rows: list[dict[str, Any]], prompt_len: float) -> dict[str, Any]:
+    meas = [r for r in rows if not r["warmup"]]
+    out: dict[str, Any] = {k: _median([r[k] for r in meas]) for k in
+                           [f"{p}_s" for p in PHASES] + ["other_s", "step_s", "rollout_tokens", "generated_tokens"]}
+    out["sequences"] = meas[0]["sequences"]
+    gen = out["generated_tokens"]
+    train_tokens = out["sequences"] * prompt_len + gen  # tokens each training forward processes
+    out["train_tokens"] = train_tokens
+    out["rollout_tok_s"] = out["rollout_tokens"] / out["rollout_s"] if out["rollout_s"] else None
+    out["recompute_tok_s"] = train_tokens / out["recompute_s"] if out["recompute_s"] else None
+    out["fwd_bwd_tok_s"] = train_tokens / out["fwd_bwd_s"] if out["fwd_bwd_s"] else None
+    out["step_tok_s"] = gen / out["step_s"] if out["step_s"] else None
+    if "peak_gb" in meas[0]:
+        for p in MEM_PHASES:
+            out[f"mem_{p}_gb"] = max((r.get(f"mem_{p}_gb") or 0.0) for r in rows)
+        out["peak_gb"] = max(r["peak_gb"] for r in rows)
+    out["steps"] = rows
+    return out
+
+
+# ---- the bench ----------------------------------------------------------------------------------
+def bench_step(
+    *,
+    run_dir: Path | None = None,
+    shape: str | None = None,
+    formats: Iterable[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    prompt_len: int = 256,
+    warmup: int = 1,
+    measure: int = 3,
+    out_dir: Path | None = None,
+    seed: int = 0,
+    memory_cap_gib: float | None = None,
+    time_budget_s: float | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Time the real RL step per format; write ``step.json`` + ``step.png``; return the result.
+
+    Exactly one of ``run_dir`` / ``shape``. ``overrides`` are TrainConfig fields (``--set``) on top of
+    :func:`default_config`; with ``shape`` they size the batch (``batch_prompts`` x ``num_generations``
+    sequences of ``prompt_len`` + ``max_completion_length`` tokens). ``formats`` default: bf16, nvfp4, nf4
+    (``shape``) or the run's format (``run_dir``). ``time_budget_s`` skips formats that would start after it.
+    """
+    from qerl_cli.bench.overrides import build_bench_config
+    from qerl_cli.env_info import environment
+    from qerl_cli.manifest import RunDir, atomic_write_json
+    from qerl_cli.train.trainer import PRECISION_DTYPES, Trainer
+
+    if (shape is None) == (run_dir is None):
+        raise QerlError("give exactly one of --shape (random model of an architecture) or --run (the run's model)")
+    for name, v, lo in (("warmup", warmup, 0), ("measure", measure, 1), ("prompt_len", prompt_len, 1)):
+        if not isinstance(v, int) or v < lo:
+            raise QerlError(f"{name} must be an integer >= {lo}, got {v!r}")
+    device = _device()
+    cfg = build_bench_config(default_config(device, warmup, measure), dict(overrides or {}))
+    cfg.steps = warmup + measure  # the AQN schedule and the LR warm-up see exactly the steps run
+    dtype = PRECISION_DTYPES[cfg.precision]
+    run = spec = None
+    if shape is not None:
+        from qerl_cli.bench.shapes import get_shape
+
+        spec = get_shape(shape)
+        if device.type != "cuda" and shape not in CPU_SHAPES:
+            raise QerlError(f"shape {shape} needs a CUDA GPU; on CPU use --shape {' or '.join(CPU_SHAPES)}")
+        if prompt_len + cfg.max_completion_length > spec.max_positions:
+            raise QerlError(f"prompt_len + max_completion_length = {prompt_len + cfg.max_completion_length} exceeds "
+                            f"the {shape} shape's {spec.max_positions} positions")
+        fmts = list(dict.fromkeys(formats or DEFAULT_FORMATS))
+    else:
+        from qerl_cli.bench.runmodels import run_format
+
+        run = RunDir(run_dir, create=False)
+        fmts = list(dict.fromkeys(formats or [run_format(run)]))  # StageMissingError names `qerl quantize`
+    bad = [f for f in fmts if f not in ALLOWED_FORMATS]
+    if bad or not fmts:
+        raise QerlError(f"unknown format(s) {', '.join(bad) or '(none given)'}; "
+                        f"choose from {', '.join(ALLOWED_FORMATS)}")
+    out = Path(out_dir) if out_dir is not None else (run.path / "bench" if run is not None else Path("bench-step"))
+    if device.type == "cuda" and memory_cap_gib is not None:
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib / total))
+
+    t_start = time.perf_counter()
+    res: dict[str, Any] = {
+        "schema": SCHEMA,
+        "kind": "bench/step",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "shape": shape,
+        "model": f"random {shape}" if shape else None,
+        "config": {"formats": fmts, "prompt_len": prompt_len if shape else "task", "warmup": warmup,
+                   "measure": measure, "seed": seed, "memory_cap_gib": memory_cap_gib,
+                   "train": cfg.resolved().to_dict(), "overrides": jsonable(dict(overrides or {})),
+                   "lengths": "fixed (EOS ignored)" if shape else "the model's (EOS / stop strings)",
+                   "rewards": "seeded uniform random" if shape else "the task's"},
+        "env": environment(),
+        "results": [],
+    }
+    for fmt in fmts:
+        backend = _backend(fmt, device)
+        row: dict[str, Any] = {"format": fmt, "backend": backend}
+        reason = nf4_skip_reason(device) if fmt == "nf4" else None
+        if reason is None and time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
+            reason = "skipped (time budget)"
+        if reason is not None:
+            row["status"] = reason
+            res["results"].append(row)
+            log(f"{fmt}: {reason}")
+            continue
+        scratch = Path(tempfile.mkdtemp(prefix=f"qerl-step-{fmt}-"))
+        model = trainer = None
+        try:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            trainer = Trainer(RunDir(scratch), cfg, device=str(device))
+            if spec is not None:
+                n_prompts = cfg.batch_prompts * (warmup + measure)
+                model = _build_shape_model(spec, fmt, device, dtype, seed)
+                trainer.setup(model=model, tokenizer=None, task=_synthetic_task(n_prompts, prompt_len,
+                                                                                cfg.max_completion_length),
+                              prompt_ids=synthetic_prompts(n_prompts, prompt_len, spec.vocab, seed),
+                              reward_fn=synthetic_reward(seed))
+            else:
+                from qerl_cli.bench.runmodels import format_model_dir
+                from qerl_cli.models import load_model
+
+                model_dir = format_model_dir(run, fmt, out, log)
+                model, tok = load_model(str(model_dir), dtype=dtype, device=device)
+                if fmt == "nf4":
+                    from qerl_cli.bench.rollout import _use_bitsandbytes_nf4
+
+                    _use_bitsandbytes_nf4(model)
+                trainer.setup(model=model, tokenizer=tok)
+                row["model_dir"] = str(model_dir)
+                res["model"] = str(run.path)
+            row["build_s"] = time.perf_counter() - t0
+            if device.type == "cuda":
+                row["build_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            log(f"{fmt}: trainer ready in {row['build_s']:.1f}s ({backend})")
+            p_len = prompt_len if spec is not None else statistics.mean(len(p) for p in trainer.prompt_ids)
+            rows = _measure(trainer, warmup, measure, log, fmt)
+            row.update(_summarize(rows, p_len))
+            row["status"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - recorded per format, the bench goes on
+            oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+            first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+            row["status"] = "OOM" if oom else f"error: {first}"
+            log(f"{fmt}: {row['status']}")
+        finally:
+            if trainer is not None and getattr(trainer, "engine", None) is not None:
+                trainer.engine.release()
+            trainer = model = None
+            _free()
+            shutil.rmtree(scratch, ignore_errors=True)
+        res["results"].append(row)
+
+    base = next((r for r in res["results"] if r["format"] == "bf16" and r["status"] == "ok"), None)
+    for r in res["results"]:
+        r["speedup_vs_bf16"] = (base["step_s"] / r["step_s"]) if base and r["status"] == "ok" and r["step_s"] else None
+    res["targets"] = _targets(res, cfg)
+    res["wall_s"] = time.perf_counter() - t_start
+
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / "step.json", out / "step.png"
+    res["files"] = {"json": str(json_path), "plot": str(png_path)}
+    plot(res, png_path)
+    atomic_write_json(json_path, jsonable(res))  # last: a JSON on disk means a finished bench
+    if run is not None:
+        _record_stage(run, res, json_path, png_path)
+    return res
+
+
+def _backend(fmt: str, device: torch.device) -> str:
+    from qerl_cli.bench.rollout import format_backend
+
+    return format_backend(fmt, device)
+
+
+def _targets(res: dict[str, Any], cfg: Any) -> list[dict[str, Any]]:
+    """Issue 7's targets, checked where this run has the cells (shape runs only)."""
+    rows = {r["format"]: r for r in res["results"] if r["status"] == "ok"}
+    out: list[dict[str, Any]] = []
+    shape = res.get("shape")
+    need = SPEEDUP_TARGETS.get(shape or "")
+    if need is not None and "nvfp4" in rows and rows["nvfp4"].get("speedup_vs_bf16") is not None:
+        sp = rows["nvfp4"]["speedup_vs_bf16"]
+        out.append({"target": f"{shape} nvfp4 step >= {need}x BF16-LoRA", "value": sp, "met": sp >= need})
+    if shape == "qwen2.5-32b" and "nvfp4" in rows and rows["nvfp4"].get("peak_gb") is not None:
+        r = rows["nvfp4"]
+        seqs = cfg.batch_prompts * cfg.num_generations
+        tokens = res["config"]["prompt_len"] + cfg.max_completion_length
+        peak = r["peak_gb"] * 2**30 / 1e9
+        asked = cfg.gradient_checkpointing and seqs == 8 and tokens == 1024
+        name = f"32B nvfp4 LoRA (8 x 1024 tokens, gradient checkpointing) peak < {PEAK_TARGET_GB:.0f} GB"
+        out.append({"target": name,
+                    "value": peak, "met": (peak < PEAK_TARGET_GB) if asked else None,
+                    "note": None if asked else f"measured at {seqs} x {tokens} tokens, gradient checkpointing "
+                                               f"{cfg.gradient_checkpointing}: not the target's configuration"})
+    return out
+
+
+def _record_stage(run: Any, res: dict[str, Any], json_path: Path, png_path: Path) -> None:
+    """Record the bench in the run's manifest under key bench/step (after the fact: one short write)."""
+    with run.stage("bench", config=res["config"], inputs={"model": run.rel(res["model"])}, key="bench/step") as rec:
+        rec.outputs = {"json": {"path": run.rel(json_path)}, "plot": {"path": run.rel(png_path)}}
+        rec.metrics = {f"{r['format']}/{k}": r[k] for r in res["results"] if r["status"] == "ok"
+                       for k in ("step_s", "rollout_tok_s", "speedup_vs_bf16") if r.get(k) is not None}
+
+
+# ---- presentation -------------------------------------------------------------------------------
+def _f(v: Any, spec: str = "{:.3f}") -> str:
+    return "-" if v is None else spec.format(v)
+
+
+def render_table(res: dict[str, Any]) -> Any:
+    """A rich Table: one row per format, median phase seconds, tok/s, peak memory, speed-up."""
+    from rich.table import Table
+
+    c = res["config"]["train"]
+    gpu = res["env"]["device"].get("gpu") or "CPU"
+    table = Table(title=f"qerl bench step: {res['model']}, {c['batch_prompts']} x {c['num_generations']} sequences, "
+                        f"<= {c['max_completion_length']} new tokens, LoRA r={c['lora_rank']}, {c['precision']}, "
+                        f"AQN {'on' if c['aqn'] else 'off'}, {gpu}; median of {res['config']['measure']} steps")
+    cols = ("format", "linears", "rollout s", "rollout tok/s", "recompute s", "fwd+bwd s", "optimizer s", "AQN s",
+            "checkpoint s", "other s", "step s", "speed-up", "peak GiB (roll/recomp/train/ckpt)", "status")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("format", "linears", "status") else "right")
+    for r in res["results"]:
+        mem = "-"
+        if r.get("peak_gb") is not None:
+            train = max(r.get("mem_fwd_bwd_gb") or 0, r.get("mem_optimizer_gb") or 0)
+            mem = f"{r['mem_rollout_gb']:.1f}/{r['mem_recompute_gb']:.1f}/{train:.1f}/{r['mem_checkpoint_gb']:.1f}"
+        table.add_row(r["format"], r["backend"], _f(r.get("rollout_s")), _f(r.get("rollout_tok_s"), "{:,.0f}"),
+                      _f(r.get("recompute_s")), _f(r.get("fwd_bwd_s")), _f(r.get("optimizer_s")), _f(r.get("aqn_s")),
+                      _f(r.get("checkpoint_s")), _f(r.get("other_s")), _f(r.get("step_s")),
+                      _f(r.get("speedup_vs_bf16"), "{:.2f}x"), mem, r["status"])
+    return table
+
+
+def short_summary(res: dict[str, Any]) -> list[str]:
+    lines = []
+    for t in res.get("targets", []):
+        state = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+        note = f" ({t['note']})" if t.get("note") else ""
+        lines.append(f"target {t['target']}: {t['value']:.2f} -> {state}{note}")
+    lines.append(f"JSON: {res['files']['json']}  plot: {res['files']['plot']}")
+    return lines
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    """PNG: stacked bars of the median phase seconds per format (speed-up over BF16-LoRA on top)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from qerl_cli.manifest import atomic_write_bytes
+
+    ok = [r for r in res["results"] if r["status"] == "ok"]
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(ok) + 2.5), 4.6))
+    names = [r["format"] for r in ok]
+    bottom = [0.0] * len(ok)
+    for phase in (*PHASES, "other"):
+        vals = [max(0.0, r.get(f"{phase}_s") or 0.0) for r in ok]
+        ax.bar(names, vals, bottom=bottom, label=phase.replace("fwd_bwd", "fwd+bwd"))
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    for i, r in enumerate(ok):
+        if r.get("speedup_vs_bf16") is not None:
+            ax.text(i, bottom[i], f"{r['speedup_vs_bf16']:.2f}x", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("seconds per RL step (median)")
+    c = res["config"]["train"]
+    ax.set_title(f"{res['model']}: {c['batch_prompts']}x{c['num_generations']} seqs, "
+                 f"{c['max_completion_length']} new tokens, {res['env']['device'].get('gpu') or 'CPU'}", fontsize=9)
+    if ok:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())

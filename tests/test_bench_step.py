@@ -1,0 +1,111 @@
+"""`bench_step` on CPU: a tiny random shape and the embedded model's run dir; overrides; bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from qerl_cli.bench.overrides import grid_cells, parse_grid, parse_sets
+from qerl_cli.bench.step import PHASES, bench_step, render_table, short_summary
+from qerl_cli.errors import QerlError
+from qerl_cli.manifest import RunDir
+
+SMALL = {"batch_prompts": 2, "num_generations": 2, "max_completion_length": 8, "lora_rank": 4}
+
+
+def _check_phases(row: dict) -> None:
+    for p in PHASES:
+        assert row[f"{p}_s"] >= 0.0
+    total = sum(row[f"{p}_s"] for p in PHASES)
+    for step in row["steps"]:  # per step the phases and "other" add up to the measured step exactly
+        s = sum(step[f"{p}_s"] for p in PHASES)
+        assert s + step["other_s"] == pytest.approx(step["step_s"], rel=1e-9)
+        assert s <= step["step_s"] * 1.0001 and step["other_s"] < 0.5 * step["step_s"]
+    assert total <= row["step_s"] * 1.0001
+
+
+def test_tiny_shape_phases_tokens_speedup(tmp_path):
+    res = bench_step(shape="tiny", formats=("bf16", "nvfp4", "nf4"), overrides=SMALL, prompt_len=8, warmup=1,
+                     measure=1, out_dir=tmp_path, log=lambda _m: None)
+    on_disk = json.loads((tmp_path / "step.json").read_text())
+    rows = {r["format"]: r for r in on_disk["results"]}
+    assert rows["nf4"]["status"].startswith("skipped") and "CUDA" in rows["nf4"]["status"]
+    for fmt in ("bf16", "nvfp4"):
+        r = rows[fmt]
+        assert r["status"] == "ok"
+        _check_phases(r)
+        # fixed length, EOS ignored: 2 prompts x 2 generations x 8 tokens, every step
+        assert r["rollout_tokens"] == r["generated_tokens"] == 2 * 2 * 8
+        assert r["train_tokens"] == 4 * 8 + 32
+        assert len(r["steps"]) == 2 and r["steps"][0]["warmup"] and not r["steps"][1]["warmup"]
+        assert r["step_s"] == r["steps"][1]["step_s"]  # median of one measured step
+        assert r["rollout_tok_s"] == pytest.approx(32 / r["rollout_s"])
+    assert rows["bf16"]["speedup_vs_bf16"] == 1.0
+    assert rows["nvfp4"]["speedup_vs_bf16"] == pytest.approx(rows["bf16"]["step_s"] / rows["nvfp4"]["step_s"])
+    assert (tmp_path / "step.png").read_bytes()[:4] == b"\x89PNG"
+    assert render_table(res).row_count == 3
+    assert any("JSON" in line for line in short_summary(res))
+
+
+def test_run_dir_step_and_manifest(quantized_runs, tmp_path):
+    run_path = tmp_path / "run"  # a copy: the shared session run's manifest stays as other tests expect it
+    shutil.copytree(quantized_runs["nvfp4"].run, run_path, ignore=shutil.ignore_patterns(".lock", "train", "eval",
+                                                                                        "bench"))
+    out = tmp_path / "b"
+    # one measured step of 1 prompt x 2 generations, zero-shot prompts: the CPU cost is the model, not the step
+    res = bench_step(run_dir=run_path, overrides={**SMALL, "aqn": False, "batch_prompts": 1, "shots": 0,
+                                                  "max_completion_length": 4}, warmup=0, measure=1, out_dir=out,
+                     log=lambda _m: None)
+    (row,) = res["results"]
+    assert row["format"] == "nvfp4" and row["status"] == "ok"
+    _check_phases(row)
+    assert row["aqn_s"] < 1e-3  # AQN off: two clock reads
+    # the engine's token count is the completions' lengths summed (real lengths: EOS / stop strings)
+    for step in row["steps"]:
+        assert step["rollout_tokens"] == step["generated_tokens"] and 2 <= step["rollout_tokens"] <= 8
+    rec = RunDir(run_path, create=False).record("bench/step")
+    assert rec["status"] == "completed" and rec["outputs"]["json"]["path"].endswith("step.json")
+    assert not (run_path / "train").exists()  # checkpoints went to a scratch run, not the run's train/
+
+
+def test_killed_bench_leaves_no_json(tmp_path):
+    def stop(msg: str) -> None:
+        if "step 1" in msg:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bench_step(shape="tiny", formats=("bf16",), overrides=SMALL, prompt_len=4, warmup=1, measure=1,
+                   out_dir=tmp_path / "k", log=stop)
+    assert not (tmp_path / "k" / "step.json").exists()
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(QerlError, match="qerl quantize --run"):
+        bench_step(run_dir=RunDir(tmp_path / "empty").path, out_dir=tmp_path / "o", log=lambda _m: None)
+    with pytest.raises(QerlError, match="exactly one of"):
+        bench_step(log=lambda _m: None)
+    with pytest.raises(QerlError, match="needs a CUDA GPU"):
+        bench_step(shape="qwen2.5-7b", log=lambda _m: None)
+    with pytest.raises(QerlError, match="unknown format"):
+        bench_step(shape="tiny", formats=("nvfp5",), log=lambda _m: None)
+    with pytest.raises(QerlError, match=r"unknown train option 'finetune'; valid options: .*lora_rank"):
+        parse_sets(["finetune=full"])
+    with pytest.raises(QerlError, match="expected KEY=VALUE"):
+        parse_sets(["lr"])
+    with pytest.raises(QerlError, match="lr='fast': expected float"):
+        parse_sets(["lr=fast"])
+
+
+def test_overrides_are_typed():
+    got = parse_sets(["lr=1e-4", "aqn=true", "steps=3", "correction=none", "reward=null", "lora_targets=q_proj,v_proj",
+                      "dynamic_sampling=none", "max-completion-length=16"])
+    assert got == {"lr": 1e-4, "aqn": True, "steps": 3, "correction": "none", "reward": None,
+                   "lora_targets": ["q_proj", "v_proj"], "dynamic_sampling": None, "max_completion_length": 16}
+    axes = parse_grid(["format=bf16,nvfp4", "aqn=false,true", "precision=bf16,fp16"], ("bf16", "nvfp4"))
+    assert axes == {"format": ["bf16", "nvfp4"], "aqn": [False, True], "precision": ["bf16", "fp16"]}
+    cells = grid_cells(axes)
+    assert len(cells) == 8 and cells[0] == {"format": "bf16", "aqn": False, "precision": "bf16"}
+    assert cells[-1] == {"format": "nvfp4", "aqn": True, "precision": "fp16"}
+    assert grid_cells({}) == [{}]
