@@ -42,7 +42,7 @@ for N in $WORLDS; do
   if (( L < 60 )); then stamp "skip $N GPUs: ${L}s left"; continue; fi
   stamp "world size $N (limit ${L}s)"
   (cd /tmp && timeout "$L" python3 -m torch.distributed.run --standalone --nproc-per-node "$N" -m qerl_cli.bench.scale \
-    --shape "$SHAPE" --format "$FMT" $ARGS --out "$OUT/scale_w$N.json" 2>&1 | grep -v "^W[0-9]" | tail -20)
+    --shape "$SHAPE" --format "$FMT" $ARGS --out "$OUT/scale_w$N.json" 2>&1 | grep -v "^W[0-9]" | grep -v "^\s*\(time\|host\|error_file\|traceback\|exitcode\) *:" | tail -30)
 done
 python3 -P - "$OUT" <<'PY'
 import json, sys

@@ -57,7 +57,7 @@ fi
 P=${QERL_STEP_PROMPTS:-8} G=${QERL_STEP_GENS:-4} PL=${QERL_STEP_PROMPT_LEN:-256} NEW=${QERL_STEP_NEW:-256}
 if has step7b; then
   L=$(left); stamp "step7b (${L}s left)"
-  qerl $(( L - 20 > 60 ? L - 20 : 60 )) bench step --shape "${QERL_STEP_SHAPE7:-qwen2.5-7b}" --formats "bf16,nvfp4$NF4" \
+  qerl $(( L - 20 > 60 ? L - 20 : 60 )) bench step --shape "${QERL_STEP_SHAPE7:-qwen2.5-7b}" --formats "${QERL_STEP_FORMATS7:-bf16,nvfp4$NF4}" \
     --set batch_prompts=$P --set num_generations=$G --set max_completion_length=$NEW --set micro_batch_size=8 \
     --prompt-len "$PL" --warmup "${QERL_STEP_WARMUP:-1}" --measure "${QERL_STEP_MEASURE:-2}" \
     --time-budget $(( L / 2 )) --out "$OUT/s7"

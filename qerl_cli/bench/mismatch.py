@@ -138,7 +138,8 @@ def _run_cell(model: nn.Module, tok: Any, prompt_ids: list[list[int]], stop: lis
 
     t0 = time.perf_counter()
     engine = BuiltinEngine(model, tok, max_batch_slots=len(prompt_ids) * samples,
-                           max_model_len=max(len(p) for p in prompt_ids) + max_tokens, dtype=dtype)
+                           max_model_len=max(len(p) for p in prompt_ids) + max_tokens, dtype=dtype,
+                           gpu_memory_utilization=0.92)  # the bench holds no optimizer: the cache may take the rest
     try:
         out = engine.generate(prompt_ids, SamplingParams(n=samples, temperature=temperature, top_p=1.0, top_k=-1,
                                                          max_tokens=max_tokens, stop=stop, seed=seed,

@@ -15,9 +15,9 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -37,12 +37,11 @@ def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: 
                   device: str | None = None) -> Any:
     """A Trainer over an in-memory random shape model (no run directory), on this rank's device."""
     from qerl_cli.bench.shapes import build_random_model, get_shape
-    from qerl_cli.lora import attach_lora, make_lora_config
-    from qerl_cli.rollout import make_engine
-    from qerl_cli.tasks.datasets import Example
+    from qerl_cli.manifest import RunDir
+    from qerl_cli.tasks.datasets import Example, Task
     from qerl_cli.train.config import TrainConfig
     from qerl_cli.train.distributed import current
-    from qerl_cli.train.trainer import PRECISION_DTYPES, PromptStream, Trainer
+    from qerl_cli.train.trainer import PRECISION_DTYPES, Trainer
 
     ctx = current()
     dev = torch.device(device or ctx.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -56,26 +55,16 @@ def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: 
     for src in (model.config, getattr(model, "generation_config", None)):
         if src is not None:
             src.eos_token_id = None  # fixed-length generation: every sample runs new_tokens tokens
-    model = attach_lora(model, make_lora_config(lora_rank), seed=seed)
-    t = Trainer.__new__(Trainer)
-    t.cfg, t.device, t.dtype, t.dist, t.step = cfg, dev, dtype, ctx, 0
-    t.model = model
-    t.params = [p for p in model.parameters() if p.requires_grad]
-    t.tokenizer = SimpleNamespace(pad_token_id=0)
-    t.task = SimpleNamespace(examples=[Example(prompt=str(i), answer="") for i in range(num_prompts)], stop=[])
+    task = Task("synthetic", "train", [Example(prompt=str(i), answer="") for i in range(num_prompts)],
+                "bench_random", (), lambda q: q, max_new_tokens=new_tokens)
     _reward.group = num_generations  # type: ignore[attr-defined]
-    t.reward_name, t.reward_fn = "bench_random", _reward
     vocab = get_shape(shape).vocab
     g = torch.Generator().manual_seed(seed)
-    t.prompt_ids = torch.randint(3, vocab - 1, (num_prompts, prompt_len), generator=g).tolist()
-    t.stream = PromptStream(num_prompts, seed)
-    t.engine = make_engine("builtin", model, None, max_batch_slots=min(cfg.max_batch_slots,
-                                                                      batch_prompts * num_generations),
-                           max_model_len=prompt_len + new_tokens + 1, gpu_memory_utilization=0.5, dtype=dtype)
-    t.aqn = None
-    t.optimizer = torch.optim.AdamW(t.params, lr=cfg.lr, betas=(0.9, 0.99))
-    t.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda s: 1.0)
-    t.scaler = torch.amp.GradScaler(dev.type, enabled=False)
+    prompt_ids = torch.randint(3, vocab - 1, (num_prompts, prompt_len), generator=g).tolist()
+    # the Trainer's own setup (LoRA, engine, optimizer) over the in-memory model; its run directory is a
+    # per-rank scratch folder that nothing reads (the bench never saves)
+    t = Trainer(RunDir(Path(tempfile.mkdtemp(prefix=f"qerl-scale-r{ctx.rank}-"))), cfg, device=str(dev))
+    t.setup(model=model, tokenizer=None, task=task, prompt_ids=prompt_ids, reward_fn=_reward)
     return t
 
 

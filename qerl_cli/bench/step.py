@@ -10,6 +10,7 @@ boundary synchronizes, and each phase's peak memory is counted from its own star
   recompute   the no-grad training forward that gives pi_old (and the mismatch metrics)
   fwd_bwd     forward + backward of the policy loss over the micro-batches
   optimizer   unscale, clip, AdamW step, scheduler
+  requant     FlashRL mode: re-quantizing the rollout copy from the updated weights (0 otherwise)
   checkpoint  ``Trainer.save()`` (adapter + optimizer state, atomically)
   other       the step's wall time minus the phases (advantages, batch building, bookkeeping)
 
@@ -23,6 +24,9 @@ advantages are non-zero and the update does real work). ``run_dir`` uses the run
 reward (real lengths: EOS and stop strings end samples); formats other than the run's are quantized
 from the run's source into ``<out>/models/<format>`` (bench/runmodels.py). ``nf4`` is QLoRA through
 bitsandbytes' 4-bit matmul and needs CUDA and bitsandbytes (else skipped with the reason).
+A format ``BASE+ROLLOUT`` (e.g. ``bf16+int8``) is the FlashRL setting: the trained model in ``BASE``,
+rollouts through a copy quantized to ``ROLLOUT`` and re-quantized after every update (``rollout_quant``),
+corrected by token TIS; its speed-up is still measured against the plain ``bf16`` row.
 Outputs (written last, each atomically): ``step.json`` and ``step.png`` (stacked phase bars).
 """
 
@@ -46,10 +50,11 @@ import torch
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import jsonable
 
-PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")
-MEM_PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")
+PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "requant", "checkpoint")
+MEM_PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "requant", "checkpoint")
 DEFAULT_FORMATS = ("bf16", "nvfp4", "nf4")
 ALLOWED_FORMATS = ("bf16", "nvfp4", "nf4", "mxfp4", "int8", "fp8")
+ROLLOUT_QUANTS = ("int8", "fp8", "nvfp4", "mxfp4")  # the `BASE+ROLLOUT` cells (FlashRL mode)
 CPU_SHAPES = ("tiny", "qwen2.5-0.5b")
 SCHEMA = 1
 # issue 7: NVFP4 end-to-end step vs BF16-LoRA; 32B NVFP4 LoRA (8 x 1024 tokens, grad ckpt) peak memory
@@ -161,7 +166,8 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
         rows.append(row)
         log(f"{label} step {i + 1}{' (warm-up)' if i < warmup else ''}: {step_s:.2f}s = rollout "
             f"{row['rollout_s']:.2f} + recompute {row['recompute_s']:.2f} + fwd+bwd {row['fwd_bwd_s']:.2f} + "
-            f"optimizer {row['optimizer_s']:.3f} + aqn {row['aqn_s']:.3f} + checkpoint {row['checkpoint_s']:.2f} "
+            f"optimizer {row['optimizer_s']:.3f} + aqn {row['aqn_s']:.3f} + requant {row['requant_s']:.3f} + "
+            f"checkpoint {row['checkpoint_s']:.2f} "
             f"+ other {row['other_s']:.2f}; {row['rollout_tokens']} tokens")
     return rows
 
@@ -239,10 +245,12 @@ def bench_step(
 
         run = RunDir(run_dir, create=False)
         fmts = list(dict.fromkeys(formats or [run_format(run)]))  # StageMissingError names `qerl quantize`
-    bad = [f for f in fmts if f not in ALLOWED_FORMATS]
+    bad = [f for f in fmts if f.partition("+")[0] not in ALLOWED_FORMATS
+           or (f.partition("+")[2] or "int8") not in ROLLOUT_QUANTS]
     if bad or not fmts:
         raise QerlError(f"unknown format(s) {', '.join(bad) or '(none given)'}; "
-                        f"choose from {', '.join(ALLOWED_FORMATS)}")
+                        f"choose from {', '.join(ALLOWED_FORMATS)}, or BASE+ROLLOUT with ROLLOUT one of "
+                        f"{', '.join(ROLLOUT_QUANTS)} (FlashRL rollouts)")
     out = Path(out_dir) if out_dir is not None else (run.path / "bench" if run is not None else Path("bench-step"))
     if device.type == "cuda" and memory_cap_gib is not None:
         total = torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -263,9 +271,15 @@ def bench_step(
         "env": environment(),
         "results": [],
     }
-    for fmt in fmts:
-        backend = _backend(fmt, device)
-        row: dict[str, Any] = {"format": fmt, "backend": backend}
+    for cell in fmts:
+        fmt, _, rollout_quant = cell.partition("+")
+        cell_cfg = cfg
+        if rollout_quant:
+            cell_cfg = build_bench_config(default_config(device, warmup, measure),
+                                          {**dict(overrides or {}), "rollout_quant": rollout_quant})
+            cell_cfg.steps = cfg.steps
+        backend = _backend(fmt, device) + (f", rollouts {_backend(rollout_quant, device)}" if rollout_quant else "")
+        row: dict[str, Any] = {"format": cell, "backend": backend}
         reason = nf4_skip_reason(device) if fmt == "nf4" else None
         if reason is None and time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
             reason = "skipped (time budget)"
@@ -280,7 +294,7 @@ def bench_step(
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            trainer = Trainer(RunDir(scratch), cfg, device=str(device))
+            trainer = Trainer(RunDir(scratch), cell_cfg, device=str(device))
             if spec is not None:
                 n_prompts = cfg.batch_prompts * (warmup + measure)
                 model = _build_shape_model(spec, fmt, device, dtype, seed)
@@ -306,14 +320,14 @@ def bench_step(
                 row["build_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
             log(f"{fmt}: trainer ready in {row['build_s']:.1f}s ({backend})")
             p_len = prompt_len if spec is not None else statistics.mean(len(p) for p in trainer.prompt_ids)
-            rows = _measure(trainer, warmup, measure, log, fmt)
+            rows = _measure(trainer, warmup, measure, log, cell)
             row.update(_summarize(rows, p_len))
             row["status"] = "ok"
         except Exception as exc:  # noqa: BLE001 - recorded per format, the bench goes on
             oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
             first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
             row["status"] = "OOM" if oom else f"error: {first}"
-            log(f"{fmt}: {row['status']}")
+            log(f"{cell}: {row['status']}")
         finally:
             if trainer is not None and getattr(trainer, "engine", None) is not None:
                 trainer.engine.release()
@@ -390,7 +404,7 @@ def render_table(res: dict[str, Any]) -> Any:
                         f"<= {c['max_completion_length']} new tokens, LoRA r={c['lora_rank']}, {c['precision']}, "
                         f"AQN {'on' if c['aqn'] else 'off'}, {gpu}; median of {res['config']['measure']} steps")
     cols = ("format", "linears", "rollout s", "rollout tok/s", "recompute s", "fwd+bwd s", "optimizer s", "AQN s",
-            "checkpoint s", "other s", "step s", "speed-up", "peak GiB (roll/recomp/train/ckpt)", "status")
+            "requant s", "checkpoint s", "other s", "step s", "speed-up", "peak GiB (roll/recomp/train/ckpt)", "status")
     for col in cols:
         table.add_column(col, justify="left" if col in ("format", "linears", "status") else "right")
     for r in res["results"]:
@@ -400,7 +414,7 @@ def render_table(res: dict[str, Any]) -> Any:
             mem = f"{r['mem_rollout_gb']:.1f}/{r['mem_recompute_gb']:.1f}/{train:.1f}/{r['mem_checkpoint_gb']:.1f}"
         table.add_row(r["format"], r["backend"], _f(r.get("rollout_s")), _f(r.get("rollout_tok_s"), "{:,.0f}"),
                       _f(r.get("recompute_s")), _f(r.get("fwd_bwd_s")), _f(r.get("optimizer_s")), _f(r.get("aqn_s")),
-                      _f(r.get("checkpoint_s")), _f(r.get("other_s")), _f(r.get("step_s")),
+                      _f(r.get("requant_s")), _f(r.get("checkpoint_s")), _f(r.get("other_s")), _f(r.get("step_s")),
                       _f(r.get("speedup_vs_bf16"), "{:.2f}x"), mem, r["status"])
     return table
 
