@@ -58,10 +58,16 @@ def test_claim_chunks_tile_the_batch_across_concurrent_ranks(total: int, world: 
 
 def test_claim_chunks_sizes_shrink_and_one_rank_takes_all() -> None:
     assert list(claim_chunks(10, 1, LockedCounter())) == [(0, 10)]
-    # one rank alone draining a 2-rank schedule: ceil(left / 4) each time
+    # one rank alone draining a 2-rank schedule: its static share (32), then ceil(left / 4) each time
     assert list(claim_chunks(64, 2, LockedCounter())) == [
-        (0, 16), (16, 28), (28, 37), (37, 44), (44, 49), (49, 53), (53, 56), (56, 58), (58, 60), (60, 61), (61, 62),
-        (62, 63), (63, 64)]
+        (0, 32), (32, 40), (40, 46), (46, 51), (51, 55), (55, 58), (58, 60), (60, 61), (61, 62), (62, 63), (63, 64)]
+    # without a static share (first_share=0): guided from the start
+    assert list(claim_chunks(64, 2, LockedCounter(), first_share=0.0))[:3] == [(0, 16), (16, 28), (28, 37)]
+    # two ranks that both start at once: one claim each, the whole batch in two engine calls
+    counter = LockedCounter()
+    a, b = claim_chunks(64, 2, counter), claim_chunks(64, 2, counter)
+    assert [next(a), next(b)] == [(0, 32), (32, 64)]
+    assert list(a) == [] and list(b) == []
 
 
 def test_merge_chunks_restores_global_prompt_order() -> None:

@@ -176,25 +176,30 @@ def shutdown() -> None:
 
 
 # ---- rollout load balancing -----------------------------------------------------------------------
-def claim_chunks(total: int, world_size: int, counter: Callable[[int], int], *, factor: int = 2,
-                 min_chunk: int = 1) -> Iterator[tuple[int, int]]:
+def claim_chunks(total: int, world_size: int, counter: Callable[[int], int], *, first_share: float = 1.0,
+                 factor: int = 2, min_chunk: int = 1) -> Iterator[tuple[int, int]]:
     """Chunks [start, end) of ``range(total)`` for this rank, claimed through a shared atomic counter.
 
-    ``counter(k)`` adds k to the shared count and returns the new value (c10d ``store.add``). Guided
-    self-scheduling: the size is ceil(remaining / (factor * world_size)), read just before the claim; the
-    read may be stale (another rank claimed meanwhile), which only changes a size, never the ranges, since
-    the range comes from the atomic add itself. One rank takes everything in one chunk.
+    ``counter(k)`` adds k to the shared count and returns the new value (c10d ``store.add``). Each rank's
+    first claim is its static share, ``floor(first_share * total / world_size)`` prompts: one engine call
+    costs about as many decode steps as its longest sample, so a rank should generate its share in one
+    call. What is left (the remainder of the division, and shares not yet claimed by a rank that starts
+    late) goes by guided self-scheduling: ceil(remaining / (factor * world_size)), read just before the
+    claim; the read may be stale, which only changes a size, never the ranges, since the range comes from
+    the atomic add itself. One rank takes everything in one chunk.
     """
     if total <= 0:
         return
     if world_size <= 1:
         yield 0, total
         return
+    first = int(first_share * total / world_size)
     while True:
         remaining = total - counter(0)
         if remaining <= 0:
             return
-        size = max(min_chunk, math.ceil(remaining / (factor * world_size)))
+        size = first if first >= min_chunk else max(min_chunk, math.ceil(remaining / (factor * world_size)))
+        first = 0
         end = counter(size)
         start = end - size
         if start >= total:
