@@ -51,7 +51,9 @@ def plan_num_slots(
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise QerlError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     free, total = torch.cuda.mem_get_info(device)
-    used = total - free
+    # blocks this process's caching allocator holds but no tensor uses (e.g. a model build's freed
+    # temporaries) are free for the cache too: count only what is allocated, plus other processes' memory
+    used = total - free - (torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     budget = int(total * gpu_memory_utilization) - used - reserve_bytes
     per_slot = shape.bytes_per_slot()
     fit = budget // per_slot if budget > 0 else 0
