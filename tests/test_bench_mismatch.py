@@ -105,6 +105,11 @@ def test_abs_slope_and_ratios_by_hand():
             {"format": "fp8", "precision": "bf16", "status": "ok", "k3": 1e-3}]
     (r,) = _ratios(rows, ["int8", "fp8"])  # fp8 has no fp16 cell: no ratio
     assert r["format"] == "int8" and r["bf16_over_fp16"] == pytest.approx(20.0) and r["met"]
+    # a NaN fp16 cell (seen on the GPU for fp8 in fp16) is never counted as a met target
+    nan_rows = [{"format": "fp8", "precision": "bf16", "status": "ok", "k3": 1e-3},
+                {"format": "fp8", "precision": "fp16", "status": "ok", "k3": math.nan}]
+    (r,) = _ratios(nan_rows, ["fp8"])
+    assert not r["met"] and math.isnan(r["bf16_over_fp16"])
 
 
 def test_shape_model_fixed_length(tmp_path):

@@ -199,6 +199,10 @@ def _ratios(results: list[dict[str, Any]], fmts: list[str]) -> list[dict[str, An
         b, h = k3.get((f, "bf16")), k3.get((f, "fp16"))
         if b is None or h is None:
             continue
+        if not (math.isfinite(b) and math.isfinite(h)):  # a NaN/inf cell proves nothing: never "met"
+            out.append({"format": f, "k3_bf16": b, "k3_fp16": h, "bf16_over_fp16": math.nan,
+                        "target": K3_RATIO_TARGET, "met": False, "note": "non-finite k3"})
+            continue
         ratio = b / h if h > 0 else math.inf
         out.append({"format": f, "k3_bf16": b, "k3_fp16": h, "bf16_over_fp16": ratio,
                     "target": K3_RATIO_TARGET, "met": ratio >= K3_RATIO_TARGET})

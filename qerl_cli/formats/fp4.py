@@ -7,6 +7,8 @@ compressed-tensors' `cast_to_fp4` (ties 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5-
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -22,7 +24,13 @@ _TIE_DOWN = torch.tensor([True, False, True, False, True, False, True])
 
 
 def e2m1_table(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The 16 values of FP4 E2M1 indexed by code (sign in bit 3)."""
+    """The 16 values of FP4 E2M1 indexed by code (sign in bit 3). Cached per (device, dtype): building it
+    copies from the host, which a CUDA graph capture (the rollout engine's decode) forbids. Read-only."""
+    return _e2m1_table(str(torch.device(device)), dtype)
+
+
+@functools.cache
+def _e2m1_table(device: str, dtype: torch.dtype) -> torch.Tensor:
     mags = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
     return torch.cat([mags, -mags])
 
