@@ -97,7 +97,7 @@ def test_bad_input(tmp_path):
 
 @pytest.mark.parametrize(("args", "needles"), [
     (["bench", "step", "--shape", "tiny", "--set", "bogus=1"], ["unknown train option 'bogus'", "lora_rank"]),
-    (["bench", "step", "--shape", "tiny", "--finetune", "full"], ["unknown train option 'finetune'"]),
+    (["bench", "step", "--shape", "tiny", "--rollout-quant", "int4"], ["--rollout-quant must be one of"]),
     (["bench", "sanity", "--run", "{tmp}/r", "--grid", "colour=red,blue"], ["neither 'format' nor a train option"]),
     (["bench", "sanity", "--run", "{tmp}/missing"], ["qerl quantize --run"]),
 ])

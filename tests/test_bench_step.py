@@ -90,8 +90,8 @@ def test_bad_input(tmp_path):
         bench_step(shape="qwen2.5-7b", log=lambda _m: None)
     with pytest.raises(QerlError, match="unknown format"):
         bench_step(shape="tiny", formats=("nvfp5",), log=lambda _m: None)
-    with pytest.raises(QerlError, match=r"unknown train option 'finetune'; valid options: .*lora_rank"):
-        parse_sets(["finetune=full"])
+    with pytest.raises(QerlError, match=r"unknown train option 'finetun'; valid options: .*lora_rank"):
+        parse_sets(["finetun=full"])
     with pytest.raises(QerlError, match="expected KEY=VALUE"):
         parse_sets(["lr"])
     with pytest.raises(QerlError, match="lr='fast': expected float"):
