@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 # Triton kernels run under the interpreter on CPU; this must be set before any kernel module imports.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -43,3 +44,12 @@ class _QuantizedRuns(dict):
 def quantized_runs(embedded, tmp_path_factory):
     """Run directories per format (`quantized_runs["nvfp4"]`), each quantized once per session."""
     return _QuantizedRuns(embedded, tmp_path_factory)
+
+
+@pytest.fixture
+def run_dir(quantized_runs, tmp_path):
+    """A fresh copy of the session's NVFP4 run (model + manifest; no lock, no train/eval/bench outputs), so
+    a test may train or bench in it while the shared run stays as other tests expect it."""
+    dst = tmp_path / "run"
+    shutil.copytree(quantized_runs["nvfp4"].run, dst, ignore=shutil.ignore_patterns(".lock", "train", "eval", "bench"))
+    return dst

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 
@@ -35,14 +34,11 @@ def test_curve_summary():
     assert curve_summary([])["final"] is None
 
 
-def test_two_cell_grid(quantized_runs, tmp_path):
-    run_path = tmp_path / "run"  # a copy: the shared session run's manifest stays as other tests expect it
-    shutil.copytree(quantized_runs["nvfp4"].run, run_path, ignore=shutil.ignore_patterns(".lock", "train", "eval",
-                                                                                        "bench"))
+def test_two_cell_grid(run_dir, tmp_path):
     out = tmp_path / "s"
     sets = {"steps": 2, "batch_prompts": 1, "num_generations": 2, "max_completion_length": 4, "task_level": "1",
             "lora_rank": 4, "shots": 0}
-    res = bench_sanity(run_dir=run_path, grid=parse_axes(["aqn=false,true"]), overrides=sets, candidates=3,
+    res = bench_sanity(run_dir=run_dir, grid=parse_axes(["aqn=false,true"]), overrides=sets, candidates=3,
                        samples=2, lo=0.0, hi=1.0, out_dir=out, log=lambda _m: None)
     on_disk = json.loads((out / "sanity.json").read_text())
     assert [r["cell"] for r in on_disk["results"]] == [{"aqn": False}, {"aqn": True}]
@@ -56,7 +52,7 @@ def test_two_cell_grid(quantized_runs, tmp_path):
     assert len(subset["problems"]) == 3 and subset["selected"] == [0, 1, 2]
     for p in subset["problems"]:
         assert p["pass_rate"] in (0.0, 0.5, 1.0)  # 2 samples each
-    rec = RunDir(run_path, create=False).record("bench/sanity")
+    rec = RunDir(run_dir, create=False).record("bench/sanity")
     assert rec["status"] == "completed" and rec["outputs"]["subset"]["path"].endswith("perfectible.json")
     assert (out / "sanity.png").read_bytes()[:4] == b"\x89PNG"
     # same settings: the saved subset is reused without loading a model (models=None would fail if used)
@@ -65,7 +61,7 @@ def test_two_cell_grid(quantized_runs, tmp_path):
 
     cfg = build_bench_config(default_config(res_device()), sets)
     msgs: list[str] = []
-    again = build_subset(RunDir(run_path, create=False), cfg, candidates=3, samples=2, lo=0.0, hi=1.0,
+    again = build_subset(RunDir(run_dir, create=False), cfg, candidates=3, samples=2, lo=0.0, hi=1.0,
                          temperature=1.0, out=out, models=None, log=msgs.append)
     assert again == subset and "reusing" in msgs[0]
     assert res["config"]["subset"]["selected"] == [0, 1, 2]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -49,13 +48,10 @@ def test_tiny_shape_phases_tokens_speedup(tmp_path):
     assert any("JSON" in line for line in short_summary(res))
 
 
-def test_run_dir_step_and_manifest(quantized_runs, tmp_path):
-    run_path = tmp_path / "run"  # a copy: the shared session run's manifest stays as other tests expect it
-    shutil.copytree(quantized_runs["nvfp4"].run, run_path, ignore=shutil.ignore_patterns(".lock", "train", "eval",
-                                                                                        "bench"))
+def test_run_dir_step_and_manifest(run_dir, tmp_path):
     out = tmp_path / "b"
     # one measured step of 1 prompt x 2 generations, zero-shot prompts: the CPU cost is the model, not the step
-    res = bench_step(run_dir=run_path, overrides={**SMALL, "aqn": False, "batch_prompts": 1, "shots": 0,
+    res = bench_step(run_dir=run_dir, overrides={**SMALL, "aqn": False, "batch_prompts": 1, "shots": 0,
                                                   "max_completion_length": 4}, warmup=0, measure=1, out_dir=out,
                      log=lambda _m: None)
     (row,) = res["results"]
@@ -65,9 +61,9 @@ def test_run_dir_step_and_manifest(quantized_runs, tmp_path):
     # the engine's token count is the completions' lengths summed (real lengths: EOS / stop strings)
     for step in row["steps"]:
         assert step["rollout_tokens"] == step["generated_tokens"] and 2 <= step["rollout_tokens"] <= 8
-    rec = RunDir(run_path, create=False).record("bench/step")
+    rec = RunDir(run_dir, create=False).record("bench/step")
     assert rec["status"] == "completed" and rec["outputs"]["json"]["path"].endswith("step.json")
-    assert not (run_path / "train").exists()  # checkpoints went to a scratch run, not the run's train/
+    assert not (run_dir / "train").exists()  # checkpoints went to a scratch run, not the run's train/
 
 
 def test_killed_bench_leaves_no_json(tmp_path):

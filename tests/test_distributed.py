@@ -158,14 +158,6 @@ def adapter(run: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "train" / "checkpoints" / f"step_{step}" / "adapter" / "adapter_model.safetensors"))
 
 
-@pytest.fixture
-def run_dir(quantized_runs, tmp_path: Path) -> Path:
-    src = quantized_runs["nvfp4"].run
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".lock", "train", "eval"))
-    return dst
-
-
 def test_two_gloo_ranks_train_like_one_and_resume_on_one(run_dir: Path, tmp_path: Path) -> None:
     ref = tmp_path / "ref"
     shutil.copytree(run_dir, ref)

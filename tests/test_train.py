@@ -31,15 +31,6 @@ def qerl(*args: str, wait: bool = True) -> subprocess.CompletedProcess[str] | su
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
 
 
-@pytest.fixture
-def run_dir(quantized_runs, tmp_path: Path) -> Path:
-    """A fresh copy of the NVFP4 run directory (model + manifest), no training yet."""
-    src = quantized_runs["nvfp4"].run
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".lock", "train", "eval"))
-    return dst
-
-
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
