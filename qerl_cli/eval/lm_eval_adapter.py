@@ -24,7 +24,6 @@ import contextlib
 import importlib.metadata
 import json
 import logging
-import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,21 +182,16 @@ def _offline() -> Iterator[None]:
     """HF datasets/hub offline (the data files are local) and no datasets progress bars, restored after."""
     import datasets
 
-    keys = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
-    old = {k: os.environ.get(k) for k in keys}
-    os.environ.update({k: "1" for k in keys})
+    from qerl_cli.env_info import temporary_env
+
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
-        yield
+        with temporary_env({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}):
+            yield
     finally:
         if bars:
             datasets.enable_progress_bars()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_lm_eval_gsm8k(model: Any, tokenizer: Any, task: Any, *, max_tokens: int, temperature: float = 0.0,

@@ -27,17 +27,16 @@ the call and the saved originals are copied back afterwards (norm vectors are ti
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from qerl_cli.env_info import temporary_env
 from qerl_cli.errors import QerlError
 from qerl_cli.rollout.engine import RolloutResult, Sample
 from qerl_cli.rollout.sampling import SamplingParams
@@ -59,20 +58,6 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """Per-request seed (63 bits) from the call's seed and the sample's position."""
     h = hashlib.blake2b(f"{seed}:{prompt_index}:{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") >> 1
-
-
-@contextlib.contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def lora_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -244,7 +229,7 @@ class VllmEngine:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
         kwargs.update(llm_kwargs or {})
         t0 = time.perf_counter()
-        with _env(env):
+        with temporary_env(env):
             from vllm import LLM
 
             try:
