@@ -13,6 +13,7 @@ import datetime as _dt
 import errno
 import fcntl
 import hashlib
+import io
 import json
 import math
 import os
@@ -90,6 +91,13 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def atomic_write_png(path: Path, fig: Any, dpi: int = 110) -> None:
+    """Render a matplotlib figure to PNG and write it atomically (a killed bench leaves no half plot)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
-import io
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -36,7 +35,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.manifest import jsonable
+from qerl_cli.manifest import atomic_write_png, jsonable
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_PRECISIONS = ("bf16", "fp16", "fp32")
@@ -397,14 +396,6 @@ def short_summary(res: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _save(fig: Any, path: Path) -> None:
-    from qerl_cli.manifest import atomic_write_bytes
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    atomic_write_bytes(path, buf.getvalue())
-
-
 def _figure(n: int) -> tuple[Any, Any]:
     import matplotlib
 
@@ -435,7 +426,7 @@ def plot_scatter(res: dict[str, Any], points: dict[tuple[str, str], dict[str, An
         ax.set_ylim(0, 1)
         ax.legend(fontsize=7, markerscale=3, loc="upper left")
     fig.tight_layout()
-    _save(fig, path)
+    atomic_write_png(path, fig)
     plt.close(fig)
 
 
@@ -459,5 +450,5 @@ def plot_seq(res: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("sum_t log(pi/mu)")
         ax.legend(fontsize=7, markerscale=2, loc="upper left")
     fig.tight_layout()
-    _save(fig, path)
+    atomic_write_png(path, fig)
     plt.close(fig)

@@ -396,6 +396,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from qerl_cli.manifest import atomic_write_png
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     formats = list(dict.fromkeys(c["format"] for c in res["results"]))
     colors = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(formats)}
@@ -422,7 +424,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"{res.get('shape') or res.get('model_dir')}: {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
                  f"LoRA r={cfg['lora_rank']}, {res['env']['device'].get('gpu') or 'CPU'}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_write_png(path, fig)
     plt.close(fig)
 
 

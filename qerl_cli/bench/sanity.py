@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import gc
-import io
 import json
 import math
 import shutil
@@ -354,7 +353,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from qerl_cli.manifest import atomic_write_bytes
+    from qerl_cli.manifest import atomic_write_png
 
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     for r in res["results"]:
@@ -369,10 +368,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
     if res["results"]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    atomic_write_png(path, fig)
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
 
 
 def parse_axes(items: Iterable[str] | None) -> dict[str, list[Any]]:

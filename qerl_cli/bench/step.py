@@ -35,7 +35,6 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import importlib.util
-import io
 import random
 import shutil
 import statistics
@@ -436,7 +435,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from qerl_cli.manifest import atomic_write_bytes
+    from qerl_cli.manifest import atomic_write_png
 
     ok = [r for r in res["results"] if r["status"] == "ok"]
     fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(ok) + 2.5), 4.6))
@@ -456,7 +455,5 @@ def plot(res: dict[str, Any], path: Path) -> None:
     if ok:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    atomic_write_png(path, fig)
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
