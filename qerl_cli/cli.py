@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -190,6 +190,18 @@ def _launch_gpus(n: int) -> bool:
     return True
 
 
+def _progress(msg: str) -> None:
+    """A bench's progress lines: stderr, so stdout holds only the result tables."""
+    err_console.print(msg, highlight=False)
+
+
+def _show(tables: list[Any], lines: list[str]) -> None:
+    for table in tables:
+        console.print(table)
+    for line in lines:
+        console.print(line, highlight=False)
+
+
 def _has_cuda() -> bool:
     import torch
 
@@ -240,11 +252,8 @@ def bench_kernels(
     peer_list = None if peers is None else ([] if peers == "none" else peers.split(","))
     res = run(shapes=tuple(shapes.split(",")), ms=tuple(int(m) for m in ms.split(",")), out_json=out,
               methods=tuple(methods.split(",")), peers=peer_list, backward=backward,
-              log=lambda msg: err_console.print(msg, highlight=False))
-    for table in render_tables(res):
-        console.print(table)
-    for line in short_summary(res):
-        console.print(line, highlight=False)
+              log=_progress)
+    _show(render_tables(res), short_summary(res))
     console.print(f"JSON: {out}")
 
 
@@ -270,10 +279,8 @@ def bench_rollout(
     res = run_bench(shape=shape, run_dir=run, formats=tuple(formats.split(",")) if run is None else (),
                     batches=tuple(int(b) for b in batches.split(",")), prompt_len=prompt_len, new_tokens=new_tokens,
                     lora_rank=lora_rank, out_dir=out, eos_mode="eos" if eos else "fixed",
-                    log=lambda msg: err_console.print(msg, highlight=False))
-    console.print(render_table(res))
-    for line in short_summary(res):
-        console.print(line, highlight=False)
+                    log=_progress)
+    _show([render_table(res)], short_summary(res))
 
 
 @bench_app.command("mismatch")
@@ -299,10 +306,8 @@ def bench_mismatch(
     res = run_bench(run_dir=run, precisions=tuple(precisions.split(",")), formats=tuple(formats.split(",")),
                     task=task, prompts=prompts, samples=samples, max_tokens=max_tokens, temperature=temperature,
                     seed=seed, out_dir=out, shape=shape, device=device, prompt_len=prompt_len,
-                    log=lambda msg: err_console.print(msg, highlight=False))
-    console.print(render_table(res))
-    for line in short_summary(res):
-        console.print(line, highlight=False)
+                    log=_progress)
+    _show([render_table(res)], short_summary(res))
 
 
 SetOpt = Annotated[list[str] | None, Opt("--set", help="TrainConfig override KEY=VALUE (repeatable).")]
@@ -336,10 +341,8 @@ def bench_step(
     res = run_bench(run_dir=run, shape=shape, formats=formats.split(",") if formats else None,
                     overrides=parse_sets(items), prompt_len=prompt_len, warmup=warmup, measure=measure, out_dir=out,
                     seed=seed, memory_cap_gib=memory_cap_gib, time_budget_s=time_budget,
-                    log=lambda msg: err_console.print(msg, highlight=False))
-    console.print(render_table(res))
-    for line in short_summary(res):
-        console.print(line, highlight=False)
+                    log=_progress)
+    _show([render_table(res)], short_summary(res))
 
 
 @bench_app.command("sanity")
@@ -360,10 +363,8 @@ def bench_sanity(
     from qerl_cli.bench.sanity import parse_axes, render_table, short_summary
 
     res = run_bench(run_dir=run, grid=parse_axes(grid), overrides=parse_sets(set_), candidates=candidates,
-                    samples=samples, lo=lo, hi=hi, out_dir=out, log=lambda msg: err_console.print(msg, highlight=False))
-    console.print(render_table(res))
-    for line in short_summary(res):
-        console.print(line, highlight=False)
+                    samples=samples, lo=lo, hi=hi, out_dir=out, log=_progress)
+    _show([render_table(res)], short_summary(res))
 
 
 @app.command()
