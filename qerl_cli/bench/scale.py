@@ -36,7 +36,8 @@ def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: 
                   new_tokens: int, lora_rank: int, micro_batch_size: int, seed: int, num_prompts: int = 4096,
                   device: str | None = None) -> Any:
     """A Trainer over an in-memory random shape model (no run directory), on this rank's device."""
-    from qerl_cli.bench.shapes import build_random_model, get_shape
+    from qerl_cli.bench.shapes import get_shape
+    from qerl_cli.bench.step import build_shape_model
     from qerl_cli.manifest import RunDir
     from qerl_cli.tasks.datasets import Example, Task
     from qerl_cli.train.config import TrainConfig
@@ -51,10 +52,7 @@ def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: 
                       micro_batch_size=micro_batch_size, dynamic_sampling=False, overlong_buffer=0, seed=seed,
                       log_rollouts=False, lr=1e-5).resolved()
     dtype = PRECISION_DTYPES[precision]
-    model = build_random_model(shape, fmt, dev, dtype=dtype, seed=seed)
-    for src in (model.config, getattr(model, "generation_config", None)):
-        if src is not None:
-            src.eos_token_id = None  # fixed-length generation: every sample runs new_tokens tokens
+    model = build_shape_model(get_shape(shape), fmt, dev, dtype, seed)  # no EOS: fixed-length generation
     task = Task("synthetic", "train", [Example(prompt=str(i), answer="") for i in range(num_prompts)],
                 "bench_random", (), lambda q: q, max_new_tokens=new_tokens)
     _reward.group = num_generations  # type: ignore[attr-defined]

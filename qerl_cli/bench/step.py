@@ -121,7 +121,7 @@ def _median(xs: list[float]) -> float | None:
 
 
 # ---- one format ---------------------------------------------------------------------------------
-def _build_shape_model(spec: Any, fmt: str, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+def build_shape_model(spec: Any, fmt: str, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
     from qerl_cli.bench.rollout import _use_bitsandbytes_nf4
     from qerl_cli.bench.shapes import build_random_model
 
@@ -296,7 +296,7 @@ def bench_step(
             trainer = Trainer(RunDir(scratch), cell_cfg, device=str(device))
             if spec is not None:
                 n_prompts = cfg.batch_prompts * (warmup + measure)
-                model = _build_shape_model(spec, fmt, device, dtype, seed)
+                model = build_shape_model(spec, fmt, device, dtype, seed)
                 trainer.setup(model=model, tokenizer=None, task=_synthetic_task(n_prompts, prompt_len,
                                                                                 cfg.max_completion_length),
                               prompt_ids=synthetic_prompts(n_prompts, prompt_len, spec.vocab, seed),
