@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qerl_cli.errors import QerlError
@@ -395,7 +396,7 @@ def main() -> None:
             raise
         if getattr(exc, "quiet", False):  # another rank failed and rank 0 said why
             sys.exit(exc.exit_code)
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        _error_line(str(exc))
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]: the run directory was left consistent; rerun to continue "
@@ -405,17 +406,50 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except (typer.Abort, EOFError):
         sys.exit(1)
-    except Exception as exc:  # click usage errors arrive here in standalone_mode=False
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(2)
+    except Exception as exc:
+        if isinstance(exc, _usage_error_types()):
+            sys.exit(_usage_error(exc))
         if _state["debug"]:
             raise
-        err_console.print(f"[bold red]internal error:[/] {exc.__class__.__name__}: {exc} (rerun with --debug "
-                          "for the traceback and please report it)", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]internal error:[/] {escape(exc.__class__.__name__)}: {escape(str(exc))} "
+                          "(rerun with --debug for the traceback and please report it)", highlight=False,
+                          soft_wrap=True)
         sys.exit(1)
+
+
+def _error_line(message: str) -> None:
+    """One `error: ...` line. The message is escaped: rich would read `qerl[vllm]` as a markup tag and drop it."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def _usage_error_types() -> tuple[type[BaseException], ...]:
+    """Click's exception classes, from every click that typer may raise through.
+
+    typer >= 0.29 bundles its own copy of click (`typer._click`) whose exceptions do not derive from the
+    installed click's, so both are caught."""
+    import click
+
+    types_: list[type[BaseException]] = [click.ClickException]
+    try:
+        from typer._click.exceptions import ClickException as BundledClickException
+
+        types_.append(BundledClickException)
+    except ImportError:  # typer < 0.29 uses the installed click
+        pass
+    return tuple(types_)
+
+
+def _usage_error(exc: BaseException) -> int:
+    """Report a command-line usage error in one line and return its exit code (2 for usage errors)."""
+    code = int(getattr(exc, "exit_code", 2) or 2)
+    if type(exc).__name__ == "NoArgsIsHelpError":
+        return code  # a bare `qerl` or `qerl bench`: the help was already printed, that is the message
+    ctx = getattr(exc, "ctx", None)
+    where = getattr(ctx, "command_path", None) or "qerl"
+    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    message = " ".join(str(message).split())  # click's messages may span lines
+    _error_line(f"{message} (see `{where} --help`)")
+    return code
 
 
 if __name__ == "__main__":

@@ -93,6 +93,37 @@ def test_corrupted_manifest_is_not_overwritten(tmp_path: Path) -> None:
     assert (run / "manifest.json").read_text() == "{not json"
 
 
+@pytest.mark.parametrize(("args", "needle"), [
+    (("train", "--lr", "abc"), "Invalid value for '--lr'"),
+    (("train", "--stepz", "3"), "No such option: --stepz"),
+    (("eval", "--run", "R"), "Missing argument 'task'"),
+    (("frobnicate",), "No such command 'frobnicate'"),
+])
+def test_usage_errors_are_one_line_exit_2(args: tuple[str, ...], needle: str) -> None:
+    """Click usage errors (raised by typer's bundled click since typer 0.29) are usage errors, not internal ones."""
+    res = qerl(*args)
+    assert_one_line_error(res, needle, "--help`")
+    assert "internal error" not in res.stderr
+
+
+@pytest.mark.parametrize("args", [(), ("bench",)])
+def test_bare_command_prints_help_and_no_error(args: tuple[str, ...]) -> None:
+    res = qerl(*args)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "Usage:" in res.stdout and "Commands" in res.stdout
+    assert "error" not in res.stderr.lower() and "Traceback" not in res.stderr
+
+
+def test_install_hint_keeps_its_extra(tmp_path: Path) -> None:
+    """`pip install 'qerl[llmcompressor]'` must print with its extra (rich would read `[...]` as markup)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llmcompressor") is not None:
+        pytest.skip("llm-compressor is installed, so --method gptq runs instead of printing the hint")
+    res = qerl("quantize", "--run", str(tmp_path / "r"), "--method", "gptq")
+    assert_one_line_error(res, "pip install 'qerl[llmcompressor]'")
+
+
 def test_debug_shows_traceback(tmp_path: Path) -> None:
     res = qerl("--debug", "quantize", "--run", str(tmp_path / "r"), "--format", "fp5")
     assert res.returncode != 0 and "Traceback" in res.stderr
