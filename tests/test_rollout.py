@@ -259,21 +259,41 @@ def test_n_samples_share_one_prefill_and_release(smol, smol_ids) -> None:
     assert [s.token_ids for s in again.samples] == [s.token_ids for s in result.samples]
 
 
+def bf16_logit_tolerance(top: float) -> float:
+    """Four bf16 rounding steps (ulps) at the magnitude of the top logit: two bf16 forwards that sum in a
+    different order may disagree by this much, so a margin below it is a tie (measured: 0.3 at 32.7)."""
+    return 4 * 2.0 ** (math.floor(math.log2(max(abs(top), 1e-3))) - 7)
+
+
 def test_bf16_greedy_tracks_transformers(smol, smol_ids) -> None:
-    """bf16 (8-bit mantissa): the engine's attention/matmul order differs from transformers', so the
-    logits differ by bf16 rounding and greedy paths may part at a near-tie. Require the first tokens
-    to agree and log-probs to stay within bf16 error of a teacher-forced bf16 forward."""
+    """bf16 (8-bit mantissa): the engine's attention/matmul order differs from transformers', so logits
+    differ by bf16 rounding and a greedy path may part from transformers' at a near-tie (on an AVX2 EPYC
+    at 32.69 vs 32.39). So the engine's tokens are checked against transformers' bf16 forward of the
+    engine's own sequence: where transformers' top-1 margin exceeds bf16 rounding, the engine must pick
+    transformers' top-1; where it does not, the engine's token must lie within that rounding of the top
+    logit. Log-probs must stay within bf16 error of the teacher-forced forward."""
     model, tokenizer = smol
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     engine = BuiltinEngine(bf16, tokenizer, max_batch_slots=2, max_model_len=128)
     result = engine.generate(smol_ids[:2], SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[]))
+    decisive = 0
     for ids, sample in zip(smol_ids[:2], result.samples, strict=True):
-        expected = hf_greedy(bf16, ids, 6, None)
-        agree = next((i for i, (a, b) in enumerate(zip(expected, sample.token_ids, strict=True)) if a != b), 6)
-        assert agree >= 4, (expected, sample.token_ids)
+        with torch.no_grad():
+            full = bf16(torch.tensor([ids + sample.token_ids])).logits[0].float()
+        steps = full[len(ids) - 1 : len(ids) + len(sample.token_ids) - 1]
+        for pos, (row, tok) in enumerate(zip(steps, sample.token_ids, strict=True)):
+            top2 = row.topk(2).values
+            tol = bf16_logit_tolerance(top2[0].item())
+            if (top2[0] - top2[1]).item() > tol:
+                decisive += 1
+                assert tok == row.argmax().item(), (pos, tok, row.argmax().item(), top2.tolist(), tol)
+            else:
+                assert row[tok].item() >= top2[0].item() - tol, (pos, tok, row[tok].item(), top2.tolist(), tol)
         tf = teacher_forced_logprobs(bf16, ids, sample.token_ids, 1.0)
         # bf16 logits of magnitude 10-30 carry rounding steps of 0.06-0.125 on their own.
         assert (sample.logprobs - tf).abs().max().item() < 0.3
+    # not vacuous: half the 12 positions or more have a clear winner (7 here), where the engine must match
+    assert decisive >= 6, decisive
 
 
 # ----- tiny random Qwen2 (q/k/v bias, untied head) and Qwen3 (q_norm/k_norm) ---------------------------
