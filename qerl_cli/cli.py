@@ -86,53 +86,30 @@ def quantize(
 Opt = typer.Option
 
 
-@app.command()
-def train(
-    run: RunOpt = Path("runs/default"),
-    config: Annotated[str | None, Opt("--config", help="YAML preset (templates/NAME.yaml or a path).")] = None,
-    dry_run: Annotated[bool, Opt("--dry-run", help="Print the resolved config and exit.")] = False,
-    resume: Annotated[bool, Opt("--resume", help="Continue from the run's latest checkpoint.")] = False,
-    algo: Annotated[str | None, Opt(help="grpo|dapo|dr_grpo|gspo|pg_seq_is|pg_seq_tis")] = None,
-    aqn: Annotated[bool | None, Opt("--aqn/--no-aqn", help="Adaptive quantization noise.")] = None,
-    aqn_sigma_start: float | None = None,
-    aqn_sigma_end: float | None = None,
-    aqn_stages: int | None = None,
-    task: Annotated[str | None, Opt(help="gsm8k|math|arith|jsonl:PATH")] = None,
-    task_level: Annotated[str | None, Opt(help="arith difficulty (1-7, 'mixed', 'd=0.5').")] = None,
-    reward: Annotated[str | None, Opt(help="Reward registry name or dotted path.")] = None,
-    steps: int | None = None,
-    batch_prompts: int | None = None,
-    num_generations: int | None = None,
-    max_completion_length: int | None = None,
-    temperature: float | None = None,
-    lr: float | None = None,
-    lora_rank: int | None = None,
-    lora_alpha: float | None = None,
-    lora_targets: Annotated[str | None, Opt(help="Comma-separated module names.")] = None,
-    beta: float | None = None,
-    epsilon: float | None = None,
-    epsilon_high: float | None = None,
-    scale_rewards: Annotated[str | None, Opt(help="group|batch|none")] = None,
-    precision: Annotated[str | None, Opt(help="bf16|fp16|fp32")] = None,
-    correction: Annotated[str | None, Opt(help="none|token_tis|token_mis|seq_tis|seq_mis|geo_mis")] = None,
-    correction_cap: float | None = None,
-    rollout_engine: Annotated[str | None, Opt(help="builtin|vllm")] = None,
-    gpu_memory_utilization: float | None = None,
-    micro_batch_size: int | None = None,
-    save_steps: int | None = None,
-    seed: int | None = None,
-    finetune: Annotated[str | None, Opt(help="lora | full (all weights but embeddings; needs a bf16 run dir)")] = None,
-    rollout_quant: Annotated[str | None, Opt(help="FlashRL rollouts: none|int8|fp8|nvfp4|mxfp4 (bf16 run dir)")] = None,
-    requant_scales: Annotated[str | None, Opt(help="fixed (int8 default) | dynamic")] = None,
-    gpus: Annotated[int | None, Opt("--gpus", help="Data-parallel on N GPUs: launches torchrun, one process per "
-                                    "GPU (NCCL). On CPU use `torchrun --nproc-per-node N -m qerl_cli train` (gloo).")
-                    ] = None,
-) -> None:
+TRAIN_FIXED_OPTIONS: dict[str, tuple[Any, Any]] = {
+    # name: (annotation, default); everything else is generated from TrainConfig (train_flags)
+    "run": (RunOpt, Path("runs/default")),
+    "config": (Annotated[str | None, Opt("--config", help="Preset name (quick_cpu, gpu_arith, gsm8k_grpo_paper, "
+                                         "gsm8k_dapo_paper) or a YAML path.")], None),
+    "set_": (Annotated[list[str] | None, Opt("--set", help="TrainConfig field KEY=VALUE (repeatable); flags win.")],
+             None),
+    "dry_run": (Annotated[bool, Opt("--dry-run", help="Print the resolved config and exit.")], False),
+    "resume": (Annotated[bool, Opt("--resume", help="Continue from the run's latest checkpoint; with --steps "
+                                   "larger than the run's, extend a finished run.")], False),
+    "gpus": (Annotated[int | None, Opt("--gpus", help="Data-parallel on N GPUs: launches torchrun, one process "
+                                       "per GPU (NCCL). On CPU use `torchrun --nproc-per-node N -m qerl_cli train` "
+                                       "(gloo).")], None),
+}
+
+
+def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool, resume: bool, gpus: int | None,
+           **fields: Any) -> None:
     """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN, TIS/MIS)."""
     import yaml
 
+    from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.train import distributed
-    from qerl_cli.train.config import build_config
+    from qerl_cli.train.config import build_config, flag_overrides
 
     in_torchrun = "LOCAL_RANK" in os.environ
     if gpus is not None and not in_torchrun and not dry_run:
@@ -141,17 +118,7 @@ def train(
     if gpus is not None and in_torchrun and gpus != int(os.environ.get("WORLD_SIZE", "1")):
         raise QerlError(f"--gpus {gpus} under torchrun with {os.environ['WORLD_SIZE']} processes: drop --gpus")
 
-    overrides = dict(
-        algo=algo, aqn=aqn, aqn_sigma_start=aqn_sigma_start, aqn_sigma_end=aqn_sigma_end, aqn_stages=aqn_stages,
-        task=task, task_level=task_level, reward=reward, steps=steps, batch_prompts=batch_prompts,
-        num_generations=num_generations, max_completion_length=max_completion_length, temperature=temperature,
-        lr=lr, lora_rank=lora_rank, lora_alpha=lora_alpha,
-        lora_targets=[t.strip() for t in lora_targets.split(",")] if lora_targets else None, beta=beta,
-        epsilon=epsilon, epsilon_high=epsilon_high, scale_rewards=scale_rewards, precision=precision,
-        correction=correction, correction_cap=correction_cap, rollout_engine=rollout_engine,
-        gpu_memory_utilization=gpu_memory_utilization, micro_batch_size=micro_batch_size, save_steps=save_steps,
-        seed=seed, finetune=finetune, rollout_quant=rollout_quant, requant_scales=requant_scales,
-    )
+    overrides = {**parse_sets(set_), **flag_overrides(fields)}
     if config is None and not _has_cuda():
         config = "quick_cpu"  # the CPU-sized preset when nothing else is asked for
     cfg = build_config(config, overrides)
@@ -169,6 +136,30 @@ def train(
             res = run_train(run, cfg, resume=resume, on_step=ui.update)
         ui.summary(res)
     distributed.shutdown()  # on success only: after a failure the process exits without more collectives
+
+
+def _train_command() -> Any:
+    """`qerl train` with one option per TrainConfig field (train_flags), so flags and config cannot drift."""
+    import inspect
+
+    from qerl_cli.train.config import train_flags
+
+    params = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=default)
+              for name, (ann, default) in TRAIN_FIXED_OPTIONS.items()]
+    for flag in train_flags():
+        ann = Annotated[flag.type | None, Opt(flag.decl, help=flag.help, rich_help_panel="Train config (TrainConfig)")]
+        params.append(inspect.Parameter(flag.field, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=None))
+
+    def train(**kwargs: Any) -> None:
+        _train(**kwargs)
+
+    train.__doc__ = _train.__doc__
+    train.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    train.__annotations__ = {p.name: p.annotation for p in params}
+    return train
+
+
+app.command(name="train")(_train_command())
 
 
 def _launch_gpus(n: int) -> bool:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from qerl_cli.errors import QerlError
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 ALGOS = ("grpo", "dapo", "dr_grpo", "gspo", "pg_seq_is", "pg_seq_tis")
 CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mis")
@@ -151,32 +155,138 @@ class TrainConfig:
 
 FIELD_NAMES = {f.name for f in dataclasses.fields(TrainConfig)}
 
+# Help for the `qerl train` flag of each TrainConfig field. Every field becomes a flag (`--name-with-dashes`;
+# `--name/--no-name` for booleans; comma-separated for lists) through `train_flags()`, so a new field needs
+# no CLI code; a field missing here still gets its flag, with its type as the help.
+FIELD_HELP: dict[str, str] = {
+    "algo": "|".join(ALGOS),
+    "task": "gsm8k|math|arith|jsonl:PATH",
+    "reward": "Reward registry name, module:function or file.py:function (default: the task's).",
+    "steps": "Optimizer steps; larger than a finished run's with --resume extends it.",
+    "batch_prompts": "Prompts per step.",
+    "num_generations": "Completions per prompt (the group).",
+    "max_completion_length": "Max new tokens per completion.",
+    "max_prompt_length": "Prompts longer than this are left-truncated.",
+    "temperature": "Rollout sampling temperature.",
+    "top_p": "Rollout nucleus sampling.",
+    "lr": "Learning rate (default 1e-5).",
+    "warmup_steps": "Linear warm-up steps.",
+    "weight_decay": "AdamW weight decay.",
+    "max_grad_norm": "Gradient clipping norm.",
+    "lora_rank": "LoRA rank.",
+    "lora_alpha": "LoRA alpha (default 2 x rank).",
+    "lora_targets": "Comma-separated module names.",
+    "lora_dropout": "LoRA dropout.",
+    "beta": "KL coefficient against the frozen base (0: no reference forward).",
+    "epsilon": "Lower clip range (default per algo: grpo 0.2, gspo 3e-4).",
+    "epsilon_high": "Upper clip range (default per algo: dapo 0.28, gspo 4e-4).",
+    "scale_rewards": "|".join(SCALE_REWARDS) + " (default group; dr_grpo none)",
+    "mask_truncated_completions": "Drop truncated completions from the loss.",
+    "overlong_buffer": "DAPO soft overlong punishment buffer (default: max length / 4 for dapo).",
+    "dynamic_sampling": "Refill zero-variance groups (default: on for dapo).",
+    "max_refill_rounds": "Rollout rounds dynamic sampling may add per step.",
+    "precision": "|".join(PRECISIONS),
+    "correction": "|".join(CORRECTIONS) + " (default none; token_tis with --rollout-quant)",
+    "correction_cap": "IS-weight cap C of the correction.",
+    "aqn": "Adaptive quantization noise on the rollout policy.",
+    "aqn_sigma_start": "AQN noise at the first noisy stage.",
+    "aqn_sigma_end": "AQN noise at the last stage.",
+    "aqn_stages": "AQN schedule stages (stage 0 is noise-free).",
+    "rollout_engine": "builtin|vllm",
+    "gpu_memory_utilization": "vLLM engine's share of GPU memory.",
+    "max_batch_slots": "Sequences the builtin engine decodes at once.",
+    "micro_batch_size": "Sequences per training forward/backward.",
+    "gradient_checkpointing": "Recompute activations in the backward (less memory, slower).",
+    "save_steps": "Checkpoint every N steps.",
+    "keep_checkpoints": "Checkpoints kept (older ones are deleted).",
+    "seed": "Seed of data order, sampling, AQN and LoRA init.",
+    "shots": "Few-shot examples in the prompt (default per task).",
+    "chat_template": "Wrap prompts in the model's chat template.",
+    "task_level": "arith difficulty: 1-7, 'mixed' or 'd=0.5'.",
+    "log_rollouts": "Write every step's rollouts to train/rollouts/.",
+    "finetune": "lora | full (all weights but embeddings; needs a bf16 run dir).",
+    "rollout_quant": "FlashRL rollouts: " + "|".join(ROLLOUT_QUANTS) + " (bf16 run dir).",
+    "requant_scales": "fixed (int8 default) | dynamic",
+}
+
+
+@dataclass(frozen=True)
+class TrainFlag:
+    """One `qerl train` option generated from a TrainConfig field."""
+
+    field: str  # TrainConfig field name
+    decl: str  # "--lora-rank", or "--aqn/--no-aqn" for booleans
+    type: type  # what the command line parses: bool, int, float or str (lists: comma-separated str)
+    is_list: bool
+    help: str
+
+
+def _field_types() -> dict[str, Any]:
+    import typing
+
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
+
+
+def train_flags() -> list[TrainFlag]:
+    """The `qerl train` options, one per TrainConfig field, in field order."""
+    import types
+    import typing
+
+    flags = []
+    for name, tp in _field_types().items():
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp = args[0] if len(args) == 1 else str
+        is_list = typing.get_origin(tp) is list
+        base = str if is_list or tp not in (bool, int, float, str) else tp
+        dash = name.replace("_", "-")
+        decl = f"--{dash}/--no-{dash}" if base is bool else f"--{dash}"
+        flags.append(TrainFlag(name, decl, base, is_list, FIELD_HELP.get(name, f"TrainConfig.{name} ({tp})")))
+    return flags
+
+
+def flag_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    """Parsed flag values (None: not given) -> TrainConfig overrides; list flags are split on commas."""
+    out: dict[str, Any] = {}
+    for flag in train_flags():
+        value = values.get(flag.field)
+        if value is None:
+            continue
+        out[flag.field] = [t.strip() for t in value.split(",") if t.strip()] if flag.is_list else value
+    return out
+
+
+def _presets_dir() -> Traversable:
+    """The presets ship inside the package (`qerl_cli/templates/*.yaml`), so a wheel install has them."""
+    return resources.files("qerl_cli") / "templates"
+
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A preset name (`quick_cpu`, `quick_cpu.yaml`) or a YAML file path -> TrainConfig fields."""
     p = Path(path)
-    if not p.is_file():
-        templates = Path(__file__).resolve().parents[2] / "templates"
-        alt = templates / p.name if p.suffix else templates / f"{p.name}.yaml"
-        if alt.is_file():
-            p = alt
-        else:
+    if p.is_file():
+        text, where = p.read_text(), str(p)
+    else:
+        preset = _presets_dir() / (p.name if p.suffix else f"{p.name}.yaml")
+        if not preset.is_file():
             raise QerlError(f"config {path} does not exist (presets: {', '.join(list_presets())})")
+        text, where = preset.read_text(), f"preset {p.stem}"
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise QerlError(f"config {p} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+        raise QerlError(f"config {where} is not valid YAML: {str(exc).splitlines()[0]}") from exc
     if not isinstance(data, dict):
-        raise QerlError(f"config {p} must be a mapping of option: value")
+        raise QerlError(f"config {where} must be a mapping of option: value")
     data = {k.replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(data) - FIELD_NAMES)
     if unknown:
-        raise QerlError(f"config {p} has unknown options {unknown}; see `qerl train --help`")
+        raise QerlError(f"config {where} has unknown options {unknown}; see `qerl train --help`")
     return data
 
 
 def list_presets() -> list[str]:
-    templates = Path(__file__).resolve().parents[2] / "templates"
-    return sorted(p.stem for p in templates.glob("*.yaml")) if templates.is_dir() else []
+    return sorted(p.name[:-5] for p in _presets_dir().iterdir() if p.name.endswith(".yaml"))
 
 
 def build_config(yaml_path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
