@@ -149,6 +149,24 @@ def write_config(model: nn.Module, out_dir: Path, fmt: str, ignore: list[str], g
 
 
 # ---- reading -------------------------------------------------------------------------------------
+def verify_files(directory: Path, expected: dict[str, str]) -> None:
+    """Check each weight file against the sha256 the manifest recorded when it was written.
+
+    A file corrupted in place at the same size loads without any error from safetensors, so the hash is
+    the only way to notice it."""
+    from qerl_cli.manifest import sha256_file
+
+    if not expected:
+        raise QerlError(f"no sha256 recorded for the weight files of {directory}: run `qerl quantize` again")
+    for name, digest in sorted(expected.items()):
+        f = directory / name
+        if not f.is_file():
+            raise QerlError(f"{f} is missing though the manifest lists it: run `qerl quantize` again")
+        if sha256_file(f) != digest:
+            raise QerlError(f"{f} does not match the sha256 the manifest recorded for it (corrupted or replaced "
+                            "since it was written): run `qerl quantize` again")
+
+
 def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -193,9 +211,15 @@ def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
 
-def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):  # noqa: ANN201
-    """Build the model with `QuantLinear` layers holding the packed tensors of a qerl checkpoint."""
+def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                   expected_sha256: dict[str, str] | None = None):  # noqa: ANN201
+    """Build the model with `QuantLinear` layers holding the packed tensors of a qerl checkpoint.
+
+    `expected_sha256` (file name -> digest, as the manifest records them) verifies the files first."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    if expected_sha256 is not None:
+        verify_files(directory, expected_sha256)
 
     config_dict = json.loads((directory / "config.json").read_text())
     fmt, group_size, act_quant = detect_format(config_dict)

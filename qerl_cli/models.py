@@ -160,13 +160,20 @@ def load_model(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    expected_sha256: dict[str, str] | None = None,
 ):  # noqa: ANN201 - (PreTrainedModel, tokenizer)
-    """Load (model, tokenizer). qerl checkpoints come back with `QuantLinear` layers."""
+    """Load (model, tokenizer). qerl checkpoints come back with `QuantLinear` layers.
+
+    `expected_sha256` (a qerl checkpoint's file name -> digest, from its run's manifest) verifies the
+    weight files before they are read."""
     src = model if isinstance(model, ModelSource) else resolve_model(model)
     if src.kind == "qerl":
         from qerl_cli.checkpoint import load_quantized
 
-        return load_quantized(Path(src.location), dtype=dtype, device=device), load_tokenizer(src)
+        return (load_quantized(Path(src.location), dtype=dtype, device=device, expected_sha256=expected_sha256),
+                load_tokenizer(src))
+    if expected_sha256 is not None:
+        raise QerlError(f"{src.display} is not a qerl checkpoint: its files have no recorded sha256 to verify")
 
     from transformers import AutoModelForCausalLM
 

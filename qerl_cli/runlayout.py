@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import RunDir, atomic_write_text
@@ -18,6 +21,46 @@ def quantized_model_dir(run: RunDir) -> Path:
     if not (path / "config.json").is_file():
         raise QerlError(f"{path} is missing though the manifest lists it: run `qerl quantize --run {run.path}` again")
     return path
+
+
+def model_files(run: RunDir) -> dict[str, str]:
+    """File name -> sha256 of the run's quantized model, as `qerl quantize` recorded them."""
+    return dict(run.require("quantize")["outputs"]["model"].get("files", {}))
+
+
+def base_fingerprint(model: dict[str, Any]) -> str:
+    """One identity for a quantized base: sha256 over its format and its files' sha256.
+
+    `model` is a manifest entry with "format" and "files" (quantize's outputs, train's inputs), so an
+    adapter's record and the run's current model can be compared without reading any weights."""
+    blob = json.dumps({"format": model.get("format"), "files": model.get("files", {})}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def check_adapter_base(run: RunDir, checkpoint: Path) -> str:
+    """Refuse an adapter that was trained on another base than the run's current model; its fingerprint."""
+    current = base_fingerprint(run.require("quantize")["outputs"]["model"])
+    train = run.record("train")
+    trained_on = (train or {}).get("inputs", {}).get("model")
+    if not trained_on or not trained_on.get("files"):
+        raise QerlError(f"the manifest of {run.path} does not record which base {checkpoint.name} was trained on, "
+                        "so its adapter cannot be checked against the model: evaluate with --checkpoint base or "
+                        "train again")
+    if base_fingerprint(trained_on) != current:
+        raise QerlError(f"the adapter in {checkpoint.name} was trained on another base model than {run.path}'s "
+                        "current one (re-quantized since): train again in a new --run directory, or evaluate with "
+                        "--checkpoint base")
+    return current
+
+
+def latest_step(run: RunDir) -> int | None:
+    """The step of the checkpoint `--resume` continues from (None: no checkpoint yet)."""
+    try:
+        ckpt = resolve_checkpoint(run, "latest")
+    except QerlError:
+        return None
+    m = CHECKPOINT_RE.match(ckpt.name) if ckpt is not None else None
+    return int(m.group(1)) if m else None
 
 
 def train_dir(run: RunDir) -> Path:

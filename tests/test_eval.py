@@ -44,8 +44,9 @@ def _one_intra_op_thread():
 
 
 def _save_checkpoint(run: Path, step: int, *, scale: float = 0.02, seed: int = 1) -> Path:
-    """A training checkpoint in the trainer's layout: train/checkpoints/step_N/adapter + latest pointer."""
-    from qerl_cli.lora import attach_lora, make_lora_config
+    """A training checkpoint in the trainer's layout: train/checkpoints/step_N/adapter + latest pointer, and
+    the manifest's train record naming the base it was made on (as `qerl train` records it)."""
+    from qerl_cli.lora import adapter_hash, attach_lora, make_lora_config
     from qerl_cli.models import load_model
     from qerl_cli.runlayout import checkpoints_dir, write_latest
 
@@ -58,6 +59,10 @@ def _save_checkpoint(run: Path, step: int, *, scale: float = 0.02, seed: int = 1
     out = checkpoints_dir(RunDir(run)) / f"step_{step}" / "adapter"
     peft_model.save_pretrained(str(out))
     write_latest(RunDir(run), step)
+    rd = RunDir(run)
+    model = rd.require("quantize")["outputs"]["model"]
+    with rd.stage("train", inputs={"model": {k: model[k] for k in ("path", "files", "format")}}) as rec:
+        rec.outputs = {"checkpoint": f"train/checkpoints/step_{step}", "adapter_sha256": adapter_hash(out)}
     return out
 
 
@@ -308,6 +313,48 @@ def test_adapter_for_another_base_is_refused(bare_run: Path, tmp_path: Path) -> 
     peft_model.save_pretrained(str(checkpoints_dir(RunDir(run)) / "step_7" / "adapter"))
     write_latest(RunDir(run), 7)
     assert "another base model" in _error(run_eval, run, "gsm8k", limit=1, max_tokens=4)
+    # without a train record nothing says which base the adapter was made on: refused before any loading
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["stages"].pop("train", None)
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    assert "does not record which base" in _error(run_eval, run, "gsm8k", limit=1, max_tokens=4)
+
+
+def test_requantized_run_refuses_the_old_adapter(eval_run: Path, embedded, tmp_path: Path) -> None:
+    """Re-quantizing a trained run gives a new base; the adapter trained on the old one must not meet it."""
+    from qerl_cli.quantize import quantize_model
+
+    run = tmp_path / "run"
+    shutil.copytree(eval_run, run, ignore=shutil.ignore_patterns("eval", ".lock"))
+    before = json.loads((run / "manifest.json").read_text())["stages"].keys()
+    quantize_model(run, None, fmt="nvfp4", loaded=embedded)
+    after = json.loads((run / "manifest.json").read_text())["stages"].keys()
+    assert "another base model" in _error(run_eval, run, "gsm8k", limit=1, max_tokens=4)
+    assert json.loads((run / "manifest.json").read_text())["stages"].keys() == after == before  # no eval record
+    assert not (run / "eval").exists()
+    run_eval(run, "arith", checkpoint="base", limit=1, max_tokens=2)  # the new base itself evaluates
+
+
+def test_weights_corrupted_at_the_same_size_are_refused(eval_run: Path, tmp_path: Path) -> None:
+    """safetensors loads a file whose bytes changed in place; the manifest's sha256 catches it, in eval always."""
+    run = tmp_path / "run"
+    shutil.copytree(eval_run, run, ignore=shutil.ignore_patterns("eval", ".lock"))
+    weights = run / "model" / "model.safetensors"
+    original = weights.read_bytes()
+    data = bytearray(original)
+    data[-1000] ^= 0x01  # one bit of one weight byte: same size, still a valid file
+    weights.write_bytes(bytes(data))
+    msg = _error(run_eval, run, "arith", checkpoint="base", limit=1, max_tokens=2)
+    assert "model.safetensors does not match the sha256" in msg and "qerl quantize" in msg
+    assert not (run / "eval").exists()
+
+    adapter = run / "train" / "checkpoints" / f"step_{STEP}" / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(original)
+    blob = bytearray(adapter.read_bytes())
+    blob[-10] ^= 0x01
+    adapter.write_bytes(bytes(blob))
+    assert "adapter_model.safetensors does not match the sha256" in _error(run_eval, run, "arith", limit=1,
+                                                                          max_tokens=2)
 
 
 # ------------------------------------------------------------------------------ lm-eval adapter

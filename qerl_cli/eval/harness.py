@@ -197,7 +197,7 @@ def _canonical_task(task: str) -> tuple[str, str]:
 
 
 def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _Resolved:
-    from qerl_cli.runlayout import quantized_model_dir, resolve_checkpoint
+    from qerl_cli.runlayout import check_adapter_base, quantized_model_dir, resolve_checkpoint
 
     if harness not in HARNESSES:
         raise QerlError(f"unknown harness {harness!r}: use one of {', '.join(HARNESSES)}")
@@ -216,10 +216,24 @@ def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _
         if not weights.is_file():
             raise QerlError(f"checkpoint {ckpt_dir} has no adapter/adapter_model.safetensors: the checkpoint is "
                             f"incomplete; pick another with --checkpoint step_N or --checkpoint base")
+        check_adapter_base(run, ckpt_dir)  # before any model is loaded or result written
+        _verify_adapter(run, ckpt_dir)
     slug = f"{slug}-{ckpt_name}" + ("" if harness == "builtin" else f"-{harness}")
     kind = "gsm8k" if name == "gsm8k" else "math" if name == "math500" else "arith" if name.startswith("arith") \
         else "jsonl"
     return _Resolved(run, name, kind, slug, model_dir, model_record, checkpoint, ckpt_name, ckpt_dir)
+
+
+def _verify_adapter(run: RunDir, ckpt_dir: Path) -> None:
+    """The adapter of the checkpoint the manifest's train record names must still have the recorded sha256
+    (older step_N checkpoints have no recorded hash)."""
+    from qerl_cli.lora import adapter_hash
+
+    outputs = (run.record("train") or {}).get("outputs", {})
+    recorded = outputs.get("adapter_sha256")
+    if recorded and outputs.get("checkpoint") == run.rel(ckpt_dir) and adapter_hash(ckpt_dir / "adapter") != recorded:
+        raise QerlError(f"{ckpt_dir}/adapter/adapter_model.safetensors does not match the sha256 the manifest recorded "
+                        "for it (corrupted or replaced): evaluate another --checkpoint step_N or train again")
 
 
 def _data_files(task_name: str, shots: int) -> dict[str, str]:
@@ -344,7 +358,9 @@ def run_eval(
     device = _pick_device(device)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     t_load = time.perf_counter()
-    model, tokenizer = load_model(str(res.model_dir), dtype=dtype, device=device)
+    # always verified: an eval result must name exactly the weights it scored
+    model, tokenizer = load_model(str(res.model_dir), dtype=dtype, device=device,
+                                  expected_sha256=res.model_record["outputs"]["model"].get("files", {}))
     adapter_info: dict[str, Any] | None = None
     if res.checkpoint_dir is not None:
         from qerl_cli.lora import adapter_summary, load_adapter
@@ -455,7 +471,9 @@ def _eval_dir(run: RunDir) -> Path:
 
 def _model_hashes(rec: dict[str, Any]) -> dict[str, Any]:
     out = rec.get("outputs", {}).get("model", {})
-    return {"format": out.get("format"), "files": out.get("files", {}),
+    from qerl_cli.runlayout import base_fingerprint
+
+    return {"format": out.get("format"), "files": out.get("files", {}), "fingerprint": base_fingerprint(out),
             "source": rec.get("config", {}).get("model")}
 
 

@@ -22,7 +22,15 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import RunDir, sha256_file
-from qerl_cli.runlayout import checkpoints_dir, quantized_model_dir, resolve_checkpoint, train_dir
+from qerl_cli.runlayout import (
+    base_fingerprint,
+    checkpoints_dir,
+    latest_step,
+    model_files,
+    quantized_model_dir,
+    resolve_checkpoint,
+    train_dir,
+)
 from qerl_cli.train.batch import RolloutBatch, build_batch, sampled_logprobs
 from qerl_cli.train.config import TrainConfig
 
@@ -133,7 +141,8 @@ class Trainer:
         torch.manual_seed(c.seed)
         if model is None:
             self.model_dir = quantized_model_dir(self.run)
-            base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device)
+            base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device,
+                                              expected_sha256=model_files(self.run))
         else:
             base, self.tokenizer = model, tokenizer
         if c.gradient_checkpointing:
@@ -191,6 +200,7 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=c.precision == "fp16")
         self.step = 0
+        self.extended_from: int | None = None  # a finished run's steps, when --resume --steps extends it
 
     def _encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
@@ -228,8 +238,14 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.stream.load(state["data"])
+        if saved.get("steps") is not None and self.cfg.steps > saved["steps"]:
+            self.extended_from = int(saved["steps"])
         if self.aqn is not None and state.get("aqn"):
-            self.aqn.load_state_dict(state["aqn"])
+            aqn_state = state["aqn"]
+            if self.cfg.steps > aqn_state.get("total_steps", self.cfg.steps):
+                # an extended run keeps the schedule it was started with: the added steps run at sigma_end
+                self.aqn.total_steps = int(aqn_state["total_steps"])
+            self.aqn.load_state_dict(aqn_state)
         set_rng_state(state["rng"])
         self.step = int(state["step"])
         self._truncate_metrics(self.step)
@@ -563,6 +579,21 @@ def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, 
             "steps_done": trainer.step}
 
 
+def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any]) -> None:
+    """`--resume` checks, before the stage starts (a refusal leaves the manifest's train record as it was)."""
+    done = latest_step(run)
+    if done is None:
+        return
+    trained_on = (run.record("train") or {}).get("inputs", {}).get("model")
+    if trained_on and trained_on.get("files") and base_fingerprint(trained_on) != base_fingerprint(model):
+        raise QerlError(f"the checkpoints in {train_dir(run)} were trained on another base model than {run.path}'s "
+                        "current one (re-quantized since): train in a new --run directory")
+    if done >= cfg.steps:
+        more = "already finished" if done == cfg.steps else f"is at step {done}, past --steps {cfg.steps}"
+        raise QerlError(f"the training run in {run.path} {more}: pass --steps N with N > {done} to extend it "
+                        "(AQN keeps its schedule; the added steps run at --aqn-sigma-end)")
+
+
 def trainer_device() -> str | None:
     """The device of this rank under torchrun (cuda:LOCAL_RANK / cpu); None (the default) otherwise."""
     from qerl_cli.train.distributed import current
@@ -587,6 +618,10 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
         # refused before the stage starts, so the finished run's manifest record stays as it was
         raise QerlError(f"{train_dir(run)} already holds a training run: pass --resume to continue it, or use "
                         "a new --run directory")
+    # an earlier extension stays stated when the extended run is resumed again
+    extended = (run.record("train") or {}).get("extra", {}).get("extended") if resume else None
+    if resume:
+        _check_resumable(run, cfg, inputs["model"])
     # only rank 0 takes the run lock and writes the manifest; other ranks only read the run directory
     stage = run.stage("train", config=trainer.cfg.to_dict(), inputs=inputs, seeds={"seed": trainer.cfg.seed}) \
         if ctx.is_main else follower_stage("train")
@@ -637,6 +672,11 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
             assert last_ckpt is not None
             if ctx.is_main:
                 rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
+        if trainer.extended_from is not None:
+            extended = {"from_steps": trainer.extended_from, "to_steps": trainer.cfg.steps,
+                        "aqn_schedule_steps": trainer.aqn.total_steps if trainer.aqn else None}
+        if extended:
+            rec.extra["extended"] = extended
         rec.metrics = {"steps_done": trainer.step, "resumed_from": start,
                        **({k: history[-1][k] for k in ("reward", "accuracy", "completions/mean_length")
                            if k in history[-1]} if history else {})}
