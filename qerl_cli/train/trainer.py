@@ -142,7 +142,7 @@ class Trainer:
         if model is None:
             self.model_dir = quantized_model_dir(self.run)
             base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device,
-                                              expected_sha256=model_files(self.run))
+                                              expected_sha256=model_files(self.run) or None)
         else:
             base, self.tokenizer = model, tokenizer
         if c.gradient_checkpointing:
