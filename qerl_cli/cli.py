@@ -189,9 +189,47 @@ def _progress(msg: str) -> None:
 
 def _show(tables: list[Any], lines: list[str]) -> None:
     for table in tables:
-        console.print(table)
+        for part in fit_table(table, console):
+            console.print(part)
     for line in lines:
         console.print(line, highlight=False)
+
+
+def fit_table(table: Table, out: Console) -> list[Table]:
+    """A table wider than the terminal, split into several that fit, each led by the first (key) column.
+
+    rich would squeeze every column of a too-wide table and cut names and numbers to "…"."""
+    from rich.measure import Measurement
+
+    wide = out.options.update(max_width=100_000)  # natural widths, not clamped to the terminal
+    columns = list(table.columns)
+    if len(columns) < 3 or Measurement.get(out, wide, table).maximum <= out.width:
+        return [table]
+
+    def width(col: Any) -> int:
+        cells = [col.header, *col._cells]
+        return max(Measurement.get(out, wide, c).maximum for c in cells) + 3  # padding and border
+
+    key, rest = columns[0], columns[1:]
+    groups: list[list[Any]] = [[]]
+    used = width(key) + 1
+    for col in rest:
+        w = width(col)
+        if groups[-1] and used + w > out.width:
+            groups.append([])
+            used = width(key) + 1
+        groups[-1].append(col)
+        used += w
+    parts = []
+    for i, group in enumerate(groups):
+        part = Table(title=table.title if i == 0 else None, caption=table.caption if i == len(groups) - 1 else None,
+                     show_lines=table.show_lines, header_style=table.header_style)
+        for col in (key, *group):
+            part.add_column(col.header, justify=col.justify, style=col.style, no_wrap=col.no_wrap)
+        for r in range(len(key._cells)):
+            part.add_row(*(col._cells[r] for col in (key, *group)))
+        parts.append(part)
+    return parts
 
 
 def _has_cuda() -> bool:
@@ -259,7 +297,7 @@ def bench_rollout(
     new_tokens: Annotated[int | None, Opt(help="New tokens per sequence (default 1024; 64 on CPU).")] = None,
     lora_rank: int = 32,
     eos: Annotated[bool, Opt("--eos/--fixed-length", help="Stop at EOS instead of a fixed length.")] = False,
-    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench or ./bench-rollout).")] = None,
+    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench; required with --shape).")] = None,
 ) -> None:
     """Rollout tokens/s, TTFT and memory per format and batch, against the weight+KV roofline."""
     from qerl_cli.bench.rollout import bench_rollout as run_bench

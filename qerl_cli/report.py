@@ -29,7 +29,8 @@ INDEX_NAME = "index.html"
 PRODUCERS = {
     "quantize": "qerl quantize --run {run}",
     "train": "qerl train --run {run}",
-    "eval": "qerl eval --run {run} --checkpoint base  (and --checkpoint latest after training)",
+    "eval": "qerl eval arith --run {run} --checkpoint base, then qerl eval arith --run {run} after training "
+            "(or gsm8k, math500 for TASK)",
     "bench/rollout": "qerl bench rollout --run {run}",
 }
 
@@ -186,17 +187,24 @@ def _train_plots(rows: list[dict[str, Any]]) -> dict[str, tuple[str, Callable[[]
             axes[1].set_title("Peak GPU memory")
         return _png(fig)
 
+    # with a 0/1 correctness reward the two series coincide: one line, said so, instead of one hidden under the other
+    pairs = [(r["reward"], r["accuracy"]) for r in rows if "reward" in r and "accuracy" in r]
+    same = bool(pairs) and all(a == b for a, b in pairs)
+    reward_keys = [("reward", "reward = accuracy")] if same else [("reward", "reward"), ("accuracy", "accuracy")]
+    reward_caption = ("Reward and accuracy vs step (identical here: the reward is 1 for a correct answer, else 0)"
+                      if same else "Reward and accuracy vs step")
+    aqn_on = any(isinstance(r.get("aqn/sigma"), (int, float)) and r["aqn/sigma"] > 0 for r in rows)
+    k3_caption = "Training-inference mismatch k3 vs step (log scale)" + (
+        ". With AQN the rollout policy carries the noise and the training forward does not, so k3 jumps when the "
+        "noise switches on (AQN stage 1) and follows sigma after" if aqn_on else "")
     return {
-        "train_reward": ("Reward and accuracy vs step",
-                         simple([("reward", "reward"), ("accuracy", "accuracy")], "mean over batch",
-                                "Reward and accuracy")),
+        "train_reward": (reward_caption, simple(reward_keys, "mean over batch", "Reward and accuracy")),
         "train_entropy": ("Entropy vs step (exploration)",
                           simple([("entropy", "entropy")], "mean token entropy (nats)", "Policy entropy")),
         "train_length": ("Response length vs step",
                          simple([("completions/mean_length", "mean"), ("completions/max_length", "max")],
                                 "tokens", "Completion length")),
-        "train_mismatch": ("Training-inference mismatch k3 vs step (log scale)",
-                           simple([("sampling/k3", "k3")], "k3 (log)", "Mismatch k3", log=True)),
+        "train_mismatch": (k3_caption, simple([("sampling/k3", "k3")], "k3 (log)", "Mismatch k3", log=True)),
         "train_aqn": ("AQN sigma and noise norm vs step", aqn),
         "train_throughput": ("Rollout tokens/s (and peak memory) vs step", throughput),
     }

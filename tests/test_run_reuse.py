@@ -16,6 +16,22 @@ TINY = {"task_level": "1", "batch_prompts": 2, "num_generations": 2, "max_comple
         "save_steps": 3, "log_rollouts": False}
 
 
+# each test trains a few tiny steps on the embedded model: ~30-60 s on a quiet 2-core machine, several minutes
+# when the cores are shared
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_intra_op_thread():
+    """Decode-sized CPU matmuls gain nothing from a second thread, and on shared cores they lose a lot."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _manifest(run: Path) -> dict:
     return json.loads((run / "manifest.json").read_text())
 

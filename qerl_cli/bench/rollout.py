@@ -479,7 +479,11 @@ def bench_rollout(
         if fmts and fmts != [run_fmt]:
             log(f"--run: benchmarking the run's model ({run_fmt}); formats {fmts} ignored")
         fmts = [run_fmt]
-    out = Path(out_dir) if out_dir is not None else (run.path / "bench" if run is not None else Path("bench-rollout"))
+    if out_dir is None and run is None:
+        # a random-shape bench has no run directory to write into; never litter the working directory
+        raise QerlError("bench rollout --shape writes a JSON and a plot: name their folder with --out DIR "
+                        "(or use --run DIR, which writes under DIR/bench)")
+    out = Path(out_dir) if out_dir is not None else run.path / "bench"
     out.mkdir(parents=True, exist_ok=True)
     modes = ["fixed", "eos"] if eos_mode == "both" else [eos_mode]
     max_len = prompt_len + new_tokens

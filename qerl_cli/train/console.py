@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -64,13 +65,15 @@ class TrainConsole:
             self.live.__exit__(*exc)
 
     def _render(self) -> Group:
+        # one row per metric (first step, latest step): ~45 columns whatever the terminal, where one column per
+        # metric needed ~130 and rich cut it to "…" at 80
         table = Table(show_header=True, header_style="bold", expand=False)
-        table.add_column("")
-        for _, label, _ in LEAD:
-            table.add_column(label, justify="right")
-        for name, m in (("first", self.first), ("now", self.last)):
-            if m is not None:
-                table.add_row(name, *(_fmt(m, k, f) for k, _, f in LEAD))
+        table.add_column("metric")
+        rows = [(name, m) for name, m in (("first", self.first), ("now", self.last)) if m is not None]
+        for name, _ in rows:
+            table.add_column(name, justify="right")
+        for key, label, fmt in LEAD:
+            table.add_row(label, *(_fmt(m, key, fmt) for _, m in rows))
         return Group(Panel(table, title="metrics", expand=False), self.progress)
 
     def update(self, metrics: dict[str, Any]) -> None:
@@ -87,4 +90,18 @@ class TrainConsole:
     def summary(self, result: Any) -> None:
         self.console.print(
             f"trained {result.steps_done} steps in {time.perf_counter() - self.t0:.0f}s; checkpoint "
-            f"[bold]{result.checkpoint}[/]; metrics in {result.run}/train/metrics.jsonl")
+            f"[bold]{escape(str(result.checkpoint))}[/]; metrics in {escape(str(result.run))}/train/metrics.jsonl")
+        note = training_scope_note(self.cfg)
+        if note:
+            self.console.print(note, highlight=False)
+
+
+def training_scope_note(cfg: TrainConfig) -> str | None:
+    """Say when training covered less than `qerl eval` scores (the quick preset trains on arith level 1 only)."""
+    if not cfg.task.startswith("arith") or cfg.task_level in (None, "mixed"):
+        return None
+    from qerl_cli.tasks.arith import MEASURED_LEVELS
+
+    levels = f"{MEASURED_LEVELS[0]}-{MEASURED_LEVELS[-1]}"
+    return (f"note: trained on arith level {cfg.task_level} only; `qerl eval arith` scores levels {levels}, "
+            "so most of what it measures is harder than what was trained")
