@@ -256,8 +256,11 @@ def eval_(
     """Evaluate the run's model (with its latest adapter) on GSM8K, MATH-500 or arith, scored exactly."""
     import json
 
-    from qerl_cli.eval.harness import render_eval_table, run_eval
+    from qerl_cli.eval.harness import render_eval_table, run_eval, scoring_notice
 
+    notice = scoring_notice(task, harness)
+    if notice:  # first, before the minutes of generation, so the user can stop and install what is missing
+        err_console.print(f"[yellow]note:[/] {escape(notice)}", highlight=False, soft_wrap=True)
     res = run_eval(run, task, checkpoint=checkpoint, limit=limit, samples=samples, temperature=temperature,
                    max_tokens=max_tokens, shots=shots, chat_template=chat_template, harness=harness, seed=seed)
     if json_only:

@@ -233,6 +233,30 @@ def test_math500_scorers_and_breakdowns(eval_run: Path) -> None:
     assert result["files"]["result"] == "eval/math500-base.json"
 
 
+def test_math500_without_math_verify_says_so(eval_run: Path, monkeypatch) -> None:
+    """Without math-verify the MATH-500 score is exact match only: said in the result JSON and the table (the CLI
+    prints it first). qerl's availability probe is switched off; the grader then really runs without it."""
+    from rich.console import Console
+
+    from qerl_cli.eval.harness import scoring_notice
+    from qerl_cli.tasks import math_grader
+
+    assert scoring_notice("math500") is None or not math_grader.math_verify_available()
+    monkeypatch.setattr(math_grader, "math_verify_available", lambda: False)
+    notice = scoring_notice("math500")
+    assert notice is not None and "exact match only" in notice and "pip install 'qerl[math]'" in notice
+    assert scoring_notice("gsm8k") is None and scoring_notice("math500", "lighteval") is None
+    result = run_eval(eval_run, "math500", checkpoint="base", limit=2, max_tokens=8)
+    assert result["notices"] == [notice]
+    assert {r["grader"]["method"] for r in _samples(eval_run, result)} == {"fallback"}
+    on_disk = json.loads((eval_run / result["files"]["result"]).read_text())
+    assert on_disk["notices"] == [notice]
+    console = Console(width=300, record=True)
+    console.print(render_eval_table(result))
+    text = " ".join(console.export_text().split())
+    assert "exact match only" in text and "pip install 'qerl[math]'" in text
+
+
 def test_jsonl_task(eval_run: Path, tmp_path: Path) -> None:
     data = tmp_path / "sums.jsonl"
     rows = [{"prompt": "2 + 3 = 5\n4 + 4 =", "answer": 8}, {"prompt": "1 + 2 = 3\n5 + 1 =", "answer": "6"}]

@@ -224,6 +224,28 @@ def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _
     return _Resolved(run, name, kind, slug, model_dir, model_record, checkpoint, ckpt_name, ckpt_dir)
 
 
+def scoring_notice(task: str, harness: str = "builtin") -> str | None:
+    """What the user must know before reading the scores: MATH-500 without math-verify is exact match only."""
+    from qerl_cli.tasks.math_grader import math_verify_available
+
+    try:
+        name, _ = _canonical_task(task)
+    except QerlError:
+        return None  # run_eval reports the bad task
+    if name == "math500" and harness == "builtin" and not math_verify_available():
+        return ("math-verify is not installed: MATH-500 is scored by normalised exact match only, which misses "
+                "equivalent answers (2/4 vs 1/2); pip install 'qerl[math]' for the math-verify score")
+    return None
+
+
+def _fallback_notice(records: list[dict[str, Any]]) -> str | None:
+    n = sum(1 for r in records if (r.get("grader") or {}).get("method") == "fallback")
+    if not n:
+        return None
+    return (f"{n} of {len(records)} samples were graded by the exact-match fallback instead of math-verify "
+            "(see grader.note in the samples file)")
+
+
 def _verify_adapter(run: RunDir, ckpt_dir: Path) -> None:
     """The adapter of the checkpoint the manifest's train record names must still have the recorded sha256
     (older step_N checkpoints have no recorded hash)."""
@@ -425,6 +447,9 @@ def run_eval(
             protocol["scorer_versions"] = extra["scorer_versions"]
             protocol["harness_task"] = extra["harness_task"]
         primary = PRIMARY[kind] if harness == "builtin" else extra["primary"]
+        notices = [n for n in (scoring_notice(res.task_name, harness),) if n]
+        if kind == "math" and harness == "builtin" and not notices:
+            notices += [n for n in (_fallback_notice(records),) if n]
         scores = aggregate(records, scorers, samples, _group_keys(res.task_name))
         rel_dir = res.run.rel(_eval_dir(res.run))
         files = {"result": f"{rel_dir}/{res.slug}.json", "samples": f"{rel_dir}/{res.slug}.samples.jsonl"}
@@ -442,6 +467,7 @@ def run_eval(
                            "adapter": adapter_info},
             "model": {"path": res.run.rel(res.model_dir), **_model_hashes(res.model_record)},
             "protocol": protocol,
+            "notices": notices,
             "primary": primary,
             "scores": scores,
             "harness_results": extra.get("harness_results"),
@@ -543,6 +569,7 @@ def _fmt_ci(ci: dict[str, Any]) -> str:
 
 def render_eval_table(result: dict[str, Any]):  # noqa: ANN201 - rich.table.Table
     """A rich table of a run_eval result: one row per scorer, then the primary scorer's breakdowns."""
+    from rich.markup import escape
     from rich.table import Table
 
     samples = result["protocol"]["sampling"]["n"]
@@ -572,4 +599,6 @@ def render_eval_table(result: dict[str, Any]):  # noqa: ANN201 - rich.table.Tabl
                      f"T={result['protocol']['sampling']['temperature']} · max_tokens "
                      f"{result['protocol']['max_tokens']} · shots {result['protocol']['shots']} · "
                      f"{result['files']['result']}")
+    for notice in result.get("notices") or ():
+        table.caption += f"\nnote: {escape(notice)}"  # escaped: rich would drop the [math] of qerl[math]
     return table
