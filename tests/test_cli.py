@@ -141,3 +141,48 @@ def test_quantize_default_model_end_to_end(tmp_path: Path) -> None:
     assert (run / "model" / "model.safetensors").is_file()
     assert not [p for p in run.iterdir() if p.name.startswith(".model")]
     shutil.rmtree(run)
+
+
+def test_training_panel_fits_80_columns() -> None:
+    """The live panel once had one column per metric (~130 wide) and was cut to "…" at 80 columns."""
+    import io
+
+    from rich.console import Console
+
+    from qerl_cli.train.config import build_config
+    from qerl_cli.train.console import LEAD, TrainConsole, training_scope_note
+
+    cfg = build_config("quick_cpu", {}).resolved()
+    out = Console(width=80, file=io.StringIO(), record=True, force_terminal=False)
+    ui = TrainConsole(out, cfg)
+    metrics = {"step": 3, "reward": 0.625, "accuracy": 0.625, "completions/mean_length": 3.25,
+               "sampling/k3": 1.234e-4, "entropy": 0.912, "aqn/sigma": 1e-2, "clip_ratio": 0.0, "grad_norm": 0.456,
+               "timing/rollout_tokens_per_s": 1234.0}
+    ui.first = ui.last = metrics
+    out.print(ui._render())
+    text = out.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    for _, label, _ in LEAD:
+        assert label in text
+    assert "62.5%" in text and "1.23e-04" in text
+    # the quick preset trains on arith level 1 while `qerl eval arith` scores 1-4: the summary says so
+    assert training_scope_note(cfg) == ("note: trained on arith level 1 only; `qerl eval arith` scores levels 1-4, "
+                                        "so most of what it measures is harder than what was trained")
+    assert training_scope_note(build_config("quick_cpu", {"task_level": "mixed"})) is None
+
+
+def test_bench_tables_fit_80_columns_and_shape_needs_out(tmp_path: Path) -> None:
+    """`bench rollout --shape tiny` writes nothing into the working directory and its table is not cut at 80."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    assert_one_line_error(qerl("bench", "rollout", "--shape", "tiny", cwd=cwd), "--out DIR")
+    assert list(cwd.iterdir()) == []
+    env = {**os.environ, "COLUMNS": "80", "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-m", "qerl_cli", "bench", "rollout", "--shape", "tiny", "--out",
+                          str(tmp_path / "b"), "--formats", "bf16,nvfp4", "--batches", "1", "--new-tokens", "2",
+                          "--prompt-len", "4"], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "…" not in res.stdout and max(len(line) for line in res.stdout.splitlines()) <= 80
+    for header in ("format", "linears", "decode tok/s", "% roofline", "status", "nvfp4", "reference"):
+        assert header in res.stdout, header
+    assert (tmp_path / "b" / "rollout.json").is_file() and list(cwd.iterdir()) == []
