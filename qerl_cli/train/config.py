@@ -155,12 +155,13 @@ class TrainConfig:
 
 FIELD_NAMES = {f.name for f in dataclasses.fields(TrainConfig)}
 
-# Help for the `qerl train` flag of each TrainConfig field. Every field becomes a flag (`--name-with-dashes`;
+# Help for the `qerl train` flag of each TrainConfig field (choices comma-separated, so a narrow terminal wraps
+# them instead of cutting them). Every field becomes a flag (`--name-with-dashes`;
 # `--name/--no-name` for booleans; comma-separated for lists) through `train_flags()`, so a new field needs
 # no CLI code; a field missing here still gets its flag, with its type as the help.
 FIELD_HELP: dict[str, str] = {
-    "algo": "|".join(ALGOS),
-    "task": "gsm8k|math|arith|jsonl:PATH",
+    "algo": ", ".join(ALGOS),
+    "task": "gsm8k, math, arith or jsonl:PATH",
     "reward": "Reward registry name, module:function or file.py:function (default: the task's).",
     "steps": "Optimizer steps; larger than a finished run's with --resume extends it.",
     "batch_prompts": "Prompts per step.",
@@ -180,19 +181,19 @@ FIELD_HELP: dict[str, str] = {
     "beta": "KL coefficient against the frozen base (0: no reference forward).",
     "epsilon": "Lower clip range (default per algo: grpo 0.2, gspo 3e-4).",
     "epsilon_high": "Upper clip range (default per algo: dapo 0.28, gspo 4e-4).",
-    "scale_rewards": "|".join(SCALE_REWARDS) + " (default group; dr_grpo none)",
+    "scale_rewards": ", ".join(SCALE_REWARDS) + " (default group; dr_grpo none)",
     "mask_truncated_completions": "Drop truncated completions from the loss.",
     "overlong_buffer": "DAPO soft overlong punishment buffer (default: max length / 4 for dapo).",
     "dynamic_sampling": "Refill zero-variance groups (default: on for dapo).",
     "max_refill_rounds": "Rollout rounds dynamic sampling may add per step.",
-    "precision": "|".join(PRECISIONS),
-    "correction": "|".join(CORRECTIONS) + " (default none; token_tis with --rollout-quant)",
+    "precision": ", ".join(PRECISIONS),
+    "correction": ", ".join(CORRECTIONS) + " (default none; token_tis with --rollout-quant)",
     "correction_cap": "IS-weight cap C of the correction.",
     "aqn": "Adaptive quantization noise on the rollout policy.",
     "aqn_sigma_start": "AQN noise at the first noisy stage.",
     "aqn_sigma_end": "AQN noise at the last stage.",
     "aqn_stages": "AQN schedule stages (stage 0 is noise-free).",
-    "rollout_engine": "builtin|vllm",
+    "rollout_engine": "builtin or vllm",
     "gpu_memory_utilization": "vLLM engine's share of GPU memory.",
     "max_batch_slots": "Sequences the builtin engine decodes at once.",
     "micro_batch_size": "Sequences per training forward/backward.",
@@ -205,7 +206,7 @@ FIELD_HELP: dict[str, str] = {
     "task_level": "arith difficulty: 1-7, 'mixed' or 'd=0.5'.",
     "log_rollouts": "Write every step's rollouts to train/rollouts/.",
     "finetune": "lora | full (all weights but embeddings; needs a bf16 run dir).",
-    "rollout_quant": "FlashRL rollouts: " + "|".join(ROLLOUT_QUANTS) + " (bf16 run dir).",
+    "rollout_quant": "FlashRL rollouts: " + ", ".join(ROLLOUT_QUANTS) + " (on a bf16 run dir).",
     "requant_scales": "fixed (int8 default) | dynamic",
 }
 
