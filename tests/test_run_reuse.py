@@ -16,8 +16,8 @@ TINY = {"task_level": "1", "batch_prompts": 2, "num_generations": 2, "max_comple
         "save_steps": 3, "log_rollouts": False}
 
 
-# each test trains a few tiny steps on the embedded model: ~30-60 s on a quiet 2-core machine, several minutes
-# when the cores are shared
+# the module trains 5 tiny steps on the embedded model: 39 s in all on 2 cores (one intra-op thread; with two
+# threads on shared cores it took 6 minutes)
 pytestmark = pytest.mark.slow
 
 
