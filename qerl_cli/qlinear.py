@@ -8,10 +8,13 @@ with the torch reference and multiplies.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qerl_cli.errors import QerlError
 from qerl_cli.formats import QuantizedWeight, dequantize, quantize
 
 
@@ -133,3 +136,78 @@ def fake_quantize_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+# Tensors one fused layer holds once for all its parts (they must be equal in every part), and the one
+# that describes the whole layer's shape (rebuilt, never viewed). Every other tensor is laid out by
+# output row along dim 0 (NF4's flat blocks too: its parts' flat tensors simply follow one another).
+_SHARED_TENSORS = ("weight_global_scale", "quant_map")
+_SHAPE_TENSOR = "weight_shape"
+
+
+def fuse_quant_linears(modules: Sequence[QuantLinear]) -> QuantLinear:
+    """One `QuantLinear` for layers that read the same input (q/k/v, gate/up), concatenated along N.
+
+    The parts must agree on format, in_features, dtype, group size, activation quantization, bias
+    presence and device, and (NVFP4) hold the same global scale. Afterwards each part's tensors are
+    row views of the fused module's (bias too), so no weight byte is stored twice and the fused
+    output's columns `sum(sizes[:i]):sum(sizes[:i+1])` are part i's output. `fused.split_sizes` lists
+    the parts' out_features. Fuse after the model is on its device: `Module.to()` copies each buffer
+    on its own and would break the sharing.
+    """
+    parts = list(modules)
+    if not parts:
+        raise QerlError("fuse_quant_linears needs at least one QuantLinear")
+    first = parts[0]
+    for i, m in enumerate(parts):
+        if not isinstance(m, QuantLinear):
+            raise QerlError(f"fuse_quant_linears: part {i} is a {type(m).__name__}, not a QuantLinear")
+        for attr in ("fmt", "in_features", "dtype", "group_size", "act_quant", "_tensor_names"):
+            if getattr(m, attr) != getattr(first, attr):
+                raise QerlError(
+                    f"fuse_quant_linears: part {i} has {attr}={getattr(m, attr)!r} but part 0 has "
+                    f"{getattr(first, attr)!r}; only layers quantized alike can share one GEMM")
+        if (m.bias is None) != (first.bias is None):
+            raise QerlError(f"fuse_quant_linears: part {i} {'lacks' if m.bias is None else 'has'} a bias and part "
+                            f"0 does not; fuse only layers that all have a bias or all have none")
+        if m.qweight.device != first.qweight.device:
+            raise QerlError(f"fuse_quant_linears: part {i} is on {m.qweight.device}, part 0 on "
+                            f"{first.qweight.device}; move the model to one device before fusing")
+        for name in _SHARED_TENSORS:
+            if name in m._tensor_names and not torch.equal(getattr(m, name), getattr(first, name)):
+                raise QerlError(
+                    f"fuse_quant_linears: part {i} has a different {name} than part 0; re-quantize the layers "
+                    f"with one shared global scale (qerl quantize does this for q/k/v and gate/up)")
+    n_total = sum(m.out_features for m in parts)
+    k = first.in_features
+    tensors: dict[str, torch.Tensor] = {}
+    for name in first._tensor_names:
+        if name in _SHARED_TENSORS:
+            tensors[name] = getattr(first, name)
+        elif name == _SHAPE_TENSOR:
+            ref = getattr(first, name)
+            tensors[name] = torch.tensor([n_total, k], dtype=ref.dtype, device=ref.device)
+        else:
+            tensors[name] = torch.cat([getattr(m, name) for m in parts], dim=0)
+    bias = torch.cat([m.bias.detach() for m in parts]) if first.bias is not None else None
+    fused = QuantLinear(k, n_total, first.fmt, tensors, first.dtype, first.group_size, bias, first.act_quant)
+    fused.split_sizes = [m.out_features for m in parts]
+
+    offsets = dict.fromkeys(tensors, 0)
+    row0 = 0
+    for m in parts:
+        for name in first._tensor_names:
+            if name == _SHAPE_TENSOR:
+                continue
+            if name in _SHARED_TENSORS:
+                m._buffers[name] = tensors[name]
+                continue
+            length = getattr(m, name).shape[0]
+            m._buffers[name] = tensors[name][offsets[name]:offsets[name] + length]
+            offsets[name] += length
+        if bias is not None:
+            m.bias = nn.Parameter(fused.bias.data[row0:row0 + m.out_features], requires_grad=False)
+        row0 += m.out_features
+        m._cache = None
+        m._kernel_state = None
+    return fused
