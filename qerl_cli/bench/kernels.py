@@ -179,6 +179,19 @@ def _peer_calls(peer: str, w: torch.Tensor, x: torch.Tensor,
             packs.append((packed, sz))
         return [lambda p_=p_: torch.ops.aten._weight_int4pack_mm(x, p_[0], group, p_[1]) for p_ in packs], \
             n * k // 2 + n * k // group * 4
+    if peer.startswith("humming-"):  # vLLM's W4A16 kernel family, on the same compressed-tensors tensors
+        from qerl_kernels import humming_peer
+
+        from qerl_cli.formats import quantize
+
+        fmt = peer.split("-", 1)[1]
+        qw = quantize(w, fmt, dtype=torch.bfloat16)
+        layers = []
+        for _ in range(copies_for(qw.nbytes())):
+            layers.append(humming_peer.build({k_: v.clone() for k_, v in qw.tensors.items()}, fmt, n, k))
+        for lay in layers:  # JIT compile (nvcc) outside the timing
+            humming_peer.warm(lay, x)
+        return [partial(humming_peer.forward, lay, x) for lay in layers], qw.nbytes()
     if peer.startswith("gemlite-"):
         from gemlite.helper import A16W4_MXFP
 
@@ -201,6 +214,10 @@ def available_peers() -> list[str]:
         peers.append("tinygemm-int4")
     if importlib.util.find_spec("gemlite"):
         peers.append("gemlite-mxfp4")
+    from qerl_kernels import humming_peer
+
+    if humming_peer.available():
+        peers += ["humming-nvfp4", "humming-mxfp4"]
     return peers
 
 
