@@ -127,7 +127,7 @@ def candidates() -> list[str]:
 
 
 def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...] = M_BUCKETS,
-                 rep_ms: int = 8) -> dict[int, str]:
+                 rep_ms: int = 8, cands: tuple[str, ...] | None = None) -> dict[int, str]:
     """Time every candidate at each bucket's M on `module`; the fastest whose output matches the exact
     dequantize + matmul (relative error < 2e-2) wins. Returns {bucket: backend}."""
     import triton
@@ -138,7 +138,7 @@ def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...]
     plan: dict[int, str] = {}
     timings: dict[int, dict[str, float]] = {}
     funcs = {"triton": ql.fp4_fused, "cublas": ql.dequant_linear, "humming": humming_forward}
-    cands = candidates()
+    cands = list(cands or candidates())
     with torch.no_grad():
         for b in buckets:
             x = torch.randn(b, module.in_features, device=dev, dtype=dtype, generator=gen)

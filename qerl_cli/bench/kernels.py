@@ -121,7 +121,6 @@ def _method_calls(method: str, w: torch.Tensor, x: torch.Tensor, copies_for: Cal
     """Callables (one per weight copy) computing x @ W^T by `method`, and the weight bytes per copy."""
     import torch.nn.functional as F
     from qerl_kernels import linear as ql
-    from qerl_kernels.fp4 import fp4_dequantize
     from qerl_kernels.w8 import fp8_scaled_matmul
 
     def mods(fmt: str) -> list[torch.nn.Module]:
@@ -150,9 +149,7 @@ def _method_calls(method: str, w: torch.Tensor, x: torch.Tensor, copies_for: Cal
         return [partial(ql.fp4_fused, x, m_) for m_ in ms], ms[0].weight_nbytes
     if method.endswith("-dequant"):
         ms = mods(base)
-        return [lambda m_=m_: F.linear(x, fp4_dequantize(m_.weight_packed, m_.weight_scale,
-                                                         getattr(m_, "weight_global_scale", None), base, x.dtype))
-                for m_ in ms], ms[0].weight_nbytes
+        return [partial(ql.dequant_linear, x, m_) for m_ in ms], ms[0].weight_nbytes
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -236,8 +233,9 @@ def bench_kernels(
 ) -> dict[str, Any]:
     """Time every method on every layer GEMM of `shapes` at every M; return (and write) the results dict.
 
-    `peers=None` benchmarks every installed peer; `variants` adds the fused-only and dequantize+cuBLAS
-    NVFP4 variants at M >= 256 (the data behind the large-M dispatch threshold).
+    `peers=None` benchmarks every installed peer; `variants` adds the fused-only (every M) and
+    dequantize+cuBLAS (M >= 64) NVFP4 variants, the candidates the dispatcher measures. The plain format
+    methods run `QuantLinear`'s dispatch (QERL_LINEAR_BACKEND, default auto: measured per shape).
     """
     device = _require_cuda()
     import triton
@@ -275,8 +273,8 @@ def bench_kernels(
             for m in ms:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                 meths = list(methods)
-                if variants and m >= 256:
-                    meths += ["nvfp4-fused", "nvfp4-dequant"]
+                if variants:  # the two qerl kernels the dispatcher chooses between, each at every M
+                    meths += ["nvfp4-fused"] + (["nvfp4-dequant"] if m >= 64 else [])
                 for method in meths:
                     try:
                         calls, wb = _method_calls(method, w, x, copies_for, cache)
