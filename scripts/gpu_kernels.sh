@@ -135,4 +135,33 @@ EOF
     --section MemoryWorkloadAnalysis python3 /tmp/qk/prof.py > "$OUT/ncu.txt" 2>&1
   grep -E "_fp4_mm|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Stall|Registers Per|Block Limit|L2 Hit|Mem Busy|Max Bandwidth|Warp Cycles Per Issued" "$OUT/ncu.txt" | head -80
 fi
+if has ncu14; then  # counters of qerl's fused kernel vs humming on the 7B q/k/v GEMM at M=16 and o at M=1
+  stamp ncu14
+  cat > /tmp/qk/prof14.py <<'EOF'
+import torch
+from qerl_cli.formats import quantize
+from qerl_cli.qlinear import QuantLinear
+from qerl_kernels import humming_peer, linear as ql
+runs = []
+for n, k, m in ((4608, 3584, 16), (3584, 3584, 1)):
+    qw = quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), "nvfp4")
+    mod = QuantLinear.from_quantized(qw)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    lay = humming_peer.build({a: b.clone() for a, b in qw.tensors.items()}, "nvfp4", n, k)
+    for _ in range(2):
+        ql.fp4_fused(x, mod); humming_peer.forward(lay, x)
+    runs.append((x, mod, lay))
+torch.cuda.synchronize()
+torch.cuda.profiler.start()
+for x, mod, lay in runs:
+    ql.fp4_fused(x, mod); humming_peer.forward(lay, x)
+torch.cuda.synchronize()
+torch.cuda.profiler.stop()
+EOF
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout "${QERL_NCU_TIMEOUT:-90}" "$NCU" --clock-control none --profile-from-start off \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    python3 /tmp/qk/prof14.py > "$OUT/ncu14.txt" 2>&1
+  grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|Block Size|Waves Per SM|Warp Cycles Per Issued|Stall" "$OUT/ncu14.txt" | head -60
+fi
 stamp done
