@@ -57,10 +57,7 @@ SUPPORTED = FP4_FORMATS + W8_FORMATS
 LARGE_M_DEQUANT = int(os.environ.get("QERL_FP4_DEQUANT_M", "512"))
 LARGE_M_DEQUANT_T = int(os.environ.get("QERL_FP4_DEQUANT_T_M", "1024"))
 FP8_ACT_MIN_M = int(os.environ.get("QERL_FP8_ACT_MIN_M", "64"))
-# From this many rows the dequantize + cuBLAS path runs in chunks on two streams, so the dequantizer
-# (memory-bound) of chunk j+1 runs under the GEMM (compute-bound) of chunk j; only chunk 0 is exposed.
-OVERLAP_MIN_M = int(os.environ.get("QERL_FP4_OVERLAP_M", "512"))
-OVERLAP_CHUNKS = int(os.environ.get("QERL_FP4_OVERLAP_CHUNKS", "4"))
+
 # The repacked FP4 layout (fp4.repack_fp4) replaces the checkpoint byte order in place at load;
 # QERL_FP4_REPACK=0 keeps the checkpoint order (slower kernel, no repack).
 REPACK = os.environ.get("QERL_FP4_REPACK", "1") != "0"
@@ -202,100 +199,9 @@ def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """The large-M path: a transient dequantized weight, then cuBLAS (chunked and overlapped from
-    `OVERLAP_MIN_M` rows when the weight is repacked)."""
+    """The large-M path: a transient dequantized weight, then cuBLAS."""
     bias = module.bias
-    bias = None if bias is None else bias.to(x.dtype)
-    st = kernel_state(module)
-    if st.repacked is not None and x.shape[0] >= OVERLAP_MIN_M and OVERLAP_CHUNKS > 1 and x.is_cuda:
-        return _overlapped_forward(x, module, st, bias)
-    return torch.nn.functional.linear(x, dequantized(module, x.dtype), bias)
-
-
-def _splits(total: int, align: int, chunks: int) -> list[tuple[int, int]]:
-    """[lo, hi) ranges covering `total` in `chunks` near-equal pieces on multiples of `align` (last may be ragged)."""
-    units = -(-total // align)
-    chunks = max(1, min(chunks, units))
-    bounds = [min(total, (units * i // chunks) * align) for i in range(chunks + 1)]
-    return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
-
-
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _pipelined(device: torch.device, ranges: list[tuple[int, int]], numel: int, dtype: torch.dtype,
-               dequant, gemm) -> None:  # noqa: ANN001
-    """Run dequant(j, buf) on a side stream one chunk ahead of gemm(j, buf) on the current stream, with two
-    weight buffers (allocated on the current stream; the side stream only writes them between events)."""
-    main = torch.cuda.current_stream(device)
-    side = _SIDE.get(device)
-    if side is None:
-        side = _SIDE[device] = torch.cuda.Stream(device)
-    bufs = [torch.empty(numel, dtype=dtype, device=device) for _ in range(min(2, len(ranges)))]
-    ready: list[torch.cuda.Event] = []
-    done: list[torch.cuda.Event] = []
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        dequant(0, bufs[0])
-        ready.append(side.record_event())
-    for j in range(len(ranges)):
-        if j + 1 < len(ranges):
-            with torch.cuda.stream(side):
-                if j >= 1:
-                    side.wait_event(done[j - 1])  # buffer (j+1)%2 held chunk j-1 until its GEMM finished
-                dequant(j + 1, bufs[(j + 1) % 2])
-                ready.append(side.record_event())
-        main.wait_event(ready[j])
-        gemm(j, bufs[j % 2])
-        done.append(main.record_event())
-
-
-def _overlapped_forward(x: torch.Tensor, module: nn.Module, st: KernelState, bias: torch.Tensor | None):  # noqa: ANN202
-    """y[:, rows_j] = x @ dequant(W[rows_j])^T chunk by chunk (row blocks of the repack are contiguous)."""
-    t = _tensors(module)
-    gs = t.get("weight_global_scale")
-    m, k = x.shape
-    y = torch.empty((m, st.n), dtype=x.dtype, device=x.device)
-    ranges = _splits(st.n, 64, OVERLAP_CHUNKS)
-    rows_max = max(b - a for a, b in ranges)
-
-    def dequant(j: int, buf: torch.Tensor) -> None:
-        a, b = ranges[j]
-        fp4_dequantize_v2(st.repacked[a:b], t["weight_scale"][a:b], gs, st.fmt, x.dtype, tiled=st.tiled,
-                          out=buf[: (b - a) * k].view(b - a, k))
-
-    def gemm(j: int, buf: torch.Tensor) -> None:
-        a, b = ranges[j]
-        w = buf[: (b - a) * k].view(b - a, k)
-        if bias is None:
-            torch.mm(x, w.t(), out=y[:, a:b])
-        else:
-            torch.addmm(bias[a:b], x, w.t(), out=y[:, a:b])
-
-    _pipelined(x.device, ranges, rows_max * k, x.dtype, dequant, gemm)
-    return y
-
-
-def _overlapped_dx(dy: torch.Tensor, module: nn.Module, st: KernelState) -> torch.Tensor:
-    """dx[:, cols_j] = dy @ dequant(W[:, cols_j]) chunk by chunk along K (128-aligned column ranges)."""
-    t = _tensors(module)
-    gs = t.get("weight_global_scale")
-    m, n = dy.shape
-    dx = torch.empty((m, st.k), dtype=dy.dtype, device=dy.device)
-    ranges = _splits(st.k, 128, OVERLAP_CHUNKS)
-    cols_max = max(b - a for a, b in ranges)
-
-    def dequant(j: int, buf: torch.Tensor) -> None:
-        a, b = ranges[j]
-        fp4_dequantize_v2(st.repacked, t["weight_scale"], gs, st.fmt, dy.dtype, tiled=st.tiled, k_range=(a, b),
-                          out=buf[: n * (b - a)].view(n, b - a))
-
-    def gemm(j: int, buf: torch.Tensor) -> None:
-        a, b = ranges[j]
-        torch.mm(dy, buf[: n * (b - a)].view(n, b - a), out=dx[:, a:b])
-
-    _pipelined(dy.device, ranges, n * cols_max, dy.dtype, dequant, gemm)
-    return dx
+    return torch.nn.functional.linear(x, dequantized(module, x.dtype), None if bias is None else bias.to(x.dtype))
 
 
 def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -329,8 +235,6 @@ def linear_backward_dx(dy: torch.Tensor, module: nn.Module) -> torch.Tensor:
     if st.fmt in FP4_FORMATS:
         gs = t.get("weight_global_scale")
         # the transposed fused kernel reads checkpoint order only: a repacked module always dequantizes
-        if st.repacked is not None and m >= OVERLAP_MIN_M and OVERLAP_CHUNKS > 1 and dy.is_cuda:
-            return _overlapped_dx(dy, module, st)
         if st.repacked is not None or (m >= LARGE_M_DEQUANT_T and not INTERPRET):
             return dy @ dequantized(module, dy.dtype)
         return fp4_matmul_t(dy, t["weight_packed"], t["weight_scale"], gs, st.fmt, fp4_t_config(m, st.n, st.k),
