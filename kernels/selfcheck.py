@@ -59,6 +59,8 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
             out.append({"path": path, "rel": rel, "tol": tol, "deterministic": det, "ok": ok, **info})
         except Exception as exc:
             out.append({"path": path, "rel": None, "tol": tol, "ok": False, "error": repr(exc)[:400], **info})
+        if len(out) % 40 == 0:  # progress, so a run cut short by its time limit still says how far it got
+            print(f"selfcheck: {len(out)} checks, {sum(not r['ok'] for r in out)} failed so far", flush=True)
 
     for fmt in ("nvfp4", "mxfp4"):
         for n_, k_ in ((200, 352), (256, 512), (1000, 3584)):
@@ -155,6 +157,7 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
                         "ok": used and _rel(y, ref) <= tol})
             out.append({"path": f"QuantLinear-{fmt}-dx", "M": m, "rel": _rel(x.grad, dy.double() @ wd),
                         "tol": TOL[torch.bfloat16], "ok": _rel(x.grad, dy.double() @ wd) <= TOL[torch.bfloat16]})
+    print(f"selfcheck: {len(out)} checks before the one-copy layout section", flush=True)
     out += _check_resident_layout(device, g)
     return out
 
