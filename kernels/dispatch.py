@@ -9,7 +9,8 @@ Backends (`set_backend(name)`, or QERL_LINEAR_BACKEND; `qerl bench rollout --lin
   cuBLAS from it) - what qerl ran before the timing pass, and the fallback while a graph is captured;
 - `triton`: the fused Triton kernel at every M; `cublas`: dequantize + cuBLAS at every M;
 - `humming`: humming-kernels at every M (needs the package; it converts the weight into its own layout,
-  a second resident copy, which `auto` accepts only where humming measured faster).
+  a second resident copy, which `auto` accepts only where humming measured faster;
+  QERL_DISPATCH_CANDIDATES=triton,cublas keeps `auto` on qerl's single copy).
 `set_backend` writes QERL_LINEAR_BACKEND so the run's manifest (which records every QERL_* variable)
 names the backend. Timing uses `triton.testing.do_bench` (median; it flushes L2 before every call, so the
 weights come from HBM) on the module's own weight.
@@ -35,6 +36,7 @@ BACKENDS = ("auto", "qerl", "triton", "humming", "cublas")
 M_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 ENV = "QERL_LINEAR_BACKEND"
 CACHE_ENV = "QERL_KERNEL_CACHE"
+CANDIDATES_ENV = "QERL_DISPATCH_CANDIDATES"
 _plans: dict[tuple, dict[int, str]] = {}  # shape key -> {bucket: backend}
 _disk: dict[str, Any] | None = None
 
@@ -117,13 +119,25 @@ def humming_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 # ---- the timing pass -----------------------------------------------------------------------------------
 def shape_key(module: nn.Module, dtype: torch.dtype) -> tuple:
     return (module.fmt, module.out_features, module.in_features, str(dtype).removeprefix("torch."),
-            module.bias is not None)
+            module.bias is not None, ",".join(candidates()))
 
 
 def candidates() -> list[str]:
+    """What `auto` measures: triton, cublas and (installed) humming, or the subset QERL_DISPATCH_CANDIDATES
+    names (e.g. `triton,cublas` keeps auto on qerl's one resident copy)."""
     from qerl_kernels import humming_peer
 
-    return ["triton", "cublas"] + (["humming"] if humming_peer.available() else [])
+    found = ["triton", "cublas"] + (["humming"] if humming_peer.available() else [])
+    wanted = os.environ.get(CANDIDATES_ENV)
+    if not wanted:
+        return found
+    names = [w.strip() for w in wanted.split(",") if w.strip()]
+    bad = [w for w in names if w not in ("triton", "cublas", "humming")]
+    if bad or not names:
+        from qerl_cli.errors import QerlError
+
+        raise QerlError(f"{CANDIDATES_ENV}={wanted!r}: name some of triton, cublas, humming (comma-separated)")
+    return [c for c in found if c in names] or ["triton"]
 
 
 def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...] = M_BUCKETS,

@@ -135,3 +135,13 @@ def test_plan_cache_round_trip(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Non
     assert dispatch._load_cached(key) == plan
     assert dispatch.cache_path().parent == tmp_path and dispatch.cache_path().exists()
     dispatch.reset()
+
+
+def test_dispatch_candidates_follow_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(dispatch.CANDIDATES_ENV, "cublas")
+    assert dispatch.candidates() == ["cublas"]
+    monkeypatch.setenv(dispatch.CANDIDATES_ENV, "triton, cublas")
+    assert dispatch.candidates() == ["triton", "cublas"]
+    monkeypatch.setenv(dispatch.CANDIDATES_ENV, "marlin")
+    with pytest.raises(QerlError, match="QERL_DISPATCH_CANDIDATES"):
+        dispatch.candidates()
