@@ -198,8 +198,8 @@ def _check_resident_layout(device: str, g: torch.Generator) -> list[dict]:
         y = fused(x)
         ref = torch.cat([x.double() @ dequantize(p.quantized_weight, torch.float64).T for p in parts], -1)
         pairs = list(zip(parts, ckpt, strict=True))
-        views = all(torch.equal(p.weight_packed, repack_fp4(c, tiled=True)) for p, c in pairs)
         one_copy = all(ql.kernel_state(p).repacked.data_ptr() == p.weight_packed.data_ptr() for p in parts + [fused])
+        views = all(torch.equal(p.weight_packed, repack_fp4(c, tiled=True)) for p, c in pairs)
         back = all(torch.equal(p.quantized_weight.tensors["weight_packed"], c) for p, c in pairs)
         out.append({"path": f"{fmt}-fused-views", "ok": views and one_copy and back and _rel(y, ref) <= 1.2e-2
                     and _rel(y_parts, ref) <= 1.2e-2, "rel": max(_rel(y, ref), _rel(y_parts, ref)), "tol": 1.2e-2,
