@@ -39,6 +39,7 @@ CACHE_ENV = "QERL_KERNEL_CACHE"
 CANDIDATES_ENV = "QERL_DISPATCH_CANDIDATES"
 _plans: dict[tuple, dict[int, str]] = {}  # shape key -> {bucket: backend}
 _disk: dict[str, Any] | None = None
+last_timings: dict[int, dict[str, float]] = {}  # the latest measure_plan's {bucket: {candidate: us}}
 
 
 def _check(name: str) -> str:
@@ -176,6 +177,8 @@ def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...]
                     best, best_t = c, t
             plan[b] = best or _threshold_choice(b)
             timings[b] = row
+    last_timings.clear()
+    last_timings.update(timings)
     if "humming" not in plan.values():  # drop humming's copy of the weight when it won nowhere
         ql.kernel_state(module).extra.pop("humming", None)
     log.info("dispatch plan %s N=%d K=%d %s: %s", module.fmt, module.out_features, module.in_features, dtype,

@@ -227,8 +227,10 @@ def _check_resident_layout(device: str, g: torch.Generator) -> list[dict]:
             dispatch.set_backend("auto")
             plan = dispatch.measure_plan(mod, torch.bfloat16, buckets=(1, 64, 1024), rep_ms=3,
                                          cands=("triton", "cublas"))
-            out.append({"path": f"dispatch-plan-{fmt}", "plan": {str(b): c for b, c in plan.items()},
-                        "ok": set(plan.values()) <= {"triton", "cublas", "humming"}, "rel": 0.0, "tol": 0.0})
+            timed = {str(b): row for b, row in dispatch.last_timings.items()}
+            out.append({"path": f"dispatch-plan-{fmt}", "plan": {str(b): c for b, c in plan.items()}, "us": timed,
+                        "ok": set(plan.values()) <= {"triton", "cublas"} and all(len(r) == 2 for r in timed.values()),
+                        "rel": 0.0, "tol": 0.0})
         finally:
             dispatch.set_backend(prev)
     return out
