@@ -305,6 +305,12 @@ def bench_kernels(
             del cache, w
             torch.cuda.empty_cache()
     summarize(res)
+    from qerl_kernels import dispatch
+
+    # what `auto` chose for the plain format methods, and what it measured for the last shape it timed
+    res["dispatch"] = {"backend": dispatch.get_backend(), "candidates": dispatch.candidates(),
+                       "plans": {dispatch._key_str(k): {str(b): c for b, c in p.items()}
+                                 for k, p in dispatch._plans.items()}}
     if out_json is not None:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(out_json).write_text(json.dumps(res, indent=1))
