@@ -102,6 +102,26 @@ def choose(module: nn.Module, x: torch.Tensor) -> str:
     return plan.get(bucket(m), _threshold_choice(m))
 
 
+def prepare(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[tuple, dict[int, str]]:
+    """Measure (or load) the plan of every FP4 QuantLinear shape in `model` now: call it after loading and
+    before capturing CUDA graphs, since a shape first seen inside a capture runs qerl's fixed threshold."""
+    if get_backend() != "auto" or not torch.cuda.is_available():
+        return {}
+    done: dict[tuple, dict[int, str]] = {}
+    for m in model.modules():
+        if getattr(m, "fmt", None) not in ("nvfp4", "mxfp4") or not hasattr(m, "qweight") or not m.qweight.is_cuda:
+            continue
+        key = shape_key(m, dtype)
+        if key in done:
+            continue
+        plan = _plans.get(key) or _load_cached(key)
+        if plan is None:
+            plan = measure_plan(m, dtype)
+            _store_cached(key, plan)
+        _plans[key] = done[key] = plan
+    return done
+
+
 def humming_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     from qerl_kernels import humming_peer
     from qerl_kernels.linear import kernel_state
