@@ -119,7 +119,8 @@ class QuantLinear(nn.Module):
 
     @property
     def weight_nbytes(self) -> int:
-        return self.quantized_weight.nbytes()
+        # from the buffers as they are (the repack has the same size; no transient unrepacked copy)
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._tensor_names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
