@@ -466,6 +466,47 @@ def _fp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, lut_ptr, out_ptr, N, K, F,
     tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# W = dequant(repacked): the exact dequantizer on the load-time layout (one program per 64 rows x UN units),
+# so the module needs no checkpoint-layout copy for large-M forward and backward. Decodes like
+# `_fp4_tile_v2` (same byte addresses, same permute back to k order) but scales with the checkpoint block
+# scales in fp32, as the reference does, so the result is bit-identical to `dequantize`.
+@triton.jit
+def _fp4_dequant_v2_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K,
+                           NVFP4: tl.constexpr, BN: tl.constexpr, UN: tl.constexpr, TILED: tl.constexpr):
+    GS: tl.constexpr = 16 if NVFP4 else 32
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * (UN * 128)
+    u = tl.arange(0, UN)
+    q = tl.arange(0, 4)
+    g = tl.arange(0, 16)
+    if TILED:
+        chunk = (offs_n // 64) * (K // 128) + k0 // 128
+        w_ptrs = (w_ptr + (chunk.to(tl.int64) * 4096 + (offs_n % 64) * 64)[:, None, None, None]
+                  + (u[:, None, None] * 4096 + q[None, :, None] * 16 + g[None, None, :])[None, :, :, :])
+    else:
+        off = k0 // 2 + u[:, None, None] * 64 + q[None, :, None] * 16 + g[None, None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None, None, None] * (K // 2) + off[None, :, :, :]
+    # byte q*16 + g of a unit holds original byte 4g + q: elements k0 + u*128 + 8g + 2q (+1), one block
+    kk = k0 + u[:, None, None] * 128 + g[None, None, :] * 8 + q[None, :, None] * 2
+    s_ptrs = s_ptr + offs_n.to(tl.int64)[:, None, None, None] * (K // GS) + (kk // GS)[None, :, :, :]
+    um = (k0 + u * 128) < K
+    nm = offs_n < N
+    mask = nm[:, None, None, None] & um[None, :, None, None]
+    b = tl.load(w_ptrs, mask=mask, other=0)
+    s = tl.load(s_ptrs, mask=mask, other=0)
+    gs = 1.0
+    if NVFP4:
+        gs = tl.load(gs_ptr)
+    sc = _scale_f32(s, gs, 0, NVFP4, True)
+    c = b.to(tl.uint32)
+    lo = (_e2m1_f32(c & 15) * sc).to(out_ptr.dtype.element_ty)
+    hi = (_e2m1_f32(c >> 4) * sc).to(out_ptr.dtype.element_ty)
+    w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2, 4)), (BN, UN * 128))  # [BN, UN, g, q, 2] = k order
+    offs_k = k0 + tl.arange(0, UN * 128)
+    omask = nm[:, None] & (offs_k[None, :] < K)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], w, mask=omask)
+
+
 # ---- host side -----------------------------------------------------------------------------------
 def group_size(fmt: str) -> int:
     if fmt == "nvfp4":
@@ -590,6 +631,32 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
         NVFP4=fmt == "nvfp4", BN=bn, BK=bk, DECODE=dec, F32=True, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0,
         num_warps=4, num_stages=1 if INTERPRET else 2,
     )
+    return out
+
+
+# Elementwise, so every configuration writes the same bytes: tuned per shape by timing (once per process).
+_DEQUANT_V2_CONFIGS = [triton.Config({"UN": un}, num_warps=w) for un in (1, 2, 4) for w in (2, 4, 8)]
+_fp4_dequant_v2_tuned = triton.autotune(_DEQUANT_V2_CONFIGS, key=["N", "K", "NVFP4", "TILED"])(_fp4_dequant_v2_kernel)
+
+
+def fp4_dequantize_v2(repacked: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None, fmt: str,
+                      dtype: torch.dtype, *, tiled: bool = False, units: int | None = None) -> torch.Tensor:
+    """`fp4_dequantize` reading the repacked layout (`repack_fp4(packed, tiled)`) and the checkpoint block
+    scales: bit-identical to the reference `dequantize` of the unrepacked weight. `units` (128-column
+    units per program) fixes the tile; by default it is autotuned on the GPU."""
+    n, k = repacked.shape[0], repacked.shape[1] * 2
+    if k % 128 or (tiled and n % 64):
+        raise ValueError(f"not a repacked FP4 shape: N={n}, K={k} (tiled={tiled})")
+    gs = global_scale if global_scale is not None else scale  # unused for MXFP4
+    out = torch.empty((n, k), dtype=dtype, device=repacked.device)
+    args = (repacked, scale.view(torch.uint8), gs, out, n, k)
+    if units is None and not INTERPRET:
+        _fp4_dequant_v2_tuned[lambda meta: (triton.cdiv(n, 64), triton.cdiv(k, meta["UN"] * 128))](
+            *args, NVFP4=fmt == "nvfp4", BN=64, TILED=tiled)
+        return out
+    units = units or 2  # a power of two; the last program of a row masks columns past K
+    _fp4_dequant_v2_kernel[(triton.cdiv(n, 64), triton.cdiv(k, units * 128))](
+        *args, NVFP4=fmt == "nvfp4", BN=64, UN=units, TILED=tiled, num_warps=4)
     return out
 
 

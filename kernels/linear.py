@@ -17,8 +17,11 @@ Backward is `QuantLinearFunction`: it saves no tensor (the frozen weight has no 
 not need x) and computes dx = dy @ dequant(W) with the transposed fused kernel; from
 `LARGE_M_DEQUANT_T` rows (1024) it dequantizes one layer's weight transiently and calls cuBLAS, which
 was 1.8x faster at M = 2048 (set QERL_FP4_DEQUANT_T_M very high to never build that transient copy).
-The repacked weight lives in `module._kernel_state` next to the checkpoint-layout buffers
-(+0.5 byte per weight; QERL_FP4_REPACK=0 turns it off and uses the slower checkpoint-layout kernel).
+The FP4 weight is repacked at load IN PLACE (`module._layout`, see `qerl_cli.qlinear.PackedLayout`), so
+the GPU holds one copy of it: the fused kernel reads it, and the large-M forward and every backward
+dequantize it with `fp4_dequantize_v2` (bit-identical to the reference) into a transient bf16 weight for
+cuBLAS. State dicts, `quantized_weight` and `.to()` still see the checkpoint order. QERL_FP4_REPACK=0 keeps
+the checkpoint order (slower checkpoint-layout kernels). Which kernel runs at each M is `dispatch.choose`.
 """
 
 from __future__ import annotations
@@ -30,14 +33,15 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 from qerl_kernels._common import INTERPRET, TileConfig, num_sms, split_k_for
+from qerl_kernels.dispatch import BACKENDS, get_backend, set_backend  # noqa: F401 - the override API
 from qerl_kernels.fp4 import (
     fp4_dequantize,
+    fp4_dequantize_v2,
     fp4_matmul,
     fp4_matmul_t,
     fp4_matmul_v2,
     kernel_scales,
     mxfp4_shift,
-    repack_fp4,
 )
 from qerl_kernels.w8 import fp8_scaled_matmul, w8_matmul, w8_matmul_t
 
@@ -53,8 +57,9 @@ SUPPORTED = FP4_FORMATS + W8_FORMATS
 LARGE_M_DEQUANT = int(os.environ.get("QERL_FP4_DEQUANT_M", "512"))
 LARGE_M_DEQUANT_T = int(os.environ.get("QERL_FP4_DEQUANT_T_M", "1024"))
 FP8_ACT_MIN_M = int(os.environ.get("QERL_FP8_ACT_MIN_M", "64"))
-# The repacked FP4 layout (fp4.repack_fp4) costs one more copy of the packed weight (0.5 byte/weight) in
-# the module's kernel state; QERL_FP4_REPACK=0 keeps only the checkpoint layout (slower kernel).
+
+# The repacked FP4 layout (fp4.repack_fp4) replaces the checkpoint byte order in place at load;
+# QERL_FP4_REPACK=0 keeps the checkpoint order (slower kernel, no repack).
 REPACK = os.environ.get("QERL_FP4_REPACK", "1") != "0"
 
 
@@ -121,7 +126,7 @@ class KernelState:
     n: int
     k: int
     shift: int = 0  # MXFP4 exponent shift F (see fp4.py)
-    repacked: torch.Tensor | None = None  # FP4 weight in the v2 layout (fp4.repack_fp4), when K % 128 == 0
+    repacked: torch.Tensor | None = None  # the module's own weight_packed, repacked in place (fp4.repack_fp4)
     tiled: bool = False  # repacked in 4 KB chunks (N % 64 == 0 too)
     kscales: dict = field(default_factory=dict)  # activation dtype -> fp4.kernel_scales(...)
     fp8_scale_row: torch.Tensor | None = None  # FP8 weight scale as fp32 [1, N] for torch._scaled_mm
@@ -146,9 +151,11 @@ def kernel_state(module: nn.Module) -> KernelState:
     st = KernelState(key, module.fmt, module.out_features, module.in_features)
     if module.fmt == "mxfp4":
         st.shift = mxfp4_shift(t["weight_scale"])
-    if module.fmt in FP4_FORMATS and REPACK and module.in_features % 128 == 0:
-        st.tiled = module.out_features % 64 == 0
-        st.repacked = repack_fp4(t["weight_packed"], tiled=st.tiled)
+    layout = getattr(module, "_layout", None)
+    if module.fmt in FP4_FORMATS and REPACK and module.in_features % 128 == 0 and layout is not None:
+        layout.repack_in_place(tiled=module.out_features % 64 == 0)
+        st.tiled = layout.kind == "tiled"
+        st.repacked = t["weight_packed"]
     if module.fmt == "fp8":
         st.fp8_scale_row = t["weight_scale"].float().reshape(1, -1).contiguous()
     module._kernel_state = st
@@ -181,6 +188,22 @@ def fp4_fused(x: torch.Tensor, module: nn.Module, cfg: TileConfig | None = None)
     return fp4_matmul(x, t["weight_packed"], t["weight_scale"], gs, st.fmt, cfg, bias=module.bias, shift=st.shift)
 
 
+def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """dequant(W) [N, K] from whichever byte order the module holds (transient; exact)."""
+    st = kernel_state(module)
+    t = _tensors(module)
+    gs = t.get("weight_global_scale")
+    if st.repacked is not None:
+        return fp4_dequantize_v2(st.repacked, t["weight_scale"], gs, st.fmt, dtype, tiled=st.tiled)
+    return fp4_dequantize(t["weight_packed"], t["weight_scale"], gs, st.fmt, dtype)
+
+
+def dequant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """The large-M path: a transient dequantized weight, then cuBLAS."""
+    bias = module.bias
+    return torch.nn.functional.linear(x, dequantized(module, x.dtype), None if bias is None else bias.to(x.dtype))
+
+
 def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """y = x @ dequant(W)^T + b for 2-D contiguous-rows x [M, K] (no autograd)."""
     st = kernel_state(module)
@@ -189,10 +212,15 @@ def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     bias = module.bias
     sms = num_sms(x.device)
     if st.fmt in FP4_FORMATS:
-        gs = t.get("weight_global_scale")
-        if m >= LARGE_M_DEQUANT and not INTERPRET:
-            w = fp4_dequantize(t["weight_packed"], t["weight_scale"], gs, st.fmt, x.dtype)
-            return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+        if INTERPRET:
+            return fp4_fused(x, module)
+        from qerl_kernels import dispatch
+
+        backend = dispatch.choose(module, x)
+        if backend == "cublas":
+            return dequant_linear(x, module)
+        if backend == "humming":
+            return dispatch.humming_forward(module, x)
         return fp4_fused(x, module)
     if _use_fp8_act(x, st):
         return fp8_scaled_matmul(x, t["weight"], st.fp8_scale_row, None if bias is None else bias.to(x.dtype))
@@ -206,9 +234,9 @@ def linear_backward_dx(dy: torch.Tensor, module: nn.Module) -> torch.Tensor:
     m = dy.shape[0]
     if st.fmt in FP4_FORMATS:
         gs = t.get("weight_global_scale")
-        if m >= LARGE_M_DEQUANT_T and not INTERPRET:
-            w = fp4_dequantize(t["weight_packed"], t["weight_scale"], gs, st.fmt, dy.dtype)
-            return dy @ w
+        # the transposed fused kernel reads checkpoint order only: a repacked module always dequantizes
+        if st.repacked is not None or (m >= LARGE_M_DEQUANT_T and not INTERPRET):
+            return dy @ dequantized(module, dy.dtype)
         return fp4_matmul_t(dy, t["weight_packed"], t["weight_scale"], gs, st.fmt, fp4_t_config(m, st.n, st.k),
                             shift=st.shift)
     return w8_matmul_t(dy, t["weight"], t["weight_scale"], w8_t_config(m, st.n, st.k))

@@ -167,12 +167,15 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
             else:
                 weights += p.numel() * p.element_size()
     resident = 0
+    storages = set()
     for t in list(model.parameters()) + list(model.buffers()):
         resident += t.numel() * t.element_size()
+        storages.add(t.untyped_storage().data_ptr())
     for m in model.modules():
         st = getattr(m, "_kernel_state", None)
         rep = getattr(st, "repacked", None)
-        if isinstance(rep, torch.Tensor):
+        # the FP4 repack is made in place (qerl_kernels): count it only if it is a separate copy
+        if isinstance(rep, torch.Tensor) and rep.untyped_storage().data_ptr() not in storages:
             resident += rep.numel() * rep.element_size()
     return {"weights": weights, "lora": lora, "resident": resident}
 
