@@ -466,6 +466,47 @@ def _fp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, lut_ptr, out_ptr, N, K, F,
     tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# W = dequant(repacked): the exact dequantizer on the load-time layout (one program per 64 rows x UN units),
+# so the module needs no checkpoint-layout copy for large-M forward and backward. Decodes like
+# `_fp4_tile_v2` (same byte addresses, same permute back to k order) but scales with the checkpoint block
+# scales in fp32, as the reference does, so the result is bit-identical to `dequantize`.
+@triton.jit
+def _fp4_dequant_v2_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, k_lo, k_hi, stride_out,
+                           NVFP4: tl.constexpr, BN: tl.constexpr, UN: tl.constexpr, TILED: tl.constexpr):
+    GS: tl.constexpr = 16 if NVFP4 else 32
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = k_lo + tl.program_id(1) * (UN * 128)
+    u = tl.arange(0, UN)
+    q = tl.arange(0, 4)
+    g = tl.arange(0, 16)
+    if TILED:
+        chunk = (offs_n // 64) * (K // 128) + k0 // 128
+        w_ptrs = (w_ptr + (chunk.to(tl.int64) * 4096 + (offs_n % 64) * 64)[:, None, None, None]
+                  + (u[:, None, None] * 4096 + q[None, :, None] * 16 + g[None, None, :])[None, :, :, :])
+    else:
+        off = k0 // 2 + u[:, None, None] * 64 + q[None, :, None] * 16 + g[None, None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None, None, None] * (K // 2) + off[None, :, :, :]
+    # byte q*16 + g of a unit holds original byte 4g + q: elements k0 + u*128 + 8g + 2q (+1), one block
+    kk = k0 + u[:, None, None] * 128 + g[None, None, :] * 8 + q[None, :, None] * 2
+    s_ptrs = s_ptr + offs_n.to(tl.int64)[:, None, None, None] * (K // GS) + (kk // GS)[None, :, :, :]
+    um = (k0 + u * 128) < k_hi
+    nm = offs_n < N
+    mask = nm[:, None, None, None] & um[None, :, None, None]
+    b = tl.load(w_ptrs, mask=mask, other=0)
+    s = tl.load(s_ptrs, mask=mask, other=0)
+    gs = 1.0
+    if NVFP4:
+        gs = tl.load(gs_ptr)
+    sc = _scale_f32(s, gs, 0, NVFP4, True)
+    c = b.to(tl.uint32)
+    lo = (_e2m1_f32(c & 15) * sc).to(out_ptr.dtype.element_ty)
+    hi = (_e2m1_f32(c >> 4) * sc).to(out_ptr.dtype.element_ty)
+    w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2, 4)), (BN, UN * 128))  # [BN, UN, g, q, 2] = k order
+    offs_k = k0 + tl.arange(0, UN * 128)
+    omask = nm[:, None] & (offs_k[None, :] < k_hi)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * stride_out + (offs_k - k_lo)[None, :], w, mask=omask)
+
+
 # ---- host side -----------------------------------------------------------------------------------
 def group_size(fmt: str) -> int:
     if fmt == "nvfp4":
@@ -594,6 +635,32 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
 
 
 # ---- repacked (v2) host side -------------------------------------------------------------------------
+def fp4_dequantize_v2(repacked: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None, fmt: str,
+                      dtype: torch.dtype, *, tiled: bool = False, units: int = 2,
+                      k_range: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp4_dequantize` reading the repacked layout (`repack_fp4(packed, tiled)`) and the checkpoint block
+    scales: bit-identical to the reference `dequantize` of the unrepacked weight.
+
+    `k_range=(k0, k1)` (multiples of 128) dequantizes only columns k0:k1 into an [N, k1 - k0] tensor (`out`
+    may be given, rows contiguous): the chunks of the overlapped dequantize + cuBLAS path.
+    """
+    n, k = repacked.shape[0], repacked.shape[1] * 2
+    if k % 128 or (tiled and n % 64):
+        raise ValueError(f"not a repacked FP4 shape: N={n}, K={k} (tiled={tiled})")
+    k0, k1 = k_range or (0, k)
+    if k0 % 128 or not 0 <= k0 < k1 <= k or (k1 % 128 and k1 != k):
+        raise ValueError(f"k_range {k_range} must be 128-aligned inside [0, {k}]")
+    gs = global_scale if global_scale is not None else scale  # unused for MXFP4
+    if out is None:
+        out = torch.empty((n, k1 - k0), dtype=dtype, device=repacked.device)
+    units = min(units, (k1 - k0) // 128)
+    _fp4_dequant_v2_kernel[(triton.cdiv(n, 64), triton.cdiv(k1 - k0, units * 128))](
+        repacked, scale.view(torch.uint8), gs, out, n, k, k0, k1, out.stride(0),
+        NVFP4=fmt == "nvfp4", BN=64, UN=units, TILED=tiled, num_warps=4,
+    )
+    return out
+
+
 def repack_fp4(packed: torch.Tensor, tiled: bool = False) -> torch.Tensor:
     """[N, K/2] compressed-tensors bytes -> the v2 layout (needs K % 128 == 0): a bijection, same size.
 

@@ -17,8 +17,11 @@ Backward is `QuantLinearFunction`: it saves no tensor (the frozen weight has no 
 not need x) and computes dx = dy @ dequant(W) with the transposed fused kernel; from
 `LARGE_M_DEQUANT_T` rows (1024) it dequantizes one layer's weight transiently and calls cuBLAS, which
 was 1.8x faster at M = 2048 (set QERL_FP4_DEQUANT_T_M very high to never build that transient copy).
-The repacked weight lives in `module._kernel_state` next to the checkpoint-layout buffers
-(+0.5 byte per weight; QERL_FP4_REPACK=0 turns it off and uses the slower checkpoint-layout kernel).
+The FP4 weight is repacked at load IN PLACE (`module._layout`, see `qerl_cli.qlinear.PackedLayout`), so
+the GPU holds one copy of it: the fused kernel reads it, and the large-M forward and every backward
+dequantize it with `fp4_dequantize_v2` (bit-identical to the reference) into a transient bf16 weight for
+cuBLAS. State dicts, `quantized_weight` and `.to()` still see the checkpoint order. QERL_FP4_REPACK=0 keeps
+the checkpoint order (slower checkpoint-layout kernels). Which kernel runs at each M is `dispatch.choose`.
 """
 
 from __future__ import annotations
@@ -30,14 +33,15 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 from qerl_kernels._common import INTERPRET, TileConfig, num_sms, split_k_for
+from qerl_kernels.dispatch import BACKENDS, get_backend, set_backend  # noqa: F401 - the override API
 from qerl_kernels.fp4 import (
     fp4_dequantize,
+    fp4_dequantize_v2,
     fp4_matmul,
     fp4_matmul_t,
     fp4_matmul_v2,
     kernel_scales,
     mxfp4_shift,
-    repack_fp4,
 )
 from qerl_kernels.w8 import fp8_scaled_matmul, w8_matmul, w8_matmul_t
 
@@ -53,8 +57,12 @@ SUPPORTED = FP4_FORMATS + W8_FORMATS
 LARGE_M_DEQUANT = int(os.environ.get("QERL_FP4_DEQUANT_M", "512"))
 LARGE_M_DEQUANT_T = int(os.environ.get("QERL_FP4_DEQUANT_T_M", "1024"))
 FP8_ACT_MIN_M = int(os.environ.get("QERL_FP8_ACT_MIN_M", "64"))
-# The repacked FP4 layout (fp4.repack_fp4) costs one more copy of the packed weight (0.5 byte/weight) in
-# the module's kernel state; QERL_FP4_REPACK=0 keeps only the checkpoint layout (slower kernel).
+# From this many rows the dequantize + cuBLAS path runs in chunks on two streams, so the dequantizer
+# (memory-bound) of chunk j+1 runs under the GEMM (compute-bound) of chunk j; only chunk 0 is exposed.
+OVERLAP_MIN_M = int(os.environ.get("QERL_FP4_OVERLAP_M", "512"))
+OVERLAP_CHUNKS = int(os.environ.get("QERL_FP4_OVERLAP_CHUNKS", "4"))
+# The repacked FP4 layout (fp4.repack_fp4) replaces the checkpoint byte order in place at load;
+# QERL_FP4_REPACK=0 keeps the checkpoint order (slower kernel, no repack).
 REPACK = os.environ.get("QERL_FP4_REPACK", "1") != "0"
 
 
@@ -121,7 +129,7 @@ class KernelState:
     n: int
     k: int
     shift: int = 0  # MXFP4 exponent shift F (see fp4.py)
-    repacked: torch.Tensor | None = None  # FP4 weight in the v2 layout (fp4.repack_fp4), when K % 128 == 0
+    repacked: torch.Tensor | None = None  # the module's own weight_packed, repacked in place (fp4.repack_fp4)
     tiled: bool = False  # repacked in 4 KB chunks (N % 64 == 0 too)
     kscales: dict = field(default_factory=dict)  # activation dtype -> fp4.kernel_scales(...)
     fp8_scale_row: torch.Tensor | None = None  # FP8 weight scale as fp32 [1, N] for torch._scaled_mm
@@ -146,9 +154,11 @@ def kernel_state(module: nn.Module) -> KernelState:
     st = KernelState(key, module.fmt, module.out_features, module.in_features)
     if module.fmt == "mxfp4":
         st.shift = mxfp4_shift(t["weight_scale"])
-    if module.fmt in FP4_FORMATS and REPACK and module.in_features % 128 == 0:
-        st.tiled = module.out_features % 64 == 0
-        st.repacked = repack_fp4(t["weight_packed"], tiled=st.tiled)
+    layout = getattr(module, "_layout", None)
+    if module.fmt in FP4_FORMATS and REPACK and module.in_features % 128 == 0 and layout is not None:
+        layout.repack_in_place(tiled=module.out_features % 64 == 0)
+        st.tiled = layout.kind == "tiled"
+        st.repacked = t["weight_packed"]
     if module.fmt == "fp8":
         st.fp8_scale_row = t["weight_scale"].float().reshape(1, -1).contiguous()
     module._kernel_state = st
@@ -181,6 +191,113 @@ def fp4_fused(x: torch.Tensor, module: nn.Module, cfg: TileConfig | None = None)
     return fp4_matmul(x, t["weight_packed"], t["weight_scale"], gs, st.fmt, cfg, bias=module.bias, shift=st.shift)
 
 
+def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """dequant(W) [N, K] from whichever byte order the module holds (transient; exact)."""
+    st = kernel_state(module)
+    t = _tensors(module)
+    gs = t.get("weight_global_scale")
+    if st.repacked is not None:
+        return fp4_dequantize_v2(st.repacked, t["weight_scale"], gs, st.fmt, dtype, tiled=st.tiled)
+    return fp4_dequantize(t["weight_packed"], t["weight_scale"], gs, st.fmt, dtype)
+
+
+def dequant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """The large-M path: a transient dequantized weight, then cuBLAS (chunked and overlapped from
+    `OVERLAP_MIN_M` rows when the weight is repacked)."""
+    bias = module.bias
+    bias = None if bias is None else bias.to(x.dtype)
+    st = kernel_state(module)
+    if st.repacked is not None and x.shape[0] >= OVERLAP_MIN_M and OVERLAP_CHUNKS > 1 and x.is_cuda:
+        return _overlapped_forward(x, module, st, bias)
+    return torch.nn.functional.linear(x, dequantized(module, x.dtype), bias)
+
+
+def _splits(total: int, align: int, chunks: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges covering `total` in `chunks` near-equal pieces on multiples of `align` (last may be ragged)."""
+    units = -(-total // align)
+    chunks = max(1, min(chunks, units))
+    bounds = [min(total, (units * i // chunks) * align) for i in range(chunks + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _pipelined(device: torch.device, ranges: list[tuple[int, int]], numel: int, dtype: torch.dtype,
+               dequant, gemm) -> None:  # noqa: ANN001
+    """Run dequant(j, buf) on a side stream one chunk ahead of gemm(j, buf) on the current stream, with two
+    weight buffers (allocated on the current stream; the side stream only writes them between events)."""
+    main = torch.cuda.current_stream(device)
+    side = _SIDE.get(device)
+    if side is None:
+        side = _SIDE[device] = torch.cuda.Stream(device)
+    bufs = [torch.empty(numel, dtype=dtype, device=device) for _ in range(min(2, len(ranges)))]
+    ready: list[torch.cuda.Event] = []
+    done: list[torch.cuda.Event] = []
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        dequant(0, bufs[0])
+        ready.append(side.record_event())
+    for j in range(len(ranges)):
+        if j + 1 < len(ranges):
+            with torch.cuda.stream(side):
+                if j >= 1:
+                    side.wait_event(done[j - 1])  # buffer (j+1)%2 held chunk j-1 until its GEMM finished
+                dequant(j + 1, bufs[(j + 1) % 2])
+                ready.append(side.record_event())
+        main.wait_event(ready[j])
+        gemm(j, bufs[j % 2])
+        done.append(main.record_event())
+
+
+def _overlapped_forward(x: torch.Tensor, module: nn.Module, st: KernelState, bias: torch.Tensor | None):  # noqa: ANN202
+    """y[:, rows_j] = x @ dequant(W[rows_j])^T chunk by chunk (row blocks of the repack are contiguous)."""
+    t = _tensors(module)
+    gs = t.get("weight_global_scale")
+    m, k = x.shape
+    y = torch.empty((m, st.n), dtype=x.dtype, device=x.device)
+    ranges = _splits(st.n, 64, OVERLAP_CHUNKS)
+    rows_max = max(b - a for a, b in ranges)
+
+    def dequant(j: int, buf: torch.Tensor) -> None:
+        a, b = ranges[j]
+        fp4_dequantize_v2(st.repacked[a:b], t["weight_scale"][a:b], gs, st.fmt, x.dtype, tiled=st.tiled,
+                          out=buf[: (b - a) * k].view(b - a, k))
+
+    def gemm(j: int, buf: torch.Tensor) -> None:
+        a, b = ranges[j]
+        w = buf[: (b - a) * k].view(b - a, k)
+        if bias is None:
+            torch.mm(x, w.t(), out=y[:, a:b])
+        else:
+            torch.addmm(bias[a:b], x, w.t(), out=y[:, a:b])
+
+    _pipelined(x.device, ranges, rows_max * k, x.dtype, dequant, gemm)
+    return y
+
+
+def _overlapped_dx(dy: torch.Tensor, module: nn.Module, st: KernelState) -> torch.Tensor:
+    """dx[:, cols_j] = dy @ dequant(W[:, cols_j]) chunk by chunk along K (128-aligned column ranges)."""
+    t = _tensors(module)
+    gs = t.get("weight_global_scale")
+    m, n = dy.shape
+    dx = torch.empty((m, st.k), dtype=dy.dtype, device=dy.device)
+    ranges = _splits(st.k, 128, OVERLAP_CHUNKS)
+    cols_max = max(b - a for a, b in ranges)
+
+    def dequant(j: int, buf: torch.Tensor) -> None:
+        a, b = ranges[j]
+        fp4_dequantize_v2(st.repacked, t["weight_scale"], gs, st.fmt, dy.dtype, tiled=st.tiled, k_range=(a, b),
+                          out=buf[: n * (b - a)].view(n, b - a))
+
+    def gemm(j: int, buf: torch.Tensor) -> None:
+        a, b = ranges[j]
+        torch.mm(dy, buf[: n * (b - a)].view(n, b - a), out=dx[:, a:b])
+
+    _pipelined(dy.device, ranges, n * cols_max, dy.dtype, dequant, gemm)
+    return dx
+
+
 def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """y = x @ dequant(W)^T + b for 2-D contiguous-rows x [M, K] (no autograd)."""
     st = kernel_state(module)
@@ -189,10 +306,15 @@ def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     bias = module.bias
     sms = num_sms(x.device)
     if st.fmt in FP4_FORMATS:
-        gs = t.get("weight_global_scale")
-        if m >= LARGE_M_DEQUANT and not INTERPRET:
-            w = fp4_dequantize(t["weight_packed"], t["weight_scale"], gs, st.fmt, x.dtype)
-            return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+        if INTERPRET:
+            return fp4_fused(x, module)
+        from qerl_kernels import dispatch
+
+        backend = dispatch.choose(module, x)
+        if backend == "cublas":
+            return dequant_linear(x, module)
+        if backend == "humming":
+            return dispatch.humming_forward(module, x)
         return fp4_fused(x, module)
     if _use_fp8_act(x, st):
         return fp8_scaled_matmul(x, t["weight"], st.fp8_scale_row, None if bias is None else bias.to(x.dtype))
@@ -206,9 +328,11 @@ def linear_backward_dx(dy: torch.Tensor, module: nn.Module) -> torch.Tensor:
     m = dy.shape[0]
     if st.fmt in FP4_FORMATS:
         gs = t.get("weight_global_scale")
-        if m >= LARGE_M_DEQUANT_T and not INTERPRET:
-            w = fp4_dequantize(t["weight_packed"], t["weight_scale"], gs, st.fmt, dy.dtype)
-            return dy @ w
+        # the transposed fused kernel reads checkpoint order only: a repacked module always dequantizes
+        if st.repacked is not None and m >= OVERLAP_MIN_M and OVERLAP_CHUNKS > 1 and dy.is_cuda:
+            return _overlapped_dx(dy, module, st)
+        if st.repacked is not None or (m >= LARGE_M_DEQUANT_T and not INTERPRET):
+            return dy @ dequantized(module, dy.dtype)
         return fp4_matmul_t(dy, t["weight_packed"], t["weight_scale"], gs, st.fmt, fp4_t_config(m, st.n, st.k),
                             shift=st.shift)
     return w8_matmul_t(dy, t["weight"], t["weight_scale"], w8_t_config(m, st.n, st.k))

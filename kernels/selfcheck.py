@@ -155,6 +155,75 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
                         "ok": used and _rel(y, ref) <= tol})
             out.append({"path": f"QuantLinear-{fmt}-dx", "M": m, "rel": _rel(x.grad, dy.double() @ wd),
                         "tol": TOL[torch.bfloat16], "ok": _rel(x.grad, dy.double() @ wd) <= TOL[torch.bfloat16]})
+    out += _check_resident_layout(device, g)
+    return out
+
+
+def _check_resident_layout(device: str, g: torch.Generator) -> list[dict]:
+    """The one-copy FP4 paths: exact dequantizer on the repack, in-place repack, fused views, every backend."""
+    from qerl_kernels import dispatch, humming_peer
+    from qerl_kernels import linear as ql
+    from qerl_kernels.fp4 import fp4_dequantize_v2, repack_fp4
+
+    from qerl_cli.formats import dequantize, nvfp4_global_scale, quantize
+    from qerl_cli.qlinear import QuantLinear, fuse_quant_linears
+
+    out: list[dict] = []
+    for fmt in ("nvfp4", "mxfp4"):
+        for n, k, tiled in ((4608, 3584, True), (200, 384, False)):
+            qw = quantize((torch.randn(n, k, generator=g) * 0.05).to(device), fmt)
+            t = qw.tensors
+            rep = repack_fp4(t["weight_packed"], tiled=tiled)
+            for dt in (torch.bfloat16, torch.float16):
+                got = fp4_dequantize_v2(rep, t["weight_scale"], t.get("weight_global_scale"), fmt, dt, tiled=tiled)
+                exact = bool(torch.equal(got, dequantize(qw, dt)))
+                out.append({"path": f"{fmt}-dequant-v2-tiled{tiled}-{dt}-exact", "N": n, "K": k, "ok": exact,
+                            "rel": 0.0 if exact else 1.0, "tol": 0.0})
+        # fused q/k/v-like parts: one storage repacked in place; views are each part's own repack
+        sizes, k = (512, 128, 128), 1024
+        ws = [(torch.randn(n, k, generator=g) * 0.05).to(device) for n in sizes]
+        gs = nvfp4_global_scale(max(w.abs().max() for w in ws).cpu()).to(device) if fmt == "nvfp4" else None
+        parts = [QuantLinear.from_quantized(quantize(w, fmt, global_scale=gs)) for w in ws]
+        ckpt = [p.weight_packed.clone() for p in parts]
+        fused = fuse_quant_linears(parts)
+        x = torch.randn(16, k, generator=g).to(device=device, dtype=torch.bfloat16)
+        y_parts = torch.cat([p(x) for p in parts], -1)
+        y = fused(x)
+        ref = torch.cat([x.double() @ dequantize(p.quantized_weight, torch.float64).T for p in parts], -1)
+        pairs = list(zip(parts, ckpt, strict=True))
+        views = all(torch.equal(p.weight_packed, repack_fp4(c, tiled=True)) for p, c in pairs)
+        one_copy = all(ql.kernel_state(p).repacked.data_ptr() == p.weight_packed.data_ptr() for p in parts + [fused])
+        back = all(torch.equal(p.quantized_weight.tensors["weight_packed"], c) for p, c in pairs)
+        out.append({"path": f"{fmt}-fused-views", "ok": views and one_copy and back and _rel(y, ref) <= 1.2e-2
+                    and _rel(y_parts, ref) <= 1.2e-2, "rel": max(_rel(y, ref), _rel(y_parts, ref)), "tol": 1.2e-2,
+                    "views": views, "one_copy": one_copy, "checkpoint_back": back})
+        # every backend, forced, through QuantLinear (forward and dx), then the measured plan
+        lin = torch.nn.Linear(1024, 768, bias=True).to(device)
+        mod = QuantLinear.from_linear(lin, fmt).to(device)
+        wd = mod.dequantized_weight(torch.float32).double()
+        # humming JIT-compiles per shape and M (seconds each): one format, one M keeps the check short
+        backends = ["triton", "cublas", "qerl"] + (["humming"] if humming_peer.available() and fmt == "nvfp4" else [])
+        prev = dispatch.get_backend()
+        try:
+            for be in backends:
+                dispatch.set_backend(be)
+                for m in ((16,) if be == "humming" else (1, 16, 100, 600)):
+                    xx = torch.randn(m, 1024, generator=g).to(device=device, dtype=torch.bfloat16)
+                    xx.requires_grad_(True)
+                    yy = mod(xx)
+                    dy = torch.randn_like(yy)
+                    yy.backward(dy)
+                    r1 = _rel(yy, xx.double() @ wd.T + mod.bias.double())
+                    r2 = _rel(xx.grad, dy.double() @ wd)
+                    out.append({"path": f"QuantLinear-{fmt}-backend-{be}", "M": m, "rel": max(r1, r2), "tol": 1.2e-2,
+                                "ok": max(r1, r2) <= 1.2e-2})
+            dispatch.set_backend("auto")
+            plan = dispatch.measure_plan(mod, torch.bfloat16, buckets=(1, 64, 1024), rep_ms=3,
+                                         cands=("triton", "cublas"))
+            out.append({"path": f"dispatch-plan-{fmt}", "plan": {str(b): c for b, c in plan.items()},
+                        "ok": set(plan.values()) <= {"triton", "cublas", "humming"}, "rel": 0.0, "tol": 0.0})
+        finally:
+            dispatch.set_backend(prev)
     return out
 
 

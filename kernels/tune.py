@@ -46,11 +46,13 @@ def sweep_fp4(model: str = "qwen2.5-7b", ms: tuple[int, ...] = (1, 16, 64, 128, 
     for name, n, k in layer_linears(model):
         w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
         mods = _quant_modules(w, fmt, lambda b: _copies(b, l2))
+        ckpt = [m_.weight_packed.clone() for m_ in mods]  # checkpoint order, before the in-place repack
         states = [kernel_state(m_) for m_ in mods]
         kss = [kernel_scales(m_.weight_scale, fmt, torch.bfloat16, st.shift)
                for m_, st in zip(mods, states, strict=True)]
         tiled = n % 64 == 0
-        wts = [repack_fp4(m_.weight_packed, tiled=True) for m_ in mods] if tiled else []
+        wts = [repack_fp4(c, tiled=True) for c in ckpt] if tiled else []
+        wrs = [repack_fp4(c, tiled=False) for c in ckpt]  # the row-local layout (v2)
         kts = [kernel_scales(m_.weight_scale, fmt, torch.bfloat16, st.shift, tiled=True)
                for m_, st in zip(mods, states, strict=True)] if tiled else []
         for m in ms:
@@ -72,17 +74,18 @@ def sweep_fp4(model: str = "qwen2.5-7b", ms: tuple[int, ...] = (1, 16, 64, 128, 
                 runs.append((runs[-1][0], "v1-arith"))
             for cfg, kind in runs:
                 if kind == "v2":
-                    calls = [partial(fp4_matmul_v2, x, st.repacked, ks, getattr(m_, "weight_global_scale", None), fmt,
-                                     cfg, shift=st.shift) for m_, st, ks in zip(mods, states, kss, strict=True)]
+                    calls = [partial(fp4_matmul_v2, x, wr, ks, getattr(m_, "weight_global_scale", None), fmt,
+                                     cfg, shift=st.shift)
+                             for m_, st, ks, wr in zip(mods, states, kss, wrs, strict=True)]
                 elif kind == "v3":
                     calls = [partial(fp4_matmul_v2, x, wt, kt, getattr(m_, "weight_global_scale", None), fmt,
                                      cfg, shift=st.shift, tiled=True)
                              for m_, st, wt, kt in zip(mods, states, wts, kts, strict=True)]
                 else:
                     dec = DECODE_ARITH if kind == "v1-arith" else DECODE_ASM
-                    calls = [partial(fp4_matmul, x, m_.weight_packed, m_.weight_scale,
+                    calls = [partial(fp4_matmul, x, c, m_.weight_scale,
                                      getattr(m_, "weight_global_scale", None), fmt, cfg, shift=st.shift, decode=dec)
-                             for m_, st in zip(mods, states, strict=True)]
+                             for m_, st, c in zip(mods, states, ckpt, strict=True)]
                 try:
                     t, _ = time_calls(calls, rep_ms=rep_ms)
                 except Exception as exc:

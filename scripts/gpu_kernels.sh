@@ -5,7 +5,9 @@
 #   3. check every kernel path against the torch reference on the GPU;
 #   4. (optional) sweep the FP4 tile configurations;
 #   5. run `qerl bench kernels` and print the short tables last; JSON and logs go to $OUT.
-# Knobs: QERL_GPU_STAGES (default "info selfcheck bench"; add "sweep", "peers"),
+#   (humming-kernels, vLLM's W4A16 kernels, joins as a peer when its wheel sits in out/humming/;
+#    stage "hwarm" JIT-compiles its kernels for the bench shapes in parallel processes first)
+# Knobs: QERL_GPU_STAGES (default "info selfcheck bench"; add "sweep", "peers", "hwarm"),
 #        QERL_BENCH_SHAPES (default "qwen2.5-7b qwen2.5-32b"), QERL_BENCH_MS (default "1 16 64 128 256 512 2048").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +27,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "peer wheels did not install; peers skipped"
 fi
+
+if compgen -G "out/humming/*.whl" >/dev/null; then  # humming (its deps other than these are in the image)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    out/humming/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "humming did not install; peer skipped"
+fi
+export HUMMING_CACHE_DIR=${HUMMING_CACHE_DIR:-/tmp/humming_cache} QERL_KERNEL_CACHE=${QERL_KERNEL_CACHE:-/tmp/qerl_plans}
 
 if has info; then
   stamp info
@@ -65,10 +73,35 @@ for e in res["errors"][:20]:
     print("error:", e)
 EOF
 
+if has hwarm; then  # compile humming's kernel for every (fmt, shape, M) the bench times, in parallel processes
+  stamp hwarm
+  cat > /tmp/qk/hwarm.py <<'EOF'
+import sys, torch
+from qerl_cli.bench.kernels import layer_linears
+from qerl_cli.formats import quantize
+from qerl_kernels import humming_peer
+fmt, model, gemm = sys.argv[1:4]
+n, k = next((n, k) for g, n, k in layer_linears(model) if g == gemm)
+qw = quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), fmt)
+lay = humming_peer.build(qw.tensors, fmt, n, k)
+for m in sys.argv[4:]:
+    humming_peer.warm(lay, torch.randn(int(m), k, device="cuda", dtype=torch.bfloat16))
+print("warm", fmt, model, gemm, sys.argv[4:], "ok")
+EOF
+  jobs=""
+  for fmt in ${QERL_HUMMING_FMTS:-nvfp4 mxfp4}; do for model in $SHAPES; do for g in qkv o gate_up down; do
+    for m in $MS; do jobs+="$fmt $model $g $m"$'\n'; done
+  done; done; done
+  printf "%s" "$jobs" | timeout "${QERL_HWARM_TIMEOUT:-150}" xargs -P "${QERL_HWARM_PROCS:-12}" -L 1 \
+    python3 /tmp/qk/hwarm.py > "$OUT/hwarm.log" 2>&1
+  echo "hwarm: $(grep -c ' ok$' "$OUT/hwarm.log") of $(printf "%s" "$jobs" | wc -l) compiled; errors:"
+  grep -iE "error" "$OUT/hwarm.log" | sort | uniq -c | sort -rn | head -5
+fi
+
 if has bench; then
   stamp bench
   QERL_BENCH_SHAPES="$SHAPES" QERL_BENCH_MS="$MS" timeout "${QERL_BENCH_TIMEOUT:-420}" \
-    python3 /tmp/qk/run_bench.py "$OUT/bench.json" "peers=[]"
+    python3 /tmp/qk/run_bench.py "$OUT/bench.json" "${QERL_BENCH_KW:-peers=[]}"
 fi
 
 if has peers; then
@@ -101,5 +134,34 @@ EOF
     --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \
     --section MemoryWorkloadAnalysis python3 /tmp/qk/prof.py > "$OUT/ncu.txt" 2>&1
   grep -E "_fp4_mm|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Stall|Registers Per|Block Limit|L2 Hit|Mem Busy|Max Bandwidth|Warp Cycles Per Issued" "$OUT/ncu.txt" | head -80
+fi
+if has ncu14; then  # counters of qerl's fused kernel vs humming on the 7B q/k/v GEMM at M=16 and o at M=1
+  stamp ncu14
+  cat > /tmp/qk/prof14.py <<'EOF'
+import torch
+from qerl_cli.formats import quantize
+from qerl_cli.qlinear import QuantLinear
+from qerl_kernels import humming_peer, linear as ql
+runs = []
+for n, k, m in ((4608, 3584, 16), (3584, 3584, 1)):
+    qw = quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), "nvfp4")
+    mod = QuantLinear.from_quantized(qw)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    lay = humming_peer.build({a: b.clone() for a, b in qw.tensors.items()}, "nvfp4", n, k)
+    for _ in range(2):
+        ql.fp4_fused(x, mod); humming_peer.forward(lay, x)
+    runs.append((x, mod, lay))
+torch.cuda.synchronize()
+torch.cuda.profiler.start()
+for x, mod, lay in runs:
+    ql.fp4_fused(x, mod); humming_peer.forward(lay, x)
+torch.cuda.synchronize()
+torch.cuda.profiler.stop()
+EOF
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout "${QERL_NCU_TIMEOUT:-90}" "$NCU" --clock-control none --profile-from-start off \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    python3 /tmp/qk/prof14.py > "$OUT/ncu14.txt" 2>&1
+  grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|Block Size|Waves Per SM|Warp Cycles Per Issued|Stall" "$OUT/ncu14.txt" | head -60
 fi
 stamp done

@@ -25,7 +25,7 @@ def _parts(fmt: str, bias: bool = True, seed: int = 0) -> list[QuantLinear]:
         lins.append(lin)
     gs = None
     if fmt == "nvfp4":  # fused layers share one global scale, as qerl quantize writes them
-        gs = nvfp4_global_scale(torch.stack([lin.weight.abs().max() for lin in lins]).max())
+        gs = nvfp4_global_scale(torch.stack([lin.weight.detach().abs().max() for lin in lins]).max())
     return [QuantLinear.from_linear(lin, fmt, global_scale=gs) for lin in lins]
 
 
@@ -84,3 +84,16 @@ def test_fuse_refuses_mismatched_parts() -> None:
         fuse_quant_linears([])
     # nothing was rebound by a refused call
     assert (a.weight_packed.data_ptr(), b.weight_packed.data_ptr()) == ptrs
+
+
+def test_fused_modules_deep_copy_and_keep_sharing() -> None:
+    import copy
+
+    parts = _parts("nvfp4")
+    fused = fuse_quant_linears(parts)
+    holder = torch.nn.ModuleDict({"q": parts[0], "k": parts[1], "v": parts[2], "qkv": fused})
+    clone = copy.deepcopy(holder)
+    assert clone["qkv"]._layout is clone["k"]._layout and clone["qkv"]._layout.owner() is clone["qkv"]
+    assert _within(clone["k"].weight_packed, clone["qkv"].weight_packed)
+    x = torch.randn(3, K).to(torch.bfloat16)
+    assert torch.equal(clone["qkv"](x), fused(x))

@@ -121,7 +121,6 @@ def _method_calls(method: str, w: torch.Tensor, x: torch.Tensor, copies_for: Cal
     """Callables (one per weight copy) computing x @ W^T by `method`, and the weight bytes per copy."""
     import torch.nn.functional as F
     from qerl_kernels import linear as ql
-    from qerl_kernels.fp4 import fp4_dequantize
     from qerl_kernels.w8 import fp8_scaled_matmul
 
     def mods(fmt: str) -> list[torch.nn.Module]:
@@ -150,16 +149,15 @@ def _method_calls(method: str, w: torch.Tensor, x: torch.Tensor, copies_for: Cal
         return [partial(ql.fp4_fused, x, m_) for m_ in ms], ms[0].weight_nbytes
     if method.endswith("-dequant"):
         ms = mods(base)
-        return [lambda m_=m_: F.linear(x, fp4_dequantize(m_.weight_packed, m_.weight_scale,
-                                                         getattr(m_, "weight_global_scale", None), base, x.dtype))
-                for m_ in ms], ms[0].weight_nbytes
+        return [partial(ql.dequant_linear, x, m_) for m_ in ms], ms[0].weight_nbytes
     raise ValueError(f"unknown method {method!r}")
 
 
 # ---- peers (each optional; absent or failing peers are reported, never fatal) ----------------------
 def _peer_calls(peer: str, w: torch.Tensor, x: torch.Tensor,
-                copies_for: Callable[[int], int]) -> tuple[list[Callable[[], Any]], int]:
+                copies_for: Callable[[int], int], cache: dict | None = None) -> tuple[list[Callable[[], Any]], int]:
     n, k = w.shape
+    cache = {} if cache is None else cache
     if peer == "bnb-nf4":
         import bitsandbytes as bnb
 
@@ -179,6 +177,19 @@ def _peer_calls(peer: str, w: torch.Tensor, x: torch.Tensor,
             packs.append((packed, sz))
         return [lambda p_=p_: torch.ops.aten._weight_int4pack_mm(x, p_[0], group, p_[1]) for p_ in packs], \
             n * k // 2 + n * k // group * 4
+    if peer.startswith("humming-"):  # vLLM's W4A16 kernel family, on the same compressed-tensors tensors
+        from qerl_kernels import humming_peer
+
+        from qerl_cli.formats import quantize
+
+        fmt = peer.split("-", 1)[1]
+        if peer not in cache:  # built once per weight, reused for every M
+            qw = quantize(w, fmt, dtype=torch.bfloat16)
+            cache[peer] = ([humming_peer.build({k_: v.clone() for k_, v in qw.tensors.items()}, fmt, n, k)
+                            for _ in range(copies_for(qw.nbytes()))], qw.nbytes())
+        layers, nbytes = cache[peer]
+        humming_peer.warm(layers[0], x)  # JIT compile (nvcc) for this M outside the timing
+        return [partial(humming_peer.forward, lay, x) for lay in layers], nbytes
     if peer.startswith("gemlite-"):
         from gemlite.helper import A16W4_MXFP
 
@@ -201,6 +212,10 @@ def available_peers() -> list[str]:
         peers.append("tinygemm-int4")
     if importlib.util.find_spec("gemlite"):
         peers.append("gemlite-mxfp4")
+    from qerl_kernels import humming_peer
+
+    if humming_peer.available():
+        peers += ["humming-nvfp4", "humming-mxfp4"]
     return peers
 
 
@@ -219,8 +234,9 @@ def bench_kernels(
 ) -> dict[str, Any]:
     """Time every method on every layer GEMM of `shapes` at every M; return (and write) the results dict.
 
-    `peers=None` benchmarks every installed peer; `variants` adds the fused-only and dequantize+cuBLAS
-    NVFP4 variants at M >= 256 (the data behind the large-M dispatch threshold).
+    `peers=None` benchmarks every installed peer; `variants` adds the fused-only (every M) and
+    dequantize+cuBLAS (M >= 64) NVFP4 variants, the candidates the dispatcher measures. The plain format
+    methods run `QuantLinear`'s dispatch (QERL_LINEAR_BACKEND, default auto: measured per shape).
     """
     device = _require_cuda()
     import triton
@@ -258,8 +274,8 @@ def bench_kernels(
             for m in ms:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                 meths = list(methods)
-                if variants and m >= 256:
-                    meths += ["nvfp4-fused", "nvfp4-dequant"]
+                if variants:  # the two qerl kernels the dispatcher chooses between, each at every M
+                    meths += ["nvfp4-fused"] + (["nvfp4-dequant"] if m >= 64 else [])
                 for method in meths:
                     try:
                         calls, wb = _method_calls(method, w, x, copies_for, cache)
@@ -270,7 +286,7 @@ def bench_kernels(
                     record(model, name, n, k, m, method, calls, wb)
                 for peer in peers:
                     try:
-                        calls, wb = _peer_calls(peer, w, x, copies_for)
+                        calls, wb = _peer_calls(peer, w, x, copies_for, cache)
                     except Exception as exc:
                         res["errors"].append({"model": model, "gemm": name, "M": m, "method": peer,
                                               "error": repr(exc)[:300]})
@@ -284,7 +300,8 @@ def bench_kernels(
                     done = [r for r in res["results"] if r["model"] == model and r["gemm"] == name and r["M"] == m]
                     log(f"{model} {name} M={m}: " + ", ".join(f"{r['method']} {r['ms'] * 1e3:.1f}us" for r in done))
             if backward:
-                _bench_backward(res, model, name, w, cache, copies_for, rep_ms)
+                fmts = tuple(f for f in ("nvfp4", "mxfp4", "int8", "fp8") if f in methods)
+                _bench_backward(res, model, name, w, cache, copies_for, rep_ms, fmts=fmts)
             del cache, w
             torch.cuda.empty_cache()
     summarize(res)
@@ -295,7 +312,8 @@ def bench_kernels(
 
 
 def _bench_backward(res: dict, model: str, name: str, w: torch.Tensor, cache: dict,
-                    copies_for: Callable[[int], int], rep_ms: int, m: int = 2048) -> None:
+                    copies_for: Callable[[int], int], rep_ms: int, m: int = 2048,
+                    fmts: tuple[str, ...] = ("nvfp4", "mxfp4", "int8", "fp8")) -> None:
     from qerl_kernels import linear as ql
     from qerl_kernels.fp4 import fp4_matmul_t
 
@@ -304,12 +322,14 @@ def _bench_backward(res: dict, model: str, name: str, w: torch.Tensor, cache: di
     entries: list[tuple[str, list, int]] = []
     ws = [w] + [w.clone() for _ in range(copies_for(w.numel() * 2) - 1)]
     entries.append(("bf16", [lambda w_=w_: dy @ w_ for w_ in ws], w.numel() * 2))
-    for fmt in ("nvfp4", "mxfp4", "int8", "fp8"):
+    for fmt in fmts:
         if fmt not in cache:
             cache[fmt] = _quant_modules(w, fmt, copies_for)
         mods = cache[fmt]
         entries.append((fmt, [lambda m_=m_: ql.linear_backward_dx(dy, m_) for m_ in mods], mods[0].weight_nbytes))
-        if fmt == "nvfp4":
+        if fmt == "nvfp4":  # one transient dequantized weight, no overlap (what the overlap saves)
+            entries.append(("nvfp4-serial", [lambda m_=m_: dy @ ql.dequantized(m_, dy.dtype) for m_ in mods],
+                            mods[0].weight_nbytes))
             cfg = ql.fp4_t_config(m, n, k)
             entries.append(("nvfp4-fused", [partial(fp4_matmul_t, dy, m_.weight_packed, m_.weight_scale,
                                                     m_.weight_global_scale, "nvfp4", cfg) for m_ in mods],

@@ -1,0 +1,237 @@
+"""Which FP4 forward kernel a `QuantLinear` runs at M rows: measured once per shape on this GPU, cached.
+
+Backends (`set_backend(name)`, or QERL_LINEAR_BACKEND; `qerl bench rollout --linear-backend` calls it):
+- `auto` (default): per (format, N, K, activation dtype) and M bucket, the fastest of the candidates below
+  that is correct on this GPU, from a short timing pass the first time the shape runs outside graph
+  capture (a few hundred ms per shape); the plan is cached on disk per GPU, library versions and kernel
+  source, and logged (logger `qerl.kernels`).
+- `qerl`: qerl's own kernels by the fixed M threshold (fused Triton below `LARGE_M_DEQUANT`, dequantize +
+  cuBLAS from it) - what qerl ran before the timing pass, and the fallback while a graph is captured;
+- `triton`: the fused Triton kernel at every M; `cublas`: dequantize + cuBLAS at every M;
+- `humming`: humming-kernels at every M (needs the package; it converts the weight into its own layout,
+  a second resident copy, which `auto` accepts only where humming measured faster).
+`set_backend` writes QERL_LINEAR_BACKEND so the run's manifest (which records every QERL_* variable)
+names the backend. Timing uses `triton.testing.do_bench` (median; it flushes L2 before every call, so the
+weights come from HBM) on the module's own weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+log = logging.getLogger("qerl.kernels")
+
+BACKENDS = ("auto", "qerl", "triton", "humming", "cublas")
+M_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+ENV = "QERL_LINEAR_BACKEND"
+CACHE_ENV = "QERL_KERNEL_CACHE"
+_plans: dict[tuple, dict[int, str]] = {}  # shape key -> {bucket: backend}
+_disk: dict[str, Any] | None = None
+
+
+def _check(name: str) -> str:
+    if name not in BACKENDS:
+        from qerl_cli.errors import QerlError
+
+        raise QerlError(f"unknown linear backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def get_backend() -> str:
+    return _check(os.environ.get(ENV, "auto") or "auto")
+
+
+def set_backend(name: str) -> None:
+    """Force one backend for every FP4 QuantLinear forward (or `auto`); recorded through QERL_LINEAR_BACKEND."""
+    _check(name)
+    if name == "humming":
+        from qerl_kernels import humming_peer
+
+        if not humming_peer.available():
+            from qerl_cli.errors import QerlError
+
+            raise QerlError("linear backend 'humming' needs the humming-kernels package (and CUDA); install it "
+                            "or choose auto|qerl|triton|cublas")
+    os.environ[ENV] = name
+
+
+def bucket(m: int) -> int:
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+def _threshold_choice(m: int) -> str:
+    from qerl_kernels.linear import LARGE_M_DEQUANT
+
+    return "cublas" if m >= LARGE_M_DEQUANT else "triton"
+
+
+def choose(module: nn.Module, x: torch.Tensor) -> str:
+    """'triton' | 'cublas' | 'humming' for this forward."""
+    backend = get_backend()
+    m = x.shape[0]
+    if backend in ("triton", "cublas", "humming"):
+        return backend
+    if backend == "qerl":
+        return _threshold_choice(m)
+    key = shape_key(module, x.dtype)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _load_cached(key)
+        if plan is None:
+            if torch.cuda.is_current_stream_capturing():
+                return _threshold_choice(m)  # cannot time inside a graph capture; qerl's threshold meanwhile
+            plan = measure_plan(module, x.dtype)
+            _store_cached(key, plan)
+        _plans[key] = plan
+    return plan.get(bucket(m), _threshold_choice(m))
+
+
+def humming_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from qerl_kernels import humming_peer
+    from qerl_kernels.linear import kernel_state
+
+    st = kernel_state(module)
+    layer = st.extra.get("humming")
+    if layer is None:
+        qw = module.quantized_weight  # checkpoint order (a transient unrepacked copy)
+        layer = st.extra["humming"] = humming_peer.build(qw.tensors, module.fmt, module.out_features,
+                                                         module.in_features, bias=module.bias, dtype=x.dtype)
+        log.info("humming layout built for %s N=%d K=%d (+%.1f MB resident)", module.fmt, module.out_features,
+                 module.in_features, qw.nbytes() / 2**20)
+    return humming_peer.forward(layer, x)
+
+
+# ---- the timing pass -----------------------------------------------------------------------------------
+def shape_key(module: nn.Module, dtype: torch.dtype) -> tuple:
+    return (module.fmt, module.out_features, module.in_features, str(dtype).removeprefix("torch."),
+            module.bias is not None)
+
+
+def candidates() -> list[str]:
+    from qerl_kernels import humming_peer
+
+    return ["triton", "cublas"] + (["humming"] if humming_peer.available() else [])
+
+
+def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...] = M_BUCKETS,
+                 rep_ms: int = 8, cands: tuple[str, ...] | None = None) -> dict[int, str]:
+    """Time every candidate at each bucket's M on `module`; the fastest whose output matches the exact
+    dequantize + matmul (relative error < 2e-2) wins. Returns {bucket: backend}."""
+    import triton
+    from qerl_kernels import linear as ql
+
+    dev = module.qweight.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    plan: dict[int, str] = {}
+    timings: dict[int, dict[str, float]] = {}
+    funcs = {"triton": ql.fp4_fused, "cublas": ql.dequant_linear, "humming": humming_forward}
+    cands = list(cands or candidates())
+    with torch.no_grad():
+        for b in buckets:
+            x = torch.randn(b, module.in_features, device=dev, dtype=dtype, generator=gen)
+            ref = ql.dequant_linear(x, module).float()
+            best, best_t, row = None, float("inf"), {}
+            for c in cands:
+                try:
+                    y = funcs[c](x, module).float()
+                    err = ((y - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+                    if not err < 2e-2:
+                        log.warning("dispatch: %s wrong on %s N=%d K=%d M=%d (rel err %.2e); not used", c,
+                                    module.fmt, module.out_features, module.in_features, b, err)
+                        continue
+                    t = triton.testing.do_bench(lambda c=c, x=x: funcs[c](x, module), warmup=2, rep=rep_ms,
+                                                return_mode="median")
+                except Exception as exc:  # a candidate that fails here is simply not chosen
+                    log.warning("dispatch: %s failed on %s N=%d K=%d M=%d: %s", c, module.fmt,
+                                module.out_features, module.in_features, b, repr(exc)[:200])
+                    continue
+                row[c] = t * 1e3
+                if t < best_t:
+                    best, best_t = c, t
+            plan[b] = best or _threshold_choice(b)
+            timings[b] = row
+    if "humming" not in plan.values():  # drop humming's copy of the weight when it won nowhere
+        ql.kernel_state(module).extra.pop("humming", None)
+    log.info("dispatch plan %s N=%d K=%d %s: %s", module.fmt, module.out_features, module.in_features, dtype,
+             ", ".join(f"M<={b} {plan[b]} ({', '.join(f'{c} {us:.1f}us' for c, us in timings[b].items())})"
+                       for b in buckets))
+    return plan
+
+
+# ---- the on-disk cache ---------------------------------------------------------------------------------
+def cache_path() -> Path:
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qerl" / "kernel_plans")
+    return root / f"{_fingerprint()}.json"
+
+
+def _fingerprint() -> str:
+    """GPU, its driver-visible name and SM count, torch/triton/humming versions and qerl's kernel sources."""
+    import triton
+    from qerl_kernels import humming_peer
+
+    gpu = "cpu"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        gpu = f"{props.name}|{props.multi_processor_count}"
+    src = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        src.update(f.read_bytes())
+    ident = f"{gpu}|{torch.__version__}|{triton.__version__}|" \
+            f"{humming_peer.version()}|{src.hexdigest()}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _key_str(key: tuple) -> str:
+    return "|".join(str(k) for k in key)
+
+
+def _load_cached(key: tuple) -> dict[int, str] | None:
+    global _disk
+    if _disk is None:
+        try:
+            _disk = json.loads(cache_path().read_text())
+        except (OSError, ValueError):
+            _disk = {}
+    raw = _disk.get(_key_str(key))
+    if not raw:
+        return None
+    plan = {int(b): c for b, c in raw.items()}
+    if "humming" in plan.values() and "humming" not in candidates():
+        return None  # measured with humming installed; not here now
+    log.info("dispatch plan %s from %s: %s", key, cache_path(), plan)
+    return plan
+
+
+def _store_cached(key: tuple, plan: dict[int, str]) -> None:
+    global _disk
+    if _disk is None:
+        _disk = {}
+    _disk[_key_str(key)] = {str(b): c for b, c in plan.items()}
+    path = cache_path()
+    try:  # atomic: a concurrent reader sees the old or the new file, never half of one
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(_disk, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("dispatch: could not write the plan cache %s: %s", path, exc)
+
+
+def reset() -> None:
+    """Forget the in-memory plans (tests; after changing GPUs)."""
+    global _disk
+    _plans.clear()
+    _disk = None

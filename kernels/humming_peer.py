@@ -1,0 +1,78 @@
+"""humming-kernels (the W4A16 kernel family vLLM uses on Hopper) as a peer backend for qerl's FP4 layers.
+
+humming is optional: `available()` says whether it imports here. It takes compressed-tensors NVFP4/MXFP4
+tensors as they are (its compressed-tensors schema converts them: the NVFP4 global scale becomes its
+second-level tensor scale `1/G`), repacks them into its own layout at `transform()`, and JIT-compiles a
+CUDA kernel with nvcc on the first call of each (shape, tile config); `warm(layer, ms)` does that ahead of
+timing. The converted layout is humming's own copy of the weight (0.5 byte per weight plus scales).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+import torch
+
+_CT_CONFIG = {
+    "nvfp4": {"format": "nvfp4-pack-quantized", "type": "float", "num_bits": 4, "strategy": "tensor_group",
+              "group_size": 16},
+    "mxfp4": {"format": "mxfp4-pack-quantized", "type": "float", "num_bits": 4, "strategy": "group",
+              "group_size": 32},
+}
+FORMATS = tuple(_CT_CONFIG)
+
+
+@functools.cache
+def available() -> bool:
+    if importlib.util.find_spec("humming") is None or not torch.cuda.is_available():
+        return False
+    try:
+        import humming.layer  # noqa: F401
+    except Exception:  # a broken install (missing cuda-bindings, no nvcc) counts as absent
+        return False
+    return True
+
+
+def version() -> str | None:
+    if importlib.util.find_spec("humming") is None:
+        return None
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _v
+
+    try:
+        return _v("humming-kernels")
+    except PackageNotFoundError:
+        return None
+
+
+def build(tensors: dict[str, torch.Tensor], fmt: str, n: int, k: int, *, bias: torch.Tensor | None = None,
+          dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A transformed `humming.layer.HummingLayer` computing x @ dequant(W)^T (+ bias) on the tensors' GPU."""
+    from humming.layer import HummingLayer
+
+    if fmt not in _CT_CONFIG:
+        raise ValueError(f"humming peer covers {', '.join(FORMATS)}, not {fmt!r}")
+    device = tensors["weight_packed"].device
+    with torch.device(device):
+        layer = HummingLayer(shape_n=n, shape_k=k, weight_config={"quant_method": "compressed-tensors",
+                                                                   **_CT_CONFIG[fmt]},
+                             has_bias=bias is not None, torch_dtype=dtype)
+    state = {name: t for name, t in tensors.items() if name in ("weight_packed", "weight_scale",
+                                                                 "weight_global_scale")}
+    if bias is not None:
+        state["bias"] = bias.detach().to(dtype)
+    layer.load_from_tensors(state)
+    layer.transform()
+    return layer
+
+
+def forward(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
+
+
+def warm(layer: Any, x: torch.Tensor) -> None:
+    """Run once so humming's JIT compile (nvcc, seconds per shape) happens outside any timing."""
+    layer(x)
+    torch.cuda.synchronize(x.device)
