@@ -103,7 +103,7 @@ def set_linear_backend(name: str | None) -> str | None:
                         "linear-backend override, or leave the option out")
     try:
         klinear.set_backend(name)
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, QerlError) as exc:
         raise QerlError(f"--linear-backend {name!r}: {exc}") from None
     return name
 
