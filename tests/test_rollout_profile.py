@@ -49,6 +49,9 @@ def test_kernels_go_to_the_innermost_region_of_their_launch() -> None:
 
 @pytest.mark.parametrize("name, cat, want", [
     ("Memset (Device)", "gpu_memset", "copies"),
+    ("_fp4_mm_v2_kernel", "kernel", "quantized GEMM"),
+    ("splitk_reduce_kernel", "kernel", "quantized GEMM"),  # qerl's FP4 split-K reduce, not cuBLAS's
+    ("void cublasLt::splitKreduce_kernel<32, 16>", "kernel", "dense GEMM"),
     ("void at::native::direct_copy_kernel_cuda", "kernel", "copies"),
     ("_rope_kv_kernel", "kernel", "norm/RoPE/activation"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "kernel", "attention"),

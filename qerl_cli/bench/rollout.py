@@ -295,19 +295,23 @@ def _eos_ids(mode: str, vocab: int, new_tokens: int, model_eos: list[int] | None
     return list(range(vocab - k, vocab))
 
 
-def _precapture(engine: Any, batch: int) -> None:
-    """Capture the decode graphs of every KV-length bucket now, so no capture lands in the timed run.
+def _precapture(engine: Any, batch: int, shrinking: bool = False) -> None:
+    """Capture the decode graphs of every KV-length bucket now, so no capture lands in the timed run;
+    ``shrinking`` (EOS-ended or queued workloads, whose batch drains at the end): every smaller batch
+    bucket too.
 
     Uses the engine's graph decoder (built by the warm-up generate); any failure just leaves capture to
     the timed run (a few extra eager steps, about 1%)."""
     graphs = getattr(engine, "_graphs", None)
     if graphs is None or not hasattr(graphs, "_capture"):
         return
-    bs = graphs.bucket(batch)
+    top = graphs.bucket(batch)
+    sizes = [b for b in graphs.buckets if b <= top] if shrinking else [top]
     with torch.no_grad():
-        for kv in engine.kv_buckets:
-            if (bs, kv) not in graphs.graphs:
-                graphs.graphs[(bs, kv)] = graphs._capture(bs, kv)
+        for bs in sizes:
+            for kv in engine.kv_buckets:
+                if (bs, kv) not in graphs.graphs:
+                    graphs.graphs[(bs, kv)] = graphs._capture(bs, kv)
     torch.cuda.synchronize()
 
 
@@ -338,7 +342,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
                                       seed=seed + 1)
                 engine.generate(prompts[:batch], warm)
                 if device.type == "cuda" and engine.use_graphs:
-                    _precapture(engine, batch)
+                    _precapture(engine, batch, shrinking=bool(stop_ids) or len(prompts) * generations > batch)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()

@@ -36,6 +36,7 @@ REGION_CATEGORY = {
 _PREFIX = "qerl."
 # name fragments -> category, for kernels launched outside every region (first match wins)
 _NAME_RULES = (
+    (("_fp4_mm", "_w8_mm", "fp4_dequant", "splitk_reduce", "humming", "marlin"), "quantized GEMM"),
     (("memcpy", "memset", "copy_kernel", "catarraybatchedcopy", "copy_"), "copies"),
     (("rmsnorm", "rope", "silu", "layer_norm", "rms_norm"), "norm/RoPE/activation"),
     (("fmha", "flash", "attention", "sdpa", "cudnn"), "attention"),
