@@ -30,6 +30,9 @@
 #             category and the CUDA-graph step time (out: prof/rollout.json)
 #   queue     issue 15: 7B shape, nvfp4 + bf16, 64 slots, $QERL_Q_PROMPTS (32) prompts x 8 generations, EOS-ended
 #             lengths capped at $QERL_Q_NEW (1024) new tokens: the queue refills finished slots (out: queue/)
+#   tiecheck  graph vs eager bf16 greedy divergence: first differing step and its fp32 logit gap, fused and not
+#   attn      SDPA backends (cudnn, efficient, flash without mask, math) on the decode layout (out: attn.json)
+#   fuseab    7B nvfp4 + bf16, batches 8 64, QERL_FUSED_PROJ=0 then 1 (out: fuse0/, fuse1/)
 #   Run them alone: QERL_ROLLOUT_STAGES="info cudatests prof queue" (they run before the other bench stages).
 # The whole call keeps to $QERL_DEADLINE_S (default 570 s): stage time limits come from what is left.
 # Files under $OUT (at most 8 come back): b7/rollout.{json,png}, b32/rollout.{json,png}, train_metrics.jsonl,
@@ -152,6 +155,26 @@ if has cudatests; then
   stamp cudatests
   # conftest sets TRITON_INTERPRET=1 only when unset: the GPU runs compiled kernels
   TRITON_INTERPRET=0 timeout 150 python3 -P -m pytest -q -x -p no:cacheprovider tests/test_rollout_cuda.py 2>&1 | tail -5
+fi
+if has tiecheck; then  # graph vs eager bf16 greedy: near-tie or bug? with and without fused projections
+  stamp tiecheck
+  for fp in 1 0; do
+    QERL_FUSED_PROJ=$fp TRITON_INTERPRET=0 timeout 90 python3 -P scripts/rollout_tie_check.py 2>&1 | grep -v Warning | tail -8
+  done
+  QERL_FUSED_PROJ=0 TRITON_INTERPRET=0 timeout 100 python3 -P -m pytest -q -x -p no:cacheprovider tests/test_rollout_cuda.py 2>&1 | tail -3
+fi
+if has attn; then
+  stamp attn
+  timeout 150 python3 -P scripts/decode_attn_bench.py "$OUT/attn.json" 2>&1 | tail -40
+fi
+if has fuseab; then  # fused q/k/v + gate/up and folded LoRA expand vs the issue-5 grouping (QERL_FUSED_PROJ=0)
+  for fp in 0 1; do
+    L=$(left)
+    stamp "fuseab QERL_FUSED_PROJ=$fp (${L}s left)"
+    QERL_FUSED_PROJ=$fp bench $(( L - 5 )) "dict(shape='qwen2.5-7b', formats=('nvfp4','bf16'), batches=(8,64), \
+prompt_len=256, new_tokens=256, out_dir='$OUT/fuse$fp', time_budget_s=$(( L / (2 - fp) - 15 )))"
+    rm -f "$OUT/fuse$fp/rollout.png"
+  done
 fi
 if has prof; then
   L=$(left)
