@@ -117,10 +117,10 @@ def test_graphs_follow_lora_toggles_and_bf16() -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
     graphs = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=128)
     eager = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=128, cuda_graphs=False)
-    # 8 prompts = a graph batch bucket, so both engines run the same GEMM shapes. With the 5 PROMPTS the graphs
-    # pad to 8 rows and cuBLAS rounds bf16 differently from the eager M = 5 GEMMs: on an H200 (2026-11-24,
-    # scripts/rollout_tie_check.py) 2 of 5 greedy runs then parted at fp32 logit gaps of 0.017 and 0.021
-    # (below one bf16 step at 4.0), with fused projections on and off alike: near-ties, not a graph bug.
+    # 8 prompts = a graph batch bucket, so both engines run the same GEMM shapes (bf16 rounding depends on M).
+    # On an H200 (2026-11-24, scripts/rollout_tie_check.py) greedy runs parted at fp32 logit gaps of 0.017 and
+    # 0.021 (near-ties), with fused projections on and off alike, and with 8 prompts too, until the fused
+    # RoPE/KV-write first-use check stopped leaving torch-rounded K/V rows in the eager engine's cache.
     prompts = PROMPTS + [[7, 8, 9], [400, 12], [33] * 6]
     with_lora = run(graphs, greedy, prompts=prompts)[0]
     with peft_model.disable_adapter():
