@@ -144,23 +144,28 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(out_ptr + offs, (s * u).to(dt), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, (s * u).to(dt), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` for contiguous same-shape, same-dtype tensors."""
-    out = out if out is not None else torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        block = 1024
-        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4)
+    """``silu(gate) * up`` for same-shape, same-dtype tensors whose rows are packed (last dim contiguous,
+    every other dim collapsible into one row stride): e.g. the gate and up column halves of one fused
+    gate/up GEMM output. ``out`` (contiguous) defaults to a new tensor."""
+    out = out if out is not None else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    n_cols = gate.shape[-1]
+    if gate.numel():
+        g2, u2, o2 = (t.view(-1, n_cols) for t in (gate, up, out))
+        block = min(1024, triton.next_power_of_2(n_cols))
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(n_cols, block))](g2, u2, o2, n_cols, g2.stride(0), u2.stride(0),
+                                                                   o2.stride(0), BLOCK=block, num_warps=4)
         LAUNCHES["silu_mul"] += 1
     return out
 

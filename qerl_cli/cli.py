@@ -301,10 +301,17 @@ def bench_rollout(
     lora_rank: int = 32,
     eos: Annotated[bool, Opt("--eos/--fixed-length", help="Stop at EOS instead of a fixed length.")] = False,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench; required with --shape).")] = None,
+    prompts: Annotated[int | None, Opt(help="Prompts per cell (default: one per slot); with --num-generations "
+                                            "more sequences than slots, the queue refills finished slots.")] = None,
+    num_generations: Annotated[int, Opt(help="Samples per prompt (needs --prompts).")] = 1,
+    lora_off: Annotated[bool, Opt("--lora-off/--no-lora-off", help="Also run every cell with the adapters "
+                                                                  "disabled (LoRA's cost).")] = False,
+    profile: Annotated[bool, Opt("--profile", help="Per-decode-step GPU time by category (CUDA).")] = False,
+    linear_backend: Annotated[str | None, Opt(help="Linear kernels: auto|qerl|triton|humming|cublas.")] = None,
 ) -> None:
     """Rollout tokens/s, TTFT and memory per format and batch, against the weight+KV roofline."""
     from qerl_cli.bench.rollout import bench_rollout as run_bench
-    from qerl_cli.bench.rollout import render_table, short_summary
+    from qerl_cli.bench.rollout import render_profile_table, render_table, short_summary
 
     gpu = _has_cuda()
     batches = batches or ("1,8,64,256" if gpu else "1,8")
@@ -312,8 +319,10 @@ def bench_rollout(
     res = run_bench(shape=shape, run_dir=run, formats=tuple(formats.split(",")) if run is None else (),
                     batches=tuple(int(b) for b in batches.split(",")), prompt_len=prompt_len, new_tokens=new_tokens,
                     lora_rank=lora_rank, out_dir=out, eos_mode="eos" if eos else "fixed",
-                    log=_progress)
-    _show([render_table(res)], short_summary(res))
+                    log=_progress, prompts=prompts, num_generations=num_generations,
+                    lora_modes=("on", "off") if lora_off else ("on",), profile=profile, linear_backend=linear_backend)
+    prof = render_profile_table(res)
+    _show([render_table(res)] + ([prof] if prof is not None else []), short_summary(res))
 
 
 @bench_app.command("mismatch")

@@ -24,6 +24,16 @@
 #             256 new tokens, first with QERL_FAST_DECODE=0, then the default (fast); prints a speed-up table.
 #             Run it alone: QERL_ROLLOUT_STAGES="info fastab" (it runs before the other bench stages);
 #             QERL_FA_SHAPE / QERL_FA_PROMPT / QERL_FA_NEW shrink it (CPU check: tiny, 16, 8)
+#   cudatests tests/test_rollout_cuda.py on the GPU (graph decode vs eager vs transformers, LoRA toggles, fast path)
+#   prof      issue 15: 7B shape, nvfp4 + bf16, batches $QERL_PF_BATCHES (8 64 256), 256 prompt + $QERL_PF_NEW (256)
+#             new tokens, fixed length, LoRA r32 on and off (disable_adapter), --profile: per-step GPU time by
+#             category and the CUDA-graph step time (out: prof/rollout.json)
+#   queue     issue 15: 7B shape, nvfp4 + bf16, 64 slots, $QERL_Q_PROMPTS (32) prompts x 8 generations, EOS-ended
+#             lengths capped at $QERL_Q_NEW (1024) new tokens: the queue refills finished slots (out: queue/)
+#   tiecheck  graph vs eager bf16 greedy divergence: first differing step and its fp32 logit gap, fused and not
+#   attn      SDPA backends (cudnn, efficient, flash without mask, math) on the decode layout (out: attn.json)
+#   fuseab    7B nvfp4 + bf16, batches 8 64, QERL_FUSED_PROJ=0 then 1 (out: fuse0/, fuse1/)
+#   Run them alone: QERL_ROLLOUT_STAGES="info cudatests prof queue" (they run before the other bench stages).
 # The whole call keeps to $QERL_DEADLINE_S (default 570 s): stage time limits come from what is left.
 # Files under $OUT (at most 8 come back): b7/rollout.{json,png}, b32/rollout.{json,png}, train_metrics.jsonl,
 # gpu_rollout.log, b7eos/rollout.json, b7x/rollout.json (smoke: smoke05/, smoke7/; fastab: fa_off/, fa_on/).
@@ -53,12 +63,15 @@ cat > /tmp/qk/run_rollout.py <<'EOF'
 import sys
 from pathlib import Path
 from rich.console import Console
-from qerl_cli.bench.rollout import bench_rollout, render_table, short_summary
+from qerl_cli.bench.rollout import bench_rollout, render_profile_table, render_table, short_summary
 kw = eval(sys.argv[1])  # a dict(...) expression written by this script
 kw["out_dir"] = Path(kw["out_dir"])
 res = bench_rollout(**kw, log=lambda s: print(s, flush=True))
 con = Console(width=220)
 con.print(render_table(res))
+prof = render_profile_table(res)
+if prof is not None:
+    con.print(prof)
 for line in short_summary(res):
     print(line)
 EOF
@@ -138,6 +151,45 @@ EOF
 DEADLINE=${QERL_DEADLINE_S:-570}
 left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 N=1024 BUDGET1=290 EST32=100 EST1=0 EST256=150
+if has cudatests; then
+  stamp cudatests
+  # conftest sets TRITON_INTERPRET=1 only when unset: the GPU runs compiled kernels
+  TRITON_INTERPRET=0 timeout 150 python3 -P -m pytest -q -x -p no:cacheprovider tests/test_rollout_cuda.py 2>&1 | tail -5
+fi
+if has tiecheck; then  # graph vs eager bf16 greedy: near-tie or bug? with and without fused projections
+  stamp tiecheck
+  for fp in 1 0; do
+    QERL_FUSED_PROJ=$fp TRITON_INTERPRET=0 timeout 90 python3 -P scripts/rollout_tie_check.py 2>&1 | grep -v Warning | tail -8
+  done
+  QERL_FUSED_PROJ=0 TRITON_INTERPRET=0 timeout 100 python3 -P -m pytest -q -x -p no:cacheprovider tests/test_rollout_cuda.py 2>&1 | tail -3
+fi
+if has attn; then
+  stamp attn
+  timeout 150 python3 -P scripts/decode_attn_bench.py "$OUT/attn.json" 2>&1 | tail -40
+fi
+if has fuseab; then  # fused q/k/v + gate/up and folded LoRA expand vs the issue-5 grouping (QERL_FUSED_PROJ=0)
+  for fp in 0 1; do
+    L=$(left)
+    stamp "fuseab QERL_FUSED_PROJ=$fp (${L}s left)"
+    QERL_FUSED_PROJ=$fp bench $(( L - 5 )) "dict(shape='qwen2.5-7b', formats=('nvfp4','bf16'), batches=(8,64), \
+prompt_len=256, new_tokens=256, out_dir='$OUT/fuse$fp', time_budget_s=$(( L / (2 - fp) - 15 )))"
+    rm -f "$OUT/fuse$fp/rollout.png"
+  done
+fi
+if has prof; then
+  L=$(left)
+  B=$(( L - ${QERL_Q_RESERVE:-150} )); (( B > 330 )) && B=330
+  stamp "prof (${B}s)"
+  bl=$(printf "%s," ${QERL_PF_BATCHES:-8 64 256})
+  bench $(( B + 30 )) "dict(shape='${QERL_PF_SHAPE:-qwen2.5-7b}', formats=('nvfp4','bf16'), batches=($bl), prompt_len=${QERL_PF_PROMPT:-256}, new_tokens=${QERL_PF_NEW:-256}, lora_modes=('on','off'), profile=True, out_dir='$OUT/prof', time_budget_s=$B)"
+  rm -f "$OUT/prof/rollout.png"
+fi
+if has queue; then
+  L=$(left)
+  stamp "queue (${L}s left)"
+  bench $(( L - 5 )) "dict(shape='${QERL_PF_SHAPE:-qwen2.5-7b}', formats=('nvfp4','bf16'), batches=(${QERL_Q_SLOTS:-64},), prompt_len=${QERL_PF_PROMPT:-256}, new_tokens=${QERL_Q_NEW:-1024}, eos_mode='eos', prompts=${QERL_Q_PROMPTS:-32}, num_generations=8, out_dir='$OUT/queue', time_budget_s=$(( L - 20 )))"
+  rm -f "$OUT/queue/rollout.png"
+fi
 if has fastab; then
   # fast path off first, then on; each pass gets about half of what is left, capped
   for mode in off on; do
@@ -244,12 +296,26 @@ for p in sorted(out.glob("*/rollout.json")):
     r = json.loads(p.read_text())
     print(f"== {p.parent.name}: {r['shape']} {r['config']['prompt_len']}+{r['config']['new_tokens']}, "
           f"copy {r['copy_GBps'] or 0:,.0f} GB/s")
-    print(f"{'fmt':6} {'batch':>5} {'mode':5} {'prefill':>9} {'decode':>8} {'e2e':>8} {'ttft':>6} {'peakGiB':>7} {'roof':>8} {'%roof':>6} status")
+    print(f"{'fmt':6} {'batch':>5} {'mode':5} {'lora':4} {'seqs':>4} {'prefill':>9} {'decode':>8} {'ms/st':>6} {'e2e':>8} "
+          f"{'ttft':>6} {'peakGiB':>7} {'roof':>8} {'%roof':>6} status")
     for c in r["results"]:
         f = lambda k, s="{:.0f}": "-" if c.get(k) is None else s.format(c[k])
-        print(f"{c['format']:6} {c['batch']:>5} {c['mode']:5} {f('prefill_tok_s'):>9} {f('decode_tok_s'):>8} {f('e2e_tok_s'):>8} "
+        print(f"{c['format']:6} {c['batch']:>5} {c['mode']:5} {c.get('lora', 'on'):4} {f('sequences'):>4} "
+              f"{f('prefill_tok_s'):>9} {f('decode_tok_s'):>8} {f('decode_ms_per_step', '{:.2f}'):>6} {f('e2e_tok_s'):>8} "
               f"{f('ttft_s', '{:.2f}'):>6} {f('peak_reserved_gib', '{:.1f}'):>7} {f('roofline_tok_s'):>8} "
               f"{f('pct_roofline', '{:.1f}'):>6} {c['status']}")
+    cats = ("quantized GEMM", "dense GEMM", "LoRA", "attention", "norm/RoPE/activation", "sampling", "copies", "other")
+    if any(c.get("profile") for c in r["results"]):
+        print("profile ms/step: fmt batch lora | qgemm dense lora attn norm/rope/act sampling copies other | kernels graph")
+    for c in r["results"]:
+        p = c.get("profile")
+        if p:
+            g = "-" if p.get("graph_step_ms") is None else f"{p['graph_step_ms']:.2f}"
+            print(f"  {c['format']:6} {c['batch']:>4} {c.get('lora'):3} | " + " ".join(f"{p['ms_per_step'][k]:.2f}" for k in cats)
+                  + f" | {p['kernel_ms_per_step']:.2f} {g}")
+    for sh in r.get("lora_shares", []):
+        print(f"  LoRA share {sh['format']} b{sh['batch']}: {sh['share_pct']}% ({sh['source']}: {sh['ms_on']} on, "
+              f"{sh['ms_off']} off; profile LoRA kernels {sh['profile_lora_pct']}%)")
     for t in r.get("targets", []):
         print("  target:", t["target"], "->", t["value"], "met" if t["met"] else "MISSED")
 m = out / "train_metrics.jsonl"

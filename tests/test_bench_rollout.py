@@ -131,6 +131,10 @@ def test_rendering(tiny_result):
         ({"shape": "tiny", "batches": (0,)}, "batch sizes must be positive"),
         ({"shape": "tiny", "eos_mode": "sometimes"}, "eos_mode must be one of"),
         ({"shape": "tiny", "prompt_len": 4000, "new_tokens": 200}, "exceeds the tiny shape's 4096 positions"),
+        ({"shape": "tiny", "prompts": 0}, "--prompts must be >= 1"),
+        ({"shape": "tiny", "num_generations": 4}, "--num-generations needs --prompts"),
+        ({"shape": "tiny", "lora_modes": ("sometimes",)}, "LoRA modes must be among on, off"),
+        ({"shape": "tiny", "linear_backend": "no-such-backend"}, "--linear-backend"),
     ],
 )
 def test_bad_input_is_one_line(kwargs, message, tmp_path):
@@ -164,3 +168,50 @@ def test_run_dir_bench_records_stage(quantized_runs):
     assert rec["status"] == "completed" and rec["stage"] == "bench"
     assert rec["outputs"]["json"]["path"] == "bench/rollout.json" and rec["inputs"]["model"] == "model"
     assert rec["metrics"]["nvfp4/b1/fixed/decode_tok_s"] > 0
+
+
+def test_queue_workload_and_adapters_on_off(tmp_path):
+    """3 prompts x 4 samples through 4 slots: 12 sequences, the queue refills slots; each cell again with
+    the adapters disabled; no roofline for a queued workload (the batch is not fixed)."""
+    res = bench_rollout(shape="tiny", formats=("bf16",), batches=(4,), prompt_len=5, new_tokens=3, out_dir=tmp_path,
+                        warmup=False, log=lambda _msg: None, prompts=3, num_generations=4, lora_modes=("on", "off"))
+    cells = res["results"]
+    assert [(c["lora"], c["status"]) for c in cells] == [("off", "ok"), ("on", "ok")]
+    for c in cells:
+        assert c["sequences"] == 12 and c["tokens"] == 12 * 3 and c["num_slots"] == 4
+        # 12 sequences of 3 tokens through 4 slots: at least 3 waves of 2 decode steps each
+        assert c["decode_steps"] >= 6
+        assert c["roofline_tok_s"] is None and c["profile"] is None
+    assert res["config"]["lora_modes"] == ["on", "off"] and res["config"]["num_generations"] == 4
+    assert res["lora_shares"] == []  # shares need fixed-length cells with one sequence per slot
+    assert render_table(res).row_count == 2
+
+
+def test_lora_share_and_targets_arithmetic():
+    """LoRA share from graph step times when profiled (else decode ms/step); the issue's targets."""
+    from qerl_cli.bench.rollout import _evaluate_targets, lora_shares
+
+    def cell(fmt, batch, lora, ms, tok_s, pct=None, graph=None, lora_ms=0.0):
+        prof = None if graph is None else {"graph_step_ms": graph, "kernel_ms_per_step": 4.0,
+                                           "ms_per_step": {"LoRA": lora_ms}}
+        return {"format": fmt, "batch": batch, "mode": "fixed", "lora": lora, "status": "ok", "sequences": batch,
+                "decode_ms_per_step": ms, "decode_tok_s": tok_s, "pct_roofline": pct, "profile": prof}
+
+    res = {"results": [
+        cell("nvfp4", 8, "on", 5.0, 1600.0, pct=61.0, graph=4.0, lora_ms=0.3),
+        cell("nvfp4", 8, "off", 4.8, 1700.0, graph=3.8),
+        cell("nvfp4", 64, "on", 10.0, 6400.0, pct=40.0),
+        cell("nvfp4", 64, "off", 8.0, 8000.0),
+        cell("bf16", 64, "on", 16.0, 4000.0),
+    ]}
+    shares = {(s["format"], s["batch"]): s for s in lora_shares(res)}
+    assert shares[("nvfp4", 8)]["source"] == "graph step"
+    assert shares[("nvfp4", 8)]["share_pct"] == pytest.approx(5.0)  # (4.0 - 3.8) / 4.0
+    assert shares[("nvfp4", 8)]["profile_lora_pct"] == pytest.approx(7.5)  # 0.3 / 4.0
+    assert shares[("nvfp4", 64)]["share_pct"] == pytest.approx(20.0)  # (10 - 8) / 10, decode ms/step
+    got = {t["target"]: (t["value"], t["met"]) for t in _evaluate_targets(res)}
+    assert got["nvfp4 batch 8 >= 60% of roofline"] == (61.0, True)
+    assert got["nvfp4 batch 64 >= 50% of roofline"] == (40.0, False)
+    assert got["nvfp4 batch 64 >= 1.8x qerl bf16 (decode tok/s)"] == (pytest.approx(1.6), False)
+    assert got["nvfp4 batch 8: LoRA <= 10% of the decode step (adapters on vs off)"] == (pytest.approx(5.0), True)
+    assert got["nvfp4 batch 64: LoRA <= 10% of the decode step (adapters on vs off)"][1] is False

@@ -146,3 +146,30 @@ def test_token_uniform_is_bit_identical_to_the_sampler() -> None:
     assert torch.equal(u, torch_noise.uniform(keys))
     assert torch.equal(fused_noise.exponential(keys), torch_noise.exponential(keys))
     assert fused_noise.fused  # the first-use bit check passed
+
+
+def test_rope_kv_write_first_use_check_leaves_the_kernels_cache_rows() -> None:
+    """The first call is checked against the torch reference, which re-writes the same cache rows; afterwards
+    the rows must hold the kernel's values (bf16: the kernel rounds once from fp32, torch after every op), as
+    every later call and a CUDA graph's replay write them."""
+    from qerl_cli.rollout.fast_layers import FusedOps
+
+    dtype, b, heads, kvh, d, slots, max_len = torch.bfloat16, 3, 4, 2, 16, 4, 16
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(b, 1, heads, d, generator=g).to(dtype)
+    k = torch.randn(b, 1, kvh, d, generator=g).to(dtype)
+    v = torch.randn(b, 1, kvh, d, generator=g).to(dtype)
+    theta = torch.arange(max_len)[:, None] / (100.0 ** (torch.arange(d // 2) / (d // 2)))[None, :]
+    cos = torch.cat([theta.cos(), theta.cos()], -1).to(dtype)
+    sin = torch.cat([theta.sin(), theta.sin()], -1).to(dtype)
+    positions, rows = torch.tensor([3, 9, 15]), torch.arange(b)
+    cg, sg = cos[positions][:, None, None, :], sin[positions][:, None, None, :]
+    want_k, want_v = torch.zeros(slots, max_len, kvh, d, dtype=dtype), torch.zeros(slots, max_len, kvh, d, dtype=dtype)
+    rope_kv_write(q.reshape(b, -1), k.reshape(b, -1), v.reshape(b, -1), positions, cos, sin, want_k, want_v)
+    # the test is only meaningful where kernel and torch round differently
+    assert not torch.equal(want_k[rows, positions], apply_rope_ref(k, cg, sg)[:, 0])
+    ops = FusedOps(triton=True)
+    cache_k, cache_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    ops.rope_kv_write(q, k, v, positions, rows, cg, sg, cos, sin, cache_k, cache_v)
+    assert "rope_kv_write" in ops.checked and ops.enabled["rope_kv_write"]
+    assert torch.equal(cache_k, want_k) and torch.equal(cache_v, want_v)

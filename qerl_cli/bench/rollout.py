@@ -21,6 +21,16 @@ step, over the device copy bandwidth measured at the start of the same run (byte
 particular token, so for ``shape`` models the stop set is ``vocab / mean_len`` token ids, which gives
 geometric lengths with mean ~``new_tokens / 2`` on the near-uniform random model (capped at
 ``new_tokens``); with ``run_dir`` the model's own EOS is used. ``"both"`` runs each cell both ways.
+
+Realistic workloads (``prompts``/``num_generations``): ``prompts`` random prompts with ``num_generations``
+samples each run through ``batch`` KV-cache slots, so with more sequences than slots the engine's queue
+refills every slot a finished sequence frees (combine with ``eos_mode="eos"`` for RL-like lengths).
+
+``lora_modes=("on", "off")`` runs every cell with the adapters active and again with them disabled
+(peft's ``disable_adapter``), the measured cost of LoRA. ``profile=True`` adds, per cell, the GPU time of
+one decode step by category (quantized GEMM, dense GEMM, LoRA, attention, norm/RoPE/activation,
+sampling, copies, other) from torch.profiler (:mod:`qerl_cli.rollout.profile`) and the CUDA-graph step
+time at the run's mean context.
 """
 
 from __future__ import annotations
@@ -54,13 +64,57 @@ _BYTES_PER_WEIGHT = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, 
 _RESIDENT_EXTRA = {"nvfp4": 0.5, "mxfp4": 0.5}
 H100_80GB_GIB = 81559 / 1024  # what an H100 80GB reports (nvidia-smi 81559 MiB)
 TARGETS = (
-    # (format, batch, minimum % of roofline, minimum speed-up over qerl's bf16 at that batch)
-    ("nvfp4", 8, 70.0, None),
-    ("nvfp4", 64, 50.0, 1.5),
+    # (format, batch, minimum % of roofline or None, minimum speed-up over qerl's bf16 at that batch or None)
+    ("nvfp4", 8, 60.0, None),
+    ("nvfp4", 64, 50.0, 1.8),
+    ("nvfp4", 256, None, 1.3),
 )
+# LoRA's share of the decode step (adapters on vs off, same format and batch) must stay under this
+LORA_MAX_SHARE = 10.0
+LORA_TARGET_BATCHES = (8, 64)
+LORA_MODES = ("on", "off")
 
 
 # ---- inputs ----------------------------------------------------------------------------------------
+def _check_workload(prompts: int | None, num_generations: int, lora_modes: Iterable[str]) -> list[str]:
+    if prompts is not None and prompts < 1:
+        raise QerlError(f"--prompts must be >= 1, got {prompts}")
+    if num_generations < 1:
+        raise QerlError(f"--num-generations must be >= 1, got {num_generations}")
+    if num_generations > 1 and prompts is None:
+        raise QerlError("--num-generations needs --prompts (without it each batch is one sample per prompt)")
+    modes = list(dict.fromkeys(lora_modes))
+    bad = [m for m in modes if m not in LORA_MODES]
+    if bad or not modes:
+        raise QerlError(f"LoRA modes must be among {', '.join(LORA_MODES)}, got {', '.join(bad) or '(none)'}")
+    return modes
+
+
+def set_linear_backend(name: str | None) -> str | None:
+    """Force qerl_kernels' linear backend (auto|qerl|triton|humming|cublas) for this process."""
+    if name is None:
+        return None
+    try:
+        from qerl_kernels import linear as klinear
+    except ImportError as exc:
+        raise QerlError(f"--linear-backend needs the qerl_kernels package ({exc})") from None
+    if not hasattr(klinear, "set_backend"):
+        raise QerlError("--linear-backend: this qerl_kernels has no set_backend(); use a build that has the "
+                        "linear-backend override, or leave the option out")
+    try:
+        klinear.set_backend(name)
+    except (ValueError, KeyError, QerlError) as exc:
+        raise QerlError(f"--linear-backend {name!r}: {exc}") from None
+    return name
+
+
+def _qerl_env() -> dict[str, str]:
+    """Behaviour-changing QERL_* environment variables of this process (fast paths, fusion, kernels)."""
+    import os
+
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("QERL_")}
+
+
 def _check_args(shape: str | None, run_dir: Path | None, formats: Iterable[str], batches: Iterable[int],
                 prompt_len: int, new_tokens: int, lora_rank: int, eos_mode: str) -> tuple[list[str], list[int]]:
     from qerl_cli.formats import FORMATS
@@ -150,7 +204,7 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
     measured right after it is built shows none of them)."""
     from qerl_cli.qlinear import QuantLinear
 
-    weights = lora = 0
+    weights = lora = lora_numel = 0
     seen: set[int] = set()
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):
@@ -164,6 +218,7 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
             seen.add(id(p))
             if "lora_" in name:
                 lora += p.numel() * p.element_size()
+                lora_numel += p.numel()
             else:
                 weights += p.numel() * p.element_size()
     resident = 0
@@ -177,7 +232,8 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
         # the FP4 repack is made in place (qerl_kernels): count it only if it is a separate copy
         if isinstance(rep, torch.Tensor) and rep.untyped_storage().data_ptr() not in storages:
             resident += rep.numel() * rep.element_size()
-    return {"weights": weights, "lora": lora, "resident": resident}
+    # the decode step reads the adapters from model-dtype (bf16) shadows, not the fp32 masters
+    return {"weights": weights, "lora": lora, "lora_step": lora_numel * 2, "resident": resident}
 
 
 def _estimate_gib(spec: Any, fmt: str, batch: int, max_len: int, lora_rank: int) -> float:
@@ -242,48 +298,68 @@ def _eos_ids(mode: str, vocab: int, new_tokens: int, model_eos: list[int] | None
     return list(range(vocab - k, vocab))
 
 
-def _precapture(engine: Any, batch: int) -> None:
-    """Capture the decode graphs of every KV-length bucket now, so no capture lands in the timed run.
+def _precapture(engine: Any, batch: int, shrinking: bool = False) -> None:
+    """Capture the decode graphs of every KV-length bucket now, so no capture lands in the timed run;
+    ``shrinking`` (EOS-ended or queued workloads, whose batch drains at the end): every smaller batch
+    bucket too.
 
     Uses the engine's graph decoder (built by the warm-up generate); any failure just leaves capture to
     the timed run (a few extra eager steps, about 1%)."""
     graphs = getattr(engine, "_graphs", None)
     if graphs is None or not hasattr(graphs, "_capture"):
         return
-    bs = graphs.bucket(batch)
+    top = graphs.bucket(batch)
+    sizes = [b for b in graphs.buckets if b <= top] if shrinking else [top]
     with torch.no_grad():
-        for kv in engine.kv_buckets:
-            if (bs, kv) not in graphs.graphs:
-                graphs.graphs[(bs, kv)] = graphs._capture(bs, kv)
+        for bs in sizes:
+            for kv in engine.kv_buckets:
+                if (bs, kv) not in graphs.graphs:
+                    graphs.graphs[(bs, kv)] = graphs._capture(bs, kv)
     torch.cuda.synchronize()
+
+
+def _adapters(model: nn.Module, lora: str) -> Any:
+    """Context: the adapters as the cell wants them ("off": peft's disable_adapter; else unchanged)."""
+    import contextlib
+
+    if lora == "off" and hasattr(model, "disable_adapter"):
+        return model.disable_adapter()
+    return contextlib.nullcontext()
 
 
 def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, new_tokens: int, vocab: int,
               stop_ids: list[int] | None, device: torch.device, gpu_memory_utilization: float, seed: int,
-              warmup: bool) -> dict[str, Any]:
+              warmup: bool, prompts_n: int | None = None, generations: int = 1, lora: str = "on",
+              profile: bool = False) -> dict[str, Any]:
     from qerl_cli.rollout import BuiltinEngine, SamplingParams
 
     engine = BuiltinEngine(model, tokenizer, max_batch_slots=batch, max_model_len=prompt_len + new_tokens,
                            gpu_memory_utilization=gpu_memory_utilization, dtype=torch.bfloat16)
     avoid = set(stop_ids or [])
-    prompts = _prompts(batch, prompt_len, vocab, avoid, seed)
+    prompts = _prompts(prompts_n or batch, prompt_len, vocab, avoid, seed)
+    prof = None
     try:
-        if warmup:
-            warm = SamplingParams(n=1, temperature=1.0, max_tokens=min(new_tokens, 16), stop_token_ids=[],
-                                  seed=seed + 1)
-            engine.generate(prompts, warm)
-            if device.type == "cuda" and engine.use_graphs:
-                _precapture(engine, batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        params = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=new_tokens,
-                                stop_token_ids=stop_ids, seed=seed)
-        res = engine.generate(prompts, params)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-        peak_reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None
-        slots = engine.num_slots
-        kv_gib = engine.runner.cache.shape.bytes_per_slot() * slots / 2**30
+        with _adapters(model, lora):
+            if warmup:
+                warm = SamplingParams(n=1, temperature=1.0, max_tokens=min(new_tokens, 16), stop_token_ids=[],
+                                      seed=seed + 1)
+                engine.generate(prompts[:batch], warm)
+                if device.type == "cuda" and engine.use_graphs:
+                    _precapture(engine, batch, shrinking=bool(stop_ids) or len(prompts) * generations > batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            params = SamplingParams(n=generations, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=new_tokens,
+                                    stop_token_ids=stop_ids, seed=seed)
+            res = engine.generate(prompts, params)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+            peak_reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None
+            slots = engine.num_slots
+            kv_gib = engine.runner.cache.shape.bytes_per_slot() * slots / 2**30
+            if profile and device.type == "cuda":
+                from qerl_cli.rollout.profile import profile_decode
+
+                prof = profile_decode(engine, min(batch, slots), prompt_len + new_tokens // 2)
     finally:
         engine.release()
     t, st = res.timings, res.stats
@@ -303,7 +379,10 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
         "mean_new_tokens": sum(lengths) / max(1, len(lengths)),
         "stopped": sum(s.finish_reason == "stop" for s in res.samples),
         "decode_steps": st["decode_steps"],
+        "sequences": n_seq,
+        "decode_ms_per_step": 1000.0 * t["decode_s"] / st["decode_steps"] if st["decode_steps"] else None,
         "num_slots": slots,
+        "profile": prof,
         "kv_cache_gib": kv_gib,
         "peak_mem_gib": peak,
         "peak_reserved_gib": peak_reserved,
@@ -314,10 +393,12 @@ def _roofline(cell: dict[str, Any], *, batch: int, bytes_: dict[str, int], kv_pe
               bw_gbps: float | None) -> None:
     """Fill roofline fields for a fixed-length cell (None off CUDA or for EOS-terminated cells)."""
     cell["roofline_tok_s"] = cell["pct_roofline"] = cell["step_bytes"] = None
-    if bw_gbps is None or cell.get("status") != "ok" or cell.get("mode") != "fixed":
+    if bw_gbps is None or cell.get("status") != "ok" or cell.get("mode") != "fixed" or cell.get("sequences",
+                                                                                            batch) != batch:
         return
     mean_ctx = prompt_len + cell["mean_new_tokens"] / 2
-    step_bytes = bytes_["weights"] + bytes_["lora"] + batch * kv_per_token * mean_ctx
+    lora = 0 if cell.get("lora") == "off" else bytes_.get("lora_step", bytes_["lora"])
+    step_bytes = bytes_["weights"] + lora + batch * kv_per_token * mean_ctx
     roof = batch * bw_gbps * 1e9 / step_bytes
     cell["step_bytes"] = step_bytes
     cell["roofline_tok_s"] = roof
@@ -325,22 +406,28 @@ def _roofline(cell: dict[str, Any], *, batch: int, bytes_: dict[str, int], kv_pe
 
 
 def _evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, checked on the cells this run has (fixed-length rows only)."""
-    rows = {(c["format"], c["batch"]): c for c in res["results"] if c["mode"] == "fixed"}
+    """The issue's targets, checked on the cells this run has (fixed-length rows, adapters on)."""
+    rows = {(c["format"], c["batch"]): c for c in res["results"]
+            if c["mode"] == "fixed" and c.get("lora", "on") != "off" and c.get("sequences", c["batch"]) == c["batch"]}
     out: list[dict[str, Any]] = []
     for fmt, batch, min_pct, min_speedup in TARGETS:
         c = rows.get((fmt, batch))
         if c is None or c["status"] != "ok":
             continue
-        pct = c.get("pct_roofline")
-        t = {"target": f"{fmt} batch {batch} >= {min_pct:.0f}% of roofline", "value": pct,
-             "met": None if pct is None else pct >= min_pct}
-        out.append(t)
+        if min_pct is not None:
+            pct = c.get("pct_roofline")
+            out.append({"target": f"{fmt} batch {batch} >= {min_pct:.0f}% of roofline", "value": pct,
+                        "met": None if pct is None else pct >= min_pct})
         base = rows.get(("bf16", batch))
         if min_speedup is not None and base is not None and base["status"] == "ok" and base["decode_tok_s"]:
             sp = c["decode_tok_s"] / base["decode_tok_s"]
             out.append({"target": f"{fmt} batch {batch} >= {min_speedup}x qerl bf16 (decode tok/s)", "value": sp,
                         "met": sp >= min_speedup})
+    for share in lora_shares(res):
+        if share["batch"] in LORA_TARGET_BATCHES and share["share_pct"] is not None:
+            out.append({"target": f"{share['format']} batch {share['batch']}: LoRA <= {LORA_MAX_SHARE:.0f}% of the "
+                                  f"decode step (adapters on vs off)", "value": share["share_pct"],
+                        "met": share["share_pct"] <= LORA_MAX_SHARE})
     if res.get("shape") == "qwen2.5-32b":
         c = rows.get(("nvfp4", 64))
         if c is not None:
@@ -349,6 +436,33 @@ def _evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             out.append({"target": f"32B nvfp4 batch 64 fits in an 80 GB GPU ({H100_80GB_GIB:.1f} GiB)",
                         "value": peak, "met": fits})
     return out
+
+
+def lora_shares(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per (format, batch) with fixed-length cells both with adapters on and off: LoRA's share of the decode
+    step, ``(t_on - t_off) / t_on``, from the CUDA-graph step time at the mean context when profiled, else
+    from the decode ms/step of the timed runs; and the profile's LoRA kernel share (adapters on)."""
+    cells: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for c in res["results"]:
+        if c["mode"] == "fixed" and c["status"] == "ok" and c.get("sequences", c["batch"]) == c["batch"]:
+            cells[(c["format"], c["batch"], c.get("lora", "on"))] = c
+    out = []
+    for (fmt, batch, lora), on in cells.items():
+        off = cells.get((fmt, batch, "off"))
+        if lora != "on" or off is None:
+            continue
+        p_on, p_off = on.get("profile") or {}, off.get("profile") or {}
+        if p_on.get("graph_step_ms") and p_off.get("graph_step_ms"):
+            t_on, t_off, source = p_on["graph_step_ms"], p_off["graph_step_ms"], "graph step"
+        else:
+            t_on, t_off, source = on.get("decode_ms_per_step"), off.get("decode_ms_per_step"), "decode ms/step"
+        share = 100.0 * (t_on - t_off) / t_on if t_on and t_off else None
+        kern = None
+        if p_on.get("kernel_ms_per_step"):
+            kern = 100.0 * p_on["ms_per_step"]["LoRA"] / p_on["kernel_ms_per_step"]
+        out.append({"format": fmt, "batch": batch, "ms_on": t_on, "ms_off": t_off, "source": source,
+                    "share_pct": share, "profile_lora_pct": kern})
+    return sorted(out, key=lambda r: (r["format"], r["batch"]))
 
 
 # ---- output ---------------------------------------------------------------------------------------
@@ -366,15 +480,38 @@ def render_table(res: dict[str, Any]) -> Any:
     gpu = res["env"]["device"].get("gpu") or "CPU"
     table = Table(title=f"qerl bench rollout: {model}, {res['config']['prompt_len']} prompt + "
                         f"{res['config']['new_tokens']} new tokens, LoRA r={res['config']['lora_rank']}, {gpu}")
-    cols = ("format", "linears", "batch", "mode", "prefill tok/s", "decode tok/s", "e2e tok/s", "TTFT s",
-            "peak GiB", "roofline tok/s", "% roofline", "status")
+    cols = ("format", "linears", "batch", "mode", "LoRA", "seqs", "prefill tok/s", "decode tok/s", "ms/step",
+            "e2e tok/s", "TTFT s", "peak GiB", "roofline tok/s", "% roofline", "status")
     for c in cols:
-        table.add_column(c, justify="left" if c in ("format", "linears", "mode", "status") else "right")
+        table.add_column(c, justify="left" if c in ("format", "linears", "mode", "LoRA", "status") else "right")
     for c in res["results"]:
-        table.add_row(c["format"], c["backend"], str(c["batch"]), c["mode"], _fmt(c.get("prefill_tok_s")),
-                      _fmt(c.get("decode_tok_s")), _fmt(c.get("e2e_tok_s")), _fmt(c.get("ttft_s"), "{:.3f}"),
+        table.add_row(c["format"], c["backend"], str(c["batch"]), c["mode"], c.get("lora", "on"),
+                      _fmt(c.get("sequences")), _fmt(c.get("prefill_tok_s")),
+                      _fmt(c.get("decode_tok_s")), _fmt(c.get("decode_ms_per_step"), "{:.2f}"),
+                      _fmt(c.get("e2e_tok_s")), _fmt(c.get("ttft_s"), "{:.3f}"),
                       _fmt(c.get("peak_reserved_gib") or c.get("peak_mem_gib"), "{:.1f}"),
                       _fmt(c.get("roofline_tok_s")), _fmt(c.get("pct_roofline"), "{:.1f}"), c["status"])
+    return table
+
+
+def render_profile_table(res: dict[str, Any]) -> Any | None:
+    """A rich Table: per profiled cell, decode-step GPU ms by category, kernel sum and graph step time."""
+    from rich.table import Table
+
+    from qerl_cli.rollout.profile import CATEGORIES
+
+    cells = [c for c in res["results"] if c.get("profile")]
+    if not cells:
+        return None
+    table = Table(title="decode step profile: GPU ms per step by category (torch.profiler, eager step at the "
+                        "mean context); graph = CUDA-graph replay ms/step")
+    for col in ("format", "batch", "LoRA", "ctx", *CATEGORIES, "kernels", "graph"):
+        table.add_column(col, justify="left" if col in ("format", "LoRA") else "right")
+    for c in cells:
+        p = c["profile"]
+        table.add_row(c["format"], str(c["batch"]), c.get("lora", "on"), str(p["context"]),
+                      *(f"{p['ms_per_step'][k]:.2f}" for k in CATEGORIES), f"{p['kernel_ms_per_step']:.2f}",
+                      _fmt(p.get("graph_step_ms"), "{:.2f}"))
     return table
 
 
@@ -383,6 +520,10 @@ def short_summary(res: dict[str, Any]) -> list[str]:
     lines = []
     bw = res.get("copy_GBps")
     lines.append(f"copy bandwidth: {bw:,.0f} GB/s" if bw else "copy bandwidth: not measured (no CUDA)")
+    for sh in res.get("lora_shares", []):
+        lines.append(f"LoRA share {sh['format']} batch {sh['batch']}: {_fmt(sh['share_pct'], '{:.1f}')}% of the step "
+                     f"({sh['source']}: {_fmt(sh['ms_on'], '{:.2f}')} ms on, {_fmt(sh['ms_off'], '{:.2f}')} ms off; "
+                     f"profile LoRA kernels {_fmt(sh['profile_lora_pct'], '{:.1f}')}%)")
     for t in res.get("targets", []):
         val = t["value"]
         v = "-" if val is None else (f"{val:.2f}" if isinstance(val, float) else str(val))
@@ -449,6 +590,11 @@ def bench_rollout(
     gpu_memory_utilization: float = 0.9,
     memory_cap_gib: float | None = None,
     time_budget_s: float | None = None,
+    prompts: int | None = None,
+    num_generations: int = 1,
+    lora_modes: Iterable[str] = ("on",),
+    profile: bool = False,
+    linear_backend: str | None = None,
 ) -> dict[str, Any]:
     """Benchmark the builtin rollout engine; returns the result dict (also written as JSON + PNG).
 
@@ -457,12 +603,17 @@ def bench_rollout(
     format) is required. ``memory_cap_gib`` caps this process's GPU memory (e.g. 79.6 to check that a
     configuration fits an 80 GB H100 while running on a larger GPU); ``time_budget_s`` skips the cells
     that would start after it (recorded as skipped). Cells that do not fit are recorded as OOM/skipped.
+    ``prompts``/``num_generations``: the realistic workload (more sequences than ``batch`` slots);
+    ``lora_modes``: ("on",), ("off",) or both; ``profile``: per-category decode-step GPU time (CUDA);
+    ``linear_backend``: force qerl_kernels' linear backend (``set_backend``) for the whole run.
     """
     from qerl_cli.bench.shapes import get_shape
     from qerl_cli.env_info import environment
     from qerl_cli.manifest import RunDir, atomic_write_json
 
     fmts, bs = _check_args(shape, run_dir, formats, batches, prompt_len, new_tokens, lora_rank, eos_mode)
+    lmodes = _check_workload(prompts, num_generations, lora_modes) if lora_rank else ["on"]
+    set_linear_backend(linear_backend)
     device = _device()
     spec = None
     run = model_dir = None
@@ -510,7 +661,10 @@ def bench_rollout(
         "config": {"formats": fmts, "batches": bs, "prompt_len": prompt_len, "new_tokens": new_tokens,
                    "lora_rank": lora_rank, "eos_mode": eos_mode, "seed": seed, "warmup": warmup,
                    "gpu_memory_utilization": gmu, "memory_cap_gib": memory_cap_gib,
-                   "time_budget_s": time_budget_s, "sampling": "temperature 1.0, top_p 1, top_k off, n=1"},
+                   "time_budget_s": time_budget_s, "prompts": prompts, "num_generations": num_generations,
+                   "lora_modes": lmodes, "profile": profile, "linear_backend": linear_backend,
+                   "qerl_env": _qerl_env(),
+                   "sampling": f"temperature 1.0, top_p 1, top_k off, n={num_generations}"},
         "env": environment(),
         "gpu_total_gib": total_gib,
         "copy_GBps": None,
@@ -521,14 +675,15 @@ def bench_rollout(
     res["copy_GBps"] = bw
     if bw:
         log(f"copy bandwidth {bw:,.0f} GB/s (read + write)")
-    cell_times: dict[tuple[int, str], float] = {}
+    cell_times: dict[tuple[int, str, str], float] = {}
 
     for fmt in fmts:
         backend = format_backend(fmt, device)
 
         def record(batch: int, mode: str, status: str, _fmt: str = fmt, _backend: str = backend, **kw: Any) -> None:
-            res["results"].append({"format": _fmt, "backend": _backend, "batch": batch, "mode": mode,
-                                   "status": status, **kw})
+            for lora in lmodes:
+                res["results"].append({"format": _fmt, "backend": _backend, "batch": batch, "mode": mode,
+                                       "lora": lora if lora_rank else "none", "status": status, **kw})
 
         fitting = list(bs)
         if spec is not None and device.type == "cuda":
@@ -593,39 +748,21 @@ def bench_rollout(
             f"weights + {nbytes['lora'] / 2**30:.2f} GiB LoRA)")
         for b in fitting:
             for mode in modes:
-                key = (b, mode)
-                guess = cell_times.get(key, 0.0)
-                if time_budget_s is not None and time.perf_counter() - t_start + guess > time_budget_s:
-                    record(b, mode, "skipped (time budget)")
-                    log(f"{fmt} batch {b} {mode}: skipped (time budget)")
-                    continue
-                stop_ids = _eos_ids(mode, vocab, new_tokens, model_eos, from_shape=spec is not None)
-                t0 = time.perf_counter()
-                try:
-                    cell = _run_cell(model, tokenizer, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
-                                     vocab=vocab, stop_ids=stop_ids, device=device, gpu_memory_utilization=gmu,
-                                     seed=seed, warmup=warmup)
-                    status = "ok" if cell["num_slots"] >= b else f"ok ({cell['num_slots']} slots fit)"
-                except Exception as exc:  # noqa: BLE001
-                    cell = {}
-                    status = "OOM/skipped" if _is_oom(exc) else f"error: {str(exc).splitlines()[0][:160]}"
-                    _free()
-                cell_times[key] = time.perf_counter() - t0
-                row = {"format": fmt, "backend": backend, "batch": b, "mode": mode, "status": status, **cell}
-                _roofline(row, batch=b, bytes_=nbytes, kv_per_token=kv_per_token, prompt_len=prompt_len, bw_gbps=bw)
-                res["results"].append(row)
-                log(f"{fmt} batch {b} {mode}: {status}; decode {_fmt(row.get('decode_tok_s'))} tok/s, "
-                    f"e2e {_fmt(row.get('e2e_tok_s'))} tok/s, prefill {_fmt(row.get('prefill_tok_s'))} tok/s, "
-                    f"TTFT {_fmt(row.get('ttft_s'), '{:.3f}')} s, "
-                    f"peak {_fmt(row.get('peak_reserved_gib'), '{:.1f}')} GiB, "
-                    f"{_fmt(row.get('pct_roofline'), '{:.1f}')}% of roofline ({cell_times[key]:.0f}s)")
+                for lora in lmodes:
+                    _bench_cell(res, model, tokenizer, fmt=fmt, backend=backend, batch=b, mode=mode, lora=lora,
+                                lora_rank=lora_rank, vocab=vocab, model_eos=model_eos, from_shape=spec is not None,
+                                prompt_len=prompt_len, new_tokens=new_tokens, device=device, gmu=gmu, seed=seed,
+                                warmup=warmup, prompts=prompts, num_generations=num_generations, profile=profile,
+                                nbytes=nbytes, kv_per_token=kv_per_token, bw=bw, cell_times=cell_times,
+                                t_start=t_start, time_budget_s=time_budget_s, log=log)
         _free(model)
         model = None
 
-    res["results"].sort(key=lambda c: (fmts.index(c["format"]), c["batch"], c["mode"]))
+    res["results"].sort(key=lambda c: (fmts.index(c["format"]), c["batch"], c["mode"], c.get("lora", "")))
     for c in res["results"]:
         c.setdefault("roofline_tok_s", None)
         c.setdefault("pct_roofline", None)
+    res["lora_shares"] = lora_shares(res)
     res["targets"] = _evaluate_targets(res)
     res["wall_s"] = time.perf_counter() - t_start
     json_path, png_path = out / "rollout.json", out / "rollout.png"
@@ -637,11 +774,53 @@ def bench_rollout(
     return res
 
 
+def _bench_cell(res: dict[str, Any], model: nn.Module, tokenizer: Any, *, fmt: str, backend: str, batch: int,
+                mode: str, lora: str, lora_rank: int, vocab: int, model_eos: list[int] | None, from_shape: bool,
+                prompt_len: int, new_tokens: int, device: torch.device, gmu: float, seed: int, warmup: bool,
+                prompts: int | None, num_generations: int, profile: bool, nbytes: dict[str, int],
+                kv_per_token: int, bw: float | None, cell_times: dict[tuple[int, str, str], float],
+                t_start: float, time_budget_s: float | None, log: Callable[[str], None]) -> None:
+    """Run one (format, batch, mode, adapters) cell and append its row to ``res["results"]``."""
+    key = (batch, mode, lora)
+    label = f"{fmt} batch {batch} {mode} LoRA {lora if lora_rank else 'none'}"
+    base = {"format": fmt, "backend": backend, "batch": batch, "mode": mode, "lora": lora if lora_rank else "none"}
+    guess = cell_times.get(key, 0.0)
+    if time_budget_s is not None and time.perf_counter() - t_start + guess > time_budget_s:
+        res["results"].append({**base, "status": "skipped (time budget)"})
+        log(f"{label}: skipped (time budget)")
+        return
+    stop_ids = _eos_ids(mode, vocab, new_tokens, model_eos, from_shape=from_shape)
+    t0 = time.perf_counter()
+    try:
+        cell = _run_cell(model, tokenizer, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, vocab=vocab,
+                         stop_ids=stop_ids, device=device, gpu_memory_utilization=gmu, seed=seed, warmup=warmup,
+                         prompts_n=prompts, generations=num_generations, lora=lora, profile=profile)
+        status = "ok" if cell["num_slots"] >= batch else f"ok ({cell['num_slots']} slots fit)"
+    except Exception as exc:  # noqa: BLE001 - recorded per cell, the bench goes on
+        cell = {}
+        status = "OOM/skipped" if _is_oom(exc) else f"error: {str(exc).splitlines()[0][:160]}"
+        _free()
+    cell_times[key] = time.perf_counter() - t0
+    row = {**base, "status": status, **cell}
+    _roofline(row, batch=batch, bytes_=nbytes, kv_per_token=kv_per_token, prompt_len=prompt_len, bw_gbps=bw)
+    res["results"].append(row)
+    prof = row.get("profile")
+    extra = ""
+    if prof:
+        extra = (f"; profile {prof['kernel_ms_per_step']:.2f} ms kernels/step, graph step "
+                 f"{_fmt(prof['graph_step_ms'], '{:.2f}')} ms, LoRA {prof['ms_per_step']['LoRA']:.2f} ms")
+    log(f"{label}: {status}; decode {_fmt(row.get('decode_tok_s'))} tok/s, "
+        f"e2e {_fmt(row.get('e2e_tok_s'))} tok/s, prefill {_fmt(row.get('prefill_tok_s'))} tok/s, "
+        f"TTFT {_fmt(row.get('ttft_s'), '{:.3f}')} s, peak {_fmt(row.get('peak_reserved_gib'), '{:.1f}')} GiB, "
+        f"{_fmt(row.get('pct_roofline'), '{:.1f}')}% of roofline ({cell_times[key]:.0f}s){extra}")
+
+
 def _record_stage(run: Any, res: dict[str, Any], json_path: Path, png_path: Path) -> None:
     """Record the bench in the run's manifest under key bench/rollout (after the fact: one short write)."""
     cfg = res["config"]
     with run.stage("bench", config=cfg, inputs={"model": run.rel(res["model_dir"])}, key="bench/rollout") as rec:
         rec.outputs = {"json": {"path": run.rel(json_path)}, "plot": {"path": run.rel(png_path)}}
-        rec.metrics = {f"{c['format']}/b{c['batch']}/{c['mode']}/decode_tok_s": c.get("decode_tok_s")
+        rec.metrics = {f"{c['format']}/b{c['batch']}/{c['mode']}{'/lora-off' if c.get('lora') == 'off' else ''}"
+                       "/decode_tok_s": c.get("decode_tok_s")
                        for c in res["results"] if c["status"] == "ok"}
         rec.extra = {"copy_GBps": res["copy_GBps"], "targets": res["targets"]}

@@ -24,10 +24,17 @@ runner rebuilds the plan.
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from qerl_cli.errors import QerlError
+from qerl_cli.rollout.profile import region
+
+log = logging.getLogger("qerl.rollout")
 
 
 def _lora_layer_cls() -> type | None:
@@ -82,18 +89,101 @@ def resolve(module: nn.Module) -> tuple[nn.Module, _Lora | None] | None:
     return base, _Lora(lora_a.weight, lora_b.weight, float(module.scaling[name]))
 
 
-class ProjGroup:
-    """Linears that share one input: one ``mm`` for their concatenated LoRA A shadows, then per
-    projection ``addmm(base(x), h_i, sB_i^T)``. Projections the plan cannot express call the module."""
+def _fusable_dense(mods: list[nn.Module]) -> bool:
+    first = mods[0]
+    return all(
+        type(m) is nn.Linear and not m.weight.requires_grad and m.in_features == first.in_features
+        and m.weight.dtype == first.weight.dtype and m.weight.device == first.weight.device
+        and (m.bias is None) == (first.bias is None)
+        for m in mods
+    )
 
-    def __init__(self, modules: list[nn.Module], dtype: torch.dtype, device: torch.device) -> None:
+
+def _fuse_dense(mods: list[nn.Module]) -> nn.Linear:
+    """One frozen ``nn.Linear`` for layers that read the same input; the parts' weights (and biases) are
+    rebound as row views of it, so no byte is stored twice (frozen bases only: an optimizer never holds
+    them, so rebinding cannot desynchronise training)."""
+    with torch.no_grad():
+        w = torch.cat([m.weight for m in mods])
+        b = torch.cat([m.bias for m in mods]) if mods[0].bias is not None else None
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    fused.bias = None if b is None else nn.Parameter(b, requires_grad=False)
+    row = 0
+    for m in mods:
+        n = m.out_features
+        m.weight = nn.Parameter(w[row:row + n], requires_grad=False)
+        if b is not None:
+            m.bias = nn.Parameter(b[row:row + n], requires_grad=False)
+        row += n
+    return fused
+
+
+def _first_tensor(m: nn.Module) -> torch.Tensor:
+    from qerl_cli.qlinear import QuantLinear
+
+    return m.qweight if isinstance(m, QuantLinear) else m.weight
+
+
+# first part -> (fused module, data pointers of the parts right after fusing): a rebuilt plan (after
+# ``release()``) reuses the fused layer instead of concatenating again, unless a part was reassigned since.
+_FUSED: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+
+
+def fuse_bases(bases: list[nn.Module]) -> nn.Module | None:
+    """One module whose output is the parts' outputs side by side (``QuantLinear`` through
+    ``qlinear.fuse_quant_linears``, frozen ``nn.Linear`` through ``_fuse_dense``), or None when the parts
+    cannot share a GEMM (mixed types or formats, different global scales, trainable weights, ...)."""
+    from qerl_cli.qlinear import QuantLinear, fuse_quant_linears
+
+    if len(bases) < 2 or os.environ.get("QERL_FUSED_PROJ", "1") == "0":
+        return None
+    hit = _FUSED.get(bases[0])
+    if hit is not None and hit[1] == tuple(_first_tensor(m).data_ptr() for m in bases):
+        return hit[0]
+    fused: nn.Module | None = None
+    if all(isinstance(m, QuantLinear) for m in bases):
+        try:
+            fused = fuse_quant_linears(bases)
+        except QerlError as exc:
+            log.info("q/k/v or gate/up kept as separate GEMMs: %s", exc)
+            return None
+    elif _fusable_dense(bases):
+        fused = _fuse_dense(bases)
+    if fused is None:
+        return None
+    _FUSED[bases[0]] = (fused, tuple(_first_tensor(m).data_ptr() for m in bases))
+    return fused
+
+
+class ProjGroup:
+    """Linears that share one input (q/k/v, gate/up; o and down alone).
+
+    Base: one GEMM for the whole group when the parts can be fused (``fuse_bases``), else one per part.
+    LoRA: one shrink ``h = x @ [A_1; A_2; ...]^T`` for the group, then with a single base output one
+    in-place expand ``y += h @ B_blk^T`` where ``B_blk`` [sum N_i, sum r_i] holds each part's
+    ``scaling * B_i`` on its diagonal block and zeros elsewhere (the zeros cost a few MB of reads per layer,
+    far less than the launches they save); with separate bases, one in-place ``addmm_`` per part.
+    Projections the plan cannot express call the module.
+    """
+
+    def __init__(self, modules: list[nn.Module], dtype: torch.dtype, device: torch.device,
+                 fuse: bool = True) -> None:
+        from qerl_cli.qlinear import QuantLinear
+
         self.modules = modules
         self.calls: list[nn.Module] = []
         self.loras: list[_Lora | None] = []
-        for m in modules:
-            r = resolve(m)
+        resolved = [resolve(m) for m in modules]
+        for m, r in zip(modules, resolved, strict=True):
             self.calls.append(m if r is None else r[0])
             self.loras.append(None if r is None else r[1])
+        self.sizes = [_out_features(m) for m in self.calls]
+        self.fused: nn.Module | None = None
+        if fuse and all(r is not None for r in resolved) and None not in self.sizes:
+            self.fused = fuse_bases(self.calls)
+        single = self.fused if self.fused is not None else (self.calls[0] if len(modules) == 1 else None)
+        self.base_kind = "qgemm" if all(isinstance(c, QuantLinear) for c in self.calls) else "dense"
         ranks = [lo.a.shape[0] if lo is not None else 0 for lo in self.loras]
         self.slices: list[tuple[int, int] | None] = []
         start = 0
@@ -102,17 +192,27 @@ class ProjGroup:
             start += r
         self.a_cat: torch.Tensor | None = None
         self.sb: list[torch.Tensor | None] = [None] * len(modules)
+        self.b_blk: torch.Tensor | None = None  # [sum N, sum r]: the one expand of a single-output group
+        self.one_output = single is not None
         if start:
             in_f = next(lo.a.shape[1] for lo in self.loras if lo is not None)
             self.a_cat = torch.empty(start, in_f, dtype=dtype, device=device)
-            for i, lo in enumerate(self.loras):
-                if lo is not None:
-                    self.sb[i] = torch.empty(lo.b.shape, dtype=dtype, device=device)
+            if self.one_output:
+                self.b_blk = torch.zeros(sum(self.sizes), start, dtype=dtype, device=device)  # type: ignore[arg-type]
+            else:
+                for i, lo in enumerate(self.loras):
+                    if lo is not None:
+                        self.sb[i] = torch.empty(lo.b.shape, dtype=dtype, device=device)
+        self.single = single
         self.refresh()
 
     @property
     def has_lora(self) -> bool:
         return self.a_cat is not None
+
+    def _rows(self, i: int) -> tuple[int, int]:
+        r0 = sum(self.sizes[:i])  # type: ignore[arg-type]
+        return r0, r0 + self.sizes[i]  # type: ignore[operator]
 
     def refresh(self) -> None:
         """Copy the trainer's current factors into the shadows, in place (addresses never change)."""
@@ -123,23 +223,49 @@ class ProjGroup:
                 s0, s1 = self.slices[i]  # type: ignore[misc]
                 self.a_cat[s0:s1].copy_(lo.a)  # type: ignore[index]
                 # scale in the factor's own precision (fp32 master), round once into the shadow
-                self.sb[i].copy_(lo.b * lo.scaling)  # type: ignore[union-attr]
+                if self.b_blk is not None:
+                    r0, r1 = self._rows(i)
+                    self.b_blk[r0:r1, s0:s1].copy_(lo.b * lo.scaling)
+                else:
+                    self.sb[i].copy_(lo.b * lo.scaling)  # type: ignore[union-attr]
 
     def shadows(self) -> list[torch.Tensor]:
-        return [t for t in [self.a_cat, *self.sb] if t is not None]
+        return [t for t in [self.a_cat, self.b_blk, *self.sb] if t is not None]
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """``x`` [..., in] -> one output [..., out_i] per projection."""
+        """``x`` [..., in] -> one output [..., out_i] per projection (column views of one tensor when the
+        group runs as one GEMM)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        h = torch.mm(x2, self.a_cat.t()) if self.a_cat is not None else None
+        h = None
+        if self.a_cat is not None:
+            with region("lora"):
+                h = torch.mm(x2, self.a_cat.t())
+        if self.single is not None:
+            with region(self.base_kind):
+                y = self.single(x2)
+            if self.b_blk is not None:
+                with region("lora"):
+                    y.addmm_(h, self.b_blk.t())  # in place: no copy of y
+            outs, c0 = [], 0
+            for n in self.sizes:
+                outs.append(y[:, c0:c0 + n].view(*lead, n))  # type: ignore[misc]
+                c0 += n  # type: ignore[operator]
+            return outs
         outs = []
         for call, lo, sl, sb in zip(self.calls, self.loras, self.slices, self.sb, strict=True):
-            y = call(x2)
+            with region(self.base_kind if lo is not None or call not in self.modules else "module"):
+                y = call(x2)
             if lo is not None:
-                y = torch.addmm(y, h[:, sl[0] : sl[1]], sb.t())  # type: ignore[index,union-attr]
+                with region("lora"):
+                    y.addmm_(h[:, sl[0] : sl[1]], sb.t())  # type: ignore[index,union-attr]
             outs.append(y.view(*lead, y.shape[-1]))
         return outs
+
+
+def _out_features(m: nn.Module) -> int | None:
+    n = getattr(m, "out_features", None)
+    return int(n) if isinstance(n, int) else None
 
 
 @dataclass
@@ -209,8 +335,6 @@ def signature(layers: list[nn.Module]) -> tuple:
 
 
 # ----- fused elementwise ops: Triton on CUDA, the torch reference elsewhere --------------------------------
-
-log = logging.getLogger("qerl.rollout")
 
 # First-use check tolerance (relative L2 error vs the torch reference): rounding-level differences pass,
 # a miscompiled kernel does not.
@@ -310,7 +434,7 @@ class FusedOps:
         return h, rms_norm_ref(h, weight, eps)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        if (self.enabled["silu_mul"] and gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape
+        if (self.enabled["silu_mul"] and _rows_packed(gate) and _rows_packed(up) and gate.shape == up.shape
                 and gate.dtype == up.dtype):
             out = self._try("silu_mul", lambda: self._k.silu_mul(gate, up), lambda: act(gate) * up)
             if out is not None:
@@ -352,12 +476,27 @@ class FusedOps:
             if bad > _CHECK_TOL.get(q.dtype, 3e-2):
                 self._fail(name, f"first-use check: relative error {bad:.3g} vs the torch reference")
                 return want_q
+            # put the kernel's rows back: the check must leave the cache as every later step (and a CUDA
+            # graph, whose warm-up run does the check) writes it, or eager and graphed runs part at rounding
+            cache_k.index_put_((rows, positions), got_k)
+            cache_v.index_put_((rows, positions), got_v)
             return out
         return ref()
 
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _rows_packed(x: torch.Tensor) -> bool:
+    """Last dim contiguous and the leading dims collapsible into one row stride (``view(-1, n)`` works)."""
+    if x.dim() == 0 or x.stride(-1) != 1:
+        return False
+    try:
+        x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return False
+    return True
 
 
 def _rows_ok(x: torch.Tensor) -> bool:

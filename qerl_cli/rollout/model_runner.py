@@ -38,6 +38,7 @@ from torch import nn
 from qerl_cli.errors import QerlError
 from qerl_cli.rollout.fast_layers import FastPlan, FusedOps, apply_rope_ref, is_silu_mlp, rms_norm_ref, signature
 from qerl_cli.rollout.kv_cache import KVCache
+from qerl_cli.rollout.profile import region
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
@@ -202,12 +203,14 @@ class ModelRunner:
         self.norm_w = self._static_norms
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.norm_w[name], self.norm_eps[name])
+        with region("elementwise"):
+            return self.ops.rms_norm(x, self.norm_w[name], self.norm_eps[name])
 
     def _add_norm(self, name: str, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if delta is None:
             return h, self._norm(name, h)
-        return self.ops.add_rms_norm(h, delta, self.norm_w[name], self.norm_eps[name])
+        with region("elementwise"):
+            return self.ops.add_rms_norm(h, delta, self.norm_w[name], self.norm_eps[name])
 
     # ----- shared layer stack -------------------------------------------------------------------------
 
@@ -251,7 +254,9 @@ class ModelRunner:
             mlp = layer.mlp
             if lp is not None and lp.gate_up is not None and lp.down is not None:
                 gate, up = lp.gate_up(x)
-                delta = lp.down(self.ops.silu_mul(gate, up, mlp.act_fn))[0]
+                with region("elementwise"):
+                    act = self.ops.silu_mul(gate, up, mlp.act_fn)
+                delta = lp.down(act)[0]
             elif self.ops.triton and is_silu_mlp(mlp):
                 delta = mlp.down_proj(self.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn))
             else:
@@ -263,7 +268,8 @@ class ModelRunner:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of final-normed hidden states."""
-        return self.lm_head(x)
+        with region("dense"):
+            return self.lm_head(x)
 
     # ----- prefill ------------------------------------------------------------------------------------
 
@@ -321,14 +327,16 @@ class ModelRunner:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             layer_k, layer_v = cache_k[i], cache_v[i]
             # RoPE of q and k and the cache write of k and v at each slot's position: one kernel on CUDA
-            q = self.ops.rope_kv_write(q, k, v, positions, rows, cos, sin, self.cos, self.sin, layer_k, layer_v)
+            with region("elementwise"):
+                q = self.ops.rope_kv_write(q, k, v, positions, rows, cos, sin, self.cos, self.sin, layer_k, layer_v)
             # [B, kv_len, kv_heads, d] -> [B, kv_heads, kv_len, d]: a strided view, no copy.
             keys_b = layer_k[:b, :kv_len].transpose(1, 2)
             vals_b = layer_v[:b, :kv_len].transpose(1, 2)
             # Head h uses KV head h // groups (transformers' repeat_kv), so [B, heads, d] viewed as
             # [B, kv_heads, groups, d] puts a KV head's query heads on SDPA's query-length axis.
             qg = q.reshape(b, self.num_kv_heads, self.groups, self.head_dim)
-            o = F.scaled_dot_product_attention(qg, keys_b, vals_b, attn_mask=mask, scale=self.scale)
+            with region("attn"):
+                o = F.scaled_dot_product_attention(qg, keys_b, vals_b, attn_mask=mask, scale=self.scale)
             return o.reshape(b, 1, self.num_heads * self.head_dim)
 
         x = self._layers(self._embed(tokens[:, None]), cos, sin, attend, rope_in_attend=True)

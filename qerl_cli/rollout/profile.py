@@ -1,0 +1,193 @@
+"""Where a decode step's GPU time goes: torch.profiler kernels grouped into a few categories.
+
+Kernel names alone cannot tell a LoRA GEMM from the lm_head GEMM (both are cuBLAS kernels), so the
+decode path marks its pieces with ``region(name)``: a ``torch.profiler.record_function`` range while
+``profiling()`` is active, a no-op otherwise (and inside a captured CUDA graph the ranges cost nothing at
+replay). A kernel belongs to the innermost region around the host call that launched it (matched through
+the trace's correlation ids); a kernel outside every region is classified by its name.
+
+The profile runs the decode step eagerly (a graph replay hides which host call launched each kernel); the
+per-kernel GPU times are those of the graphed step, the gaps between them are not, so the report gives
+both the summed kernel time and, separately, the graph-replayed step time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CATEGORIES = ("quantized GEMM", "dense GEMM", "LoRA", "attention", "norm/RoPE/activation", "sampling", "copies",
+              "other")
+# region name -> category (regions are opened by the rollout code; see region())
+REGION_CATEGORY = {
+    "qgemm": "quantized GEMM",
+    "dense": "dense GEMM",
+    "module": "dense GEMM",  # a projection left to its own module (peft forward: GEMMs with their adapter)
+    "lora": "LoRA",
+    "attn": "attention",
+    "elementwise": "norm/RoPE/activation",
+    "sampling": "sampling",
+}
+_PREFIX = "qerl."
+# name fragments -> category, for kernels launched outside every region (first match wins)
+_NAME_RULES = (
+    (("_fp4_mm", "_w8_mm", "fp4_dequant", "splitk_reduce", "humming", "marlin"), "quantized GEMM"),
+    (("memcpy", "memset", "copy_kernel", "catarraybatchedcopy", "copy_"), "copies"),
+    (("rmsnorm", "rope", "silu", "layer_norm", "rms_norm"), "norm/RoPE/activation"),
+    (("fmha", "flash", "attention", "sdpa", "cudnn"), "attention"),
+    (("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce", "gemv"), "dense GEMM"),
+)
+
+_active = False
+
+
+def region(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A profiler range ``qerl.<name>`` while ``profiling()`` is on, else a free no-op."""
+    if _active:
+        return torch.profiler.record_function(_PREFIX + name)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def profiling() -> Iterator[None]:
+    global _active
+    old, _active = _active, True
+    try:
+        yield
+    finally:
+        _active = old
+
+
+def classify_name(name: str, cat: str = "kernel") -> str:
+    """Category of a kernel launched outside every region, from its trace category and name."""
+    if cat in ("gpu_memcpy", "gpu_memset"):
+        return "copies"
+    low = name.lower()
+    for frags, category in _NAME_RULES:
+        if any(f in low for f in frags):
+            return category
+    return "other"
+
+
+def categorize_trace(trace: dict[str, Any]) -> dict[str, Any]:
+    """GPU time by category (microseconds) from a chrome trace written by torch.profiler.
+
+    Each GPU event (kernel, memcpy, memset) is matched by its ``correlation`` id to the host launch
+    (``cuda_runtime`` / ``cuda_driver`` events), and that launch to the innermost ``qerl.*``
+    ``user_annotation`` range on the same thread that contains it in time.
+    Returns {"us": {category: us}, "kernels": count, "top": [(name, category, us), ...]}.
+    """
+    events = [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and e.get("ph") == "X"]
+    launches: dict[int, tuple[Any, float]] = {}
+    ranges: dict[Any, list[tuple[float, float, str]]] = {}
+    for e in events:
+        cat = e.get("cat", "")
+        if cat in ("cuda_runtime", "cuda_driver"):
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                launches[int(corr)] = (e.get("tid"), float(e["ts"]))
+        elif cat == "user_annotation" and str(e.get("name", "")).startswith(_PREFIX):
+            ts = float(e["ts"])
+            ranges.setdefault(e.get("tid"), []).append((ts, ts + float(e.get("dur", 0.0)),
+                                                         str(e["name"])[len(_PREFIX):]))
+    us = dict.fromkeys(CATEGORIES, 0.0)
+    per_name: dict[tuple[str, str], float] = {}
+    count = 0
+    for e in events:
+        cat = e.get("cat", "")
+        if cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        dur = float(e.get("dur", 0.0))
+        name = str(e.get("name", ""))
+        category = None
+        corr = (e.get("args") or {}).get("correlation")
+        if corr is not None and int(corr) in launches:
+            tid, ts = launches[int(corr)]
+            inner = None
+            for start, end, reg in ranges.get(tid, []):
+                if start <= ts <= end and (inner is None or start >= inner[0]):
+                    inner = (start, reg)
+            if inner is not None:
+                category = REGION_CATEGORY.get(inner[1])
+        if category is None:
+            category = classify_name(name, cat)
+        us[category] += dur
+        per_name[(name, category)] = per_name.get((name, category), 0.0) + dur
+        count += 1
+    top = sorted(((n, c, t) for (n, c), t in per_name.items()), key=lambda r: -r[2])[:25]
+    return {"us": us, "kernels": count, "top": top}
+
+
+def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_reps: int = 20,
+                   trace_path: Path | None = None) -> dict[str, Any]:
+    """Profile ``steps`` decode steps (+ sampling) of ``batch`` slots at ``context`` cached tokens.
+
+    Needs an engine whose last ``generate`` left its KV cache, LoRA plan and norm buffers in place (call
+    before ``release()``). Writes K/V at position ``context`` of slots ``0..batch-1`` (bench use only).
+    Returns per-step milliseconds by category, the summed kernel time, and the CUDA-graph-replayed step
+    time at the same (batch, KV bucket) when the engine uses graphs.
+    """
+    from qerl_cli.rollout.sampling import SamplingParams, sample_tokens, seed_key
+
+    runner = engine.runner
+    device = runner.device
+    if device.type != "cuda":
+        raise RuntimeError("profile_decode needs CUDA")
+    kv_len = next(b for b in engine.kv_buckets if b >= context + 1)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(0, runner.vocab_size, (batch,), generator=gen).to(device)
+    positions = torch.full((batch,), context, dtype=torch.int64, device=device)
+    uid = torch.arange(batch, dtype=torch.int64, device=device)
+    step = torch.zeros(batch, dtype=torch.int64, device=device)
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=1, stop_token_ids=[], seed=0)
+    key = seed_key(0, device)
+
+    def one() -> None:
+        logits = runner.decode_step(tokens, positions, kv_len)
+        with region("sampling"):
+            sample_tokens(logits, params, engine.noise, key, uid, step)
+
+    with torch.no_grad():
+        with profiling():
+            one()  # warm: first-use kernel checks and autotuning stay out of the trace
+            torch.cuda.synchronize()
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                for _ in range(steps):
+                    one()
+                torch.cuda.synchronize()
+        graph_ms = None
+        graphs = getattr(engine, "_graphs", None)
+        if graphs is not None:
+            graphs(tokens, positions, kv_len)  # captures the bucket if needed
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(graph_reps):
+                graphs(tokens, positions, kv_len)
+            end.record()
+            torch.cuda.synchronize()
+            graph_ms = start.elapsed_time(end) / graph_reps
+    path = trace_path or Path(f"/tmp/qerl_decode_trace_{batch}.json")
+    prof.export_chrome_trace(str(path))
+    cats = categorize_trace(json.loads(path.read_text()))
+    if trace_path is None:
+        path.unlink(missing_ok=True)
+    ms = {c: v / 1000.0 / steps for c, v in cats["us"].items()}
+    return {
+        "batch": batch,
+        "context": context,
+        "kv_len": kv_len,
+        "steps": steps,
+        "ms_per_step": ms,
+        "kernel_ms_per_step": sum(ms.values()),
+        "kernels_per_step": cats["kernels"] / steps,
+        "graph_step_ms": graph_ms,
+        "top_kernels": [{"name": n[:120], "category": c, "ms_per_step": t / 1000.0 / steps}
+                        for n, c, t in cats["top"]],
+    }

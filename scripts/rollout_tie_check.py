@@ -1,0 +1,55 @@
+"""Why graph and eager bf16 greedy runs part (tests/test_rollout_cuda.py::test_graphs_follow_lora_toggles_and_bf16).
+
+Same model, prompts and engines as that test, adapters disabled; for each prompt whose greedy tokens differ
+between the CUDA-graph engine (batch padded to a bucket) and the eager engine, print the first differing
+step and, from a float32 forward of the model on the eager tokens, the logit gap between the two engines'
+choices there: a gap at bf16 rounding level is a near-tie that GEMM rounding may flip; a large gap is a
+bug. Usage: python3 rollout_tie_check.py (run with QERL_FUSED_PROJ=0 for the unfused projections).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_rollout_cuda import PROMPTS, random_model  # noqa: E402
+
+from qerl_cli.rollout import BuiltinEngine, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    model = random_model("llama", torch.bfloat16)
+    lora = LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(model, lora).eval()
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
+    graphs = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=128)
+    eager = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=128, cuda_graphs=False)
+    graphs.generate(PROMPTS, greedy)
+    with peft_model.disable_adapter():
+        g = [s.token_ids for s in graphs.generate(PROMPTS, greedy).samples]
+        e = [s.token_ids for s in eager.generate(PROMPTS, greedy).samples]
+        differ = sum(a != b for a, b in zip(g, e, strict=True))
+        print(f"QERL_FUSED_PROJ={os.environ.get('QERL_FUSED_PROJ', '1')}: {differ} of {len(PROMPTS)} prompts differ")
+        base = peft_model.get_base_model().float()
+        for i, (a, b) in enumerate(zip(g, e, strict=True)):
+            if a == b:
+                continue
+            step = next(j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+            ids = torch.tensor([PROMPTS[i] + b[:step]], device="cuda")
+            with torch.no_grad():
+                logits = base(ids).logits[0, -1].float()
+            top = torch.topk(logits, 2)
+            print(f"prompt {i}: first difference at step {step}: graph {a[step]} eager {b[step]}; fp32 logits "
+                  f"{logits[a[step]].item():.5f} vs {logits[b[step]].item():.5f} (gap "
+                  f"{abs(logits[a[step]] - logits[b[step]]).item():.2e}; fp32 top-2 {top.indices.tolist()} "
+                  f"gap {(top.values[0] - top.values[1]).item():.2e}; logit scale {logits.abs().max().item():.2f})")
+        base.to(torch.bfloat16)
+
+
+if __name__ == "__main__":
+    main()
