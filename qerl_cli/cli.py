@@ -156,6 +156,9 @@ def train(
     cfg = build_config(config, overrides)
     if dry_run:
         console.print(yaml.safe_dump(cfg.resolved().to_dict(), sort_keys=False).rstrip())
+        from qerl_cli.train.memory_plan import dry_run_lines
+
+        console.print("\n".join(dry_run_lines(run, cfg)), markup=False, highlight=False)
         return
     from qerl_cli.train.console import TrainConsole
     from qerl_cli.train.trainer import train as run_train
