@@ -173,8 +173,11 @@ def plan_memory(dims: ModelDims, *, weights: int, capacity: int | None, device_t
                 sequences: int, prompt_tokens: int, completion_tokens: int, lora_rank: int,
                 lora_targets: list[str], micro_batch_size: int | None = None,
                 gradient_checkpointing: bool | None = None, logprob_chunk: int = 512,
-                gpu_memory_utilization: float | None = None) -> MemoryPlan:
-    """Choose micro-batch size and gradient checkpointing so the step fits ``capacity`` bytes."""
+                gpu_memory_utilization: float | None = None, advise: bool = True) -> MemoryPlan:
+    """Choose micro-batch size and gradient checkpointing so the step fits ``capacity`` bytes.
+
+    Raises :class:`MemoryPlanError` when nothing fits (with the one-line advice unless ``advise`` is False).
+    """
     seq_tokens = prompt_tokens + completion_tokens
     n_lora = dims.lora_params(lora_rank, lora_targets)
     adapters = n_lora * (16 + elem)
@@ -218,6 +221,8 @@ def plan_memory(dims: ModelDims, *, weights: int, capacity: int | None, device_t
         if slots >= 1 and p.train_peak <= capacity:
             p.tried = tried
             return p
+    if not advise:
+        raise MemoryPlanError("memory plan: nothing fits")
     raise MemoryPlanError(_advice(dims, weights=weights, capacity=capacity, elem=elem, sequences=sequences,
                                   prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                   lora_rank=lora_rank, lora_targets=lora_targets, fixed_mb=micro_batch_size,
@@ -235,7 +240,8 @@ def _advice(dims: ModelDims, *, weights: int, capacity: int, elem: int, sequence
         try:  # would the planner's own choice fit?
             p = plan_memory(dims, weights=weights, capacity=capacity, device_total=None, elem=elem,
                             sequences=sequences, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            lora_rank=lora_rank, lora_targets=lora_targets, logprob_chunk=logprob_chunk)
+                            lora_rank=lora_rank, lora_targets=lora_targets, logprob_chunk=logprob_chunk,
+                            advise=False)
             return (f"memory plan: micro_batch_size {fixed_mb or '-'} / gradient_checkpointing "
                     f"{fixed_gc if fixed_gc is not None else '-'} {need}: use --micro-batch-size "
                     f"{p.micro_batch_size}{' --gradient-checkpointing' if p.gradient_checkpointing else ''} "
@@ -250,7 +256,7 @@ def _advice(dims: ModelDims, *, weights: int, capacity: int, elem: int, sequence
         try:
             plan_memory(dims, weights=weights, capacity=capacity, device_total=None, elem=elem, sequences=sequences,
                         prompt_tokens=prompt_tokens, completion_tokens=completion, lora_rank=lora_rank,
-                        lora_targets=lora_targets, logprob_chunk=logprob_chunk)
+                        lora_targets=lora_targets, logprob_chunk=logprob_chunk, advise=False)
             return True
         except MemoryPlanError:
             return False
