@@ -319,7 +319,7 @@ SetOpt = Annotated[list[str] | None, Opt("--set", help="TrainConfig override KEY
 @bench_app.command("step")
 def bench_step(
     run: Annotated[Path | None, Opt("--run", help="Use the run's model, task and reward.")] = None,
-    shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|qwen2.5-14b|qwen2.5-32b")] = None,
+    shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|14b|32b|72b")] = None,
     formats: Annotated[str | None, Opt(help="Comma-separated: bf16,nvfp4,nf4 (mxfp4,int8,fp8 too); "
                                              "default bf16,nvfp4,nf4 with --shape, the run's with --run.")] = None,
     set_: SetOpt = None,
@@ -328,7 +328,9 @@ def bench_step(
     prompt_len: Annotated[int, Opt(help="Synthetic prompt tokens (--shape).")] = 256,
     warmup: Annotated[int, Opt(help="Warm-up steps, not measured.")] = 1,
     measure: Annotated[int, Opt(help="Measured steps (median).")] = 3,
-    memory_cap_gib: Annotated[float | None, Opt(help="Cap this process's GPU memory (GiB).")] = None,
+    memory_cap_gib: Annotated[float | None, Opt("--memory-cap", "--memory-cap-gib", help="Cap this process's GPU "
+                                                "memory (GiB; 79.2 on an H200 stands for an 80 GB card); the memory "
+                                                "plan fits the step into it.")] = None,
     time_budget: Annotated[float | None, Opt(help="Skip formats that would start after this many seconds.")] = None,
     seed: int = 0,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench or ./bench-step).")] = None,

