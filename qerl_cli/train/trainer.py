@@ -139,7 +139,8 @@ class Trainer:
         on_cuda = self.device.type == "cuda"
         if on_cuda and c.gpu_memory_gib is not None:  # the cap the memory plan fits into, enforced
             cap, total = device_capacity(self.device, c.gpu_memory_gib)
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), self.device)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
         if model is None:
             self.model_dir = quantized_model_dir(self.run)
             base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device)
