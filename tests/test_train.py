@@ -43,6 +43,9 @@ def test_dry_run_prints_resolved_config(run_dir: Path) -> None:
     res = qerl("train", "--run", str(run_dir), "--config", "quick_cpu", "--algo", "dapo", "--dry-run")
     assert res.returncode == 0, res.stderr
     assert "algo: dapo" in res.stdout and "epsilon_high: 0.28" in res.stdout and "dynamic_sampling: true" in res.stdout
+    # the memory plan for the run's model (CPU: no limit known; the preset's micro-batch 32 is kept)
+    assert "memory plan (64 sequences x" in res.stdout and "no limit known (CPU)" in res.stdout
+    assert "chosen: micro_batch_size 32, gradient_checkpointing false" in res.stdout
     assert not (run_dir / "train").exists()
 
 

@@ -97,6 +97,7 @@ SHAPES: dict[str, ModelShape] = {
     "qwen2.5-7b": ModelShape("qwen2.5-7b", "qwen2", 3584, 18944, 28, 28, 4, 152064, False),
     "qwen2.5-14b": ModelShape("qwen2.5-14b", "qwen2", 5120, 13824, 48, 40, 8, 152064, False),
     "qwen2.5-32b": ModelShape("qwen2.5-32b", "qwen2", 5120, 27648, 64, 40, 8, 152064, False),
+    "qwen2.5-72b": ModelShape("qwen2.5-72b", "qwen2", 8192, 29568, 80, 64, 8, 152064, False),
 }
 
 

@@ -65,10 +65,13 @@ class TrainConfig:
     aqn_sigma_end: float = 5e-4
     aqn_stages: int = 10
     rollout_engine: str = "builtin"
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float | None = None  # KV-cache share of the GPU; None: what is free (memory plan)
     max_batch_slots: int = 256
-    micro_batch_size: int = 8
-    gradient_checkpointing: bool = False
+    micro_batch_size: int | None = None  # sequences per forward/backward; None: the memory plan picks (<= 8)
+    gradient_checkpointing: bool | None = None  # None: the memory plan turns it on only when needed
+    gpu_memory_gib: float | None = None  # GPU memory this run may use (e.g. 79.2 on an H200 for an 80 GB card)
+    logprob_chunk_tokens: int = 512  # completion tokens per lm_head + log-softmax chunk; 0: all at once
+    async_checkpoint: bool = True  # write checkpoints in a background thread while the next step runs
     save_steps: int = 10
     keep_checkpoints: int = 3
     seed: int = 0
@@ -138,7 +141,7 @@ class TrainConfig:
             choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
         for name in ("steps", "batch_prompts", "num_generations", "max_completion_length", "lora_rank",
                      "micro_batch_size", "save_steps", "aqn_stages"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise QerlError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.num_generations < 2 and self.algo != "pg_seq_is":
             raise QerlError("--num-generations must be >= 2: group-relative advantages need a group")
@@ -146,6 +149,12 @@ class TrainConfig:
             raise QerlError("--temperature must be > 0 for RL rollouts (log-probs of a sampled distribution)")
         if self.lr is not None and not self.lr > 0:
             raise QerlError(f"--lr must be > 0, got {self.lr}")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise QerlError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise QerlError(f"--gpu-memory-gib must be > 0 (GiB), got {self.gpu_memory_gib}")
+        if self.logprob_chunk_tokens < 0:
+            raise QerlError(f"--logprob-chunk-tokens must be >= 0 (0: unchunked), got {self.logprob_chunk_tokens}")
         if self.aqn and not self.aqn_sigma_start > 0:
             raise QerlError("--aqn-sigma-start must be > 0")
 
@@ -194,10 +203,13 @@ FIELD_HELP: dict[str, str] = {
     "aqn_sigma_end": "AQN noise at the last stage.",
     "aqn_stages": "AQN schedule stages (stage 0 is noise-free).",
     "rollout_engine": "builtin or vllm",
-    "gpu_memory_utilization": "vLLM engine's share of GPU memory.",
+    "gpu_memory_utilization": "KV-cache (builtin) or vLLM share of GPU memory (default: the memory plan's).",
     "max_batch_slots": "Sequences the builtin engine decodes at once.",
-    "micro_batch_size": "Sequences per training forward/backward.",
-    "gradient_checkpointing": "Recompute activations in the backward (less memory, slower).",
+    "micro_batch_size": "Sequences per training forward/backward (default: the memory plan picks).",
+    "gradient_checkpointing": "Recompute activations in the backward (default: on only when the plan needs it).",
+    "gpu_memory_gib": "GPU memory the run may use, GiB (e.g. 79.2 to stand for an 80 GB card).",
+    "logprob_chunk_tokens": "Completion tokens per lm_head + log-softmax chunk (0: all at once).",
+    "async_checkpoint": "Write checkpoints in a background thread while the next step runs.",
     "save_steps": "Checkpoint every N steps.",
     "keep_checkpoints": "Checkpoints kept (older ones are deleted).",
     "seed": "Seed of data order, sampling, AQN and LoRA init.",

@@ -31,8 +31,10 @@ from qerl_cli.runlayout import (
     resolve_checkpoint,
     train_dir,
 )
-from qerl_cli.train.batch import RolloutBatch, build_batch, sampled_logprobs
+from qerl_cli.train.batch import RolloutBatch, build_batch
+from qerl_cli.train.checkpointing import CheckpointWriter
 from qerl_cli.train.config import TrainConfig
+from qerl_cli.train.logprobs import sampled_logprobs
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -116,6 +118,8 @@ class Trainer:
         # resolved in setup() unless a model is injected (benches build theirs in memory)
         self.model_dir: Path | None = None
         self.last_checkpoint_s = 0.0
+        self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
+        self.memory_plan: Any = None  # set by setup() (train/memory_plan.py)
         self.metrics_path = train_dir(run) / "metrics.jsonl"
         self.rollouts_dir = train_dir(run) / "rollouts"
         from qerl_cli.train.distributed import current
@@ -136,18 +140,22 @@ class Trainer:
         from qerl_cli.rollout import make_engine
         from qerl_cli.tasks import get_reward, load_task
         from qerl_cli.train.aqn import AQN
+        from qerl_cli.train.memory_plan import device_capacity
 
         c = self.cfg
         torch.manual_seed(c.seed)
+        on_cuda = self.device.type == "cuda"
+        if on_cuda and c.gpu_memory_gib is not None:  # the cap the memory plan fits into, enforced
+            cap, total = device_capacity(self.device, c.gpu_memory_gib)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
         if model is None:
             self.model_dir = quantized_model_dir(self.run)
             base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device,
                                               expected_sha256=model_files(self.run) or None)
         else:
             base, self.tokenizer = model, tokenizer
-        if c.gradient_checkpointing:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            base.enable_input_require_grads()
+        weights = self._resident_weights(base)
         self.full = self.rollout_quant = None  # FlashRL modes (qerl_cli/train/full_finetune.py, rollout_quant.py)
         if c.finetune == "full" or c.rollout_quant != "none":
             from qerl_cli.train.rollout_quant import check_full_precision_base
@@ -187,6 +195,7 @@ class Trainer:
             raise QerlError(f"{len(self.prompt_ids)} prompt id lists for {len(self.task.examples)} task examples")
         self.stream = PromptStream(len(self.task.examples), c.seed)
         max_len = max(len(p) for p in self.prompt_ids) + c.max_completion_length + 1
+        self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
         rollout_model = self.model if self.rollout_quant is None else self.rollout_quant.model
         self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer,
                                   max_batch_slots=min(c.max_batch_slots, c.batch_prompts * c.num_generations),
@@ -201,6 +210,37 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=c.precision == "fp16")
         self.step = 0
         self.extended_from: int | None = None  # a finished run's steps, when --resume --steps extends it
+
+    def _resident_weights(self, base: torch.nn.Module) -> int:
+        """What the base holds on the device before adapters (the plan's "weights"). On CUDA one 1-token
+        forward first: kernels build load-time weight layouts at their first call (the decode GEMM's repacked
+        FP4 copy), and the plan must see them, not find them at the first rollout."""
+        from qerl_cli.train.memory_plan import module_bytes
+
+        if self.device.type != "cuda":
+            return module_bytes(base)
+        with torch.no_grad():
+            base(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=False)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def _apply_memory_plan(self, base: torch.nn.Module, weights: int, prompt_tokens: int) -> None:
+        """Plan the step's memory (train/memory_plan.py) and take its micro-batch, checkpointing and KV-cache share."""
+        from qerl_cli.train.memory_plan import plan_for_config
+
+        c = self.cfg
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        plan = plan_for_config(c, base.config, weights=weights, device=self.device, prompt_tokens=prompt_tokens,
+                               elem=elem)
+        self.memory_plan = plan
+        c.micro_batch_size = plan.micro_batch_size
+        c.gradient_checkpointing = plan.gradient_checkpointing
+        if c.gpu_memory_utilization is None:
+            # builtin engine: the cache gets what is free within the cap; vLLM keeps its usual share
+            c.gpu_memory_utilization = (plan.gpu_memory_utilization if c.rollout_engine == "builtin" else None) or 0.5
+        if c.gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base.enable_input_require_grads()
 
     def _encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
@@ -445,12 +485,14 @@ class Trainer:
         with torch.no_grad():
             for i in range(0, batch.input_ids.shape[0], mb):
                 part = batch.rows(slice(i, i + mb))
-                lp, e = sampled_logprobs(self.model, part, self.cfg.temperature, with_entropy=True)
+                lp, e = sampled_logprobs(self.model, part, self.cfg.temperature, with_entropy=True,
+                                         chunk_tokens=self.cfg.logprob_chunk_tokens)
                 old.append(lp)
                 ent.append(e)
                 if with_ref:
                     with self.model.disable_adapter():
-                        ref.append(sampled_logprobs(self.model, part, self.cfg.temperature)[0])
+                        ref.append(sampled_logprobs(self.model, part, self.cfg.temperature,
+                                                    chunk_tokens=self.cfg.logprob_chunk_tokens)[0])
         return torch.cat(old), (torch.cat(ref) if with_ref else None), torch.cat(ent)
 
     def _update(self, batch: RolloutBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
@@ -473,7 +515,7 @@ class Trainer:
         for i in range(lo, hi, mb):
             sl = slice(i, min(i + mb, hi))
             part = batch.rows(sl)
-            logp, _ = sampled_logprobs(self.model, part, c.temperature)
+            logp, _ = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens)
             loss, m = policy_loss(
                 c.algo, logp, old_logp[sl], adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
                 max_completion_length=c.max_completion_length, is_weights=None if isw is None else isw[sl],
@@ -542,13 +584,25 @@ class Trainer:
             f.write(json.dumps(jsonable(metrics)) + "\n")
             f.flush()
 
-    def save(self) -> Path:
+    def wait_checkpoint(self) -> Path | None:
+        """Wait for the background checkpoint write in flight; its path (None if none was in flight)."""
+        return self.writer.wait()
+
+    def save(self, *, background: bool | None = None) -> Path:
+        """Checkpoint this step; ``background`` (default: ``cfg.async_checkpoint`` on one process, LoRA) copies
+        the state to host memory now and writes it in a thread while the caller goes on."""
         from qerl_cli.runlayout import checkpoint_name
-        from qerl_cli.train.checkpointing import save_checkpoint
+        from qerl_cli.train.checkpointing import adapter_snapshot, rng_state, save_checkpoint, snapshot
 
         if not self.dist.is_main:  # rank 0 writes; wait until the checkpoint is complete
             self.dist.barrier()
             return checkpoints_dir(self.run) / checkpoint_name(self.step)
+        if background is None:
+            background = self.cfg.async_checkpoint
+        background = background and self.full is None and not self.dist.enabled
+        t0 = self._clock()
+        if not background:
+            self.writer.wait()
 
         state = {
             "optimizer": self.optimizer.state_dict(),
@@ -559,9 +613,16 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "rollout_quant": self.rollout_quant.state_dict() if self.rollout_quant is not None else None,
         }
-        t0 = self._clock()
-        path = save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(), self.cfg.keep_checkpoints,
-                               write_weights=self.full.save if self.full is not None else None)
+        if background:
+            state, adapter, rng = snapshot(state), adapter_snapshot(self.model), rng_state()
+            step, config, keep = self.step, self.cfg.to_dict(), self.cfg.keep_checkpoints
+            self.writer.submit(lambda: save_checkpoint(self.run, step, self.model, state, config, keep,
+                                                       adapter_state=adapter, rng=rng))
+            path = checkpoints_dir(self.run) / checkpoint_name(step)
+        else:
+            path = save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(),
+                                   self.cfg.keep_checkpoints,
+                                   write_weights=self.full.save if self.full is not None else None)
         self.last_checkpoint_s = self._clock() - t0
         self.dist.barrier()
         return path
@@ -575,8 +636,11 @@ def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, 
     adapter = ckpt / "adapter" / "adapter_model.safetensors"
     weights = {"adapter_sha256": sha256_file(adapter)} if adapter.is_file() else \
         {"weights_sha256": sha256_file(ckpt / "weights.safetensors")}  # --finetune full
+    from qerl_cli.runlayout import CHECKPOINT_RE
+
+    match = CHECKPOINT_RE.match(ckpt.name)  # a background write finishes after the trainer moved on
     return {"checkpoint": run.rel(ckpt), "metrics": run.rel(trainer.metrics_path), **weights,
-            "steps_done": trainer.step}
+            "steps_done": int(match.group(1)) if match else trainer.step}
 
 
 def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any]) -> None:
@@ -632,6 +696,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
             except torch.cuda.OutOfMemoryError as exc:
                 raise QerlError("out of GPU memory while loading the model: lower --gpu-memory-utilization") from exc
             start = trainer.resume() if resume else 0
+        if ctx.is_main and trainer.memory_plan is not None:
+            rec.extra["memory_plan"] = trainer.memory_plan.to_dict()
         if on_setup:
             on_setup(trainer)
         history: list[dict[str, Any]] = []
@@ -646,6 +712,10 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
                         f"out of GPU memory at step {trainer.step + 1}: lower --batch-prompts, "
                         "--micro-batch-size or --max-completion-length, or use --gradient-checkpointing; the last "
                         "checkpoint is intact (--resume)") from exc
+                finished = trainer.wait_checkpoint()  # the previous step's background write
+                if finished is not None and ctx.is_main:
+                    rec.outputs = _checkpoint_outputs(run, trainer, finished)
+                    run.save(rec)
                 trainer.append_metrics(m)
                 history.append(m)
                 if on_step:
@@ -653,7 +723,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
                 done = trainer.step >= trainer.cfg.steps
                 stop_now = ctx.any_true(stop.requested)  # every rank stops at the same step
                 if done or trainer.step % trainer.cfg.save_steps == 0 or stop_now:
-                    last_ckpt = trainer.save()
+                    # the last checkpoint (end of run or Ctrl-C) is written before the process moves on
+                    last_ckpt = trainer.save(background=None if not (done or stop_now) else False)
                     m["timing/checkpoint_s"] = trainer.last_checkpoint_s  # in history; the jsonl line is written
                     if ctx.enabled:
                         from qerl_cli.train.distributed import replica_digests
@@ -661,12 +732,13 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
                         rec.extra["dist"] = {"world_size": ctx.world_size, "backend": ctx.backend,
                                              "adapter_digests": replica_digests(trainer.params, ctx, trainer.step),
                                              "pids": ctx.gather_objects(os.getpid())}
-                    if ctx.is_main:
+                    if ctx.is_main and not trainer.writer.busy:
                         rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
                         run.save(rec)
                 if stop_now and not done:
                     stopped = True
                     break
+        trainer.wait_checkpoint()
         if last_ckpt is None and trainer.step > 0:  # resumed a run that had already finished its steps
             last_ckpt = resolve_checkpoint(run, "latest")
             assert last_ckpt is not None

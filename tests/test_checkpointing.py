@@ -1,0 +1,118 @@
+"""Background checkpoint writes: the write holds the state of the step it was taken at while training goes on,
+and a process killed in the middle of a write still has `latest` on the previous, complete checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from qerl_cli.manifest import RunDir
+from qerl_cli.train.checkpointing import load_checkpoint
+
+TRAINER = textwrap.dedent("""
+    import torch
+    from qerl_cli.bench.shapes import get_shape
+    from qerl_cli.bench.step import _synthetic_task, build_shape_model, synthetic_prompts, synthetic_reward
+    from qerl_cli.manifest import RunDir
+    from qerl_cli.train.config import TrainConfig
+    from qerl_cli.train.trainer import Trainer
+
+    def make(run, steps=3):
+        spec = get_shape("tiny")
+        cfg = TrainConfig(batch_prompts=2, num_generations=2, max_completion_length=4, lora_rank=4, precision="fp32",
+                          lr=1e-2, steps=steps, aqn=False, log_rollouts=False, seed=2)
+        t = Trainer(RunDir(run), cfg, device="cpu")
+        n = cfg.batch_prompts * steps
+        t.setup(model=build_shape_model(spec, "bf16", torch.device("cpu"), torch.float32, seed=0), tokenizer=None,
+                task=_synthetic_task(n, 4, 4), prompt_ids=synthetic_prompts(n, 4, spec.vocab, 0),
+                reward_fn=synthetic_reward(0))
+        return t
+""")
+
+
+def _make(run: Path):
+    ns: dict = {}
+    exec(TRAINER, ns)  # noqa: S102 - the same trainer factory the killed subprocess uses
+    return ns["make"](run)
+
+
+def _adapter(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "adapter" / "adapter_model.safetensors"))
+
+
+def test_background_write_saves_the_step_it_was_taken_at(tmp_path: Path) -> None:
+    t = _make(tmp_path / "a")
+    t.train_step()
+    live = {k: v.detach().clone() for k, v in t.model.named_parameters() if v.requires_grad}
+    opt_before = {i: {k: v.clone() for k, v in s.items()} for i, s in t.optimizer.state_dict()["state"].items()}
+    path = t.save(background=True)
+    t.train_step()  # updates the live adapter and optimizer state in place while (or before) the write runs
+    assert t.wait_checkpoint() == path and not t.writer.busy
+    changed = {k: v for k, v in t.model.named_parameters() if v.requires_grad}
+    assert any((changed[k] - live[k]).abs().max() > 0 for k in live)  # step 2 really moved the weights
+    saved = _adapter(path)
+    assert len(saved) == len(live) == 2 * 7 * 2  # A and B of 7 projections x 2 layers, nothing else
+    for k, v in live.items():  # peft's saved name drops the adapter name ("default")
+        torch.testing.assert_close(saved[k.replace(".default", "")], v, rtol=0, atol=0)
+    state = load_checkpoint(path)
+    assert state["step"] == 1
+    for i, s in opt_before.items():
+        for k, v in s.items():
+            torch.testing.assert_close(state["optimizer"]["state"][i][k], v, rtol=0, atol=0)
+    assert (path.parent / "latest").read_text().strip() == "step_1"
+    # and a synchronous save of the same step writes the same tensors
+    u = _make(tmp_path / "b")
+    u.train_step()
+    sync = _adapter(u.save(background=False))
+    assert sync.keys() == saved.keys() and all(torch.equal(sync[k], saved[k]) for k in sync)
+
+
+def test_kill_mid_background_write_leaves_latest_on_the_previous_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    marker = tmp_path / "writing"
+    script = TRAINER + textwrap.dedent(f"""
+        import time
+        import qerl_cli.train.checkpointing as ck
+        t = make({str(run)!r})
+        t.train_step()
+        t.save(background=False)                      # step_1, complete
+        t.train_step()
+        real = ck.atomic_write_json
+        def slow(path, obj):                          # the adapter and state are written: stall before config
+            open({str(marker)!r}, "w").write(str(path))
+            time.sleep(120)
+            real(path, obj)
+        ck.atomic_write_json = slow
+        t.save(background=True)                       # step_2 in the background thread
+        t.train_step()                                # the main thread goes on meanwhile
+        time.sleep(120)
+    """)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 300
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.time() < deadline, "the background write never started"
+        time.sleep(0.1)
+    staged = Path(marker.read_text()).parent
+    assert (staged / "adapter" / "adapter_model.safetensors").is_file()  # really mid-write
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(60)
+    ckpts = run / "train" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_1"
+    assert not (ckpts / "step_2").exists()
+    assert load_checkpoint(ckpts / "step_1")["step"] == 1
+    # a new process resumes from step_1
+    t = _make(run)
+    assert t.resume() == 1
+    assert RunDir(run, create=False).path == run
