@@ -48,6 +48,9 @@ THRESHOLD = 0.95
 WINDOW = 3
 COLLAPSE_DROP = 0.3
 EARLY_STEPS = 3  # "early" entropy/reward: the mean over the first EARLY_STEPS steps
+# AQN's first stage has sigma 0 (QeRL's schedule), so AQN's effect is read over the first AQN_WINDOW steps of
+# stage 1 onwards ("noisy" entropy/reward), the same steps for cells with AQN off
+AQN_WINDOW = 4
 HELDOUT_SAMPLES = 4  # samples per held-out problem (T = the training temperature)
 # per-step series kept for every cell: name in the row -> trainer metric
 SERIES = {"accuracy": "accuracy", "reward": "reward/raw_mean", "loss": "loss", "entropy": "entropy",
@@ -90,7 +93,8 @@ def seed_scalars(row: dict[str, Any], early: int = EARLY_STEPS) -> dict[str, flo
 
     ``steps_to_threshold`` is censored at steps_run + 1 when never reached (a lower bound, so a cell that never
     gets there counts as slower than one that did on its last step); ``k3_growth`` is the mean mismatch k3 of the
-    last quarter of the steps minus that of the first quarter.
+    last quarter of the steps minus that of the first quarter; ``noisy_*`` are means over the AQN_WINDOW steps
+    from ``aqn_first_noisy_step`` (0-based; the first step of AQN stage 1 under the cell's schedule).
     """
     def mean(xs: Sequence[float | None]) -> float | None:
         v = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
@@ -100,6 +104,7 @@ def seed_scalars(row: dict[str, Any], early: int = EARLY_STEPS) -> dict[str, flo
     reached = row.get("steps_to_threshold")
     k3 = row.get("k3") or []
     q = max(1, len(k3) // 4)
+    w0 = int(row.get("aqn_first_noisy_step") or 0)
     k3_first, k3_last = mean(k3[:q]), mean(k3[-q:])
     return {
         "steps_to_threshold": float(reached) if reached else (float(n + 1) if n else None),
@@ -107,7 +112,9 @@ def seed_scalars(row: dict[str, Any], early: int = EARLY_STEPS) -> dict[str, flo
         "heldout": row.get("heldout"),
         "early_entropy": mean((row.get("entropy") or [])[:early]),
         "early_reward": mean((row.get("reward") or [])[:early]),
-        "early_applied_noise_norm": mean((row.get("applied_noise_norm") or [])[:early]),
+        "noisy_entropy": mean((row.get("entropy") or [])[w0:w0 + AQN_WINDOW]),
+        "noisy_reward": mean((row.get("reward") or [])[w0:w0 + AQN_WINDOW]),
+        "noisy_applied_noise_norm": mean((row.get("applied_noise_norm") or [])[w0:w0 + AQN_WINDOW]),
         "k3_first": k3_first,
         "k3_last": k3_last,
         "k3_growth": None if k3_first is None or k3_last is None else k3_last - k3_first,
@@ -275,8 +282,11 @@ def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], 
 
     fmt = cell.get("format", run_format(run))
     label = cell_label(cell)
+    from qerl_cli.train.aqn import aqn_stage
+
+    first_noisy = next((i for i in range(cfg.steps) if aqn_stage(i, cfg.steps, cfg.aqn_stages) >= 1), cfg.steps)
     row: dict[str, Any] = {"cell": cell, "label": label, "format": fmt, "seed": cfg.seed, "heldout": None,
-                           **{k: [] for k in SERIES}}
+                           "aqn_first_noisy_step": first_noisy, **{k: [] for k in SERIES}}
     t0 = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="qerl-sanity-"))
     trainer = model = None
