@@ -31,6 +31,7 @@ DEADLINE=${QERL_DEADLINE_S:-480}
 left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 stamp() { echo "[gpu_evidence +$(( $(date +%s) - t0 ))s] $*"; }
 STAGE=${QERL_EV_STAGE:-study}
+exec > >(tee -a "$OUT/gpu_evidence.log") 2>&1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 
 if [ "${QERL_EV_CPU:-0}" = 1 ]; then
@@ -62,17 +63,18 @@ fi
 if [ "${QERL_EV_CPU:-0}" = 1 ]; then
   STEPS=${QERL_EV_STEPS:-2}; LSTEPS=${QERL_EV_LONG_STEPS:-2}; LONG=${QERL_EV_LONG:-6}; CAND=${QERL_EV_CANDIDATES:-3}
   SAMPLES=2; SEEDS=2; B="--set batch_prompts=1 --set num_generations=2 --set lora_rank=4"; BL="$B"; HELD=2
-  QGRID="format=bf16,nvfp4"; FGRID="rollout_quant=none,int8"; LGRID="precision=bf16,fp16"; PAR=1
+  QGRID="format=bf16,nvfp4 --grid aqn=false"; FGRID="rollout_quant=none,int8 --grid correction=none"
+  LGRID="precision=bf16,fp16 --grid algo=grpo"; PAR=1; BAND="--lo 0 --hi 1"
 else
   embedded_gguf || { stamp "the embedded GGUF is not here: run QERL_EV_STAGE=stash first on the same warm machine"; exit 3; }
   STEPS=${QERL_EV_STEPS:-16}; LSTEPS=${QERL_EV_LONG_STEPS:-24}; LONG=${QERL_EV_LONG:-128}
   CAND=${QERL_EV_CANDIDATES:-96}; SAMPLES=16; SEEDS=${QERL_EV_SEEDS:-8}; HELD=32; PAR=0
   B="--set batch_prompts=8 --set num_generations=8 --set lora_rank=16"
   BL="--set batch_prompts=4 --set num_generations=8 --set lora_rank=16"
-  QGRID=""; FGRID=""; LGRID=""
+  QGRID=""; FGRID=""; LGRID=""; BAND=""
 fi
 EV=/tmp/ev; rm -rf $EV; mkdir -p $EV
-COMMON="--candidates $CAND --samples $SAMPLES --seeds $SEEDS --heldout $HELD --set task_level=mixed --set lr=2e-4 \
+COMMON="$BAND --candidates $CAND --samples $SAMPLES --seeds $SEEDS --heldout $HELD --set task_level=mixed --set lr=2e-4 \
 --set gpu_memory_utilization=0.9 --set aqn_stages=8"
 
 stamp "quantize nvfp4 + bf16 ($(left)s left)"
