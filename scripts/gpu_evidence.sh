@@ -78,9 +78,12 @@ COMMON="$BAND --candidates $CAND --samples $SAMPLES --seeds $SEEDS --heldout $HE
 --set gpu_memory_utilization=0.9 --set aqn_stages=8"
 
 stamp "quantize nvfp4 + bf16 ($(left)s left)"
+# every wait names its pids: a bare `wait` also waits for the `exec > >(tee ...)` process substitution
+# (bash >= 5.1), which ends only with the script: the 2026-11-24 study call hung here for its whole limit
 qerl 200 quantize --run $EV/nv --format nvfp4 >$EV/q_nv.log 2>&1 &
+Q1=$!
 qerl 200 quantize --run $EV/bf --format bf16 >$EV/q_bf.log 2>&1 &
-wait
+wait $Q1 $!
 [ -f $EV/nv/manifest.json ] && [ -f $EV/bf/manifest.json ] || { tail -5 $EV/q_*.log; stamp "quantize failed"; exit 4; }
 mkdir -p $EV/models_nv && ln -sfn $EV/bf $EV/models_nv/bf16
 
@@ -108,20 +111,22 @@ launch() {  # index: start that cell's process in the background
   # shellcheck disable=SC2086
   qerl $(( budget + 60 )) bench sanity --run $EV/$r $grid $COMMON $sub $extra --time-budget $budget --out "$d" \
     >"$d.log" 2>&1 &
-  echo $! > "$d.pid"
+  PIDS+=($!)
+  [ "$PAR" = 1 ] && wait $!
 }
+PIDS=()
 
 declare -A FIRST
 for i in "${!CELLS[@]}"; do g=${CELLS[$i]%%|*}; [ -z "${FIRST[$g]:-}" ] && FIRST[$g]=$i; done
 stamp "launching the first cell of each group ($(left)s left)"
-for g in "${!FIRST[@]}"; do launch "${FIRST[$g]}"; [ "$PAR" = 1 ] && wait; done
+for g in "${!FIRST[@]}"; do launch "${FIRST[$g]}"; done
 PENDING=()
 for i in "${!CELLS[@]}"; do [[ " ${FIRST[*]} " == *" $i "* ]] || PENDING+=("$i"); done
 while (( ${#PENDING[@]} )) && (( $(left) > 120 )); do  # a group's other cells start once its subset exists
   REST=()
   for i in "${PENDING[@]}"; do
     g=${CELLS[$i]%%|*}; f=$EV/$g/c${FIRST[$g]}/perfectible.json
-    if [ -f "$f" ]; then cp "$f" "$EV/$g/perfectible.json"; launch "$i"; [ "$PAR" = 1 ] && wait
+    if [ -f "$f" ]; then cp "$f" "$EV/$g/perfectible.json"; launch "$i"
     else REST+=("$i"); fi
   done
   PENDING=("${REST[@]}")
@@ -129,7 +134,7 @@ while (( ${#PENDING[@]} )) && (( $(left) > 120 )); do  # a group's other cells s
 done
 (( ${#PENDING[@]} )) && stamp "cells never started (no subset in time): ${PENDING[*]}"
 stamp "all cells started ($(left)s left)"
-wait
+wait "${PIDS[@]}"
 stamp "cells done ($(left)s left)"
 
 INPUTS=()
