@@ -84,6 +84,14 @@ def test_claim4_best_of_and_one_sample():
     assert parts["collapse rate: bf16 vs fp16 (GRPO)"]["verdict"].startswith("inconclusive")
 
 
+def test_one_seed_a_side_gives_no_verdict():
+    rows = [r for r in _qerl_rows() if r["seed"] == 0 or r["cell"]["format"] == "bf16"]  # nvfp4: seed 0 only
+    parts = {p["name"]: p for p in evidence.build_evidence({"qerl": [_sanity(rows)]}, n_boot=200)["parts"]}
+    p = parts["early entropy: nvfp4 vs bf16 (AQN off)"]
+    assert p["n_a"] == 1 and p["n_b"] == 4 and not p["paired"]  # one common seed: no pairing
+    assert p["diff"] == pytest.approx(0.6 - 0.65) and p["verdict"].startswith("inconclusive")
+
+
 def test_merge_and_inputs(tmp_path):
     a = _sanity(_qerl_rows()[:4])
     with pytest.raises(QerlError, match="different perfectible subsets"):

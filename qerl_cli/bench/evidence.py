@@ -160,7 +160,7 @@ def _seed_values(rows: Sequence[dict[str, Any]], sel: dict[str, Any], metric: st
 
 
 def evaluate_part(part: Part, rows: Sequence[dict[str, Any]], n_boot: int = 10000) -> dict[str, Any]:
-    from qerl_cli.bench.stats import bootstrap_diff, mann_whitney, mean_ci, verdict
+    from qerl_cli.bench.stats import VERDICTS, bootstrap_diff, mann_whitney, mean_ci, verdict
 
     a = _seed_values(rows, part.a, part.metric)
     b_sel = part.b
@@ -178,6 +178,7 @@ def evaluate_part(part: Part, rows: Sequence[dict[str, Any]], n_boot: int = 1000
         bs = bootstrap_diff(av, [0.0] * len(av), paired=True, n_boot=n_boot) if av else {"diff": None, "lo": None,
                                                                                            "hi": None, "paired": True}
         mw = {"u": None, "p": None, "method": None}
+        bv: list[float] = []
     else:
         # pair on the seeds both cells ran (cells run as separate processes may finish different numbers)
         common = sorted(set(a) & set(b), key=str)
@@ -189,9 +190,11 @@ def evaluate_part(part: Part, rows: Sequence[dict[str, Any]], n_boot: int = 1000
         bs = bootstrap_diff(av, bv, paired=paired, n_boot=n_boot) if av and bv else \
             {"diff": None, "lo": None, "hi": None, "paired": paired}
         mw = mann_whitney(av, bv)
+    # a bootstrap of one seed only repeats that seed (or the other side's spread): no verdict below two a side
+    enough = len(av) >= 2 and (b is None or len(bv) >= 2)
     row.update({"diff": bs["diff"], "lo": bs["lo"], "hi": bs["hi"], "paired": bs["paired"], "p_mann_whitney": mw["p"],
                 "n_a": len(a), "n_b": len(b) if b is not None else None,
-                "verdict": verdict(bs["lo"], bs["hi"], part.kind, part.margin)})
+                "verdict": verdict(bs["lo"], bs["hi"], part.kind, part.margin) if enough else VERDICTS[2]})
     return row
 
 
