@@ -463,10 +463,11 @@ def render_table(res: dict[str, Any]) -> Any:
     table = Table(title=f"qerl bench sanity: {res['model']}, {len(sub['selected'])} perfectible {sub['source_task']} "
                         f"problems (pass rate in [{sub['key']['lo']}, {sub['key']['hi']}] over "
                         f"{sub['key']['samples']} samples), threshold {c['threshold']:.0%}")
-    for col in ("cell", "steps to > threshold", "final", "best", "collapsed", "steps", "wall s", "status"):
+    for col in ("cell", "seed", "steps to > threshold", "final", "best", "collapsed", "steps", "wall s", "status"):
         table.add_column(col, justify="left" if col in ("cell", "status") else "right")
     for r in res["results"]:
-        table.add_row(r["label"], str(r["steps_to_threshold"] or "not reached"), _f(r["final"]), _f(r["best"]),
+        table.add_row(r["label"], str(r.get("seed", "-")), str(r["steps_to_threshold"] or "not reached"),
+                      _f(r["final"]), _f(r["best"]),
                       "yes" if r["collapsed"] else "no", str(r["steps_run"]), _f(r["wall_s"], "{:.0f}"), r["status"])
     return table
 
