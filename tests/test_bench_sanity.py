@@ -96,6 +96,9 @@ def test_bad_input(tmp_path):
     (["bench", "step", "--shape", "tiny", "--rollout-quant", "int4"], ["--rollout-quant must be one of"]),
     (["bench", "sanity", "--run", "{tmp}/r", "--grid", "colour=red,blue"], ["neither 'format' nor a train option"]),
     (["bench", "sanity", "--run", "{tmp}/missing"], ["qerl quantize --run"]),
+    (["bench", "sanity", "--run", "{tmp}/r", "--seeds", "0"], ["--seeds must be a positive integer"]),
+    (["bench", "evidence", "--input", "qerl={tmp}/none.json"], ["evidence input", "does not exist"]),
+    (["bench", "evidence", "--input", "colour=x.json"], ["GROUP=PATH"]),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, args, needles):
     import os
