@@ -490,7 +490,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     for r in res["results"]:
         acc = r["accuracy"]
         if acc:
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", ms=3, label=r["label"])
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", ms=3, label=f"{r['label']} (seed {r.get('seed', 0)})")
     ax.axhline(res["config"]["threshold"], color="k", ls="--", lw=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("training accuracy")
