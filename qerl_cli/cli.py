@@ -404,16 +404,37 @@ def bench_sanity(
     samples: Annotated[int, Opt(help="Samples per candidate problem.")] = 40,
     lo: Annotated[float, Opt(help="Lowest pass rate kept.")] = 0.2,
     hi: Annotated[float, Opt(help="Highest pass rate kept.")] = 0.8,
+    seeds: Annotated[int, Opt(help="Seeds per cell (mean and 95% interval over them).")] = 1,
+    seed_start: Annotated[int | None, Opt(help="First seed (default: the config's seed).")] = None,
+    heldout: Annotated[int, Opt(help="Held-out test problems scored after training (0: none).")] = 0,
+    stop: Annotated[bool, Opt("--stop/--no-stop", help="--no-stop: completions run to max length.")] = True,
+    time_budget: Annotated[float | None, Opt(help="Seconds after which no further (seed, cell) run starts.")] = None,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench).")] = None,
 ) -> None:
-    """Steps until training accuracy > 95% on the model's perfectible problems, per grid cell."""
+    """Steps until training accuracy > 95% on the model's perfectible problems, per grid cell and seed."""
     from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.bench.sanity import bench_sanity as run_bench
     from qerl_cli.bench.sanity import parse_axes, render_table, short_summary
 
     res = run_bench(run_dir=run, grid=parse_axes(grid), overrides=parse_sets(set_), candidates=candidates,
-                    samples=samples, lo=lo, hi=hi, out_dir=out, log=_progress)
+                    samples=samples, lo=lo, hi=hi, seeds=seeds, seed_start=seed_start, heldout=heldout, stop=stop,
+                    time_budget_s=time_budget,
+                    out_dir=out, log=_progress)
     _show([render_table(res)], short_summary(res))
+
+
+@bench_app.command("evidence")
+def bench_evidence(
+    input_: Annotated[list[str], Opt("--input", help="GROUP=SANITY_JSON (qerl|flashrl|fp16; repeatable).")],
+    run: Annotated[Path | None, Opt("--run", help="Run directory to record it in (for qerl report).")] = None,
+    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench/evidence or ./evidence).")] = None,
+) -> None:
+    """The seed claims' verdicts from `bench sanity --seeds` results: intervals, tests, evidence.{json,md,png}."""
+    from qerl_cli.bench.evidence import parse_inputs, write_evidence
+
+    dest = out or ((run / "bench" / "evidence") if run else Path("evidence"))
+    ev = write_evidence(inputs=parse_inputs(input_), out_dir=dest, run_dir=run, log=_progress)
+    console.print(f"evidence: {dest / 'evidence.json'}  ({', '.join(c['verdict'] for c in ev['claims'])})")
 
 
 @app.command()

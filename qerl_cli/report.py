@@ -32,6 +32,8 @@ PRODUCERS = {
     "eval": "qerl eval arith --run {run} --checkpoint base, then qerl eval arith --run {run} after training "
             "(or gsm8k, math500 for TASK)",
     "bench/rollout": "qerl bench rollout --run {run}",
+    "bench/evidence": "qerl bench sanity --run {run} --seeds N ...  then  qerl bench evidence --run {run} "
+                      "--input GROUP=SANITY_JSON (docs/evidence.md)",
 }
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -348,6 +350,55 @@ def _missing(title: str, stage: str, run: Path) -> str:
 # ------------------------------------------------------------------------------------------ build
 
 
+def _evidence_section(run: RunDir, stages: dict[str, Any], pngs: dict[str, bytes],
+                      numbers: dict[str, Any]) -> str | None:
+    """The Evidence section from ``bench/evidence``: the verdict table, the compared pairs with their intervals,
+    the cells (mean and 95% interval over seeds) and the curves with 95% bands; None when the run has none."""
+    rec = stages.get("bench/evidence")
+    if not rec or rec.get("status") != "completed":
+        return None
+    rel = ((rec.get("outputs") or {}).get("json") or {}).get("path")
+    ev = _load_json(run.abs(rel)) if rel else None
+    if not ev or not isinstance(ev.get("claims"), list):
+        return None
+    from qerl_cli.bench.evidence import ci_text, plot_curves
+
+    def cell(v: Any) -> str:
+        return f"<td>{_esc(v)}</td>"
+
+    claims = "".join(f"<tr><td class='num'>{_esc(c['claim'])}</td>{cell(c['title'])}{cell(c['hypothesis'])}"
+                     f"<td><b>{_esc(c['verdict'])}</b></td></tr>" for c in ev["claims"])
+    body = ("<table><tr><th>claim</th><th>what</th><th>hypothesis (stated before the run)</th><th>verdict</th></tr>"
+            f"{claims}</table>")
+    trs = "".join(
+        f"<tr><td class='num'>{_esc(p['claim'])}</td>{cell(p['name'])}{cell(ci_text(p.get('a_stats')))}"
+        f"{cell(ci_text(p.get('b_stats')))}<td class='num'>{_esc(_fmt(p.get('diff')))} "
+        f"[{_esc(_fmt(p.get('lo')))}, {_esc(_fmt(p.get('hi')))}]</td>{cell('yes' if p.get('paired') else 'no')}"
+        f"<td class='num'>{_esc(_fmt(p.get('p_mann_whitney')))}</td>{cell(p['verdict'])}</tr>"
+        for p in ev.get("parts", []))
+    body += ("<h3>Compared pairs</h3><table><tr><th>claim</th><th>comparison</th><th>A: mean [95%]</th>"
+             "<th>B: mean [95%]</th><th>A - B, oriented [95% bootstrap]</th><th>paired</th><th>Mann-Whitney p</th>"
+             f"<th>verdict</th></tr>{trs}</table>")
+    cols = ("steps_to_threshold", "final", "heldout", "early_entropy", "noisy_entropy", "noisy_applied_noise_norm",
+            "k3_last")
+    for g, grp in (ev.get("groups") or {}).items():
+        head = "".join(f"<th>{_esc(c)}</th>" for c in cols)
+        rows = "".join(f"<tr>{cell(label)}<td class='num'>{len(c.get('seeds', []))}</td>"
+                       + "".join(cell(ci_text((c.get('metrics') or {}).get(k))) for k in cols) + "</tr>"
+                       for label, c in (grp.get("cells") or {}).items())
+        body += f"<h3>Cells: {_esc(g)}</h3><table><tr><th>cell</th><th>seeds</th>{head}</tr>{rows}</table>"
+    fig = plot_curves(ev)
+    if fig is not None:
+        import matplotlib.pyplot as plt
+
+        pngs["evidence_curves"] = _png(fig)
+        plt.close(fig)
+        body += _img(pngs["evidence_curves"], "Curves per cell: mean and 95% band over seeds", "evidence_curves")
+    for c in ev["claims"]:
+        numbers[f"evidence/claim{c['claim']}"] = c["verdict"]
+    return f"<section id='bench-evidence'><h2>Evidence</h2>{body}</section>"
+
+
 def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     """Write `out_dir/index.html` (default DIR/report) and its PNGs; return what was found and written.
 
@@ -480,6 +531,11 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     else:
         parts.append(_missing("Rollout benchmark", "bench/rollout", run.path))
         sections["bench/rollout"] = PRODUCERS["bench/rollout"].format(run=run.path)
+
+    # ---- evidence (issue 18)
+    ev_html = _evidence_section(run, stages, pngs, numbers)
+    parts.append(ev_html or _missing("Evidence", "bench/evidence", run.path))
+    sections["bench/evidence"] = "present" if ev_html else PRODUCERS["bench/evidence"].format(run=run.path)
 
     created = now_iso()
     page = (

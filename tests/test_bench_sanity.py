@@ -96,6 +96,9 @@ def test_bad_input(tmp_path):
     (["bench", "step", "--shape", "tiny", "--rollout-quant", "int4"], ["--rollout-quant must be one of"]),
     (["bench", "sanity", "--run", "{tmp}/r", "--grid", "colour=red,blue"], ["neither 'format' nor a train option"]),
     (["bench", "sanity", "--run", "{tmp}/missing"], ["qerl quantize --run"]),
+    (["bench", "sanity", "--run", "{tmp}/r", "--seeds", "0"], ["--seeds must be a positive integer"]),
+    (["bench", "evidence", "--input", "qerl={tmp}/none.json"], ["evidence input", "does not exist"]),
+    (["bench", "evidence", "--input", "colour=x.json"], ["GROUP=PATH"]),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, args, needles):
     import os
@@ -111,3 +114,51 @@ def test_cli_bad_input_is_one_line(tmp_path, args, needles):
     assert err.count("\n") == 0, err
     for n in needles:
         assert n in err, err
+
+
+def test_seeds_heldout_and_long_completions(run_dir, tmp_path):
+    """--seeds 2 on one cell: two rows with their seeds, per-step entropy/k3, held-out accuracy on 2 x 4 samples,
+    completions that run to max length with stop=False, and cells = mean over the two seeds."""
+    from qerl_cli.bench.sanity import HELDOUT_SAMPLES, seed_scalars
+
+    out = tmp_path / "s"
+    sets = {"steps": 2, "batch_prompts": 1, "num_generations": 2, "max_completion_length": 5, "task_level": "1",
+            "lora_rank": 4, "shots": 0}
+    res = bench_sanity(run_dir=run_dir, grid=parse_axes(["aqn=true"]), overrides=sets, candidates=2, samples=2,
+                       lo=0.0, hi=1.0, seeds=2, seed_start=7, heldout=2, stop=False, out_dir=out, log=lambda _m: None)
+    rows = json.loads((out / "sanity.json").read_text())["results"]
+    assert [r["seed"] for r in rows] == [7, 8] and res["config"]["seeds"] == [7, 8]
+    for r in rows:
+        assert r["status"] == "ok" and len(r["entropy"]) == len(r["k3"]) == 2
+        assert all(e > 0 and math.isfinite(e) for e in r["entropy"])
+        # AQN stage 0 (step 1 of 2 with the bench's 4 stages) has sigma 0; step 2 is noisy, in fp32 nothing rounds away
+        assert r["aqn_first_noisy_step"] == 1 and r["applied_noise_norm"][0] == 0 and r["applied_noise_norm"][1] > 0
+        assert r["mean_length"] == [5.0, 5.0]  # no stop string: every completion is max_completion_length long
+        assert r["heldout"] * 2 * HELDOUT_SAMPLES == pytest.approx(round(r["heldout"] * 2 * HELDOUT_SAMPLES))
+    cell = res["cells"]["aqn=True"]
+    assert cell["seeds"] == [7, 8]
+    e = [seed_scalars(r)["early_entropy"] for r in rows]
+    assert e[0] == pytest.approx(sum(rows[0]["entropy"]) / 2)
+    assert cell["metrics"]["early_entropy"]["mean"] == pytest.approx(sum(e) / 2)
+    assert cell["metrics"]["early_entropy"]["n"] == 2
+    # different seeds draw different rollouts
+    assert rows[0]["entropy"] != rows[1]["entropy"]
+
+
+def test_time_budget_skips_and_seed_scalars_censor(run_dir, tmp_path):
+    from qerl_cli.bench.sanity import seed_scalars
+
+    sets = {"steps": 1, "batch_prompts": 1, "num_generations": 2, "max_completion_length": 4, "task_level": "1",
+            "lora_rank": 4, "shots": 0}
+    res = bench_sanity(run_dir=run_dir, grid={}, overrides=sets, candidates=2, samples=2, lo=0.0, hi=1.0, seeds=3,
+                       time_budget_s=0.0, out_dir=tmp_path / "s", log=lambda _m: None)
+    assert res["results"] == [] and [s["seed"] for s in res["skipped"]] == [0, 1, 2]
+    # never reached in 5 steps -> censored at 6; k3 growth = last quarter mean - first quarter mean
+    row = {"accuracy": [0.1] * 5, "steps_run": 5, "steps_to_threshold": None, "k3": [1.0, 2.0, 3.0, 4.0, 9.0],
+           "entropy": [0.5, 0.7, 0.9, 2.0], "reward": [0.0, 0.5], "collapsed": True}
+    s = seed_scalars(row)
+    assert s["steps_to_threshold"] == 6.0 and s["k3_growth"] == 8.0 and s["k3_first"] == 1.0
+    assert s["early_entropy"] == pytest.approx(0.7) and s["early_reward"] == 0.25 and s["collapsed"] == 1.0
+    assert s["noisy_applied_noise_norm"] is None and s["heldout"] is None
+    row["aqn_first_noisy_step"] = 1  # the noisy window starts at the second step
+    assert seed_scalars(row)["noisy_entropy"] == pytest.approx((0.7 + 0.9 + 2.0) / 3)

@@ -135,3 +135,32 @@ def test_report_bad_input(tmp_path):
     with pytest.raises(QerlError, match="no manifest.json"):
         build_report(tmp_path)
     assert not (tmp_path / "report").exists()
+
+
+def test_report_evidence_section(tmp_path):
+    """bench/evidence in the manifest -> an Evidence section with the verdict table, the pairs and a band plot."""
+    from qerl_cli.bench.evidence import write_evidence
+
+    run_path = _make_run(tmp_path)
+    rows = []
+    for seed in range(3):
+        for fmt, ent in (("bf16", 0.5), ("nvfp4", 0.6)):  # nvfp4 +0.1 nats on every seed
+            acc = [0.5, 0.9, 1.0, 1.0]
+            rows.append({"cell": {"format": fmt, "aqn": False}, "label": f"format={fmt}, aqn=False", "seed": seed,
+                         "status": "ok", "accuracy": acc, "reward": acc, "entropy": [ent + 0.01 * seed] * 4,
+                         "k3": [1e-4] * 4, "steps_run": 4, "steps_to_threshold": 3, "final": 1.0, "collapsed": False,
+                         "heldout": 0.5})
+    src = tmp_path / "sanity.json"
+    src.write_text(json.dumps({"config": {"subset": {"key": {"k": 1}}}, "results": rows, "wall_s": 1.0}))
+    write_evidence(inputs={"qerl": [src]}, out_dir=run_path / "bench" / "evidence", run_dir=run_path, n_boot=200,
+                   log=lambda _m: None)
+    result = build_report(run_path)
+    html = result["html"].read_text()
+    assert result["sections"]["bench/evidence"] == "present" and "evidence_curves" in result["plots"]
+    assert "<h2>Evidence</h2>" in html and "early entropy: nvfp4 vs bf16 (AQN off)" in html
+    # claim 1: all three parts supported (same steps within 1, same held-out, +0.1 nats); claims 2-4 not run
+    assert result["numbers"]["evidence/claim1"] == "supported"
+    assert result["numbers"]["evidence/claim4"] == "not run"
+    # without the stage the section is absent and names its producer
+    bare = build_report(_make_run(tmp_path / "b"))
+    assert bare["sections"]["bench/evidence"].startswith("qerl bench sanity --run")

@@ -14,12 +14,19 @@ Per cell: training accuracy per step, the first step whose accuracy exceeds ``th
 reached" with the final and best plateau: means over the last / best ``window`` steps), whether it
 collapsed (a non-finite loss, or the plateau falling by ``collapse_drop`` after its best), wall time.
 
+With ``seeds`` > 1 every cell runs once per seed (``seed_start``, ``seed_start + 1``, ...: the LoRA init,
+the prompt order and the rollout sampling change; the subset and the model do not), ``heldout`` > 0 scores
+the trained policy on that many held-out problems (the task's test split) after the last step, and
+``cells`` in the JSON holds per cell the mean and 95% interval over seeds of each per-seed scalar
+(:func:`seed_scalars`; statistics in bench/stats.py, the claims compared in bench/evidence.py).
+
 (iii) ``sanity.json``, ``sanity.png`` (accuracy vs step per cell), each written atomically, last.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as _dt
 import gc
 import json
@@ -40,6 +47,14 @@ SCHEMA = 1
 THRESHOLD = 0.95
 WINDOW = 3
 COLLAPSE_DROP = 0.3
+EARLY_STEPS = 3  # "early" entropy/reward: the mean over the first EARLY_STEPS steps
+# AQN's first stage has sigma 0 (QeRL's schedule), so AQN's effect is read over the first AQN_WINDOW steps of
+# stage 1 onwards ("noisy" entropy/reward), the same steps for cells with AQN off
+AQN_WINDOW = 4
+HELDOUT_SAMPLES = 4  # samples per held-out problem (T = the training temperature)
+# per-step series kept for every cell: name in the row -> trainer metric
+SERIES = {"accuracy": "accuracy", "reward": "reward/raw_mean", "loss": "loss", "entropy": "entropy",
+          "k3": "sampling/k3", "applied_noise_norm": "aqn/applied_noise_norm", "mean_length": "completions/mean_length"}
 
 
 def default_config(device: torch.device) -> dict[str, Any]:
@@ -71,6 +86,55 @@ def curve_summary(acc: Sequence[float], threshold: float = THRESHOLD, window: in
     collapsed = any(math.isnan(a) for a in vals) or (means[best_i] - means[-1] >= collapse_drop
                                                      and best_i < len(means) - 1)
     return {"steps_to_threshold": reached, "final": means[-1], "best": means[best_i], "collapsed": collapsed}
+
+
+def seed_scalars(row: dict[str, Any], early: int = EARLY_STEPS) -> dict[str, float | None]:
+    """The per-seed numbers the evidence study compares (None when the series lacks them).
+
+    ``steps_to_threshold`` is censored at steps_run + 1 when never reached (a lower bound, so a cell that never
+    gets there counts as slower than one that did on its last step); ``k3_growth`` is the mean mismatch k3 of the
+    last quarter of the steps minus that of the first quarter; ``noisy_*`` are means over the AQN_WINDOW steps
+    from ``aqn_first_noisy_step`` (0-based; the first step of AQN stage 1 under the cell's schedule).
+    """
+    def mean(xs: Sequence[float | None]) -> float | None:
+        v = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
+        return sum(v) / len(v) if v else None
+
+    n = row.get("steps_run", len(row.get("accuracy", [])))
+    reached = row.get("steps_to_threshold")
+    k3 = row.get("k3") or []
+    q = max(1, len(k3) // 4)
+    w0 = int(row.get("aqn_first_noisy_step") or 0)
+    k3_first, k3_last = mean(k3[:q]), mean(k3[-q:])
+    return {
+        "steps_to_threshold": float(reached) if reached else (float(n + 1) if n else None),
+        "final": row.get("final"),
+        "heldout": row.get("heldout"),
+        "early_entropy": mean((row.get("entropy") or [])[:early]),
+        "early_reward": mean((row.get("reward") or [])[:early]),
+        "noisy_entropy": mean((row.get("entropy") or [])[w0:w0 + AQN_WINDOW]),
+        "noisy_reward": mean((row.get("reward") or [])[w0:w0 + AQN_WINDOW]),
+        "noisy_applied_noise_norm": mean((row.get("applied_noise_norm") or [])[w0:w0 + AQN_WINDOW]),
+        "k3_first": k3_first,
+        "k3_last": k3_last,
+        "k3_growth": None if k3_first is None or k3_last is None else k3_last - k3_first,
+        "collapsed": float(bool(row.get("collapsed"))),
+    }
+
+
+def summarize_cells(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per cell label: the seeds run and, per seed scalar, its mean and 95% interval over those seeds."""
+    from qerl_cli.bench.stats import mean_ci
+
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["label"], []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for label, rs in by.items():
+        scal = [seed_scalars(r) for r in rs]
+        out[label] = {"cell": rs[0]["cell"], "seeds": [r.get("seed") for r in rs],
+                      "metrics": {k: mean_ci([s[k] for s in scal]) for k in scal[0]}}
+    return out
 
 
 def _encode(tok: Any, prompt: str, max_len: int, chat_template: bool) -> list[int]:
@@ -175,14 +239,34 @@ def build_subset(run: Any, cfg: Any, *, candidates: int, samples: int, lo: float
     return subset
 
 
-def _subset_task(subset: dict[str, Any]) -> Any:
+def _subset_task(subset: dict[str, Any], stop: bool = True) -> Any:
+    """The subset as a Task; stop=False drops the stop strings (every completion runs to max length)."""
     from qerl_cli.tasks.datasets import Example, Task
 
     rows = {p["index"]: p for p in subset["problems"]}
     examples = [Example(rows[i]["prompt"], rows[i]["answer"], {"pass_rate": rows[i]["pass_rate"]})
                 for i in subset["selected"]]
-    return Task(f"perfectible:{subset['source_task']}", "train", examples, subset["reward"], tuple(subset["stop"]),
-                lambda q: q, max_new_tokens=subset["key"]["max_tokens"])
+    return Task(f"perfectible:{subset['source_task']}", "train", examples, subset["reward"],
+                tuple(subset["stop"]) if stop else (), lambda q: q, max_new_tokens=subset["key"]["max_tokens"])
+
+
+def heldout_accuracy(trainer: Any, task: Any, samples: int = HELDOUT_SAMPLES) -> float:
+    """Mean accuracy of the trained policy (the trainer's rollout engine, adapter applied) on a held-out task."""
+    from qerl_cli.rollout import SamplingParams
+    from qerl_cli.tasks import get_reward
+    from qerl_cli.tasks.rewards import safe_rewards
+
+    c = trainer.cfg
+    ids = [trainer._encode(e.prompt) for e in task.examples]
+    sp = SamplingParams(n=samples, temperature=c.temperature, max_tokens=c.max_completion_length,
+                        stop=list(task.stop), seed=c.seed + 10**6)  # a seed no training step draws
+    res = trainer.engine.generate(ids, sp)
+    if trainer.device.type == "cuda":
+        trainer.engine.release()
+    ex = task.examples
+    rewards = safe_rewards(get_reward(task.reward), [ex[s.prompt_index].prompt for s in res.samples],
+                           [s.text or "" for s in res.samples], answer=[ex[s.prompt_index].answer for s in res.samples])
+    return sum(r >= 1.0 - 1e-6 for r in rewards) / max(1, len(rewards))
 
 
 def cell_label(cell: dict[str, Any]) -> str:
@@ -190,14 +274,19 @@ def cell_label(cell: dict[str, Any]) -> str:
 
 
 def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], models: ModelCache,
-              device: torch.device, log: Callable[[str], None]) -> dict[str, Any]:
+              device: torch.device, log: Callable[[str], None], *, heldout: Any = None,
+              stop: bool = True) -> dict[str, Any]:
     from qerl_cli.bench.runmodels import run_format
     from qerl_cli.manifest import RunDir
     from qerl_cli.train.trainer import PRECISION_DTYPES, NonFiniteLoss, Trainer
 
     fmt = cell.get("format", run_format(run))
     label = cell_label(cell)
-    row: dict[str, Any] = {"cell": cell, "label": label, "format": fmt, "accuracy": [], "reward": [], "loss": []}
+    from qerl_cli.train.aqn import aqn_stage
+
+    first_noisy = next((i for i in range(cfg.steps) if aqn_stage(i, cfg.steps, cfg.aqn_stages) >= 1), cfg.steps)
+    row: dict[str, Any] = {"cell": cell, "label": label, "format": fmt, "seed": cfg.seed, "heldout": None,
+                           "aqn_first_noisy_step": first_noisy, **{k: [] for k in SERIES}}
     t0 = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="qerl-sanity-"))
     trainer = model = None
@@ -205,7 +294,7 @@ def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], 
         base, tok = models.get(fmt, PRECISION_DTYPES[cfg.precision])
         model = copy.deepcopy(base)  # LoRA attaches in place; every cell starts from the same weights
         trainer = Trainer(RunDir(scratch), cfg, device=str(device))
-        trainer.setup(model=model, tokenizer=tok, task=_subset_task(subset))
+        trainer.setup(model=model, tokenizer=tok, task=_subset_task(subset, stop))
         status = "ok"
         for _ in range(cfg.steps):
             try:
@@ -214,10 +303,12 @@ def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], 
                 row["accuracy"].append(float("nan"))
                 status = f"non-finite: {exc}"
                 break
-            row["accuracy"].append(float(m["accuracy"]))
-            row["reward"].append(float(m["reward/raw_mean"]))
-            row["loss"].append(float(m.get("loss", float("nan"))))
-            log(f"[{label}] step {trainer.step}: accuracy {m['accuracy']:.3f}")
+            for k, name in SERIES.items():
+                v = m.get(name)
+                row[k].append(None if v is None else float(v))
+            log(f"[{label} seed {cfg.seed}] step {trainer.step}: accuracy {m['accuracy']:.3f}")
+        if heldout is not None and status == "ok":
+            row["heldout"] = heldout_accuracy(trainer, heldout)
         row["status"] = status
     except Exception as exc:  # noqa: BLE001 - recorded per cell, the grid goes on
         if isinstance(exc, QerlError) and "run directory" in str(exc):
@@ -230,6 +321,7 @@ def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], 
         trainer = model = None
         gc.collect()
         shutil.rmtree(scratch, ignore_errors=True)
+    row["accuracy"] = [float("nan") if a is None else a for a in row["accuracy"]]
     row.update(curve_summary(row["accuracy"]))
     row["steps_run"] = len(row["accuracy"])
     row["wall_s"] = time.perf_counter() - t0
@@ -246,6 +338,11 @@ def bench_sanity(
     lo: float = 0.2,
     hi: float = 0.8,
     sample_temperature: float = 1.0,
+    seeds: int = 1,
+    seed_start: int | None = None,
+    heldout: int = 0,
+    stop: bool = True,
+    time_budget_s: float | None = None,
     out_dir: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -253,15 +350,21 @@ def bench_sanity(
 
     ``grid`` maps ``format`` and TrainConfig fields to the values to cross (bench/overrides.py
     parse_grid); ``overrides`` are TrainConfig fields for every cell (``--set``), over
-    :func:`default_config`. Recorded in the run's manifest under ``bench/sanity``.
+    :func:`default_config`. Each cell runs ``seeds`` times, with seeds ``seed_start`` (default: the
+    config's seed) onwards; ``heldout`` held-out problems are scored after training (0: none); stop=False
+    drops the task's stop strings so that every completion runs to max_completion_length. With
+    ``time_budget_s`` no further (seed, cell) run starts once the elapsed time plus the longest run so far
+    would pass it (the JSON says which were skipped). Recorded in the run's manifest under ``bench/sanity``.
     """
     from qerl_cli.bench.overrides import build_bench_config, grid_cells
     from qerl_cli.env_info import environment
     from qerl_cli.manifest import RunDir, atomic_write_json
 
-    for name, v in (("candidates", candidates), ("samples", samples)):
+    for name, v in (("candidates", candidates), ("samples", samples), ("seeds", seeds)):
         if not isinstance(v, int) or v < 1:
-            raise QerlError(f"{name} must be a positive integer, got {v!r}")
+            raise QerlError(f"--{name} must be a positive integer, got {v!r}")
+    if not isinstance(heldout, int) or heldout < 0:
+        raise QerlError(f"--heldout must be a non-negative integer, got {heldout!r}")
     select_perfectible([], lo, hi)  # checks the band
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     base = dict(overrides or {})
@@ -275,6 +378,8 @@ def bench_sanity(
     run.require("quantize")
     out = Path(out_dir) if out_dir is not None else run.path / "bench"
     base_cfg = build_bench_config(default_config(device), base)
+    first_seed = base_cfg.seed if seed_start is None else int(seed_start)
+    seed_list = list(range(first_seed, first_seed + seeds))
     t_start = time.perf_counter()
     models = ModelCache(run, out, device, log)
     subset = build_subset(run, base_cfg, candidates=candidates, samples=samples, lo=lo, hi=hi,
@@ -282,23 +387,48 @@ def bench_sanity(
     if not subset["selected"]:
         raise QerlError(f"no problem of {candidates} has a pass rate in [{lo}, {hi}] on this model: widen the "
                         "band (--lo/--hi), raise --candidates, or pick an easier task (--set task_level=1)")
+    held_task = None
+    if heldout:
+        from qerl_cli.bench.runmodels import run_format
+        from qerl_cli.tasks import load_task
+        from qerl_cli.train.trainer import PRECISION_DTYPES
+
+        _, tok = models.get(cells[0].get("format", run_format(run)), PRECISION_DTYPES[cfgs[0].precision])
+        held_task = load_task(base_cfg.task, split="test", shots=base_cfg.shots, chat_template=base_cfg.chat_template,
+                              tokenizer=tok, seed=base_cfg.seed, level=base_cfg.task_level, limit=heldout)
+        held_task.examples = held_task.examples[:heldout]
+        if not stop:
+            held_task.stop = ()
     res: dict[str, Any] = {
         "schema": SCHEMA, "kind": "bench/sanity",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "model": str(run.path),
         "config": {"grid": jsonable(grid or {}), "overrides": jsonable(base), "train": base_cfg.resolved().to_dict(),
-                   "threshold": THRESHOLD, "window": WINDOW, "collapse_drop": COLLAPSE_DROP,
+                   "threshold": THRESHOLD, "window": WINDOW, "collapse_drop": COLLAPSE_DROP, "seeds": seed_list,
+                   "heldout": heldout, "heldout_samples": HELDOUT_SAMPLES, "early_steps": EARLY_STEPS, "stop": stop,
                    "subset": {k: subset[k] for k in ("key", "selected", "source_task")}},
         "env": environment(),
         "results": [],
     }
-    for cell, cfg in zip(cells, cfgs, strict=True):
-        row = _run_cell(run, cell, cfg, subset, models, device, log)
-        res["results"].append(row)
-        reached = row["steps_to_threshold"]
-        log(f"[{row['label']}] {row['status']}: " + (f"> {THRESHOLD:.0%} at step {reached}" if reached else
-            f"not reached in {row['steps_run']} steps (final {_f(row['final'])}, best {_f(row['best'])})") +
-            (" COLLAPSED" if row["collapsed"] else "") + f", {row['wall_s']:.0f}s")
+    # seed-major: a run cut short still holds every cell for its first seeds
+    longest = 0.0
+    res["skipped"] = []
+    for seed in seed_list:
+        for cell, cfg0 in zip(cells, cfgs, strict=True):
+            if time_budget_s is not None and time.perf_counter() - t_start + longest > time_budget_s:
+                res["skipped"].append({"label": cell_label(cell), "seed": seed})
+                continue
+            cfg = dataclasses.replace(cfg0, seed=seed)
+            row = _run_cell(run, cell, cfg, subset, models, device, log, heldout=held_task, stop=stop)
+            res["results"].append(row)
+            longest = max(longest, row["wall_s"])
+            reached = row["steps_to_threshold"]
+            log(f"[{row['label']} seed {seed}] {row['status']}: " + (f"> {THRESHOLD:.0%} at step {reached}" if reached
+                else f"not reached in {row['steps_run']} steps (final {_f(row['final'])}, best {_f(row['best'])})")
+                + (" COLLAPSED" if row["collapsed"] else "") + f", {row['wall_s']:.0f}s")
+    res["cells"] = summarize_cells(res["results"])
+    if res["skipped"]:
+        log(f"time budget {time_budget_s:.0f}s: skipped {len(res['skipped'])} (seed, cell) runs")
     res["wall_s"] = time.perf_counter() - t_start
 
     out.mkdir(parents=True, exist_ok=True)
@@ -333,10 +463,11 @@ def render_table(res: dict[str, Any]) -> Any:
     table = Table(title=f"qerl bench sanity: {res['model']}, {len(sub['selected'])} perfectible {sub['source_task']} "
                         f"problems (pass rate in [{sub['key']['lo']}, {sub['key']['hi']}] over "
                         f"{sub['key']['samples']} samples), threshold {c['threshold']:.0%}")
-    for col in ("cell", "steps to > threshold", "final", "best", "collapsed", "steps", "wall s", "status"):
+    for col in ("cell", "seed", "steps to > threshold", "final", "best", "collapsed", "steps", "wall s", "status"):
         table.add_column(col, justify="left" if col in ("cell", "status") else "right")
     for r in res["results"]:
-        table.add_row(r["label"], str(r["steps_to_threshold"] or "not reached"), _f(r["final"]), _f(r["best"]),
+        table.add_row(r["label"], str(r.get("seed", "-")), str(r["steps_to_threshold"] or "not reached"),
+                      _f(r["final"]), _f(r["best"]),
                       "yes" if r["collapsed"] else "no", str(r["steps_run"]), _f(r["wall_s"], "{:.0f}"), r["status"])
     return table
 
@@ -359,7 +490,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     for r in res["results"]:
         acc = r["accuracy"]
         if acc:
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", ms=3, label=r["label"])
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", ms=3, label=f"{r['label']} (seed {r.get('seed', 0)})")
     ax.axhline(res["config"]["threshold"], color="k", ls="--", lw=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("training accuracy")
