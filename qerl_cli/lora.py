@@ -77,6 +77,15 @@ class QuantLoraLinear(nn.Module, LoraLayer):
         return "lora." + super().__repr__()
 
 
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under their ``model.state_dict()`` names, without calling ``state_dict()``.
+
+    A full ``state_dict()`` hands every repacked quantized weight back in checkpoint order, a transient copy of the
+    whole base on the GPU (31 GiB at 72B): what peft's save and state-dict helpers do unless given this.
+    """
+    return {name: p for name, p in model.named_parameters() if "lora_" in name}
+
+
 def make_lora_config(rank: int = 32, alpha: float | None = None, targets: list[str] | tuple[str, ...] | None = None,
                      dropout: float = 0.0) -> LoraConfig:
     cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,

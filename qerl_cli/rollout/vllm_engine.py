@@ -76,7 +76,9 @@ def lora_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[di
             raise QerlError(f"the vllm rollout engine serves one adapter at a time; {len(name)} are active")
         name = name[0]
     cfg = peft_config[name]
-    state = get_peft_model_state_dict(model, adapter_name=name)
+    from qerl_cli.lora import lora_state_dict
+
+    state = get_peft_model_state_dict(model, state_dict=lora_state_dict(model), adapter_name=name)
     tensors = {k: v.detach().to(dtype=dtype or v.dtype).clone() for k, v in state.items() if "lora_" in k}
     if not tensors:
         raise QerlError("the peft model has no LoRA tensors to push to vLLM")

@@ -57,7 +57,9 @@ def snapshot(obj: Any) -> Any:
 
 def adapter_snapshot(peft_model: Any) -> dict[str, torch.Tensor]:
     """The LoRA tensors of ``peft_model.state_dict()`` (its key names), copied to host memory."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in peft_model.state_dict().items() if "lora_" in k}
+    from qerl_cli.lora import lora_state_dict
+
+    return {k: v.detach().to("cpu", copy=True) for k, v in lora_state_dict(peft_model).items()}
 
 
 def save_checkpoint(run: RunDir, step: int, peft_model: Any, state: dict[str, Any], config: dict[str, Any],
@@ -77,7 +79,7 @@ def save_checkpoint(run: RunDir, step: int, peft_model: Any, state: dict[str, An
         elif adapter_state is not None:
             peft_model.save_pretrained(str(tmp / "adapter"), state_dict=adapter_state)
         else:
-            peft_model.save_pretrained(str(tmp / "adapter"))
+            peft_model.save_pretrained(str(tmp / "adapter"), state_dict=adapter_snapshot(peft_model))
         torch.save({**state, "rng": rng if rng is not None else rng_state(), "step": step}, tmp / STATE_FILE)
         atomic_write_json(tmp / "config.json", config)
     write_latest(run, step)
