@@ -14,21 +14,13 @@ import sys
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_rollout_cuda import PROMPTS, random_model  # noqa: E402
-
-from qerl_cli.rollout import BuiltinEngine, SamplingParams  # noqa: E402
+from test_rollout_cuda import PROMPTS, lora_graph_and_eager_engines  # noqa: E402
 
 
 def main() -> None:
-    model = random_model("llama", torch.bfloat16)
-    lora = LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
-    peft_model = get_peft_model(model, lora).eval()
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
-    graphs = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=128)
-    eager = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=128, cuda_graphs=False)
+    peft_model, greedy, graphs, eager = lora_graph_and_eager_engines()
     graphs.generate(PROMPTS, greedy)
     with peft_model.disable_adapter():
         g = [s.token_ids for s in graphs.generate(PROMPTS, greedy).samples]

@@ -108,7 +108,9 @@ def test_graphs_see_norm_swaps_and_overrides() -> None:
     assert run(graphs, greedy)[0] == base
 
 
-def test_graphs_follow_lora_toggles_and_bf16() -> None:
+def lora_graph_and_eager_engines():  # noqa: ANN201 - (peft model, greedy params, graph engine, eager engine)
+    """A bf16 random Llama with a non-zero LoRA, and the CUDA-graph and eager engines over it (also used by
+    scripts/rollout_tie_check.py)."""
     from peft import LoraConfig, get_peft_model
 
     model = random_model("llama", torch.bfloat16)
@@ -117,6 +119,11 @@ def test_graphs_follow_lora_toggles_and_bf16() -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
     graphs = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=128)
     eager = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=128, cuda_graphs=False)
+    return peft_model, greedy, graphs, eager
+
+
+def test_graphs_follow_lora_toggles_and_bf16() -> None:
+    peft_model, greedy, graphs, eager = lora_graph_and_eager_engines()
     # 8 prompts = a graph batch bucket, so both engines run the same GEMM shapes (bf16 rounding depends on M).
     # On an H200 (2026-11-24, scripts/rollout_tie_check.py) greedy runs parted at fp32 logit gaps of 0.017 and
     # 0.021 (near-ties), with fused projections on and off alike, and with 8 prompts too, until the fused
