@@ -13,6 +13,24 @@ from qerl_cli.manifest import RunDir, atomic_write_text
 
 CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 
+# What a complete `train/checkpoints/step_N/` holds, by kind; the one place resume, `latest`, pruning
+# (keep_checkpoints) and `qerl eval` learn it from. Every kind also holds TRAINER_STATE_FILE (optimizer,
+# scheduler, RNG, data, AQN and, with --rollout-quant int8 --requant-scales fixed, the FlashRL fixed INT8
+# scales under its "rollout_quant" key: they are calibration state, not weights, so they add no kind).
+ADAPTER_DIR = "adapter"  # --finetune lora: peft's adapter_config.json + adapter_model.safetensors
+FULL_WEIGHTS_FILE = "weights.safetensors"  # --finetune full: every trained (non-embedding) weight, fp32
+TRAINER_STATE_FILE = "trainer_state.pt"
+
+
+def checkpoint_kind(ckpt: Path) -> str | None:
+    """"adapter", "full", or None when `ckpt` is not a complete checkpoint (a staged write leaves none:
+    the directory is renamed into place whole)."""
+    if (ckpt / ADAPTER_DIR / "adapter_config.json").is_file():
+        return "adapter"
+    if (ckpt / FULL_WEIGHTS_FILE).is_file():
+        return "full"
+    return None
+
 
 def quantized_model_dir(run: RunDir) -> Path:
     """The model `qerl quantize` wrote, as the manifest records it."""
@@ -47,7 +65,7 @@ def check_adapter_base(run: RunDir, checkpoint: Path) -> str:
                         "so its adapter cannot be checked against the model: evaluate with --checkpoint base or "
                         "train again")
     if base_fingerprint(trained_on) != current:
-        raise QerlError(f"the adapter in {checkpoint.name} was trained on another base model than {run.path}'s "
+        raise QerlError(f"{checkpoint.name} was trained on another base model than {run.path}'s "
                         "current one (re-quantized since): train again in a new --run directory, or evaluate with "
                         "--checkpoint base")
     return current
@@ -87,13 +105,13 @@ def list_checkpoints(run: RunDir) -> dict[int, Path]:
     out = {}
     for p in root.iterdir():
         m = CHECKPOINT_RE.match(p.name)
-        if m and p.is_dir() and (p / "adapter" / "adapter_config.json").is_file():
+        if m and p.is_dir() and checkpoint_kind(p) is not None:
             out[int(m.group(1))] = p
     return dict(sorted(out.items()))
 
 
 def resolve_checkpoint(run: RunDir, name: str) -> Path | None:
-    """`latest`, `step_N` or `base` (None: no adapter). Raises a clear error for a missing one."""
+    """`latest`, `step_N` or `base` (None: the base model alone). Raises a clear error for a missing one."""
     if name == "base":
         return None
     ckpts = list_checkpoints(run)
@@ -101,7 +119,7 @@ def resolve_checkpoint(run: RunDir, name: str) -> Path | None:
         pointer = checkpoints_dir(run) / "latest"
         if pointer.is_file():
             target = checkpoints_dir(run) / pointer.read_text().strip()
-            if (target / "adapter" / "adapter_config.json").is_file():
+            if checkpoint_kind(target) is not None:
                 return target
         if ckpts:
             return ckpts[max(ckpts)]

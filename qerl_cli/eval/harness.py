@@ -197,7 +197,7 @@ def _canonical_task(task: str) -> tuple[str, str]:
 
 
 def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _Resolved:
-    from qerl_cli.runlayout import check_adapter_base, quantized_model_dir, resolve_checkpoint
+    from qerl_cli.runlayout import check_adapter_base, checkpoint_kind, quantized_model_dir, resolve_checkpoint
 
     if harness not in HARNESSES:
         raise QerlError(f"unknown harness {harness!r}: use one of {', '.join(HARNESSES)}")
@@ -210,7 +210,10 @@ def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _
     model_record = run.require("quantize")
     ckpt_dir = resolve_checkpoint(run, checkpoint)
     ckpt_name = "base" if ckpt_dir is None else ckpt_dir.name
-    if ckpt_dir is not None:
+    if ckpt_dir is not None and checkpoint_kind(ckpt_dir) == "full":
+        check_adapter_base(run, ckpt_dir)  # the frozen embeddings come from the base: it must be the trained one
+        _verify_full_weights(run, ckpt_dir)
+    elif ckpt_dir is not None:
         # resolve_checkpoint only lists checkpoints whose adapter_config.json exists; the weights must too.
         weights = ckpt_dir / "adapter" / "adapter_model.safetensors"
         if not weights.is_file():
@@ -256,6 +259,18 @@ def _verify_adapter(run: RunDir, ckpt_dir: Path) -> None:
     if recorded and outputs.get("checkpoint") == run.rel(ckpt_dir) and adapter_hash(ckpt_dir / "adapter") != recorded:
         raise QerlError(f"{ckpt_dir}/adapter/adapter_model.safetensors does not match the sha256 the manifest recorded "
                         "for it (corrupted or replaced): evaluate another --checkpoint step_N or train again")
+
+
+def _verify_full_weights(run: RunDir, ckpt_dir: Path) -> None:
+    """A --finetune full checkpoint's weights must still have the sha256 the manifest recorded for it."""
+    from qerl_cli.runlayout import FULL_WEIGHTS_FILE
+
+    outputs = (run.record("train") or {}).get("outputs", {})
+    recorded = outputs.get("weights_sha256")
+    if recorded and outputs.get("checkpoint") == run.rel(ckpt_dir) and \
+            sha256_file(ckpt_dir / FULL_WEIGHTS_FILE) != recorded:
+        raise QerlError(f"{ckpt_dir}/{FULL_WEIGHTS_FILE} does not match the sha256 the manifest recorded for it "
+                        "(corrupted or replaced): evaluate another --checkpoint step_N or train again")
 
 
 def _data_files(task_name: str, shots: int) -> dict[str, str]:
@@ -384,7 +399,16 @@ def run_eval(
     model, tokenizer = load_model(str(res.model_dir), dtype=dtype, device=device,
                                   expected_sha256=res.model_record["outputs"]["model"].get("files", {}))
     adapter_info: dict[str, Any] | None = None
-    if res.checkpoint_dir is not None:
+    weights_info: dict[str, Any] | None = None  # --finetune full: the checkpoint's weights replace the base's
+    from qerl_cli.runlayout import FULL_WEIGHTS_FILE, checkpoint_kind
+
+    if res.checkpoint_dir is not None and checkpoint_kind(res.checkpoint_dir) == "full":
+        from qerl_cli.train.full_finetune import load_weights
+
+        load_weights(model, res.checkpoint_dir)
+        path = res.checkpoint_dir / FULL_WEIGHTS_FILE
+        weights_info = {"path": res.run.rel(path), "sha256": sha256_file(path)}
+    elif res.checkpoint_dir is not None:
         from qerl_cli.lora import adapter_summary, load_adapter
 
         adapter_dir = res.checkpoint_dir / "adapter"
@@ -416,7 +440,7 @@ def run_eval(
               "temperature": temperature, "max_tokens": max_new, "shots": task_obj.shots,
               "chat_template": task_obj.chat_template, "batch_slots": batch_slots, "device": device}
     inputs = {"model": {"path": res.run.rel(res.model_dir), **_model_hashes(res.model_record)},
-              "adapter": adapter_info, "data": res.data_files}
+              "adapter": adapter_info, "weights": weights_info, "data": res.data_files}
 
     with res.run.stage("eval", config=config, inputs=inputs, seeds={"sampling": seed},
                        key=f"eval/{res.slug}") as rec:
@@ -464,7 +488,7 @@ def run_eval(
             "checkpoint": {"requested": res.checkpoint_requested, "name": res.checkpoint_name,
                            "path": res.run.rel(res.checkpoint_dir) if res.checkpoint_dir else None,
                            "adapter_sha256": adapter_info["sha256"] if adapter_info else None,
-                           "adapter": adapter_info},
+                           "adapter": adapter_info, "weights": weights_info},
             "model": {"path": res.run.rel(res.model_dir), **_model_hashes(res.model_record)},
             "protocol": protocol,
             "notices": notices,
@@ -594,8 +618,9 @@ def render_eval_table(result: dict[str, Any]):  # noqa: ANN201 - rich.table.Tabl
         table.add_section()
         for g, ci in groups.items():
             table.add_row(f"  {key[3:]} {g}", _fmt_ci(ci), *["" for _ in ks], f"n={ci['n']}")
-    adapter = ckpt["adapter_sha256"]
-    table.caption = (f"* primary · adapter {adapter[:12] if adapter else 'none (base)'} · "
+    adapter, weights = ckpt["adapter_sha256"], (ckpt.get("weights") or {}).get("sha256")
+    scored = f"full weights {weights[:12]}" if weights else f"adapter {adapter[:12] if adapter else 'none (base)'}"
+    table.caption = (f"* primary · {scored} · "
                      f"T={result['protocol']['sampling']['temperature']} · max_tokens "
                      f"{result['protocol']['max_tokens']} · shots {result['protocol']['shots']} · "
                      f"{result['files']['result']}")

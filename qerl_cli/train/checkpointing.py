@@ -1,4 +1,5 @@
-"""Training checkpoints: adapter (peft format), optimizer, scheduler, scaler, RNG, data and AQN state.
+"""Training checkpoints (the kinds and their files: qerl_cli/runlayout.py): adapter (peft format) or full
+weights, optimizer, scheduler, scaler, RNG, data and AQN state.
 
 `DIR/train/checkpoints/step_N/` is written into a temporary sibling and renamed whole; the `latest`
 pointer is written last, so a crash at any point leaves the previous checkpoint as the one resumed.
@@ -24,9 +25,14 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import RunDir, atomic_write_json, staged_directory
-from qerl_cli.runlayout import checkpoint_name, checkpoints_dir, list_checkpoints, write_latest
-
-STATE_FILE = "trainer_state.pt"
+from qerl_cli.runlayout import (
+    ADAPTER_DIR,
+    TRAINER_STATE_FILE,
+    checkpoint_name,
+    checkpoints_dir,
+    list_checkpoints,
+    write_latest,
+)
 
 
 def rng_state() -> dict[str, Any]:
@@ -77,10 +83,10 @@ def save_checkpoint(run: RunDir, step: int, peft_model: Any, state: dict[str, An
         if write_weights is not None:
             write_weights(tmp)
         elif adapter_state is not None:
-            peft_model.save_pretrained(str(tmp / "adapter"), state_dict=adapter_state)
+            peft_model.save_pretrained(str(tmp / ADAPTER_DIR), state_dict=adapter_state)
         else:
-            peft_model.save_pretrained(str(tmp / "adapter"), state_dict=adapter_snapshot(peft_model))
-        torch.save({**state, "rng": rng if rng is not None else rng_state(), "step": step}, tmp / STATE_FILE)
+            peft_model.save_pretrained(str(tmp / ADAPTER_DIR), state_dict=adapter_snapshot(peft_model))
+        torch.save({**state, "rng": rng if rng is not None else rng_state(), "step": step}, tmp / TRAINER_STATE_FILE)
         atomic_write_json(tmp / "config.json", config)
     write_latest(run, step)
     ckpts = list_checkpoints(run)
@@ -133,7 +139,7 @@ class CheckpointWriter:
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
-        return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        return torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
     except (OSError, RuntimeError, EOFError) as exc:
         raise QerlError(f"checkpoint {path} is unreadable ({exc}): resume from an earlier step_N") from exc
 

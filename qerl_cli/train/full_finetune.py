@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.runlayout import FULL_WEIGHTS_FILE as WEIGHTS_FILE
 
-WEIGHTS_FILE = "weights.safetensors"
 FROZEN = ("embed_tokens", "lm_head")
 
 
@@ -65,17 +65,31 @@ class FullFinetune:
 
     @torch.no_grad()
     def load(self, directory: Path) -> None:
-        from safetensors.torch import load_file
-
-        path = directory / WEIGHTS_FILE
-        if not path.is_file():
-            raise QerlError(f"checkpoint {directory} has no {WEIGHTS_FILE}: it is not a --finetune full checkpoint")
-        sd = load_file(str(path))
-        if set(sd) != set(self.masters):
-            raise QerlError(f"checkpoint {directory} was trained with other parameters than this model has")
-        for name, t in sd.items():
+        for name, t in _read(directory, set(self.masters)).items():
             self.masters[name].copy_(t)
         self.sync_()
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, directory: Path) -> None:
+    """Put a --finetune full checkpoint's trained weights into `model` (`qerl eval`: no masters, no grads)."""
+    params = dict(model.named_parameters())
+    trained = {n for n in params if not any(part in FROZEN for part in n.split("."))}
+    for name, t in _read(directory, trained).items():
+        params[name].copy_(t)  # copy_ casts the fp32 masters to the model's dtype
+
+
+def _read(directory: Path, expected: set[str]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        raise QerlError(f"checkpoint {directory} has no {WEIGHTS_FILE}: it is not a --finetune full checkpoint")
+    sd = load_file(str(path))
+    if set(sd) != expected:
+        raise QerlError(f"checkpoint {directory} was trained with other parameters than this model has: evaluate "
+                        "it on the run it was trained in")
+    return sd
 
 
 def _move_grad_to(master: nn.Parameter):  # noqa: ANN202 - a hook

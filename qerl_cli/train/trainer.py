@@ -252,6 +252,7 @@ class Trainer:
 
     # ---- resume ----------------------------------------------------------------------------------
     def resume(self) -> int:
+        from qerl_cli.runlayout import ADAPTER_DIR
         from qerl_cli.train.checkpointing import load_adapter_weights, load_checkpoint, set_rng_state
 
         try:
@@ -270,7 +271,7 @@ class Trainer:
         if self.full is not None:
             self.full.load(ckpt)
         else:
-            load_adapter_weights(self.model, ckpt / "adapter")
+            load_adapter_weights(self.model, ckpt / ADAPTER_DIR)
         if self.rollout_quant is not None:  # the rollout copy follows the restored weights (and INT8 scales)
             self.rollout_quant.load_state_dict(state.get("rollout_quant"))
             self.rollout_quant.requantize_()
@@ -633,10 +634,10 @@ class NonFiniteLoss(QerlError):
 
 
 def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, Any]:
-    adapter = ckpt / "adapter" / "adapter_model.safetensors"
-    weights = {"adapter_sha256": sha256_file(adapter)} if adapter.is_file() else \
-        {"weights_sha256": sha256_file(ckpt / "weights.safetensors")}  # --finetune full
-    from qerl_cli.runlayout import CHECKPOINT_RE
+    from qerl_cli.runlayout import ADAPTER_DIR, CHECKPOINT_RE, FULL_WEIGHTS_FILE, checkpoint_kind
+
+    weights = {"adapter_sha256": sha256_file(ckpt / ADAPTER_DIR / "adapter_model.safetensors")} \
+        if checkpoint_kind(ckpt) == "adapter" else {"weights_sha256": sha256_file(ckpt / FULL_WEIGHTS_FILE)}
 
     match = CHECKPOINT_RE.match(ckpt.name)  # a background write finishes after the trainer moved on
     return {"checkpoint": run.rel(ckpt), "metrics": run.rel(trainer.metrics_path), **weights,
