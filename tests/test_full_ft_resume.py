@@ -50,8 +50,7 @@ def _tensors(obj):  # noqa: ANN001, ANN202 - nested optimizer state -> flat {pat
     return {}
 
 
-def test_resume_continues_at_the_last_step_with_its_optimizer_state_and_prunes(bf16_run: Path,
-                                                                               tmp_path: Path) -> None:
+def test_resume_continues_at_the_last_step_with_its_optimizer_state(bf16_run: Path, tmp_path: Path) -> None:
     from qerl_cli.train.config import build_config
     from qerl_cli.train.trainer import train
 
@@ -90,10 +89,21 @@ def test_resume_continues_at_the_last_step_with_its_optimizer_state_and_prunes(b
     assert rec["metrics"]["resumed_from"] == 2 and rec["metrics"]["steps_done"] == 4
     steps = [json.loads(x)["step"] for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
-    # keep_checkpoints=2 prunes full checkpoints too; `latest` points at the last one
-    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_3", "step_4"]
-    assert (ckpts / "latest").read_text().strip() == "step_4"
     assert rec["outputs"]["checkpoint"].endswith("step_4") and "weights_sha256" in rec["outputs"]
+
+
+def test_keep_checkpoints_prunes_full_checkpoints(bf16_run: Path, tmp_path: Path) -> None:
+    from qerl_cli.manifest import RunDir
+    from qerl_cli.runlayout import latest_step
+    from qerl_cli.train.config import build_config
+    from qerl_cli.train.trainer import train
+
+    run = tmp_path / "run"
+    shutil.copytree(bf16_run, run, ignore=shutil.ignore_patterns(".lock"))
+    train(run, build_config("quick_cpu", {**SMALL, "steps": 3, "keep_checkpoints": 2}))
+    ckpts = run / "train" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_2", "step_3"]
+    assert (ckpts / "latest").read_text().strip() == "step_3" and latest_step(RunDir(run, create=False)) == 3
 
 
 def test_eval_scores_the_full_checkpoint_weights(bf16_run: Path, tmp_path: Path) -> None:
@@ -103,7 +113,6 @@ def test_eval_scores_the_full_checkpoint_weights(bf16_run: Path, tmp_path: Path)
     from qerl_cli.manifest import sha256_file
     from qerl_cli.models import load_model
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.full_finetune import load_weights
     from qerl_cli.train.trainer import train
 
     run = tmp_path / "run"
@@ -111,6 +120,12 @@ def test_eval_scores_the_full_checkpoint_weights(bf16_run: Path, tmp_path: Path)
     train(run, build_config("quick_cpu", {**SMALL, "steps": 1}))
     ckpt = run / "train" / "checkpoints" / "step_1"
     trained = load_file(str(ckpt / "weights.safetensors"))
+
+    result = run_eval(run, "arith:1", limit=1, max_tokens=2, device="cpu")  # --checkpoint latest
+    assert result["checkpoint"]["name"] == "step_1" and result["checkpoint"]["adapter"] is None
+    assert result["checkpoint"]["weights"]["sha256"] == sha256_file(ckpt / "weights.safetensors")
+
+    from qerl_cli.train.full_finetune import load_weights  # what run_eval applied, checked tensor by tensor
 
     model = load_model(str(run / "model"), dtype=torch.float32)[0]
     params = dict(model.named_parameters())
@@ -121,7 +136,3 @@ def test_eval_scores_the_full_checkpoint_weights(bf16_run: Path, tmp_path: Path)
     for n, t in trained.items():
         assert torch.equal(params[n], t), n
     assert torch.equal(params["model.embed_tokens.weight"], embed)  # frozen: not in the file, left as is
-
-    result = run_eval(run, "arith:1", limit=1, max_tokens=2, device="cpu")
-    assert result["checkpoint"]["name"] == "step_1" and result["checkpoint"]["adapter"] is None
-    assert result["checkpoint"]["weights"]["sha256"] == sha256_file(ckpt / "weights.safetensors")
