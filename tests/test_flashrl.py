@@ -269,11 +269,19 @@ def test_full_finetune_trains_with_int8_and_fp8_rollouts_and_resumes_exactly(tin
         assert rec["config"]["correction"] == "token_tis" and rec["config"]["correction_cap"] == 2.0
         assert "weights_sha256" in rec["outputs"]
 
-    # resume: 1 step, then continue to 2 -> the same step-2 metrics as the uninterrupted int8 run
+    # killed during step 2 (step 1's checkpoint written), resumed -> the same step-2 metrics as the
+    # uninterrupted int8 run. A 1-step run extended to 2 would not do: it keeps its 1-step AQN schedule.
     run = tmp_path / "resumed"
     shutil.copytree(tiny["bf16"], run, ignore=shutil.ignore_patterns(".lock"))
-    base = {**SMALL, "rollout_quant": "int8", "precision": "bf16"}
-    train(run, build_config("quick_cpu", {**base, "steps": 1}))
-    res = train(run, build_config("quick_cpu", {**base, "steps": 2}), resume=True)
+    cfg = build_config("quick_cpu", {**SMALL, "rollout_quant": "int8", "precision": "bf16", "steps": 2})
+
+    def kill_at_step_2(m: dict) -> None:
+        if m["step"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(run, cfg, on_step=kill_at_step_2)
+    res = train(run, cfg, resume=True)
+    assert [m["step"] for m in res.metrics] == [2]  # continued at step 1's checkpoint, not from step 0
     full = [json.loads(x) for x in (runs["int8"] / "train" / "metrics.jsonl").read_text().splitlines()]
     assert comparable(res.metrics[-1]) == comparable(full[-1])
