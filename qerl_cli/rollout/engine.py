@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.kv_cache import CacheShape, KVCache, plan_num_slots
+from qerl_cli.rollout.kv_cache import CacheShape, KVCache, activation_reserve, plan_num_slots
 from qerl_cli.rollout.model_runner import (
     CudaGraphDecoder,
     ModelRunner,
@@ -171,21 +171,12 @@ class BuiltinEngine:
     # ----- memory -------------------------------------------------------------------------------------
 
     def _activation_reserve(self) -> int:
-        """Rough peak of non-cache memory during a rollout (bytes); generous on purpose."""
-        cfg = self.runner.config
-        elem = torch.empty((), dtype=self.runner.dtype).element_size()
-        hidden, inter = int(cfg.hidden_size), int(cfg.intermediate_size)
         r = self.runner
-        per_token = (
-            4 * hidden
-            + 3 * inter
-            + (r.num_heads + 2 * r.num_kv_heads) * r.head_dim
-            + 2 * r.num_layers * r.num_kv_heads * r.head_dim  # prefill K/V handed to the slots
-        )
-        prefill = int(1.5 * self.max_prefill_tokens * per_token * elem)
-        # Sampling works on [slots, vocab]: float32 logits/logp/noise and int64 hashes.
-        sampling = self.max_batch_slots * r.vocab_size * 48
-        return prefill + sampling + (512 << 20)
+        return activation_reserve(
+            hidden=int(r.config.hidden_size), intermediate=int(r.config.intermediate_size), heads=r.num_heads,
+            kv_heads=r.num_kv_heads, head_dim=r.head_dim, layers=r.num_layers, vocab=r.vocab_size,
+            elem=torch.empty((), dtype=r.dtype).element_size(), prefill_tokens=self.max_prefill_tokens,
+            slots=self.max_batch_slots)
 
     def _ensure_cache(self) -> KVCache:
         cache = self.runner.cache

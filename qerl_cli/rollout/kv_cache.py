@@ -32,6 +32,24 @@ class CacheShape:
         return 2 * self.num_layers * self.max_len * self.num_kv_heads * self.head_dim * elem
 
 
+def activation_reserve(*, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, layers: int,
+                       vocab: int, elem: int, prefill_tokens: int, slots: int) -> int:
+    """Rough peak of non-cache memory during a builtin-engine rollout (bytes); generous on purpose.
+
+    The engine keeps this much free beside its KV cache, and the trainer's memory plan counts it.
+    """
+    per_token = (
+        4 * hidden
+        + 3 * intermediate
+        + (heads + 2 * kv_heads) * head_dim
+        + 2 * layers * kv_heads * head_dim  # prefill K/V handed to the slots
+    )
+    prefill = int(1.5 * prefill_tokens * per_token * elem)
+    # Sampling works on [slots, vocab]: float32 logits/logp/noise and int64 hashes.
+    sampling = slots * vocab * 48
+    return prefill + sampling + (512 << 20)
+
+
 def plan_num_slots(
     shape: CacheShape,
     max_slots: int,

@@ -163,10 +163,12 @@ def _logprobs(dims: ModelDims, elem: int, completion_tokens: int, chunk: int) ->
 
 
 def rollout_reserve(dims: ModelDims, elem: int, slots: int) -> int:
-    """The builtin engine's activation reserve (BuiltinEngine._activation_reserve), in bytes."""
-    per_token = (4 * dims.hidden + 3 * dims.intermediate + (dims.heads + 2 * dims.kv_heads) * dims.head_dim
-                 + 2 * dims.layers * dims.kv_heads * dims.head_dim)
-    return int(1.5 * ENGINE_PREFILL_TOKENS * per_token * elem) + slots * dims.vocab * 48 + (512 << 20)
+    """The builtin engine's activation reserve for ``slots`` sequences, in bytes (its own formula)."""
+    from qerl_cli.rollout.kv_cache import activation_reserve
+
+    return activation_reserve(hidden=dims.hidden, intermediate=dims.intermediate, heads=dims.heads,
+                              kv_heads=dims.kv_heads, head_dim=dims.head_dim, layers=dims.layers, vocab=dims.vocab,
+                              elem=elem, prefill_tokens=ENGINE_PREFILL_TOKENS, slots=slots)
 
 
 def plan_memory(dims: ModelDims, *, weights: int, capacity: int | None, device_total: int | None, elem: int,
