@@ -337,7 +337,9 @@ def dry_run_lines(run_dir: Any, cfg: Any) -> list[str]:
         return [f"memory plan: not available ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"]
     c = cfg.resolved()
     weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-    elem = {"fp32": 4}.get(c.precision, 2)
+    from qerl_cli.train.trainer import PRECISION_DTYPES
+
+    elem = PRECISION_DTYPES[c.precision].itemsize
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         plan = plan_for_config(c, model_config, weights=weights, device=device, prompt_tokens=c.max_prompt_length,
