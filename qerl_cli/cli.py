@@ -171,11 +171,10 @@ def _launch_gpus(n: int) -> bool:
     """`qerl train --gpus N`: rerun this command under torchrun with N processes (minus --gpus).
 
     False for N = 1: one GPU needs no launcher, the command runs in this process."""
-    import torch
-
+    from qerl_cli.device import cuda_count
     from qerl_cli.train.distributed import launch, strip_option
 
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    have = cuda_count()
     if n < 1 or n > have:
         raise QerlError(f"--gpus {n} needs {n} CUDA GPUs but {have} are visible; on CPU run "
                         "`torchrun --nproc-per-node N -m qerl_cli train ...` (gloo) instead")
@@ -238,9 +237,9 @@ def fit_table(table: Table, out: Console) -> list[Table]:
 
 
 def _has_cuda() -> bool:
-    import torch
+    from qerl_cli.device import cuda_available
 
-    return torch.cuda.is_available()
+    return cuda_available()
 
 
 @app.command(name="eval")

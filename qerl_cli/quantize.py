@@ -27,7 +27,8 @@ from qerl_cli.checkpoint import (
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import dequantize, int4_group_size, quantize
 from qerl_cli.manifest import RunDir, sha256_file, staged_directory
-from qerl_cli.models import DTYPES, ModelSource, load_model, resolve_model
+from qerl_cli.models import ModelSource, load_model, resolve_model
+from qerl_cli.precision import dtype_of
 
 METHODS = ("rtn", "gptq", "awq")
 
@@ -126,7 +127,7 @@ def quantize_model(
     if dtype not in ("bf16", "fp16"):
         raise QerlError(f"--dtype must be bf16 or fp16, not {dtype}")
     ignore = list(ignore) if ignore is not None else ["lm_head"]
-    out_dtype = DTYPES[dtype]
+    out_dtype = dtype_of(dtype)
     run = RunDir(run_dir)
     src = resolve_model(model)
     torch.manual_seed(seed)

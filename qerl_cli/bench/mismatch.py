@@ -36,8 +36,8 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import atomic_write_png, jsonable
+from qerl_cli.precision import PRECISIONS
 
-PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_PRECISIONS = ("bf16", "fp16", "fp32")
 DEFAULT_FORMATS = ("bf16", "nvfp4", "mxfp4", "int8", "fp8")
 TASKS = ("arith", "gsm8k")

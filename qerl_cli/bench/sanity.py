@@ -42,6 +42,7 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import jsonable
+from qerl_cli.precision import dtype_of
 
 SCHEMA = 1
 THRESHOLD = 0.95
@@ -198,8 +199,6 @@ def build_subset(run: Any, cfg: Any, *, candidates: int, samples: int, lo: float
     from qerl_cli.bench.runmodels import model_hash, run_format
     from qerl_cli.manifest import atomic_write_json
     from qerl_cli.tasks import load_task
-    from qerl_cli.train.trainer import PRECISION_DTYPES
-
     key = {"task": cfg.task, "task_level": cfg.task_level, "shots": cfg.shots, "chat_template": cfg.chat_template,
            "model_hash": model_hash(run), "candidates": candidates, "samples": samples, "lo": lo, "hi": hi,
            "temperature": temperature, "max_tokens": cfg.max_completion_length, "seed": cfg.seed}
@@ -212,7 +211,7 @@ def build_subset(run: Any, cfg: Any, *, candidates: int, samples: int, lo: float
         if old.get("key") == key:
             log(f"reusing the perfectible subset in {path} ({len(old['selected'])} of {candidates} problems)")
             return old
-    dtype = PRECISION_DTYPES[cfg.precision]
+    dtype = dtype_of(cfg.precision)
     model, tok = models.get(run_format(run), dtype)
     task = load_task(cfg.task, split="train", shots=cfg.shots, chat_template=cfg.chat_template, tokenizer=tok,
                      seed=cfg.seed, level=cfg.task_level, limit=candidates)
@@ -278,7 +277,7 @@ def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], 
               stop: bool = True) -> dict[str, Any]:
     from qerl_cli.bench.runmodels import run_format
     from qerl_cli.manifest import RunDir
-    from qerl_cli.train.trainer import PRECISION_DTYPES, NonFiniteLoss, Trainer
+    from qerl_cli.train.trainer import NonFiniteLoss, Trainer
 
     fmt = cell.get("format", run_format(run))
     label = cell_label(cell)
@@ -291,7 +290,7 @@ def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], 
     scratch = Path(tempfile.mkdtemp(prefix="qerl-sanity-"))
     trainer = model = None
     try:
-        base, tok = models.get(fmt, PRECISION_DTYPES[cfg.precision])
+        base, tok = models.get(fmt, dtype_of(cfg.precision))
         model = copy.deepcopy(base)  # LoRA attaches in place; every cell starts from the same weights
         trainer = Trainer(RunDir(scratch), cfg, device=str(device))
         trainer.setup(model=model, tokenizer=tok, task=_subset_task(subset, stop))
@@ -391,9 +390,7 @@ def bench_sanity(
     if heldout:
         from qerl_cli.bench.runmodels import run_format
         from qerl_cli.tasks import load_task
-        from qerl_cli.train.trainer import PRECISION_DTYPES
-
-        _, tok = models.get(cells[0].get("format", run_format(run)), PRECISION_DTYPES[cfgs[0].precision])
+        _, tok = models.get(cells[0].get("format", run_format(run)), dtype_of(cfgs[0].precision))
         held_task = load_task(base_cfg.task, split="test", shots=base_cfg.shots, chat_template=base_cfg.chat_template,
                               tokenizer=tok, seed=base_cfg.seed, level=base_cfg.task_level, limit=heldout)
         held_task.examples = held_task.examples[:heldout]

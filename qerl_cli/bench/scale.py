@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from qerl_cli.manifest import atomic_write_json
+from qerl_cli.precision import dtype_of
 
 
 def _reward(prompts: list[str], completions: list[str], answer: list[str] | None = None, **_: Any) -> list[float]:
@@ -42,7 +43,7 @@ def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: 
     from qerl_cli.tasks.datasets import Example, Task
     from qerl_cli.train.config import TrainConfig
     from qerl_cli.train.distributed import current
-    from qerl_cli.train.trainer import PRECISION_DTYPES, Trainer
+    from qerl_cli.train.trainer import Trainer
 
     ctx = current()
     dev = torch.device(device or ctx.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -51,7 +52,7 @@ def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: 
                       max_completion_length=new_tokens, lora_rank=lora_rank, precision=precision,
                       micro_batch_size=micro_batch_size, dynamic_sampling=False, overlong_buffer=0, seed=seed,
                       log_rollouts=False, lr=1e-5).resolved()
-    dtype = PRECISION_DTYPES[precision]
+    dtype = dtype_of(precision)
     model = build_shape_model(get_shape(shape), fmt, dev, dtype, seed)  # no EOS: fixed-length generation
     task = Task("synthetic", "train", [Example(prompt=str(i), answer="") for i in range(num_prompts)],
                 "bench_random", (), lambda q: q, max_new_tokens=new_tokens)

@@ -48,6 +48,7 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import jsonable
+from qerl_cli.precision import dtype_of
 
 PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "requant", "checkpoint")
 MEM_PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "requant", "checkpoint")
@@ -220,7 +221,7 @@ def bench_step(
     from qerl_cli.bench.overrides import build_bench_config
     from qerl_cli.env_info import environment
     from qerl_cli.manifest import RunDir, atomic_write_json
-    from qerl_cli.train.trainer import PRECISION_DTYPES, Trainer
+    from qerl_cli.train.trainer import Trainer
 
     if (shape is None) == (run_dir is None):
         raise QerlError("give exactly one of --shape (random model of an architecture) or --run (the run's model)")
@@ -233,7 +234,7 @@ def bench_step(
         overrides.setdefault("gpu_memory_gib", memory_cap_gib)
     cfg = build_bench_config(default_config(device, warmup, measure), overrides)
     cfg.steps = warmup + measure  # the AQN schedule and the LR warm-up see exactly the steps run
-    dtype = PRECISION_DTYPES[cfg.precision]
+    dtype = dtype_of(cfg.precision)
     run = spec = None
     if shape is not None:
         from qerl_cli.bench.shapes import get_shape

@@ -309,11 +309,9 @@ def _group_keys(task_name: str) -> tuple[str, ...]:
 
 
 def _pick_device(device: str | None) -> str:
-    import torch
+    from qerl_cli.device import pick
 
-    if device:
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return device if device else pick().type
 
 
 # ------------------------------------------------------------------------------------------- main

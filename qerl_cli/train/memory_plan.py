@@ -38,7 +38,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import QerlError
+from qerl_cli.precision import dtype_of
 
 GIB = 2**30
 MAX_DEFAULT_MICRO_BATCH = 8
@@ -323,7 +325,6 @@ def dry_run_lines(run_dir: Any, cfg: Any) -> list[str]:
     """`qerl train --dry-run`: the plan for the run's model on this machine's GPU (or the CPU)."""
     from pathlib import Path
 
-    import torch
     from transformers import AutoConfig
 
     from qerl_cli.manifest import RunDir
@@ -337,10 +338,8 @@ def dry_run_lines(run_dir: Any, cfg: Any) -> list[str]:
         return [f"memory plan: not available ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"]
     c = cfg.resolved()
     weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-    from qerl_cli.train.trainer import PRECISION_DTYPES
-
-    elem = PRECISION_DTYPES[c.precision].itemsize
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    elem = dtype_of(c.precision).itemsize
+    device = pick_device().type
     try:
         plan = plan_for_config(c, model_config, weights=weights, device=device, prompt_tokens=c.max_prompt_length,
                                elem=elem)

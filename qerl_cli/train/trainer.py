@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import RunDir, sha256_file
+from qerl_cli.precision import dtype_of, uses_loss_scaling
 from qerl_cli.runlayout import (
     base_fingerprint,
     checkpoints_dir,
@@ -35,8 +37,6 @@ from qerl_cli.train.batch import RolloutBatch, build_batch
 from qerl_cli.train.checkpointing import CheckpointWriter
 from qerl_cli.train.config import TrainConfig
 from qerl_cli.train.logprobs import sampled_logprobs
-
-PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -113,8 +113,8 @@ class Trainer:
     def __init__(self, run: RunDir, cfg: TrainConfig, *, device: str | None = None) -> None:
         self.run = run
         self.cfg = cfg.resolved()
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = PRECISION_DTYPES[self.cfg.precision]
+        self.device = pick_device(device)
+        self.dtype = dtype_of(self.cfg.precision)
         # resolved in setup() unless a model is injected (benches build theirs in memory)
         self.model_dir: Path | None = None
         self.last_checkpoint_s = 0.0
@@ -207,7 +207,7 @@ class Trainer:
         warm = max(0, c.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=c.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=uses_loss_scaling(c.precision))
         self.step = 0
         self.extended_from: int | None = None  # a finished run's steps, when --resume --steps extends it
 
@@ -537,7 +537,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))
-        if not finite and c.precision != "fp16":
+        if not finite and not uses_loss_scaling(c.precision):
             raise NonFiniteLoss(f"the gradient norm became {grad_norm.item()} at step {self.step + 1}")
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
         self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
