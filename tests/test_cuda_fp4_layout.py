@@ -126,3 +126,20 @@ def test_launch_plan_splits_small_grids_only() -> None:
     # large M never splits K: 64-token tiles give enough CTAs
     assert cuda_fp4.launch_plan(256, 4608, 3584, 132)[:2] == (8, 1)
     assert cuda_fp4.supports(4608, 3584) and not cuda_fp4.supports(4608, 3520) and not cuda_fp4.supports(72, 384)
+
+
+def test_cuda_backend_is_refused_clearly_without_a_hopper_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qerl_kernels import dispatch
+
+    from qerl_cli.errors import QerlError
+
+    monkeypatch.setenv(dispatch.ENV, "auto")
+    if cuda_fp4.available():
+        pytest.skip("a Hopper GPU with nvcc is present")
+    with pytest.raises(QerlError, match="needs a Hopper"):
+        dispatch.set_backend("cuda")
+    monkeypatch.setenv(dispatch.CANDIDATES_ENV, "triton,cuda")
+    assert "cuda" not in dispatch.candidates()  # named but not buildable here: measured without it
+    monkeypatch.setenv(dispatch.CANDIDATES_ENV, "triton,cuda,bogus")
+    with pytest.raises(QerlError, match="cuda"):
+        dispatch.candidates()
