@@ -82,6 +82,12 @@ def _lib() -> ctypes.CDLL:
     lib.qerl_fp4_gemm.restype = ci
     lib.qerl_fp4_config.argtypes = [ci, ctypes.POINTER(ci), ctypes.POINTER(ci)]
     lib.qerl_fp4_config.restype = ci
+    lib.qerl_fp4_preload.restype = ci
+    if torch.cuda.is_available():
+        torch.cuda.init()  # the primary context torch uses, so the kernels load into it
+        err = lib.qerl_fp4_preload()
+        if err:
+            raise RuntimeError(f"loading the CUDA FP4 kernels failed: cudaError {err}")
     return lib
 
 

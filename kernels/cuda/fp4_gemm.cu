@@ -359,9 +359,34 @@ cudaError_t launch_mt(const Params& p, int mt, cudaStream_t stream) {
   }
 }
 
+template <bool NV, bool BF16>
+cudaError_t preload_fmt() {
+  cudaFuncAttributes a;
+  cudaError_t e = cudaSuccess;
+  const void* fns[] = {
+      (const void*)fp4_gemm_kernel<1, 8, NV, BF16, false>, (const void*)fp4_gemm_kernel<2, 8, NV, BF16, false>,
+      (const void*)fp4_gemm_kernel<4, 4, NV, BF16, true>,  (const void*)fp4_gemm_kernel<8, 4, NV, BF16, true>,
+      (const void*)splitk_reduce_kernel<NV, BF16>,         (const void*)permute_x_kernel};
+  for (const void* f : fns) {
+    const cudaError_t r = cudaFuncGetAttributes(&a, f);
+    if (r != cudaSuccess) e = r;
+  }
+  return e;
+}
+
 }  // namespace qerl
 
 extern "C" {
+
+// Load every kernel of the library into the current context now (lazy module loading would otherwise
+// load a kernel at its first launch, which may fall inside a CUDA-graph capture).
+int qerl_fp4_preload() {
+  cudaError_t e = qerl::preload_fmt<true, true>();
+  if (e == cudaSuccess) e = qerl::preload_fmt<true, false>();
+  if (e == cudaSuccess) e = qerl::preload_fmt<false, true>();
+  if (e == cudaSuccess) e = qerl::preload_fmt<false, false>();
+  return (int)e;
+}
 
 // The configurations this library was built with: MT (8-token tiles per CTA) -> warps per CTA, and
 // whether that MT reads the permuted activation copy (a [ceil(M/8MT)*MT*8, K] bf16-sized workspace).
