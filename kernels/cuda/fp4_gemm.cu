@@ -342,7 +342,8 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
   fp4_gemm_kernel<MT, WK, NV, BF16, PERM><<<grid, WK * 32, 0, stream>>>(p);
   if (p.splits > 1) {
     const size_t total = (size_t)p.M * p.N;
-    const unsigned blocks = (unsigned)min<size_t>((total + 255) / 256, 4096);
+    const size_t want = (total + 255) / 256;
+    const unsigned blocks = (unsigned)(want < 4096 ? want : 4096);
     splitk_reduce_kernel<NV, BF16><<<blocks, 256, 0, stream>>>(p);
   }
   return cudaGetLastError();
