@@ -36,11 +36,6 @@ typedef unsigned int uint32_t;
 
 namespace qerl {
 
-// Chunks of weight loads in flight per warp (32 B per lane each): 4 at decode sizes; 2 for the 64-token
-// tile, whose accumulators and activation fragments need the registers.
-template <int MT>
-constexpr int depth() { return MT >= 8 ? 2 : 4; }
-
 struct Params {
   const uint16_t* x;   // [M, K] bf16/fp16, rows ldx apart
   const uint4* xp;     // permuted activations (PERM kernels), see permute_x_kernel
@@ -189,7 +184,9 @@ __device__ __forceinline__ void chunk(float (&acc)[MT][4], const uint4 wa, const
 
 template <int MT, int WK, bool NV, bool BF16, bool PERM>
 __global__ void __launch_bounds__(WK * 32, (WK >= 8 || MT >= 8) ? 2 : 3) fp4_gemm_kernel(const Params p) {
-  constexpr int DEPTH = depth<MT>();
+  // chunks of weight loads in flight per warp (32 B per lane each): 4 at decode sizes, 2 for the 64-token
+  // tile, whose accumulators and activation fragments need the registers
+  constexpr int DEPTH = MT >= 8 ? 2 : 4;
   __shared__ float red[WK][MT * 8 * 16];
   const int lane = threadIdx.x & 31, wk = threadIdx.x >> 5;
   const int g = lane >> 2, q = lane & 3;
