@@ -30,7 +30,13 @@ log = logging.getLogger("qerl.kernels")
 SRC = Path(__file__).parent / "cuda" / "fp4_gemm.cu"
 NVCC_FLAGS = ("-O3", "-std=c++17", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 CACHE_ENV = "QERL_CUDA_CACHE"
-MTS = (1, 2, 4, 8)  # 8-token tiles per CTA the library is built for
+# The built kernel configurations (keep in step with QERL_FP4_CONFIGS in fp4_gemm.cu): (MT 8-token tiles per
+# CTA, WN warps along N each on its own 16-row block, WK warps splitting K, PERM reads the permuted
+# activation copy made by a small first kernel instead of gathering 4-byte pairs from x).
+CONFIGS = ((1, 4, 1, False), (1, 4, 2, False), (1, 1, 8, False), (1, 4, 1, True), (1, 4, 2, True), (1, 1, 8, True),
+           (2, 4, 1, True), (2, 4, 2, True), (2, 1, 8, True), (4, 4, 1, True), (4, 1, 8, True), (8, 4, 1, True))
+MTS = (1, 2, 4, 8)
+WARPS_PER_SM = 16  # resident warps per SM the plan aims to fill (registers allow ~16 at 120 per thread)
 F_NVFP4 = -8  # w' = code * scale * 2**F in the kernel; the fp32 result is multiplied by 2**-F (/ G)
 
 _failed: list[str] = []
@@ -78,10 +84,10 @@ def build() -> Path:
 def _lib() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
     vp, ci = ctypes.c_void_p, ctypes.c_int
-    lib.qerl_fp4_gemm.argtypes = [vp] * 8 + [ci] * 11 + [vp]
+    lib.qerl_fp4_gemm.argtypes = [vp] * 8 + [ci] * 14 + [vp]
     lib.qerl_fp4_gemm.restype = ci
-    lib.qerl_fp4_config.argtypes = [ci, ctypes.POINTER(ci), ctypes.POINTER(ci)]
-    lib.qerl_fp4_config.restype = ci
+    lib.qerl_fp4_has.argtypes = [ci] * 4
+    lib.qerl_fp4_has.restype = ci
     lib.qerl_fp4_preload.restype = ci
     if torch.cuda.is_available():
         torch.cuda.init()  # the primary context torch uses, so the kernels load into it
@@ -112,37 +118,42 @@ def supports(n: int, k: int) -> bool:
     return n % 16 == 0 and k % 128 == 0 and n > 0 and k > 0
 
 
-def kernel_config(mt: int) -> tuple[int, bool]:
-    """(warps per CTA, reads the permuted activation copy) of an MT, as the library was built."""
-    w, p = ctypes.c_int(), ctypes.c_int()
-    if _lib().qerl_fp4_config(mt, ctypes.byref(w), ctypes.byref(p)):
-        raise ValueError(f"no CUDA FP4 kernel for MT={mt}; built: {MTS}")
-    return w.value, bool(p.value)
-
-
 def default_mt(m: int) -> int:
     return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
 
 
 def launch_plan(m: int, n: int, k: int, sms: int, mt: int | None = None, splits: int | None = None,
-                warps: int | None = None) -> tuple[int, int, int]:
-    """(mt, splits, chunks per split). Split K across CTAs only while the grid is under two CTAs per SM and
-    every warp keeps >= 2 chunks; the split partials are summed in a fixed order by a second kernel."""
+                wn: int | None = None, wk: int | None = None,
+                perm: bool | None = None) -> tuple[int, int, int, bool, int, int]:
+    """(mt, wn, wk, perm, splits, chunks per split) for an [m, k] x [n, k]^T product.
+
+    Streaming the weight is latency-bound, so the plan aims at WARPS_PER_SM resident warps per SM, each
+    streaming as long a run of K chunks as possible: one warp per 16-row block over all of K when there are
+    enough blocks (wide GEMMs), K split over 2 or 8 warps of a CTA, then over CTAs (fixed-order second
+    pass), only as far as needed to fill the GPU. Activations are gathered per lane at M <= 2 and read
+    from a permuted copy above that (one 16-byte load per lane per 32-wide slice)."""
     mt = mt or default_mt(m)
-    warps = warps or (8 if mt <= 2 else 4)
     kc = k // 128
-    ctas = -(-m // (8 * mt)) * (n // 16)
+    rows = (n // 16) * -(-m // (8 * mt))  # warp tasks over N and M tiles
+    need = max(1, -(-WARPS_PER_SM * sms // rows))  # K-parallelism that fills the GPU
+    if wn is None or wk is None:
+        options = [(wn_, wk_) for (mt_, wn_, wk_, _) in CONFIGS if mt_ == mt]
+        wn, wk = next(((a, b) for a, b in sorted(set(options), key=lambda o: o[1]) if b >= need),
+                      max(set(options), key=lambda o: o[1]))
     if splits is None:
-        most = max(1, kc // (2 * warps))
-        splits = max(1, min(most, -(-2 * sms // ctas)))
+        splits = max(1, min(-(-need // wk), kc // (2 * wk)))
+    perm = (m > 2 or mt > 1) if perm is None else perm
+    if (mt, wn, wk, perm) not in CONFIGS:
+        raise ValueError(f"no CUDA FP4 kernel for MT={mt}, WN={wn}, WK={wk}, perm={perm}; built: {CONFIGS}")
     splits = max(1, min(splits, kc))
     cps = -(-kc // splits)
-    return mt, -(-kc // cps), cps
+    return mt, wn, wk, perm, -(-kc // cps), cps
 
 
 def fp4_gemm(x: torch.Tensor, repacked: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
              fmt: str, *, tiled: bool, shift: int = 0, bias: torch.Tensor | None = None, mt: int | None = None,
-             splits: int | None = None) -> torch.Tensor:
+             splits: int | None = None, wn: int | None = None, wk: int | None = None,
+             perm: bool | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) on the GPU. `repacked` is `repack_fp4(weight_packed, tiled)` [N, K/2];
     `scale` the checkpoint block scales; `shift` MXFP4's `mxfp4_shift`; `bias` fp32 [N] or None."""
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -159,8 +170,7 @@ def fp4_gemm(x: torch.Tensor, repacked: torch.Tensor, scale: torch.Tensor, globa
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    mt, splits, cps = launch_plan(m, n, k, sms, mt, splits)
-    warps, perm = kernel_config(mt)
+    mt, wn, wk, perm, splits, cps = launch_plan(m, n, k, sms, mt, splits, wn, wk, perm)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = -(-m // (8 * mt)) * mt
     xp = torch.empty((tiles * 8, k), dtype=x.dtype, device=x.device) if perm else None
@@ -173,7 +183,7 @@ def fp4_gemm(x: torch.Tensor, repacked: torch.Tensor, scale: torch.Tensor, globa
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = _lib().qerl_fp4_gemm(ptr(x), ptr(xp), ptr(repacked), ptr(scale.view(torch.uint8)), ptr(gs), ptr(bias),
                                ptr(y), ptr(ws), m, n, k, x.stride(0), int(nv), int(x.dtype == torch.bfloat16),
-                               int(tiled), int(shift), mt, splits, cps, stream)
+                               int(tiled), int(shift), mt, wn, wk, int(perm), splits, cps, stream)
     if err:
         raise RuntimeError(f"qerl CUDA FP4 kernel launch failed: cudaError {err}")
     return y

@@ -213,13 +213,14 @@ def check_cuda_kernel(device: str = "cuda", g: torch.Generator | None = None) ->
         for dt in (torch.bfloat16, torch.float16):
             wref = dequantize(qw, torch.float32)
             eye = torch.eye(k, dtype=dt, device=dev)
-            for mt in cuda_fp4.MTS:
+            for mt, wn, wk, perm in cuda_fp4.CONFIGS:  # every built kernel
                 rows = 8 * mt
                 for k0 in range(0, k, rows):
                     x = eye[k0:k0 + rows]
-                    run(f"cuda-{fmt}-exact-every-code-mt{mt}-{dt}",
-                        bind(cuda_fp4.fp4_gemm, x, rep, sc, gs, fmt, tiled=True, shift=shift, mt=mt),
-                        wref[:, k0:k0 + rows].T.to(dt), 0.0, N=n, K=k, k0=k0)
+                    run(f"cuda-{fmt}-exact-every-code-mt{mt}-wn{wn}-wk{wk}-perm{perm}-{dt}",
+                        bind(cuda_fp4.fp4_gemm, x, rep, sc, gs, fmt, tiled=True, shift=shift, mt=mt, wn=wn, wk=wk,
+                             perm=perm),
+                        wref[:, k0:k0 + rows].T.to(device=dev, dtype=dt), 0.0, N=n, K=k, k0=k0)
     print(f"selfcheck: cuda exact section done ({len(out)} checks)", flush=True)
     # 2. random weights: shapes, odd M, row and tiled layouts, bias, forced split-K
     for fmt in ("nvfp4", "mxfp4"):
@@ -241,6 +242,14 @@ def check_cuda_kernel(device: str = "cuda", g: torch.Generator | None = None) ->
                             bind(cuda_fp4.fp4_gemm, x, rep, t["weight_scale"], t.get("weight_global_scale"), fmt,
                                  tiled=tiled, shift=shift, bias=b, splits=splits),
                             ref + (bias.double() if b is not None else 0), TOL[dt], M=m, N=nn, K=kk)
+                if nn == 208:  # every built kernel on a row-layout shape whose N is not a multiple of 4 blocks
+                    for mt, wn, wk, perm in cuda_fp4.CONFIGS:
+                        m = 8 * mt - 3 if perm else 2
+                        x = torch.randn(m, kk, generator=g).to(device=dev, dtype=dt)
+                        run(f"cuda-{fmt}-fwd-mt{mt}-wn{wn}-wk{wk}-perm{perm}-{dt}",
+                            bind(cuda_fp4.fp4_gemm, x, rep, t["weight_scale"], t.get("weight_global_scale"), fmt,
+                                 tiled=tiled, shift=shift, bias=bias, mt=mt, wn=wn, wk=wk, perm=perm, splits=2),
+                            x.double() @ wd.T + bias.double(), TOL[dt], M=m, N=nn, K=kk)
         print(f"selfcheck: cuda {fmt} random section done ({len(out)} checks)", flush=True)
     # 3. through QuantLinear with the backend forced, forward (with bias) and dx
     prev = dispatch.get_backend()

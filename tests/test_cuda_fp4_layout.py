@@ -117,14 +117,19 @@ def test_emulated_gemm_matches_float64(fmt: str, dtype: torch.dtype) -> None:
     assert ((wrong - ref).norm() / ref.norm()).item() > 0.1
 
 
-def test_launch_plan_splits_small_grids_only() -> None:
-    # decode, 7B o_proj (N = K = 3584): 224 CTAs of 16 rows on 132 SMs -> no split (28 chunks, 8 warps)
-    assert cuda_fp4.launch_plan(1, 3584, 3584, 132) == (1, 1, 28)
-    # 7B down_proj (K = 18944): split in two so the grid reaches two CTAs per SM
-    mt, splits, cps = cuda_fp4.launch_plan(1, 3584, 18944, 132)
-    assert (mt, splits) == (1, 2) and splits * cps >= 148
-    # large M never splits K: 64-token tiles give enough CTAs
-    assert cuda_fp4.launch_plan(256, 4608, 3584, 132)[:2] == (8, 1)
+def test_launch_plan_fills_the_gpu_with_long_k_runs() -> None:
+    # 7B gate/up at decode (2368 row blocks >= 16 warps x 132 SMs): one warp per block over all of K
+    assert cuda_fp4.launch_plan(1, 37888, 3584, 132) == (1, 4, 1, False, 1, 28)
+    # 7B o_proj (224 blocks): K over 8 warps of a CTA and 2 CTAs (2112 warps wanted / 224 -> 10)
+    assert cuda_fp4.launch_plan(1, 3584, 3584, 132) == (1, 1, 8, False, 1, 28)
+    assert cuda_fp4.launch_plan(1, 3584, 18944, 132) == (1, 1, 8, False, 2, 74)
+    # above M = 2 the activations come from the permuted copy; 64-token tiles for large M
+    assert cuda_fp4.launch_plan(16, 37888, 3584, 132)[:4] == (2, 4, 1, True)
+    assert cuda_fp4.launch_plan(256, 4608, 3584, 132)[:4] == (8, 4, 1, True)
+    for m in (1, 3, 8, 16, 17, 32, 64, 256, 2048):  # every plan is a built configuration
+        for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (208, 384)):
+            mt, wn, wk, perm, splits, cps = cuda_fp4.launch_plan(m, n, k, 132)
+            assert (mt, wn, wk, perm) in cuda_fp4.CONFIGS and splits * cps >= k // 128 > (splits - 1) * cps
     assert cuda_fp4.supports(4608, 3584) and not cuda_fp4.supports(4608, 3520) and not cuda_fp4.supports(72, 384)
 
 

@@ -109,7 +109,8 @@ __device__ __forceinline__ uint32_t scale_pair(uint2 raw, int i, int shift) {
     const __nv_fp8x2_storage_t two = (__nv_fp8x2_storage_t)((word >> (16 * (i & 1))) & 0xffffu);
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);  // .x = low byte, exact
     if constexpr (BF16) {
-      const float lo = __half2float(__half(h.x)) * 0x1p118f, hi = __half2float(__half(h.y)) * 0x1p118f;
+      const __half2 hh(h);  // from the raw bits (a __half built from h.x would convert the integer value)
+      const float lo = __low2float(hh) * 0x1p118f, hi = __high2float(hh) * 0x1p118f;
       const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);  // exact: 4 significant bits
       return *reinterpret_cast<const uint32_t*>(&b);
     } else {
@@ -182,17 +183,20 @@ __device__ __forceinline__ void chunk(float (&acc)[MT][4], const uint4 wa, const
   }
 }
 
-template <int MT, int WK, bool NV, bool BF16, bool PERM>
-__global__ void __launch_bounds__(WK * 32, (WK >= 8 || MT >= 8) ? 2 : 3) fp4_gemm_kernel(const Params p) {
+template <int MT, int WN, int WK, bool NV, bool BF16, bool PERM>
+__global__ void __launch_bounds__(WN * WK * 32, (WN * WK >= 8 || MT >= 8) ? 2 : 3) fp4_gemm_kernel(const Params p) {
   // chunks of weight loads in flight per warp (32 B per lane each): 4 at decode sizes, 2 for the 64-token
   // tile, whose accumulators and activation fragments need the registers
   constexpr int DEPTH = MT >= 8 ? 2 : 4;
-  __shared__ float red[WK][MT * 8 * 16];
-  const int lane = threadIdx.x & 31, wk = threadIdx.x >> 5;
+  __shared__ float red[WN * WK][MT * 8 * 16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wn = warp / WK, wk = warp % WK;
   const int g = lane >> 2, q = lane & 3;
-  const int mtile = blockIdx.x, nb = blockIdx.y, sp = blockIdx.z;
+  const int mtile = blockIdx.x, sp = blockIdx.z;
+  const int nb = blockIdx.y * WN + wn;  // this warp's 16-row block
+  const bool live = nb * 16 < p.N;
   const int KC = p.K >> 7;
-  const int r0 = nb * 16 + g, r1 = r0 + 8;
+  const int r0 = live ? nb * 16 + g : g, r1 = r0 + 8;
   const size_t cstride = p.tiled ? 4096 : 64;
   const uint8_t* w0 = p.tiled ? p.w + (size_t)(r0 >> 6) * KC * 4096 + (r0 & 63) * 64 + q * 16
                               : p.w + (size_t)r0 * (p.K >> 1) + q * 16;
@@ -212,7 +216,7 @@ __global__ void __launch_bounds__(WK * 32, (WK >= 8 || MT >= 8) ? 2 : 3) fp4_gem
   }
 
   const int cb = sp * p.cps, ce = min(KC, cb + p.cps);
-  const int nj = ce - cb - wk > 0 ? (ce - cb - wk + WK - 1) / WK : 0;
+  const int nj = (live && ce - cb - wk > 0) ? (ce - cb - wk + WK - 1) / WK : 0;
 
   float acc[MT][4];
 #pragma unroll
@@ -251,7 +255,7 @@ __global__ void __launch_bounds__(WK * 32, (WK >= 8 || MT >= 8) ? 2 : 3) fp4_gem
   // C fragment: acc[t] = {y[tok 2q][row g], y[2q+1][g], y[2q][g+8], y[2q+1][g+8]} of token tile t.
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
-    float* r = red[wk] + (t * 8 + 2 * q) * 16;
+    float* r = red[warp] + (t * 8 + 2 * q) * 16;
     r[g] = acc[t][0];
     r[16 + g] = acc[t][1];
     r[g + 8] = acc[t][2];
@@ -259,12 +263,14 @@ __global__ void __launch_bounds__(WK * 32, (WK >= 8 || MT >= 8) ? 2 : 3) fp4_gem
   }
   __syncthreads();
   const float alpha = NV ? 256.0f / p.gs[0] : exp2f((float)(-p.shift));
-  for (int e = threadIdx.x; e < MT * 8 * 16; e += WK * 32) {
-    const int tok = tile0 * 8 + e / 16, n = nb * 16 + (e & 15);
-    if (tok >= p.M) continue;
+  constexpr int PER = MT * 8 * 16;  // outputs of one row block and token tile group
+  for (int e = threadIdx.x; e < WN * PER; e += WN * WK * 32) {
+    const int bn = e / PER, el = e % PER;
+    const int tok = tile0 * 8 + el / 16, n = (blockIdx.y * WN + bn) * 16 + (el & 15);
+    if (tok >= p.M || n >= p.N) continue;
     float sum = 0.f;
 #pragma unroll
-    for (int v = 0; v < WK; ++v) sum += red[v][e];  // fixed order: deterministic
+    for (int v = 0; v < WK; ++v) sum += red[bn * WK + v][el];  // fixed order: deterministic
     if (p.splits > 1) {
       p.ws[((size_t)sp * p.M + tok) * p.N + n] = sum;
     } else {
@@ -317,17 +323,18 @@ __global__ void permute_x_kernel(const Params p, int tiles) {
 }
 
 #ifdef __CUDACC_RTC__
-// what the host code below instantiates
-template __global__ void fp4_gemm_kernel<1, 8, true, true, false>(const Params);
-template __global__ void fp4_gemm_kernel<2, 8, true, true, false>(const Params);
-template __global__ void fp4_gemm_kernel<4, 4, true, true, true>(const Params);
-template __global__ void fp4_gemm_kernel<8, 4, true, true, true>(const Params);
-template __global__ void fp4_gemm_kernel<2, 8, false, false, false>(const Params);
-template __global__ void fp4_gemm_kernel<8, 4, false, true, true>(const Params);
+// what the host code below instantiates (a sample: register counts per shape of the template)
+template __global__ void fp4_gemm_kernel<1, 4, 1, true, true, false>(const Params);
+template __global__ void fp4_gemm_kernel<1, 1, 8, true, true, false>(const Params);
+template __global__ void fp4_gemm_kernel<1, 4, 2, true, true, true>(const Params);
+template __global__ void fp4_gemm_kernel<2, 4, 1, true, true, true>(const Params);
+template __global__ void fp4_gemm_kernel<4, 4, 1, true, true, true>(const Params);
+template __global__ void fp4_gemm_kernel<8, 4, 1, true, true, true>(const Params);
+template __global__ void fp4_gemm_kernel<8, 4, 1, false, false, true>(const Params);
 template __global__ void splitk_reduce_kernel<true, true>(const Params);
 }  // namespace qerl
 #else
-template <int MT, int WK, bool NV, bool BF16, bool PERM>
+template <int MT, int WN, int WK, bool NV, bool BF16, bool PERM>
 cudaError_t launch(const Params& p, cudaStream_t stream) {
   const int mtiles = (p.M + 8 * MT - 1) / (8 * MT);
   if (PERM) {
@@ -335,8 +342,8 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
     const size_t threads = (size_t)tiles * (p.K >> 5) * 32;
     permute_x_kernel<<<(unsigned)((threads + 255) / 256), 256, 0, stream>>>(p, tiles);
   }
-  dim3 grid(mtiles, p.N / 16, p.splits);
-  fp4_gemm_kernel<MT, WK, NV, BF16, PERM><<<grid, WK * 32, 0, stream>>>(p);
+  dim3 grid(mtiles, (p.N / 16 + WN - 1) / WN, p.splits);
+  fp4_gemm_kernel<MT, WN, WK, NV, BF16, PERM><<<grid, WN * WK * 32, 0, stream>>>(p);
   if (p.splits > 1) {
     const size_t total = (size_t)p.M * p.N;
     const size_t want = (total + 255) / 256;
@@ -346,29 +353,34 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The built configurations: (MT, WN, WK, PERM). Keep in step with CONFIGS in kernels/cuda_fp4.py.
+#define QERL_FP4_CONFIGS(X) \
+  X(1, 4, 1, false) X(1, 4, 2, false) X(1, 1, 8, false) \
+  X(1, 4, 1, true) X(1, 4, 2, true) X(1, 1, 8, true) \
+  X(2, 4, 1, true) X(2, 4, 2, true) X(2, 1, 8, true) \
+  X(4, 4, 1, true) X(4, 1, 8, true) \
+  X(8, 4, 1, true)
+
 template <bool NV, bool BF16>
-cudaError_t launch_mt(const Params& p, int mt, cudaStream_t stream) {
-  switch (mt) {
-    case 1: return launch<1, 8, NV, BF16, false>(p, stream);
-    case 2: return launch<2, 8, NV, BF16, false>(p, stream);
-    case 4: return launch<4, 4, NV, BF16, true>(p, stream);
-    case 8: return launch<8, 4, NV, BF16, true>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+cudaError_t launch_cfg(const Params& p, int mt, int wn, int wk, int perm, cudaStream_t stream) {
+#define QERL_PICK(MT_, WN_, WK_, P_) \
+  if (mt == MT_ && wn == WN_ && wk == WK_ && (perm != 0) == P_) return launch<MT_, WN_, WK_, NV, BF16, P_>(p, stream);
+  QERL_FP4_CONFIGS(QERL_PICK)
+#undef QERL_PICK
+  return cudaErrorInvalidValue;
 }
 
 template <bool NV, bool BF16>
 cudaError_t preload_fmt() {
   cudaFuncAttributes a;
   cudaError_t e = cudaSuccess;
-  const void* fns[] = {
-      (const void*)fp4_gemm_kernel<1, 8, NV, BF16, false>, (const void*)fp4_gemm_kernel<2, 8, NV, BF16, false>,
-      (const void*)fp4_gemm_kernel<4, 4, NV, BF16, true>,  (const void*)fp4_gemm_kernel<8, 4, NV, BF16, true>,
-      (const void*)splitk_reduce_kernel<NV, BF16>,         (const void*)permute_x_kernel};
-  for (const void* f : fns) {
-    const cudaError_t r = cudaFuncGetAttributes(&a, f);
-    if (r != cudaSuccess) e = r;
-  }
+#define QERL_LOAD(MT_, WN_, WK_, P_) \
+  if (cudaFuncGetAttributes(&a, (const void*)fp4_gemm_kernel<MT_, WN_, WK_, NV, BF16, P_>) != cudaSuccess) \
+    e = cudaErrorInvalidDeviceFunction;
+  QERL_FP4_CONFIGS(QERL_LOAD)
+#undef QERL_LOAD
+  if (cudaFuncGetAttributes(&a, (const void*)splitk_reduce_kernel<NV, BF16>) != cudaSuccess) e = cudaErrorInvalidDeviceFunction;
+  if (cudaFuncGetAttributes(&a, (const void*)permute_x_kernel) != cudaSuccess) e = cudaErrorInvalidDeviceFunction;
   return e;
 }
 
@@ -386,28 +398,27 @@ int qerl_fp4_preload() {
   return (int)e;
 }
 
-// The configurations this library was built with: MT (8-token tiles per CTA) -> warps per CTA, and
-// whether that MT reads the permuted activation copy (a [ceil(M/8MT)*MT*8, K] bf16-sized workspace).
-int qerl_fp4_config(int mt, int* warps, int* perm) {
-  switch (mt) {
-    case 1: *warps = 8; *perm = 0; return 0;
-    case 2: *warps = 8; *perm = 0; return 0;
-    case 4: *warps = 4; *perm = 1; return 0;
-    case 8: *warps = 4; *perm = 1; return 0;
-    default: return 1;
-  }
+// 1 if the library holds the configuration (MT 8-token tiles, WN x WK warps, permuted activations).
+int qerl_fp4_has(int mt, int wn, int wk, int perm) {
+#define QERL_HAS(MT_, WN_, WK_, P_) \
+  if (mt == MT_ && wn == WN_ && wk == WK_ && (perm != 0) == P_) return 1;
+  QERL_FP4_CONFIGS(QERL_HAS)
+#undef QERL_HAS
+  return 0;
 }
 
 // Returns a cudaError_t (0 = success). Preconditions are checked by the caller (kernels/cuda_fp4.py):
 // N % 16 == 0, K % 128 == 0, 16-byte aligned weight, 4-byte aligned x rows, tiled => N % 64 == 0.
 int qerl_fp4_gemm(const void* x, void* xp, const void* w, const void* s, const float* gs, const float* bias, void* y,
                   float* ws, int M, int N, int K, int ldx, int nvfp4, int bf16, int tiled, int shift, int mt,
-                  int splits, int cps, void* stream) {
+                  int wn, int wk, int perm, int splits, int cps, void* stream) {
   qerl::Params p{static_cast<const uint16_t*>(x), static_cast<const uint4*>(xp), static_cast<const uint8_t*>(w),
                  static_cast<const uint8_t*>(s), gs, bias, y, ws, M, N, K, ldx, tiled, shift, splits, cps};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (nvfp4) return bf16 ? qerl::launch_mt<true, true>(p, mt, st) : qerl::launch_mt<true, false>(p, mt, st);
-  return bf16 ? qerl::launch_mt<false, true>(p, mt, st) : qerl::launch_mt<false, false>(p, mt, st);
+  if (nvfp4) {
+    return bf16 ? qerl::launch_cfg<true, true>(p, mt, wn, wk, perm, st) : qerl::launch_cfg<true, false>(p, mt, wn, wk, perm, st);
+  }
+  return bf16 ? qerl::launch_cfg<false, true>(p, mt, wn, wk, perm, st) : qerl::launch_cfg<false, false>(p, mt, wn, wk, perm, st);
 }
 
 }  // extern "C"
