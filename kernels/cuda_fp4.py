@@ -125,26 +125,24 @@ def default_mt(m: int) -> int:
 def launch_plan(m: int, n: int, k: int, sms: int, mt: int | None = None, splits: int | None = None,
                 wn: int | None = None, wk: int | None = None,
                 perm: bool | None = None) -> tuple[int, int, int, bool, int, int]:
-    """(mt, wn, wk, perm, splits, chunks per split) for an [m, k] x [n, k]^T product.
+    """(mt, wn, wk, perm, splits, chunks per split) for an [m, k] x [n, k]^T product: a fixed rule (the
+    summation order, and so the bits, depend on the plan; a timed choice could differ between processes).
 
-    Streaming the weight is latency-bound, so the plan aims at WARPS_PER_SM resident warps per SM, each
-    streaming as long a run of K chunks as possible: one warp per 16-row block over all of K when there are
-    enough blocks (wide GEMMs), K split over 2 or 8 warps of a CTA, then over CTAs (fixed-order second
-    pass), only as far as needed to fill the GPU. Activations are gathered per lane at M <= 2 and read
-    from a permuted copy above that (one 16-byte load per lane per 32-wide slice)."""
+    Up to 32 tokens, CTAs of 8 warps splitting one 16-row block's K (many short CTAs measured faster than
+    few long ones, docs/benchmarks.md); 64-token tiles use 4 warps on 4 row blocks. K is split across CTAs
+    (fixed-order second pass) only while the grid has fewer than WARPS_PER_SM warps per SM, keeping >= 2
+    chunks per warp. Activations are gathered per lane at M <= 2 and read from a permuted copy above that
+    (one 16-byte load per lane per 32-wide slice)."""
     mt = mt or default_mt(m)
-    kc = k // 128
-    rows = (n // 16) * -(-m // (8 * mt))  # warp tasks over N and M tiles
-    need = max(1, -(-WARPS_PER_SM * sms // rows))  # K-parallelism that fills the GPU
-    if wn is None or wk is None:
-        options = [(wn_, wk_) for (mt_, wn_, wk_, _) in CONFIGS if mt_ == mt]
-        wn, wk = next(((a, b) for a, b in sorted(set(options), key=lambda o: o[1]) if b >= need),
-                      max(set(options), key=lambda o: o[1]))
-    if splits is None:
-        splits = max(1, min(-(-need // wk), kc // (2 * wk)))
     perm = (m > 2 or mt > 1) if perm is None else perm
+    if wn is None or wk is None:
+        wn, wk = (1, 8) if mt <= 4 else (4, 1)
     if (mt, wn, wk, perm) not in CONFIGS:
         raise ValueError(f"no CUDA FP4 kernel for MT={mt}, WN={wn}, WK={wk}, perm={perm}; built: {CONFIGS}")
+    kc = k // 128
+    warps = -(-(n // 16) // wn) * -(-m // (8 * mt)) * wn * wk
+    if splits is None:
+        splits = max(1, min(-(-WARPS_PER_SM * sms // warps), kc // (2 * wk)))
     splits = max(1, min(splits, kc))
     cps = -(-kc // splits)
     return mt, wn, wk, perm, -(-kc // cps), cps
