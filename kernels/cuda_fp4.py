@@ -128,11 +128,12 @@ def launch_plan(m: int, n: int, k: int, sms: int, mt: int | None = None, splits:
     """(mt, wn, wk, perm, splits, chunks per split) for an [m, k] x [n, k]^T product: a fixed rule (the
     summation order, and so the bits, depend on the plan; a timed choice could differ between processes).
 
-    Up to 32 tokens, CTAs of 8 warps splitting one 16-row block's K (many short CTAs measured faster than
-    few long ones, docs/benchmarks.md); 64-token tiles use 4 warps on 4 row blocks. K is split across CTAs
-    (fixed-order second pass) only while the grid has fewer than WARPS_PER_SM warps per SM, keeping >= 2
-    chunks per warp. Activations are gathered per lane at M <= 2 and read from a permuted copy above that
-    (one 16-byte load per lane per 32-wide slice)."""
+    Up to 32 tokens, CTAs of 8 warps splitting one 16-row block's K, never split further (many short CTAs
+    measured faster than few long ones, and a split across CTAs slower: the config sweep in
+    docs/benchmarks.md); 64-token tiles use 4 warps on 4 row blocks, and split K across CTAs (fixed-order
+    second pass, at most 4 ways, >= 2 chunks per warp) only when M is one tile and the grid has fewer than
+    WARPS_PER_SM warps per SM. Activations are gathered per lane at M <= 2 and read from a permuted copy
+    above that (one 16-byte load per lane per 32-wide slice)."""
     mt = mt or default_mt(m)
     perm = (m > 2 or mt > 1) if perm is None else perm
     if wn is None or wk is None:
@@ -140,9 +141,12 @@ def launch_plan(m: int, n: int, k: int, sms: int, mt: int | None = None, splits:
     if (mt, wn, wk, perm) not in CONFIGS:
         raise ValueError(f"no CUDA FP4 kernel for MT={mt}, WN={wn}, WK={wk}, perm={perm}; built: {CONFIGS}")
     kc = k // 128
-    warps = -(-(n // 16) // wn) * -(-m // (8 * mt)) * wn * wk
+    mtiles = -(-m // (8 * mt))
+    warps = -(-(n // 16) // wn) * mtiles * wn * wk
     if splits is None:
-        splits = max(1, min(-(-WARPS_PER_SM * sms // warps), kc // (2 * wk)))
+        splits = 1
+        if wk == 1 and mtiles == 1:
+            splits = max(1, min(4, -(-WARPS_PER_SM * sms // warps), kc // 2))
     splits = max(1, min(splits, kc))
     cps = -(-kc // splits)
     return mt, wn, wk, perm, -(-kc // cps), cps
