@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 
 import torch
+from qerl_kernels._common import num_sms
 
 log = logging.getLogger("qerl.kernels")
 
@@ -40,6 +41,7 @@ WARPS_PER_SM = 16  # resident warps per SM the plan aims to fill (registers allo
 F_NVFP4 = -8  # w' = code * scale * 2**F in the kernel; the fp32 result is multiplied by 2**-F (/ G)
 
 _failed: list[str] = []
+_available: dict[int, bool] = {}  # device index -> usable (asked on every auto forward: keep it a lookup)
 
 
 # ---- build and load ------------------------------------------------------------------------------------
@@ -102,15 +104,18 @@ def available(device: torch.device | None = None) -> bool:
     if _failed or not torch.cuda.is_available():
         return False
     idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    if torch.cuda.get_device_capability(idx) != (9, 0):
-        return False
-    try:
-        _lib()
-    except Exception as exc:  # no nvcc, or it failed: the other backends stay
-        _failed.append(repr(exc)[:500])
-        log.warning("qerl CUDA FP4 kernel unavailable: %s", _failed[0])
-        return False
-    return True
+    ok = _available.get(idx)
+    if ok is None:
+        ok = torch.cuda.get_device_capability(idx) == (9, 0)
+        if ok:
+            try:
+                _lib()
+            except Exception as exc:  # no nvcc, or it failed: the other backends stay
+                _failed.append(repr(exc)[:500])
+                log.warning("qerl CUDA FP4 kernel unavailable: %s", _failed[0])
+                ok = False
+        _available[idx] = ok
+    return ok
 
 
 def supports(n: int, k: int) -> bool:
@@ -171,7 +176,7 @@ def fp4_gemm(x: torch.Tensor, repacked: torch.Tensor, scale: torch.Tensor, globa
         raise ValueError("NVFP4 needs weight_global_scale")
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = num_sms(x.device)
     mt, wn, wk, perm, splits, cps = launch_plan(m, n, k, sms, mt, splits, wn, wk, perm)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = -(-m // (8 * mt)) * mt

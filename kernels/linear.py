@@ -7,6 +7,8 @@ docs/benchmarks.md):
 - 16 < M < `LARGE_M_DEQUANT` (512): the same kernel with 64/128/256-row activation tiles, split-K with a
   second fixed-order reduction pass when tiles are few;
 - M >= 512: the exact Triton dequantizer into a transient bf16 weight, then cuBLAS (it measured faster).
+- on Hopper, qerl's CUDA C++ kernel (`cuda_fp4`, backend `cuda`) on the same repacked bytes, a candidate
+  that `dispatch` measures next to these.
 Both reductions are deterministic (no float atomics). INT8/FP8 use the W8A16 kernels at every M, so
 decode, prefill and the training forward compute one function (rollout-vs-training mismatch stays at the
 BF16 level). `QERL_FP8_ACT=auto` opts in to the FP8xFP8 tensor-core path for bf16 activations at
