@@ -17,11 +17,11 @@
 // code * scale * 2^-8 exactly (<= 6 significant bits, in range). The fp32 accumulator is multiplied by
 // 2^8 / global_scale (NVFP4) or 2^-F (MXFP4, F = per-tensor exponent shift) once at the end.
 //
-// Work split: a CTA owns one 16-row block, one M tile (8*MT tokens) and one K range (split); its WK warps
-// take the range's chunks round-robin, each keeping DEPTH chunks of weight loads in flight, and sum their
-// fp32 partials through shared memory in warp order. Split K across CTAs writes fp32 partials to a
-// workspace summed by a second kernel in split order. No atomics anywhere: results are bit-identical
-// from run to run.
+// Work split: a CTA owns WN 16-row blocks, one M tile (8*MT tokens) and one K range (split); each block
+// has WK warps that take the range's chunks round-robin, each keeping DEPTH chunks of weight loads in
+// flight, and sum their fp32 partials through shared memory in warp order. Split K across CTAs writes
+// fp32 partials to a workspace summed by a second kernel in split order. No atomics anywhere: results are
+// bit-identical from run to run. The host side (kernels/cuda_fp4.py launch_plan) picks the configuration.
 #ifdef __CUDACC_RTC__  // NVRTC: device code only (a syntax and register check without nvcc)
 typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
