@@ -8,6 +8,8 @@ Backends (`set_backend(name)`, or QERL_LINEAR_BACKEND; `qerl bench rollout --lin
 - `qerl`: qerl's own kernels by the fixed M threshold (fused Triton below `LARGE_M_DEQUANT`, dequantize +
   cuBLAS from it) - what qerl ran before the timing pass, and the fallback while a graph is captured;
 - `triton`: the fused Triton kernel at every M; `cublas`: dequantize + cuBLAS at every M;
+- `cuda`: qerl's CUDA C++ kernel (`cuda_fp4`, Hopper only, built with nvcc on first use) at every M; it
+  reads the same resident repack as `triton`/`cublas`, so choosing it costs no extra weight copy;
 - `humming`: humming-kernels at every M (needs the package; it converts the weight into its own layout,
   a second resident copy, which `auto` accepts only where humming measured faster;
   QERL_DISPATCH_CANDIDATES=triton,cublas keeps `auto` on qerl's single copy).
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qerl.kernels")
 
-BACKENDS = ("auto", "qerl", "triton", "humming", "cublas")
+BACKENDS = ("auto", "qerl", "triton", "humming", "cublas", "cuda")
 M_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 ENV = "QERL_LINEAR_BACKEND"
 CACHE_ENV = "QERL_KERNEL_CACHE"
@@ -64,7 +66,15 @@ def set_backend(name: str) -> None:
             from qerl_cli.errors import QerlError
 
             raise QerlError("linear backend 'humming' needs the humming-kernels package (and CUDA); install it "
-                            "or choose auto|qerl|triton|cublas")
+                            "or choose auto|qerl|triton|cuda|cublas")
+    if name == "cuda":
+        from qerl_kernels import cuda_fp4
+
+        if not cuda_fp4.available():
+            from qerl_cli.errors import QerlError
+
+            raise QerlError("linear backend 'cuda' needs a Hopper (sm_90) GPU and nvcc to build qerl's CUDA FP4 "
+                            "kernel (set CUDA_HOME); choose auto|qerl|triton|cublas")
     os.environ[ENV] = name
 
 
@@ -82,9 +92,13 @@ def _threshold_choice(m: int) -> str:
 
 
 def choose(module: nn.Module, x: torch.Tensor) -> str:
-    """'triton' | 'cublas' | 'humming' for this forward."""
+    """'triton' | 'cuda' | 'cublas' | 'humming' for this forward."""
     backend = get_backend()
     m = x.shape[0]
+    if backend == "cuda":
+        from qerl_kernels.linear import cuda_supported
+
+        return "cuda" if cuda_supported(module, x) else _threshold_choice(m)  # shapes it cannot run fall back
     if backend in ("triton", "cublas", "humming"):
         return backend
     if backend == "qerl":
@@ -144,20 +158,21 @@ def shape_key(module: nn.Module, dtype: torch.dtype) -> tuple:
 
 
 def candidates() -> list[str]:
-    """What `auto` measures: triton, cublas and (installed) humming, or the subset QERL_DISPATCH_CANDIDATES
-    names (e.g. `triton,cublas` keeps auto on qerl's one resident copy)."""
-    from qerl_kernels import humming_peer
+    """What `auto` measures: triton, cublas, cuda (Hopper with nvcc) and (installed) humming, or the subset
+    QERL_DISPATCH_CANDIDATES names (e.g. `triton,cublas,cuda` keeps auto on qerl's one resident copy)."""
+    from qerl_kernels import cuda_fp4, humming_peer
 
-    found = ["triton", "cublas"] + (["humming"] if humming_peer.available() else [])
+    found = ["triton", "cublas"] + (["cuda"] if cuda_fp4.available() else []) + \
+        (["humming"] if humming_peer.available() else [])
     wanted = os.environ.get(CANDIDATES_ENV)
     if not wanted:
         return found
     names = [w.strip() for w in wanted.split(",") if w.strip()]
-    bad = [w for w in names if w not in ("triton", "cublas", "humming")]
+    bad = [w for w in names if w not in ("triton", "cublas", "cuda", "humming")]
     if bad or not names:
         from qerl_cli.errors import QerlError
 
-        raise QerlError(f"{CANDIDATES_ENV}={wanted!r}: name some of triton, cublas, humming (comma-separated)")
+        raise QerlError(f"{CANDIDATES_ENV}={wanted!r}: name some of triton, cublas, cuda, humming (comma-separated)")
     return [c for c in found if c in names] or ["triton"]
 
 
@@ -171,9 +186,11 @@ def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...]
     gen = torch.Generator(device=dev).manual_seed(0)
     plan: dict[int, str] = {}
     timings: dict[int, dict[str, float]] = {}
-    funcs = {"triton": ql.fp4_fused, "cublas": ql.dequant_linear,
+    funcs = {"triton": ql.fp4_fused, "cublas": ql.dequant_linear, "cuda": ql.cuda_fused,
              "humming": lambda x, mod: humming_forward(mod, x)}
     cands = list(cands or candidates())
+    if "cuda" in cands and not ql.cuda_supported(module, torch.empty(1, module.in_features, device=dev, dtype=dtype)):
+        cands.remove("cuda")  # a shape or dtype the CUDA kernel does not cover
     with torch.no_grad():
         for b in buckets:
             x = torch.randn(b, module.in_features, device=dev, dtype=dtype, generator=gen)
@@ -244,7 +261,7 @@ def _fingerprint() -> str:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         gpu = f"{props.name}|{props.multi_processor_count}"
     src = hashlib.sha256()
-    for f in sorted(Path(__file__).parent.glob("*.py")):
+    for f in sorted(Path(__file__).parent.glob("*.py")) + sorted(Path(__file__).parent.glob("cuda/*.cu")):
         src.update(f.read_bytes())
     ident = f"{gpu}|{torch.__version__}|{triton.__version__}|" \
             f"{humming_peer.version()}|{src.hexdigest()}"
@@ -266,8 +283,8 @@ def _load_cached(key: tuple) -> dict[int, str] | None:
     if not raw:
         return None
     plan = {int(b): c for b, c in raw.items()}
-    if "humming" in plan.values() and "humming" not in candidates():
-        return None  # measured with humming installed; not here now
+    if any(c in plan.values() and c not in candidates() for c in ("humming", "cuda")):
+        return None  # measured with humming installed / the CUDA kernel built; not here now
     log.info("dispatch plan %s from %s: %s", key, cache_path(), plan)
     return plan
 

@@ -7,6 +7,8 @@ docs/benchmarks.md):
 - 16 < M < `LARGE_M_DEQUANT` (512): the same kernel with 64/128/256-row activation tiles, split-K with a
   second fixed-order reduction pass when tiles are few;
 - M >= 512: the exact Triton dequantizer into a transient bf16 weight, then cuBLAS (it measured faster).
+- on Hopper, qerl's CUDA C++ kernel (`cuda_fp4`, backend `cuda`) on the same repacked bytes, a candidate
+  that `dispatch` measures next to these.
 Both reductions are deterministic (no float atomics). INT8/FP8 use the W8A16 kernels at every M, so
 decode, prefill and the training forward compute one function (rollout-vs-training mismatch stays at the
 BF16 level). `QERL_FP8_ACT=auto` opts in to the FP8xFP8 tensor-core path for bf16 activations at
@@ -188,6 +190,38 @@ def fp4_fused(x: torch.Tensor, module: nn.Module, cfg: TileConfig | None = None)
     return fp4_matmul(x, t["weight_packed"], t["weight_scale"], gs, st.fmt, cfg, bias=module.bias, shift=st.shift)
 
 
+def cuda_supported(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether qerl's CUDA C++ kernel (`cuda_fp4`) can run this forward: Hopper, the library builds, the
+    weight holds the in-place repack, N % 16 == 0 and K % 128 == 0, 16-bit activations."""
+    from qerl_kernels import cuda_fp4
+
+    if INTERPRET or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if module.fmt not in FP4_FORMATS or not cuda_fp4.supports(module.out_features, module.in_features):
+        return False
+    return kernel_state(module).repacked is not None and cuda_fp4.available(x.device)
+
+
+def cuda_fused(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """qerl's CUDA C++ FP4 kernel on the module's resident repack and checkpoint block scales (no extra
+    weight copy; the fp32 bias is the one derived tensor, cached)."""
+    from qerl_kernels import cuda_fp4
+
+    st = kernel_state(module)
+    if st.repacked is None:
+        raise ValueError("the CUDA FP4 kernel reads the repacked layout (K % 128 == 0, QERL_FP4_REPACK=1)")
+    t = _tensors(module)
+    bias = None
+    if module.bias is not None:
+        bias = st.extra.get("bias_f32")
+        if bias is None:
+            bias = st.extra["bias_f32"] = module.bias.detach().float().contiguous()
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.contiguous()
+    return cuda_fp4.fp4_gemm(x, st.repacked, t["weight_scale"], t.get("weight_global_scale"), st.fmt,
+                             tiled=st.tiled, shift=st.shift, bias=bias)
+
+
 def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """dequant(W) [N, K] from whichever byte order the module holds (transient; exact)."""
     st = kernel_state(module)
@@ -221,6 +255,8 @@ def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
             return dequant_linear(x, module)
         if backend == "humming":
             return dispatch.humming_forward(module, x)
+        if backend == "cuda":
+            return cuda_fused(x, module)
         return fp4_fused(x, module)
     if _use_fp8_act(x, st):
         return fp8_scaled_matmul(x, t["weight"], st.fp8_scale_row, None if bias is None else bias.to(x.dtype))

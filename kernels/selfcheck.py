@@ -163,6 +163,114 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
                         "tol": TOL[torch.bfloat16], "ok": _rel(x.grad, dy.double() @ wd) <= TOL[torch.bfloat16]})
     print(f"selfcheck: {len(out)} checks before the one-copy layout section", flush=True)
     out += _check_resident_layout(device, g)
+    out += check_cuda_kernel(device, g)
+    return out
+
+
+def check_cuda_kernel(device: str = "cuda", g: torch.Generator | None = None) -> list[dict]:
+    """qerl's CUDA C++ FP4 kernel (`cuda_fp4`): exact on every code and scale, right on odd shapes, bias and
+    split-K, deterministic, and through QuantLinear. Empty (one skipped row) where it does not build."""
+    from qerl_kernels import cuda_fp4, dispatch
+    from qerl_kernels.fp4 import mxfp4_shift, repack_fp4
+
+    from qerl_cli.formats import QuantizedWeight, dequantize, quantize
+    from qerl_cli.qlinear import QuantLinear
+
+    if not cuda_fp4.available():
+        return [{"path": "cuda-kernel", "ok": True, "skipped": True, "reason": (cuda_fp4._failed or ["not sm_90"])[0],
+                 "rel": None, "tol": 0.0}]
+    g = g or torch.Generator(device="cpu").manual_seed(0)
+    out: list[dict] = []
+    dev = torch.device(device)
+
+    def run(path: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, tol: float, **info) -> None:
+        try:
+            got = fn().clone()
+            again = fn()
+            torch.cuda.synchronize()
+            rel = 0.0 if tol == 0.0 and torch.equal(got.float(), ref.float()) else _rel(got, ref)
+            det = bool(torch.equal(got, again))
+            ok = (bool(torch.equal(got.float(), ref.float())) if tol == 0.0 else rel <= tol) and det
+            out.append({"path": path, "rel": rel, "tol": tol, "deterministic": det, "ok": ok, **info})
+        except Exception as exc:
+            out.append({"path": path, "rel": None, "tol": tol, "ok": False, "error": repr(exc)[:400], **info})
+
+    # 1. exact: one-hot activations read single weights back; with G = 1 (NVFP4) or a shift the output is
+    #    code * scale, exactly representable, so every code under every E4M3 scale / E8M0 exponent must match
+    n, k = 256, 128
+    packed = (torch.arange(n * 64) % 256).reshape(n, 64).to(torch.uint8)
+    cases = {"nvfp4": {"weight_packed": packed, "weight_global_scale": torch.ones(1),
+                       "weight_scale": (torch.arange(n * 8) % 127).reshape(n, 8).to(torch.uint8)
+                       .view(torch.float8_e4m3fn)},
+             "mxfp4": {"weight_packed": packed,
+                       "weight_scale": (140 - torch.arange(n * 4) % 11).reshape(n, 4).to(torch.uint8)}}
+    for fmt, tens in cases.items():
+        qw = QuantizedWeight(fmt, (n, k), tens)
+        shift = mxfp4_shift(tens["weight_scale"]) if fmt == "mxfp4" else 0
+        rep = repack_fp4(tens["weight_packed"], tiled=True).to(dev)
+        sc = tens["weight_scale"].to(dev)
+        gs = tens["weight_global_scale"].to(dev) if fmt == "nvfp4" else None
+        for dt in (torch.bfloat16, torch.float16):
+            wref = dequantize(qw, torch.float32)
+            eye = torch.eye(k, dtype=dt, device=dev)
+            for mt, wn, wk, perm in cuda_fp4.CONFIGS:  # every built kernel
+                rows = 8 * mt
+                for k0 in range(0, k, rows):
+                    x = eye[k0:k0 + rows]
+                    run(f"cuda-{fmt}-exact-every-code-mt{mt}-wn{wn}-wk{wk}-perm{perm}-{dt}",
+                        bind(cuda_fp4.fp4_gemm, x, rep, sc, gs, fmt, tiled=True, shift=shift, mt=mt, wn=wn, wk=wk,
+                             perm=perm),
+                        wref[:, k0:k0 + rows].T.to(device=dev, dtype=dt), 0.0, N=n, K=k, k0=k0)
+    print(f"selfcheck: cuda exact section done ({len(out)} checks)", flush=True)
+    # 2. random weights: shapes, odd M, row and tiled layouts, bias, forced split-K
+    for fmt in ("nvfp4", "mxfp4"):
+        for nn, kk, tiled in ((4608, 3584, True), (208, 384, False), (64, 1152, True), (3584, 18944, True)):
+            qw = quantize((torch.randn(nn, kk, generator=g) * 0.05).to(dev), fmt)
+            t = qw.tensors
+            wd = dequantize(qw, torch.float32).double()
+            shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else 0
+            rep = repack_fp4(t["weight_packed"], tiled=tiled)
+            bias = torch.randn(nn, generator=g).to(dev)
+            ms = (1, 3, 8, 13, 16, 17, 32, 45, 64, 100, 256) if nn < 4000 else (1, 16, 64, 256)
+            for dt in (torch.bfloat16, torch.float16):
+                for m in ms:
+                    x = torch.randn(m, kk, generator=g).to(device=dev, dtype=dt)
+                    ref = x.double() @ wd.T
+                    for splits in (None, 3):
+                        b = bias if splits else None
+                        run(f"cuda-{fmt}-fwd-tiled{tiled}-split{splits}-bias{b is not None}-{dt}",
+                            bind(cuda_fp4.fp4_gemm, x, rep, t["weight_scale"], t.get("weight_global_scale"), fmt,
+                                 tiled=tiled, shift=shift, bias=b, splits=splits),
+                            ref + (bias.double() if b is not None else 0), TOL[dt], M=m, N=nn, K=kk)
+                if nn == 208:  # every built kernel on a row-layout shape whose N is not a multiple of 4 blocks
+                    for mt, wn, wk, perm in cuda_fp4.CONFIGS:
+                        m = 8 * mt - 3 if perm else 2
+                        x = torch.randn(m, kk, generator=g).to(device=dev, dtype=dt)
+                        run(f"cuda-{fmt}-fwd-mt{mt}-wn{wn}-wk{wk}-perm{perm}-{dt}",
+                            bind(cuda_fp4.fp4_gemm, x, rep, t["weight_scale"], t.get("weight_global_scale"), fmt,
+                                 tiled=tiled, shift=shift, bias=bias, mt=mt, wn=wn, wk=wk, perm=perm, splits=2),
+                            x.double() @ wd.T + bias.double(), TOL[dt], M=m, N=nn, K=kk)
+        print(f"selfcheck: cuda {fmt} random section done ({len(out)} checks)", flush=True)
+    # 3. through QuantLinear with the backend forced, forward (with bias) and dx
+    prev = dispatch.get_backend()
+    try:
+        dispatch.set_backend("cuda")
+        for fmt in ("nvfp4", "mxfp4"):
+            lin = torch.nn.Linear(1024, 768, bias=True).to(dev)
+            mod = QuantLinear.from_linear(lin, fmt).to(dev)
+            wd = mod.dequantized_weight(torch.float32).double()
+            for m in (1, 16, 100):
+                xx = torch.randn(m, 1024, generator=g).to(device=dev, dtype=torch.bfloat16).requires_grad_(True)
+                yy = mod(xx)
+                dy = torch.randn_like(yy)
+                yy.backward(dy)
+                r1 = _rel(yy, xx.double() @ wd.T + mod.bias.double())
+                r2 = _rel(xx.grad, dy.double() @ wd)
+                used = dispatch.choose(mod, xx.detach()) == "cuda"
+                out.append({"path": f"QuantLinear-{fmt}-backend-cuda", "M": m, "rel": max(r1, r2), "tol": 1.2e-2,
+                            "used_cuda": used, "ok": used and max(r1, r2) <= 1.2e-2})
+    finally:
+        dispatch.set_backend(prev)
     return out
 
 

@@ -7,7 +7,10 @@
 #   5. run `qerl bench kernels` and print the short tables last; JSON and logs go to $OUT.
 #   (humming-kernels, vLLM's W4A16 kernels, joins as a peer when its wheel sits in out/humming/;
 #    stage "hwarm" JIT-compiles its kernels for the bench shapes in parallel processes first)
-# Knobs: QERL_GPU_STAGES (default "info selfcheck bench"; add "sweep", "peers", "hwarm"),
+#   (qerl's CUDA C++ kernel, kernels/cuda/: stage "cudabuild" compiles it with nvcc and reports registers,
+#    "cudacheck" runs only its self-check, "ncucuda" reads its counters against humming's)
+# Knobs: QERL_GPU_STAGES (default "info selfcheck bench"; add "sweep", "peers", "hwarm", "cudabuild",
+#        "cudacheck", "cudasweep", "ncucuda"; QERL_CUDA_PTXAS=1 also prints ptxas registers per kernel),
 #        QERL_BENCH_SHAPES (default "qwen2.5-7b qwen2.5-32b"), QERL_BENCH_MS (default "1 16 64 128 256 512 2048").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +42,39 @@ if has info; then
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+fi
+
+export QERL_CUDA_CACHE=${QERL_CUDA_CACHE:-/tmp/qerl_cuda}
+if has cudabuild; then  # build the CUDA FP4 library (timed) and print ptxas' registers/spills per kernel
+  stamp cudabuild
+  python3 -c "
+import time, logging; logging.basicConfig(level=logging.INFO)
+from qerl_kernels import cuda_fp4
+t = time.time(); p = cuda_fp4.build(); print('built', p, f'{time.time() - t:.1f}s'); print('available', cuda_fp4.available())
+" 2>&1 | tail -n 5
+  if [ "${QERL_CUDA_PTXAS:-0}" = 1 ]; then
+    nvcc -O3 -std=c++17 -arch=sm_90a -Xptxas -v -c -o /tmp/qk/fp4_gemm.o kernels/cuda/fp4_gemm.cu 2>&1 \
+      | grep -E "Compiling entry|registers|spill" | paste - - - | sed -E 's/ptxas info *: //g' | cut -c1-220 \
+      > "$OUT/cuda_ptxas.txt"
+    sed -E 's/_ZN4qerl//' "$OUT/cuda_ptxas.txt" | cut -c1-200
+  fi
+fi
+
+if has cudacheck; then
+  stamp cudacheck
+  timeout "${QERL_CUDACHECK_TIMEOUT:-200}" python3 -c "
+import json, sys, torch
+from qerl_kernels.selfcheck import check_cuda_kernel
+res = check_cuda_kernel()
+bad = [r for r in res if not r['ok']]
+for r in bad[:30]: print('FAIL', json.dumps(r)[:300])
+worst = {}
+for r in res:
+    if r.get('rel') is not None: worst[r['path']] = max(worst.get(r['path'], 0), r['rel'])
+for k, v in sorted(worst.items()): print(f'  {k:64s} worst rel err {v:.2e}')
+print(f'cudacheck: {len(res) - len(bad)}/{len(res)} passed')
+json.dump(res, open('$OUT/cudacheck.json', 'w'), indent=1)
+" 2>&1 | tee "$OUT/cudacheck.log" | tail -n 45
 fi
 
 if has selfcheck; then
@@ -163,5 +199,71 @@ EOF
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     python3 /tmp/qk/prof14.py > "$OUT/ncu14.txt" 2>&1
   grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|Block Size|Waves Per SM|Warp Cycles Per Issued|Stall" "$OUT/ncu14.txt" | head -60
+fi
+if has cudasweep; then  # the CUDA kernel's configurations on the 7B GEMMs (the plan's rule comes from this)
+  stamp cudasweep
+  timeout "${QERL_CUDASWEEP_TIMEOUT:-120}" python3 -c "
+import json, torch
+from qerl_cli.bench.kernels import layer_linears
+from qerl_cli.formats import quantize
+from qerl_kernels import cuda_fp4
+from qerl_kernels.dispatch import _time_gpu
+from qerl_kernels.fp4 import repack_fp4
+grid = {1: [(1, 4, 1, False, s) for s in (1, 4)] + [(1, 4, 2, False, s) for s in (1, 2)] + [(1, 1, 8, False, s) for s in (1, 2, 4)],
+        16: [(2, 4, 1, True, s) for s in (1, 2)] + [(2, 4, 2, True, 1)] + [(2, 1, 8, True, s) for s in (1, 2)],
+        64: [(4, 1, 8, True, 1), (4, 4, 1, True, 1)] + [(8, 4, 1, True, s) for s in (1, 2, 4)]}
+grid[256] = grid[64]
+rows = []
+for g, n, k in layer_linears('qwen2.5-7b'):
+    qw = quantize((torch.randn(n, k, device='cuda') * 0.02).to(torch.bfloat16), 'nvfp4')
+    t = qw.tensors
+    rep = repack_fp4(t['weight_packed'], tiled=True)
+    for m, cfgs in grid.items():
+        x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
+        plan = cuda_fp4.launch_plan(m, n, k, 132)
+        line = []
+        for mt, wn, wk, perm, s in cfgs:
+            f = lambda: cuda_fp4.fp4_gemm(x, rep, t['weight_scale'], t['weight_global_scale'], 'nvfp4', tiled=True, mt=mt, wn=wn, wk=wk, perm=perm, splits=s)
+            us = _time_gpu(f, 10) * 1e3
+            rows.append(dict(gemm=g, N=n, K=k, M=m, mt=mt, wn=wn, wk=wk, perm=perm, splits=s, us=us, plan=list(plan)))
+            line.append(f'{mt}/{wn}x{wk}/s{s} {us:.1f}')
+        print(g, 'M=%d' % m, 'plan', plan[:5], '|', ', '.join(line), flush=True)
+json.dump(rows, open('$OUT/cudasweep.json', 'w'), indent=1)
+" 2>&1 | tail -n 20
+fi
+
+if has ncucuda; then  # counters: qerl's CUDA kernel vs humming, 7B o_proj and gate/up, M = 1, 16, 64, 256
+  stamp ncucuda
+  cat > /tmp/qk/profcuda.py <<'EOF'
+import torch
+from qerl_cli.formats import quantize
+from qerl_cli.qlinear import QuantLinear
+import os
+from qerl_kernels import humming_peer, linear as ql
+peer = os.environ.get("QERL_NCU_HUMMING", "1") == "1" and humming_peer.available()
+runs = []
+for n, k in ((3584, 3584), (37888, 3584)):
+    qw = quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), "nvfp4")
+    mod = QuantLinear.from_quantized(qw)
+    lay = humming_peer.build({a: b.clone() for a, b in qw.tensors.items()}, "nvfp4", n, k) if peer else None
+    for m in (1, 16, 64, 256):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2):
+            ql.cuda_fused(x, mod)
+            if peer: humming_peer.forward(lay, x)
+        runs.append((x, mod, lay))
+torch.cuda.synchronize()
+torch.cuda.profiler.start()
+for x, mod, lay in runs:
+    ql.cuda_fused(x, mod)
+    if peer: humming_peer.forward(lay, x)
+torch.cuda.synchronize()
+torch.cuda.profiler.stop()
+EOF
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout "${QERL_NCU_TIMEOUT:-120}" "$NCU" --clock-control none --profile-from-start off \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis python3 /tmp/qk/profcuda.py > "$OUT/ncucuda.txt" 2>&1
+  grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Stall" "$OUT/ncucuda.txt" | cut -c1-150 | head -120
 fi
 stamp done

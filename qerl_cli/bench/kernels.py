@@ -150,6 +150,9 @@ def _method_calls(method: str, w: torch.Tensor, x: torch.Tensor, copies_for: Cal
     if method.endswith("-dequant"):
         ms = mods(base)
         return [partial(ql.dequant_linear, x, m_) for m_ in ms], ms[0].weight_nbytes
+    if method.endswith("-cuda"):  # qerl's CUDA C++ kernel (Hopper), on the same resident repack
+        ms = mods(base)
+        return [partial(ql.cuda_fused, x, m_) for m_ in ms], ms[0].weight_nbytes
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -235,7 +238,8 @@ def bench_kernels(
     """Time every method on every layer GEMM of `shapes` at every M; return (and write) the results dict.
 
     `peers=None` benchmarks every installed peer; `variants` adds the fused-only (every M) and
-    dequantize+cuBLAS (M >= 64) NVFP4 variants, the candidates the dispatcher measures. The plain format
+    dequantize+cuBLAS (M >= 64) NVFP4 variants and, on Hopper, the CUDA C++ kernel for NVFP4 and MXFP4
+    (`nvfp4-cuda`, `mxfp4-cuda`): the candidates the dispatcher measures. The plain format
     methods run `QuantLinear`'s dispatch (QERL_LINEAR_BACKEND, default auto: measured per shape).
     """
     device = _require_cuda()
@@ -267,6 +271,9 @@ def bench_kernels(
         })
 
     copies_for = lambda nbytes: _copies(nbytes, l2)  # noqa: E731
+    from qerl_kernels import cuda_fp4
+
+    cuda_variants = ["nvfp4-cuda", "mxfp4-cuda"] if cuda_fp4.available(device) else []
     for model in shapes:
         for name, n, k in layer_linears(model):
             w = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
@@ -274,8 +281,8 @@ def bench_kernels(
             for m in ms:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                 meths = list(methods)
-                if variants:  # the two qerl kernels the dispatcher chooses between, each at every M
-                    meths += ["nvfp4-fused"] + (["nvfp4-dequant"] if m >= 64 else [])
+                if variants:  # the qerl kernels the dispatcher chooses between, each at every M
+                    meths += ["nvfp4-fused"] + (["nvfp4-dequant"] if m >= 64 else []) + cuda_variants
                 for method in meths:
                     try:
                         calls, wb = _method_calls(method, w, x, copies_for, cache)
