@@ -283,3 +283,27 @@ def test_the_bench_allowlist_holds_only_files_that_still_need_it() -> None:
         path = ROOT / rel
         assert path.is_file() and rel.startswith("qerl_cli/bench/"), rel
         assert format_name_decisions(path.read_text()), f"{rel} no longer compares format names: drop it"
+
+
+# ---- the NF4 kernel path ------------------------------------------------------------------------------------
+def test_bitsandbytes_nf4_path_matches_the_reference() -> None:
+    """`kernel_dispatch.bnb_nf4_linear` (what `QuantLinear.forward` runs for NF4 on CUDA) reads qerl's NF4
+    bytes as bitsandbytes' own: same output as dequantize + matmul, fused q/k/v-style modules included, and
+    dx flows back. Run here on bitsandbytes' CPU backend (same packing and codebook as on CUDA)."""
+    pytest.importorskip("bitsandbytes")
+    from qerl_cli.kernel_dispatch import bnb_nf4_linear
+    from qerl_cli.qlinear import QuantLinear, fuse_quant_linears
+
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(128, n, bias=True) for n in (64, 32, 32)]
+    for dt in (torch.float32, torch.bfloat16):
+        parts = [QuantLinear.from_linear(lin, "nf4", dtype=dt) for lin in lins]
+        fused = fuse_quant_linears(parts)
+        for m in (*parts, fused):
+            x = torch.randn(3, 5, 128, dtype=dt, requires_grad=True)
+            ref = torch.nn.functional.linear(x, m.dequantized_weight(dt), m.bias.to(dt))
+            y = bnb_nf4_linear(x, m)
+            assert y.dtype == dt and torch.equal(y, ref)
+            (g,) = torch.autograd.grad(y.float().sum(), x)
+            (g_ref,) = torch.autograd.grad(ref.float().sum(), x)
+            torch.testing.assert_close(g, g_ref)

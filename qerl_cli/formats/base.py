@@ -91,6 +91,12 @@ class WeightFormat(ABC):
     fixed_scales: ClassVar[bool] = False
     # qerl_kernels family that runs it on CUDA: "fp4" | "w8" | None
     kernel: ClassVar[str | None] = None
+    # what runs its linears on CUDA when the module `requires` names can be imported (else REFERENCE)
+    cuda_backend: ClassVar[str] = REFERENCE
+    requires: ClassVar[str | None] = None
+    # qerl_kernels can also run it with activations quantized per token on tensor cores (FP8xFP8,
+    # QERL_FP8_ACT); what a kernel bench pins off to time the weight-only kernel
+    act_quant_kernel: ClassVar[bool] = False
     # E8M0 (power-of-two) block scales: the FP4 kernels bake an exponent shift derived from them
     power_of_two_scales: ClassVar[bool] = False
     # extra bytes per weight the kernels keep resident besides the stored tensors (the bench's memory estimate)
@@ -179,9 +185,8 @@ class WeightFormat(ABC):
     # ---- kernels -----------------------------------------------------------------------------------------
     def kernel_backend(self, device: torch.device | str) -> str:
         """Which code runs this format's linears on `device` (TRITON | BITSANDBYTES | CUBLAS | TORCH | REFERENCE)."""
-        if self.kernel is not None and torch.device(device).type == "cuda" \
-                and installed("qerl_kernels"):
-            return TRITON
+        if torch.device(device).type == "cuda" and (self.requires is None or installed(self.requires)):
+            return self.cuda_backend
         return REFERENCE
 
     def __repr__(self) -> str:

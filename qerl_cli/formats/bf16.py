@@ -17,6 +17,7 @@ class BF16(WeightFormat):
     bits = 16.0
     group_size = None
     scale_dtype = "none"
+    cuda_backend = CUBLAS
 
     @property
     def quantized(self) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl_cli.formats.base import CompressedTensorsFormat, blocks
+from qerl_cli.formats.base import TRITON, CompressedTensorsFormat, blocks
 from qerl_cli.formats.fp4 import (
     E2M1_MAX,
     e2m1_decode,
@@ -46,6 +46,8 @@ class MXFP4(CompressedTensorsFormat):
     ct_preset = "MXFP4A16"
     rollout_quant = True
     kernel = "fp4"
+    cuda_backend = TRITON
+    requires = "qerl_kernels"
     power_of_two_scales = True
     # the FP4 kernels' load-time repacked copy (+0.5 byte/weight) when it is not made in place
     resident_extra_bytes = 0.5

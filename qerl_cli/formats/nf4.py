@@ -18,10 +18,8 @@ import torch
 from qerl_cli.errors import QerlError
 from qerl_cli.formats.base import (
     BITSANDBYTES,
-    REFERENCE,
     QuantizedWeight,
     WeightFormat,
-    installed,
     write_json_quantization_config,
 )
 
@@ -63,6 +61,8 @@ class NF4(WeightFormat):
     bits = 4.5
     group_size = BLOCK
     scale_dtype = "float32 absmax per block"
+    cuda_backend = BITSANDBYTES  # qerl_cli.kernel_dispatch.bnb_nf4_linear
+    requires = "bitsandbytes"
 
     def check_layer(self, name: str, n: int, k: int) -> None:
         if (n * k) % BLOCK:
@@ -110,9 +110,3 @@ class NF4(WeightFormat):
 
     def read_config(self, qc: dict[str, Any] | None) -> tuple[int | None, str | None]:
         return BLOCK, None
-
-    # ---- kernels --------------------------------------------------------------------------------------------
-    def kernel_backend(self, device: torch.device | str) -> str:
-        if torch.device(device).type == "cuda" and installed("bitsandbytes"):
-            return BITSANDBYTES
-        return REFERENCE

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl_cli.formats.base import CompressedTensorsFormat, blocks
+from qerl_cli.formats.base import TRITON, CompressedTensorsFormat, blocks
 from qerl_cli.formats.fp4 import (
     E2M1_MAX,
     E4M3_EPS,
@@ -67,6 +67,8 @@ class NVFP4(CompressedTensorsFormat):
     ct_preset = "NVFP4A16"
     rollout_quant = True
     kernel = "fp4"
+    cuda_backend = TRITON
+    requires = "qerl_kernels"
     # the FP4 kernels' load-time repacked copy (+0.5 byte/weight) when it is not made in place
     resident_extra_bytes = 0.5
 

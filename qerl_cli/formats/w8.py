@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl_cli.formats.base import CompressedTensorsFormat, scale_eps
+from qerl_cli.formats.base import TRITON, CompressedTensorsFormat, scale_eps
 from qerl_cli.formats.fp4 import E4M3_MAX, to_e4m3
 
 
@@ -67,6 +67,8 @@ class _W8(CompressedTensorsFormat):
     scales_follow_dtype = True
     rollout_quant = True
     kernel = "w8"
+    cuda_backend = TRITON
+    requires = "qerl_kernels"
 
     def _dequantize(self, t, shape, dtype):  # noqa: ANN001, ANN202
         return dequantize_per_channel(t, dtype)
@@ -90,6 +92,7 @@ class FP8(_W8):
     ct_format = "float-quantized"
     ct_preset = "FP8_DYNAMIC"
     act_quant = "fp8"
+    act_quant_kernel = True
 
     def _quantize(self, w, *, global_scale, group_size, dtype):  # noqa: ANN001, ANN202
         return quantize_fp8(w, dtype), None
