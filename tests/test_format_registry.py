@@ -207,8 +207,8 @@ def test_checkpoint_tensor_names_read_back() -> None:
 
 
 # ---- no format-name decisions outside formats/ and kernels/ ---------------------------------------------
-# Files still deciding by format name while another branch restructures them; the lead converts them and
-# empties this list when merging (each decision has its replacement call in docs/formats.md).
+# Bench files still deciding by format name: another branch restructures them at the same time, so they
+# are converted to WeightFormat lookups when both are merged, and this list is emptied then.
 BENCH_ALLOWLIST = {
     "qerl_cli/bench/kernels.py",
     "qerl_cli/bench/mismatch.py",
