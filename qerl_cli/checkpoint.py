@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.formats import FORMATS, QuantizedWeight, dequantize
+from qerl_cli.formats import dequantize, detect, get_format
 from qerl_cli.qlinear import QuantLinear
 
 QERL_META = "qerl_quant.json"
@@ -71,32 +71,8 @@ def fused_global_scales(targets: dict[str, nn.Linear]) -> dict[str, torch.Tensor
 
 
 def ct_quantization_config(fmt: str, ignore: list[str], group_size: int | None) -> Any:
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, preset_name_to_scheme
-
-    spec = FORMATS[fmt]
-    scheme = preset_name_to_scheme(spec.ct_preset, ["Linear"])
-    if fmt == "int4" and group_size and scheme.weights.group_size != group_size:
-        scheme = QuantizationScheme(
-            targets=["Linear"],
-            weights=scheme.weights.model_copy(update={"group_size": group_size}),
-            input_activations=scheme.input_activations,
-        )
-    return QuantizationConfig(
-        config_groups={"group_0": scheme}, format=spec.ct_format, ignore=ignore, quantization_status="compressed"
-    )
-
-
-def _bnb_state_tensors(prefix: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-    t = qw.tensors
-    state = {"quant_type": "nf4", "blocksize": 64, "dtype": str(qw.dtype).removeprefix("torch."),
-             "shape": list(qw.shape)}
-    blob = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
-    return {
-        f"{prefix}.weight": t["weight"],
-        f"{prefix}.weight.absmax": t["absmax"],
-        f"{prefix}.weight.quant_map": t["quant_map"],
-        f"{prefix}.weight.quant_state.bitsandbytes__nf4": blob,
-    }
+    """compressed-tensors' `QuantizationConfig` of a compressed-tensors format (`fmt`'s preset)."""
+    return get_format(fmt).quantization_config(ignore, group_size)
 
 
 def save_tensors(state: dict[str, torch.Tensor], out_dir: Path) -> list[str]:
@@ -132,20 +108,7 @@ def write_config(model: nn.Module, out_dir: Path, fmt: str, ignore: list[str], g
         del cfg.quantization_config
     cfg.dtype = str(dtype).removeprefix("torch.")
     cfg.save_pretrained(str(out_dir))
-    if FORMATS[fmt].ct_format:
-        from compressed_tensors.compressors import ModelCompressor
-
-        ModelCompressor(quantization_config=ct_quantization_config(fmt, ignore, group_size)).update_config(str(out_dir))
-    elif fmt == "nf4":
-        path = out_dir / "config.json"
-        data = json.loads(path.read_text())
-        data["quantization_config"] = {
-            "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
-            "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False,
-            "bnb_4bit_compute_dtype": str(dtype).removeprefix("torch."), "bnb_4bit_quant_storage": "uint8",
-            "llm_int8_skip_modules": ignore,
-        }
-        path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    get_format(fmt).write_quantization_config(out_dir, ignore, group_size, dtype)
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -183,27 +146,9 @@ def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def detect_format(config: dict[str, Any]) -> tuple[str, int | None, str | None]:
-    """(format, group size, activation quantization) of a checkpoint's config.json."""
-    qc = config.get("quantization_config")
-    if not qc:
-        return "bf16", None, None
-    if qc.get("quant_method") == "bitsandbytes":
-        return "nf4", 64, None
-    if qc.get("quant_method") != "compressed-tensors":
-        raise QerlError(f"unsupported quantization method {qc.get('quant_method')!r}: qerl reads compressed-tensors")
-    by_ct = {s.ct_format: name for name, s in FORMATS.items() if s.ct_format}
-    fmt = by_ct.get(qc.get("format"))
-    if fmt is None:
-        raise QerlError(f"unsupported compressed-tensors format {qc.get('format')!r}; qerl reads {sorted(by_ct)}")
-    groups = list(qc.get("config_groups", {}).values())
-    gs = groups[0].get("weights", {}).get("group_size") if groups else None
-    acts = (groups[0].get("input_activations") or {}) if groups else {}
-    act_quant = None
-    if acts and acts.get("dynamic") and acts.get("strategy") == "token" and acts.get("num_bits") == 8:
-        act_quant = "fp8" if acts.get("type") == "float" else "int8"
-    elif acts:
-        raise QerlError(f"unsupported activation quantization {acts}: qerl runs dynamic per-token 8-bit only")
-    return fmt, gs, act_quant
+    """(format name, group size, activation quantization) of a checkpoint's config.json."""
+    fmt, gs, act_quant = detect(config)
+    return fmt.name, gs, act_quant
 
 
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -222,7 +167,8 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
         verify_files(directory, expected_sha256)
 
     config_dict = json.loads((directory / "config.json").read_text())
-    fmt, group_size, act_quant = detect_format(config_dict)
+    spec, group_size, act_quant = detect(config_dict)
+    fmt = spec.name
     config = AutoConfig.from_pretrained(str(directory))
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -230,24 +176,11 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
 
-    if fmt == "bf16":
-        quantized: set[str] = set()
-    elif fmt == "nf4":
-        quantized = {k[: -len(".weight.absmax")] for k in state if k.endswith(".weight.absmax")}
-    else:
-        quantized = {k.rsplit(".", 1)[0] for k in state if k.endswith((".weight_packed", ".weight_scale"))}
+    quantized = spec.quantized_layers(state)
     for name in sorted(quantized):
         linear = model.get_submodule(name)
         n, k = linear.out_features, linear.in_features
-        if fmt == "nf4":
-            tensors = {"weight": state.pop(f"{name}.weight"), "absmax": state.pop(f"{name}.weight.absmax"),
-                       "quant_map": state.pop(f"{name}.weight.quant_map")}
-            state.pop(f"{name}.weight.quant_state.bitsandbytes__nf4", None)
-        else:
-            prefix = f"{name}."
-            tensors = {key[len(prefix):]: state.pop(key) for key in list(state) if key.startswith(prefix)
-                       and key[len(prefix):] != "bias"}
-            tensors.pop("weight_shape", None)
+        tensors = spec.pop_layer_tensors(name, state)
         bias = state.pop(f"{name}.bias", None)
         ql = QuantLinear(k, n, fmt, {kk: v.to(device) for kk, v in tensors.items()}, dtype, group_size,
                          bias.to(device) if bias is not None else None, act_quant)

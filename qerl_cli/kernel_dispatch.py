@@ -1,7 +1,9 @@
-"""Route `QuantLinear.forward` on CUDA to qerl's Triton kernels (`qerl_kernels`).
+"""Route `QuantLinear.forward` on CUDA to the kernels that run its format there.
 
-Returns None when no kernel covers the case, and the caller falls back to the torch reference
-(dequantize, then matmul). The kernels package owns dispatch by M and the backward product.
+The format object says which backend that is (`WeightFormat.kernel_backend`): qerl's Triton kernels
+(`qerl_kernels`, which own dispatch by M and the backward product) or, for NF4, bitsandbytes' 4-bit
+matmul over the same packed bytes. Returns None when no kernel covers the case, and the caller falls
+back to the torch reference (dequantize, then matmul).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
+
+from qerl_cli.formats import BITSANDBYTES
 
 if TYPE_CHECKING:
     from qerl_cli.qlinear import QuantLinear
@@ -25,7 +29,27 @@ def _kernels():  # noqa: ANN202 - a module or None
 
 
 def quant_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor | None:
+    if module.format.kernel_backend(x.device) == BITSANDBYTES:
+        return bnb_nf4_linear(x, module)
     k = _kernels()
     if k is None or not hasattr(k, "quant_linear"):
         return None
     return k.quant_linear(x, module)
+
+
+def bnb_nf4_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor:
+    """y = x @ W^T + b through `bitsandbytes.matmul_4bit` on the module's own NF4 tensors.
+
+    qerl's NF4 bytes are bitsandbytes' layout (same codebook, blocks of 64 over the flat weight, first
+    element in the high nibble), so nothing is converted; the quant state is rebuilt per call because it
+    only points at the module's buffers (which `.to()` and fusing replace). bitsandbytes' autograd
+    function passes dx back to x, so training forwards run here too.
+    """
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import QuantState
+
+    qs = QuantState(absmax=module.absmax.float(), shape=torch.Size([module.out_features, module.in_features]),
+                    code=module.quant_map.float(), blocksize=module.format.group_size, quant_type="nf4",
+                    dtype=module.dtype)
+    bias = None if module.bias is None else module.bias.to(x.dtype)
+    return bnb.matmul_4bit(x, module.weight.t(), quant_state=qs, bias=bias)

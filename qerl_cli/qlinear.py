@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.formats import QuantizedWeight, dequantize, quantize
+from qerl_cli.formats import (
+    FORMATS,
+    QuantizedWeight,
+    WeightFormat,
+    dequantize,
+    fake_quantize_activations,
+    get_format,
+    quantize,
+)
 
 
 class QuantLinear(nn.Module):
@@ -67,13 +75,18 @@ class QuantLinear(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
     ) -> QuantLinear:
         qw = quantize(linear.weight.detach(), fmt, global_scale=global_scale, group_size=group_size, dtype=dtype)
-        return cls.from_quantized(qw, bias=linear.bias, act_quant=DEFAULT_ACT_QUANT.get(fmt))
+        return cls.from_quantized(qw, bias=linear.bias, act_quant=get_format(fmt).act_quant)
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None,
                        act_quant: str | None = None) -> QuantLinear:
         n, k = qw.shape
         return cls(k, n, qw.fmt, qw.tensors, qw.dtype, qw.group_size, bias, act_quant)
+
+    @property
+    def format(self) -> WeightFormat:
+        """The `WeightFormat` object of `fmt` (what every decision about the format asks)."""
+        return get_format(self.fmt)
 
     @property
     def quantized_weight(self) -> QuantizedWeight:
@@ -140,28 +153,9 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}{gs}{aq}"
 
 
-# The schemes qerl writes for the 8-bit formats quantize activations per token at run time (W8A8).
-DEFAULT_ACT_QUANT = {"int8": "int8", "fp8": "fp8"}
-
-
-def fake_quantize_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """Dynamic symmetric per-token quantize-dequantize, with compressed-tensors' arithmetic.
-
-    int8: scale = amax/127.5, q = round(clamp(x/scale, -128, 127)); fp8: scale = amax/448,
-    q = e4m3(clamp(x/scale, +-448)). A straight-through estimator passes gradients unchanged.
-    """
-    xf = x.detach().float()
-    amax = xf.abs().amax(-1, keepdim=True)
-    if kind == "int8":
-        scale = (amax / 127.5).clamp(min=torch.finfo(torch.float32).eps)
-        q = torch.round((xf / scale).clamp(-128, 127))
-    elif kind == "fp8":
-        scale = (amax / 448.0).clamp(min=torch.finfo(torch.float32).eps)
-        q = (xf / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-    else:
-        raise ValueError(f"unknown activation quantization {kind!r}")
-    xq = (q * scale).to(x.dtype)
-    return x + (xq - x).detach() if x.requires_grad else xq
+# The schemes qerl writes for the 8-bit formats quantize activations per token at run time (W8A8):
+# format name -> activation quantization, from the registry (kept for callers that index it by name).
+DEFAULT_ACT_QUANT = {name: f.act_quant for name, f in FORMATS.items() if f.act_quant}
 
 
 def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:

@@ -15,22 +15,15 @@ from typing import Any
 
 import torch
 
-from qerl_cli.checkpoint import (
-    FORMATS,
-    QERL_META,
-    _bnb_state_tensors,
-    fused_global_scales,
-    save_tensors,
-    target_linears,
-    write_config,
-)
+from qerl_cli.checkpoint import QERL_META, fused_global_scales, save_tensors, target_linears, write_config
 from qerl_cli.errors import QerlError
-from qerl_cli.formats import dequantize, int4_group_size, quantize
+from qerl_cli.formats import WeightFormat, dequantize, get_format
 from qerl_cli.manifest import RunDir, sha256_file, staged_directory
 from qerl_cli.models import ModelSource, load_model, resolve_model
 from qerl_cli.precision import dtype_of
 
 METHODS = ("rtn", "gptq", "awq")
+DTYPES = ("bf16", "fp16")  # precisions a checkpoint's unquantized tensors and 16-bit scales are stored in
 
 
 @dataclass
@@ -80,21 +73,9 @@ def _source_hashes(src: ModelSource) -> dict[str, str]:
     return {f.name: sha256_file(f) for f in files}
 
 
-def _common_int4_group(ks: list[int]) -> int:
-    try:
-        return min(int4_group_size(k) for k in ks)
-    except ValueError as exc:
-        raise QerlError(f"INT4 needs every quantized layer's K divisible by 32 ({exc}): add it to --ignore") from exc
-
-
-def _check_shapes(fmt: str, targets: dict[str, torch.nn.Module]) -> None:
-    block = {"nvfp4": 16, "mxfp4": 32}.get(fmt)
+def _check_shapes(spec: WeightFormat, targets: dict[str, torch.nn.Module]) -> None:
     for name, m in targets.items():
-        k = m.in_features
-        if block and k % block:
-            raise QerlError(f"layer {name} has K={k}, not a multiple of {block} as {fmt} needs: add it to --ignore")
-        if fmt == "nf4" and m.weight.numel() % 64:
-            raise QerlError(f"layer {name} has {m.weight.numel()} weights, not a multiple of 64: add it to --ignore")
+        spec.check_layer(name, m.out_features, m.in_features)
 
 
 def quantize_model(
@@ -114,17 +95,16 @@ def quantize_model(
     `loaded` passes an already loaded fp32 (model, tokenizer) of that same source (tests, notebooks);
     its weights are read, never modified.
     """
-    if fmt not in FORMATS:
-        raise QerlError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    spec = get_format(fmt)
     if method not in METHODS:
         raise QerlError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
     if method != "rtn" and importlib.util.find_spec("llmcompressor") is None:
         raise QerlError(
             f"--method {method} needs llm-compressor: pip install 'qerl[llmcompressor]' (or use --method rtn)"
         )
-    if method != "rtn" and fmt not in ("nvfp4", "mxfp4", "int4", "int8", "fp8"):
+    if method != "rtn" and spec.ct_format is None:
         raise QerlError(f"--method {method} writes compressed-tensors formats only, not {fmt}")
-    if dtype not in ("bf16", "fp16"):
+    if dtype not in DTYPES:
         raise QerlError(f"--dtype must be bf16 or fp16, not {dtype}")
     ignore = list(ignore) if ignore is not None else ["lm_head"]
     out_dtype = dtype_of(dtype)
@@ -138,34 +118,29 @@ def quantize_model(
         targets, skipped = target_linears(hf_model, ignore)
         if not targets:
             raise QerlError(f"no Linear layer left to quantize after --ignore {ignore}")
-        _check_shapes(fmt, targets)
+        _check_shapes(spec, targets)
         result = QuantizeResult(run.path, run.path / "model", fmt, src, skipped=skipped)
         result.bytes_before = sum(p.numel() * 2 for n, p in hf_model.state_dict().items()
                                   if not (n == "lm_head.weight" and hf_model.config.tie_word_embeddings))
-        group_size = _common_int4_group([m.in_features for m in targets.values()]) if fmt == "int4" else None
+        group_size = spec.common_group_size([m.in_features for m in targets.values()])
         if method != "rtn":
             with staged_directory(run.path / "model") as tmp:
                 result.layers, files = _llmcompressor_checkpoint(hf_model, tokenizer, targets, fmt, method,
                                                                  skipped, tmp)
                 _finish(rec, run, result, tmp, files, method, ignore)
             return result
-        global_scales = fused_global_scales(targets) if FORMATS[fmt].fused_global_scale else {}
+        global_scales = fused_global_scales(targets) if spec.global_scale else {}
 
         state: dict[str, torch.Tensor] = {}
         for i, (name, linear) in enumerate(targets.items()):
             if progress:
                 progress(name, i, len(targets))
             w = linear.weight.detach().float()
-            qw = quantize(w, fmt, global_scale=global_scales.get(name), group_size=group_size, dtype=out_dtype)
+            qw = spec.quantize(w, global_scale=global_scales.get(name), group_size=group_size, dtype=out_dtype)
             err = (dequantize(qw, torch.float32) - w)
             result.layers.append(LayerError(name, qw.shape, (err.norm() / w.norm().clamp(min=1e-30)).item(),
                                             err.abs().max().item()))
-            if fmt == "nf4":
-                state.update(_bnb_state_tensors(name, qw))
-            elif fmt == "bf16":
-                state[f"{name}.weight"] = qw.tensors["weight"]
-            else:
-                state.update({f"{name}.{k}": v for k, v in qw.tensors.items()})
+            state.update(spec.checkpoint_tensors(name, qw))
             if linear.bias is not None:
                 state[f"{name}.bias"] = linear.bias.detach().to(out_dtype)
         quantized_weights = {f"{n}.weight" for n in targets}
@@ -175,7 +150,7 @@ def quantize_model(
             if k == "lm_head.weight" and hf_model.config.tie_word_embeddings:
                 continue
             state[k] = v.to(out_dtype) if v.is_floating_point() else v
-        result.group_size = group_size or FORMATS[fmt].group_size
+        result.group_size = group_size or spec.group_size
 
         with staged_directory(run.path / "model") as tmp:
             files = save_tensors(state, tmp)
@@ -197,7 +172,7 @@ def _finish(rec: Any, run: RunDir, result: QuantizeResult, tmp: Path, files: lis
     hashes = {f: sha256_file(tmp / f) for f in files}
     result.bytes_after = sum((tmp / f).stat().st_size for f in files)
     rec.outputs = {"model": {"path": run.rel(result.model_dir), "format": result.fmt, "files": hashes,
-                             "ct_format": FORMATS[result.fmt].ct_format}}
+                             "ct_format": get_format(result.fmt).ct_format}}
     rec.metrics = result.summary()
     rec.extra = {"layers": [e.to_json() for e in result.layers]}
 
@@ -223,7 +198,7 @@ def _llmcompressor_checkpoint(
 
     originals = {n: m.weight.detach().float().clone() for n, m in targets.items()}
     modifier_cls = GPTQModifier if method == "gptq" else AWQModifier
-    recipe = modifier_cls(targets="Linear", scheme=FORMATS[fmt].ct_preset, ignore=ignore)
+    recipe = modifier_cls(targets="Linear", scheme=get_format(fmt).ct_preset, ignore=ignore)
     texts = [e.prompt for e in load_task("gsm8k", split="train", limit=128).examples]
     oneshot(model=hf_model, dataset=Dataset.from_dict({"text": texts}), recipe=recipe,
             num_calibration_samples=len(texts), max_seq_length=512)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from qerl_cli.errors import QerlError
+from qerl_cli.formats import FORMATS, rollout_formats
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -20,7 +21,7 @@ CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mis"
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCALE_REWARDS = ("group", "batch", "none")
 FINETUNES = ("lora", "full")
-ROLLOUT_QUANTS = ("none", "int8", "fp8", "nvfp4", "mxfp4")
+ROLLOUT_QUANTS = ("none", *rollout_formats())
 REQUANT_SCALES = ("fixed", "dynamic")
 FLASHRL_IS_CAP = 2.0  # FlashRL's token-TIS cap C
 
@@ -97,7 +98,8 @@ class TrainConfig:
         if c.overlong_buffer is None:
             c.overlong_buffer = c.max_completion_length // 4 if c.algo == "dapo" else 0
         if c.rollout_quant != "none" and c.requant_scales is None:
-            c.requant_scales = "fixed" if c.rollout_quant == "int8" else "dynamic"
+            spec = FORMATS.get(c.rollout_quant)  # validated below; an unknown name gets validate()'s message
+            c.requant_scales = "fixed" if spec is not None and spec.fixed_scales else "dynamic"
         if c.correction is None:
             # FlashRL corrects its quantized rollouts with token TIS, C = 2, unless told otherwise
             c.correction = "token_tis" if c.rollout_quant != "none" else "none"
@@ -126,9 +128,11 @@ class TrainConfig:
         if self.requant_scales is not None:
             choice("requant_scales", self.requant_scales, REQUANT_SCALES)
             if self.rollout_quant == "none":
-                raise QerlError("--requant-scales only applies with --rollout-quant int8|fp8|nvfp4|mxfp4")
-            if self.requant_scales == "fixed" and self.rollout_quant != "int8":
-                raise QerlError(f"--requant-scales fixed is for --rollout-quant int8 only ({self.rollout_quant} "
+                raise QerlError(f"--requant-scales only applies with --rollout-quant {'|'.join(rollout_formats())}")
+            fixed = [n for n in ROLLOUT_QUANTS if n in FORMATS and FORMATS[n].fixed_scales]
+            if self.requant_scales == "fixed" and self.rollout_quant not in fixed:
+                raise QerlError(f"--requant-scales fixed is for --rollout-quant {', '.join(fixed)} only "
+                                f"({self.rollout_quant} "
                                 "scales are recomputed at every update): use --requant-scales dynamic")
         if self.finetune == "full" and self.beta > 0:
             raise QerlError("--beta > 0 needs a frozen reference model, which --finetune full does not keep: "

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.formats import FORMATS, dequantize, nvfp4_global_scale, quantize
-from qerl_cli.qlinear import DEFAULT_ACT_QUANT, QuantLinear
+from qerl_cli.formats import dequantize, get_format, nvfp4_global_scale, rollout_formats
+from qerl_cli.qlinear import QuantLinear
 
-ROLLOUT_FORMATS = ("int8", "fp8", "nvfp4", "mxfp4")
+ROLLOUT_FORMATS = rollout_formats()
 _FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -90,15 +90,18 @@ class RolloutQuant:
                  use_kernels: bool | None = None) -> None:
         if fmt not in ROLLOUT_FORMATS:
             raise QerlError(f"--rollout-quant must be one of {', '.join(ROLLOUT_FORMATS)}, not {fmt!r}")
-        if scales == "fixed" and fmt != "int8":
-            raise QerlError("--requant-scales fixed is for --rollout-quant int8 only")
+        spec = get_format(fmt)
+        if scales == "fixed" and not spec.fixed_scales:
+            fixed = ", ".join(n for n in ROLLOUT_FORMATS if get_format(n).fixed_scales)
+            raise QerlError(f"--requant-scales fixed is for --rollout-quant {fixed} only")
         self.fmt = fmt
+        self.spec = spec
         self.fixed_scales = scales == "fixed"
         lm = _unwrap(model)
         self.sources = rollout_targets(lm)
         if not self.sources:
             raise QerlError("the model has no Linear layer to quantize for the rollouts")
-        block = FORMATS[fmt].group_size or 1
+        block = spec.group_size or 1
         for name, m in self.sources.items():
             k = (m.get_base_layer() if _is_lora(m) else m).in_features
             if k % block:
@@ -111,12 +114,12 @@ class RolloutQuant:
         memo: dict[int, Any] = {id(t): t for t in itertools.chain(lm.parameters(), lm.buffers())}
         self.model = copy.deepcopy(lm, memo)
         self.layers: dict[str, QuantLinear] = {}
-        gscales = self._global_scales() if fmt == "nvfp4" else {}
+        gscales = self._global_scales() if spec.global_scale else {}
         for name, src in self.sources.items():
             w = effective_weight(src)
             bias = _bias(src)
-            qw = quantize(w, fmt, global_scale=gscales.get(name), dtype=self.dtype)
-            ql = QuantLinear.from_quantized(qw, bias=bias, act_quant=DEFAULT_ACT_QUANT.get(fmt))
+            qw = spec.quantize(w, global_scale=gscales.get(name), dtype=self.dtype)
+            ql = QuantLinear.from_quantized(qw, bias=bias, act_quant=spec.act_quant)
             # CPU has no kernels: dequantize each weight once per update instead of on every forward
             ql.cache_dequantized = w.device.type == "cpu"
             _set_module(self.model, name, ql)
@@ -126,7 +129,7 @@ class RolloutQuant:
 
     # ---- re-quantization ---------------------------------------------------------------------------
     def _global_scales(self) -> dict[str, torch.Tensor]:
-        """NVFP4: one global scale per fused group (q/k/v, gate/up), from the current weights' amax."""
+        """Formats with a global scale (NVFP4): one per fused group (q/k/v, gate/up), from the current weights' amax."""
         amax = {n: effective_weight(m).float().abs().max() for n, m in self.sources.items()}
         out = {}
         for name in self.sources:
@@ -137,7 +140,8 @@ class RolloutQuant:
         return out
 
     def _kernels_for(self, w: torch.Tensor) -> bool:
-        return self.fmt in ("int8", "fp8") and (w.is_cuda if self.use_kernels is None else self.use_kernels)
+        # qerl_kernels.quantize re-quantizes the per-channel 8-bit formats in place on the GPU
+        return self.spec.kernel == "w8" and (w.is_cuda if self.use_kernels is None else self.use_kernels)
 
     @torch.no_grad()
     def requantize_(self) -> dict[str, float]:
@@ -146,7 +150,7 @@ class RolloutQuant:
         if sync:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        gscales = self._global_scales() if self.fmt == "nvfp4" else {}
+        gscales = self._global_scales() if self.spec.global_scale else {}
         for name, src in self.sources.items():
             ql = self.layers[name]
             w = effective_weight(src)
@@ -158,7 +162,7 @@ class RolloutQuant:
                 s = ql.weight_scale.float()
                 ql.weight.copy_(torch.round((w.float() / s).clamp(-128, 127)).to(torch.int8))
             else:
-                qw = quantize(w, self.fmt, global_scale=gscales.get(name), dtype=self.dtype)
+                qw = self.spec.quantize(w, global_scale=gscales.get(name), dtype=self.dtype)
                 for key, t in qw.tensors.items():
                     getattr(ql, key).copy_(t)
             bias = _bias(src)
@@ -180,7 +184,7 @@ class RolloutQuant:
         w = effective_weight(src).float()
         deq = dequantize(self.layers[name].quantized_weight, torch.float32)
         out = {"rollout_quant/rel_err": ((deq - w).norm() / w.norm().clamp(min=1e-30)).item()}
-        if self.fmt == "int8":
+        if self.spec.fixed_scales:
             s = self.layers[name].weight_scale.float()
             # the calibration maps each row's absmax to 127.5 (which itself clamps to 127, as in the
             # reference); only weights that grew past it by more than rounding count
@@ -219,7 +223,7 @@ def _refresh_kernel_state(ql: QuantLinear) -> None:
     from qerl_kernels.fp4 import kernel_scales, mxfp4_shift, repack_fp4
 
     t = {n: getattr(ql, n) for n in ql._tensor_names}
-    if ql.fmt == "mxfp4" and mxfp4_shift(t["weight_scale"]) != st.shift:
+    if ql.format.power_of_two_scales and mxfp4_shift(t["weight_scale"]) != st.shift:
         ql._kernel_state = None
         return
     if st.fp8_scale_row is not None:
