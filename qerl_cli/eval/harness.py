@@ -168,14 +168,14 @@ class _Resolved:
 
 def _canonical_task(task: str) -> tuple[str, str]:
     """(canonical name, file-name slug) or a QerlError naming the valid tasks."""
-    from qerl_cli.tasks.datasets import _MATH_ALIASES
+    from qerl_cli.tasks.datasets import MATH_ALIASES
 
     raw = (task or "").strip()
     key, sep, arg = raw.partition(":")
     low = key.lower()
     if low == "gsm8k" and not sep:
         return "gsm8k", "gsm8k"
-    if low in _MATH_ALIASES and not sep:
+    if low in MATH_ALIASES and not sep:
         return "math500", "math500"
     if low == "arith":
         if sep and not arg.strip():
