@@ -22,8 +22,6 @@ ALLOWED = {
     ("qerl_cli/bench/kernels.py", "_key_str"): "b17 fixes (dispatch's plan key, read by the kernel bench)",
     ("qerl_cli/bench/kernels.py", "_plans"): "b17 fixes (dispatch's plan cache, read by the kernel bench)",
     ("qerl_cli/bench/step.py", "_use_bitsandbytes_nf4"): "b17 fixes (bench/rollout.py's NF4 switch)",
-    ("qerl_cli/bench/step.py", "_clock"): "b17 fixes (the trainer's synchronised clock)",
-    ("qerl_cli/bench/sanity.py", "_encode"): "b17 fixes (the trainer's prompt encoding)",
     ("qerl_cli/bench/rollout.py", "_capture"): "b17 fixes (the decode graphs' capture, timed by the rollout bench)",
     ("qerl_cli/quantize.py", "_bnb_state_tensors"): "f17 moves the NF4 serialisation into qerl_cli/formats/",
     ("kernels/w8.py", "_grouped"): "kernels/ (k14): fp4.py's grouped-launch helper, shared by the W8 kernels",

@@ -185,7 +185,7 @@ class Trainer:
         self.reward_name = c.reward or self.task.reward
         self.reward_fn = reward_fn if reward_fn is not None else get_reward(self.reward_name)
         self.prompt_ids = ([list(p) for p in prompt_ids] if prompt_ids is not None
-                           else [self._encode(e.prompt) for e in self.task.examples])
+                           else [self.encode_prompt(e.prompt) for e in self.task.examples])
         if len(self.prompt_ids) != len(self.task.examples):
             raise QerlError(f"{len(self.prompt_ids)} prompt id lists for {len(self.task.examples)} task examples")
         self.stream = PromptStream(len(self.task.examples), c.seed)
@@ -239,7 +239,7 @@ class Trainer:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
 
-    def _encode(self, prompt: str) -> list[int]:
+    def encode_prompt(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
         bos = self.tokenizer.bos_token_id
         if bos is not None and not self.cfg.chat_template and (not ids or ids[0] != bos) and \
@@ -297,7 +297,7 @@ class Trainer:
         atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))
 
     # ---- one step --------------------------------------------------------------------------------
-    def _clock(self) -> float:
+    def clock(self) -> float:
         """perf_counter after the device's queued work: CUDA phases would otherwise bleed into the next."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -351,12 +351,12 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
 
         # -- AQN: this step's noisy norm weights (timed on their own; they feed the rollout policy only)
-        ta = self._clock()
+        ta = self.clock()
         overrides = None
         if self.aqn is not None:
             overrides = self.aqn.noisy_norm_weights(self.step)
             metrics.update(self.aqn.last_metrics)
-        t_aqn = self._clock() - ta
+        t_aqn = self.clock() - ta
         self._phase_peak(metrics, "aqn")
 
         # -- rollout
@@ -389,7 +389,7 @@ class Trainer:
                 break
         if on_cuda:
             self.engine.release()
-        t_rollout = self._clock() - t0
+        t_rollout = self.clock() - t0
         self._phase_peak(metrics, "rollout")
         metrics.update(self.backend.step_metrics(busy))
         if not groups:
@@ -417,7 +417,7 @@ class Trainer:
         metrics["completions/clipped_ratio"] = batch.truncated.float().mean().item()
 
         # -- recompute pi_old with the training forward (clean norms), mismatch vs the rollout's mu
-        t1 = self._clock()
+        t1 = self.clock()
         valid = (torch.arange(batch.mask.shape[1], device=self.device)[None, :] < batch.lengths[:, None]).float()
         old_logp, ref_logp, entropies = self.backend.old_logprobs(batch, c.beta > 0)
         metrics.update(mismatch_metrics(old_logp, batch.rollout_logp, valid))
@@ -426,11 +426,11 @@ class Trainer:
             isw, is_metrics = is_weights(c.correction, old_logp, batch.rollout_logp, valid, cap=c.correction_cap)
             metrics.update(is_metrics)
         metrics["entropy"] = ((entropies * batch.mask).sum() / batch.mask.sum().clamp(min=1)).item()
-        t_recompute = self._clock() - t1
+        t_recompute = self.clock() - t1
         self._phase_peak(metrics, "recompute")
 
         # -- policy update (forward+backward, then optimizer: timed apart inside _update)
-        t2 = self._clock()
+        t2 = self.clock()
         rows = self.backend.update_rows(batch.input_ids.shape[0])
         loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw, rows=rows)
         metrics.update(loss_metrics)
@@ -438,7 +438,7 @@ class Trainer:
             self.full.sync_()
         if self.rollout_quant is not None:
             metrics.update(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
-        t_train = self._clock() - t2
+        t_train = self.clock() - t2
         if on_cuda:
             metrics["memory/train_peak_gb"] = max(metrics.get("memory/fwd_bwd_peak_gb", 0.0),
                                                   metrics.get("memory/optimizer_peak_gb", 0.0))
@@ -485,7 +485,7 @@ class Trainer:
         normalizer = {"dapo": batch.mask.sum().clamp(min=1).item(),
                       "dr_grpo": float(bsz * c.max_completion_length)}.get(c.algo, float(bsz))
         self.model.train()
-        t_fb = self._clock()
+        t_fb = self.clock()
         self.optimizer.zero_grad(set_to_none=True)
         agg: dict[str, float] = {}
         total_loss = 0.0
@@ -508,7 +508,7 @@ class Trainer:
                 agg[k] = agg.get(k, 0.0) + v * w / bsz
         self.backend.reduce_gradients(self.params)  # nothing to do on one process
         total_loss, agg = self.backend.reduce_loss_metrics(total_loss, agg)
-        t_opt = self._clock()
+        t_opt = self.clock()
         agg["timing/fwd_bwd_s"] = t_opt - t_fb
         self._phase_peak(agg, "fwd_bwd")
         self.scaler.unscale_(self.optimizer)
@@ -520,7 +520,7 @@ class Trainer:
         self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
         self.scheduler.step()
-        agg["timing/optimizer_s"] = self._clock() - t_opt
+        agg["timing/optimizer_s"] = self.clock() - t_opt
         self._phase_peak(agg, "optimizer")
         self.model.eval()
         agg["loss"] = total_loss
@@ -576,7 +576,7 @@ class Trainer:
         if background is None:
             background = self.cfg.async_checkpoint
         background = background and self.full is None and not self.dist.enabled
-        t0 = self._clock()
+        t0 = self.clock()
         if not background:
             self.writer.wait()
 
@@ -599,7 +599,7 @@ class Trainer:
             path = ck.save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(),
                                       self.cfg.keep_checkpoints,
                                       full_weights=self.full.weights() if self.full is not None else None)
-        self.last_checkpoint_s = self._clock() - t0
+        self.last_checkpoint_s = self.clock() - t0
         self.dist.barrier()
         return path
 
