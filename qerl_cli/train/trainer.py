@@ -310,7 +310,8 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None,
-                  prompt_offset: int = 0):
+                 prompt_offset: int = 0) -> Any:
+        """Roll out the task examples `indices` with this step and round's seed; the engine's result."""
         from qerl_cli.rollout import SamplingParams
 
         c = self.cfg
@@ -322,6 +323,7 @@ class Trainer:
         return res
 
     def score(self, indices: list[int], samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw and shaped (DAPO overlong penalty) rewards of `samples`, in sample order."""
         from qerl_cli.tasks.rewards import safe_rewards
 
         g = self.cfg.num_generations
