@@ -21,6 +21,25 @@ PACKAGES = (
 )
 
 
+# Every QERL_* variable is recorded (the prefix is the contract: a new switch needs no change here). These are
+# the other variables qerl reads that change what a stage computes or where; recorded when set.
+# tests/test_env_record.py fails when the code reads a variable that is in neither group.
+RECORDED_ENV = (
+    "TRITON_INTERPRET",  # Triton kernels run in the interpreter (CPU tests): other kernel code paths
+    "VLLM_CPU_KVCACHE_SPACE",  # vLLM on CPU: its KV cache size, so its batch and the rollout schedule
+    "CUDA_VISIBLE_DEVICES",  # which GPUs a stage ran on
+    "WORLD_SIZE",  # torchrun: data-parallel training (also in the train record's dist entry)
+    "NCCL_NVLS_ENABLE",  # NVLink multicast (train/distributed.py turns it off unless set)
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+)
+
+
+def recorded_env() -> dict[str, dict[str, str]]:
+    """The behaviour-changing environment of this process, as every manifest stage records it."""
+    return {"qerl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("QERL_")},
+            "other_env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ}}
+
+
 @contextlib.contextmanager
 def temporary_env(values: dict[str, str]) -> Iterator[None]:
     """Set environment variables for a block; restore (or remove) them afterwards."""
@@ -89,5 +108,5 @@ def environment() -> dict[str, Any]:
         "git_commit": git_commit(),
         "device": device_info(),
         # behaviour-changing switches (kernel backend and thresholds, repack, FP8 activations, ...)
-        "qerl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("QERL_")},
+        **recorded_env(),
     }

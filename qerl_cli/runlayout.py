@@ -1,35 +1,17 @@
-"""Where each stage keeps its outputs inside a run directory (paths only; the manifest says what is valid)."""
+"""Where each stage keeps its outputs inside a run directory (paths only; the manifest says what is valid).
+
+What is inside `train/checkpoints/` (kinds, files, `latest`, pruning) is qerl_cli/train/checkpointing.py's.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import QerlError
-from qerl_cli.manifest import RunDir, atomic_write_text
-
-CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
-
-# What a complete `train/checkpoints/step_N/` holds, by kind; the one place resume, `latest`, pruning
-# (keep_checkpoints) and `qerl eval` learn it from. Every kind also holds TRAINER_STATE_FILE (optimizer,
-# scheduler, RNG, data, AQN and, with --rollout-quant int8 --requant-scales fixed, the FlashRL fixed INT8
-# scales under its "rollout_quant" key: they are calibration state, not weights, so they add no kind).
-ADAPTER_DIR = "adapter"  # --finetune lora: peft's adapter_config.json + adapter_model.safetensors
-FULL_WEIGHTS_FILE = "weights.safetensors"  # --finetune full: every trained (non-embedding) weight, fp32
-TRAINER_STATE_FILE = "trainer_state.pt"
-
-
-def checkpoint_kind(ckpt: Path) -> str | None:
-    """"adapter", "full", or None when `ckpt` is not a complete checkpoint (a staged write leaves none:
-    the directory is renamed into place whole)."""
-    if (ckpt / ADAPTER_DIR / "adapter_config.json").is_file():
-        return "adapter"
-    if (ckpt / FULL_WEIGHTS_FILE).is_file():
-        return "full"
-    return None
+from qerl_cli.manifest import RunDir
 
 
 def quantized_model_dir(run: RunDir) -> Path:
@@ -71,68 +53,12 @@ def check_adapter_base(run: RunDir, checkpoint: Path) -> str:
     return current
 
 
-def latest_step(run: RunDir) -> int | None:
-    """The step of the checkpoint `--resume` continues from (None: no checkpoint yet)."""
-    try:
-        ckpt = resolve_checkpoint(run, "latest")
-    except QerlError:
-        return None
-    m = CHECKPOINT_RE.match(ckpt.name) if ckpt is not None else None
-    return int(m.group(1)) if m else None
-
-
 def train_dir(run: RunDir) -> Path:
     return run.path / "train"
 
 
 def checkpoints_dir(run: RunDir) -> Path:
     return train_dir(run) / "checkpoints"
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step}"
-
-
-def write_latest(run: RunDir, step: int) -> None:
-    """Point `latest` at a complete checkpoint; written last, after the checkpoint itself."""
-    atomic_write_text(checkpoints_dir(run) / "latest", checkpoint_name(step) + "\n")
-
-
-def list_checkpoints(run: RunDir) -> dict[int, Path]:
-    root = checkpoints_dir(run)
-    if not root.is_dir():
-        return {}
-    out = {}
-    for p in root.iterdir():
-        m = CHECKPOINT_RE.match(p.name)
-        if m and p.is_dir() and checkpoint_kind(p) is not None:
-            out[int(m.group(1))] = p
-    return dict(sorted(out.items()))
-
-
-def resolve_checkpoint(run: RunDir, name: str) -> Path | None:
-    """`latest`, `step_N` or `base` (None: the base model alone). Raises a clear error for a missing one."""
-    if name == "base":
-        return None
-    ckpts = list_checkpoints(run)
-    if name == "latest":
-        pointer = checkpoints_dir(run) / "latest"
-        if pointer.is_file():
-            target = checkpoints_dir(run) / pointer.read_text().strip()
-            if checkpoint_kind(target) is not None:
-                return target
-        if ckpts:
-            return ckpts[max(ckpts)]
-        raise QerlError(f"run {run.path} has no training checkpoint: run `qerl train --run {run.path}` first "
-                        "or pass --checkpoint base")
-    m = CHECKPOINT_RE.match(name)
-    if not m:
-        raise QerlError(f"--checkpoint must be latest, base or step_N, not {name!r}")
-    step = int(m.group(1))
-    if step not in ckpts:
-        have = ", ".join(checkpoint_name(s) for s in ckpts) or "none"
-        raise QerlError(f"checkpoint {name} does not exist in {checkpoints_dir(run)} (have: {have})")
-    return ckpts[step]
 
 
 def eval_dir(run: RunDir) -> Path:

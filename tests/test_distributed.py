@@ -235,3 +235,22 @@ def test_scale_bench_runner_on_two_gloo_ranks(tmp_path: Path) -> None:
     step = r["steps_detail"][0]
     assert step["grad_norm"] > 0 and step["dist/rollout_s_max"] >= step["dist/rollout_s_min"] > 0
     assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
+
+
+def test_the_step_has_no_process_layout_branch() -> None:
+    """Local and data-parallel steps differ only inside the StepBackend chosen at setup: the step and the update
+    never look at the process layout or reach into distributed.py themselves."""
+    import ast
+    import inspect
+    import textwrap
+
+    from qerl_cli.train.trainer import Trainer
+
+    for method in (Trainer.train_step, Trainer._update):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+        touched = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        imports = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "dist" not in touched and "enabled" not in touched, method.__name__
+        assert "qerl_cli.train.distributed" not in imports, method.__name__
+        assert "backend" in touched, method.__name__
+

@@ -49,7 +49,8 @@ def _save_checkpoint(run: Path, step: int, *, scale: float = 0.02, seed: int = 1
     the manifest's train record naming the base it was made on (as `qerl train` records it)."""
     from qerl_cli.lora import adapter_hash, attach_lora, make_lora_config
     from qerl_cli.models import load_model
-    from qerl_cli.runlayout import checkpoints_dir, write_latest
+    from qerl_cli.runlayout import checkpoints_dir
+    from qerl_cli.train.checkpointing import write_latest
 
     model, _ = load_model(str(run / "model"))
     peft_model = attach_lora(model, make_lora_config(rank=8), seed=0)
@@ -328,7 +329,8 @@ def test_adapter_for_another_base_is_refused(bare_run: Path, tmp_path: Path) -> 
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from qerl_cli.runlayout import checkpoints_dir, write_latest
+    from qerl_cli.runlayout import checkpoints_dir
+    from qerl_cli.train.checkpointing import write_latest
 
     run = tmp_path / "run"
     shutil.copytree(bare_run, run)

@@ -94,7 +94,7 @@ def test_resume_continues_at_the_last_step_with_its_optimizer_state(bf16_run: Pa
 
 def test_keep_checkpoints_prunes_full_checkpoints(bf16_run: Path, tmp_path: Path) -> None:
     from qerl_cli.manifest import RunDir
-    from qerl_cli.runlayout import latest_step
+    from qerl_cli.train.checkpointing import latest_step
     from qerl_cli.train.config import build_config
     from qerl_cli.train.trainer import train
 

@@ -139,7 +139,7 @@ def summarize_cells(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
 
 
 def _encode(tok: Any, prompt: str, max_len: int, chat_template: bool) -> list[int]:
-    """As Trainer._encode: the training prompts, token for token."""
+    """As Trainer.encode_prompt: the training prompts, token for token."""
     ids = tok(prompt, add_special_tokens=False).input_ids
     bos = tok.bos_token_id
     if bos is not None and not chat_template and (not ids or ids[0] != bos) and getattr(tok, "add_bos_token", False):
@@ -256,7 +256,7 @@ def heldout_accuracy(trainer: Any, task: Any, samples: int = HELDOUT_SAMPLES) ->
     from qerl_cli.tasks.rewards import safe_rewards
 
     c = trainer.cfg
-    ids = [trainer._encode(e.prompt) for e in task.examples]
+    ids = [trainer.encode_prompt(e.prompt) for e in task.examples]
     sp = SamplingParams(n=samples, temperature=c.temperature, max_tokens=c.max_completion_length,
                         stop=list(task.stop), seed=c.seed + 10**6)  # a seed no training step draws
     res = trainer.engine.generate(ids, sp)

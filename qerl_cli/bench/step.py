@@ -144,12 +144,12 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
     on_cuda = trainer.device.type == "cuda"
     rows = []
     for i in range(warmup + measure):
-        t0 = trainer._clock()
+        t0 = trainer.clock()
         m = trainer.train_step()
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(trainer.device)
         trainer.save()
-        step_s = trainer._clock() - t0
+        step_s = trainer.clock() - t0
         n_seq = trainer.cfg.batch_prompts * trainer.cfg.num_generations
         row = {f"{p}_s": float(m.get(f"timing/{p}_s", 0.0)) for p in PHASES if p != "checkpoint"}
         row["checkpoint_s"] = trainer.last_checkpoint_s

@@ -34,15 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import QerlError
+from qerl_cli.eval.adapters import EXTERNAL_HARNESSES, external_harness
+from qerl_cli.eval.generation import generate_texts, truncate_at_stop
 from qerl_cli.eval.metrics import breakdown, mean_and_ci95, pass_at_k
 from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, now_iso, sha256_file
 
 log = logging.getLogger(__name__)
 
-HARNESSES = ("builtin", "lm-eval", "lighteval")
+HARNESSES = ("builtin", *EXTERNAL_HARNESSES)
 TASK_CHOICES = "gsm8k, math500, arith (or arith:<level>), jsonl:PATH"
 # Which task each external harness runs (its own task definition, our bundled data).
-HARNESS_TASKS = {"lm-eval": "gsm8k", "lighteval": "math500"}
+HARNESS_TASKS = {name: h.task for name, h in EXTERNAL_HARNESSES.items()}
 RESULT_SCHEMA = 1
 # Arith problems are generated; the test set must not move with the sampling seed.
 DATA_SEED = 0
@@ -60,14 +62,6 @@ PRIMARY = {"gsm8k": "strict", "math": "math", "arith": "arith"}
 
 
 # ------------------------------------------------------------------------------------------- scoring
-
-
-def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
-    """Text before the first occurrence of any stop string (lm-eval's `until` post-processing)."""
-    for s in stops:
-        if s:
-            text = text.split(s)[0]
-    return text
 
 
 def score_gsm8k(completions: Sequence[str], golds: Sequence[str]) -> list[dict[str, Any]]:
@@ -174,14 +168,14 @@ class _Resolved:
 
 def _canonical_task(task: str) -> tuple[str, str]:
     """(canonical name, file-name slug) or a QerlError naming the valid tasks."""
-    from qerl_cli.tasks.datasets import _MATH_ALIASES
+    from qerl_cli.tasks.datasets import MATH_ALIASES
 
     raw = (task or "").strip()
     key, sep, arg = raw.partition(":")
     low = key.lower()
     if low == "gsm8k" and not sep:
         return "gsm8k", "gsm8k"
-    if low in _MATH_ALIASES and not sep:
+    if low in MATH_ALIASES and not sep:
         return "math500", "math500"
     if low == "arith":
         if sep and not arg.strip():
@@ -197,7 +191,8 @@ def _canonical_task(task: str) -> tuple[str, str]:
 
 
 def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _Resolved:
-    from qerl_cli.runlayout import check_adapter_base, checkpoint_kind, quantized_model_dir, resolve_checkpoint
+    from qerl_cli.runlayout import check_adapter_base, quantized_model_dir
+    from qerl_cli.train.checkpointing import require_weights, resolve_checkpoint, verify_weights
 
     if harness not in HARNESSES:
         raise QerlError(f"unknown harness {harness!r}: use one of {', '.join(HARNESSES)}")
@@ -210,17 +205,12 @@ def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _
     model_record = run.require("quantize")
     ckpt_dir = resolve_checkpoint(run, checkpoint)
     ckpt_name = "base" if ckpt_dir is None else ckpt_dir.name
-    if ckpt_dir is not None and checkpoint_kind(ckpt_dir) == "full":
-        check_adapter_base(run, ckpt_dir)  # the frozen embeddings come from the base: it must be the trained one
-        _verify_full_weights(run, ckpt_dir)
-    elif ckpt_dir is not None:
-        # resolve_checkpoint only lists checkpoints whose adapter_config.json exists; the weights must too.
-        weights = ckpt_dir / "adapter" / "adapter_model.safetensors"
-        if not weights.is_file():
-            raise QerlError(f"checkpoint {ckpt_dir} has no adapter/adapter_model.safetensors: the checkpoint is "
-                            f"incomplete; pick another with --checkpoint step_N or --checkpoint base")
-        check_adapter_base(run, ckpt_dir)  # before any model is loaded or result written
-        _verify_adapter(run, ckpt_dir)
+    if ckpt_dir is not None:
+        require_weights(ckpt_dir)
+        # before any model is loaded or result written; for a full checkpoint too: its frozen embeddings come
+        # from the base, which must be the trained one
+        check_adapter_base(run, ckpt_dir)
+        verify_weights(run, ckpt_dir)
     slug = f"{slug}-{ckpt_name}" + ("" if harness == "builtin" else f"-{harness}")
     kind = "gsm8k" if name == "gsm8k" else "math" if name == "math500" else "arith" if name.startswith("arith") \
         else "jsonl"
@@ -247,30 +237,6 @@ def _fallback_notice(records: list[dict[str, Any]]) -> str | None:
         return None
     return (f"{n} of {len(records)} samples were graded by the exact-match fallback instead of math-verify "
             "(see grader.note in the samples file)")
-
-
-def _verify_adapter(run: RunDir, ckpt_dir: Path) -> None:
-    """The adapter of the checkpoint the manifest's train record names must still have the recorded sha256
-    (older step_N checkpoints have no recorded hash)."""
-    from qerl_cli.lora import adapter_hash
-
-    outputs = (run.record("train") or {}).get("outputs", {})
-    recorded = outputs.get("adapter_sha256")
-    if recorded and outputs.get("checkpoint") == run.rel(ckpt_dir) and adapter_hash(ckpt_dir / "adapter") != recorded:
-        raise QerlError(f"{ckpt_dir}/adapter/adapter_model.safetensors does not match the sha256 the manifest recorded "
-                        "for it (corrupted or replaced): evaluate another --checkpoint step_N or train again")
-
-
-def _verify_full_weights(run: RunDir, ckpt_dir: Path) -> None:
-    """A --finetune full checkpoint's weights must still have the sha256 the manifest recorded for it."""
-    from qerl_cli.runlayout import FULL_WEIGHTS_FILE
-
-    outputs = (run.record("train") or {}).get("outputs", {})
-    recorded = outputs.get("weights_sha256")
-    if recorded and outputs.get("checkpoint") == run.rel(ckpt_dir) and \
-            sha256_file(ckpt_dir / FULL_WEIGHTS_FILE) != recorded:
-        raise QerlError(f"{ckpt_dir}/{FULL_WEIGHTS_FILE} does not match the sha256 the manifest recorded for it "
-                        "(corrupted or replaced): evaluate another --checkpoint step_N or train again")
 
 
 def _data_files(task_name: str, shots: int) -> dict[str, str]:
@@ -360,18 +326,12 @@ def run_eval(
         raise QerlError(f"--max-tokens must be >= 1, got {max_tokens}")
     if batch_slots < 1:
         raise QerlError(f"batch_slots must be >= 1, got {batch_slots}")
-    if harness in ("lm-eval", "lighteval") and samples != 1:
+    if harness in EXTERNAL_HARNESSES and samples != 1:
         raise QerlError(f"--harness {harness} runs one sample per problem: use --samples 1 (or the builtin harness "
                         "for pass@k)")
     res = _resolve(run_dir, task, checkpoint, harness)
-    if harness == "lm-eval":
-        from qerl_cli.eval.lm_eval_adapter import require_lm_eval
-
-        require_lm_eval()
-    elif harness == "lighteval":
-        from qerl_cli.eval.lighteval_adapter import require_lighteval
-
-        require_lighteval()
+    if harness != "builtin":
+        external_harness(harness).require()
 
     import torch
 
@@ -398,20 +358,10 @@ def run_eval(
                                   expected_sha256=res.model_record["outputs"]["model"].get("files", {}))
     adapter_info: dict[str, Any] | None = None
     weights_info: dict[str, Any] | None = None  # --finetune full: the checkpoint's weights replace the base's
-    from qerl_cli.runlayout import FULL_WEIGHTS_FILE, checkpoint_kind
+    if res.checkpoint_dir is not None:
+        from qerl_cli.train.checkpointing import apply_to_model
 
-    if res.checkpoint_dir is not None and checkpoint_kind(res.checkpoint_dir) == "full":
-        from qerl_cli.train.full_finetune import load_weights
-
-        load_weights(model, res.checkpoint_dir)
-        path = res.checkpoint_dir / FULL_WEIGHTS_FILE
-        weights_info = {"path": res.run.rel(path), "sha256": sha256_file(path)}
-    elif res.checkpoint_dir is not None:
-        from qerl_cli.lora import adapter_summary, load_adapter
-
-        adapter_dir = res.checkpoint_dir / "adapter"
-        model = load_adapter(model, adapter_dir)
-        adapter_info = {"path": res.run.rel(adapter_dir), **adapter_summary(adapter_dir)}
+        model, adapter_info, weights_info = apply_to_model(res.run, model, res.checkpoint_dir)
     model.eval()
     load_s = time.perf_counter() - t_load
 
@@ -446,20 +396,12 @@ def run_eval(
         if harness == "builtin":
             records, extra, scorers = _run_builtin(model, tokenizer, task_obj, kind, samples, temperature, max_new,
                                                    seed, batch_slots)
-        elif harness == "lm-eval":
-            from qerl_cli.eval.lm_eval_adapter import run_lm_eval_gsm8k
-
-            records, extra = run_lm_eval_gsm8k(model, tokenizer, task_obj, max_tokens=max_new,
-                                               temperature=temperature, seed=seed, batch_slots=batch_slots)
-            scorers = list(extra["scorers"])
-            protocol["engine"] = "qerl builtin rollout engine behind lm_eval.api.model.LM"
         else:
-            from qerl_cli.eval.lighteval_adapter import run_lighteval_math500
-
-            records, extra = run_lighteval_math500(model, tokenizer, task_obj, max_tokens=max_new,
-                                                   temperature=temperature, seed=seed, batch_slots=batch_slots)
+            external = external_harness(harness)
+            records, extra = external.run(model, tokenizer, task_obj, max_tokens=max_new, temperature=temperature,
+                                          seed=seed, batch_slots=batch_slots)
             scorers = list(extra["scorers"])
-            protocol["engine"] = "qerl builtin rollout engine behind lighteval LightevalModel"
+            protocol["engine"] = external.engine
         gen_s = time.perf_counter() - t_gen
         if harness == "builtin":
             protocol["scorers"] = {s: SCORER_DOCS[s] for s in scorers}
@@ -555,34 +497,6 @@ def _run_builtin(model: Any, tokenizer: Any, task: Any, kind: str, samples: int,
         })
     scorers = list(scored[0]["correct"]) if scored else []
     return records, {}, scorers
-
-
-def generate_texts(model: Any, tokenizer: Any, prompts: list[str], sampling: Any, batch_slots: int) -> list[dict]:
-    """Generate with the builtin engine; one dict per sample (prompt_index, sample_index, text, ...).
-
-    The engine keeps the token that completed a stop string, so `text` may run past it; callers cut it
-    with `truncate_at_stop`.
-    """
-    from qerl_cli.rollout import BuiltinEngine
-
-    ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
-    longest = max(len(i) for i in ids)
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    need = longest + sampling.max_tokens + 1
-    if limit is not None and need > int(limit):
-        raise QerlError(f"the longest prompt has {longest} tokens; with --max-tokens {sampling.max_tokens} that "
-                        f"exceeds the model's context of {limit}: lower --max-tokens or --shots")
-    engine = BuiltinEngine(model, tokenizer, max_batch_slots=batch_slots, max_model_len=need)
-    try:
-        result = engine.generate(ids, sampling)
-    finally:
-        engine.release()
-    return [{"prompt_index": s.prompt_index, "sample_index": s.sample_index,
-             "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
-             "finish_reason": s.finish_reason, "tokens": len(s.token_ids)} for s in result.samples]
-
-
-# ------------------------------------------------------------------------------------------- table
 
 
 def _fmt_ci(ci: dict[str, Any]) -> str:

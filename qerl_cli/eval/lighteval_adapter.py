@@ -110,7 +110,7 @@ def _model_class() -> type:
     from lighteval.tasks.prompt_manager import PromptManager
     from lighteval.utils.cache_management import SampleCache
 
-    from qerl_cli.eval.harness import generate_texts, truncate_at_stop
+    from qerl_cli.eval.generation import generate_texts, truncate_at_stop
     from qerl_cli.rollout import SamplingParams
 
     class QerlLightevalModel(LightevalModel):
@@ -278,7 +278,7 @@ def _offline():  # noqa: ANN202
     """
     from lighteval.tasks.registry import Registry
 
-    from qerl_cli.eval.lm_eval_adapter import _offline as offline
+    from qerl_cli.eval.generation import hf_offline as offline
 
     original = Registry.__dict__["load_all_task_configs"]
 

@@ -20,16 +20,15 @@ strict-match takes the FIRST "#### N" (qerl the last), and its exact_match compa
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import json
 import logging
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import QerlError
+from qerl_cli.eval.generation import hf_offline
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ def _lm_class() -> type:
     """QerlLM, built lazily so that importing this module does not import lm_eval."""
     from lm_eval.api.model import LM
 
-    from qerl_cli.eval.harness import generate_texts, truncate_at_stop
+    from qerl_cli.eval.generation import generate_texts, truncate_at_stop
     from qerl_cli.rollout import SamplingParams
 
     class QerlLM(LM):
@@ -177,23 +176,6 @@ def make_lm(model: Any, tokenizer: Any, *, batch_slots: int = 64, seed: int = 0)
     return _lm_class()(model, tokenizer, batch_slots=batch_slots, seed=seed)
 
 
-@contextlib.contextmanager
-def _offline() -> Iterator[None]:
-    """HF datasets/hub offline (the data files are local) and no datasets progress bars, restored after."""
-    import datasets
-
-    from qerl_cli.env_info import temporary_env
-
-    bars = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        with temporary_env({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}):
-            yield
-    finally:
-        if bars:
-            datasets.enable_progress_bars()
-
-
 def run_lm_eval_gsm8k(model: Any, tokenizer: Any, task: Any, *, max_tokens: int, temperature: float = 0.0,
                       seed: int = 0, batch_slots: int = 64) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run lm-eval's gsm8k on `model` for the problems of qerl's `task` (a loaded gsm8k test Task).
@@ -217,7 +199,7 @@ def run_lm_eval_gsm8k(model: Any, tokenizer: Any, task: Any, *, max_tokens: int,
     for name in ("lm_eval", "lm-eval"):
         logging.getLogger(name).setLevel(logging.ERROR)
     lm = make_lm(model, tokenizer, batch_slots=batch_slots, seed=seed)
-    with tempfile.TemporaryDirectory(prefix="qerl-lm-eval-") as tmp, _offline():
+    with tempfile.TemporaryDirectory(prefix="qerl-lm-eval-") as tmp, hf_offline():
         (Path(tmp) / f"{TASK_NAME}.yaml").write_text(yaml_text)
         manager = TaskManager(include_path=tmp, include_defaults=False)
         try:

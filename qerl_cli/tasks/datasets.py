@@ -79,7 +79,7 @@ MATH_SHOTS: tuple[tuple[str, str], ...] = (
 )
 
 TASK_NAMES = ("gsm8k", "math500", "arith", "jsonl:PATH")
-_MATH_ALIASES = ("math", "math500", "math-500", "math_500")
+MATH_ALIASES = ("math", "math500", "math-500", "math_500")
 
 _PLAIN_NUMBER = re.compile(r"\s*[-+\u2212]?\$?(\d[\d,]*(\.\d+)?|\.\d+)(\s*/\s*\d+)?\s*%?\s*")
 
@@ -338,7 +338,7 @@ def load_task(
         k = 0 if shots is None else shots
         examples, build = _load_gsm8k(split, k, wrap)
         task = Task("gsm8k", split, examples, "gsm8k", GSM8K_STOP, build, k, chat_template, 256)
-    elif key in _MATH_ALIASES and not arg:
+    elif key in MATH_ALIASES and not arg:
         k = 0 if shots is None else shots
         examples, build = _load_math500(split, k, wrap)
         task = Task("math500", split, examples, "math", MATH_STOP, build, k, chat_template, 1024)

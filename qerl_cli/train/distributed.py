@@ -34,17 +34,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from qerl_cli.errors import QerlError
+from qerl_cli.train.step_backend import LogProbs, RolloutRound, StepWorker
 
 if TYPE_CHECKING:
     from qerl_cli.train.batch import RolloutBatch
-    from qerl_cli.train.trainer import Trainer
 
 # Some shared hosts are harmed by NVLink multicast (NVLS / symmetric-memory multicast): keep it off.
 SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -227,18 +227,6 @@ class _Chunk:
     timings: dict[str, float]
 
 
-@dataclass
-class RolloutRound:
-    """One round's result in global prompt order, as the 1-process trainer would have it."""
-
-    samples: list[Any]
-    raw: torch.Tensor
-    shaped: torch.Tensor
-    timings: dict[str, float]
-    busy_s: list[float] = field(default_factory=list)  # per rank: seconds generating + scoring
-    chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (rank, start, end)
-
-
 def merge_chunks(per_rank: list[list[_Chunk]], total: int) -> tuple[list[_Chunk], list[tuple[int, int, int]]]:
     """All ranks' chunks sorted by start; they must tile [0, total) exactly (else the counter was misused)."""
     tagged = sorted(((c.start, r, c) for r, part in enumerate(per_rank) for c in part), key=lambda t: t[0])
@@ -256,17 +244,17 @@ def merge_chunks(per_rank: list[list[_Chunk]], total: int) -> tuple[list[_Chunk]
     return [c for _, _, c in tagged], owners
 
 
-def rollout_round(trainer: Trainer, indices: list[int], round_: int, overrides: Any) -> RolloutRound:
+def rollout_round(worker: StepWorker, ctx: DistContext, indices: list[int], round_: int,
+                  overrides: Any) -> RolloutRound:
     """Generate and score ``indices`` (one round of one step) across all ranks; every rank gets all of it."""
-    ctx = trainer.dist
-    counter = store_counter(f"qerl/rollout/{trainer.step}/{round_}") if ctx.enabled else (lambda k: 0)
+    counter = store_counter(f"qerl/rollout/{worker.step}/{round_}") if ctx.enabled else (lambda k: 0)
     mine: list[_Chunk] = []
     busy = 0.0
     for start, end in claim_chunks(len(indices), ctx.world_size, counter):
         t = time.perf_counter()
         part = indices[start:end]
-        res = trainer._generate(part, round_, overrides, prompt_offset=start)
-        raw, shaped = trainer._score(part, res.samples)
+        res = worker.generate(part, round_, overrides, prompt_offset=start)
+        raw, shaped = worker.score(part, res.samples)
         # prompt tokens are known to every rank: do not ship them
         mine.append(_Chunk(start, end, [replace(s, prompt_token_ids=[]) for s in res.samples], raw, shaped,
                            {k: float(v) for k, v in res.timings.items()}))
@@ -274,7 +262,7 @@ def rollout_round(trainer: Trainer, indices: list[int], round_: int, overrides: 
     gathered = ctx.gather_objects((mine, busy))
     chunks, owners = merge_chunks([g[0] for g in gathered], len(indices))
     samples = [replace(s, prompt_index=c.start + s.prompt_index,
-                       prompt_token_ids=trainer.prompt_ids[indices[c.start + s.prompt_index]])
+                       prompt_token_ids=worker.prompt_ids[indices[c.start + s.prompt_index]])
                for c in chunks for s in c.samples]
     timings: dict[str, float] = {}
     for c in chunks:
@@ -293,14 +281,13 @@ def rollout_metrics(world_size: int, busy_s: list[float]) -> dict[str, float]:
 
 
 # ---- training ---------------------------------------------------------------------------------------
-def forward_no_grad_sharded(trainer: Trainer, batch: RolloutBatch, with_ref: bool):
+def forward_no_grad_sharded(worker: StepWorker, ctx: DistContext, batch: RolloutBatch, with_ref: bool) -> LogProbs:
     """pi_old (and ref) log-probs and entropies of the whole batch: each rank computes its row shard, then
     all ranks gather every shard (the IS weights and mismatch metrics need the whole batch)."""
-    ctx = trainer.dist
     n, t = batch.completion_ids.shape
     rows = shard_rows(n, ctx.rank, ctx.world_size)
     if rows.stop > rows.start:
-        old, ref, ent = trainer._forward_no_grad(batch.rows(rows), with_ref)
+        old, ref, ent = worker.forward_no_grad(batch.rows(rows), with_ref)
     else:
         z = torch.zeros(0, t, device=batch.input_ids.device)
         old, ref, ent = z, (z if with_ref else None), z
@@ -335,6 +322,33 @@ def reduce_loss_metrics(total_loss: float, agg: dict[str, float], ctx: DistConte
         for k, v in part.items():
             out[k] = out.get(k, 0.0) + v
     return loss, out
+
+
+class DistributedBackend:
+    """The step's layout-dependent parts on N ranks (the module docstring says how); see train/step_backend.py."""
+
+    def __init__(self, worker: StepWorker, ctx: DistContext) -> None:
+        self.worker = worker
+        self.ctx = ctx
+        self.world_size = ctx.world_size
+
+    def rollout_round(self, indices: list[int], round_: int, overrides: Any) -> RolloutRound:
+        return rollout_round(self.worker, self.ctx, indices, round_, overrides)
+
+    def old_logprobs(self, batch: RolloutBatch, with_ref: bool) -> LogProbs:
+        return forward_no_grad_sharded(self.worker, self.ctx, batch, with_ref)
+
+    def update_rows(self, n: int) -> slice | None:
+        return shard_rows(n, self.ctx.rank, self.ctx.world_size)
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        reduce_gradients(params, self.ctx)
+
+    def reduce_loss_metrics(self, total_loss: float, agg: dict[str, float]) -> tuple[float, dict[str, float]]:
+        return reduce_loss_metrics(total_loss, agg, self.ctx)
+
+    def step_metrics(self, busy_s: list[float]) -> dict[str, float]:
+        return rollout_metrics(self.ctx.world_size, busy_s)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.runlayout import FULL_WEIGHTS_FILE as WEIGHTS_FILE
 
 FROZEN = ("embed_tokens", "lm_head")
 
@@ -29,10 +28,10 @@ class FullFinetune:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.trained: dict[str, nn.Parameter] = {}
+        trained = trained_names(model)
         for name, p in model.named_parameters():
-            frozen = any(part in FROZEN for part in name.split("."))
-            p.requires_grad_(not frozen)
-            if not frozen:
+            p.requires_grad_(name in trained)
+            if name in trained:
                 self.trained[name] = p
         if not self.trained:
             raise QerlError("--finetune full found no trainable parameter outside the embeddings")
@@ -58,38 +57,33 @@ class FullFinetune:
             if m is not p:
                 p.copy_(m)
 
-    def save(self, directory: Path) -> None:
-        from safetensors.torch import save_file
-
-        save_file({n: m.detach().contiguous().cpu() for n, m in self.masters.items()}, str(directory / WEIGHTS_FILE))
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What a FULL checkpoint saves (train/checkpointing.py writes it): the fp32 masters by name."""
+        return dict(self.masters)
 
     @torch.no_grad()
-    def load(self, directory: Path) -> None:
-        for name, t in _read(directory, set(self.masters)).items():
+    def load(self, ckpt: Path) -> None:
+        """Restore the masters (and the model's weights) from a FULL checkpoint (`--resume`)."""
+        from qerl_cli.train.checkpointing import read_full_weights
+
+        for name, t in read_full_weights(ckpt, set(self.masters)).items():
             self.masters[name].copy_(t)
         self.sync_()
 
 
+def trained_names(model: nn.Module) -> set[str]:
+    """The parameters --finetune full trains (all but the frozen embeddings / lm_head)."""
+    return {n for n, _ in model.named_parameters() if not any(part in FROZEN for part in n.split("."))}
+
+
 @torch.no_grad()
-def load_weights(model: nn.Module, directory: Path) -> None:
-    """Put a --finetune full checkpoint's trained weights into `model` (`qerl eval`: no masters, no grads)."""
+def load_weights(model: nn.Module, ckpt: Path) -> None:
+    """Put a FULL checkpoint's trained weights into `model` (`qerl eval`: no masters, no grads)."""
+    from qerl_cli.train.checkpointing import read_full_weights
+
     params = dict(model.named_parameters())
-    trained = {n for n in params if not any(part in FROZEN for part in n.split("."))}
-    for name, t in _read(directory, trained).items():
+    for name, t in read_full_weights(ckpt, trained_names(model)).items():
         params[name].copy_(t)  # copy_ casts the fp32 masters to the model's dtype
-
-
-def _read(directory: Path, expected: set[str]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    path = directory / WEIGHTS_FILE
-    if not path.is_file():
-        raise QerlError(f"checkpoint {directory} has no {WEIGHTS_FILE}: it is not a --finetune full checkpoint")
-    sd = load_file(str(path))
-    if set(sd) != expected:
-        raise QerlError(f"checkpoint {directory} was trained with other parameters than this model has: evaluate "
-                        "it on the run it was trained in")
-    return sd
 
 
 def _move_grad_to(master: nn.Parameter):  # noqa: ANN202 - a hook

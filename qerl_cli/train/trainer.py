@@ -22,21 +22,15 @@ import torch
 
 from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import QerlError
-from qerl_cli.manifest import RunDir, sha256_file
+from qerl_cli.manifest import RunDir
 from qerl_cli.precision import dtype_of, uses_loss_scaling
-from qerl_cli.runlayout import (
-    base_fingerprint,
-    checkpoints_dir,
-    latest_step,
-    model_files,
-    quantized_model_dir,
-    resolve_checkpoint,
-    train_dir,
-)
+from qerl_cli.runlayout import base_fingerprint, checkpoints_dir, model_files, quantized_model_dir, train_dir
+from qerl_cli.train import checkpointing
 from qerl_cli.train.batch import RolloutBatch, build_batch
-from qerl_cli.train.checkpointing import CheckpointWriter
+from qerl_cli.train.checkpointing import CheckpointWriter, latest_step, resolve_checkpoint
 from qerl_cli.train.config import TrainConfig
 from qerl_cli.train.logprobs import sampled_logprobs
+from qerl_cli.train.step_backend import LogProbs, StepBackend, make_backend
 
 
 @dataclass
@@ -120,6 +114,7 @@ class Trainer:
         self.last_checkpoint_s = 0.0
         self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
         self.memory_plan: Any = None  # set by setup() (train/memory_plan.py)
+        self.backend: StepBackend  # set by setup()
         self.metrics_path = train_dir(run) / "metrics.jsonl"
         self.rollouts_dir = train_dir(run) / "rollouts"
         from qerl_cli.train.distributed import current
@@ -190,7 +185,7 @@ class Trainer:
         self.reward_name = c.reward or self.task.reward
         self.reward_fn = reward_fn if reward_fn is not None else get_reward(self.reward_name)
         self.prompt_ids = ([list(p) for p in prompt_ids] if prompt_ids is not None
-                           else [self._encode(e.prompt) for e in self.task.examples])
+                           else [self.encode_prompt(e.prompt) for e in self.task.examples])
         if len(self.prompt_ids) != len(self.task.examples):
             raise QerlError(f"{len(self.prompt_ids)} prompt id lists for {len(self.task.examples)} task examples")
         self.stream = PromptStream(len(self.task.examples), c.seed)
@@ -209,6 +204,8 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=uses_loss_scaling(c.precision))
         self.step = 0
+        # local or data-parallel: chosen once here, so train_step has no branch on it (train/step_backend.py)
+        self.backend = make_backend(self, self.dist)
         self.extended_from: int | None = None  # a finished run's steps, when --resume --steps extends it
 
     def _resident_weights(self, base: torch.nn.Module) -> int:
@@ -242,7 +239,7 @@ class Trainer:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
 
-    def _encode(self, prompt: str) -> list[int]:
+    def encode_prompt(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
         bos = self.tokenizer.bos_token_id
         if bos is not None and not self.cfg.chat_template and (not ids or ids[0] != bos) and \
@@ -252,16 +249,13 @@ class Trainer:
 
     # ---- resume ----------------------------------------------------------------------------------
     def resume(self) -> int:
-        from qerl_cli.runlayout import ADAPTER_DIR
-        from qerl_cli.train.checkpointing import load_adapter_weights, load_checkpoint, set_rng_state
-
         try:
             ckpt = resolve_checkpoint(self.run, "latest")
         except QerlError:
             self._truncate_metrics(0)  # killed before the first checkpoint: start over cleanly
             return 0
         assert ckpt is not None
-        state = load_checkpoint(ckpt)
+        state = checkpointing.load_checkpoint(ckpt)
         saved = state.get("config", {})
         for key in ("algo", "lora_rank", "lora_targets", "precision", "seed", "task", "aqn", "finetune",
                     "rollout_quant", "requant_scales"):
@@ -271,9 +265,9 @@ class Trainer:
         if self.full is not None:
             self.full.load(ckpt)
         else:
-            load_adapter_weights(self.model, ckpt / ADAPTER_DIR)
+            checkpointing.load_adapter_weights(self.model, ckpt)
         if self.rollout_quant is not None:  # the rollout copy follows the restored weights (and INT8 scales)
-            self.rollout_quant.load_state_dict(state.get("rollout_quant"))
+            self.rollout_quant.load_state_dict(checkpointing.rollout_quant_state(state))
             self.rollout_quant.requantize_()
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -287,7 +281,7 @@ class Trainer:
                 # an extended run keeps the schedule it was started with: the added steps run at sigma_end
                 self.aqn.total_steps = int(aqn_state["total_steps"])
             self.aqn.load_state_dict(aqn_state)
-        set_rng_state(state["rng"])
+        checkpointing.set_rng_state(state["rng"])
         self.step = int(state["step"])
         self._truncate_metrics(self.step)
         return self.step
@@ -303,7 +297,7 @@ class Trainer:
         atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))
 
     # ---- one step --------------------------------------------------------------------------------
-    def _clock(self) -> float:
+    def clock(self) -> float:
         """perf_counter after the device's queued work: CUDA phases would otherwise bleed into the next."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -315,8 +309,9 @@ class Trainer:
             metrics[f"memory/{phase}_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None,
-                  prompt_offset: int = 0):
+    def generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None,
+                 prompt_offset: int = 0) -> Any:
+        """Roll out the task examples `indices` with this step and round's seed; the engine's result."""
         from qerl_cli.rollout import SamplingParams
 
         c = self.cfg
@@ -327,7 +322,8 @@ class Trainer:
         res = self.engine.generate([self.prompt_ids[i] for i in indices], sp, norm_overrides=norm_overrides)
         return res
 
-    def _score(self, indices: list[int], samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, indices: list[int], samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw and shaped (DAPO overlong penalty) rewards of `samples`, in sample order."""
         from qerl_cli.tasks.rewards import safe_rewards
 
         g = self.cfg.num_generations
@@ -357,12 +353,12 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
 
         # -- AQN: this step's noisy norm weights (timed on their own; they feed the rollout policy only)
-        ta = self._clock()
+        ta = self.clock()
         overrides = None
         if self.aqn is not None:
             overrides = self.aqn.noisy_norm_weights(self.step)
             metrics.update(self.aqn.last_metrics)
-        t_aqn = self._clock() - ta
+        t_aqn = self.clock() - ta
         self._phase_peak(metrics, "aqn")
 
         # -- rollout
@@ -372,19 +368,14 @@ class Trainer:
         sampler = DynamicSampler(c.batch_prompts, g, max_refill_rounds=c.max_refill_rounds) if c.dynamic_sampling \
             else None
         round_ = 0
-        busy = [0.0] * self.dist.world_size
+        busy = [0.0] * self.backend.world_size
         while True:
             need = c.batch_prompts if sampler is None else sampler.needed
             indices = self.stream.take(need)
-            if self.dist.enabled:  # every rank generates a share, all get the whole round in prompt order
-                from qerl_cli.train.distributed import rollout_round
-
-                res = rollout_round(self, indices, round_, overrides)
-                raw, shaped = res.raw, res.shaped
-                busy = [a + b for a, b in zip(busy, res.busy_s, strict=True)]
-            else:
-                res = self._generate(indices, round_, overrides)
-                raw, shaped = self._score(indices, res.samples)
+            # every process gets the whole round in prompt order (however the backend split the work)
+            res = self.backend.rollout_round(indices, round_, overrides)
+            raw, shaped = res.raw, res.shaped
+            busy = [a + b for a, b in zip(busy, res.busy_s, strict=True)]
             for k in rollout_timing:
                 rollout_timing[k] += float(res.timings.get(k, 0.0))
             new_groups = [(indices[p], res.samples[p * g:(p + 1) * g], raw[p * g:(p + 1) * g],
@@ -400,12 +391,9 @@ class Trainer:
                 break
         if on_cuda:
             self.engine.release()
-        t_rollout = self._clock() - t0
+        t_rollout = self.clock() - t0
         self._phase_peak(metrics, "rollout")
-        if self.dist.enabled:
-            from qerl_cli.train.distributed import rollout_metrics
-
-            metrics.update(rollout_metrics(self.dist.world_size, busy))
+        metrics.update(self.backend.step_metrics(busy))
         if not groups:
             raise QerlError("dynamic sampling kept no group (every group had equal rewards); raise "
                             "--max-refill-rounds or lower the task difficulty")
@@ -431,37 +419,28 @@ class Trainer:
         metrics["completions/clipped_ratio"] = batch.truncated.float().mean().item()
 
         # -- recompute pi_old with the training forward (clean norms), mismatch vs the rollout's mu
-        t1 = self._clock()
+        t1 = self.clock()
         valid = (torch.arange(batch.mask.shape[1], device=self.device)[None, :] < batch.lengths[:, None]).float()
-        if self.dist.enabled:
-            from qerl_cli.train.distributed import forward_no_grad_sharded
-
-            old_logp, ref_logp, entropies = forward_no_grad_sharded(self, batch, c.beta > 0)
-        else:
-            old_logp, ref_logp, entropies = self._forward_no_grad(batch, c.beta > 0)
+        old_logp, ref_logp, entropies = self.backend.old_logprobs(batch, c.beta > 0)
         metrics.update(mismatch_metrics(old_logp, batch.rollout_logp, valid))
         isw = None
         if c.correction != "none":
             isw, is_metrics = is_weights(c.correction, old_logp, batch.rollout_logp, valid, cap=c.correction_cap)
             metrics.update(is_metrics)
         metrics["entropy"] = ((entropies * batch.mask).sum() / batch.mask.sum().clamp(min=1)).item()
-        t_recompute = self._clock() - t1
+        t_recompute = self.clock() - t1
         self._phase_peak(metrics, "recompute")
 
         # -- policy update (forward+backward, then optimizer: timed apart inside _update)
-        t2 = self._clock()
-        rows = None
-        if self.dist.enabled:
-            from qerl_cli.train.distributed import shard_rows
-
-            rows = shard_rows(batch.input_ids.shape[0], self.dist.rank, self.dist.world_size)
+        t2 = self.clock()
+        rows = self.backend.update_rows(batch.input_ids.shape[0])
         loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw, rows=rows)
         metrics.update(loss_metrics)
         if self.full is not None:
             self.full.sync_()
         if self.rollout_quant is not None:
             metrics.update(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
-        t_train = self._clock() - t2
+        t_train = self.clock() - t2
         if on_cuda:
             metrics["memory/train_peak_gb"] = max(metrics.get("memory/fwd_bwd_peak_gb", 0.0),
                                                   metrics.get("memory/optimizer_peak_gb", 0.0))
@@ -480,7 +459,8 @@ class Trainer:
         self._log_rollouts(groups, adv, metrics["step"])
         return metrics
 
-    def _forward_no_grad(self, batch: RolloutBatch, with_ref: bool):
+    def forward_no_grad(self, batch: RolloutBatch, with_ref: bool) -> LogProbs:
+        """pi_old (and reference, adapters off) log-probs and entropies of `batch`, without gradients."""
         mb = self.cfg.micro_batch_size
         old, ref, ent = [], [], []
         with torch.no_grad():
@@ -499,7 +479,6 @@ class Trainer:
     def _update(self, batch: RolloutBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
                 adv: torch.Tensor, isw: torch.Tensor | None, rows: slice | None = None) -> dict[str, float]:
         """One optimizer step; ``rows``: this rank's shard of the batch (normalisers stay the whole batch's)."""
-        from qerl_cli.train.distributed import reduce_gradients, reduce_loss_metrics
         from qerl_cli.train.losses import policy_loss
 
         c = self.cfg
@@ -508,7 +487,7 @@ class Trainer:
         normalizer = {"dapo": batch.mask.sum().clamp(min=1).item(),
                       "dr_grpo": float(bsz * c.max_completion_length)}.get(c.algo, float(bsz))
         self.model.train()
-        t_fb = self._clock()
+        t_fb = self.clock()
         self.optimizer.zero_grad(set_to_none=True)
         agg: dict[str, float] = {}
         total_loss = 0.0
@@ -529,9 +508,9 @@ class Trainer:
             w = sl.stop - i
             for k, v in m.items():
                 agg[k] = agg.get(k, 0.0) + v * w / bsz
-        reduce_gradients(self.params, self.dist)  # no-op on one process
-        total_loss, agg = reduce_loss_metrics(total_loss, agg, self.dist)
-        t_opt = self._clock()
+        self.backend.reduce_gradients(self.params)  # nothing to do on one process
+        total_loss, agg = self.backend.reduce_loss_metrics(total_loss, agg)
+        t_opt = self.clock()
         agg["timing/fwd_bwd_s"] = t_opt - t_fb
         self._phase_peak(agg, "fwd_bwd")
         self.scaler.unscale_(self.optimizer)
@@ -543,7 +522,7 @@ class Trainer:
         self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
         self.scheduler.step()
-        agg["timing/optimizer_s"] = self._clock() - t_opt
+        agg["timing/optimizer_s"] = self.clock() - t_opt
         self._phase_peak(agg, "optimizer")
         self.model.eval()
         agg["loss"] = total_loss
@@ -592,16 +571,14 @@ class Trainer:
     def save(self, *, background: bool | None = None) -> Path:
         """Checkpoint this step; ``background`` (default: ``cfg.async_checkpoint`` on one process, LoRA) copies
         the state to host memory now and writes it in a thread while the caller goes on."""
-        from qerl_cli.runlayout import checkpoint_name
-        from qerl_cli.train.checkpointing import adapter_snapshot, rng_state, save_checkpoint, snapshot
-
+        ck = checkpointing
         if not self.dist.is_main:  # rank 0 writes; wait until the checkpoint is complete
             self.dist.barrier()
-            return checkpoints_dir(self.run) / checkpoint_name(self.step)
+            return ck.checkpoint_path(self.run, self.step)
         if background is None:
             background = self.cfg.async_checkpoint
         background = background and self.full is None and not self.dist.enabled
-        t0 = self._clock()
+        t0 = self.clock()
         if not background:
             self.writer.wait()
 
@@ -612,19 +589,19 @@ class Trainer:
             "data": self.stream.state(),
             "aqn": self.aqn.state_dict() if self.aqn is not None else None,
             "config": self.cfg.to_dict(),
-            "rollout_quant": self.rollout_quant.state_dict() if self.rollout_quant is not None else None,
+            ck.ROLLOUT_QUANT_KEY: self.rollout_quant.state_dict() if self.rollout_quant is not None else None,
         }
         if background:
-            state, adapter, rng = snapshot(state), adapter_snapshot(self.model), rng_state()
+            state, adapter, rng = ck.snapshot(state), ck.adapter_snapshot(self.model), ck.rng_state()
             step, config, keep = self.step, self.cfg.to_dict(), self.cfg.keep_checkpoints
-            self.writer.submit(lambda: save_checkpoint(self.run, step, self.model, state, config, keep,
-                                                       adapter_state=adapter, rng=rng))
-            path = checkpoints_dir(self.run) / checkpoint_name(step)
+            self.writer.submit(lambda: ck.save_checkpoint(self.run, step, self.model, state, config, keep,
+                                                          adapter_state=adapter, rng=rng))
+            path = ck.checkpoint_path(self.run, step)
         else:
-            path = save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(),
-                                   self.cfg.keep_checkpoints,
-                                   write_weights=self.full.save if self.full is not None else None)
-        self.last_checkpoint_s = self._clock() - t0
+            path = ck.save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(),
+                                      self.cfg.keep_checkpoints,
+                                      full_weights=self.full.weights() if self.full is not None else None)
+        self.last_checkpoint_s = self.clock() - t0
         self.dist.barrier()
         return path
 
@@ -634,14 +611,9 @@ class NonFiniteLoss(QerlError):
 
 
 def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, Any]:
-    from qerl_cli.runlayout import ADAPTER_DIR, CHECKPOINT_RE, FULL_WEIGHTS_FILE, checkpoint_kind
-
-    weights = {"adapter_sha256": sha256_file(ckpt / ADAPTER_DIR / "adapter_model.safetensors")} \
-        if checkpoint_kind(ckpt) == "adapter" else {"weights_sha256": sha256_file(ckpt / FULL_WEIGHTS_FILE)}
-
-    match = CHECKPOINT_RE.match(ckpt.name)  # a background write finishes after the trainer moved on
-    return {"checkpoint": run.rel(ckpt), "metrics": run.rel(trainer.metrics_path), **weights,
-            "steps_done": int(match.group(1)) if match else trainer.step}
+    step = checkpointing.checkpoint_step(ckpt)  # a background write finishes after the trainer moved on
+    return {"checkpoint": run.rel(ckpt), "metrics": run.rel(trainer.metrics_path),
+            **checkpointing.weights_record(ckpt), "steps_done": step if step is not None else trainer.step}
 
 
 def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any]) -> None:

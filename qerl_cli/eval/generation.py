@@ -1,0 +1,69 @@
+"""What `qerl eval`'s harnesses share: generating with the builtin engine and cutting at stop strings, and
+running an external library offline. The builtin harness (harness.py) and the adapters (lm_eval_adapter.py,
+lighteval_adapter.py) import this module; none of them imports another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from qerl_cli.errors import QerlError
+
+
+def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
+    """Text before the first occurrence of any stop string (lm-eval's `until` post-processing)."""
+    for s in stops:
+        if s:
+            text = text.split(s)[0]
+    return text
+
+
+
+
+def generate_texts(model: Any, tokenizer: Any, prompts: list[str], sampling: Any, batch_slots: int) -> list[dict]:
+    """Generate with the builtin engine; one dict per sample (prompt_index, sample_index, text, ...).
+
+    The engine keeps the token that completed a stop string, so `text` may run past it; callers cut it
+    with `truncate_at_stop`.
+    """
+    from qerl_cli.rollout import BuiltinEngine
+
+    ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    longest = max(len(i) for i in ids)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    need = longest + sampling.max_tokens + 1
+    if limit is not None and need > int(limit):
+        raise QerlError(f"the longest prompt has {longest} tokens; with --max-tokens {sampling.max_tokens} that "
+                        f"exceeds the model's context of {limit}: lower --max-tokens or --shots")
+    engine = BuiltinEngine(model, tokenizer, max_batch_slots=batch_slots, max_model_len=need)
+    try:
+        result = engine.generate(ids, sampling)
+    finally:
+        engine.release()
+    return [{"prompt_index": s.prompt_index, "sample_index": s.sample_index,
+             "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
+             "finish_reason": s.finish_reason, "tokens": len(s.token_ids)} for s in result.samples]
+
+
+# ------------------------------------------------------------------------------------------- table
+
+
+
+
+@contextlib.contextmanager
+def hf_offline() -> Iterator[None]:
+    """HF datasets/hub offline (the data files are local) and no datasets progress bars, restored after."""
+    import datasets
+
+    from qerl_cli.env_info import temporary_env
+
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        with temporary_env({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}):
+            yield
+    finally:
+        if bars:
+            datasets.enable_progress_bars()

@@ -1,0 +1,113 @@
+"""Where the parts of an RL step that depend on the process layout run: one process, or data-parallel ranks.
+
+`Trainer.train_step` is written once against :class:`StepBackend`; the backend is chosen once, in
+`Trainer.setup` (:func:`make_backend`): :class:`LocalBackend` on one process, `DistributedBackend`
+(train/distributed.py) under torchrun. A backend asks the trainer only through the public
+:class:`StepWorker` methods (generate, score, forward_no_grad), so neither module reaches into the other.
+
+What differs between the two, and nothing else:
+
+* a rollout round: generate + score the round's prompts here, or split them over the ranks and gather;
+* the pi_old / reference forward: the whole batch here, or each rank's row shard then gathered;
+* the policy update's rows: all of them here, or this rank's contiguous shard;
+* after backward: nothing here, or the sum of every rank's gradients and loss metrics;
+* the step's dist/* metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from qerl_cli.train.batch import RolloutBatch
+
+LogProbs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]  # pi_old, reference (beta > 0), entropies
+
+
+@dataclass
+class RolloutRound:
+    """One round's result in global prompt order, as the 1-process trainer would have it."""
+
+    samples: list[Any]
+    raw: torch.Tensor
+    shaped: torch.Tensor
+    timings: dict[str, float]
+    busy_s: list[float] = field(default_factory=list)  # per rank: seconds generating + scoring
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (rank, start, end)
+
+
+class StepWorker(Protocol):
+    """What a backend needs from the trainer (`Trainer` implements it)."""
+
+    step: int
+    prompt_ids: list[list[int]]
+
+    def generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None,
+                 prompt_offset: int = 0) -> Any: ...
+
+    def score(self, indices: list[int], samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward_no_grad(self, batch: RolloutBatch, with_ref: bool) -> LogProbs: ...
+
+
+class StepBackend(Protocol):
+    world_size: int
+
+    def rollout_round(self, indices: list[int], round_: int, overrides: Any) -> RolloutRound:
+        """Generate and score one round of one step; every caller gets all of it, in prompt order."""
+
+    def old_logprobs(self, batch: RolloutBatch, with_ref: bool) -> LogProbs:
+        """pi_old (and reference) log-probs and entropies of the whole batch."""
+
+    def update_rows(self, n: int) -> slice | None:
+        """The batch rows this process trains on (None: all)."""
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Make every process hold the whole batch's gradient (after backward, before clipping)."""
+
+    def reduce_loss_metrics(self, total_loss: float, agg: dict[str, float]) -> tuple[float, dict[str, float]]:
+        """The whole batch's loss and loss metrics from this process's part."""
+
+    def step_metrics(self, busy_s: list[float]) -> dict[str, float]:
+        """The step's layout metrics from each process's busy rollout seconds."""
+
+
+class LocalBackend:
+    """One process: everything on the whole batch, nothing to exchange."""
+
+    world_size = 1
+
+    def __init__(self, worker: StepWorker) -> None:
+        self.worker = worker
+
+    def rollout_round(self, indices: list[int], round_: int, overrides: Any) -> RolloutRound:
+        res = self.worker.generate(indices, round_, overrides)
+        raw, shaped = self.worker.score(indices, res.samples)
+        return RolloutRound(res.samples, raw, shaped, res.timings, busy_s=[0.0])
+
+    def old_logprobs(self, batch: RolloutBatch, with_ref: bool) -> LogProbs:
+        return self.worker.forward_no_grad(batch, with_ref)
+
+    def update_rows(self, n: int) -> slice | None:
+        return None
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        return None
+
+    def reduce_loss_metrics(self, total_loss: float, agg: dict[str, float]) -> tuple[float, dict[str, float]]:
+        return total_loss, agg
+
+    def step_metrics(self, busy_s: list[float]) -> dict[str, float]:
+        return {}
+
+
+def make_backend(worker: StepWorker, ctx: Any) -> StepBackend:
+    """The backend for this process's place in the job (`ctx`: train/distributed.py's DistContext)."""
+    if ctx.enabled:
+        from qerl_cli.train.distributed import DistributedBackend
+
+        return DistributedBackend(worker, ctx)
+    return LocalBackend(worker)
