@@ -118,6 +118,11 @@ def available(device: torch.device | None = None) -> bool:
     return ok
 
 
+def unavailable_reason() -> str:
+    """Why the kernel is absent here (the build/load error, or not Hopper), for reports."""
+    return _failed[0] if _failed else "not an sm_90 GPU"
+
+
 def supports(n: int, k: int) -> bool:
     """Shapes the kernel covers: whole 16-row blocks and whole 128-wide K chunks (the repacked layout's unit)."""
     return n % 16 == 0 and k % 128 == 0 and n > 0 and k > 0

@@ -177,7 +177,7 @@ def check_cuda_kernel(device: str = "cuda", g: torch.Generator | None = None) ->
     from qerl_cli.qlinear import QuantLinear
 
     if not cuda_fp4.available():
-        return [{"path": "cuda-kernel", "ok": True, "skipped": True, "reason": (cuda_fp4._failed or ["not sm_90"])[0],
+        return [{"path": "cuda-kernel", "ok": True, "skipped": True, "reason": cuda_fp4.unavailable_reason(),
                  "rel": None, "tol": 0.0}]
     g = g or torch.Generator(device="cpu").manual_seed(0)
     out: list[dict] = []

@@ -31,6 +31,8 @@ RECORDED_ENV = (
     "WORLD_SIZE",  # torchrun: data-parallel training (also in the train record's dist entry)
     "NCCL_NVLS_ENABLE",  # NVLink multicast (train/distributed.py turns it off unless set)
     "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "CUDA_HOME",  # the CUDA toolkit whose nvcc builds qerl's CUDA FP4 kernel (kernels/cuda_fp4.py)
+    "CUDA_PATH",
 )
 
 

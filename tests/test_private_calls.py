@@ -23,7 +23,6 @@ ALLOWED = {
     ("qerl_cli/bench/kernels.py", "_plans"): "b17 fixes (dispatch's plan cache, read by the kernel bench)",
     ("qerl_cli/bench/step.py", "_use_bitsandbytes_nf4"): "b17 fixes (bench/rollout.py's NF4 switch)",
     ("qerl_cli/bench/rollout.py", "_capture"): "b17 fixes (the decode graphs' capture, timed by the rollout bench)",
-    ("qerl_cli/quantize.py", "_bnb_state_tensors"): "f17 moves the NF4 serialisation into qerl_cli/formats/",
     ("kernels/w8.py", "_grouped"): "kernels/ (k14): fp4.py's grouped-launch helper, shared by the W8 kernels",
     # QuantLinear's kernel half: kernels/linear.py and the self-check run a QuantLinear and keep their per-module
     # layout state on it; FlashRL refreshes a QuantLinear's packed tensors in place (one resident copy).
