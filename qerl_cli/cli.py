@@ -192,48 +192,9 @@ def _progress(msg: str) -> None:
 
 
 def _show(tables: list[Any], lines: list[str]) -> None:
-    for table in tables:
-        for part in fit_table(table, console):
-            console.print(part)
-    for line in lines:
-        console.print(line, highlight=False)
+    from qerl_cli.bench.harness import show
 
-
-def fit_table(table: Table, out: Console) -> list[Table]:
-    """A table wider than the terminal, split into several that fit, each led by the first (key) column.
-
-    rich would squeeze every column of a too-wide table and cut names and numbers to "…"."""
-    from rich.measure import Measurement
-
-    wide = out.options.update(max_width=100_000)  # natural widths, not clamped to the terminal
-    columns = list(table.columns)
-    if len(columns) < 3 or Measurement.get(out, wide, table).maximum <= out.width:
-        return [table]
-
-    def width(col: Any) -> int:
-        cells = [col.header, *col._cells]
-        return max(Measurement.get(out, wide, c).maximum for c in cells) + 3  # padding and border
-
-    key, rest = columns[0], columns[1:]
-    groups: list[list[Any]] = [[]]
-    used = width(key) + 1
-    for col in rest:
-        w = width(col)
-        if groups[-1] and used + w > out.width:
-            groups.append([])
-            used = width(key) + 1
-        groups[-1].append(col)
-        used += w
-    parts = []
-    for i, group in enumerate(groups):
-        part = Table(title=table.title if i == 0 else None, caption=table.caption if i == len(groups) - 1 else None,
-                     show_lines=table.show_lines, header_style=table.header_style)
-        for col in (key, *group):
-            part.add_column(col.header, justify=col.justify, style=col.style, no_wrap=col.no_wrap)
-        for r in range(len(key._cells)):
-            part.add_row(*(col._cells[r] for col in (key, *group)))
-        parts.append(part)
-    return parts
+    show(console, tables, lines)
 
 
 def _has_cuda() -> bool:
