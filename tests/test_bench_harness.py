@@ -126,7 +126,7 @@ def test_table_split_to_the_terminal_and_number_cells():
     table = Table(title="demo")
     for c in ("format", *(f"column {i}" for i in range(12))):
         table.add_column(c)
-    table.add_row("nvfp4", *(harness.fmt(1234.5678 * i, "{:,.1f}") for i in range(12)))
+    table.add_row("nvfp4", *(harness.num(1234.5678 * i, "{:,.1f}") for i in range(12)))
     buf = io.StringIO()
     console = Console(file=buf, width=80, color_system=None)
     parts = harness.fit_table(table, console)
@@ -135,7 +135,7 @@ def test_table_split_to_the_terminal_and_number_cells():
     text = buf.getvalue()
     assert max(len(line) for line in text.splitlines()) <= 80
     assert "13,580.2" in text and "…" not in text and text.rstrip().endswith("JSON: x.json")
-    assert harness.fmt(None) == "-" and harness.fmt(0.12345) == "0.123" and harness.fmt("skipped") == "skipped"
+    assert harness.num(None) == "-" and harness.num(0.12345) == "0.123" and harness.num("skipped") == "skipped"
 
 
 def test_device_and_shapes_on_cpu():

@@ -32,7 +32,11 @@ Log = Callable[[str], None]
 
 
 # ---- numbers ---------------------------------------------------------------------------------------
-def fmt(v: Any, spec: str = "{:.3f}") -> str:
+COUNT = "{:,.0f}"  # tokens/s, token counts: thousands separated, no decimals
+SCI = "{:.2e}"  # quantities spanning decades (mismatch k1, k3)
+
+
+def num(v: Any, spec: str = "{:.3f}") -> str:
     """One table cell: ``-`` for a missing value, ``spec`` for a number, anything else as text."""
     if v is None:
         return "-"
@@ -168,17 +172,23 @@ def run_cell(cell: Cell, *, oom: str = "OOM", fatal: Callable[[Exception], bool]
 
 def run_cells(cells: Iterable[Cell], *, budget: Budget | None = None, oom: str = "OOM",
               guess: Callable[[Cell], float] | None = None, fatal: Callable[[Exception], bool] | None = None,
+              on_row: Callable[[Cell, dict[str, Any]], None] | None = None,
               log: Log | None = None) -> list[dict[str, Any]]:
     """Run ``cells`` in order; one that would start past ``budget`` (with ``guess`` seconds of its own, e.g.
-    the longest cell so far) is recorded as skipped instead, and so is every later one that would."""
+    the longest cell so far) is recorded as skipped instead, and so is every later one that would.
+
+    ``on_row(cell, row)`` sees each row as it is made (progress lines, numbers derived from the row)."""
     rows = []
     for cell in cells:
         if budget is not None and budget.exceeded(guess(cell) if guess else 0.0):
-            rows.append({**cell.key, "status": SKIPPED_BUDGET})
+            row = {**cell.key, "status": SKIPPED_BUDGET}
             if log is not None:
                 log(f"{cell.label or cell.key}: {SKIPPED_BUDGET}")
-            continue
-        rows.append(run_cell(cell, oom=oom, fatal=fatal, log=log))
+        else:
+            row = run_cell(cell, oom=oom, fatal=fatal, log=log)
+        if on_row is not None:
+            on_row(cell, row)
+        rows.append(row)
     return rows
 
 
