@@ -34,6 +34,7 @@ Log = Callable[[str], None]
 # ---- numbers ---------------------------------------------------------------------------------------
 COUNT = "{:,.0f}"  # tokens/s, token counts: thousands separated, no decimals
 SCI = "{:.2e}"  # quantities spanning decades (mismatch k1, k3)
+SIG = "{:.3g}"  # statistics of unknown scale (differences, intervals)
 
 
 def num(v: Any, spec: str = "{:.3f}") -> str:
@@ -302,6 +303,22 @@ def fit_table(table: Any, out: Any) -> list[Any]:
     return parts
 
 
+def report(res: dict[str, Any]) -> tuple[list[Any], list[str]]:
+    """A bench result's rich tables and summary lines, as its module draws them (``tables`` and
+    ``short_summary`` of ``qerl_cli.bench.<name>`` for kind ``bench/<name>``)."""
+    import importlib
+
+    kind = str(res.get("kind", ""))
+    name = kind.partition("/")[2]
+    try:
+        mod = importlib.import_module(f"qerl_cli.bench.{name}") if kind.startswith("bench/") and name else None
+    except ImportError:
+        mod = None
+    if mod is None or not hasattr(mod, "tables"):
+        raise QerlError(f"not a bench result with tables (kind {kind!r}): give a JSON written by `qerl bench ...`")
+    return mod.tables(res), mod.short_summary(res)
+
+
 def show(console: Any, tables: Sequence[Any], lines: Sequence[str]) -> None:
     """Print a bench's tables (each split to the terminal's width) and then its summary lines."""
     for table in tables:
@@ -309,3 +326,23 @@ def show(console: Any, tables: Sequence[Any], lines: Sequence[str]) -> None:
             console.print(part)
     for line in lines:
         console.print(line, highlight=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m qerl_cli.bench.harness RESULT.json ...``: print saved bench results as the bench printed them
+    (what the GPU job scripts show at their end), wide enough that no table splits."""
+    import json
+    import sys
+
+    from rich.console import Console
+
+    console = Console(width=220)
+    for path in (sys.argv[1:] if argv is None else argv):
+        res = json.loads(Path(path).read_text())
+        console.print(f"== {path}", highlight=False)
+        show(console, *report(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

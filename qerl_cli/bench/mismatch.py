@@ -333,6 +333,10 @@ def bench_mismatch(
 
 
 # ---- presentation ---------------------------------------------------------------------------------
+def tables(res: dict[str, Any]) -> list[Any]:
+    return [render_table(res)]
+
+
 def render_table(res: dict[str, Any]) -> Any:
     """A rich Table: one row per (format, precision), then the BF16/FP16 k3 ratio per format."""
     from rich.table import Table

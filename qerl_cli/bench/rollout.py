@@ -457,6 +457,12 @@ def render_table(res: dict[str, Any]) -> Any:
     return table
 
 
+def tables(res: dict[str, Any]) -> list[Any]:
+    """The bench's tables: every cell, then the decode-step profile when the run was profiled."""
+    prof = render_profile_table(res)
+    return [render_table(res)] + ([prof] if prof is not None else [])
+
+
 def render_profile_table(res: dict[str, Any]) -> Any | None:
     """A rich Table: per profiled cell, decode-step GPU ms by category, kernel sum and graph step time."""
     from rich.table import Table

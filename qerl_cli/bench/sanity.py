@@ -443,6 +443,10 @@ def quantized_dir(run: Any) -> Path:
 
 
 # ---- presentation -------------------------------------------------------------------------------
+def tables(res: dict[str, Any]) -> list[Any]:
+    return [render_table(res)]
+
+
 def render_table(res: dict[str, Any]) -> Any:
     from rich.table import Table
 

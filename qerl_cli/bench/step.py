@@ -386,6 +386,10 @@ def _targets(res: dict[str, Any], cfg: Any) -> list[dict[str, Any]]:
 
 
 # ---- presentation -------------------------------------------------------------------------------
+def tables(res: dict[str, Any]) -> list[Any]:
+    return [render_table(res)]
+
+
 def render_table(res: dict[str, Any]) -> Any:
     """A rich Table: one row per format, median phase seconds, tok/s, peak memory, speed-up."""
     from rich.table import Table
@@ -397,7 +401,7 @@ def render_table(res: dict[str, Any]) -> Any:
                         f"AQN {'on' if c['aqn'] else 'off'}, {gpu}; median of {res['config']['measure']} steps")
     cols = ("format", "linears", "rollout s", "rollout tok/s", "recompute s", "fwd+bwd s", "optimizer s", "AQN s",
             "requant s", "checkpoint s", "other s", "step s", "speed-up", *(f"{p} GiB" for p in PEAK_COLUMNS),
-            "peak GiB", "mb / gc", "status")
+            "peak GiB", "plan GiB", "mb / gc", "status")
     for col in cols:
         table.add_column(col, justify="left" if col in ("format", "linears", "status") else "right")
     for r in res["results"]:
@@ -408,7 +412,8 @@ def render_table(res: dict[str, Any]) -> Any:
                       num(r.get("recompute_s")), num(r.get("fwd_bwd_s")), num(r.get("optimizer_s")),
                       num(r.get("aqn_s")),
                       num(r.get("requant_s")), num(r.get("checkpoint_s")), num(r.get("other_s")), num(r.get("step_s")),
-                      num(r.get("speedup_vs_bf16"), "{:.2f}x"), *peaks, num(r.get("peak_gb"), "{:.1f}"), choice,
+                      num(r.get("speedup_vs_bf16"), "{:.2f}x"), *peaks, num(r.get("peak_gb"), "{:.1f}"),
+                      num((r.get("memory_plan") or {}).get("peak", 0) / 2**30 or None, "{:.1f}"), choice,
                       r["status"])
     return table
 
