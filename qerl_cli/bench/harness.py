@@ -15,6 +15,7 @@ docs/benches.md says how to add a bench.
 from __future__ import annotations
 
 import gc
+import numbers
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ def num(v: Any, spec: str = "{:.3f}") -> str:
     """One table cell: ``-`` for a missing value, ``spec`` for a number, anything else as text."""
     if v is None:
         return "-"
-    return spec.format(v) if isinstance(v, int | float) else str(v)
+    return spec.format(v) if isinstance(v, numbers.Real) else str(v)  # numpy scalars are Real too
 
 
 # ---- device, memory, time ----------------------------------------------------------------------------
