@@ -148,3 +148,22 @@ def test_device_and_shapes_on_cpu():
             harness.shape_for("qwen2.5-7b", cpu)
         assert harness.cap_memory(cpu, 10.0) is None and harness.copy_bandwidth_gbps(cpu) is None
     assert harness.shape_for("tiny", cpu).hidden == 64
+
+
+def test_saved_result_printed_by_its_bench_module(tmp_path, capsys):
+    """`python -m qerl_cli.bench.harness X.json` (the GPU scripts' last step) prints the bench's own table."""
+    res = {"kind": "bench/sanity", "model": "runs/r",
+           "config": {"threshold": 0.95, "subset": {"selected": [1, 4], "source_task": "arith",
+                                                    "key": {"lo": 0.2, "hi": 0.8, "samples": 16}}},
+           "results": [{"label": "format=nvfp4", "seed": 0, "steps_to_threshold": 3, "final": 0.9123, "best": 0.97,
+                        "collapsed": False, "steps_run": 5, "wall_s": 12.0, "status": "ok"}],
+           "files": {"json": "san/sanity.json", "plot": "san/sanity.png", "subset": "san/perfectible.json"}}
+    path = tmp_path / "sanity.json"
+    path.write_text(json.dumps(res))
+    assert harness.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 perfectible arith problems" in out and "format=nvfp4" in out and "0.912" in out
+    assert "JSON: san/sanity.json" in out
+    for kind in ("bench/evidence", "bench/nothing", "train"):
+        with pytest.raises(QerlError, match="not a bench result with tables"):
+            harness.report({"kind": kind})
