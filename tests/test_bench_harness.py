@@ -62,6 +62,8 @@ def test_fatal_errors_and_interrupts_stop_the_bench():
 
     with pytest.raises(QerlError, match="run directory"):
         run_cells([Cell({}, missing_run)], fatal=lambda e: "run directory" in str(e))
+    with pytest.raises(ZeroDivisionError):
+        run_cells([Cell({}, lambda: {"x": 1 / 0})], fatal=lambda e: True)
     assert run_cells([Cell({}, missing_run)])[0]["status"] == "error: run directory r does not exist"
 
     def interrupted() -> dict:

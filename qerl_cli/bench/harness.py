@@ -155,14 +155,14 @@ class Cell:
 
 def run_cell(cell: Cell, *, oom: str = "OOM", fatal: Callable[[Exception], bool] | None = None,
              log: Log | None = None) -> dict[str, Any]:
-    """Run one cell; any failure (except those ``fatal`` says must stop the bench) becomes its status.
+    """Run one cell; any failure (except those ``fatal(exc)`` says must stop the bench) becomes its status.
 
     Only ``Exception`` is caught: an interrupt still stops the bench before anything is written."""
     t0 = time.perf_counter()
     try:
         row = {**cell.key, "status": "ok", **cell.measure()}
     except Exception as exc:  # noqa: BLE001 - recorded per cell, the bench goes on
-        if isinstance(exc, QerlError) and fatal is not None and fatal(exc):
+        if fatal is not None and fatal(exc):
             raise
         row = {**cell.key, "status": failure_status(exc, oom)}
         if log is not None:

@@ -318,7 +318,7 @@ def bench_mismatch(
         cells += [harness.Cell({"format": fmt, "precision": prec}, partial(measure, fmt, prec, qcache),
                                f"{fmt} / {prec}") for prec in precs]
     # a qerl error (bad input found late, a missing run) stops the bench; anything else is that cell's status
-    res["results"] = harness.run_cells(cells, fatal=lambda _exc: True, on_row=done)
+    res["results"] = harness.run_cells(cells, fatal=lambda exc: isinstance(exc, QerlError), on_row=done)
     res["k3_ratios"] = _ratios(res["results"], fmts)
     res["wall_s"] = budget.elapsed()
     paths = harness.write_results(res, out, "mismatch.json",

@@ -421,7 +421,7 @@ def bench_sanity(
             else f"not reached in {row['steps_run']} steps (final {num(row['final'])}, best {num(row['best'])})")
             + (" COLLAPSED" if row["collapsed"] else "") + f", {row['wall_s']:.0f}s")
 
-    # _run_cell records a failed training as its row; a qerl error that reaches here (no run directory) is fatal
+    # _run_cell records a failed training as its row; what escapes it (no run directory, a bug) stops the bench
     rows = harness.run_cells(runs, budget=budget, guess=lambda _c: longest, fatal=lambda _exc: True, on_row=done)
     res["results"] = [r for r in rows if r["status"] != harness.SKIPPED_BUDGET]
     res["skipped"] = [{"label": r["label"], "seed": r["seed"]} for r in rows if r["status"] == harness.SKIPPED_BUDGET]
