@@ -37,15 +37,16 @@ def sweep_fp4(model: str = "qwen2.5-7b", ms: tuple[int, ...] = (1, 16, 64, 128, 
     from qerl_kernels.fp4 import fp4_matmul, fp4_matmul_v2, kernel_scales, repack_fp4
     from qerl_kernels.linear import kernel_state
 
-    from qerl_cli.bench.kernels import _copies, _quant_modules, layer_linears, time_calls
+    from qerl_cli.bench.harness import device
+    from qerl_cli.bench.kernels import l2_bytes, layer_linears, quant_modules, time_calls, weight_copies
 
-    dev = torch.device("cuda")
+    dev = device(cuda_only="python -m qerl_kernels.tune")
     sms = num_sms(dev)
-    l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 * 2**20))
+    copies_for = partial(weight_copies, l2=l2_bytes(dev))
     rows: list[dict] = []
     for name, n, k in layer_linears(model):
         w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
-        mods = _quant_modules(w, fmt, lambda b: _copies(b, l2))
+        mods = quant_modules(w, fmt, copies_for)
         ckpt = [m_.weight_packed.clone() for m_ in mods]  # checkpoint order, before the in-place repack
         states = [kernel_state(m_) for m_ in mods]
         kss = [kernel_scales(m_.weight_scale, fmt, torch.bfloat16, st.shift)

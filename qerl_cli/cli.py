@@ -191,49 +191,11 @@ def _progress(msg: str) -> None:
     err_console.print(msg, highlight=False)
 
 
-def _show(tables: list[Any], lines: list[str]) -> None:
-    for table in tables:
-        for part in fit_table(table, console):
-            console.print(part)
-    for line in lines:
-        console.print(line, highlight=False)
+def _show(res: dict[str, Any]) -> None:
+    """A bench's tables (split to the terminal's width) and summary lines, as its module draws them."""
+    from qerl_cli.bench.harness import report, show
 
-
-def fit_table(table: Table, out: Console) -> list[Table]:
-    """A table wider than the terminal, split into several that fit, each led by the first (key) column.
-
-    rich would squeeze every column of a too-wide table and cut names and numbers to "…"."""
-    from rich.measure import Measurement
-
-    wide = out.options.update(max_width=100_000)  # natural widths, not clamped to the terminal
-    columns = list(table.columns)
-    if len(columns) < 3 or Measurement.get(out, wide, table).maximum <= out.width:
-        return [table]
-
-    def width(col: Any) -> int:
-        cells = [col.header, *col._cells]
-        return max(Measurement.get(out, wide, c).maximum for c in cells) + 3  # padding and border
-
-    key, rest = columns[0], columns[1:]
-    groups: list[list[Any]] = [[]]
-    used = width(key) + 1
-    for col in rest:
-        w = width(col)
-        if groups[-1] and used + w > out.width:
-            groups.append([])
-            used = width(key) + 1
-        groups[-1].append(col)
-        used += w
-    parts = []
-    for i, group in enumerate(groups):
-        part = Table(title=table.title if i == 0 else None, caption=table.caption if i == len(groups) - 1 else None,
-                     show_lines=table.show_lines, header_style=table.header_style)
-        for col in (key, *group):
-            part.add_column(col.header, justify=col.justify, style=col.style, no_wrap=col.no_wrap)
-        for r in range(len(key._cells)):
-            part.add_row(*(col._cells[r] for col in (key, *group)))
-        parts.append(part)
-    return parts
+    show(console, *report(res))
 
 
 def _has_cuda() -> bool:
@@ -284,13 +246,12 @@ def bench_kernels(
 ) -> None:
     """Time qerl's quantized GEMM kernels against BF16 cuBLAS and installed peers (CUDA GPU)."""
     from qerl_cli.bench.kernels import bench_kernels as run
-    from qerl_cli.bench.kernels import render_tables, short_summary
 
     peer_list = None if peers is None else ([] if peers == "none" else peers.split(","))
     res = run(shapes=tuple(shapes.split(",")), ms=tuple(int(m) for m in ms.split(",")), out_json=out,
               methods=tuple(methods.split(",")), peers=peer_list, backward=backward,
               log=_progress)
-    _show(render_tables(res), short_summary(res))
+    _show(res)
     console.print(f"JSON: {out}")
 
 
@@ -315,7 +276,6 @@ def bench_rollout(
 ) -> None:
     """Rollout tokens/s, TTFT and memory per format and batch, against the weight+KV roofline."""
     from qerl_cli.bench.rollout import bench_rollout as run_bench
-    from qerl_cli.bench.rollout import render_profile_table, render_table, short_summary
 
     gpu = _has_cuda()
     batches = batches or ("1,8,64,256" if gpu else "1,8")
@@ -325,8 +285,7 @@ def bench_rollout(
                     lora_rank=lora_rank, out_dir=out, eos_mode="eos" if eos else "fixed",
                     log=_progress, prompts=prompts, num_generations=num_generations,
                     lora_modes=("on", "off") if lora_off else ("on",), profile=profile, linear_backend=linear_backend)
-    prof = render_profile_table(res)
-    _show([render_table(res)] + ([prof] if prof is not None else []), short_summary(res))
+    _show(res)
 
 
 @bench_app.command("mismatch")
@@ -347,13 +306,12 @@ def bench_mismatch(
 ) -> None:
     """Training-inference mismatch (k1, k3, max |dp|, sequence log-ratio) per precision x format, with plots."""
     from qerl_cli.bench.mismatch import bench_mismatch as run_bench
-    from qerl_cli.bench.mismatch import render_table, short_summary
 
     res = run_bench(run_dir=run, precisions=tuple(precisions.split(",")), formats=tuple(formats.split(",")),
                     task=task, prompts=prompts, samples=samples, max_tokens=max_tokens, temperature=temperature,
                     seed=seed, out_dir=out, shape=shape, device=device, prompt_len=prompt_len,
                     log=_progress)
-    _show([render_table(res)], short_summary(res))
+    _show(res)
 
 
 SetOpt = Annotated[list[str] | None, Opt("--set", help="TrainConfig override KEY=VALUE (repeatable).")]
@@ -381,7 +339,6 @@ def bench_step(
     """One RL step of the trainer broken down by phase (rollout .. checkpoint) per format, vs BF16-LoRA."""
     from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.bench.step import bench_step as run_bench
-    from qerl_cli.bench.step import render_table, short_summary
 
     items = list(set_ or [])
     items += [f"finetune={finetune}"] if finetune is not None else []
@@ -390,7 +347,7 @@ def bench_step(
                     overrides=parse_sets(items), prompt_len=prompt_len, warmup=warmup, measure=measure, out_dir=out,
                     seed=seed, memory_cap_gib=memory_cap_gib, time_budget_s=time_budget,
                     log=_progress)
-    _show([render_table(res)], short_summary(res))
+    _show(res)
 
 
 @bench_app.command("sanity")
@@ -413,13 +370,13 @@ def bench_sanity(
     """Steps until training accuracy > 95% on the model's perfectible problems, per grid cell and seed."""
     from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.bench.sanity import bench_sanity as run_bench
-    from qerl_cli.bench.sanity import parse_axes, render_table, short_summary
+    from qerl_cli.bench.sanity import parse_axes
 
     res = run_bench(run_dir=run, grid=parse_axes(grid), overrides=parse_sets(set_), candidates=candidates,
                     samples=samples, lo=lo, hi=hi, seeds=seeds, seed_start=seed_start, heldout=heldout, stop=stop,
                     time_budget_s=time_budget,
                     out_dir=out, log=_progress)
-    _show([render_table(res)], short_summary(res))
+    _show(res)
 
 
 @bench_app.command("evidence")

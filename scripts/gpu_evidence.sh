@@ -20,34 +20,18 @@
 #     3. qerl bench evidence over every sanity.json -> $OUT/evidence.{json,md,png}; the per-cell logs go to
 #        $OUT/logs.txt. Everything keeps to $QERL_DEADLINE_S (default 480 s).
 # CPU proof of the plumbing (tiny sizes): QERL_EV_CPU=1 QERL_EV_STAGE=study OUT=/tmp/ev bash scripts/gpu_evidence.sh
-set -uo pipefail
-cd "$(dirname "$0")/.."
-source scripts/gpu_common.sh
-REPO=$PWD
-OUT=${OUT:-$PWD/out/gpu_evidence}
-mkdir -p "$OUT" /tmp/qk /tmp/qk_gguf
-t0=$(date +%s)
-DEADLINE=${QERL_DEADLINE_S:-480}
-left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-stamp() { echo "[gpu_evidence +$(( $(date +%s) - t0 ))s] $*"; }
+source "$(dirname "$0")/gpu_common.sh"  # set -uo pipefail, the repo root as working directory
+mkdir -p /tmp/qk_gguf
 STAGE=${QERL_EV_STAGE:-study}
-exec > >(tee -a "$OUT/gpu_evidence.log") 2>&1
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
-
-if [ "${QERL_EV_CPU:-0}" = 1 ]; then
+job_start gpu_evidence out/gpu_evidence 480
+if [ "${QERL_EV_CPU:-0}" = 1 ]; then  # the checkout's own venv instead of the shim
+  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   qerl() { (cd /tmp && timeout "$1" "$REPO/.venv/bin/qerl" "${@:2}"); }
 else
-  ln -sfn "$REPO/qerl_cli" /tmp/qk/qerl_cli
-  ln -sfn "$REPO/kernels" /tmp/qk/qerl_kernels
-  export PYTHONPATH="/tmp/qk"
-  WHL=${QERL_WHL_DIR:-out/rollout_whl}
-  if [ -d /tmp/site/compressed_tensors ]; then export PYTHONPATH="$PYTHONPATH:/tmp/site"
-  elif compgen -G "$WHL/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
-      && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "wheels from $WHL did not install"
-  fi
-  qerl() { (cd /tmp && timeout "$1" python3 -c "from qerl_cli.cli import main; main()" "${@:2}"); }
+  qerl_shim
+  install_wheels "${QERL_WHL_DIR:-out/rollout_whl}"
 fi
+export OMP_NUM_THREADS=1
 
 if [ "$STAGE" = stash ]; then
   [ -f out/rollout_gguf_a/part_a ] && cp out/rollout_gguf_a/part_a /tmp/qk_gguf/part_a && echo "GGUF part A stashed"

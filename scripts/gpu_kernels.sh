@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU run of qerl's kernels in one call (the GPU machine has no network and no qerl install):
-#   1. put the repo on PYTHONPATH, with kernels/ importable as `qerl_kernels`;
+#   1. import qerl through the path shim (scripts/gpu_common.sh qerl_shim: kernels/ as `qerl_kernels`);
 #   2. install peer wheels from .whl/ if present (bitsandbytes, gemlite; optional);
 #   3. check every kernel path against the torch reference on the GPU;
 #   4. (optional) sweep the FP4 tile configurations;
@@ -12,29 +12,13 @@
 # Knobs: QERL_GPU_STAGES (default "info selfcheck bench"; add "sweep", "peers", "hwarm", "cudabuild",
 #        "cudacheck", "cudasweep", "ncucuda"; QERL_CUDA_PTXAS=1 also prints ptxas registers per kernel),
 #        QERL_BENCH_SHAPES (default "qwen2.5-7b qwen2.5-32b"), QERL_BENCH_MS (default "1 16 64 128 256 512 2048").
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/out/gpu}
-mkdir -p "$OUT" /tmp/qk
-ln -sfn "$PWD/kernels" /tmp/qk/qerl_kernels
-export PYTHONPATH="$PWD:/tmp/qk${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_common.sh"  # set -uo pipefail, the repo root as working directory
 STAGES=${QERL_GPU_STAGES:-"info selfcheck bench"}
 SHAPES=${QERL_BENCH_SHAPES:-"qwen2.5-7b qwen2.5-32b"}
 MS=${QERL_BENCH_MS:-"1 16 64 128 256 512 2048"}
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-t0=$(date +%s)
-stamp() { echo "[gpu_kernels +$(( $(date +%s) - t0 ))s] $*"; }
-
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "peer wheels did not install; peers skipped"
-fi
-
-if compgen -G "out/humming/*.whl" >/dev/null; then  # humming (its deps other than these are in the image)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    out/humming/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "humming did not install; peer skipped"
-fi
+job_start gpu_kernels out/gpu 0 nolog
+qerl_shim
+install_wheels .whl out/humming  # peers: bitsandbytes, gemlite; humming (its other deps are in the image)
 export HUMMING_CACHE_DIR=${HUMMING_CACHE_DIR:-/tmp/humming_cache} QERL_KERNEL_CACHE=${QERL_KERNEL_CACHE:-/tmp/qerl_plans}
 
 if has info; then
@@ -93,18 +77,14 @@ cat > /tmp/qk/run_bench.py <<'EOF'
 import os, sys
 from pathlib import Path
 from rich.console import Console
-from qerl_cli.bench.kernels import bench_kernels, render_tables, short_summary
+from qerl_cli.bench.harness import report, show
+from qerl_cli.bench.kernels import bench_kernels
 shapes = tuple(os.environ.get("QERL_BENCH_SHAPES", "qwen2.5-7b qwen2.5-32b").split())
 ms = tuple(int(m) for m in os.environ.get("QERL_BENCH_MS", "1 16 64 128 256 512 2048").split())
 kw = eval("dict(" + sys.argv[2] + ")")
 log = open(Path(sys.argv[1]).with_suffix(".log"), "w")
 res = bench_kernels(shapes, ms, Path(sys.argv[1]), log=lambda s: print(s, file=log, flush=True), **kw)
-con = Console(width=250)
-for t in render_tables(res):
-    con.print(t)
-for s in shapes:
-    for line in short_summary(res, s):
-        print(line)
+show(Console(width=250), *report(res))
 for e in res["errors"][:20]:
     print("error:", e)
 EOF

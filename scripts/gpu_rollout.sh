@@ -37,46 +37,25 @@
 # The whole call keeps to $QERL_DEADLINE_S (default 570 s): stage time limits come from what is left.
 # Files under $OUT (at most 8 come back): b7/rollout.{json,png}, b32/rollout.{json,png}, train_metrics.jsonl,
 # gpu_rollout.log, b7eos/rollout.json, b7x/rollout.json (smoke: smoke05/, smoke7/; fastab: fa_off/, fa_on/).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-source scripts/gpu_common.sh
-REPO=$PWD
-OUT=${OUT:-$PWD/out/gpu_rollout}
-mkdir -p "$OUT" /tmp/qk /tmp/qk_gguf
-ln -sfn "$REPO/qerl_cli" /tmp/qk/qerl_cli
-ln -sfn "$REPO/kernels" /tmp/qk/qerl_kernels
-export PYTHONPATH="/tmp/qk"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/gpu_common.sh"  # set -uo pipefail, the repo root as working directory
+mkdir -p /tmp/qk_gguf
 STAGES=${QERL_ROLLOUT_STAGES:-"info bench7b bench32b train beos bench256"}
-WHL=${QERL_WHL_DIR:-out/rollout_whl}
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-t0=$(date +%s)
-stamp() { echo "[gpu_rollout +$(( $(date +%s) - t0 ))s] $*"; }
-exec > >(tee -a "$OUT/gpu_rollout.log") 2>&1
-
-if compgen -G "$WHL/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "wheels from $WHL did not install"
-fi
+job_start gpu_rollout out/gpu_rollout 570
+qerl_shim
+install_wheels "${QERL_WHL_DIR:-out/rollout_whl}"
 
 cat > /tmp/qk/run_rollout.py <<'EOF'
 import sys
 from pathlib import Path
 from rich.console import Console
-from qerl_cli.bench.rollout import bench_rollout, render_profile_table, render_table, short_summary
+from qerl_cli.bench.harness import report, show
+from qerl_cli.bench.rollout import bench_rollout
 kw = eval(sys.argv[1])  # a dict(...) expression written by this script
 kw["out_dir"] = Path(kw["out_dir"])
 res = bench_rollout(**kw, log=lambda s: print(s, flush=True))
-con = Console(width=220)
-con.print(render_table(res))
-prof = render_profile_table(res)
-if prof is not None:
-    con.print(prof)
-for line in short_summary(res):
-    print(line)
+show(Console(width=220), *report(res))
 EOF
 bench() { timeout "$1" python3 /tmp/qk/run_rollout.py "$2"; }
-qerl() { (cd /tmp && python3 -c "from qerl_cli.cli import main; main()" "$@"); }
 
 if has info; then
   stamp info
@@ -99,7 +78,7 @@ out_dir='$OUT/smoke7')"
   stamp smoke-train
   if [ -d out/rollout_tiny ]; then
     rm -rf /tmp/rt
-    qerl quantize "$REPO/out/rollout_tiny" --run /tmp/rt 2>&1 | tail -3 \
+    qerl 0 quantize "$REPO/out/rollout_tiny" --run /tmp/rt 2>&1 | tail -3 \
       && timeout 120 bash -c "cd /tmp && python3 -c 'from qerl_cli.cli import main; main()' train --run /tmp/rt \
 --config gpu_arith --steps 2 --save-steps 2 2>&1 | tail -12"
   fi
@@ -148,8 +127,6 @@ e256 = build["nvfp4"] + build["bf16"] + 6 + cell("nvfp4", 256, n) + cell("bf16",
 print(f"N={n} BUDGET1={int(budget1)} EST32={int(b32(n))} EST1={int(pass1(n))} EST256={int(e256)}")
 EOF
 }
-DEADLINE=${QERL_DEADLINE_S:-570}
-left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
 N=1024 BUDGET1=290 EST32=100 EST1=0 EST256=150
 if has cudatests; then
   stamp cudatests
@@ -288,36 +265,11 @@ new_tokens=$N, out_dir='$OUT/b7x', time_budget_s=$(( L - 15 )))"
   fi
 fi
 
+show_results "$OUT"/*/rollout.json
 python3 -P - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-for p in sorted(out.glob("*/rollout.json")):
-    r = json.loads(p.read_text())
-    print(f"== {p.parent.name}: {r['shape']} {r['config']['prompt_len']}+{r['config']['new_tokens']}, "
-          f"copy {r['copy_GBps'] or 0:,.0f} GB/s")
-    print(f"{'fmt':6} {'batch':>5} {'mode':5} {'lora':4} {'seqs':>4} {'prefill':>9} {'decode':>8} {'ms/st':>6} {'e2e':>8} "
-          f"{'ttft':>6} {'peakGiB':>7} {'roof':>8} {'%roof':>6} status")
-    for c in r["results"]:
-        f = lambda k, s="{:.0f}": "-" if c.get(k) is None else s.format(c[k])
-        print(f"{c['format']:6} {c['batch']:>5} {c['mode']:5} {c.get('lora', 'on'):4} {f('sequences'):>4} "
-              f"{f('prefill_tok_s'):>9} {f('decode_tok_s'):>8} {f('decode_ms_per_step', '{:.2f}'):>6} {f('e2e_tok_s'):>8} "
-              f"{f('ttft_s', '{:.2f}'):>6} {f('peak_reserved_gib', '{:.1f}'):>7} {f('roofline_tok_s'):>8} "
-              f"{f('pct_roofline', '{:.1f}'):>6} {c['status']}")
-    cats = ("quantized GEMM", "dense GEMM", "LoRA", "attention", "norm/RoPE/activation", "sampling", "copies", "other")
-    if any(c.get("profile") for c in r["results"]):
-        print("profile ms/step: fmt batch lora | qgemm dense lora attn norm/rope/act sampling copies other | kernels graph")
-    for c in r["results"]:
-        p = c.get("profile")
-        if p:
-            g = "-" if p.get("graph_step_ms") is None else f"{p['graph_step_ms']:.2f}"
-            print(f"  {c['format']:6} {c['batch']:>4} {c.get('lora'):3} | " + " ".join(f"{p['ms_per_step'][k]:.2f}" for k in cats)
-                  + f" | {p['kernel_ms_per_step']:.2f} {g}")
-    for sh in r.get("lora_shares", []):
-        print(f"  LoRA share {sh['format']} b{sh['batch']}: {sh['share_pct']}% ({sh['source']}: {sh['ms_on']} on, "
-              f"{sh['ms_off']} off; profile LoRA kernels {sh['profile_lora_pct']}%)")
-    for t in r.get("targets", []):
-        print("  target:", t["target"], "->", t["value"], "met" if t["met"] else "MISSED")
 m = out / "train_metrics.jsonl"
 if m.is_file():
     rows = [json.loads(l) for l in m.read_text().splitlines() if l.strip()]

@@ -10,35 +10,21 @@
 # QERL_SCALE_ARGS (default: 8 prompts/GPU x 8 generations, 256+256 tokens, rank 32, 3 steps + 1 warmup;
 # the global batch grows with N: weak scaling, as data-parallel RL is run), QERL_DEADLINE_S (570).
 # Files under $OUT: scale_w{N}.json per world size, scale.json (the table), gpu_scale.log.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-REPO=$PWD
-OUT=${OUT:-$PWD/out/gpu_scale}
-mkdir -p "$OUT" /tmp/qk
-ln -sfn "$REPO/qerl_cli" /tmp/qk/qerl_cli
-ln -sfn "$REPO/kernels" /tmp/qk/qerl_kernels
-export PYTHONPATH="/tmp/qk"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/gpu_common.sh"  # set -uo pipefail, the repo root as working directory
+job_start gpu_scale out/gpu_scale 570
+qerl_shim
+install_wheels "${QERL_WHL_DIR:-out/rollout_whl}"
 # NVLink multicast off: some shared hosts are harmed by it
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-WHL=${QERL_WHL_DIR:-out/rollout_whl}
-t0=$(date +%s)
-stamp() { echo "[gpu_scale +$(( $(date +%s) - t0 ))s] $*"; }
-exec > >(tee -a "$OUT/gpu_scale.log") 2>&1
-if compgen -G "$WHL/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "wheels from $WHL did not install"
-fi
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 stamp "$NGPU GPUs"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 WORLDS=${QERL_SCALE_WORLDS:-"1 2 4"}
 SHAPE=${QERL_SCALE_SHAPE:-qwen2.5-7b}
 FMT=${QERL_SCALE_FORMAT:-nvfp4}
 ARGS=${QERL_SCALE_ARGS:-"--batch-prompts-per-rank 8 --num-generations 8 --prompt-len 256 --new-tokens 256 --lora-rank 32 --micro-batch-size 8 --steps 3 --warmup 1"}
-DEADLINE=${QERL_DEADLINE_S:-570}
 for N in $WORLDS; do
   if (( N > NGPU )); then stamp "skip $N GPUs: only $NGPU"; continue; fi
-  L=$(( DEADLINE - ($(date +%s) - t0) - 10 ))
+  L=$(( $(left) - 10 ))
   if (( L < 60 )); then stamp "skip $N GPUs: ${L}s left"; continue; fi
   stamp "world size $N (limit ${L}s)"
   (cd /tmp && timeout "$L" python3 -m torch.distributed.run --standalone --nproc-per-node "$N" -m qerl_cli.bench.scale \

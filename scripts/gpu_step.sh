@@ -26,34 +26,13 @@
 #   QERL_STEP_STAGES="mem32b step7b mem72b" OUT=/tmp/gs bash scripts/gpu_step.sh
 # Files under $OUT (at most 8 come back): s32, s7, s72, s32b, s14 (step.{json,png} each), san/sanity.{json,png},
 # gpu_step.log.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-source scripts/gpu_common.sh
-REPO=$PWD
-OUT=${OUT:-$PWD/out/gpu_step}
-QK=${QERL_SHIM:-/tmp/qk}  # the path shim (another folder for a CPU proof on a shared machine)
-mkdir -p "$OUT" "$QK"
-ln -sfn "$REPO/qerl_cli" "$QK/qerl_cli"
-ln -sfn "$REPO/kernels" "$QK/qerl_kernels"
-export PYTHONPATH="$QK"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/gpu_common.sh"  # set -uo pipefail, the repo root as working directory
 STAGES=${QERL_STEP_STAGES:-"info mem32b step7b mem72b"}
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-t0=$(date +%s)
-DEADLINE=${QERL_DEADLINE_S:-480}
-left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-stamp() { echo "[gpu_step +$(( $(date +%s) - t0 ))s] $*"; }
-exec > >(tee -a "$OUT/gpu_step.log") 2>&1
-
-for WHL in "${QERL_WHL_DIR:-out/rollout_whl}" .whl; do
-  if compgen -G "$WHL/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
-      && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "wheels from $WHL did not install"
-  fi
-done
+job_start gpu_step out/gpu_step 480
+qerl_shim "${QERL_SHIM:-/tmp/qk}"  # another folder for a CPU proof on a shared machine
+install_wheels "${QERL_WHL_DIR:-out/rollout_whl}" .whl
 # nf4 only when bitsandbytes imports (the bench would record it as skipped anyway; this saves its build)
 if python3 -P -c "import bitsandbytes" >/dev/null 2>&1; then NF4=",nf4"; else NF4=""; echo "bitsandbytes: not importable, nf4 left out"; fi
-qerl() { (cd /tmp && timeout "$1" python3 -c "from qerl_cli.cli import main; main()" "${@:2}"); }
 
 if has info; then
   stamp info
@@ -117,33 +96,5 @@ if has sanity; then
 fi
 
 [ -d "$OUT/s14" ] && rm -f "$OUT/s14/step.png" "$OUT/s72/step.png"  # at most 8 files come back
-python3 -P - "$OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-for p in sorted(out.glob("*/step.json")):
-    r = json.loads(p.read_text())
-    c = r["config"]["train"]
-    print(f"== {p.parent.name}: {r['model']} {c['batch_prompts']}x{c['num_generations']} seqs, "
-          f"{r['config']['prompt_len']}+{c['max_completion_length']} tokens, gc={c['gradient_checkpointing']}")
-    print(f"{'fmt':6} {'rollout':>8} {'tok/s':>7} {'recomp':>7} {'fwdbwd':>7} {'optim':>6} {'aqn':>6} {'ckpt':>6} "
-          f"{'other':>6} {'step':>7} {'speedup':>7} {'peakGiB':>7} {'plan':>6} mb/gc status")
-    for x in r["results"]:
-        f = lambda k, s="{:.2f}": "-" if x.get(k) is None else s.format(x[k])
-        print(f"{x['format']:6} {f('rollout_s'):>8} {f('rollout_tok_s', '{:.0f}'):>7} {f('recompute_s'):>7} "
-              f"{f('fwd_bwd_s'):>7} {f('optimizer_s'):>6} {f('aqn_s', '{:.3f}'):>6} {f('checkpoint_s'):>6} "
-              f"{f('other_s'):>6} {f('step_s'):>7} {f('speedup_vs_bf16'):>7} {f('peak_gb', '{:.1f}'):>7} "
-              f"{(x.get('memory_plan') or {}).get('peak', 0) / 2**30:6.1f} {x.get('micro_batch_size')}/"
-              f"{x.get('gradient_checkpointing')} {x['status']}")
-        print("   peaks GiB:", {k[4:-3]: round(v, 1) for k, v in x.items() if k.startswith("mem_") and v})
-    for t in r.get("targets", []):
-        print("  target:", t["target"], "->", round(t["value"], 3), {True: "met", False: "MISSED", None: "n/a"}[t["met"]])
-s = out / "san" / "sanity.json"
-if s.is_file():
-    r = json.loads(s.read_text())
-    print(f"== sanity: {len(r['config']['subset']['selected'])} perfectible problems")
-    for x in r["results"]:
-        print(f"{x['label']:32} to95={x['steps_to_threshold'] or 'not reached':>11} final={x['final']} best={x['best']} "
-              f"collapsed={x['collapsed']} {x['status']}")
-EOF
+show_results "$OUT"/*/step.json "$OUT/san/sanity.json"
 stamp done

@@ -5,21 +5,11 @@
 # $QERL_VLLM_WHL_DIR, installed with --no-index). Quantized runs come from $QERL_VLLM_MODEL (a local HF dir or
 # .gguf; default: the embedded SmolLM2 when importable). Stages ($QERL_VLLM_STAGES, default "info nvfp4 bf16 train").
 # Files under $OUT: vllm_<fmt>/vllm_check.json, gpu_vllm.log.  Deadline: $QERL_DEADLINE_S (default 570 s).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-REPO=$PWD
-OUT=${OUT:-$PWD/out/gpu_vllm}
-mkdir -p "$OUT" /tmp/qk
-ln -sfn "$REPO/qerl_cli" /tmp/qk/qerl_cli
-ln -sfn "$REPO/kernels" /tmp/qk/qerl_kernels
-export PYTHONPATH="/tmp/qk" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/gpu_common.sh"  # set -uo pipefail, the repo root as working directory
 STAGES=${QERL_VLLM_STAGES:-"info nvfp4 bf16 train"}
 MODEL=${QERL_VLLM_MODEL:-}
-DEADLINE=$(( $(date +%s) + ${QERL_DEADLINE_S:-570} ))
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-left() { echo $(( DEADLINE - $(date +%s) )); }
-qerl() { (cd /tmp && python3 -c "from qerl_cli.cli import main; main()" "$@"); }
-exec > >(tee -a "$OUT/gpu_vllm.log") 2>&1
+job_start gpu_vllm out/gpu_vllm 570
+qerl_shim
 if [ -n "${QERL_VLLM_WHL_DIR:-}" ] && compgen -G "$QERL_VLLM_WHL_DIR/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --find-links "$QERL_VLLM_WHL_DIR" vllm || echo "vllm wheels did not install"
 fi
@@ -29,7 +19,7 @@ for fmt in nvfp4 bf16; do
   has "$fmt" || continue
   [ "$(left)" -gt 90 ] || { echo "skip $fmt: $(left) s left"; continue; }
   rm -rf "/tmp/vr_$fmt"
-  qerl quantize $MODEL --run "/tmp/vr_$fmt" --format "$fmt" 2>&1 | tail -2
+  qerl 0 quantize $MODEL --run "/tmp/vr_$fmt" --format "$fmt" 2>&1 | tail -2
   (cd /tmp && timeout $(( $(left) - 30 )) python3 "$REPO/scripts/vllm_check.py" --run "/tmp/vr_$fmt" --dtype bf16 \
     --prompts 16 --n 8 --new 128 --out "$OUT/vllm_$fmt") 2>&1 | grep -v " INFO \| WARNING " | tail -5
 done

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.bench import harness
+from qerl_cli.bench.harness import SIG, figure, num, save_figure
 from qerl_cli.errors import QerlError
 
 SCHEMA = 1
@@ -244,11 +246,7 @@ def build_evidence(groups: dict[str, Sequence[dict[str, Any]]], *, n_boot: int =
     }
 
 
-def _f(v: Any, spec: str = "{:.3g}") -> str:
-    return "-" if v is None else spec.format(v)
-
-
-def ci_text(s: dict[str, Any] | None, spec: str = "{:.3g}") -> str:
+def ci_text(s: dict[str, Any] | None, spec: str = SIG) -> str:
     if not s or s.get("mean") is None:
         return "-"
     if s.get("lo") is None:
@@ -272,8 +270,8 @@ def markdown(ev: dict[str, Any]) -> str:
               "|---:|---|---|---|---|---|---:|---|"]
     for p in ev["parts"]:
         lines.append(f"| {p['claim']} | {p['name']} | {ci_text(p['a_stats'])} | {ci_text(p['b_stats'])} | "
-                     f"{_f(p['diff'])} [{_f(p['lo'])}, {_f(p['hi'])}] | {'yes' if p['paired'] else 'no'} | "
-                     f"{_f(p['p_mann_whitney'], '{:.2f}')} | {p['verdict']} |")
+                     f"{num(p['diff'], SIG)} [{num(p['lo'], SIG)}, {num(p['hi'], SIG)}] | "
+                     f"{'yes' if p['paired'] else 'no'} | {num(p['p_mann_whitney'], '{:.2f}')} | {p['verdict']} |")
     lines += ["", "| claim | verdict |", "|---:|---|"]
     lines += [f"| {c['claim']}: {c['title']} | **{c['verdict']}** |" for c in ev["claims"]]
     return "\n".join(lines) + "\n"
@@ -281,17 +279,12 @@ def markdown(ev: dict[str, Any]) -> str:
 
 def plot_curves(ev: dict[str, Any]) -> Any:
     """A matplotlib figure: per group, training accuracy (and entropy or k3) vs step, mean with a 95% band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = [(g, m) for g in ev["groups"] for m in (("accuracy", "entropy") if g != "fp16" else ("accuracy", "k3"))]
     if not panels:
         return None
     ncols = 2
     nrows = (len(panels) + 1) // 2
-    fig, axes = plt.subplots(nrows, ncols, figsize=(11, 3.2 * nrows), squeeze=False)
+    fig, axes = figure(nrows, ncols, figsize=(11, 3.2 * nrows), squeeze=False)
     for ax, (g, m) in zip(axes.flat, panels, strict=False):
         for label, c in ev["groups"][g]["curves"].items():
             s = c.get(m) or {}
@@ -333,7 +326,7 @@ def write_evidence(*, inputs: dict[str, Sequence[Path]], out_dir: Path, run_dir:
                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Read the groups' sanity.json files, write evidence.json, evidence.md and evidence.png (atomically; the
     JSON last) and, with a run directory, record them under ``bench/evidence`` in its manifest."""
-    from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_png, atomic_write_text, jsonable
+    from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, jsonable
 
     groups: dict[str, list[dict[str, Any]]] = {}
     for g, paths in inputs.items():
@@ -351,17 +344,13 @@ def write_evidence(*, inputs: dict[str, Sequence[Path]], out_dir: Path, run_dir:
     out.mkdir(parents=True, exist_ok=True)
     fig = plot_curves(ev)
     if fig is not None:
-        import matplotlib.pyplot as plt
-
-        atomic_write_png(out / "evidence.png", fig)
-        plt.close(fig)
+        save_figure(fig, out / "evidence.png")
     atomic_write_text(out / "evidence.md", markdown(ev))
     atomic_write_json(out / "evidence.json", jsonable(ev))
     if run_dir is not None:
-        run = RunDir(run_dir)
-        with run.stage("bench", config={"inputs": ev["meta"]["inputs"]}, key="bench/evidence") as rec:
-            rec.outputs = {"json": {"path": run.rel(out / "evidence.json")}}
-            rec.metrics = {f"claim{c['claim']}": c["verdict"] for c in ev["claims"]}
+        harness.record(RunDir(run_dir), "evidence", config={"inputs": ev["meta"]["inputs"]},
+                       outputs={"json": out / "evidence.json"},
+                       metrics={f"claim{c['claim']}": c["verdict"] for c in ev["claims"]})
     for c in ev["claims"]:
         log(f"claim {c['claim']}: {c['verdict']}")
     return ev

@@ -12,9 +12,7 @@ against them, plus the backward product dx = dy @ W at M = 2048.
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any
 
 import torch
 
+from qerl_cli.bench import harness
 from qerl_cli.errors import QerlError
 
 MODELS: dict[str, dict[str, int]] = {
@@ -45,12 +44,6 @@ def layer_linears(model: str) -> list[tuple[str, int, int]]:
         ("gate_up", 2 * c["intermediate"], c["hidden"]),
         ("down", c["hidden"], c["intermediate"]),
     ]
-
-
-def _require_cuda() -> torch.device:
-    if not torch.cuda.is_available():
-        raise QerlError("qerl bench kernels needs a CUDA GPU")
-    return torch.device("cuda")
 
 
 # ---- timing --------------------------------------------------------------------------------------
@@ -87,24 +80,25 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
     """Device copy bandwidth (bytes read + written) and bf16 8192^3 matmul rate, measured now."""
     import triton
 
-    n = 1 << 28
-    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    t = triton.testing.do_bench(partial(dst.copy_, src), warmup=10, rep=100, return_mode="median")
-    bw = 2 * n * 2 / (t * 1e-3)
-    src = dst = None
+    bw = harness.copy_bandwidth_gbps(device)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     t = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
-    return {"copy_GBps": bw / 1e9, "bf16_matmul_TFLOPs": 2 * 8192**3 / (t * 1e-3) / 1e12}
+    return {"copy_GBps": bw, "bf16_matmul_TFLOPs": 2 * 8192**3 / (t * 1e-3) / 1e12}
 
 
 # ---- weights -------------------------------------------------------------------------------------
-def _copies(nbytes: int, l2: int, cap: int = 48) -> int:
+def l2_bytes(device: torch.device) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20))
+
+
+def weight_copies(nbytes: int, l2: int, cap: int = 48) -> int:
+    """How many copies of a weight of ``nbytes`` to rotate over so that they cannot stay in an L2 of ``l2``."""
     return max(1, min(cap, math.ceil(3 * l2 / max(nbytes, 1))))
 
 
-def _quant_modules(w: torch.Tensor, fmt: str, copies_for: Callable[[int], int]) -> list[torch.nn.Module]:
+def quant_modules(w: torch.Tensor, fmt: str, copies_for: Callable[[int], int]) -> list[torch.nn.Module]:
+    """``copies_for(bytes)`` QuantLinear copies of ``w`` quantized to ``fmt`` (each with its own tensors)."""
     from qerl_cli.formats import QuantizedWeight, quantize
     from qerl_cli.qlinear import QuantLinear
 
@@ -125,7 +119,7 @@ def _method_calls(method: str, w: torch.Tensor, x: torch.Tensor, copies_for: Cal
 
     def mods(fmt: str) -> list[torch.nn.Module]:
         if fmt not in cache:
-            cache[fmt] = _quant_modules(w, fmt, copies_for)
+            cache[fmt] = quant_modules(w, fmt, copies_for)
         return cache[fmt]
 
     if method == "bf16":
@@ -242,18 +236,18 @@ def bench_kernels(
     (`nvfp4-cuda`, `mxfp4-cuda`): the candidates the dispatcher measures. The plain format
     methods run `QuantLinear`'s dispatch (QERL_LINEAR_BACKEND, default auto: measured per shape).
     """
-    device = _require_cuda()
+    device = harness.device(cuda_only="qerl bench kernels")
     import triton
 
     props = torch.cuda.get_device_properties(device)
-    l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
+    l2 = l2_bytes(device)
     peers = available_peers() if peers is None else list(peers)
-    res: dict[str, Any] = {
-        "device": props.name, "sms": props.multi_processor_count, "l2_bytes": l2,
-        "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
-        "timing": "triton.testing.do_bench median over CUDA-graph replays of rotating weight copies",
-        "ms": list(ms), "shapes": list(shapes), "results": [], "layer": [], "backward": [], "errors": [],
-    }
+    res = harness.header(
+        "bench/kernels", device=props.name, sms=props.multi_processor_count, l2_bytes=l2,
+        torch=torch.__version__, triton=triton.__version__,
+        timing="triton.testing.do_bench median over CUDA-graph replays of rotating weight copies",
+        ms=list(ms), shapes=list(shapes))
+    res.update({"layer": [], "backward": [], "errors": []})
     res["ceilings"] = measure_ceilings(device)
     if log:
         log(f"ceilings: {res['ceilings']}")
@@ -262,7 +256,7 @@ def bench_kernels(
         try:
             t, mode = time_calls(calls, rep_ms=rep_ms)
         except Exception as exc:  # keep going; a failing method is reported, not fatal
-            res["errors"].append({"model": model, "gemm": name, "M": m, "method": method, "error": repr(exc)[:300]})
+            _failed(res, model, name, m, method, exc)
             return
         nbytes = wbytes + m * k * 2 + m * n * 2
         res["results"].append({
@@ -270,7 +264,7 @@ def bench_kernels(
             "GBps": nbytes / (t * 1e-3) / 1e9, "TFLOPs": 2 * m * n * k / (t * 1e-3) / 1e12,
         })
 
-    copies_for = lambda nbytes: _copies(nbytes, l2)  # noqa: E731
+    copies_for = partial(weight_copies, l2=l2)
     from qerl_kernels import cuda_fp4
 
     cuda_variants = ["nvfp4-cuda", "mxfp4-cuda"] if cuda_fp4.available(device) else []
@@ -283,26 +277,16 @@ def bench_kernels(
                 meths = list(methods)
                 if variants:  # the qerl kernels the dispatcher chooses between, each at every M
                     meths += ["nvfp4-fused"] + (["nvfp4-dequant"] if m >= 64 else []) + cuda_variants
-                for method in meths:
+                for method, make in [(mt, _method_calls) for mt in meths] + [(p, _peer_calls) for p in peers]:
                     try:
-                        calls, wb = _method_calls(method, w, x, copies_for, cache)
+                        calls, wb = make(method, w, x, copies_for, cache)
                     except Exception as exc:
-                        res["errors"].append({"model": model, "gemm": name, "M": m, "method": method,
-                                              "error": repr(exc)[:300]})
+                        _failed(res, model, name, m, method, exc)
                         continue
                     record(model, name, n, k, m, method, calls, wb)
-                for peer in peers:
-                    try:
-                        calls, wb = _peer_calls(peer, w, x, copies_for, cache)
-                    except Exception as exc:
-                        res["errors"].append({"model": model, "gemm": name, "M": m, "method": peer,
-                                              "error": repr(exc)[:300]})
-                        continue
-                    record(model, name, n, k, m, peer, calls, wb)
                     del calls
                 if out_json is not None:  # partial results survive a timeout
-                    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
-                    Path(out_json).write_text(json.dumps(res, indent=1))
+                    _save(res, out_json)
                 if log:
                     done = [r for r in res["results"] if r["model"] == model and r["gemm"] == name and r["M"] == m]
                     log(f"{model} {name} M={m}: " + ", ".join(f"{r['method']} {r['ms'] * 1e3:.1f}us" for r in done))
@@ -319,9 +303,20 @@ def bench_kernels(
                        "plans": {dispatch._key_str(k): {str(b): c for b, c in p.items()}
                                  for k, p in dispatch._plans.items()}}
     if out_json is not None:
-        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_json).write_text(json.dumps(res, indent=1))
+        _save(res, out_json)
     return res
+
+
+def _failed(res: dict[str, Any], model: str, gemm: str, m: int, method: str, exc: Exception) -> None:
+    """A method that cannot be built or timed (a missing peer, an unsupported shape) is reported, never fatal."""
+    res["errors"].append({"model": model, "gemm": gemm, "M": m, "method": method, "error": repr(exc)[:300]})
+
+
+def _save(res: dict[str, Any], out_json: Path) -> None:
+    from qerl_cli.manifest import atomic_write_json, jsonable
+
+    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(Path(out_json), jsonable(res))
 
 
 def _bench_backward(res: dict, model: str, name: str, w: torch.Tensor, cache: dict,
@@ -337,7 +332,7 @@ def _bench_backward(res: dict, model: str, name: str, w: torch.Tensor, cache: di
     entries.append(("bf16", [lambda w_=w_: dy @ w_ for w_ in ws], w.numel() * 2))
     for fmt in fmts:
         if fmt not in cache:
-            cache[fmt] = _quant_modules(w, fmt, copies_for)
+            cache[fmt] = quant_modules(w, fmt, copies_for)
         mods = cache[fmt]
         entries.append((fmt, [lambda m_=m_: ql.linear_backward_dx(dy, m_) for m_ in mods], mods[0].weight_nbytes))
         if fmt == "nvfp4":  # one transient dequantized weight, no overlap (what the overlap saves)
@@ -351,8 +346,7 @@ def _bench_backward(res: dict, model: str, name: str, w: torch.Tensor, cache: di
         try:
             t, mode = time_calls(calls, rep_ms=rep_ms)
         except Exception as exc:
-            res["errors"].append({"model": model, "gemm": name, "M": m, "method": f"dx-{method}",
-                                  "error": repr(exc)[:300]})
+            _failed(res, model, name, m, f"dx-{method}", exc)
             continue
         res["backward"].append({"model": model, "gemm": name, "N": n, "K": k, "M": m, "method": method, "ms": t,
                                 "timing": mode, "TFLOPs": 2 * m * n * k / (t * 1e-3) / 1e12,
@@ -361,24 +355,21 @@ def _bench_backward(res: dict, model: str, name: str, w: torch.Tensor, cache: di
 
 def summarize(res: dict) -> None:
     """Fill res['layer'] / res['backward_layer']: per model, M and method, the 4 GEMMs summed, vs BF16."""
+    res["layer"] = _layer_sums(res["results"])
+    res["backward_layer"] = _layer_sums(res["backward"])
+
+
+def _layer_sums(gemms: list[dict]) -> list[dict]:
+    """Per (model, M, method) timed on all 4 GEMMs of a layer: their summed ms and the speed-up over BF16."""
     layer = []
-    for key, rows in _group(res["results"], ("model", "M", "method")).items():
+    for key, rows in _group(gemms, ("model", "M", "method")).items():
         if len(rows) == 4:
             layer.append({"model": key[0], "M": key[1], "method": key[2], "ms": sum(r["ms"] for r in rows)})
     base = {(r["model"], r["M"]): r["ms"] for r in layer if r["method"] == "bf16"}
     for r in layer:
         b = base.get((r["model"], r["M"]))
         r["speedup"] = b / r["ms"] if b else None
-    res["layer"] = layer
-    bl = []
-    for key, rows in _group(res["backward"], ("model", "M", "method")).items():
-        if len(rows) == 4:
-            bl.append({"model": key[0], "M": key[1], "method": key[2], "ms": sum(r["ms"] for r in rows)})
-    bb = {(r["model"], r["M"]): r["ms"] for r in bl if r["method"] == "bf16"}
-    for r in bl:
-        b = bb.get((r["model"], r["M"]))
-        r["speedup"] = b / r["ms"] if b else None
-    res["backward_layer"] = bl
+    return layer
 
 
 def _group(rows: Iterable[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
@@ -422,8 +413,14 @@ def render_tables(res: dict) -> list[Any]:
     return tables
 
 
-def short_summary(res: dict, model: str = "qwen2.5-7b", method: str = "nvfp4") -> list[str]:
-    """Plain lines: speedup of `method` over BF16 at each M vs the issue's targets."""
+def tables(res: dict) -> list[Any]:
+    return render_tables(res)
+
+
+def short_summary(res: dict, model: str | None = None, method: str = "nvfp4") -> list[str]:
+    """Plain lines: speedup of `method` over BF16 at each M vs the issue's targets (every shape run: ``model=None``)."""
+    if model is None:
+        return [line for shape in res["shapes"] for line in short_summary(res, shape, method)]
     out = []
     for m in res["ms"]:
         r = next((r for r in res["layer"] if r["model"] == model and r["M"] == m and r["method"] == method), None)

@@ -24,18 +24,19 @@ Outputs (written only when the whole bench has finished, each file atomically): 
 from __future__ import annotations
 
 import copy
-import datetime as _dt
 import math
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from qerl_cli.bench import harness
+from qerl_cli.bench.harness import SCI, figure, num, save_figure
 from qerl_cli.errors import QerlError
-from qerl_cli.manifest import atomic_write_png, jsonable
 from qerl_cli.precision import PRECISIONS
 
 DEFAULT_PRECISIONS = ("bf16", "fp16", "fp32")
@@ -71,11 +72,6 @@ def _check_args(precisions: Iterable[str], formats: Iterable[str], task: str, pr
 
 
 # ---- models ---------------------------------------------------------------------------------------
-def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, leaf, module)
-
-
 # Formats whose stored tensors do not depend on the model dtype (FP8/E8M0 block scales, fp32 global
 # scale): quantized once and shared by every precision. The others store their scales in the model dtype.
 _DTYPE_FREE_FORMATS = ("nvfp4", "mxfp4")
@@ -84,6 +80,7 @@ _DTYPE_FREE_FORMATS = ("nvfp4", "mxfp4")
 def _cast_copy(base: nn.Module, fmt: str, dtype: torch.dtype,
                cache: dict[tuple[str, Any], dict[str, Any]] | None = None) -> nn.Module:
     """A copy of the fp32 ``base`` in ``dtype`` with its target linears quantized to ``fmt`` (from fp32)."""
+    from qerl_cli.bench.shapes import set_module
     from qerl_cli.checkpoint import fused_global_scales, target_linears
     from qerl_cli.formats import quantize
     from qerl_cli.qlinear import DEFAULT_ACT_QUANT, QuantLinear
@@ -110,7 +107,7 @@ def _cast_copy(base: nn.Module, fmt: str, dtype: torch.dtype,
             n, k = qw.shape
             ql = QuantLinear(k, n, fmt, dict(qw.tensors), dtype, qw.group_size, lin.bias, DEFAULT_ACT_QUANT.get(fmt))
             ql.cache_dequantized = lin.weight.device.type == "cpu"  # no kernels off CUDA: dequantize once
-            _set_module(model, name, ql)
+            set_module(model, name, ql)
     model.eval()
     return model
 
@@ -239,49 +236,40 @@ def bench_mismatch(
     the run's quantized model and its single format are used, and the bench is recorded in the
     manifest under ``bench/mismatch``. Nothing is written until every cell has run.
     """
-    from qerl_cli.env_info import environment
-    from qerl_cli.manifest import atomic_write_json
     from qerl_cli.models import load_model
     from qerl_cli.tasks import load_task
 
     precs, fmts = _check_args(precisions, formats, task, prompts, samples, max_tokens, temperature)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise QerlError("--device cuda asked for but no CUDA GPU is visible; use --device cpu")
+    dev = harness.device(device)
     if shape is not None and run_dir is not None:
         raise QerlError("--shape and --run are exclusive: a shape is a random model, --run measures the run's model")
     run = model_dir = None
     if run_dir is not None:
-        import json
+        from qerl_cli.bench.runmodels import run_model
 
-        from qerl_cli.checkpoint import detect_format
-        from qerl_cli.manifest import RunDir
-        from qerl_cli.runlayout import quantized_model_dir
-
-        run = RunDir(run_dir, create=False)
-        model_dir = quantized_model_dir(run)
-        run_fmt = detect_format(json.loads((model_dir / "config.json").read_text()))[0]
+        run, model_dir, run_fmt = run_model(run_dir)
         if fmts and fmts != [run_fmt] and fmts != list(DEFAULT_FORMATS):
             log(f"--run: measuring the run's model ({run_fmt}); formats {fmts} ignored")
         fmts = [run_fmt]
     elif not fmts:
         raise QerlError(f"no format given; choose from {', '.join(DEFAULT_FORMATS)}")
-    out = Path(out_dir) if out_dir is not None else (run.path / "bench" if run is not None else Path("bench-mismatch"))
+    out = harness.out_dir(out_dir, run, Path("bench-mismatch"))
 
-    t_start = time.perf_counter()
+    budget = harness.Budget()
     torch.manual_seed(seed)
     if shape is not None:
         from qerl_cli.bench.shapes import build_random_model, get_shape
 
         spec = get_shape(shape)
         log(f"building a random {shape} (fp32) on {device} ...")
-        base, tok = build_random_model(spec, "bf16", device, dtype=torch.float32, seed=seed), None
+        base, tok = build_random_model(spec, "bf16", dev, dtype=torch.float32, seed=seed), None
         gen = torch.Generator().manual_seed(seed)
         prompt_ids = torch.randint(0, spec.vocab, (prompts, prompt_len), generator=gen).tolist()
         stop: list[str] = []
         model_name, task_name = f"random {shape}", f"random tokens ({prompt_len})"
     else:
         log(f"loading {'the embedded model' if model_dir is None else model_dir} ...")
-        base, tok = load_model(None if model_dir is None else str(model_dir), dtype=torch.float32, device=device)
+        base, tok = load_model(None if model_dir is None else str(model_dir), dtype=torch.float32, device=dev)
         task_obj = load_task(task, split="test", limit=prompts, seed=seed)
         texts = task_obj.prompts[:prompts]
         if not texts:
@@ -291,78 +279,62 @@ def bench_mismatch(
         model_name = "embedded SmolLM2-135M" if model_dir is None else str(model_dir)
         task_name = task
 
-    res: dict[str, Any] = {
-        "schema": SCHEMA,
-        "kind": "bench/mismatch",
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": model_name,
-        "config": {"precisions": precs, "formats": fmts, "task": task_name, "prompts": len(prompt_ids),
-                   "samples": samples, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-                   "engine": "builtin", "stop": stop, "sampling": f"temperature {temperature}, top_p 1, top_k off",
-                   "device": device, "shape": shape, "fixed_length": shape is not None},
-        "env": environment(),
-        "results": [],
-    }
+    res = harness.header(
+        "bench/mismatch", model=model_name,
+        config={"precisions": precs, "formats": fmts, "task": task_name, "prompts": len(prompt_ids),
+                "samples": samples, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+                "engine": "builtin", "stop": stop, "sampling": f"temperature {temperature}, top_p 1, top_k off",
+                "device": device, "shape": shape, "fixed_length": shape is not None})
     scatter: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def measure(fmt: str, prec: str, qcache: dict[tuple[str, Any], dict[str, Any]]) -> dict[str, Any]:
+        dtype = PRECISIONS[prec]
+        model = None
+        try:
+            if model_dir is None:
+                model = _cast_copy(base, fmt, dtype, qcache)
+            else:
+                model, _ = load_model(str(model_dir), dtype=dtype, device=dev)
+            row, scatter[(fmt, prec)] = _run_cell(model, tok, prompt_ids, stop, dtype=dtype, samples=samples,
+                                                  max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                                  ignore_eos=shape is not None)
+            return row
+        finally:
+            del model
+            harness.free_memory()
+
+    def done(cell: harness.Cell, row: dict[str, Any]) -> None:
+        row["wall_s"] = cell.seconds
+        if row["status"] == "ok":
+            log(f"{cell.label}: k1 {row['k1']:.3e}  k3 {row['k3']:.3e}  max|dp| {row['max_abs_dprob']:.3e}  "
+                f"seq log-ratio {row['seq_log_ratio_mean']:+.3e} +- {row['seq_log_ratio_std']:.3e}  "
+                f"({row['tokens']} tokens, {row['wall_s']:.1f}s)")
+        else:
+            log(f"{cell.label}: {row['status']}")
+
+    cells = []
     for fmt in fmts:
         qcache: dict[tuple[str, Any], dict[str, Any]] = {}  # this format's quantized weights, per dtype
-        for prec in precs:
-            dtype = PRECISIONS[prec]
-            t0 = time.perf_counter()
-            model = None
-            try:
-                if model_dir is None:
-                    model = _cast_copy(base, fmt, dtype, qcache)
-                else:
-                    model, _ = load_model(str(model_dir), dtype=dtype, device=device)
-                row, pts = _run_cell(model, tok, prompt_ids, stop, dtype=dtype, samples=samples,
-                                     max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                     ignore_eos=shape is not None)
-                row = {"format": fmt, "precision": prec, "status": "ok", **row}
-                scatter[(fmt, prec)] = pts
-            except QerlError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - recorded per cell, the bench goes on
-                row = {"format": fmt, "precision": prec, "status": f"error: {str(exc).splitlines()[0][:160]}"}
-            finally:
-                del model
-                if device.startswith("cuda"):
-                    torch.cuda.empty_cache()
-            row["wall_s"] = time.perf_counter() - t0
-            res["results"].append(row)
-            if row["status"] == "ok":
-                log(f"{fmt} / {prec}: k1 {row['k1']:.3e}  k3 {row['k3']:.3e}  max|dp| {row['max_abs_dprob']:.3e}  "
-                    f"seq log-ratio {row['seq_log_ratio_mean']:+.3e} +- {row['seq_log_ratio_std']:.3e}  "
-                    f"({row['tokens']} tokens, {row['wall_s']:.1f}s)")
-            else:
-                log(f"{fmt} / {prec}: {row['status']}")
+        cells += [harness.Cell({"format": fmt, "precision": prec}, partial(measure, fmt, prec, qcache),
+                               f"{fmt} / {prec}") for prec in precs]
+    # a qerl error (bad input found late, a missing run) stops the bench; anything else is that cell's status
+    res["results"] = harness.run_cells(cells, fatal=lambda exc: isinstance(exc, QerlError), on_row=done)
     res["k3_ratios"] = _ratios(res["results"], fmts)
-    res["wall_s"] = time.perf_counter() - t_start
-
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, scatter_path, seq_path = out / "mismatch.json", out / "mismatch_scatter.png", out / "mismatch_seq.png"
-    res["files"] = {"json": str(json_path), "scatter": str(scatter_path), "seq": str(seq_path)}
-    plot_scatter(res, scatter, scatter_path)
-    plot_seq(res, seq_path)
-    atomic_write_json(json_path, jsonable(res))  # last: a JSON on disk means a finished bench
+    res["wall_s"] = budget.elapsed()
+    paths = harness.write_results(res, out, "mismatch.json",
+                                  {"scatter": ("mismatch_scatter.png", partial(plot_scatter, res, scatter)),
+                                   "seq": ("mismatch_seq.png", partial(plot_seq, res))})
     if run is not None:
-        _record_stage(run, res, json_path, scatter_path, seq_path)
+        harness.record(run, "mismatch", config=res["config"], inputs={"model": run.rel(res["model"])},
+                       outputs=paths, extra={"k3_ratios": res["k3_ratios"]},
+                       metrics={f"{r['format']}/{r['precision']}/{k}": r[k] for r in res["results"]
+                                if r["status"] == "ok" for k in ("k1", "k3", "max_abs_dprob")})
     return res
 
 
-def _record_stage(run: Any, res: dict[str, Any], json_path: Path, scatter_path: Path, seq_path: Path) -> None:
-    """Record the bench in the run's manifest under key bench/mismatch (after the fact: one short write)."""
-    with run.stage("bench", config=res["config"], inputs={"model": run.rel(res["model"])}, key="bench/mismatch") as rec:
-        rec.outputs = {"json": {"path": run.rel(json_path)}, "scatter": {"path": run.rel(scatter_path)},
-                       "seq": {"path": run.rel(seq_path)}}
-        rec.metrics = {f"{r['format']}/{r['precision']}/{k}": r[k] for r in res["results"] if r["status"] == "ok"
-                       for k in ("k1", "k3", "max_abs_dprob")}
-        rec.extra = {"k3_ratios": jsonable(res["k3_ratios"])}
-
-
 # ---- presentation ---------------------------------------------------------------------------------
-def _fmt(v: Any, spec: str = "{:.2e}") -> str:
-    return "-" if v is None else spec.format(v)
+def tables(res: dict[str, Any]) -> list[Any]:
+    return [render_table(res)]
 
 
 def render_table(res: dict[str, Any]) -> Any:
@@ -377,10 +349,11 @@ def render_table(res: dict[str, Any]) -> Any:
     for col in cols:
         table.add_column(col, justify="left" if col in ("format", "precision", "status") else "right")
     for r in res["results"]:
-        table.add_row(r["format"], r["precision"], _fmt(r.get("k1")), _fmt(r.get("k3")), _fmt(r.get("max_abs_dprob")),
-                      _fmt(r.get("seq_log_ratio_mean")), _fmt(r.get("seq_log_ratio_std")),
-                      _fmt(r.get("seq_log_ratio_min")), _fmt(r.get("seq_log_ratio_max")),
-                      _fmt(r.get("seq_abs_log_ratio_len_slope")), str(r.get("tokens", "-")), r["status"])
+        table.add_row(r["format"], r["precision"], num(r.get("k1"), SCI), num(r.get("k3"), SCI),
+                      num(r.get("max_abs_dprob"), SCI),
+                      num(r.get("seq_log_ratio_mean"), SCI), num(r.get("seq_log_ratio_std"), SCI),
+                      num(r.get("seq_log_ratio_min"), SCI), num(r.get("seq_log_ratio_max"), SCI),
+                      num(r.get("seq_abs_log_ratio_len_slope"), SCI), str(r.get("tokens", "-")), r["status"])
     return table
 
 
@@ -397,19 +370,12 @@ def short_summary(res: dict[str, Any]) -> list[str]:
 
 
 def _figure(n: int) -> tuple[Any, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 4.4), squeeze=False)
+    fig, axes = figure(1, n, figsize=(4.6 * n, 4.4), squeeze=False)
     return fig, axes[0]
 
 
 def plot_scatter(res: dict[str, Any], points: dict[tuple[str, str], dict[str, Any]], path: Path) -> None:
     """PNG: pi vs mu token probability, one panel per precision, formats coloured, diagonal dashed."""
-    import matplotlib.pyplot as plt
-
     precs, fmts = res["config"]["precisions"], res["config"]["formats"]
     fig, axes = _figure(len(precs))
     k3 = {(r["format"], r["precision"]): r.get("k3") for r in res["results"]}
@@ -418,22 +384,18 @@ def plot_scatter(res: dict[str, Any], points: dict[tuple[str, str], dict[str, An
         for fmt in fmts:
             p = points.get((fmt, prec))
             if p:
-                ax.scatter(p["mu"], p["pi"], s=4, alpha=0.5, label=f"{fmt} (k3 {_fmt(k3.get((fmt, prec)))})")
+                ax.scatter(p["mu"], p["pi"], s=4, alpha=0.5, label=f"{fmt} (k3 {num(k3.get((fmt, prec)), SCI)})")
         ax.set_title(f"{prec}: training pi vs rollout mu")
         ax.set_xlabel("mu(y_t) (rollout engine)")
         ax.set_ylabel("pi(y_t) (training forward)")
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.legend(fontsize=7, markerscale=3, loc="upper left")
-    fig.tight_layout()
-    atomic_write_png(path, fig)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_seq(res: dict[str, Any], path: Path) -> None:
     """PNG: sequence log-ratio sum_t log(pi/mu) vs completion length, one panel per precision."""
-    import matplotlib.pyplot as plt
-
     precs, fmts = res["config"]["precisions"], res["config"]["formats"]
     fig, axes = _figure(len(precs))
     rows = {(r["format"], r["precision"]): r for r in res["results"] if r["status"] == "ok"}
@@ -444,11 +406,9 @@ def plot_seq(res: dict[str, Any], path: Path) -> None:
             if r and r["seq_points"]:
                 lens, lr = zip(*r["seq_points"], strict=True)
                 ax.scatter(lens, lr, s=8, alpha=0.6,
-                           label=f"{fmt} (|lr| {_fmt(r['seq_abs_log_ratio_len_slope'])}/tok)")
+                           label=f"{fmt} (|lr| {num(r['seq_abs_log_ratio_len_slope'], SCI)}/tok)")
         ax.set_title(f"{prec}: sequence log-ratio vs length")
         ax.set_xlabel("completion length (tokens)")
         ax.set_ylabel("sum_t log(pi/mu)")
         ax.legend(fontsize=7, markerscale=2, loc="upper left")
-    fig.tight_layout()
-    atomic_write_png(path, fig)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -35,20 +35,21 @@ time at the run's mean context.
 
 from __future__ import annotations
 
-import datetime as _dt
-import gc
 import importlib.util
 import random
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from qerl_cli.bench import harness
+from qerl_cli.bench.harness import COUNT, figure, num, save_figure
 from qerl_cli.errors import QerlError
-from qerl_cli.manifest import jsonable
 
 DEFAULT_FORMATS = ("bf16", "nvfp4", "mxfp4", "int8", "fp8", "nf4")
 DEFAULT_BATCHES = (1, 8, 64, 256)
@@ -135,10 +136,6 @@ def _check_args(shape: str | None, run_dir: Path | None, formats: Iterable[str],
     if lora_rank < 0:
         raise QerlError(f"lora_rank must be >= 0 (0: no LoRA), got {lora_rank}")
     return fmts, bs
-
-
-def _device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _nf4_backend(device: torch.device) -> str:
@@ -245,35 +242,7 @@ def _estimate_gib(spec: Any, fmt: str, batch: int, max_len: int, lora_rank: int)
     return (spec.linear_params() * per_w + emb + lora + kv) / 2**30
 
 
-def _free(*objs: Any) -> None:
-    del objs
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return True
-    msg = str(exc)
-    return "out of memory" in msg.lower() or "no room for even one KV-cache slot" in msg
-
-
 # ---- measurement ----------------------------------------------------------------------------------
-def measure_copy_bandwidth(device: torch.device) -> float | None:
-    """Device-to-device copy GB/s (bytes read + written; median of triton's do_bench), None off CUDA."""
-    if device.type != "cuda":
-        return None
-    import triton
-
-    n = 1 << 28
-    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    _free(src, dst)
-    return 2 * n * 2 / (ms * 1e-3) / 1e9
-
-
 def _prompts(batch: int, prompt_len: int, vocab: int, avoid: set[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     out = []
@@ -466,12 +435,6 @@ def lora_shares(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # ---- output ---------------------------------------------------------------------------------------
-def _fmt(v: Any, spec: str = "{:,.0f}") -> str:
-    if v is None:
-        return "-"
-    return spec.format(v) if isinstance(v, int | float) else str(v)
-
-
 def render_table(res: dict[str, Any]) -> Any:
     """A rich Table of every cell."""
     from rich.table import Table
@@ -486,12 +449,18 @@ def render_table(res: dict[str, Any]) -> Any:
         table.add_column(c, justify="left" if c in ("format", "linears", "mode", "LoRA", "status") else "right")
     for c in res["results"]:
         table.add_row(c["format"], c["backend"], str(c["batch"]), c["mode"], c.get("lora", "on"),
-                      _fmt(c.get("sequences")), _fmt(c.get("prefill_tok_s")),
-                      _fmt(c.get("decode_tok_s")), _fmt(c.get("decode_ms_per_step"), "{:.2f}"),
-                      _fmt(c.get("e2e_tok_s")), _fmt(c.get("ttft_s"), "{:.3f}"),
-                      _fmt(c.get("peak_reserved_gib") or c.get("peak_mem_gib"), "{:.1f}"),
-                      _fmt(c.get("roofline_tok_s")), _fmt(c.get("pct_roofline"), "{:.1f}"), c["status"])
+                      num(c.get("sequences"), COUNT), num(c.get("prefill_tok_s"), COUNT),
+                      num(c.get("decode_tok_s"), COUNT), num(c.get("decode_ms_per_step"), "{:.2f}"),
+                      num(c.get("e2e_tok_s"), COUNT), num(c.get("ttft_s"), "{:.3f}"),
+                      num(c.get("peak_reserved_gib") or c.get("peak_mem_gib"), "{:.1f}"),
+                      num(c.get("roofline_tok_s"), COUNT), num(c.get("pct_roofline"), "{:.1f}"), c["status"])
     return table
+
+
+def tables(res: dict[str, Any]) -> list[Any]:
+    """The bench's tables: every cell, then the decode-step profile when the run was profiled."""
+    prof = render_profile_table(res)
+    return [render_table(res)] + ([prof] if prof is not None else [])
 
 
 def render_profile_table(res: dict[str, Any]) -> Any | None:
@@ -511,7 +480,7 @@ def render_profile_table(res: dict[str, Any]) -> Any | None:
         p = c["profile"]
         table.add_row(c["format"], str(c["batch"]), c.get("lora", "on"), str(p["context"]),
                       *(f"{p['ms_per_step'][k]:.2f}" for k in CATEGORIES), f"{p['kernel_ms_per_step']:.2f}",
-                      _fmt(p.get("graph_step_ms"), "{:.2f}"))
+                      num(p.get("graph_step_ms"), "{:.2f}"))
     return table
 
 
@@ -521,9 +490,9 @@ def short_summary(res: dict[str, Any]) -> list[str]:
     bw = res.get("copy_GBps")
     lines.append(f"copy bandwidth: {bw:,.0f} GB/s" if bw else "copy bandwidth: not measured (no CUDA)")
     for sh in res.get("lora_shares", []):
-        lines.append(f"LoRA share {sh['format']} batch {sh['batch']}: {_fmt(sh['share_pct'], '{:.1f}')}% of the step "
-                     f"({sh['source']}: {_fmt(sh['ms_on'], '{:.2f}')} ms on, {_fmt(sh['ms_off'], '{:.2f}')} ms off; "
-                     f"profile LoRA kernels {_fmt(sh['profile_lora_pct'], '{:.1f}')}%)")
+        lines.append(f"LoRA share {sh['format']} batch {sh['batch']}: {num(sh['share_pct'], '{:.1f}')}% of the step "
+                     f"({sh['source']}: {num(sh['ms_on'], '{:.2f}')} ms on, {num(sh['ms_off'], '{:.2f}')} ms off; "
+                     f"profile LoRA kernels {num(sh['profile_lora_pct'], '{:.1f}')}%)")
     for t in res.get("targets", []):
         val = t["value"]
         v = "-" if val is None else (f"{val:.2f}" if isinstance(val, float) else str(val))
@@ -535,14 +504,9 @@ def short_summary(res: dict[str, Any]) -> list[str]:
 
 def plot(res: dict[str, Any], path: Path) -> None:
     """PNG: decode and end-to-end tok/s vs batch per format (log-log), roofline dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    fig, axes = figure(1, 2, figsize=(12, 4.8))
     import matplotlib.pyplot as plt
 
-    from qerl_cli.manifest import atomic_write_png
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     formats = list(dict.fromkeys(c["format"] for c in res["results"]))
     colors = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(formats)}
     for ax, key, title in ((axes[0], "decode_tok_s", "decode tok/s"), (axes[1], "e2e_tok_s", "end-to-end tok/s")):
@@ -567,12 +531,69 @@ def plot(res: dict[str, Any], path: Path) -> None:
     cfg = res["config"]
     fig.suptitle(f"{res.get('shape') or res.get('model_dir')}: {cfg['prompt_len']}+{cfg['new_tokens']} tokens, "
                  f"LoRA r={cfg['lora_rank']}, {res['env']['device'].get('gpu') or 'CPU'}")
-    fig.tight_layout()
-    atomic_write_png(path, fig)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---- main ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Workload:
+    """What every cell of one bench shares."""
+
+    device: torch.device
+    prompt_len: int
+    new_tokens: int
+    lora_rank: int
+    modes: list[str]  # fixed | eos
+    lora_modes: list[str]  # on | off
+    seed: int
+    warmup: bool
+    prompts: int | None
+    num_generations: int
+    profile: bool
+    gmu: float
+    copy_GBps: float | None
+    from_shape: bool
+
+    def lora_label(self, lora: str) -> str:
+        return lora if self.lora_rank else "none"
+
+
+@dataclass
+class _Model:
+    """One format's model, built once for all of its cells, and what the roofline needs of it."""
+
+    fmt: str
+    backend: str
+    model: nn.Module
+    tokenizer: Any
+    build_s: float
+    vocab: int = 0
+    kv_per_token: int = 0
+    eos: list[int] | None = None
+    nbytes: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        cfg = self.model.config
+        self.vocab = int(cfg.vocab_size)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.kv_per_token = 2 * int(cfg.num_hidden_layers) * int(cfg.num_key_value_heads) * head_dim * 2
+        self.nbytes = model_bytes(self.model)
+        eos = getattr(cfg, "eos_token_id", None)
+        self.eos = None if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+    def info(self, device: torch.device) -> dict[str, Any]:
+        """The model's entry in the result's ``models``."""
+        return {
+            "backend": self.backend,
+            "build_s": self.build_s,
+            "weight_bytes": self.nbytes["weights"],
+            "lora_bytes": self.nbytes["lora"],
+            "resident_gib": self.nbytes["resident"] / 2**30,
+            "kv_bytes_per_token": self.kv_per_token,
+            "build_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        }
+
+
 def bench_rollout(
     *,
     shape: str | None = None,
@@ -607,220 +628,177 @@ def bench_rollout(
     ``lora_modes``: ("on",), ("off",) or both; ``profile``: per-category decode-step GPU time (CUDA);
     ``linear_backend``: force qerl_kernels' linear backend (``set_backend``) for the whole run.
     """
-    from qerl_cli.bench.shapes import get_shape
-    from qerl_cli.env_info import environment
-    from qerl_cli.manifest import RunDir, atomic_write_json
-
     fmts, bs = _check_args(shape, run_dir, formats, batches, prompt_len, new_tokens, lora_rank, eos_mode)
     lmodes = _check_workload(prompts, num_generations, lora_modes) if lora_rank else ["on"]
     set_linear_backend(linear_backend)
-    device = _device()
-    spec = None
-    run = model_dir = None
+    device = harness.device()
+    spec = run = model_dir = None
     if shape is not None:
-        spec = get_shape(shape)
-        if device.type != "cuda" and shape not in ("tiny", "qwen2.5-0.5b"):
-            raise QerlError(f"shape {shape} needs a CUDA GPU; on CPU use --shape tiny")
+        spec = harness.shape_for(shape, device)
     else:
-        from qerl_cli.checkpoint import detect_format
-        from qerl_cli.runlayout import quantized_model_dir
+        from qerl_cli.bench.runmodels import run_model
 
-        run = RunDir(run_dir, create=False)
-        model_dir = quantized_model_dir(run)
-        import json
-
-        run_fmt = detect_format(json.loads((model_dir / "config.json").read_text()))[0]
+        run, model_dir, run_fmt = run_model(run_dir)
         if fmts and fmts != [run_fmt]:
             log(f"--run: benchmarking the run's model ({run_fmt}); formats {fmts} ignored")
         fmts = [run_fmt]
-    if out_dir is None and run is None:
-        # a random-shape bench has no run directory to write into; never litter the working directory
-        raise QerlError("bench rollout --shape writes a JSON and a plot: name their folder with --out DIR "
-                        "(or use --run DIR, which writes under DIR/bench)")
-    out = Path(out_dir) if out_dir is not None else run.path / "bench"
-    out.mkdir(parents=True, exist_ok=True)
-    modes = ["fixed", "eos"] if eos_mode == "both" else [eos_mode]
+    # a random-shape bench has no run directory to write into; never litter the working directory
+    out = harness.out_dir(out_dir, run, missing="bench rollout --shape writes a JSON and a plot: name their folder "
+                                                "with --out DIR (or use --run DIR, which writes under DIR/bench)")
     max_len = prompt_len + new_tokens
-    if model_dir is None and spec is not None and max_len > spec.max_positions:
+    if spec is not None and max_len > spec.max_positions:
         raise QerlError(f"prompt_len + new_tokens = {max_len} exceeds the {shape} shape's "
                         f"{spec.max_positions} positions")
 
-    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if device.type == "cuda" else None
-    gmu = gpu_memory_utilization
-    if device.type == "cuda" and memory_cap_gib is not None:
-        frac = min(1.0, memory_cap_gib / total_gib)
-        torch.cuda.set_per_process_memory_fraction(frac)
-        gmu = min(gmu, frac)
-    t_start = time.perf_counter()
-    res: dict[str, Any] = {
-        "schema": SCHEMA,
-        "kind": "bench/rollout",
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "shape": shape,
-        "model_dir": str(model_dir) if model_dir else None,
-        "config": {"formats": fmts, "batches": bs, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                   "lora_rank": lora_rank, "eos_mode": eos_mode, "seed": seed, "warmup": warmup,
-                   "gpu_memory_utilization": gmu, "memory_cap_gib": memory_cap_gib,
-                   "time_budget_s": time_budget_s, "prompts": prompts, "num_generations": num_generations,
-                   "lora_modes": lmodes, "profile": profile, "linear_backend": linear_backend,
-                   "qerl_env": _qerl_env(),
-                   "sampling": f"temperature 1.0, top_p 1, top_k off, n={num_generations}"},
-        "env": environment(),
-        "gpu_total_gib": total_gib,
-        "copy_GBps": None,
-        "models": {},
-        "results": [],
-    }
-    bw = measure_copy_bandwidth(device)
-    res["copy_GBps"] = bw
+    total_gib = harness.gpu_total_gib(device)
+    frac = harness.cap_memory(device, memory_cap_gib)
+    gmu = gpu_memory_utilization if frac is None else min(gpu_memory_utilization, frac)
+    budget = harness.Budget(time_budget_s)
+    res = harness.header(
+        "bench/rollout", shape=shape, model_dir=str(model_dir) if model_dir else None,
+        config={"formats": fmts, "batches": bs, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                "lora_rank": lora_rank, "eos_mode": eos_mode, "seed": seed, "warmup": warmup,
+                "gpu_memory_utilization": gmu, "memory_cap_gib": memory_cap_gib,
+                "time_budget_s": time_budget_s, "prompts": prompts, "num_generations": num_generations,
+                "lora_modes": lmodes, "profile": profile, "linear_backend": linear_backend,
+                "qerl_env": _qerl_env(),
+                "sampling": f"temperature 1.0, top_p 1, top_k off, n={num_generations}"})
+    bw = harness.copy_bandwidth_gbps(device)
+    res.update({"gpu_total_gib": total_gib, "copy_GBps": bw, "models": {}})
     if bw:
         log(f"copy bandwidth {bw:,.0f} GB/s (read + write)")
-    cell_times: dict[tuple[int, str, str], float] = {}
-
+    work = _Workload(device, prompt_len, new_tokens, lora_rank, ["fixed", "eos"] if eos_mode == "both" else [eos_mode],
+                     lmodes, seed, warmup, prompts, num_generations, profile, gmu, bw, spec is not None)
+    cell_times: dict[tuple[int, str, str], float] = {}  # a cell's time in the last format: the next one's guess
     for fmt in fmts:
-        backend = format_backend(fmt, device)
+        cap = (memory_cap_gib or total_gib) if spec is not None and device.type == "cuda" else None
+        res["results"] += _bench_format(res, fmt, bs, work, spec=spec, model_dir=model_dir, cap_gib=cap,
+                                        max_len=max_len, budget=budget, cell_times=cell_times, log=log)
+    _finish(res, fmts, budget)
+    paths = harness.write_results(res, out, "rollout.json", {"plot": ("rollout.png", partial(plot, res))})
+    if run is not None:
+        _record_stage(run, res, paths)
+    return res
 
-        def record(batch: int, mode: str, status: str, _fmt: str = fmt, _backend: str = backend, **kw: Any) -> None:
-            for lora in lmodes:
-                res["results"].append({"format": _fmt, "backend": _backend, "batch": batch, "mode": mode,
-                                       "lora": lora if lora_rank else "none", "status": status, **kw})
 
-        fitting = list(bs)
-        if spec is not None and device.type == "cuda":
-            cap = memory_cap_gib or total_gib
-            fitting = [b for b in bs if _estimate_gib(spec, fmt, b, max_len, lora_rank) <= 0.97 * cap]
-            for b in bs:
-                if b not in fitting:
-                    est = _estimate_gib(spec, fmt, b, max_len, lora_rank)
-                    for mode in modes:
-                        record(b, mode, "OOM/skipped", note=f"needs ~{est:.0f} GiB of {cap:.0f}")
-                    log(f"{fmt} batch {b}: OOM/skipped (estimated {est:.0f} GiB > {cap:.0f} GiB)")
-        if not fitting:
-            continue
-        if time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
-            for b in fitting:
-                for mode in modes:
-                    record(b, mode, "skipped (time budget)")
-            continue
-        model = tokenizer = None
-        try:
-            t0 = time.perf_counter()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            if spec is not None:
-                from qerl_cli.bench.shapes import build_random_model
+def _rows(fmt: str, backend: str, batches: Iterable[int], work: _Workload, status: str,
+          **extra: Any) -> list[dict[str, Any]]:
+    """The rows of cells that never ran (did not fit, no time left, the model did not build)."""
+    return [{"format": fmt, "backend": backend, "batch": b, "mode": mode, "lora": work.lora_label(lora),
+             "status": status, **extra} for b in batches for mode in work.modes for lora in work.lora_modes]
 
-                model = build_random_model(spec, fmt, device, dtype=torch.bfloat16, seed=seed)
-            else:
-                from qerl_cli.models import load_model
 
-                model, tokenizer = load_model(str(model_dir), dtype=torch.bfloat16, device=device)
-            if fmt == "nf4" and backend == "bitsandbytes":
-                _use_bitsandbytes_nf4(model)
-            model = _attach_lora(model, lora_rank, seed)
-            build_s = time.perf_counter() - t0
-        except Exception as exc:  # noqa: BLE001 - recorded per cell, the bench goes on
-            _free(model)
-            model = None
-            status = "OOM/skipped" if _is_oom(exc) else f"error: {str(exc).splitlines()[0][:160]}"
-            log(f"{fmt}: model build failed: {status}")
-            for b in fitting:
-                for mode in modes:
-                    record(b, mode, status)
-            continue
-        cfg = model.config
-        vocab = int(cfg.vocab_size)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        kv_per_token = 2 * int(cfg.num_hidden_layers) * int(cfg.num_key_value_heads) * head_dim * 2
-        nbytes = model_bytes(model)
-        eos_cfg = getattr(cfg, "eos_token_id", None)
-        model_eos = None if eos_cfg is None else [int(e) for e in (eos_cfg if isinstance(eos_cfg, list) else [eos_cfg])]
-        res["models"][fmt] = {
-            "backend": backend,
-            "build_s": build_s,
-            "weight_bytes": nbytes["weights"],
-            "lora_bytes": nbytes["lora"],
-            "resident_gib": nbytes["resident"] / 2**30,
-            "kv_bytes_per_token": kv_per_token,
-            "build_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        }
-        log(f"{fmt}: model ready in {build_s:.1f}s ({backend}; step reads {nbytes['weights'] / 2**30:.2f} GiB "
-            f"weights + {nbytes['lora'] / 2**30:.2f} GiB LoRA)")
-        for b in fitting:
-            for mode in modes:
-                for lora in lmodes:
-                    _bench_cell(res, model, tokenizer, fmt=fmt, backend=backend, batch=b, mode=mode, lora=lora,
-                                lora_rank=lora_rank, vocab=vocab, model_eos=model_eos, from_shape=spec is not None,
-                                prompt_len=prompt_len, new_tokens=new_tokens, device=device, gmu=gmu, seed=seed,
-                                warmup=warmup, prompts=prompts, num_generations=num_generations, profile=profile,
-                                nbytes=nbytes, kv_per_token=kv_per_token, bw=bw, cell_times=cell_times,
-                                t_start=t_start, time_budget_s=time_budget_s, log=log)
-        _free(model)
-        model = None
+def _bench_format(res: dict[str, Any], fmt: str, batches: list[int], work: _Workload, *, spec: Any,
+                  model_dir: Path | None, cap_gib: float | None, max_len: int, budget: harness.Budget,
+                  cell_times: dict[tuple[int, str, str], float], log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Every cell of one format: the model built once, then one row per (batch, mode, adapters)."""
+    backend = format_backend(fmt, work.device)
+    rows: list[dict[str, Any]] = []
+    fitting = list(batches)
+    if cap_gib is not None:  # a shape model on a GPU: leave out what cannot fit before trying it
+        fitting = [b for b in batches if _estimate_gib(spec, fmt, b, max_len, work.lora_rank) <= 0.97 * cap_gib]
+        for b in batches:
+            if b not in fitting:
+                est = _estimate_gib(spec, fmt, b, max_len, work.lora_rank)
+                rows += _rows(fmt, backend, [b], work, "OOM/skipped", note=f"needs ~{est:.0f} GiB of {cap_gib:.0f}")
+                log(f"{fmt} batch {b}: OOM/skipped (estimated {est:.0f} GiB > {cap_gib:.0f} GiB)")
+    if not fitting:
+        return rows
+    if budget.exceeded():
+        return rows + _rows(fmt, backend, fitting, work, harness.SKIPPED_BUDGET)
+    try:
+        loaded = _build(fmt, backend, work, spec=spec, model_dir=model_dir)
+    except Exception as exc:  # noqa: BLE001 - recorded per cell, the bench goes on
+        status = harness.failure_status(exc, "OOM/skipped")
+        harness.free_memory()
+        log(f"{fmt}: model build failed: {status}")
+        return rows + _rows(fmt, backend, fitting, work, status)
+    res["models"][fmt] = loaded.info(work.device)
+    log(f"{fmt}: model ready in {loaded.build_s:.1f}s ({backend}; step reads "
+        f"{loaded.nbytes['weights'] / 2**30:.2f} GiB weights + {loaded.nbytes['lora'] / 2**30:.2f} GiB LoRA)")
+    cells = [harness.Cell({"format": fmt, "backend": backend, "batch": b, "mode": mode, "lora": work.lora_label(lora)},
+                          partial(_measure, loaded, work, b, mode, lora),
+                          f"{fmt} batch {b} {mode} LoRA {work.lora_label(lora)}")
+             for b in fitting for mode in work.modes for lora in work.lora_modes]
 
+    nbytes, kv_per_token = loaded.nbytes, loaded.kv_per_token
+
+    def key(cell: harness.Cell) -> tuple[int, str, str]:
+        return cell.key["batch"], cell.key["mode"], cell.key["lora"]
+
+    def done(cell: harness.Cell, row: dict[str, Any]) -> None:
+        if row["status"] == harness.SKIPPED_BUDGET:
+            log(f"{cell.label}: {row['status']}")
+            return
+        cell_times[key(cell)] = cell.seconds or 0.0
+        _roofline(row, batch=row["batch"], bytes_=nbytes, kv_per_token=kv_per_token,
+                  prompt_len=work.prompt_len, bw_gbps=work.copy_GBps)
+        _log_cell(log, cell, row)
+
+    rows += harness.run_cells(cells, budget=budget, oom="OOM/skipped", guess=lambda c: cell_times.get(key(c), 0.0),
+                              on_row=done)
+    del loaded, cells
+    harness.free_memory()
+    return rows
+
+
+def _build(fmt: str, backend: str, work: _Workload, *, spec: Any, model_dir: Path | None) -> _Model:
+    """The format's model on the device (a random shape, or the run's), with NF4 routed through bitsandbytes
+    where it runs there and LoRA attached."""
+    t0 = time.perf_counter()
+    if work.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    tokenizer = None
+    if spec is not None:
+        from qerl_cli.bench.shapes import build_random_model
+
+        model = build_random_model(spec, fmt, work.device, dtype=torch.bfloat16, seed=work.seed)
+    else:
+        from qerl_cli.models import load_model
+
+        model, tokenizer = load_model(str(model_dir), dtype=torch.bfloat16, device=work.device)
+    if fmt == "nf4" and backend == "bitsandbytes":
+        _use_bitsandbytes_nf4(model)
+    model = _attach_lora(model, work.lora_rank, work.seed)
+    return _Model(fmt, backend, model, tokenizer, time.perf_counter() - t0)
+
+
+def _measure(m: _Model, work: _Workload, batch: int, mode: str, lora: str) -> dict[str, Any]:
+    """One (format, batch, mode, adapters) cell's numbers; a status when fewer slots than ``batch`` fit."""
+    stop_ids = _eos_ids(mode, m.vocab, work.new_tokens, m.eos, from_shape=work.from_shape)
+    cell = _run_cell(m.model, m.tokenizer, batch=batch, prompt_len=work.prompt_len, new_tokens=work.new_tokens,
+                     vocab=m.vocab, stop_ids=stop_ids, device=work.device, gpu_memory_utilization=work.gmu,
+                     seed=work.seed, warmup=work.warmup, prompts_n=work.prompts, generations=work.num_generations,
+                     lora=lora, profile=work.profile)
+    return {"status": "ok" if cell["num_slots"] >= batch else f"ok ({cell['num_slots']} slots fit)", **cell}
+
+
+def _log_cell(log: Callable[[str], None], cell: harness.Cell, row: dict[str, Any]) -> None:
+    prof = row.get("profile")
+    extra = ""
+    if prof:
+        extra = (f"; profile {prof['kernel_ms_per_step']:.2f} ms kernels/step, graph step "
+                 f"{num(prof['graph_step_ms'], '{:.2f}')} ms, LoRA {prof['ms_per_step']['LoRA']:.2f} ms")
+    log(f"{cell.label}: {row['status']}; decode {num(row.get('decode_tok_s'), COUNT)} tok/s, "
+        f"e2e {num(row.get('e2e_tok_s'), COUNT)} tok/s, prefill {num(row.get('prefill_tok_s'), COUNT)} tok/s, "
+        f"TTFT {num(row.get('ttft_s'), '{:.3f}')} s, peak {num(row.get('peak_reserved_gib'), '{:.1f}')} GiB, "
+        f"{num(row.get('pct_roofline'), '{:.1f}')}% of roofline ({cell.seconds or 0.0:.0f}s){extra}")
+
+
+def _finish(res: dict[str, Any], fmts: list[str], budget: harness.Budget) -> None:
+    """Order the rows, give every row the roofline fields, and check the targets."""
     res["results"].sort(key=lambda c: (fmts.index(c["format"]), c["batch"], c["mode"], c.get("lora", "")))
     for c in res["results"]:
         c.setdefault("roofline_tok_s", None)
         c.setdefault("pct_roofline", None)
     res["lora_shares"] = lora_shares(res)
     res["targets"] = _evaluate_targets(res)
-    res["wall_s"] = time.perf_counter() - t_start
-    json_path, png_path = out / "rollout.json", out / "rollout.png"
-    res["files"] = {"json": str(json_path), "plot": str(png_path)}
-    plot(res, png_path)
-    atomic_write_json(json_path, jsonable(res))
-    if run is not None:
-        _record_stage(run, res, json_path, png_path)
-    return res
+    res["wall_s"] = budget.elapsed()
 
 
-def _bench_cell(res: dict[str, Any], model: nn.Module, tokenizer: Any, *, fmt: str, backend: str, batch: int,
-                mode: str, lora: str, lora_rank: int, vocab: int, model_eos: list[int] | None, from_shape: bool,
-                prompt_len: int, new_tokens: int, device: torch.device, gmu: float, seed: int, warmup: bool,
-                prompts: int | None, num_generations: int, profile: bool, nbytes: dict[str, int],
-                kv_per_token: int, bw: float | None, cell_times: dict[tuple[int, str, str], float],
-                t_start: float, time_budget_s: float | None, log: Callable[[str], None]) -> None:
-    """Run one (format, batch, mode, adapters) cell and append its row to ``res["results"]``."""
-    key = (batch, mode, lora)
-    label = f"{fmt} batch {batch} {mode} LoRA {lora if lora_rank else 'none'}"
-    base = {"format": fmt, "backend": backend, "batch": batch, "mode": mode, "lora": lora if lora_rank else "none"}
-    guess = cell_times.get(key, 0.0)
-    if time_budget_s is not None and time.perf_counter() - t_start + guess > time_budget_s:
-        res["results"].append({**base, "status": "skipped (time budget)"})
-        log(f"{label}: skipped (time budget)")
-        return
-    stop_ids = _eos_ids(mode, vocab, new_tokens, model_eos, from_shape=from_shape)
-    t0 = time.perf_counter()
-    try:
-        cell = _run_cell(model, tokenizer, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, vocab=vocab,
-                         stop_ids=stop_ids, device=device, gpu_memory_utilization=gmu, seed=seed, warmup=warmup,
-                         prompts_n=prompts, generations=num_generations, lora=lora, profile=profile)
-        status = "ok" if cell["num_slots"] >= batch else f"ok ({cell['num_slots']} slots fit)"
-    except Exception as exc:  # noqa: BLE001 - recorded per cell, the bench goes on
-        cell = {}
-        status = "OOM/skipped" if _is_oom(exc) else f"error: {str(exc).splitlines()[0][:160]}"
-        _free()
-    cell_times[key] = time.perf_counter() - t0
-    row = {**base, "status": status, **cell}
-    _roofline(row, batch=batch, bytes_=nbytes, kv_per_token=kv_per_token, prompt_len=prompt_len, bw_gbps=bw)
-    res["results"].append(row)
-    prof = row.get("profile")
-    extra = ""
-    if prof:
-        extra = (f"; profile {prof['kernel_ms_per_step']:.2f} ms kernels/step, graph step "
-                 f"{_fmt(prof['graph_step_ms'], '{:.2f}')} ms, LoRA {prof['ms_per_step']['LoRA']:.2f} ms")
-    log(f"{label}: {status}; decode {_fmt(row.get('decode_tok_s'))} tok/s, "
-        f"e2e {_fmt(row.get('e2e_tok_s'))} tok/s, prefill {_fmt(row.get('prefill_tok_s'))} tok/s, "
-        f"TTFT {_fmt(row.get('ttft_s'), '{:.3f}')} s, peak {_fmt(row.get('peak_reserved_gib'), '{:.1f}')} GiB, "
-        f"{_fmt(row.get('pct_roofline'), '{:.1f}')}% of roofline ({cell_times[key]:.0f}s){extra}")
-
-
-def _record_stage(run: Any, res: dict[str, Any], json_path: Path, png_path: Path) -> None:
-    """Record the bench in the run's manifest under key bench/rollout (after the fact: one short write)."""
-    cfg = res["config"]
-    with run.stage("bench", config=cfg, inputs={"model": run.rel(res["model_dir"])}, key="bench/rollout") as rec:
-        rec.outputs = {"json": {"path": run.rel(json_path)}, "plot": {"path": run.rel(png_path)}}
-        rec.metrics = {f"{c['format']}/b{c['batch']}/{c['mode']}{'/lora-off' if c.get('lora') == 'off' else ''}"
-                       "/decode_tok_s": c.get("decode_tok_s")
-                       for c in res["results"] if c["status"] == "ok"}
-        rec.extra = {"copy_GBps": res["copy_GBps"], "targets": res["targets"]}
+def _record_stage(run: Any, res: dict[str, Any], paths: dict[str, Path]) -> None:
+    """Record the bench in the run's manifest under key bench/rollout."""
+    metrics = {f"{c['format']}/b{c['batch']}/{c['mode']}{'/lora-off' if c.get('lora') == 'off' else ''}"
+               "/decode_tok_s": c.get("decode_tok_s") for c in res["results"] if c["status"] == "ok"}
+    harness.record(run, "rollout", config=res["config"], inputs={"model": run.rel(res["model_dir"])},
+                   outputs=paths, metrics=metrics, extra={"copy_GBps": res["copy_GBps"], "targets": res["targets"]})

@@ -61,3 +61,14 @@ def format_model_dir(run: RunDir, fmt: str, bench_dir: Path, log: Callable[[str]
     quantize_model(copy_dir, source_arg(cfg["model"]), fmt=fmt, ignore=cfg.get("ignore"),
                    dtype=cfg.get("dtype", "bf16"), seed=rec.get("seeds", {}).get("torch", 0))
     return quantized_model_dir(RunDir(copy_dir, create=False))
+
+
+def run_model(run_dir: Path) -> tuple[RunDir, Path, str]:
+    """The run (it must exist), its quantized model's directory and that model's format (from its config.json)."""
+    import json
+
+    from qerl_cli.checkpoint import detect_format
+
+    run = RunDir(run_dir, create=False)
+    model_dir = quantized_model_dir(run)
+    return run, model_dir, detect_format(json.loads((model_dir / "config.json").read_text()))[0]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime as _dt
 import gc
 import json
 import math
@@ -35,11 +34,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qerl_cli.bench import harness
+from qerl_cli.bench.harness import figure, num, save_figure
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import jsonable
 from qerl_cli.precision import dtype_of
@@ -309,16 +311,16 @@ def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], 
         if heldout is not None and status == "ok":
             row["heldout"] = heldout_accuracy(trainer, heldout)
         row["status"] = status
-    except Exception as exc:  # noqa: BLE001 - recorded per cell, the grid goes on
+    except Exception as exc:  # noqa: BLE001 - recorded per cell (with the steps it ran), the grid goes on
         if isinstance(exc, QerlError) and "run directory" in str(exc):
             raise
-        row["status"] = f"error: {str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}"
+        row["status"] = harness.failure_status(exc)
         log(f"[{label}] {row['status']}")
     finally:
         if trainer is not None and getattr(trainer, "engine", None) is not None:
             trainer.engine.release()
         trainer = model = None
-        gc.collect()
+        harness.free_memory()
         shutil.rmtree(scratch, ignore_errors=True)
     row["accuracy"] = [float("nan") if a is None else a for a in row["accuracy"]]
     row.update(curve_summary(row["accuracy"]))
@@ -356,8 +358,7 @@ def bench_sanity(
     would pass it (the JSON says which were skipped). Recorded in the run's manifest under ``bench/sanity``.
     """
     from qerl_cli.bench.overrides import build_bench_config, grid_cells
-    from qerl_cli.env_info import environment
-    from qerl_cli.manifest import RunDir, atomic_write_json
+    from qerl_cli.manifest import RunDir
 
     for name, v in (("candidates", candidates), ("samples", samples), ("seeds", seeds)):
         if not isinstance(v, int) or v < 1:
@@ -365,7 +366,7 @@ def bench_sanity(
     if not isinstance(heldout, int) or heldout < 0:
         raise QerlError(f"--heldout must be a non-negative integer, got {heldout!r}")
     select_perfectible([], lo, hi)  # checks the band
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = harness.device()
     base = dict(overrides or {})
     axes = dict(grid or {})
     if "format" in axes:  # format slowest: each format's model is loaded once
@@ -375,11 +376,11 @@ def bench_sanity(
             for c in cells]  # every cell validated before anything runs
     run = RunDir(run_dir, create=False)
     run.require("quantize")
-    out = Path(out_dir) if out_dir is not None else run.path / "bench"
+    out = harness.out_dir(out_dir, run)
     base_cfg = build_bench_config(default_config(device), base)
     first_seed = base_cfg.seed if seed_start is None else int(seed_start)
     seed_list = list(range(first_seed, first_seed + seeds))
-    t_start = time.perf_counter()
+    budget = harness.Budget(time_budget_s)
     models = ModelCache(run, out, device, log)
     subset = build_subset(run, base_cfg, candidates=candidates, samples=samples, lo=lo, hi=hi,
                           temperature=sample_temperature, out=out, models=models, log=log)
@@ -396,48 +397,42 @@ def bench_sanity(
         held_task.examples = held_task.examples[:heldout]
         if not stop:
             held_task.stop = ()
-    res: dict[str, Any] = {
-        "schema": SCHEMA, "kind": "bench/sanity",
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": str(run.path),
-        "config": {"grid": jsonable(grid or {}), "overrides": jsonable(base), "train": base_cfg.resolved().to_dict(),
-                   "threshold": THRESHOLD, "window": WINDOW, "collapse_drop": COLLAPSE_DROP, "seeds": seed_list,
-                   "heldout": heldout, "heldout_samples": HELDOUT_SAMPLES, "early_steps": EARLY_STEPS, "stop": stop,
-                   "subset": {k: subset[k] for k in ("key", "selected", "source_task")}},
-        "env": environment(),
-        "results": [],
-    }
+    res = harness.header(
+        "bench/sanity", model=str(run.path),
+        config={"grid": jsonable(grid or {}), "overrides": jsonable(base), "train": base_cfg.resolved().to_dict(),
+                "threshold": THRESHOLD, "window": WINDOW, "collapse_drop": COLLAPSE_DROP, "seeds": seed_list,
+                "heldout": heldout, "heldout_samples": HELDOUT_SAMPLES, "early_steps": EARLY_STEPS, "stop": stop,
+                "subset": {k: subset[k] for k in ("key", "selected", "source_task")}})
     # seed-major: a run cut short still holds every cell for its first seeds
-    longest = 0.0
-    res["skipped"] = []
-    for seed in seed_list:
-        for cell, cfg0 in zip(cells, cfgs, strict=True):
-            if time_budget_s is not None and time.perf_counter() - t_start + longest > time_budget_s:
-                res["skipped"].append({"label": cell_label(cell), "seed": seed})
-                continue
-            cfg = dataclasses.replace(cfg0, seed=seed)
-            row = _run_cell(run, cell, cfg, subset, models, device, log, heldout=held_task, stop=stop)
-            res["results"].append(row)
-            longest = max(longest, row["wall_s"])
-            reached = row["steps_to_threshold"]
-            log(f"[{row['label']} seed {seed}] {row['status']}: " + (f"> {THRESHOLD:.0%} at step {reached}" if reached
-                else f"not reached in {row['steps_run']} steps (final {_f(row['final'])}, best {_f(row['best'])})")
-                + (" COLLAPSED" if row["collapsed"] else "") + f", {row['wall_s']:.0f}s")
+    runs = [harness.Cell({"label": cell_label(cell), "seed": seed},
+                         partial(_run_cell, run, cell, dataclasses.replace(cfg0, seed=seed), subset, models, device,
+                                 log, heldout=held_task, stop=stop))
+            for seed in seed_list for cell, cfg0 in zip(cells, cfgs, strict=True)]
+    longest = 0.0  # no (seed, cell) run starts that would end past the budget if it took this long
+
+    def done(cell: harness.Cell, row: dict[str, Any]) -> None:
+        nonlocal longest
+        if row["status"] == harness.SKIPPED_BUDGET:
+            return
+        longest = max(longest, row["wall_s"])
+        reached = row["steps_to_threshold"]
+        log(f"[{row['label']} seed {row['seed']}] {row['status']}: " + (
+            f"> {THRESHOLD:.0%} at step {reached}" if reached
+            else f"not reached in {row['steps_run']} steps (final {num(row['final'])}, best {num(row['best'])})")
+            + (" COLLAPSED" if row["collapsed"] else "") + f", {row['wall_s']:.0f}s")
+
+    # _run_cell records a failed training as its row; what escapes it (no run directory, a bug) stops the bench
+    rows = harness.run_cells(runs, budget=budget, guess=lambda _c: longest, fatal=lambda _exc: True, on_row=done)
+    res["results"] = [r for r in rows if r["status"] != harness.SKIPPED_BUDGET]
+    res["skipped"] = [{"label": r["label"], "seed": r["seed"]} for r in rows if r["status"] == harness.SKIPPED_BUDGET]
     res["cells"] = summarize_cells(res["results"])
     if res["skipped"]:
         log(f"time budget {time_budget_s:.0f}s: skipped {len(res['skipped'])} (seed, cell) runs")
-    res["wall_s"] = time.perf_counter() - t_start
-
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out / "sanity.json", out / "sanity.png"
-    res["files"] = {"json": str(json_path), "plot": str(png_path), "subset": str(out / "perfectible.json")}
-    plot(res, png_path)
-    atomic_write_json(json_path, jsonable(res))  # last: a JSON on disk means a finished bench
-    with run.stage("bench", config=res["config"], inputs={"model": run.rel(quantized_dir(run))},
-                   key="bench/sanity") as rec:
-        rec.outputs = {"json": {"path": run.rel(json_path)}, "plot": {"path": run.rel(png_path)},
-                       "subset": {"path": run.rel(out / "perfectible.json")}}
-        rec.metrics = {f"{r['label']}/steps_to_threshold": r["steps_to_threshold"] for r in res["results"]}
+    res["wall_s"] = budget.elapsed()
+    paths = harness.write_results(res, out, "sanity.json", {"plot": ("sanity.png", partial(plot, res))},
+                                  extra_files={"subset": out / "perfectible.json"})
+    harness.record(run, "sanity", config=res["config"], inputs={"model": run.rel(quantized_dir(run))}, outputs=paths,
+                   metrics={f"{r['label']}/steps_to_threshold": r["steps_to_threshold"] for r in res["results"]})
     return res
 
 
@@ -448,8 +443,8 @@ def quantized_dir(run: Any) -> Path:
 
 
 # ---- presentation -------------------------------------------------------------------------------
-def _f(v: Any, spec: str = "{:.3f}") -> str:
-    return "-" if v is None else spec.format(v)
+def tables(res: dict[str, Any]) -> list[Any]:
+    return [render_table(res)]
 
 
 def render_table(res: dict[str, Any]) -> Any:
@@ -464,8 +459,8 @@ def render_table(res: dict[str, Any]) -> Any:
         table.add_column(col, justify="left" if col in ("cell", "status") else "right")
     for r in res["results"]:
         table.add_row(r["label"], str(r.get("seed", "-")), str(r["steps_to_threshold"] or "not reached"),
-                      _f(r["final"]), _f(r["best"]),
-                      "yes" if r["collapsed"] else "no", str(r["steps_run"]), _f(r["wall_s"], "{:.0f}"), r["status"])
+                      num(r["final"]), num(r["best"]),
+                      "yes" if r["collapsed"] else "no", str(r["steps_run"]), num(r["wall_s"], "{:.0f}"), r["status"])
     return table
 
 
@@ -476,14 +471,7 @@ def short_summary(res: dict[str, Any]) -> list[str]:
 
 def plot(res: dict[str, Any], path: Path) -> None:
     """PNG: training accuracy vs step, one line per cell, the threshold dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from qerl_cli.manifest import atomic_write_png
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    fig, ax = figure(figsize=(7.5, 4.6))
     for r in res["results"]:
         acc = r["accuracy"]
         if acc:
@@ -495,9 +483,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.set_title("qerl bench sanity: accuracy on the perfectible subset", fontsize=10)
     if res["results"]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    atomic_write_png(path, fig)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_axes(items: Iterable[str] | None) -> dict[str, list[Any]]:

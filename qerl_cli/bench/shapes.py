@@ -108,7 +108,7 @@ def get_shape(name: str) -> ModelShape:
     return shape
 
 
-def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
@@ -139,7 +139,7 @@ def _materialize_rest(model: nn.Module, config: Any, device: torch.device, dtype
         if any(b.is_meta for b in module.buffers(recurse=False)):
             # Non-persistent buffers (rotary inv_freq) are computed in __init__: rebuild the module for real.
             with torch.device(device):
-                _set_module(model, mod_name, type(module)(config=config))
+                set_module(model, mod_name, type(module)(config=config))
             continue
         for p_name, p in list(module.named_parameters(recurse=False)):
             if not p.is_meta:
@@ -190,7 +190,7 @@ def build_random_model(shape: str | ModelShape, fmt: str, device: str | torch.de
                 lin.bias.normal_(0.0, WEIGHT_STD, generator=gen)
             fresh[f"{prefix}.{sub}"] = lin
         for name, module in _quantized(fresh, fmt, dtype).items():
-            _set_module(model, name, module)
+            set_module(model, name, module)
         del fresh  # the bf16 draws of this layer are garbage now (unless the format is bf16)
     _materialize_rest(model, config, device, dtype, gen)
     model.eval()

@@ -32,8 +32,6 @@ Outputs (written last, each atomically): ``step.json`` and ``step.png`` (stacked
 
 from __future__ import annotations
 
-import datetime as _dt
-import gc
 import importlib.util
 import random
 import shutil
@@ -41,11 +39,14 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qerl_cli.bench import harness
+from qerl_cli.bench.harness import figure, num, save_figure
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import jsonable
 from qerl_cli.precision import dtype_of
@@ -56,7 +57,6 @@ PEAK_COLUMNS = ("rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")  #
 DEFAULT_FORMATS = ("bf16", "nvfp4", "nf4")
 ALLOWED_FORMATS = ("bf16", "nvfp4", "nf4", "mxfp4", "int8", "fp8")
 ROLLOUT_QUANTS = ("int8", "fp8", "nvfp4", "mxfp4")  # the `BASE+ROLLOUT` cells (FlashRL mode)
-CPU_SHAPES = ("tiny", "qwen2.5-0.5b")
 SCHEMA = 1
 # issue 16: NVFP4 end-to-end step vs BF16-LoRA; NVFP4 LoRA r32 GRPO 8 x (256 + 1024) peak memory (GiB, the max over
 # phases of max_memory_allocated) with default settings: 32B on an 80 GB GPU, 72B on an H200; 7B NVFP4 peak vs BF16
@@ -73,10 +73,6 @@ def default_config(device: torch.device, warmup: int, measure: int) -> dict[str,
         "steps": warmup + measure, "save_steps": 10**9, "keep_checkpoints": 1, "log_rollouts": False,
         "aqn": True, "aqn_stages": max(1, warmup + measure),
     }
-
-
-def _device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def nf4_skip_reason(device: torch.device) -> str | None:
@@ -110,13 +106,6 @@ def _synthetic_task(n: int, prompt_len: int, completion_len: int) -> Any:
                 for i in range(n)]
     return Task("synthetic", "train", examples, "synthetic_random_reward", (), lambda q: q,
                 max_new_tokens=completion_len)
-
-
-def _free(*objs: Any) -> None:
-    del objs
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _median(xs: list[float]) -> float | None:
@@ -219,16 +208,13 @@ def bench_step(
     (``shape``) or the run's format (``run_dir``). ``time_budget_s`` skips formats that would start after it.
     """
     from qerl_cli.bench.overrides import build_bench_config
-    from qerl_cli.env_info import environment
-    from qerl_cli.manifest import RunDir, atomic_write_json
-    from qerl_cli.train.trainer import Trainer
 
     if (shape is None) == (run_dir is None):
         raise QerlError("give exactly one of --shape (random model of an architecture) or --run (the run's model)")
     for name, v, lo in (("warmup", warmup, 0), ("measure", measure, 1), ("prompt_len", prompt_len, 1)):
         if not isinstance(v, int) or v < lo:
             raise QerlError(f"{name} must be an integer >= {lo}, got {v!r}")
-    device = _device()
+    device = harness.device()
     overrides = dict(overrides or {})
     if memory_cap_gib is not None:  # the memory plan fits the step into the cap (unless --set says otherwise)
         overrides.setdefault("gpu_memory_gib", memory_cap_gib)
@@ -237,17 +223,14 @@ def bench_step(
     dtype = dtype_of(cfg.precision)
     run = spec = None
     if shape is not None:
-        from qerl_cli.bench.shapes import get_shape
-
-        spec = get_shape(shape)
-        if device.type != "cuda" and shape not in CPU_SHAPES:
-            raise QerlError(f"shape {shape} needs a CUDA GPU; on CPU use --shape {' or '.join(CPU_SHAPES)}")
+        spec = harness.shape_for(shape, device)
         if prompt_len + cfg.max_completion_length > spec.max_positions:
             raise QerlError(f"prompt_len + max_completion_length = {prompt_len + cfg.max_completion_length} exceeds "
                             f"the {shape} shape's {spec.max_positions} positions")
         fmts = list(dict.fromkeys(formats or DEFAULT_FORMATS))
     else:
         from qerl_cli.bench.runmodels import run_format
+        from qerl_cli.manifest import RunDir
 
         run = RunDir(run_dir, create=False)
         fmts = list(dict.fromkeys(formats or [run_format(run)]))  # StageMissingError names `qerl quantize`
@@ -257,26 +240,17 @@ def bench_step(
         raise QerlError(f"unknown format(s) {', '.join(bad) or '(none given)'}; "
                         f"choose from {', '.join(ALLOWED_FORMATS)}, or BASE+ROLLOUT with ROLLOUT one of "
                         f"{', '.join(ROLLOUT_QUANTS)} (FlashRL rollouts)")
-    out = Path(out_dir) if out_dir is not None else (run.path / "bench" if run is not None else Path("bench-step"))
-    if device.type == "cuda" and memory_cap_gib is not None:
-        total = torch.cuda.get_device_properties(0).total_memory / 2**30
-        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib / total))
-
-    t_start = time.perf_counter()
-    res: dict[str, Any] = {
-        "schema": SCHEMA,
-        "kind": "bench/step",
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "shape": shape,
-        "model": f"random {shape}" if shape else None,
-        "config": {"formats": fmts, "prompt_len": prompt_len if shape else "task", "warmup": warmup,
-                   "measure": measure, "seed": seed, "memory_cap_gib": memory_cap_gib,
-                   "train": cfg.resolved().to_dict(), "overrides": jsonable(dict(overrides or {})),
-                   "lengths": "fixed (EOS ignored)" if shape else "the model's (EOS / stop strings)",
-                   "rewards": "seeded uniform random" if shape else "the task's"},
-        "env": environment(),
-        "results": [],
-    }
+    out = harness.out_dir(out_dir, run, Path("bench-step"))
+    harness.cap_memory(device, memory_cap_gib)
+    budget = harness.Budget(time_budget_s)
+    res = harness.header(
+        "bench/step", shape=shape, model=f"random {shape}" if shape else None,
+        config={"formats": fmts, "prompt_len": prompt_len if shape else "task", "warmup": warmup,
+                "measure": measure, "seed": seed, "memory_cap_gib": memory_cap_gib,
+                "train": cfg.resolved().to_dict(), "overrides": jsonable(dict(overrides or {})),
+                "lengths": "fixed (EOS ignored)" if shape else "the model's (EOS / stop strings)",
+                "rewards": "seeded uniform random" if shape else "the task's"})
+    cells = []
     for cell in fmts:
         fmt, _, rollout_quant = cell.partition("+")
         cell_cfg = cfg
@@ -285,87 +259,98 @@ def bench_step(
                                           {**dict(overrides or {}), "rollout_quant": rollout_quant})
             cell_cfg.steps = cfg.steps
         backend = _backend(fmt, device) + (f", rollouts {_backend(rollout_quant, device)}" if rollout_quant else "")
-        row: dict[str, Any] = {"format": cell, "backend": backend}
-        reason = nf4_skip_reason(device) if fmt == "nf4" else None
-        if reason is None and time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
-            reason = "skipped (time budget)"
+        step = _FormatStep(res, cell, fmt, backend, cell_cfg, device, dtype, warmup=warmup, measure=measure,
+                           prompt_len=prompt_len, seed=seed, spec=spec, run=run, out=out, log=log)
+        cells.append(harness.Cell({"format": cell, "backend": backend}, step.measure, cell))
+    res["results"] = harness.run_cells(cells, budget=budget, log=log)
+    base = next((r for r in res["results"] if r["format"] == "bf16" and r["status"] == "ok"), None)
+    for r in res["results"]:
+        r["speedup_vs_bf16"] = (base["step_s"] / r["step_s"]) if base and r["status"] == "ok" and r["step_s"] else None
+    res["targets"] = _targets(res, cfg)
+    res["wall_s"] = budget.elapsed()
+    paths = harness.write_results(res, out, "step.json", {"plot": ("step.png", partial(plot, res))})
+    if run is not None:
+        harness.record(run, "step", config=res["config"], inputs={"model": run.rel(res["model"])}, outputs=paths,
+                       metrics={f"{r['format']}/{k}": r[k] for r in res["results"] if r["status"] == "ok"
+                                for k in ("step_s", "rollout_tok_s", "speedup_vs_bf16") if r.get(k) is not None})
+    return res
+
+
+class _FormatStep:
+    """One format's cell: a Trainer on that format's model, its warm-up and measured steps, then cleanup."""
+
+    def __init__(self, res: dict[str, Any], cell: str, fmt: str, backend: str, cfg: Any, device: torch.device,
+                 dtype: torch.dtype, *, warmup: int, measure: int, prompt_len: int, seed: int, spec: Any, run: Any,
+                 out: Path, log: Callable[[str], None]) -> None:
+        self.res, self.cell, self.fmt, self.backend, self.cfg = res, cell, fmt, backend, cfg
+        self.device, self.dtype, self.warmup, self.measure_steps = device, dtype, warmup, measure
+        self.prompt_len, self.seed, self.spec, self.run, self.out, self.log = prompt_len, seed, spec, run, out, log
+
+    def measure(self) -> dict[str, Any]:
+        reason = nf4_skip_reason(self.device) if self.fmt == "nf4" else None
         if reason is not None:
-            row["status"] = reason
-            res["results"].append(row)
-            log(f"{fmt}: {reason}")
-            continue
-        scratch = Path(tempfile.mkdtemp(prefix=f"qerl-step-{fmt}-"))
-        model = trainer = None
+            self.log(f"{self.fmt}: {reason}")
+            return {"status": reason}
+        from qerl_cli.manifest import RunDir
+        from qerl_cli.train.trainer import Trainer
+
+        row: dict[str, Any] = {}
+        scratch = Path(tempfile.mkdtemp(prefix=f"qerl-step-{self.fmt}-"))
+        trainer = None
         try:
-            if device.type == "cuda":
+            if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            trainer = Trainer(RunDir(scratch), cell_cfg, device=str(device))
-            if spec is not None:
-                n_prompts = cfg.batch_prompts * (warmup + measure)
-                model = build_shape_model(spec, fmt, device, dtype, seed)
-                trainer.setup(model=model, tokenizer=None, task=_synthetic_task(n_prompts, prompt_len,
-                                                                                cfg.max_completion_length),
-                              prompt_ids=synthetic_prompts(n_prompts, prompt_len, spec.vocab, seed),
-                              reward_fn=synthetic_reward(seed))
-            else:
-                from qerl_cli.bench.runmodels import format_model_dir
-                from qerl_cli.models import load_model
-
-                model_dir = format_model_dir(run, fmt, out, log)
-                model, tok = load_model(str(model_dir), dtype=dtype, device=device)
-                if fmt == "nf4":
-                    from qerl_cli.bench.rollout import _use_bitsandbytes_nf4
-
-                    _use_bitsandbytes_nf4(model)
-                trainer.setup(model=model, tokenizer=tok)
-                row["model_dir"] = str(model_dir)
-                res["model"] = str(run.path)
+            trainer = Trainer(RunDir(scratch), self.cfg, device=str(self.device))
+            self._setup(trainer, row)
             row["build_s"] = time.perf_counter() - t0
             plan = trainer.memory_plan
             if plan is not None:  # what the plan chose (train/memory_plan.py) and what it predicted
                 row["memory_plan"] = plan.to_dict()
                 row["micro_batch_size"] = plan.micro_batch_size
                 row["gradient_checkpointing"] = plan.gradient_checkpointing
-            if device.type == "cuda":
+            if self.device.type == "cuda":
                 row["build_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            log(f"{fmt}: trainer ready in {row['build_s']:.1f}s ({backend})")
-            p_len = prompt_len if spec is not None else statistics.mean(len(p) for p in trainer.prompt_ids)
-            rows = _measure(trainer, warmup, measure, log, cell)
+            self.log(f"{self.fmt}: trainer ready in {row['build_s']:.1f}s ({self.backend})")
+            p_len = self.prompt_len if self.spec is not None else statistics.mean(len(p) for p in trainer.prompt_ids)
+            rows = _measure(trainer, self.warmup, self.measure_steps, self.log, self.cell)
             row.update(_summarize(rows, p_len))
-            row["status"] = "ok"
-        except Exception as exc:  # noqa: BLE001 - recorded per format, the bench goes on
-            oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
-            first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-            row["status"] = "OOM" if oom else f"error: {first}"
-            log(f"{cell}: {row['status']}")
+            return row
         finally:
             if trainer is not None:
                 try:
                     trainer.wait_checkpoint()  # the last background write, before its directory goes
                 except QerlError as exc:
-                    log(f"{cell}: {exc}")
-            if trainer is not None and getattr(trainer, "engine", None) is not None:
-                trainer.engine.release()
-            trainer = model = None
-            _free()
+                    self.log(f"{self.cell}: {exc}")
+                if getattr(trainer, "engine", None) is not None:
+                    trainer.engine.release()
+            trainer = None
+            harness.free_memory()
             shutil.rmtree(scratch, ignore_errors=True)
-        res["results"].append(row)
 
-    base = next((r for r in res["results"] if r["format"] == "bf16" and r["status"] == "ok"), None)
-    for r in res["results"]:
-        r["speedup_vs_bf16"] = (base["step_s"] / r["step_s"]) if base and r["status"] == "ok" and r["step_s"] else None
-    res["targets"] = _targets(res, cfg)
-    res["wall_s"] = time.perf_counter() - t_start
+    def _setup(self, trainer: Any, row: dict[str, Any]) -> None:
+        """The trainer on this format's model: a random shape with synthetic prompts and rewards, or the run's."""
+        cfg = self.cfg
+        if self.spec is not None:
+            n_prompts = cfg.batch_prompts * (self.warmup + self.measure_steps)
+            model = build_shape_model(self.spec, self.fmt, self.device, self.dtype, self.seed)
+            trainer.setup(model=model, tokenizer=None,
+                          task=_synthetic_task(n_prompts, self.prompt_len, cfg.max_completion_length),
+                          prompt_ids=synthetic_prompts(n_prompts, self.prompt_len, self.spec.vocab, self.seed),
+                          reward_fn=synthetic_reward(self.seed))
+            return
+        from qerl_cli.bench.runmodels import format_model_dir
+        from qerl_cli.models import load_model
 
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out / "step.json", out / "step.png"
-    res["files"] = {"json": str(json_path), "plot": str(png_path)}
-    plot(res, png_path)
-    atomic_write_json(json_path, jsonable(res))  # last: a JSON on disk means a finished bench
-    if run is not None:
-        _record_stage(run, res, json_path, png_path)
-    return res
+        model_dir = format_model_dir(self.run, self.fmt, self.out, self.log)
+        model, tok = load_model(str(model_dir), dtype=self.dtype, device=self.device)
+        if self.fmt == "nf4":
+            from qerl_cli.bench.rollout import _use_bitsandbytes_nf4
+
+            _use_bitsandbytes_nf4(model)
+        trainer.setup(model=model, tokenizer=tok)
+        row["model_dir"] = str(model_dir)
+        self.res["model"] = str(self.run.path)
 
 
 def _backend(fmt: str, device: torch.device) -> str:
@@ -400,17 +385,9 @@ def _targets(res: dict[str, Any], cfg: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _record_stage(run: Any, res: dict[str, Any], json_path: Path, png_path: Path) -> None:
-    """Record the bench in the run's manifest under key bench/step (after the fact: one short write)."""
-    with run.stage("bench", config=res["config"], inputs={"model": run.rel(res["model"])}, key="bench/step") as rec:
-        rec.outputs = {"json": {"path": run.rel(json_path)}, "plot": {"path": run.rel(png_path)}}
-        rec.metrics = {f"{r['format']}/{k}": r[k] for r in res["results"] if r["status"] == "ok"
-                       for k in ("step_s", "rollout_tok_s", "speedup_vs_bf16") if r.get(k) is not None}
-
-
 # ---- presentation -------------------------------------------------------------------------------
-def _f(v: Any, spec: str = "{:.3f}") -> str:
-    return "-" if v is None else spec.format(v)
+def tables(res: dict[str, Any]) -> list[Any]:
+    return [render_table(res)]
 
 
 def render_table(res: dict[str, Any]) -> Any:
@@ -424,17 +401,19 @@ def render_table(res: dict[str, Any]) -> Any:
                         f"AQN {'on' if c['aqn'] else 'off'}, {gpu}; median of {res['config']['measure']} steps")
     cols = ("format", "linears", "rollout s", "rollout tok/s", "recompute s", "fwd+bwd s", "optimizer s", "AQN s",
             "requant s", "checkpoint s", "other s", "step s", "speed-up", *(f"{p} GiB" for p in PEAK_COLUMNS),
-            "peak GiB", "mb / gc", "status")
+            "peak GiB", "plan GiB", "mb / gc", "status")
     for col in cols:
         table.add_column(col, justify="left" if col in ("format", "linears", "status") else "right")
     for r in res["results"]:
-        peaks = [_f(r.get(f"mem_{p}_gb"), "{:.1f}") for p in PEAK_COLUMNS]
+        peaks = [num(r.get(f"mem_{p}_gb"), "{:.1f}") for p in PEAK_COLUMNS]
         choice = "-" if r.get("micro_batch_size") is None else \
             f"{r['micro_batch_size']} / {'on' if r.get('gradient_checkpointing') else 'off'}"
-        table.add_row(r["format"], r["backend"], _f(r.get("rollout_s")), _f(r.get("rollout_tok_s"), "{:,.0f}"),
-                      _f(r.get("recompute_s")), _f(r.get("fwd_bwd_s")), _f(r.get("optimizer_s")), _f(r.get("aqn_s")),
-                      _f(r.get("requant_s")), _f(r.get("checkpoint_s")), _f(r.get("other_s")), _f(r.get("step_s")),
-                      _f(r.get("speedup_vs_bf16"), "{:.2f}x"), *peaks, _f(r.get("peak_gb"), "{:.1f}"), choice,
+        table.add_row(r["format"], r["backend"], num(r.get("rollout_s")), num(r.get("rollout_tok_s"), "{:,.0f}"),
+                      num(r.get("recompute_s")), num(r.get("fwd_bwd_s")), num(r.get("optimizer_s")),
+                      num(r.get("aqn_s")),
+                      num(r.get("requant_s")), num(r.get("checkpoint_s")), num(r.get("other_s")), num(r.get("step_s")),
+                      num(r.get("speedup_vs_bf16"), "{:.2f}x"), *peaks, num(r.get("peak_gb"), "{:.1f}"),
+                      num((r.get("memory_plan") or {}).get("peak", 0) / 2**30 or None, "{:.1f}"), choice,
                       r["status"])
     return table
 
@@ -451,15 +430,8 @@ def short_summary(res: dict[str, Any]) -> list[str]:
 
 def plot(res: dict[str, Any], path: Path) -> None:
     """PNG: stacked bars of the median phase seconds per format (speed-up over BF16-LoRA on top)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from qerl_cli.manifest import atomic_write_png
-
     ok = [r for r in res["results"] if r["status"] == "ok"]
-    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(ok) + 2.5), 4.6))
+    fig, ax = figure(figsize=(max(4.5, 1.6 * len(ok) + 2.5), 4.6))
     names = [r["format"] for r in ok]
     bottom = [0.0] * len(ok)
     for phase in (*PHASES, "other"):
@@ -475,6 +447,4 @@ def plot(res: dict[str, Any], path: Path) -> None:
                  f"{c['max_completion_length']} new tokens, {res['env']['device'].get('gpu') or 'CPU'}", fontsize=9)
     if ok:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    atomic_write_png(path, fig)
-    plt.close(fig)
+    save_figure(fig, path)
