@@ -304,6 +304,11 @@ def _store_cached(key: tuple, plan: dict[int, str]) -> None:
         log.warning("dispatch: could not write the plan cache %s: %s", path, exc)
 
 
+def plans() -> dict[str, dict[str, str]]:
+    """The plans measured or loaded in this process, as {shape key: {M bucket: backend}} (for reports)."""
+    return {_key_str(k): {str(b): c for b, c in p.items()} for k, p in _plans.items()}
+
+
 def reset() -> None:
     """Forget the in-memory plans (tests; after changing GPUs)."""
     global _disk

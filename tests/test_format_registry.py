@@ -207,15 +207,7 @@ def test_checkpoint_tensor_names_read_back() -> None:
 
 
 # ---- no format-name decisions outside formats/ and kernels/ ---------------------------------------------
-# Bench files still deciding by format name: another branch restructures them at the same time, so they
-# are converted to WeightFormat lookups when both are merged, and this list is emptied then.
-BENCH_ALLOWLIST = {
-    "qerl_cli/bench/kernels.py",
-    "qerl_cli/bench/mismatch.py",
-    "qerl_cli/bench/rollout.py",
-    "qerl_cli/bench/shapes.py",
-    "qerl_cli/bench/step.py",
-}
+BENCH_ALLOWLIST: set[str] = set()  # every bench asks the WeightFormat object too
 
 
 def _names_in(node: ast.AST) -> list[str]:

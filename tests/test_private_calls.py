@@ -17,12 +17,6 @@ PACKAGES = {"qerl_cli": ROOT / "qerl_cli", "qerl_kernels": ROOT / "kernels"}
 
 # (file, private name) -> why it is allowed for now. Remove an entry when its owner fixes the call.
 ALLOWED = {
-    ("kernels/tune.py", "_copies"): "b17 fixes (bench harness: tune.py takes public helpers from qerl_cli.bench)",
-    ("kernels/tune.py", "_quant_modules"): "b17 fixes",
-    ("qerl_cli/bench/kernels.py", "_key_str"): "b17 fixes (dispatch's plan key, read by the kernel bench)",
-    ("qerl_cli/bench/kernels.py", "_plans"): "b17 fixes (dispatch's plan cache, read by the kernel bench)",
-    ("qerl_cli/bench/step.py", "_use_bitsandbytes_nf4"): "b17 fixes (bench/rollout.py's NF4 switch)",
-    ("qerl_cli/bench/rollout.py", "_capture"): "b17 fixes (the decode graphs' capture, timed by the rollout bench)",
     ("kernels/w8.py", "_grouped"): "kernels/ (k14): fp4.py's grouped-launch helper, shared by the W8 kernels",
     # QuantLinear's kernel half: kernels/linear.py and the self-check run a QuantLinear and keep their per-module
     # layout state on it; FlashRL refreshes a QuantLinear's packed tensors in place (one resident copy).

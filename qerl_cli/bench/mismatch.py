@@ -72,18 +72,13 @@ def _check_args(precisions: Iterable[str], formats: Iterable[str], task: str, pr
 
 
 # ---- models ---------------------------------------------------------------------------------------
-# Formats whose stored tensors do not depend on the model dtype (FP8/E8M0 block scales, fp32 global
-# scale): quantized once and shared by every precision. The others store their scales in the model dtype.
-_DTYPE_FREE_FORMATS = ("nvfp4", "mxfp4")
-
-
 def _cast_copy(base: nn.Module, fmt: str, dtype: torch.dtype,
                cache: dict[tuple[str, Any], dict[str, Any]] | None = None) -> nn.Module:
     """A copy of the fp32 ``base`` in ``dtype`` with its target linears quantized to ``fmt`` (from fp32)."""
     from qerl_cli.bench.shapes import set_module
     from qerl_cli.checkpoint import fused_global_scales, target_linears
-    from qerl_cli.formats import quantize
-    from qerl_cli.qlinear import DEFAULT_ACT_QUANT, QuantLinear
+    from qerl_cli.formats import get_format, quantize
+    from qerl_cli.qlinear import QuantLinear
 
     model = copy.deepcopy(base).to(dtype)
     # Rotary frequencies stay fp32, as from_pretrained(dtype=...) leaves them.
@@ -92,12 +87,14 @@ def _cast_copy(base: nn.Module, fmt: str, dtype: torch.dtype,
         if name.rsplit(".", 1)[-1] in ("inv_freq", "original_inv_freq") and name in base_bufs:
             mod_name, _, leaf = name.rpartition(".")
             model.get_submodule(mod_name)._buffers[leaf] = base_bufs[name].clone()
-    if fmt != "bf16":
+    spec = get_format(fmt)
+    if spec.quantized:
         targets, _ = target_linears(base, ["lm_head"])
-        key = (fmt, None if fmt in _DTYPE_FREE_FORMATS else dtype)
+        # stored tensors that do not depend on the model dtype are quantized once and shared by every precision
+        key = (fmt, dtype if spec.scales_follow_dtype else None)
         qws = cache.get(key) if cache is not None else None
         if qws is None:
-            scales = fused_global_scales(targets) if fmt == "nvfp4" else {}
+            scales = fused_global_scales(targets) if spec.global_scale else {}
             qws = {name: quantize(lin.weight.detach(), fmt, global_scale=scales.get(name), dtype=dtype)
                    for name, lin in targets.items()}
             if cache is not None:
@@ -105,7 +102,7 @@ def _cast_copy(base: nn.Module, fmt: str, dtype: torch.dtype,
         for name, lin in targets.items():
             qw = qws[name]
             n, k = qw.shape
-            ql = QuantLinear(k, n, fmt, dict(qw.tensors), dtype, qw.group_size, lin.bias, DEFAULT_ACT_QUANT.get(fmt))
+            ql = QuantLinear(k, n, fmt, dict(qw.tensors), dtype, qw.group_size, lin.bias, spec.act_quant)
             ql.cache_dequantized = lin.weight.device.type == "cpu"  # no kernels off CUDA: dequantize once
             set_module(model, name, ql)
     model.eval()

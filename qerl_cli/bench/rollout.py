@@ -35,7 +35,6 @@ time at the run's mean context.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -50,19 +49,12 @@ from torch import nn
 from qerl_cli.bench import harness
 from qerl_cli.bench.harness import COUNT, figure, num, save_figure
 from qerl_cli.errors import QerlError
+from qerl_cli.formats import get_format
 
 DEFAULT_FORMATS = ("bf16", "nvfp4", "mxfp4", "int8", "fp8", "nf4")
 DEFAULT_BATCHES = (1, 8, 64, 256)
 EOS_MODES = ("fixed", "eos", "both")
 SCHEMA = 1
-# Formats that run through qerl's Triton kernels on CUDA (qerl_kernels.linear.SUPPORTED); others use
-# the torch reference (dequantize every forward, then matmul) unless a peer library covers them.
-KERNEL_FORMATS = ("nvfp4", "mxfp4", "int8", "fp8")
-# Stored bytes per quantized weight (payload + scales), plus the load-time repacked FP4 copy the kernels
-# keep beside the checkpoint layout (+0.5 byte/weight, qerl_kernels.linear.REPACK).
-_BYTES_PER_WEIGHT = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "int8": 1.0, "fp8": 1.0,
-                     "nf4": 0.5 + 4 / 64, "int4": 0.5 + 2 / 128}
-_RESIDENT_EXTRA = {"nvfp4": 0.5, "mxfp4": 0.5}
 H100_80GB_GIB = 81559 / 1024  # what an H100 80GB reports (nvidia-smi 81559 MiB)
 TARGETS = (
     # (format, batch, minimum % of roofline or None, minimum speed-up over qerl's bf16 at that batch or None)
@@ -138,47 +130,12 @@ def _check_args(shape: str | None, run_dir: Path | None, formats: Iterable[str],
     return fmts, bs
 
 
-def _nf4_backend(device: torch.device) -> str:
-    if device.type == "cuda" and importlib.util.find_spec("bitsandbytes") is not None:
-        return "bitsandbytes"
-    return "reference"
-
-
 def format_backend(fmt: str, device: torch.device) -> str:
-    """Which code runs a format's linears here: qerl-triton | cublas | bitsandbytes | reference."""
-    if fmt == "bf16":
-        return "cublas" if device.type == "cuda" else "torch"
-    if fmt == "nf4":
-        return _nf4_backend(device)
-    if fmt in KERNEL_FORMATS and device.type == "cuda" and importlib.util.find_spec("qerl_kernels") is not None:
-        return "qerl-triton"
-    return "reference"
+    """Which code runs a format's linears here: qerl-triton | cublas | torch | bitsandbytes | reference."""
+    return get_format(fmt).kernel_backend(device)
 
 
 # ---- model ---------------------------------------------------------------------------------------
-def _use_bitsandbytes_nf4(model: nn.Module) -> int:
-    """Route every NF4 QuantLinear through bitsandbytes' 4-bit matmul (same codes, same packing)."""
-    import bitsandbytes as bnb
-    from bitsandbytes.functional import QuantState
-
-    from qerl_cli.qlinear import QuantLinear
-
-    count = 0
-    for m in model.modules():
-        if not isinstance(m, QuantLinear) or m.fmt != "nf4":
-            continue
-        qs = QuantState(absmax=m.absmax.float(), shape=torch.Size([m.out_features, m.in_features]),
-                        code=m.quant_map.float(), blocksize=64, quant_type="nf4", dtype=m.dtype)
-        packed, bias = m.weight, m.bias
-
-        def forward(x: torch.Tensor, _w: torch.Tensor = packed, _qs: Any = qs, _b: Any = bias) -> torch.Tensor:
-            return bnb.matmul_4bit(x, _w.t(), quant_state=_qs, bias=None if _b is None else _b.to(x.dtype))
-
-        m.forward = forward
-        count += 1
-    return count
-
-
 def _attach_lora(model: nn.Module, rank: int, seed: int) -> nn.Module:
     """LoRA on every decoder linear with B ~ N(0, 1e-3): nonzero, so both adapter GEMMs really run."""
     if rank == 0:
@@ -235,7 +192,8 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
 
 def _estimate_gib(spec: Any, fmt: str, batch: int, max_len: int, lora_rank: int) -> float:
     """Rough resident memory of a shape model + KV cache (for skipping what cannot fit, before trying)."""
-    per_w = _BYTES_PER_WEIGHT.get(fmt, 2.0) + _RESIDENT_EXTRA.get(fmt, 0.0)
+    f = get_format(fmt)  # stored bytes + what the kernels keep resident besides them
+    per_w = f.bytes_per_weight + f.resident_extra_bytes
     emb = spec.vocab * spec.hidden * 2 * (1 if spec.tie_embeddings else 2)
     lora = spec.layers * sum(n + k for _, n, k in spec.linear_shapes()) * lora_rank * 4
     kv = batch * max_len * spec.kv_bytes_per_token()
@@ -275,15 +233,14 @@ def _precapture(engine: Any, batch: int, shrinking: bool = False) -> None:
     Uses the engine's graph decoder (built by the warm-up generate); any failure just leaves capture to
     the timed run (a few extra eager steps, about 1%)."""
     graphs = getattr(engine, "_graphs", None)
-    if graphs is None or not hasattr(graphs, "_capture"):
+    if graphs is None or not hasattr(graphs, "ensure_captured"):
         return
     top = graphs.bucket(batch)
     sizes = [b for b in graphs.buckets if b <= top] if shrinking else [top]
     with torch.no_grad():
         for bs in sizes:
             for kv in engine.kv_buckets:
-                if (bs, kv) not in graphs.graphs:
-                    graphs.graphs[(bs, kv)] = graphs._capture(bs, kv)
+                graphs.ensure_captured(bs, kv)
     torch.cuda.synchronize()
 
 
@@ -757,8 +714,6 @@ def _build(fmt: str, backend: str, work: _Workload, *, spec: Any, model_dir: Pat
         from qerl_cli.models import load_model
 
         model, tokenizer = load_model(str(model_dir), dtype=torch.bfloat16, device=work.device)
-    if fmt == "nf4" and backend == "bitsandbytes":
-        _use_bitsandbytes_nf4(model)
     model = _attach_lora(model, work.lora_rank, work.seed)
     return _Model(fmt, backend, model, tokenizer, time.perf_counter() - t0)
 

@@ -118,12 +118,15 @@ def _quantized(linears: dict[str, nn.Linear], fmt: str, dtype: torch.dtype) -> d
 
     Off CUDA there are no kernels: each frozen weight is dequantized once and cached, as
     ``checkpoint.load_quantized`` does on CPU."""
-    if fmt == "bf16":
+    from qerl_cli.formats import get_format
+
+    spec = get_format(fmt)
+    if not spec.quantized:
         return dict(linears)
     from qerl_cli.checkpoint import fused_global_scales
     from qerl_cli.qlinear import QuantLinear
 
-    scales = fused_global_scales(linears) if fmt == "nvfp4" else {}
+    scales = fused_global_scales(linears) if spec.global_scale else {}
     out: dict[str, nn.Module] = {}
     for name, lin in linears.items():
         ql = QuantLinear.from_linear(lin, fmt, global_scale=scales.get(name), dtype=dtype)

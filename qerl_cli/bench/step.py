@@ -48,6 +48,7 @@ import torch
 from qerl_cli.bench import harness
 from qerl_cli.bench.harness import figure, num, save_figure
 from qerl_cli.errors import QerlError
+from qerl_cli.formats import FORMATS, REFERENCE, get_format, rollout_formats
 from qerl_cli.manifest import jsonable
 from qerl_cli.precision import dtype_of
 
@@ -55,8 +56,6 @@ PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "requant", "che
 MEM_PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "requant", "checkpoint")
 PEAK_COLUMNS = ("rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")  # the table's peak-memory columns
 DEFAULT_FORMATS = ("bf16", "nvfp4", "nf4")
-ALLOWED_FORMATS = ("bf16", "nvfp4", "nf4", "mxfp4", "int8", "fp8")
-ROLLOUT_QUANTS = ("int8", "fp8", "nvfp4", "mxfp4")  # the `BASE+ROLLOUT` cells (FlashRL mode)
 SCHEMA = 1
 # issue 16: NVFP4 end-to-end step vs BF16-LoRA; NVFP4 LoRA r32 GRPO 8 x (256 + 1024) peak memory (GiB, the max over
 # phases of max_memory_allocated) with default settings: 32B on an 80 GB GPU, 72B on an H200; 7B NVFP4 peak vs BF16
@@ -115,12 +114,9 @@ def _median(xs: list[float]) -> float | None:
 
 # ---- one format ---------------------------------------------------------------------------------
 def build_shape_model(spec: Any, fmt: str, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
-    from qerl_cli.bench.rollout import _use_bitsandbytes_nf4
     from qerl_cli.bench.shapes import build_random_model
 
     model = build_random_model(spec, fmt, device, dtype=dtype, seed=seed)
-    if fmt == "nf4":
-        _use_bitsandbytes_nf4(model)
     # Fixed-length generation: with no EOS id anywhere (and no tokenizer) the engine never stops early.
     model.config.eos_token_id = None
     if getattr(model, "generation_config", None) is not None:
@@ -234,12 +230,14 @@ def bench_step(
 
         run = RunDir(run_dir, create=False)
         fmts = list(dict.fromkeys(formats or [run_format(run)]))  # StageMissingError names `qerl quantize`
-    bad = [f for f in fmts if f.partition("+")[0] not in ALLOWED_FORMATS
-           or (f.partition("+")[2] or "int8") not in ROLLOUT_QUANTS]
+    allowed = tuple(n for n, f in FORMATS.items() if f.cuda_backend != REFERENCE)  # a GPU path exists
+    rollout_quants = rollout_formats()  # the `BASE+ROLLOUT` cells (FlashRL mode)
+    bad = [f for f in fmts if f.partition("+")[0] not in allowed
+           or (f.partition("+")[2] or "int8") not in rollout_quants]
     if bad or not fmts:
         raise QerlError(f"unknown format(s) {', '.join(bad) or '(none given)'}; "
-                        f"choose from {', '.join(ALLOWED_FORMATS)}, or BASE+ROLLOUT with ROLLOUT one of "
-                        f"{', '.join(ROLLOUT_QUANTS)} (FlashRL rollouts)")
+                        f"choose from {', '.join(allowed)}, or BASE+ROLLOUT with ROLLOUT one of "
+                        f"{', '.join(rollout_quants)} (FlashRL rollouts)")
     out = harness.out_dir(out_dir, run, Path("bench-step"))
     harness.cap_memory(device, memory_cap_gib)
     budget = harness.Budget(time_budget_s)
@@ -263,7 +261,8 @@ def bench_step(
                            prompt_len=prompt_len, seed=seed, spec=spec, run=run, out=out, log=log)
         cells.append(harness.Cell({"format": cell, "backend": backend}, step.measure, cell))
     res["results"] = harness.run_cells(cells, budget=budget, log=log)
-    base = next((r for r in res["results"] if r["format"] == "bf16" and r["status"] == "ok"), None)
+    unquantized = {name for name, f in FORMATS.items() if not f.quantized}  # the BF16-LoRA baseline cell
+    base = next((r for r in res["results"] if r["format"] in unquantized and r["status"] == "ok"), None)
     for r in res["results"]:
         r["speedup_vs_bf16"] = (base["step_s"] / r["step_s"]) if base and r["status"] == "ok" and r["step_s"] else None
     res["targets"] = _targets(res, cfg)
@@ -287,7 +286,7 @@ class _FormatStep:
         self.prompt_len, self.seed, self.spec, self.run, self.out, self.log = prompt_len, seed, spec, run, out, log
 
     def measure(self) -> dict[str, Any]:
-        reason = nf4_skip_reason(self.device) if self.fmt == "nf4" else None
+        reason = nf4_skip_reason(self.device) if get_format(self.fmt).requires == "bitsandbytes" else None
         if reason is not None:
             self.log(f"{self.fmt}: {reason}")
             return {"status": reason}
@@ -344,10 +343,6 @@ class _FormatStep:
 
         model_dir = format_model_dir(self.run, self.fmt, self.out, self.log)
         model, tok = load_model(str(model_dir), dtype=self.dtype, device=self.device)
-        if self.fmt == "nf4":
-            from qerl_cli.bench.rollout import _use_bitsandbytes_nf4
-
-            _use_bitsandbytes_nf4(model)
         trainer.setup(model=model, tokenizer=tok)
         row["model_dir"] = str(model_dir)
         self.res["model"] = str(self.run.path)

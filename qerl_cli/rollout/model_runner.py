@@ -388,6 +388,12 @@ class CudaGraphDecoder:
     def bucket(self, b: int) -> int:
         return next(s for s in self.buckets if s >= b)
 
+    def ensure_captured(self, bs: int, kv_len: int) -> None:
+        """Capture the graph of (batch bucket ``bs``, ``kv_len``) now unless it exists (benches keep captures
+        out of their timed runs)."""
+        if (bs, kv_len) not in self.graphs:
+            self.graphs[(bs, kv_len)] = self._capture(bs, kv_len)
+
     def _capture(self, bs: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         tokens, positions = self.tokens[:bs], self.positions[:bs]
         stream = torch.cuda.Stream()
