@@ -272,7 +272,7 @@ def bench_rollout(
     lora_off: Annotated[bool, Opt("--lora-off/--no-lora-off", help="Also run every cell with the adapters "
                                                                   "disabled (LoRA's cost).")] = False,
     profile: Annotated[bool, Opt("--profile", help="Per-decode-step GPU time by category (CUDA).")] = False,
-    linear_backend: Annotated[str | None, Opt(help="Linear kernels: auto|qerl|triton|humming|cublas.")] = None,
+    linear_backend: Annotated[str | None, Opt(help="Linear kernels: auto|qerl|triton|cuda|humming|cublas.")] = None,
 ) -> None:
     """Rollout tokens/s, TTFT and memory per format and batch, against the weight+KV roofline."""
     from qerl_cli.bench.rollout import bench_rollout as run_bench

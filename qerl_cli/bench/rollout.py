@@ -84,7 +84,7 @@ def _check_workload(prompts: int | None, num_generations: int, lora_modes: Itera
 
 
 def set_linear_backend(name: str | None) -> str | None:
-    """Force qerl_kernels' linear backend (auto|qerl|triton|humming|cublas) for this process."""
+    """Force qerl_kernels' linear backend (auto|qerl|triton|cuda|humming|cublas) for this process."""
     if name is None:
         return None
     try:
