@@ -24,13 +24,13 @@ import hashlib
 import json
 import logging
 import os
+import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from torch import nn
+from torch import nn
 
 log = logging.getLogger("qerl.kernels")
 
@@ -116,13 +116,16 @@ def choose(module: nn.Module, x: torch.Tensor) -> str:
     return plan.get(bucket(m), _threshold_choice(m))
 
 
-def prepare(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[tuple, dict[int, str]]:
-    """Measure (or load) the plan of every FP4 QuantLinear shape in `model` now: call it after loading and
-    before capturing CUDA graphs, since a shape first seen inside a capture runs qerl's fixed threshold."""
+def prepare(model: nn.Module | Iterable[nn.Module], dtype: torch.dtype = torch.bfloat16) -> dict[tuple, dict[int, str]]:
+    """Measure (or load) the plan of every FP4 QuantLinear shape in `model` (a module, or several) now: call it
+    after loading and before capturing CUDA graphs, since a shape first seen inside a capture runs qerl's fixed
+    threshold, and so that the timing pass is not inside a timed decode. Logs how long measuring took."""
     if get_backend() != "auto" or not torch.cuda.is_available():
         return {}
+    roots = [model] if isinstance(model, nn.Module) else list(model)
     done: dict[tuple, dict[int, str]] = {}
-    for m in model.modules():
+    t0, measured = time.perf_counter(), 0
+    for m in (sub for root in roots for sub in root.modules()):
         if getattr(m, "fmt", None) not in ("nvfp4", "mxfp4") or not hasattr(m, "qweight") or not m.qweight.is_cuda:
             continue
         key = shape_key(m, dtype)
@@ -132,7 +135,11 @@ def prepare(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[tuple
         if plan is None:
             plan = measure_plan(m, dtype)
             _store_cached(key, plan)
+            measured += 1
         _plans[key] = done[key] = plan
+    if measured:
+        log.info("kernel plans: %d new shape(s) measured in %.1f s (%d in all; later runs load them from %s)",
+                 measured, time.perf_counter() - t0, len(done), cache_path())
     return done
 
 

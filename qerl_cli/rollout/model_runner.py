@@ -164,8 +164,20 @@ class ModelRunner:
         sig = signature(self.layers)
         if self.plan is None or self.plan.signature != sig:
             self.plan = FastPlan(self.layers, self.dtype, self.device)
+            self._prepare_kernels()
         else:
             self.plan.refresh()
+
+    def _prepare_kernels(self) -> None:
+        """Which FP4 kernel runs each GEMM shape of the decode step (the fused q/k/v and gate/up included) is
+        measured, or loaded from the disk cache, now: before any graph capture and outside the decode steps."""
+        if self.device.type != "cuda" or self.plan is None:
+            return
+        try:
+            from qerl_kernels import dispatch
+        except ImportError:
+            return
+        dispatch.prepare([m for g in self.plan.groups() for m in g.calls], self.dtype)
 
     # ----- norm weights ---------------------------------------------------------------------------------
 
