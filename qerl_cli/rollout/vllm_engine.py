@@ -96,6 +96,22 @@ def lora_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[di
     return tensors, config
 
 
+def _check_patterns_supported(config: dict[str, Any]) -> None:
+    """vLLM before 0.3x (0.26 on the GPU image) has no per-module rank/alpha in its PEFTHelper and drops
+    ``rank_pattern``/``alpha_pattern`` silently, which would serve the adapter with the wrong scaling."""
+    if not (config["rank_pattern"] or config["alpha_pattern"]):
+        return
+    from dataclasses import fields
+
+    from vllm.lora.peft_helper import PEFTHelper
+
+    if "rank_pattern" not in {f.name for f in fields(PEFTHelper)}:
+        import vllm
+
+        raise QerlError(f"vLLM {vllm.__version__} ignores the adapter's rank_pattern/alpha_pattern; use one rank "
+                        "and alpha for all modules, or a vLLM whose PEFTHelper has rank_pattern (0.32 does)")
+
+
 def _install_lora(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any],
                   drop_ids: list[int]) -> int:
     """Runs inside vLLM's worker: register ``tensors`` as adapter ``lora_id``; drop older versions."""
@@ -200,6 +216,7 @@ class VllmEngine:
             raise QerlError(f"vLLM cannot run in {dtype}; use bf16, fp16 or fp32")
         self.dtype = dtype
         tensors, self._lora_config = lora_tensors(model)
+        _check_patterns_supported(self._lora_config)
         rank = max([int(self._lora_config["r"]), *self._lora_config["rank_pattern"].values()])
         want = max_lora_rank or rank
         self.max_lora_rank = next((r for r in _VLLM_LORA_RANKS if r >= want), None)
