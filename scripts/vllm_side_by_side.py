@@ -10,7 +10,8 @@ LoRA of ``--lora-rank`` is attached to all seven decoder linears with non-zero B
 generates from that peft model; vLLM serves the written checkpoint (Marlin W4A16 NVFP4 on Hopper) with the
 same adapter pushed as tensors. For each batch and each length mode (``fixed``: ``--new-tokens`` always;
 ``eos``: the bench's stop set of vocab/(new_tokens/2) ids, geometric lengths on a near-uniform random
-model) both engines get the same prompts; each cell is warmed up once untimed, then timed once.
+model) both engines get the same prompts; each cell is warmed up once untimed, then timed ``--repeats``
+times (seeds 100, 101, ...: with EOS each repeat draws other lengths; the cell sums them).
 Finally vLLM's log-probs of its fixed-length batch are compared with qerl's training forward.
 
 Writes OUT_DIR/side_by_side.json (after every cell, so a deadline keeps what ran) and prints a table last.
@@ -58,20 +59,29 @@ def write_checkpoint(model: torch.nn.Module, out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def cell_summary(res: Any) -> dict[str, Any]:
-    t = res.timings
-    lengths = [len(s.token_ids) for s in res.samples]
+def cell_summary(runs: list[Any]) -> dict[str, Any]:
+    """One cell over its timed repeats: totals, and per repeat the mean and longest sample (with EOS the
+    wall time follows the longest sample of the batch, the tokens the mean: both engines draw their own)."""
+    t = [r.timings for r in runs]
+    tokens = sum(int(x["tokens"]) for x in t)
+    total = sum(x["total_s"] for x in t)
+    sync = sum(x.get("lora_sync_s") or 0.0 for x in t)
+    lengths = [[len(s.token_ids) for s in r.samples] for r in runs]
     return {
-        "tokens": int(t["tokens"]),
-        "total_s": t["total_s"],
-        "e2e_tok_s": t["tokens_per_s"],
-        "decode_s": t["decode_s"],
-        "prefill_s": t["prefill_s"],
-        "ttft_s": t["ttft"],
-        "lora_sync_s": t.get("lora_sync_s"),
-        "mean_new_tokens": sum(lengths) / max(1, len(lengths)),
-        "stopped": sum(s.finish_reason == "stop" for s in res.samples),
-        "sequences": len(res.samples),
+        "repeats": len(runs),
+        "tokens": tokens,
+        "total_s": total,
+        "e2e_tok_s": tokens / total,
+        # without the LoRA push VllmEngine makes before each generate (the builtin engine makes none)
+        "generate_tok_s": tokens / max(1e-9, total - sync),
+        "lora_sync_s": sync / len(runs) if sync else None,
+        "ttft_s": sum(x["ttft"] for x in t) / len(t),
+        "decode_s": sum(x["decode_s"] for x in t) / len(t),
+        "ms_per_longest_token": 1000.0 * total / sum(max(n) for n in lengths),
+        "mean_new_tokens": [sum(n) / len(n) for n in lengths],
+        "max_new_tokens": [max(n) for n in lengths],
+        "stopped": sum(s.finish_reason == "stop" for r in runs for s in r.samples),
+        "sequences": sum(len(n) for n in lengths),
     }
 
 
@@ -111,6 +121,7 @@ def main() -> None:
     ap.add_argument("--ckpt", default="/tmp/qerl_v7b")
     ap.add_argument("--vllm-gpu-util", type=float, default=0.5)
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile / CUDA graphs")
+    ap.add_argument("--repeats", type=int, default=3, help="timed generates per cell (seeds 0..repeats-1)")
     ap.add_argument("--deadline-s", type=float, default=540.0)
     a = ap.parse_args()
 
@@ -170,8 +181,8 @@ def main() -> None:
                         _precapture(eng, b, shrinking=mode == "eos")
                     if dev == "cuda":
                         torch.cuda.synchronize()
-                    r = eng.generate(prompts[b], params(mode, 0, a.new_tokens))
-                    res["cells"].append({"engine": "builtin", "batch": b, "mode": mode, **cell_summary(r)})
+                    runs = [eng.generate(prompts[b], params(mode, 100 + i, a.new_tokens)) for i in range(a.repeats)]
+                    res["cells"].append({"engine": "builtin", "batch": b, "mode": mode, **cell_summary(runs)})
                 finally:
                     eng.release()
                     del eng
@@ -199,22 +210,22 @@ def main() -> None:
                     res["errors"].append(f"vllm b{b} {mode}: skipped, deadline")
                     continue
                 veng.generate(prompts[b], params(mode, 1, min(a.new_tokens, 16)))
-                r = veng.generate(prompts[b], params(mode, 0, a.new_tokens))
-                cell = {"engine": "vllm", "batch": b, "mode": mode, **cell_summary(r)}
-                # vLLM's own generate time, without the LoRA push that VllmEngine does before it
-                cell["generate_tok_s"] = cell["tokens"] / max(1e-9, cell["total_s"] - (cell["lora_sync_s"] or 0))
-                res["cells"].append(cell)
+                runs = [veng.generate(prompts[b], params(mode, 100 + i, a.new_tokens)) for i in range(a.repeats)]
+                res["cells"].append({"engine": "vllm", "batch": b, "mode": mode, **cell_summary(runs)})
                 if mode == "fixed" and b == min(a.batches):
-                    res["logprob_check"] = logprob_check(model, r.samples, k=b)
+                    res["logprob_check"] = logprob_check(model, runs[0].samples, k=b)
                 save()
     res["wall_s"] = time.monotonic() - T0
     save()
     print(f"\n{a.shape} NVFP4, LoRA r{a.lora_rank}, prompt {a.prompt_len} + up to {a.new_tokens} new, "
           f"{res['gpu']}, vLLM {res.get('vllm_version')} (startup {res.get('vllm_startup_s', 0):.0f} s)")
-    print(f"{'engine':8} {'batch':>5} {'mode':6} {'tokens':>7} {'mean_len':>8} {'e2e tok/s':>10} {'ttft s':>7}")
+    print(f"{'engine':8} {'batch':>5} {'mode':6} {'tokens':>7} {'mean_len':>8} {'e2e tok/s':>10} {'gen tok/s':>10} "
+          f"{'ms/step':>8} {'ttft s':>7}")
     for c in res["cells"]:
-        print(f"{c['engine']:8} {c['batch']:>5} {c['mode']:6} {c['tokens']:>7} {c['mean_new_tokens']:>8.1f} "
-              f"{c['e2e_tok_s']:>10.0f} {c['ttft_s']:>7.3f}")
+        mean_len = sum(c["mean_new_tokens"]) / len(c["mean_new_tokens"])
+        print(f"{c['engine']:8} {c['batch']:>5} {c['mode']:6} {c['tokens']:>7} {mean_len:>8.1f} "
+              f"{c['e2e_tok_s']:>10.0f} {c['generate_tok_s']:>10.0f} {c['ms_per_longest_token']:>8.2f} "
+              f"{c['ttft_s']:>7.3f}")
     if "logprob_check" in res:
         lc = res["logprob_check"]
         print(f"vLLM vs training forward ({lc['tokens']} tokens): k1 {lc['k1']:.2e} k3 {lc['k3']:.2e} "

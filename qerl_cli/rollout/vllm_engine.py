@@ -112,6 +112,17 @@ def _check_patterns_supported(config: dict[str, Any]) -> None:
                         "and alpha for all modules, or a vLLM whose PEFTHelper has rank_pattern (0.32 does)")
 
 
+def _lora_weights_mapper(mapper: Any) -> Any:
+    """The model's hf->vLLM name mapper as vLLM's own LoRA loader passes it: ``get_rename_mapper()`` in 0.32,
+    ``get_unstacked_mapper()`` in 0.26 (which has no get_rename_mapper)."""
+    if mapper is None:
+        return None
+    for name in ("get_rename_mapper", "get_unstacked_mapper"):
+        if hasattr(mapper, name):
+            return getattr(mapper, name)()
+    return mapper
+
+
 def _install_lora(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any],
                   drop_ids: list[int]) -> int:
     """Runs inside vLLM's worker: register ``tensors`` as adapter ``lora_id``; drop older versions."""
@@ -131,7 +142,7 @@ def _install_lora(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], c
         device="cpu",
         dtype=manager.lora_config.lora_dtype,
         model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        weights_mapper=_lora_weights_mapper(mapper),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
     if not lora.loras:
@@ -360,6 +371,7 @@ class VllmEngine:
             except (KeyError, ValueError) as exc:
                 raise QerlError(f"cannot apply norm overrides in vLLM: {exc}") from exc
         t_gen = time.perf_counter()
+        t_gen_mono = time.monotonic()  # the clock of vLLM's request timestamps (engine core in-process)
         try:
             outputs = self.llm.generate(requests, params, lora_request=lora_request, use_tqdm=False)
         finally:
@@ -385,7 +397,8 @@ class VllmEngine:
             if m is not None and getattr(m, "first_token_ts", 0.0):
                 first_ts.append(m.first_token_ts)
                 last_ts.append(m.last_token_ts)
-                ttfts.append(m.first_token_latency)
+                # vLLM 0.26's LLM leaves first_token_latency at 0 (no stats logging): use the timestamp then
+                ttfts.append(m.first_token_latency or max(0.0, m.first_token_ts - t_gen_mono))
         tokens = sum(len(s.token_ids) for s in samples)
         # vLLM interleaves prefill and decode; decode_s spans first to last token across requests.
         decode_s = (max(last_ts) - min(first_ts)) if first_ts else gen_s
