@@ -116,7 +116,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--lora-rank", type=int, default=32)
-    ap.add_argument("--modes", nargs="+", default=["fixed", "eos"], choices=["fixed", "eos"])
+    ap.add_argument("--modes", nargs="+", default=["fixed", "eos"], choices=["fixed", "eos", "queue"],
+                    help="queue: --queue-prompts x --generations sequences, EOS, through the largest batch's slots")
+    ap.add_argument("--queue-prompts", type=int, default=32)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--eos-repeats", type=int, default=None, help="timed generates of EOS cells (default --repeats)")
     ap.add_argument("--engines", nargs="+", default=["builtin", "vllm"], choices=["builtin", "vllm"])
     ap.add_argument("--ckpt", default="/tmp/qerl_v7b")
     ap.add_argument("--vllm-gpu-util", type=float, default=0.5)
@@ -159,36 +163,45 @@ def main() -> None:
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.01)
     max_len = a.prompt_len + a.new_tokens
-    stops = {m: _eos_ids(m, spec.vocab, a.new_tokens, None, True) for m in a.modes}
-    prompts = {b: _prompts(b, a.prompt_len, spec.vocab, set(stops.get("eos") or []), seed=b) for b in a.batches}
+    eos_ids = _eos_ids("eos", spec.vocab, a.new_tokens, None, True)
+    stops = {"fixed": [], "eos": eos_ids, "queue": eos_ids}
+    prompts = {b: _prompts(b, a.prompt_len, spec.vocab, set(eos_ids), seed=b) for b in a.batches}
+    queue_prompts = _prompts(a.queue_prompts, a.prompt_len, spec.vocab, set(eos_ids), seed=1000)
+    cells = [(b, m) for b in a.batches for m in a.modes if m != "queue" or b == max(a.batches)]
     save()
 
-    def params(mode: str, seed: int, max_tokens: int) -> SamplingParams:
-        return SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens,
+    def work(b: int, mode: str) -> tuple[list[list[int]], int, int]:
+        """(prompts, samples per prompt, timed repeats) of a cell."""
+        if mode == "queue":
+            return queue_prompts, a.generations, 1
+        return prompts[b], 1, (a.eos_repeats or a.repeats) if mode == "eos" else a.repeats
+
+    def params(mode: str, seed: int, max_tokens: int, n: int = 1) -> SamplingParams:
+        return SamplingParams(n=n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens,
                               stop_token_ids=stops[mode], seed=seed)
 
     if "builtin" in a.engines:
-        for b in a.batches:
-            for mode in a.modes:
-                if _left(a.deadline_s) < 60:
-                    res["errors"].append(f"builtin b{b} {mode}: skipped, deadline")
-                    continue
-                eng = BuiltinEngine(model, None, max_batch_slots=b, max_model_len=max_len,
-                                    gpu_memory_utilization=0.3, dtype=torch.bfloat16)
-                try:
-                    eng.generate(prompts[b], params(mode, 1, min(a.new_tokens, 16)))
-                    if eng.use_graphs:
-                        _precapture(eng, b, shrinking=mode == "eos")
-                    if dev == "cuda":
-                        torch.cuda.synchronize()
-                    runs = [eng.generate(prompts[b], params(mode, 100 + i, a.new_tokens)) for i in range(a.repeats)]
-                    res["cells"].append({"engine": "builtin", "batch": b, "mode": mode, **cell_summary(runs)})
-                finally:
-                    eng.release()
-                    del eng
-                    if dev == "cuda":
-                        torch.cuda.empty_cache()
-                save()
+        for b, mode in cells:
+            if _left(a.deadline_s) < 60:
+                res["errors"].append(f"builtin b{b} {mode}: skipped, deadline")
+                continue
+            ps, n, reps = work(b, mode)
+            eng = BuiltinEngine(model, None, max_batch_slots=b, max_model_len=max_len,
+                                gpu_memory_utilization=0.3, dtype=torch.bfloat16)
+            try:
+                eng.generate(prompts[b], params(mode, 1, min(a.new_tokens, 16)))
+                if eng.use_graphs:
+                    _precapture(eng, b, shrinking=mode != "fixed")
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                runs = [eng.generate(ps, params(mode, 100 + i, a.new_tokens, n)) for i in range(reps)]
+                res["cells"].append({"engine": "builtin", "batch": b, "mode": mode, **cell_summary(runs)})
+            finally:
+                eng.release()
+                del eng
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+            save()
 
     if "vllm" in a.engines and "vllm_version" in res and _left(a.deadline_s) > 120:
         t = time.perf_counter()
@@ -204,17 +217,17 @@ def main() -> None:
         res["vllm_settings"] = {"enforce_eager": a.enforce_eager, "cuda_graphs": not a.enforce_eager,
                                 "gpu_memory_utilization": a.vllm_gpu_util, "max_num_seqs": max(a.batches)}
         save()
-        for b in a.batches:
-            for mode in a.modes:
-                if _left(a.deadline_s) < 30:
-                    res["errors"].append(f"vllm b{b} {mode}: skipped, deadline")
-                    continue
-                veng.generate(prompts[b], params(mode, 1, min(a.new_tokens, 16)))
-                runs = [veng.generate(prompts[b], params(mode, 100 + i, a.new_tokens)) for i in range(a.repeats)]
-                res["cells"].append({"engine": "vllm", "batch": b, "mode": mode, **cell_summary(runs)})
-                if mode == "fixed" and b == min(a.batches):
-                    res["logprob_check"] = logprob_check(model, runs[0].samples, k=b)
-                save()
+        for b, mode in cells:
+            if _left(a.deadline_s) < 30:
+                res["errors"].append(f"vllm b{b} {mode}: skipped, deadline")
+                continue
+            ps, n, reps = work(b, mode)
+            veng.generate(prompts[b], params(mode, 1, min(a.new_tokens, 16)))
+            runs = [veng.generate(ps, params(mode, 100 + i, a.new_tokens, n)) for i in range(reps)]
+            res["cells"].append({"engine": "vllm", "batch": b, "mode": mode, **cell_summary(runs)})
+            if mode == "fixed" and b == min(a.batches):
+                res["logprob_check"] = logprob_check(model, runs[0].samples, k=b)
+            save()
     res["wall_s"] = time.monotonic() - T0
     save()
     print(f"\n{a.shape} NVFP4, LoRA r{a.lora_rank}, prompt {a.prompt_len} + up to {a.new_tokens} new, "
