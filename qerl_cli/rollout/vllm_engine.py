@@ -371,7 +371,6 @@ class VllmEngine:
             except (KeyError, ValueError) as exc:
                 raise QerlError(f"cannot apply norm overrides in vLLM: {exc}") from exc
         t_gen = time.perf_counter()
-        t_gen_mono = time.monotonic()  # the clock of vLLM's request timestamps (engine core in-process)
         try:
             outputs = self.llm.generate(requests, params, lora_request=lora_request, use_tqdm=False)
         finally:
@@ -397,10 +396,10 @@ class VllmEngine:
             if m is not None and getattr(m, "first_token_ts", 0.0):
                 first_ts.append(m.first_token_ts)
                 last_ts.append(m.last_token_ts)
-                # vLLM 0.26's LLM leaves first_token_latency at 0 (no stats logging): use the timestamp then
-                ttfts.append(m.first_token_latency or max(0.0, m.first_token_ts - t_gen_mono))
+                ttfts.append(m.first_token_latency)
         tokens = sum(len(s.token_ids) for s in samples)
-        # vLLM interleaves prefill and decode; decode_s spans first to last token across requests.
+        # vLLM interleaves prefill and decode; decode_s spans first to last token across requests. vLLM 0.26's
+        # LLM returns no request metrics (seen on the GPU): there ttft is 0 and decode_s the whole generate.
         decode_s = (max(last_ts) - min(first_ts)) if first_ts else gen_s
         timings = {
             "prefill_s": max(0.0, gen_s - decode_s),
