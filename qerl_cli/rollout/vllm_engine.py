@@ -399,7 +399,7 @@ class VllmEngine:
                 ttfts.append(m.first_token_latency)
         tokens = sum(len(s.token_ids) for s in samples)
         # vLLM interleaves prefill and decode; decode_s spans first to last token across requests. vLLM 0.26's
-        # LLM returns no request metrics (seen on the GPU): there ttft is 0 and decode_s the whole generate.
+        # LLM returned no request timestamps on the GPU: there ttft is 0 and decode_s the whole generate.
         decode_s = (max(last_ts) - min(first_ts)) if first_ts else gen_s
         timings = {
             "prefill_s": max(0.0, gen_s - decode_s),
