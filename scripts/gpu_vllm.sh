@@ -2,7 +2,9 @@
 # The GPU check of the vllm rollout engine (issue 5), in one call: NVFP4 (and bf16 for comparison) served by
 # vLLM with the LoRA pushed as tensors, log-probs against qerl's training forward, sleep/wake, 2 train steps.
 # Needs vLLM importable on the GPU machine (it has no network: the image must have it, or a wheel dir in
-# $QERL_VLLM_WHL_DIR, installed with --no-index). Quantized runs come from $QERL_VLLM_MODEL (a local HF dir or
+# $QERL_VLLM_WHL_DIR, installed with --no-index). The image has no vLLM and one call cannot carry it: the
+# carried, trimmed vLLM 0.26 and the side-by-side run are scripts/vllm_pack.sh, gpu_vllm_stash.sh and
+# gpu_vllm_run.sh (docs/vllm.md); put /tmp/vsite on PYTHONPATH after those to use this script. Quantized runs come from $QERL_VLLM_MODEL (a local HF dir or
 # .gguf; default: the embedded SmolLM2 when importable). Stages ($QERL_VLLM_STAGES, default "info nvfp4 bf16 train").
 # Files under $OUT: vllm_<fmt>/vllm_check.json, gpu_vllm.log.  Deadline: $QERL_DEADLINE_S (default 570 s).
 source "$(dirname "$0")/gpu_common.sh"  # set -uo pipefail, the repo root as working directory

@@ -87,3 +87,29 @@ def test_updated_lora_reaches_vllm_sampled_logprobs_stop_strings(served) -> None
     # per-sample seeds: the same call reproduces the same tokens
     again = engine.generate(ids[:1], SamplingParams(n=2, temperature=0.7, max_tokens=6, stop=["\n"], seed=123))
     assert [s.token_ids for s in again.samples] == [s.token_ids for s in res.samples[:2]]
+
+
+def test_version_branches_on_installed_vllm() -> None:
+    """The two places where vLLM 0.26 (GPU image) and 0.32 differ, on the installed vLLM: the LoRA name mapper
+    is the one vLLM's own loader uses (0.32: get_rename_mapper), and a rank_pattern passes where PEFTHelper
+    knows it (0.26 drops it silently, so the engine refuses it there: proven on the GPU run, docs/vllm.md)."""
+    from dataclasses import fields
+
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+    from qerl_cli.errors import QerlError
+    from qerl_cli.rollout.vllm_engine import _check_patterns_supported, _lora_weights_mapper
+
+    mapper = Qwen2ForCausalLM.hf_to_vllm_mapper
+    expected = mapper.get_rename_mapper() if hasattr(mapper, "get_rename_mapper") else mapper.get_unstacked_mapper()
+    got = _lora_weights_mapper(mapper)
+    assert type(got) is type(expected) and vars(got) == vars(expected)
+    assert _lora_weights_mapper(None) is None
+    patterned = {"rank_pattern": {"q_proj": 4}, "alpha_pattern": {}}
+    if "rank_pattern" in {f.name for f in fields(PEFTHelper)}:
+        _check_patterns_supported(patterned)
+    else:
+        with pytest.raises(QerlError, match="rank_pattern"):
+            _check_patterns_supported(patterned)
+    _check_patterns_supported({"rank_pattern": {}, "alpha_pattern": {}})

@@ -96,6 +96,33 @@ def lora_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[di
     return tensors, config
 
 
+def _check_patterns_supported(config: dict[str, Any]) -> None:
+    """vLLM before 0.3x (0.26 on the GPU image) has no per-module rank/alpha in its PEFTHelper and drops
+    ``rank_pattern``/``alpha_pattern`` silently, which would serve the adapter with the wrong scaling."""
+    if not (config["rank_pattern"] or config["alpha_pattern"]):
+        return
+    from dataclasses import fields
+
+    from vllm.lora.peft_helper import PEFTHelper
+
+    if "rank_pattern" not in {f.name for f in fields(PEFTHelper)}:
+        import vllm
+
+        raise QerlError(f"vLLM {vllm.__version__} ignores the adapter's rank_pattern/alpha_pattern; use one rank "
+                        "and alpha for all modules, or a vLLM whose PEFTHelper has rank_pattern (0.32 does)")
+
+
+def _lora_weights_mapper(mapper: Any) -> Any:
+    """The model's hf->vLLM name mapper as vLLM's own LoRA loader passes it: ``get_rename_mapper()`` in 0.32,
+    ``get_unstacked_mapper()`` in 0.26 (which has no get_rename_mapper)."""
+    if mapper is None:
+        return None
+    for name in ("get_rename_mapper", "get_unstacked_mapper"):
+        if hasattr(mapper, name):
+            return getattr(mapper, name)()
+    return mapper
+
+
 def _install_lora(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any],
                   drop_ids: list[int]) -> int:
     """Runs inside vLLM's worker: register ``tensors`` as adapter ``lora_id``; drop older versions."""
@@ -115,7 +142,7 @@ def _install_lora(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], c
         device="cpu",
         dtype=manager.lora_config.lora_dtype,
         model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        weights_mapper=_lora_weights_mapper(mapper),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
     if not lora.loras:
@@ -200,6 +227,7 @@ class VllmEngine:
             raise QerlError(f"vLLM cannot run in {dtype}; use bf16, fp16 or fp32")
         self.dtype = dtype
         tensors, self._lora_config = lora_tensors(model)
+        _check_patterns_supported(self._lora_config)
         rank = max([int(self._lora_config["r"]), *self._lora_config["rank_pattern"].values()])
         want = max_lora_rank or rank
         self.max_lora_rank = next((r for r in _VLLM_LORA_RANKS if r >= want), None)
@@ -370,7 +398,8 @@ class VllmEngine:
                 last_ts.append(m.last_token_ts)
                 ttfts.append(m.first_token_latency)
         tokens = sum(len(s.token_ids) for s in samples)
-        # vLLM interleaves prefill and decode; decode_s spans first to last token across requests.
+        # vLLM interleaves prefill and decode; decode_s spans first to last token across requests. vLLM 0.26's
+        # LLM returned no request timestamps on the GPU: there ttft is 0 and decode_s the whole generate.
         decode_s = (max(last_ts) - min(first_ts)) if first_ts else gen_s
         timings = {
             "prefill_s": max(0.0, gen_s - decode_s),
