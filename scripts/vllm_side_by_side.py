@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=540.0)
     a = ap.parse_args()
 
-    from qerl_cli.bench.rollout import _attach_lora, _eos_ids, _precapture, _prompts
+    from qerl_cli.bench.rollout import attach_bench_lora, bench_stop_ids, precapture_graphs, random_prompts
     from qerl_cli.bench.shapes import build_random_model, get_shape
     from qerl_cli.env_info import environment
     from qerl_cli.rollout import BuiltinEngine, SamplingParams
@@ -156,17 +156,17 @@ def main() -> None:
     base = build_random_model(spec, "nvfp4", dev, seed=0)
     res["build_s"] = time.perf_counter() - t
     res["write_ckpt_s"] = write_checkpoint(base, Path(a.ckpt))
-    model = _attach_lora(base, a.lora_rank, seed=0)
+    model = attach_bench_lora(base, a.lora_rank, seed=0)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():  # larger B than the bench's 1e-3, so the log-prob check can see the adapter
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.01)
     max_len = a.prompt_len + a.new_tokens
-    eos_ids = _eos_ids("eos", spec.vocab, a.new_tokens, None, True)
+    eos_ids = bench_stop_ids("eos", spec.vocab, a.new_tokens, None, True)
     stops = {"fixed": [], "eos": eos_ids, "queue": eos_ids}
-    prompts = {b: _prompts(b, a.prompt_len, spec.vocab, set(eos_ids), seed=b) for b in a.batches}
-    queue_prompts = _prompts(a.queue_prompts, a.prompt_len, spec.vocab, set(eos_ids), seed=1000)
+    prompts = {b: random_prompts(b, a.prompt_len, spec.vocab, set(eos_ids), seed=b) for b in a.batches}
+    queue_prompts = random_prompts(a.queue_prompts, a.prompt_len, spec.vocab, set(eos_ids), seed=1000)
     cells = [(b, m) for b in a.batches for m in a.modes if m != "queue" or b == max(a.batches)]
     save()
 
@@ -191,7 +191,7 @@ def main() -> None:
             try:
                 eng.generate(prompts[b], params(mode, 1, min(a.new_tokens, 16)))
                 if eng.use_graphs:
-                    _precapture(eng, b, shrinking=mode != "fixed")
+                    precapture_graphs(eng, b, shrinking=mode != "fixed")
                 if dev == "cuda":
                     torch.cuda.synchronize()
                 runs = [eng.generate(ps, params(mode, 100 + i, a.new_tokens, n)) for i in range(reps)]

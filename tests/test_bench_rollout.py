@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from qerl_cli.bench.rollout import _eos_ids, _roofline, bench_rollout, model_bytes, render_table, short_summary
+from qerl_cli.bench.rollout import _roofline, bench_rollout, bench_stop_ids, model_bytes, render_table, short_summary
 from qerl_cli.bench.shapes import SHAPES, build_random_model, get_shape
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import RunDir
@@ -101,9 +101,9 @@ def test_roofline_arithmetic():
 
 
 def test_eos_stop_set_gives_realistic_lengths():
-    assert _eos_ids("fixed", 1000, 100, [7], from_shape=True) == []
-    assert _eos_ids("eos", 1000, 100, [7], from_shape=False) == [7]
-    stop = _eos_ids("eos", 1000, 100, None, from_shape=True)
+    assert bench_stop_ids("fixed", 1000, 100, [7], from_shape=True) == []
+    assert bench_stop_ids("eos", 1000, 100, [7], from_shape=False) == [7]
+    stop = bench_stop_ids("eos", 1000, 100, None, from_shape=True)
     assert len(stop) == 20 and stop[-1] == 999  # vocab / (new_tokens / 2) ids: mean length ~50 of 100
 
 

@@ -136,7 +136,7 @@ def format_backend(fmt: str, device: torch.device) -> str:
 
 
 # ---- model ---------------------------------------------------------------------------------------
-def _attach_lora(model: nn.Module, rank: int, seed: int) -> nn.Module:
+def attach_bench_lora(model: nn.Module, rank: int, seed: int) -> nn.Module:
     """LoRA on every decoder linear with B ~ N(0, 1e-3): nonzero, so both adapter GEMMs really run."""
     if rank == 0:
         return model
@@ -201,7 +201,7 @@ def _estimate_gib(spec: Any, fmt: str, batch: int, max_len: int, lora_rank: int)
 
 
 # ---- measurement ----------------------------------------------------------------------------------
-def _prompts(batch: int, prompt_len: int, vocab: int, avoid: set[int], seed: int) -> list[list[int]]:
+def random_prompts(batch: int, prompt_len: int, vocab: int, avoid: set[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     out = []
     for _ in range(batch):
@@ -214,7 +214,7 @@ def _prompts(batch: int, prompt_len: int, vocab: int, avoid: set[int], seed: int
     return out
 
 
-def _eos_ids(mode: str, vocab: int, new_tokens: int, model_eos: list[int] | None, from_shape: bool) -> list[int] | None:
+def bench_stop_ids(mode: str, vocab: int, new_tokens: int, model_eos: list[int] | None, from_shape: bool) -> list[int] | None:
     """Stop ids for a cell: [] for fixed length; for random models a vocab/mean_len-sized stop set."""
     if mode == "fixed":
         return []
@@ -225,7 +225,7 @@ def _eos_ids(mode: str, vocab: int, new_tokens: int, model_eos: list[int] | None
     return list(range(vocab - k, vocab))
 
 
-def _precapture(engine: Any, batch: int, shrinking: bool = False) -> None:
+def precapture_graphs(engine: Any, batch: int, shrinking: bool = False) -> None:
     """Capture the decode graphs of every KV-length bucket now, so no capture lands in the timed run;
     ``shrinking`` (EOS-ended or queued workloads, whose batch drains at the end): every smaller batch
     bucket too.
@@ -262,7 +262,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
     engine = BuiltinEngine(model, tokenizer, max_batch_slots=batch, max_model_len=prompt_len + new_tokens,
                            gpu_memory_utilization=gpu_memory_utilization, dtype=torch.bfloat16)
     avoid = set(stop_ids or [])
-    prompts = _prompts(prompts_n or batch, prompt_len, vocab, avoid, seed)
+    prompts = random_prompts(prompts_n or batch, prompt_len, vocab, avoid, seed)
     prof = None
     try:
         with _adapters(model, lora):
@@ -271,7 +271,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
                                       seed=seed + 1)
                 engine.generate(prompts[:batch], warm)
                 if device.type == "cuda" and engine.use_graphs:
-                    _precapture(engine, batch, shrinking=bool(stop_ids) or len(prompts) * generations > batch)
+                    precapture_graphs(engine, batch, shrinking=bool(stop_ids) or len(prompts) * generations > batch)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -714,13 +714,13 @@ def _build(fmt: str, backend: str, work: _Workload, *, spec: Any, model_dir: Pat
         from qerl_cli.models import load_model
 
         model, tokenizer = load_model(str(model_dir), dtype=torch.bfloat16, device=work.device)
-    model = _attach_lora(model, work.lora_rank, work.seed)
+    model = attach_bench_lora(model, work.lora_rank, work.seed)
     return _Model(fmt, backend, model, tokenizer, time.perf_counter() - t0)
 
 
 def _measure(m: _Model, work: _Workload, batch: int, mode: str, lora: str) -> dict[str, Any]:
     """One (format, batch, mode, adapters) cell's numbers; a status when fewer slots than ``batch`` fit."""
-    stop_ids = _eos_ids(mode, m.vocab, work.new_tokens, m.eos, from_shape=work.from_shape)
+    stop_ids = bench_stop_ids(mode, m.vocab, work.new_tokens, m.eos, from_shape=work.from_shape)
     cell = _run_cell(m.model, m.tokenizer, batch=batch, prompt_len=work.prompt_len, new_tokens=work.new_tokens,
                      vocab=m.vocab, stop_ids=stop_ids, device=work.device, gpu_memory_utilization=work.gmu,
                      seed=work.seed, warmup=work.warmup, prompts_n=work.prompts, generations=work.num_generations,
