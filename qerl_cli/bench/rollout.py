@@ -214,7 +214,8 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, avoid: set[int], see
     return out
 
 
-def bench_stop_ids(mode: str, vocab: int, new_tokens: int, model_eos: list[int] | None, from_shape: bool) -> list[int] | None:
+def bench_stop_ids(mode: str, vocab: int, new_tokens: int, model_eos: list[int] | None,
+                   from_shape: bool) -> list[int] | None:
     """Stop ids for a cell: [] for fixed length; for random models a vocab/mean_len-sized stop set."""
     if mode == "fixed":
         return []
