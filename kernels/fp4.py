@@ -217,7 +217,7 @@ def _fp4_tile(w_ptr, s_ptr, lut_ptr, gs, offs_n, k0, N, K, F,
 
 
 @triton.jit
-def _grouped(pid, num_a, num_b, GROUP: tl.constexpr):
+def grouped_pid(pid, num_a, num_b, GROUP: tl.constexpr):
     """Grouped launch order: GROUP consecutive CTAs share one B tile, so each W tile leaves HBM once."""
     per_group = GROUP * num_b
     first_a = (pid // per_group) * GROUP
@@ -296,7 +296,7 @@ def _fp4_mm_v2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                       F32: tl.constexpr, F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                       TILED: tl.constexpr, SERIAL: tl.constexpr):
-    pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -357,7 +357,7 @@ def _fp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, bias_ptr, y_ptr, ws_ptr
                    DECODE: tl.constexpr, F32: tl.constexpr, F16: tl.constexpr,
                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     # swap-AB: the weight tile is the MMA's M side (>= 64 rows) and the few activation rows its N side
-    pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -419,7 +419,7 @@ def _fp4_mm_t_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, dx_ptr,
                      NVFP4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      GROUP_M: tl.constexpr, DECODE: tl.constexpr, F32: tl.constexpr, F16: tl.constexpr,
                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_m, pid_k = _grouped(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(K, BK), GROUP_M)
+    pid_m, pid_k = grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(K, BK), GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BK + tl.arange(0, BK)
     m_mask = offs_m < M

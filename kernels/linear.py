@@ -120,7 +120,7 @@ def w8_t_config(m: int, n: int, k: int) -> TileConfig:
     return TileConfig(64, 64, 64, 4, 3) if m <= 64 else TileConfig(128, 64, 128, 8, 3)
 
 
-# ---- per-module state (load-time, cached in module._kernel_state) ----------------------------------
+# ---- per-module state (load-time, cached in module.kernel_layout_state) ----------------------------------
 @dataclass
 class KernelState:
     key: tuple
@@ -136,7 +136,7 @@ class KernelState:
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: getattr(module, name) for name in module._tensor_names}
+    return {name: getattr(module, name) for name in module.tensor_names}
 
 
 def _key(module: nn.Module) -> tuple:
@@ -146,7 +146,7 @@ def _key(module: nn.Module) -> tuple:
 def kernel_state(module: nn.Module) -> KernelState:
     """Derived, load-time data for `module` (rebuilt when its buffers move or change)."""
     key = _key(module)
-    st = getattr(module, "_kernel_state", None)
+    st = getattr(module, "kernel_layout_state", None)
     if isinstance(st, KernelState) and st.key == key:
         return st
     t = _tensors(module)
@@ -160,7 +160,7 @@ def kernel_state(module: nn.Module) -> KernelState:
         st.repacked = t["weight_packed"]
     if module.fmt == "fp8":
         st.fp8_scale_row = t["weight_scale"].float().reshape(1, -1).contiguous()
-    module._kernel_state = st
+    module.kernel_layout_state = st
     return st
 
 

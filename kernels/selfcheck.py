@@ -156,7 +156,7 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
             tol = 0.06 if (fmt == "fp8" and m >= ql.FP8_ACT_MIN_M) else TOL[torch.bfloat16]
             dy = torch.randn_like(y)
             y.backward(dy)
-            used = isinstance(mod._kernel_state, ql.KernelState)
+            used = isinstance(mod.kernel_layout_state, ql.KernelState)
             out.append({"path": f"QuantLinear-{fmt}-fwd", "M": m, "rel": _rel(y, ref), "tol": tol, "kernel": used,
                         "ok": used and _rel(y, ref) <= tol})
             out.append({"path": f"QuantLinear-{fmt}-dx", "M": m, "rel": _rel(x.grad, dy.double() @ wd),

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 from qerl_kernels._common import INTERPRET, TileConfig, interpreter_config
-from qerl_kernels.fp4 import _grouped, splitk_reduce_kernel
+from qerl_kernels.fp4 import grouped_pid, splitk_reduce_kernel
 
 E4M3_MAX = 448.0
 
@@ -44,7 +44,7 @@ def _w8_mm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_
                   IS_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                   F32: tl.constexpr, F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -82,7 +82,7 @@ def _w8_mm_t_kernel(dy_ptr, w_ptr, s_ptr, dx_ptr, M, N, K, stride_dym, stride_dx
                     IS_FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     GROUP_M: tl.constexpr, F32: tl.constexpr, F16: tl.constexpr,
                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_m, pid_k = _grouped(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(K, BK), GROUP_M)
+    pid_m, pid_k = grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(K, BK), GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BK + tl.arange(0, BK)
     m_mask = offs_m < M

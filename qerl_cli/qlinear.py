@@ -50,15 +50,15 @@ class QuantLinear(nn.Module):
         self.fmt = fmt
         self.dtype = dtype
         self.group_size = group_size
-        self._tensor_names = tuple(tensors)
+        self.tensor_names = tuple(tensors)
         for name, t in tensors.items():
             self.register_buffer(name, t)
         self.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False) if bias is not None else None
         # Optional CPU-side cache of the dequantized weight (off by default: it costs the bf16 memory
         # the format exists to save). Trainers on CPU switch it on for speed.
         self.cache_dequantized = False
-        self._cache: torch.Tensor | None = None
-        self._kernel_state: object | None = None  # load-time data owned by qerl_kernels
+        self.dequantized_cache: torch.Tensor | None = None
+        self.kernel_layout_state: object | None = None  # load-time data owned by qerl_kernels
         # Byte order of `weight_packed` (FP4): None = the checkpoint's; "rows" or "tiled" = qerl_kernels'
         # load-time repack, done in place so the GPU holds one copy. Shared by modules whose tensors share
         # storage (`fuse_quant_linears`), which are always in one order.
@@ -91,7 +91,7 @@ class QuantLinear(nn.Module):
     @property
     def quantized_weight(self) -> QuantizedWeight:
         """The checkpoint-layout tensors (a transient unrepacked copy of `weight_packed` if it is repacked)."""
-        tensors = {name: getattr(self, name) for name in self._tensor_names}
+        tensors = {name: getattr(self, name) for name in self.tensor_names}
         if self._layout.kind is not None:
             tensors["weight_packed"] = self._layout.checkpoint_bytes(tensors["weight_packed"])
         return QuantizedWeight(self.fmt, (self.out_features, self.in_features), tensors, self.dtype, self.group_size)
@@ -114,26 +114,26 @@ class QuantLinear(nn.Module):
         out = super()._apply(fn, recurse)
         if self.qweight.data_ptr() != ptr:
             self._layout = PackedLayout(self)
-            self._kernel_state = None
+            self.kernel_layout_state = None
         return out
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
         if self.cache_dequantized:
-            if self._cache is None or self._cache.dtype != dtype:
-                self._cache = dequantize(self.quantized_weight, dtype)
-            return self._cache
+            if self.dequantized_cache is None or self.dequantized_cache.dtype != dtype:
+                self.dequantized_cache = dequantize(self.quantized_weight, dtype)
+            return self.dequantized_cache
         return dequantize(self.quantized_weight, dtype)
 
     @property
     def qweight(self) -> torch.Tensor:
         """The main packed tensor (peft and other tools look here for the layer's device)."""
-        return getattr(self, self._tensor_names[0])
+        return getattr(self, self.tensor_names[0])
 
     @property
     def weight_nbytes(self) -> int:
         # from the buffers as they are (the repack has the same size; no transient unrepacked copy)
-        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._tensor_names)
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self.tensor_names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -211,10 +211,10 @@ class PackedLayout:
             return
         for m in self._targets():
             m.weight_packed.copy_(self.checkpoint_bytes(m.weight_packed))
-            m._kernel_state = None
+            m.kernel_layout_state = None
         for m in (r() for r in getattr(self, "parts", ())):
             if m is not None:
-                m._kernel_state = None
+                m.kernel_layout_state = None
         self.kind = None
 
     def checkpoint_bytes(self, packed: torch.Tensor) -> torch.Tensor:
@@ -250,7 +250,7 @@ def fuse_quant_linears(modules: Sequence[QuantLinear]) -> QuantLinear:
     for i, m in enumerate(parts):
         if not isinstance(m, QuantLinear):
             raise QerlError(f"fuse_quant_linears: part {i} is a {type(m).__name__}, not a QuantLinear")
-        for attr in ("fmt", "in_features", "dtype", "group_size", "act_quant", "_tensor_names"):
+        for attr in ("fmt", "in_features", "dtype", "group_size", "act_quant", "tensor_names"):
             if getattr(m, attr) != getattr(first, attr):
                 raise QerlError(
                     f"fuse_quant_linears: part {i} has {attr}={getattr(m, attr)!r} but part 0 has "
@@ -262,14 +262,14 @@ def fuse_quant_linears(modules: Sequence[QuantLinear]) -> QuantLinear:
             raise QerlError(f"fuse_quant_linears: part {i} is on {m.qweight.device}, part 0 on "
                             f"{first.qweight.device}; move the model to one device before fusing")
         for name in _SHARED_TENSORS:
-            if name in m._tensor_names and not torch.equal(getattr(m, name), getattr(first, name)):
+            if name in m.tensor_names and not torch.equal(getattr(m, name), getattr(first, name)):
                 raise QerlError(
                     f"fuse_quant_linears: part {i} has a different {name} than part 0; re-quantize the layers "
                     f"with one shared global scale (qerl quantize does this for q/k/v and gate/up)")
     n_total = sum(m.out_features for m in parts)
     k = first.in_features
     tensors: dict[str, torch.Tensor] = {}
-    for name in first._tensor_names:
+    for name in first.tensor_names:
         if name in _SHARED_TENSORS:
             tensors[name] = getattr(first, name).detach()
         elif name == _SHAPE_TENSOR:
@@ -289,7 +289,7 @@ def fuse_quant_linears(modules: Sequence[QuantLinear]) -> QuantLinear:
     offsets = dict.fromkeys(tensors, 0)
     row0 = 0
     for m in parts:
-        for name in first._tensor_names:
+        for name in first.tensor_names:
             if name == _SHAPE_TENSOR:
                 continue
             if name in _SHARED_TENSORS:
@@ -301,7 +301,7 @@ def fuse_quant_linears(modules: Sequence[QuantLinear]) -> QuantLinear:
         if bias is not None:
             m.bias = nn.Parameter(fused.bias.data[row0:row0 + m.out_features], requires_grad=False)
         row0 += m.out_features
-        m._cache = None
-        m._kernel_state = None
+        m.dequantized_cache = None
+        m.kernel_layout_state = None
         m._layout = layout
     return fused

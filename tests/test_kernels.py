@@ -159,8 +159,8 @@ def test_quant_linear_forward_backward(fmt: str, k: int, n: int) -> None:
     x = torch.randn(2, 3, k, requires_grad=True)
     y = quant_linear(x, mod)
     assert y is not None and y.shape == (2, 3, n)
-    assert isinstance(mod._kernel_state, KernelState) and kernel_state(mod) is mod._kernel_state
-    assert mod._kernel_state.tiled == (fmt in ("nvfp4", "mxfp4") and k % 128 == 0 and n % 64 == 0)
+    assert isinstance(mod.kernel_layout_state, KernelState) and kernel_state(mod) is mod.kernel_layout_state
+    assert mod.kernel_layout_state.tiled == (fmt in ("nvfp4", "mxfp4") and k % 128 == 0 and n % 64 == 0)
     assert _rel(y, x.double() @ wd.T + mod.bias.double()) < TOL[torch.float32]
     node = y.grad_fn.next_functions[0][0]  # below the reshape back to [2, 3, n]
     assert type(node).__name__ == "QuantLinearFunctionBackward"

@@ -16,17 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"qerl_cli": ROOT / "qerl_cli", "qerl_kernels": ROOT / "kernels"}
 
 # (file, private name) -> why it is allowed for now. Remove an entry when its owner fixes the call.
-ALLOWED = {
-    ("kernels/w8.py", "_grouped"): "kernels/ (k14): fp4.py's grouped-launch helper, shared by the W8 kernels",
-    # QuantLinear's kernel half: kernels/linear.py and the self-check run a QuantLinear and keep their per-module
-    # layout state on it; FlashRL refreshes a QuantLinear's packed tensors in place (one resident copy).
-    ("kernels/linear.py", "_kernel_state"): "QuantLinear's kernel half (qlinear.py documents the shared state)",
-    ("kernels/linear.py", "_tensor_names"): "QuantLinear's kernel half",
-    ("kernels/selfcheck.py", "_kernel_state"): "QuantLinear's kernel half",
-    ("qerl_cli/train/rollout_quant.py", "_kernel_state"): "refreshes QuantLinear's packed weights in place",
-    ("qerl_cli/train/rollout_quant.py", "_tensor_names"): "refreshes QuantLinear's packed weights in place",
-    ("qerl_cli/train/rollout_quant.py", "_cache"): "refreshes QuantLinear's packed weights in place",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _private(name: str) -> bool:

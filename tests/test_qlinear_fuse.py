@@ -53,7 +53,7 @@ def test_fused_forward_is_the_concatenation_and_parts_are_views(fmt: str) -> Non
                 assert _within(t, getattr(fused, name)), name
         assert _within(p.bias, fused.bias)
     # no weight byte twice: the parts' row tensors tile the fused tensors exactly
-    for name in fused._tensor_names:
+    for name in fused.tensor_names:
         if name in ("weight_global_scale", "quant_map", "weight_shape"):
             continue
         ptrs = [getattr(p, name).data_ptr() for p in parts]

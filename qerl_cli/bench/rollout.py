@@ -181,7 +181,7 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
         resident += t.numel() * t.element_size()
         storages.add(t.untyped_storage().data_ptr())
     for m in model.modules():
-        st = getattr(m, "_kernel_state", None)
+        st = getattr(m, "kernel_layout_state", None)
         rep = getattr(st, "repacked", None)
         # the FP4 repack is made in place (qerl_kernels): count it only if it is a separate copy
         if isinstance(rep, torch.Tensor) and rep.untyped_storage().data_ptr() not in storages:

@@ -168,7 +168,7 @@ class RolloutQuant:
             bias = _bias(src)
             if ql.bias is not None and bias is not None:
                 ql.bias.copy_(bias.detach())
-            ql._cache = None
+            ql.dequantized_cache = None
             _refresh_kernel_state(ql)
         if sync:
             torch.cuda.synchronize()
@@ -217,14 +217,14 @@ def _refresh_kernel_state(ql: QuantLinear) -> None:
     """The kernels cache tensors derived from the weight (FP8 scale row, FP4 repack) keyed by buffer address,
     which in-place updates keep: refresh them in place too (graphs read their addresses), or drop the
     state when a Python-level constant baked into the launch changed (MXFP4 shift; next launch rebuilds)."""
-    st = getattr(ql, "_kernel_state", None)
+    st = getattr(ql, "kernel_layout_state", None)
     if st is None:
         return
     from qerl_kernels.fp4 import kernel_scales, mxfp4_shift, repack_fp4
 
-    t = {n: getattr(ql, n) for n in ql._tensor_names}
+    t = {n: getattr(ql, n) for n in ql.tensor_names}
     if ql.format.power_of_two_scales and mxfp4_shift(t["weight_scale"]) != st.shift:
-        ql._kernel_state = None
+        ql.kernel_layout_state = None
         return
     if st.fp8_scale_row is not None:
         st.fp8_scale_row.copy_(t["weight_scale"].float().reshape(1, -1))
