@@ -12,13 +12,13 @@ import yaml
 
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import FORMATS, rollout_formats
+from qerl_cli.precision import PRECISIONS
+from qerl_cli.train.losses import ALGOS
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-ALGOS = ("grpo", "dapo", "dr_grpo", "gspo", "pg_seq_is", "pg_seq_tis")
 CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mis")
-PRECISIONS = ("bf16", "fp16", "fp32")
 SCALE_REWARDS = ("group", "batch", "none")
 FINETUNES = ("lora", "full")
 ROLLOUT_QUANTS = ("none", *rollout_formats())
