@@ -37,7 +37,7 @@ from torch import nn
 from qerl_cli.bench import harness
 from qerl_cli.bench.harness import SCI, figure, num, save_figure
 from qerl_cli.errors import QerlError
-from qerl_cli.precision import PRECISIONS
+from qerl_cli.precision import PRECISIONS, dtype_of
 
 DEFAULT_PRECISIONS = ("bf16", "fp16", "fp32")
 DEFAULT_FORMATS = ("bf16", "nvfp4", "mxfp4", "int8", "fp8")
@@ -285,7 +285,7 @@ def bench_mismatch(
     scatter: dict[tuple[str, str], dict[str, Any]] = {}
 
     def measure(fmt: str, prec: str, qcache: dict[tuple[str, Any], dict[str, Any]]) -> dict[str, Any]:
-        dtype = PRECISIONS[prec]
+        dtype = dtype_of(prec)
         model = None
         try:
             if model_dir is None:
