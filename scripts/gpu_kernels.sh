@@ -19,6 +19,14 @@ MS=${QERL_BENCH_MS:-"1 16 64 128 256 512 2048"}
 job_start gpu_kernels out/gpu 0 nolog
 qerl_shim
 install_wheels .whl out/humming  # peers: bitsandbytes, gemlite; humming (its other deps are in the image)
+# ncu over the profiler-marked region of a command: run_ncu TIMEOUT OUTFILE [--section X ...] COMMAND...
+# (the clocks are left as they are: --clock-control none)
+run_ncu() {
+  local limit=$1 out=$2; shift 2
+  local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout "$limit" "$ncu" --clock-control none --profile-from-start off --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats "$@" > "$out" 2>&1
+}
 export HUMMING_CACHE_DIR=${HUMMING_CACHE_DIR:-/tmp/humming_cache} QERL_KERNEL_CACHE=${QERL_KERNEL_CACHE:-/tmp/qerl_plans}
 
 if has info; then
@@ -174,10 +182,7 @@ for x, mod, lay in runs:
 torch.cuda.synchronize()
 torch.cuda.profiler.stop()
 EOF
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  timeout "${QERL_NCU_TIMEOUT:-90}" "$NCU" --clock-control none --profile-from-start off \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    python3 /tmp/qk/prof14.py > "$OUT/ncu14.txt" 2>&1
+  run_ncu "${QERL_NCU_TIMEOUT:-90}" "$OUT/ncu14.txt" python3 /tmp/qk/prof14.py
   grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|Block Size|Waves Per SM|Warp Cycles Per Issued|Stall" "$OUT/ncu14.txt" | head -60
 fi
 if has cudasweep; then  # the CUDA kernel's configurations on the 7B GEMMs (the plan's rule comes from this)
@@ -240,10 +245,7 @@ for x, mod, lay in runs:
 torch.cuda.synchronize()
 torch.cuda.profiler.stop()
 EOF
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  timeout "${QERL_NCU_TIMEOUT:-120}" "$NCU" --clock-control none --profile-from-start off \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis python3 /tmp/qk/profcuda.py > "$OUT/ncucuda.txt" 2>&1
+  run_ncu "${QERL_NCU_TIMEOUT:-120}" "$OUT/ncucuda.txt" --section MemoryWorkloadAnalysis python3 /tmp/qk/profcuda.py
   grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Stall" "$OUT/ncucuda.txt" | cut -c1-150 | head -120
 fi
 stamp done

@@ -93,3 +93,12 @@ def e8m0_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 def e8m0_to_float(code: torch.Tensor) -> torch.Tensor:
     return torch.exp2(code.to(torch.float32) - 127.0)
+
+
+def dequantize_fp4_blocks(packed: torch.Tensor, block_scale: torch.Tensor, block: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] weight from packed E2M1 codes and one fp32 scale per block of ``block`` along K (NVFP4 passes its
+    effective scale S_blk / G, MXFP4 its power of two)."""
+    q = e2m1_decode(unpack_fp4(packed))
+    n, k = q.shape
+    return (q.reshape(n, k // block, block) * block_scale.unsqueeze(-1)).reshape(n, k).to(dtype)

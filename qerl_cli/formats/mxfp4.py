@@ -10,12 +10,11 @@ import torch
 from qerl_cli.formats.base import TRITON, CompressedTensorsFormat, blocks
 from qerl_cli.formats.fp4 import (
     E2M1_MAX,
-    e2m1_decode,
+    dequantize_fp4_blocks,
     e2m1_encode,
     e8m0_from_amax,
     e8m0_to_float,
     pack_fp4,
-    unpack_fp4,
 )
 
 BLOCK = 32
@@ -30,10 +29,7 @@ def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def dequantize_mxfp4(t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    q = e2m1_decode(unpack_fp4(t["weight_packed"]))
-    n, k = q.shape
-    scale = e8m0_to_float(t["weight_scale"])
-    return (q.reshape(n, k // BLOCK, BLOCK) * scale.unsqueeze(-1)).reshape(n, k).to(dtype)
+    return dequantize_fp4_blocks(t["weight_packed"], e8m0_to_float(t["weight_scale"]), BLOCK, dtype)
 
 
 class MXFP4(CompressedTensorsFormat):

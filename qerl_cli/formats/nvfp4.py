@@ -14,11 +14,10 @@ from qerl_cli.formats.fp4 import (
     E2M1_MAX,
     E4M3_EPS,
     E4M3_MAX,
-    e2m1_decode,
+    dequantize_fp4_blocks,
     e2m1_encode,
     pack_fp4,
     to_e4m3,
-    unpack_fp4,
 )
 
 BLOCK = 16
@@ -50,10 +49,8 @@ def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | None = None) ->
 
 
 def dequantize_nvfp4(t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    q = e2m1_decode(unpack_fp4(t["weight_packed"]))
-    n, k = q.shape
     eff = t["weight_scale"].float() / t["weight_global_scale"].float()
-    return (q.reshape(n, k // BLOCK, BLOCK) * eff.unsqueeze(-1)).reshape(n, k).to(dtype)
+    return dequantize_fp4_blocks(t["weight_packed"], eff, BLOCK, dtype)
 
 
 class NVFP4(CompressedTensorsFormat):
