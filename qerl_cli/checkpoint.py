@@ -70,11 +70,6 @@ def fused_global_scales(targets: dict[str, nn.Linear]) -> dict[str, torch.Tensor
     return scales
 
 
-def ct_quantization_config(fmt: str, ignore: list[str], group_size: int | None) -> Any:
-    """compressed-tensors' `QuantizationConfig` of a compressed-tensors format (`fmt`'s preset)."""
-    return get_format(fmt).quantization_config(ignore, group_size)
-
-
 def save_tensors(state: dict[str, torch.Tensor], out_dir: Path) -> list[str]:
     """Write safetensors shards (and an index when there is more than one); returns file names."""
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -17,7 +17,6 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import (
-    FORMATS,
     QuantizedWeight,
     WeightFormat,
     dequantize,
@@ -151,11 +150,6 @@ class QuantLinear(nn.Module):
         gs = f", group_size={self.group_size}" if self.group_size else ""
         aq = f", act_quant={self.act_quant}" if self.act_quant else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}{gs}{aq}"
-
-
-# The schemes qerl writes for the 8-bit formats quantize activations per token at run time (W8A8):
-# format name -> activation quantization, from the registry (kept for callers that index it by name).
-DEFAULT_ACT_QUANT = {name: f.act_quant for name, f in FORMATS.items() if f.act_quant}
 
 
 def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:

@@ -130,11 +130,6 @@ def _check_args(shape: str | None, run_dir: Path | None, formats: Iterable[str],
     return fmts, bs
 
 
-def format_backend(fmt: str, device: torch.device) -> str:
-    """Which code runs a format's linears here: qerl-triton | cublas | torch | bitsandbytes | reference."""
-    return get_format(fmt).kernel_backend(device)
-
-
 # ---- model ---------------------------------------------------------------------------------------
 def attach_bench_lora(model: nn.Module, rank: int, seed: int) -> nn.Module:
     """LoRA on every decoder linear with B ~ N(0, 1e-3): nonzero, so both adapter GEMMs really run."""
@@ -650,7 +645,7 @@ def _bench_format(res: dict[str, Any], fmt: str, batches: list[int], work: _Work
                   model_dir: Path | None, cap_gib: float | None, max_len: int, budget: harness.Budget,
                   cell_times: dict[tuple[int, str, str], float], log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every cell of one format: the model built once, then one row per (batch, mode, adapters)."""
-    backend = format_backend(fmt, work.device)
+    backend = get_format(fmt).kernel_backend(work.device)
     rows: list[dict[str, Any]] = []
     fitting = list(batches)
     if cap_gib is not None:  # a shape model on a GPU: leave out what cannot fit before trying it

@@ -39,6 +39,7 @@ def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: 
     """A Trainer over an in-memory random shape model (no run directory), on this rank's device."""
     from qerl_cli.bench.shapes import get_shape
     from qerl_cli.bench.step import build_shape_model
+    from qerl_cli.device import pick as pick_device
     from qerl_cli.manifest import RunDir
     from qerl_cli.tasks.datasets import Example, Task
     from qerl_cli.train.config import TrainConfig
@@ -46,7 +47,7 @@ def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: 
     from qerl_cli.train.trainer import Trainer
 
     ctx = current()
-    dev = torch.device(device or ctx.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = pick_device(device or ctx.device)
     precision = "bf16" if dev.type == "cuda" else "fp32"
     cfg = TrainConfig(algo="dapo", steps=10**6, batch_prompts=batch_prompts, num_generations=num_generations,
                       max_completion_length=new_tokens, lora_rank=lora_rank, precision=precision,

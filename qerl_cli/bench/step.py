@@ -256,7 +256,8 @@ def bench_step(
             cell_cfg = build_bench_config(default_config(device, warmup, measure),
                                           {**dict(overrides or {}), "rollout_quant": rollout_quant})
             cell_cfg.steps = cfg.steps
-        backend = _backend(fmt, device) + (f", rollouts {_backend(rollout_quant, device)}" if rollout_quant else "")
+        backend = get_format(fmt).kernel_backend(device) + (
+            f", rollouts {get_format(rollout_quant).kernel_backend(device)}" if rollout_quant else "")
         step = _FormatStep(res, cell, fmt, backend, cell_cfg, device, dtype, warmup=warmup, measure=measure,
                            prompt_len=prompt_len, seed=seed, spec=spec, run=run, out=out, log=log)
         cells.append(harness.Cell({"format": cell, "backend": backend}, step.measure, cell))
@@ -347,11 +348,6 @@ class _FormatStep:
         row["model_dir"] = str(model_dir)
         self.res["model"] = str(self.run.path)
 
-
-def _backend(fmt: str, device: torch.device) -> str:
-    from qerl_cli.bench.rollout import format_backend
-
-    return format_backend(fmt, device)
 
 
 def _targets(res: dict[str, Any], cfg: Any) -> list[dict[str, Any]]:

@@ -42,8 +42,6 @@ from qerl_cli.formats.w8 import FP8, INT8, fake_quantize_activations
 
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (NVFP4(), MXFP4(), INT4(), INT8(), FP8(), NF4(), BF16())}
 
-FormatSpec = WeightFormat  # the name the registry's entries had before they were objects
-
 
 def get_format(name: str | WeightFormat) -> WeightFormat:
     """The format called `name` (a `WeightFormat` passes through); a one-line QerlError naming the choices."""
@@ -99,7 +97,7 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.T
 
 __all__ = [
     "BITSANDBYTES", "CUBLAS", "E2M1_VALUES", "FORMATS", "NF4_CODE", "REFERENCE", "TORCH", "TRITON",
-    "CompressedTensorsFormat", "FormatSpec", "QuantizedWeight", "WeightFormat", "dequantize", "detect",
+    "CompressedTensorsFormat", "QuantizedWeight", "WeightFormat", "dequantize", "detect",
     "e2m1_decode", "e2m1_encode", "e8m0_from_amax", "e8m0_to_float", "fake_quantize_activations", "get_format",
     "int4_group_size", "nvfp4_global_scale", "pack_fp4", "quantize", "rollout_formats", "to_e4m3",
     "unpack_fp4", "unpack_int4",

@@ -400,11 +400,13 @@ class CudaGraphDecoder:
     def bucket(self, b: int) -> int:
         return next(s for s in self.buckets if s >= b)
 
-    def ensure_captured(self, bs: int, kv_len: int) -> None:
-        """Capture the graph of (batch bucket ``bs``, ``kv_len``) now unless it exists (benches keep captures
-        out of their timed runs)."""
-        if (bs, kv_len) not in self.graphs:
-            self.graphs[(bs, kv_len)] = self._capture(bs, kv_len)
+    def ensure_captured(self, bs: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of (batch bucket ``bs``, ``kv_len``) and its output, captured now unless it exists
+        (benches call it to keep captures out of their timed runs)."""
+        entry = self.graphs.get((bs, kv_len))
+        if entry is None:
+            entry = self.graphs[(bs, kv_len)] = self._capture(bs, kv_len)
+        return entry
 
     def _capture(self, bs: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         tokens, positions = self.tokens[:bs], self.positions[:bs]
@@ -427,11 +429,7 @@ class CudaGraphDecoder:
         if bs > b:
             self.tokens[b:bs].zero_()
             self.positions[b:bs].zero_()
-        key = (bs, kv_len)
-        entry = self.graphs.get(key)
-        if entry is None:
-            entry = self.graphs[key] = self._capture(bs, kv_len)
-        graph, out = entry
+        graph, out = self.ensure_captured(bs, kv_len)
         graph.replay()
         return out[:b]
 
