@@ -362,19 +362,22 @@ def bench_sanity(
     hi: Annotated[float, Opt(help="Highest pass rate kept.")] = 0.8,
     seeds: Annotated[int, Opt(help="Seeds per cell (mean and 95% interval over them).")] = 1,
     seed_start: Annotated[int | None, Opt(help="First seed (default: the config's seed).")] = None,
-    heldout: Annotated[int, Opt(help="Held-out test problems scored after training (0: none).")] = 0,
+    heldout: Annotated[int, Opt(help="Held-out test problems scored before and after training (0: none).")] = 0,
+    heldout_samples: Annotated[int, Opt(help="Samples per held-out problem.")] = 32,
     stop: Annotated[bool, Opt("--stop/--no-stop", help="--no-stop: completions run to max length.")] = True,
+    skip: Annotated[list[str] | None, Opt("--skip", help="Leave out the grid cells with KEY=V[,KEY=V] (repeatable).")]
+    = None,
     time_budget: Annotated[float | None, Opt(help="Seconds after which no further (seed, cell) run starts.")] = None,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench).")] = None,
 ) -> None:
     """Steps until training accuracy > 95% on the model's perfectible problems, per grid cell and seed."""
     from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.bench.sanity import bench_sanity as run_bench
-    from qerl_cli.bench.sanity import parse_axes
+    from qerl_cli.bench.sanity import parse_axes, parse_skip
 
     res = run_bench(run_dir=run, grid=parse_axes(grid), overrides=parse_sets(set_), candidates=candidates,
-                    samples=samples, lo=lo, hi=hi, seeds=seeds, seed_start=seed_start, heldout=heldout, stop=stop,
-                    time_budget_s=time_budget,
+                    samples=samples, lo=lo, hi=hi, seeds=seeds, seed_start=seed_start, heldout=heldout,
+                    heldout_samples=heldout_samples, stop=stop, skip=parse_skip(skip), time_budget_s=time_budget,
                     out_dir=out, log=_progress)
     _show(res)
 

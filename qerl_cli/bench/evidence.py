@@ -1,8 +1,9 @@
-"""The evidence study: the four seed claims, each a set of pre-stated comparisons over seeds, with verdicts.
+"""The evidence study: the four seed claims, each a set of comparisons fixed before the run, with verdicts.
 
 Inputs are ``qerl bench sanity --seeds ...`` results (``sanity.json``), grouped by the study that produced
 them (several files per group when the seeds ran as parallel processes; they must share one perfectible
-subset). Groups and their grids (scripts/gpu_evidence.sh runs them; docs/evidence.md states the hypotheses):
+subset). Groups and their grids (scripts/gpu_evidence.sh runs them; docs/evidence.md states the hypotheses
+and the rules):
 
 - ``qerl``:    format = bf16, nvfp4  x  aqn = false, true                      (claims 1 and 2)
 - ``flashrl``: bf16 base, rollout_quant = none, int8, fp8  x  correction = none, token_tis   (claim 3)
@@ -10,14 +11,18 @@ subset). Groups and their grids (scripts/gpu_evidence.sh runs them; docs/evidenc
 
 Each comparison (a :class:`Part`) takes one per-seed scalar (bench/sanity.py ``seed_scalars``) of cell A
 and of cell B (or of the best B among several, or zero), orients the difference so that > 0 favours the
-claim, and gives it a bootstrap interval (paired by seed on the seeds both cells ran, when there are at
-least two; the others are dropped), a Mann-Whitney p and a verdict (bench/stats.py ``verdict``).
-A claim's verdict combines its parts (``stats.combine``).
+claim, and hands it to ``stats.compare``: paired by seed on the seeds both cells ran (a paired t interval, an
+exact sign-flip p, the percentile bootstrap only from ``stats.BOOTSTRAP_MIN_N`` pairs), Welch's interval and a
+Mann-Whitney p when they share fewer than two seeds. Beside the verdict stand the seeds that would decide the
+part. A claim's verdict combines its parts (``stats.combine``). The same sanity files always give the same
+tables (every random draw is seeded); evidence.md names the files with their sha256 and the command that
+re-runs it.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,14 +33,18 @@ from qerl_cli.bench import harness
 from qerl_cli.bench.harness import SIG, figure, num, save_figure
 from qerl_cli.errors import QerlError
 
-SCHEMA = 1
+SCHEMA = 2
 GROUPS = ("qerl", "flashrl", "fp16")
-CURVE_METRICS = ("accuracy", "entropy", "k3")
+CURVE_METRICS = ("accuracy", "entropy", "sampling_entropy", "k3")
+TARGET_PAIRS = 8  # the study's target: every part from at least this many paired seeds (or a power argument)
 
 # Smallest differences that matter (the margins of the verdicts): 5 accuracy points, one step, 0.02 nats.
 ACC_MARGIN = 0.05
 STEP_MARGIN = 1.0
 ENTROPY_MARGIN = 0.02
+
+# the modules whose code decides the tables: their sha256 is the analysis version in every evidence file
+ANALYSIS_MODULES = ("bench/stats.py", "bench/evidence.py", "bench/sanity.py")
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class Part:
     kind: str  # stats.verdict kinds: better | noninferior | equivalent
     margin: float
     best_of: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # B = the best of these by mean (sign-wise)
+    levels: tuple[str, ...] = ()  # per-seed scalars reported beside a gain (the levels it is the difference of)
 
 
 def _nv(fmt: str, aqn: bool) -> dict[str, Any]:
@@ -64,19 +74,25 @@ def _fp(prec: str, algo: str) -> dict[str, Any]:
     return {"precision": prec, "algo": algo}
 
 
+HELDOUT_LEVELS = ("heldout_before", "heldout")
+
 CLAIMS: dict[int, dict[str, str]] = {
-    1: {"title": "QeRL: NVFP4 + LoRA learns at least as fast as BF16 + LoRA; quantization raises early entropy",
-        "hypothesis": "With AQN off, NVFP4 needs no more than one step more than BF16 to pass 95% training "
-                      "accuracy, ends within 5 points of it on held-out problems, and has a higher mean policy "
-                      "entropy over the first 3 steps."},
-    2: {"title": "QeRL: AQN raises early entropy and reward, for NVFP4 and for BF16 weights",
-        "hypothesis": "For each base format, AQN on (sigma 1e-2 -> 5e-4 in stages; stage 0 has none) gives a "
-                      "higher mean entropy and a higher mean reward than AQN off over the first 4 steps from "
-                      "AQN stage 1 (the first noisy steps)."},
+    1: {"title": "QeRL: NVFP4 + LoRA learns at least as fast as BF16 + LoRA; quantization raises the initial "
+                 "entropy",
+        "hypothesis": "With AQN off, on a training set fair to both (every problem 10-90% solved by both models "
+                      "before training), NVFP4 needs at most one step more than BF16 to pass 95% training "
+                      "accuracy, gains at least as much held-out accuracy (within 5 points) from the same run, "
+                      "and its rollouts at step 1 (no update yet) have a higher policy entropy."},
+    2: {"title": "QeRL: AQN raises the sampling policy's entropy, and then reward and held-out gain, for NVFP4 "
+                 "and for BF16 weights",
+        "hypothesis": "For each base format, AQN on (sigma 1e-2 -> 5e-4 in stages; stage 0 has none) gives a higher "
+                      "entropy of the noisy rollout policy over the first 4 noisy steps, a higher training reward "
+                      "over the steps after them, and a larger held-out gain than AQN off."},
     3: {"title": "FlashRL: INT8/FP8 rollouts with token TIS (C = 2) match BF16 rollouts; without TIS they fall "
                  "behind",
-        "hypothesis": "On a BF16 base, INT8 and FP8 rollouts with token TIS end (final training accuracy plateau) "
-                      "within 5 points of BF16 rollouts; without TIS they end below BF16 rollouts."},
+        "hypothesis": "On a BF16 base and a task the BF16 arm does not saturate, INT8 and FP8 rollouts with token "
+                      "TIS end (training accuracy over the last quarter of the steps) within 5 points of BF16 "
+                      "rollouts; without TIS they end at least 5 points below BF16 rollouts."},
     4: {"title": "FP16 study: BF16 mismatch grows and precedes collapse, FP16 stays stable; PG-Seq-IS in FP16 "
                  "matches the best BF16 method",
         "hypothesis": "With completions of max_completion_length tokens, GRPO in BF16 has a larger late mismatch "
@@ -87,43 +103,49 @@ CLAIMS: dict[int, dict[str, str]] = {
 PARTS: tuple[Part, ...] = (
     Part(1, "steps to > 95%: nvfp4 vs bf16 (AQN off)", "qerl", _nv("nvfp4", False), _nv("bf16", False),
          "steps_to_threshold", -1, "noninferior", STEP_MARGIN),
-    Part(1, "held-out accuracy: nvfp4 vs bf16 (AQN off)", "qerl", _nv("nvfp4", False), _nv("bf16", False),
-         "heldout", +1, "noninferior", ACC_MARGIN),
-    Part(1, "early entropy: nvfp4 vs bf16 (AQN off)", "qerl", _nv("nvfp4", False), _nv("bf16", False),
-         "early_entropy", +1, "better", ENTROPY_MARGIN),
-    Part(2, "noisy-window entropy: AQN on vs off (nvfp4)", "qerl", _nv("nvfp4", True), _nv("nvfp4", False),
-         "noisy_entropy", +1, "better", ENTROPY_MARGIN),
-    Part(2, "noisy-window reward: AQN on vs off (nvfp4)", "qerl", _nv("nvfp4", True), _nv("nvfp4", False),
-         "noisy_reward", +1, "better", ACC_MARGIN),
-    Part(2, "noisy-window entropy: AQN on vs off (bf16)", "qerl", _nv("bf16", True), _nv("bf16", False),
-         "noisy_entropy", +1, "better", ENTROPY_MARGIN),
-    Part(2, "noisy-window reward: AQN on vs off (bf16)", "qerl", _nv("bf16", True), _nv("bf16", False),
-         "noisy_reward", +1, "better", ACC_MARGIN),
-    Part(3, "final: int8 + TIS vs bf16 rollouts", "flashrl", _fr("int8", "token_tis"), _fr("none", "none"),
-         "final", +1, "equivalent", ACC_MARGIN),
-    Part(3, "final: fp8 + TIS vs bf16 rollouts", "flashrl", _fr("fp8", "token_tis"), _fr("none", "none"),
-         "final", +1, "equivalent", ACC_MARGIN),
-    Part(3, "final: int8 without TIS below bf16 rollouts", "flashrl", _fr("int8", "none"), _fr("none", "none"),
-         "final", -1, "better", ACC_MARGIN),
-    Part(3, "final: fp8 without TIS below bf16 rollouts", "flashrl", _fr("fp8", "none"), _fr("none", "none"),
-         "final", -1, "better", ACC_MARGIN),
+    Part(1, "held-out gain: nvfp4 vs bf16 (AQN off)", "qerl", _nv("nvfp4", False), _nv("bf16", False),
+         "heldout_gain", +1, "noninferior", ACC_MARGIN, levels=HELDOUT_LEVELS),
+    Part(1, "initial entropy (step 1): nvfp4 vs bf16 (AQN off)", "qerl", _nv("nvfp4", False), _nv("bf16", False),
+         "initial_entropy", +1, "better", ENTROPY_MARGIN),
+    Part(2, "sampling entropy, noisy window: AQN on vs off (nvfp4)", "qerl", _nv("nvfp4", True), _nv("nvfp4", False),
+         "noisy_sampling_entropy", +1, "better", ENTROPY_MARGIN),
+    Part(2, "reward after the noisy window: AQN on vs off (nvfp4)", "qerl", _nv("nvfp4", True), _nv("nvfp4", False),
+         "post_noise_reward", +1, "better", ACC_MARGIN),
+    Part(2, "held-out gain: AQN on vs off (nvfp4)", "qerl", _nv("nvfp4", True), _nv("nvfp4", False),
+         "heldout_gain", +1, "better", ACC_MARGIN, levels=HELDOUT_LEVELS),
+    Part(2, "sampling entropy, noisy window: AQN on vs off (bf16)", "qerl", _nv("bf16", True), _nv("bf16", False),
+         "noisy_sampling_entropy", +1, "better", ENTROPY_MARGIN),
+    Part(2, "reward after the noisy window: AQN on vs off (bf16)", "qerl", _nv("bf16", True), _nv("bf16", False),
+         "post_noise_reward", +1, "better", ACC_MARGIN),
+    Part(2, "held-out gain: AQN on vs off (bf16)", "qerl", _nv("bf16", True), _nv("bf16", False),
+         "heldout_gain", +1, "better", ACC_MARGIN, levels=HELDOUT_LEVELS),
+    Part(3, "late accuracy: int8 + TIS vs bf16 rollouts", "flashrl", _fr("int8", "token_tis"), _fr("none", "none"),
+         "late_accuracy", +1, "equivalent", ACC_MARGIN),
+    Part(3, "late accuracy: fp8 + TIS vs bf16 rollouts", "flashrl", _fr("fp8", "token_tis"), _fr("none", "none"),
+         "late_accuracy", +1, "equivalent", ACC_MARGIN),
+    Part(3, "late accuracy: int8 without TIS below bf16 rollouts", "flashrl", _fr("int8", "none"),
+         _fr("none", "none"), "late_accuracy", -1, "better", ACC_MARGIN),
+    Part(3, "late accuracy: fp8 without TIS below bf16 rollouts", "flashrl", _fr("fp8", "none"), _fr("none", "none"),
+         "late_accuracy", -1, "better", ACC_MARGIN),
     Part(4, "late k3: bf16 vs fp16 (GRPO)", "fp16", _fp("bf16", "grpo"), _fp("fp16", "grpo"),
          "k3_last", +1, "better", 0.0),
     Part(4, "k3 growth (last - first quarter), bf16 GRPO, vs 0", "fp16", _fp("bf16", "grpo"), None,
          "k3_growth", +1, "better", 0.0),
     Part(4, "collapse rate: bf16 vs fp16 (GRPO)", "fp16", _fp("bf16", "grpo"), _fp("fp16", "grpo"),
          "collapsed", +1, "better", 0.0),
-    Part(4, "final: fp16 PG-Seq-IS vs the better bf16 method", "fp16", _fp("fp16", "pg_seq_is"), None,
-         "final", +1, "equivalent", ACC_MARGIN, best_of=(_fp("bf16", "grpo"), _fp("bf16", "pg_seq_is"))),
+    Part(4, "late accuracy: fp16 PG-Seq-IS vs the better bf16 method", "fp16", _fp("fp16", "pg_seq_is"), None,
+         "late_accuracy", +1, "equivalent", ACC_MARGIN, best_of=(_fp("bf16", "grpo"), _fp("bf16", "pg_seq_is"))),
 )
 
 
-def _norm(v: Any) -> str:
-    return str(v).lower()
+def analysis_version() -> dict[str, Any]:
+    """What produced the tables: qerl's git commit (when run from a checkout) and the sha256 of the analysis
+    modules' source (ANALYSIS_MODULES), which pins the rules even without git."""
+    from qerl_cli.env_info import git_commit
 
-
-def matches(cell: dict[str, Any], sel: dict[str, Any]) -> bool:
-    return all(k in cell and _norm(cell[k]) == _norm(v) for k, v in sel.items())
+    root = Path(__file__).resolve().parent.parent
+    return {"schema": SCHEMA, "git_commit": git_commit(),
+            "sources_sha256": {m: hashlib.sha256((root / m).read_bytes()).hexdigest()[:16] for m in ANALYSIS_MODULES}}
 
 
 def merge_group(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -148,21 +170,51 @@ def merge_group(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _seed_values(rows: Sequence[dict[str, Any]], sel: dict[str, Any], metric: str) -> dict[Any, float]:
-    from qerl_cli.bench.sanity import seed_scalars
+    from qerl_cli.bench.sanity import cell_matches, seed_scalars
 
     out: dict[Any, float] = {}
     for r in rows:
         status = str(r.get("status", "ok"))
         # a non-finite loss is a collapse (data); an error is not a training outcome
-        if matches(r["cell"], sel) and (status == "ok" or status.startswith("non-finite")):
+        if cell_matches(r["cell"], sel) and (status == "ok" or status.startswith("non-finite")):
             v = seed_scalars(r).get(metric)
             if v is not None:
                 out[r.get("seed")] = float(v)
     return out
 
 
+def power_line(row: dict[str, Any]) -> str:
+    """What the spread says about the seeds this part needs, in one line."""
+    n, need, width = row["n_used"], row.get("seeds_to_decide"), row.get("seeds_for_margin")
+    if row["diff"] is None:
+        return "no data"
+    if row["lo"] is None:
+        have = f"{row['n_a']} seed(s)" if row["n_b"] is None else f"{row['n_a']} seed(s) of A, {row['n_b']} of B"
+        return f"{have}: no interval without two values a side"
+    if row.get("sd_diff") == 0 and row["verdict"].startswith("inconclusive"):
+        return "every seed gave the same difference: no number of seeds decides it (see docs/evidence.md)"
+    parts = []
+    if row["verdict"].startswith("inconclusive"):
+        parts.append(f"{need} seeds would decide it at the observed difference" if need
+                     else "no number of seeds decides it at the observed difference (it sits on the boundary)")
+    else:
+        parts.append(f"decided with {n}" + (f" (this spread needs {need})" if need else ""))
+    if width:
+        parts.append(f"{width} give a 95% interval narrower than the {_margin_text(row)} margin")
+    return "; ".join(parts)
+
+
+def _margin_text(row: dict[str, Any]) -> str:
+    m = row["margin"]
+    if row["metric"] == "steps_to_threshold":
+        return f"{m:g}-step"
+    if "entropy" in row["metric"]:
+        return f"{m:g}-nat"
+    return f"{m * 100:g}-point"
+
+
 def evaluate_part(part: Part, rows: Sequence[dict[str, Any]], n_boot: int = 10000) -> dict[str, Any]:
-    from qerl_cli.bench.stats import VERDICTS, bootstrap_diff, mann_whitney, mean_ci, verdict
+    from qerl_cli.bench.stats import VERDICTS, compare, mean_ci
 
     a = _seed_values(rows, part.a, part.metric)
     b_sel = part.b
@@ -174,29 +226,38 @@ def evaluate_part(part: Part, rows: Sequence[dict[str, Any]], n_boot: int = 1000
     b = _seed_values(rows, b_sel, part.metric) if b_sel is not None else None
     row: dict[str, Any] = {"claim": part.claim, "name": part.name, "group": part.group, "metric": part.metric,
                            "a": part.a, "b": b_sel, "kind": part.kind, "margin": part.margin, "sign": part.sign,
-                           "a_stats": mean_ci(list(a.values())), "b_stats": mean_ci(list(b.values())) if b else None}
-    if b is None:  # one-sample: A against zero
-        av = [part.sign * v for v in a.values()]
-        bs = bootstrap_diff(av, [0.0] * len(av), paired=True, n_boot=n_boot) if av else {"diff": None, "lo": None,
-                                                                                           "hi": None, "paired": True}
-        mw = {"u": None, "p": None, "method": None}
-        bv: list[float] = []
+                           "a_stats": mean_ci(list(a.values())), "b_stats": mean_ci(list(b.values())) if b else None,
+                           "n_a": len(a), "n_b": len(b) if b is not None else None,
+                           "levels": {m: {"a": mean_ci(list(_seed_values(rows, part.a, m).values())),
+                                          "b": mean_ci(list(_seed_values(rows, b_sel, m).values())) if b_sel else None}
+                                      for m in part.levels}}
+    # pair on the seeds both cells ran (cells run as separate processes may finish different numbers)
+    common = sorted(set(a) & set(b), key=str) if b is not None else sorted(a, key=str)
+    paired = b is None or len(common) >= 2
+    if paired:
+        av = [part.sign * a[s] for s in common]
+        bv = None if b is None else [part.sign * b[s] for s in common]
     else:
-        # pair on the seeds both cells ran (cells run as separate processes may finish different numbers)
-        common = sorted(set(a) & set(b), key=str)
-        paired = len(common) >= 2
-        if paired:
-            av, bv = [part.sign * a[s] for s in common], [part.sign * b[s] for s in common]
-        else:
-            av, bv = [part.sign * v for v in a.values()], [part.sign * v for v in b.values()]
-        bs = bootstrap_diff(av, bv, paired=paired, n_boot=n_boot) if av and bv else \
-            {"diff": None, "lo": None, "hi": None, "paired": paired}
-        mw = mann_whitney(av, bv)
-    # a bootstrap of one seed only repeats that seed (or the other side's spread): no verdict below two a side
-    enough = len(av) >= 2 and (b is None or len(bv) >= 2)
-    row.update({"diff": bs["diff"], "lo": bs["lo"], "hi": bs["hi"], "paired": bs["paired"], "p_mann_whitney": mw["p"],
-                "n_a": len(a), "n_b": len(b) if b is not None else None,
-                "verdict": verdict(bs["lo"], bs["hi"], part.kind, part.margin) if enough else VERDICTS[2]})
+        av, bv = [part.sign * v for v in a.values()], [part.sign * v for v in b.values()]
+    # one value a side says nothing about the spread: no interval, no verdict
+    if len(av) >= 2 and (bv is None or len(bv) >= 2):
+        row.update(compare(av, bv, paired=paired, kind=part.kind, margin=part.margin, n_boot=n_boot))
+    else:
+        diff = None
+        if av and (bv is None or bv):
+            diff = sum(av) / len(av) - (sum(bv) / len(bv) if bv else 0.0)
+        row.update({"paired": paired and bv is not None, "n": len(av) if paired else None, "method": None,
+                    "diff": diff, "lo": None, "hi": None, "sd_diff": None, "p_sign_flip": None,
+                    "p_mann_whitney": None, "p_flip_verdict": None, "flip_agrees": None, "seeds_for_margin": None,
+                    "seeds_to_decide": None, "verdict": VERDICTS[2]})
+    row["seeds"] = list(common) if paired else None
+    decided = not row["verdict"].startswith("inconclusive")
+    # seeds behind the verdict: the pairs, or (unpaired) the smaller cell
+    row["n_used"] = n_used = row["n"] if row["n"] is not None else min(len(a), len(b or a))
+    # the study's target: >= TARGET_PAIRS paired seeds, or a verdict this spread shows needs no more
+    row["meets_target"] = n_used >= TARGET_PAIRS or (decided and row["seeds_to_decide"] is not None
+                                                     and row["seeds_to_decide"] <= n_used)
+    row["power"] = power_line(row)
     return row
 
 
@@ -219,10 +280,10 @@ def curves(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = CURVE_METRIC
 
 def build_evidence(groups: dict[str, Sequence[dict[str, Any]]], *, n_boot: int = 10000,
                    meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The evidence document: per group its cells (mean and 95% interval per seed scalar) and curves; per part
-    its interval and verdict; per claim the combined verdict."""
-    from qerl_cli.bench.sanity import summarize_cells
-    from qerl_cli.bench.stats import combine
+    """The evidence document: per group its cells (mean and 95% interval per seed scalar), curves and subset
+    rule; per part its interval, tests, verdict and seeds needed; per claim the combined verdict."""
+    from qerl_cli.bench.sanity import subset_rule, summarize_cells
+    from qerl_cli.bench.stats import BOOTSTRAP_MIN_N, combine
 
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
@@ -232,13 +293,28 @@ def build_evidence(groups: dict[str, Sequence[dict[str, Any]]], *, n_boot: int =
     claims = []
     for cid, c in CLAIMS.items():
         ps = [p for p in parts if p["claim"] == cid]
+        undecided = [p["seeds_to_decide"] for p in ps if p["verdict"].startswith("inconclusive")]
         claims.append({"claim": cid, **c, "verdict": combine([p["verdict"] for p in ps]) if ps else "not run",
-                       "parts": len(ps)})
+                       "parts": len(ps), "min_pairs": min((p["n"] or 0 for p in ps), default=None),
+                       "all_meet_target": all(p["meets_target"] for p in ps) if ps else None,
+                       # a decided part whose exact sign-flip test does not reach the same conclusion
+                       "t_only": [p["name"] for p in ps if p["flip_agrees"] is False],
+                       "seeds_to_decide_rest": (None if not undecided or None in undecided else max(undecided))})
+
+    def rule(cfg: dict[str, Any]) -> str | None:
+        sub = cfg.get("subset") or {}
+        if sub.get("rule"):
+            return sub["rule"]
+        return subset_rule({**sub, "problems": [None] * sub["key"]["candidates"]}) if sub.get("key") else None
+
     return {
         "schema": SCHEMA, "kind": "bench/evidence",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "meta": dict(meta or {}),
+        "meta": dict(meta or {}), "analysis": analysis_version(),
+        "rules": {"target_pairs": TARGET_PAIRS, "bootstrap_min_pairs": BOOTSTRAP_MIN_N, "interval": "95%",
+                  "margins": {"accuracy": ACC_MARGIN, "steps": STEP_MARGIN, "entropy": ENTROPY_MARGIN}},
         "groups": {g: {"config": m["config"], "env": m.get("env"), "wall_s": m["wall_s"],
+                       "selection_rule": rule(m["config"]),
                        "cells": summarize_cells(m["results"]), "curves": curves(m["results"])}
                    for g, m in merged.items()},
         "parts": parts, "claims": claims,
@@ -254,32 +330,79 @@ def ci_text(s: dict[str, Any] | None, spec: str = SIG) -> str:
     return f"{spec.format(s['mean'])} [{spec.format(s['lo'])}, {spec.format(s['hi'])}]"
 
 
+# per group: the per-seed scalars its cell table shows (levels and gains)
+CELL_COLUMNS = {
+    "qerl": ("steps_to_threshold", "late_accuracy", "heldout_before", "heldout", "heldout_gain", "initial_entropy",
+             "initial_sampling_entropy", "noisy_entropy", "noisy_sampling_entropy", "post_noise_reward",
+             "noisy_applied_noise_norm"),
+    "flashrl": ("steps_to_threshold", "late_accuracy", "final", "k3_last", "collapsed"),
+    "fp16": ("late_accuracy", "k3_first", "k3_last", "k3_growth", "collapsed"),
+}
+
+
+def part_interval_text(p: dict[str, Any]) -> str:
+    return f"{num(p['diff'], SIG)} [{num(p['lo'], SIG)}, {num(p['hi'], SIG)}]"
+
+
+def verdict_text(p: dict[str, Any]) -> str:
+    """The verdict, marked when the exact sign-flip test at the same boundary does not reach 2.5% one-sided."""
+    return p["verdict"] + (" (t only)" if p.get("flip_agrees") is False else "")
+
+
 def markdown(ev: dict[str, Any]) -> str:
-    """The cell tables and the verdict table as Markdown (docs/benchmarks.md, the terminal)."""
+    """The selection rules, cell tables, the verdict table and the claims as Markdown (docs/benchmarks.md, the
+    terminal). Nothing in it depends on when or where it was computed: re-running on the same files gives it."""
     lines: list[str] = []
-    cols = ("steps_to_threshold", "final", "heldout", "early_entropy", "noisy_entropy", "noisy_reward",
-            "noisy_applied_noise_norm", "k3_last", "k3_growth", "collapsed")
+    a = ev.get("analysis") or {}
+    src = ", ".join(f"{m} {h}" for m, h in (a.get("sources_sha256") or {}).items())
+    lines += [f"Analysis: qerl evidence schema {ev['schema']}" + (f"; sources sha256 {src}" if src else ""), ""]
+    inputs = (ev.get("meta") or {}).get("inputs") or {}
+    if inputs:
+        lines += ["Raw files (sha256):", ""]
+        for g, files in inputs.items():
+            for f in files:
+                lines.append(f"- {g}: `{f['path']}` {f.get('sha256', '')}" if isinstance(f, dict) else f"- {g}: `{f}`")
+        cmd = " ".join(f"--input {g}={f['path'] if isinstance(f, dict) else f}"
+                       for g, files in inputs.items() for f in files)
+        lines += ["", f"Re-run: `qerl bench evidence {cmd}`", ""]
     for g, grp in ev["groups"].items():
-        lines += [f"**{g}** (mean [95% interval] over seeds)", "",
+        cols = CELL_COLUMNS.get(g, CELL_COLUMNS["qerl"])
+        lines += [f"**{g}**: training set = {grp.get('selection_rule') or 'unrecorded'}", "",
+                  "(mean [95% t interval] over seeds)", "",
                   "| cell | seeds | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
         for label, c in grp["cells"].items():
             lines.append(f"| {label} | {len(c['seeds'])} | " + " | ".join(ci_text(c["metrics"].get(k)) for k in cols)
                          + " |")
         lines.append("")
-    lines += ["| claim | comparison (A vs B) | A | B | A - B, oriented [95% bootstrap] | paired | MW p | verdict |",
-              "|---:|---|---|---|---|---|---:|---|"]
+    lines += ["| claim | comparison (A vs B) | A | B | A - B, oriented [95%] | method | pairs | sign-flip p | verdict "
+              "| seeds needed |",
+              "|---:|---|---|---|---|---|---:|---:|---|---|"]
     for p in ev["parts"]:
         lines.append(f"| {p['claim']} | {p['name']} | {ci_text(p['a_stats'])} | {ci_text(p['b_stats'])} | "
-                     f"{num(p['diff'], SIG)} [{num(p['lo'], SIG)}, {num(p['hi'], SIG)}] | "
-                     f"{'yes' if p['paired'] else 'no'} | {num(p['p_mann_whitney'], '{:.2f}')} | {p['verdict']} |")
-    lines += ["", "| claim | verdict |", "|---:|---|"]
-    lines += [f"| {c['claim']}: {c['title']} | **{c['verdict']}** |" for c in ev["claims"]]
+                     f"{part_interval_text(p)} | {p.get('method') or '-'} | {p['n'] if p['n'] is not None else '-'} | "
+                     f"{num(p.get('p_sign_flip'), '{:.3g}')} | {verdict_text(p)} | {p['power']} |")
+        for m, lv in (p.get("levels") or {}).items():
+            lines.append(f"| | level beside it: {m} | {ci_text(lv['a'])} | {ci_text(lv['b'])} | | | | | | |")
+    lines += ["", "| claim | verdict | fewest pairs | target met | seeds to decide the undecided parts |",
+              "|---|---|---:|---|---|"]
+    for c in ev["claims"]:
+        rest = c.get("seeds_to_decide_rest")
+        lines.append(f"| {c['claim']}: {c['title']} | **{c['verdict']}**"
+                     + (" (t only: " + "; ".join(c["t_only"]) + ")" if c.get("t_only") else "")
+                     + f" | {c.get('min_pairs') if c.get('min_pairs') is not None else '-'} | "
+                     + {True: "yes", False: "no", None: "-"}[c.get("all_meet_target")] + " | "
+                     + (str(rest) if rest else "-" if c["verdict"] != "inconclusive at this size" else "unknown")
+                     + " |")
     return "\n".join(lines) + "\n"
 
 
+PANELS = {"qerl": ("accuracy", "sampling_entropy"), "flashrl": ("accuracy", "k3"), "fp16": ("accuracy", "k3")}
+
+
 def plot_curves(ev: dict[str, Any]) -> Any:
-    """A matplotlib figure: per group, training accuracy (and entropy or k3) vs step, mean with a 95% band."""
-    panels = [(g, m) for g in ev["groups"] for m in (("accuracy", "entropy") if g != "fp16" else ("accuracy", "k3"))]
+    """A matplotlib figure: per group, training accuracy (and sampling entropy or k3) vs step, mean with a 95%
+    band."""
+    panels = [(g, m) for g in ev["groups"] for m in PANELS.get(g, ("accuracy", "entropy"))]
     if not panels:
         return None
     ncols = 2
@@ -325,21 +448,28 @@ def write_evidence(*, inputs: dict[str, Sequence[Path]], out_dir: Path, run_dir:
                    meta: dict[str, Any] | None = None, n_boot: int = 10000,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Read the groups' sanity.json files, write evidence.json, evidence.md and evidence.png (atomically; the
-    JSON last) and, with a run directory, record them under ``bench/evidence`` in its manifest."""
+    JSON last) and, with a run directory, record them under ``bench/evidence`` in its manifest: the raw files
+    (path and sha256), each group's selection rule and the analysis version."""
     from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, jsonable
 
     groups: dict[str, list[dict[str, Any]]] = {}
+    files: dict[str, list[dict[str, str]]] = {}
     for g, paths in inputs.items():
         for p in paths:
             p = Path(p)
             if not p.is_file():
                 raise QerlError(f"evidence input {p} does not exist: give the sanity.json of a finished bench")
+            raw = p.read_bytes()
             try:
-                groups.setdefault(g, []).append(json.loads(p.read_text()))
-            except json.JSONDecodeError as exc:
-                raise QerlError(f"evidence input {p} is not JSON ({exc.msg}): give a sanity.json") from None
-    ev = build_evidence(groups, n_boot=n_boot, meta={**(meta or {}), "inputs": {g: [str(p) for p in ps]
-                                                                                for g, ps in inputs.items()}})
+                groups.setdefault(g, []).append(json.loads(raw))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise QerlError(f"evidence input {p} is not JSON ({exc}): give a sanity.json") from None
+            files.setdefault(g, []).append({"path": str(p), "sha256": hashlib.sha256(raw).hexdigest()})
+    for g, rs in groups.items():
+        if any(not isinstance(r, dict) or "results" not in r or "subset" not in (r.get("config") or {}) for r in rs):
+            raise QerlError(f"an evidence input of group {g} is not a `qerl bench sanity` result (no results or "
+                            "subset): give the sanity.json files the bench wrote")
+    ev = build_evidence(groups, n_boot=n_boot, meta={**(meta or {}), "inputs": files})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fig = plot_curves(ev)
@@ -348,8 +478,11 @@ def write_evidence(*, inputs: dict[str, Sequence[Path]], out_dir: Path, run_dir:
     atomic_write_text(out / "evidence.md", markdown(ev))
     atomic_write_json(out / "evidence.json", jsonable(ev))
     if run_dir is not None:
-        harness.record(RunDir(run_dir), "evidence", config={"inputs": ev["meta"]["inputs"]},
-                       outputs={"json": out / "evidence.json"},
+        harness.record(RunDir(run_dir), "evidence",
+                       config={"inputs": files, "analysis": ev["analysis"],
+                               "selection": {g: grp["selection_rule"] for g, grp in ev["groups"].items()},
+                               "rules": ev["rules"]},
+                       outputs={"json": out / "evidence.json", "markdown": out / "evidence.md"},
                        metrics={f"claim{c['claim']}": c["verdict"] for c in ev["claims"]})
     for c in ev["claims"]:
         log(f"claim {c['claim']}: {c['verdict']}")

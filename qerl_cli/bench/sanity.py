@@ -1,11 +1,13 @@
 """`qerl bench sanity`: steps until training accuracy passes 95% on the model's perfectible problems.
 
-(i) The perfectible subset: ``candidates`` problems of the run's task (``--set task=arith|gsm8k|math``)
-are each sampled ``samples`` times (default 40) with the builtin engine on the run's model (no adapter:
-a fresh LoRA has B = 0, so this is the initial policy), scored with the task's reward, and the problems
-solved a fraction in [``lo``, ``hi``] (default [0.2, 0.8]) of the time are kept. The subset is saved as
-``perfectible.json`` (every candidate's pass rate, the source task, the model hash, the sampling
-settings) and reused by a later bench with the same settings on the same model.
+(i) The perfectible subset, chosen before any training: ``candidates`` problems of the run's task
+(``--set task=arith|gsm8k|math``; a problem drawn twice counts once) are each sampled ``samples`` times
+(default 40) with the builtin engine by every ARM of the grid -- each (weight format, precision) pair a cell
+trains in -- with no adapter (a fresh LoRA has B = 0, so this is each arm's initial policy), scored with the
+task's reward, and the problems that every arm solves a fraction in [``lo``, ``hi``] (default [0.2, 0.8]) of
+the time are kept: the intersection of the arms' bands, so that the set favours no arm. The subset is saved as
+``perfectible.json`` (every candidate's pass rate per arm, the rule in words, the source task, the model hash,
+the sampling settings) and reused by a later bench with the same settings on the same model.
 
 (ii) Each grid cell trains from the same initial adapter (same seed) on that subset: a ``Trainer`` with
 the subset injected as its task (``Trainer.setup(task=...)``), the cell's TrainConfig, and the model in
@@ -16,9 +18,10 @@ collapsed (a non-finite loss, or the plateau falling by ``collapse_drop`` after 
 
 With ``seeds`` > 1 every cell runs once per seed (``seed_start``, ``seed_start + 1``, ...: the LoRA init,
 the prompt order and the rollout sampling change; the subset and the model do not), ``heldout`` > 0 scores
-the trained policy on that many held-out problems (the task's test split) after the last step, and
-``cells`` in the JSON holds per cell the mean and 95% interval over seeds of each per-seed scalar
-(:func:`seed_scalars`; statistics in bench/stats.py, the claims compared in bench/evidence.py).
+the policy on that many held-out problems (the task's test split), ``heldout_samples`` samples each, before
+the first step and after the last (same sampling seed: the gain is paired within the run), and ``cells`` in
+the JSON holds per cell the mean and 95% interval over seeds of each per-seed scalar (:func:`seed_scalars`;
+statistics in bench/stats.py, the claims compared in bench/evidence.py).
 
 (iii) ``sanity.json``, ``sanity.png`` (accuracy vs step per cell), each written atomically, last.
 """
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import json
 import math
 import shutil
@@ -54,10 +56,12 @@ EARLY_STEPS = 3  # "early" entropy/reward: the mean over the first EARLY_STEPS s
 # AQN's first stage has sigma 0 (QeRL's schedule), so AQN's effect is read over the first AQN_WINDOW steps of
 # stage 1 onwards ("noisy" entropy/reward), the same steps for cells with AQN off
 AQN_WINDOW = 4
-HELDOUT_SAMPLES = 4  # samples per held-out problem (T = the training temperature)
+HELDOUT_SAMPLES = 32  # samples per held-out problem (T = the training temperature)
+HELDOUT_SLOTS = 256  # concurrent sequences of the held-out scoring engine
 # per-step series kept for every cell: name in the row -> trainer metric
 SERIES = {"accuracy": "accuracy", "reward": "reward/raw_mean", "loss": "loss", "entropy": "entropy",
-          "k3": "sampling/k3", "applied_noise_norm": "aqn/applied_noise_norm", "mean_length": "completions/mean_length"}
+          "sampling_entropy": "sampling/entropy", "k3": "sampling/k3", "applied_noise_norm": "aqn/applied_noise_norm",
+          "mean_length": "completions/mean_length"}
 
 
 def default_config(device: torch.device) -> dict[str, Any]:
@@ -91,32 +95,55 @@ def curve_summary(acc: Sequence[float], threshold: float = THRESHOLD, window: in
     return {"steps_to_threshold": reached, "final": means[-1], "best": means[best_i], "collapsed": collapsed}
 
 
+def late_steps(n: int) -> int:
+    """How many final steps "late" accuracy averages: the last quarter of the run, at least WINDOW steps."""
+    return max(WINDOW, n // 4)
+
+
 def seed_scalars(row: dict[str, Any], early: int = EARLY_STEPS) -> dict[str, float | None]:
-    """The per-seed numbers the evidence study compares (None when the series lacks them).
+    """The per-seed numbers the evidence study compares (None when the row lacks their series).
 
     ``steps_to_threshold`` is censored at steps_run + 1 when never reached (a lower bound, so a cell that never
-    gets there counts as slower than one that did on its last step); ``k3_growth`` is the mean mismatch k3 of the
-    last quarter of the steps minus that of the first quarter; ``noisy_*`` are means over the AQN_WINDOW steps
-    from ``aqn_first_noisy_step`` (0-based; the first step of AQN stage 1 under the cell's schedule).
+    gets there counts as slower than one that did on its last step); ``late_accuracy`` is the mean training
+    accuracy over the last quarter of the steps (:func:`late_steps`); ``heldout_gain`` is held-out accuracy after
+    the last step minus before the first (same problems, same sampling seed); ``initial_*`` are step 1's values
+    (the rollouts of the untrained policy: no update has happened yet); ``k3_growth`` is the mean mismatch k3 of
+    the last quarter of the steps minus that of the first quarter; ``noisy_*`` are means over the AQN_WINDOW
+    steps from ``aqn_first_noisy_step`` (0-based; the first step of AQN stage 1 under the cell's schedule) and
+    ``post_noise_reward`` the mean training reward over the steps after that window. ``sampling_entropy`` is
+    the entropy of the distribution the rollout engine sampled from (under AQN, the noisy policy's);
+    ``entropy`` the clean training policy's.
     """
     def mean(xs: Sequence[float | None]) -> float | None:
         v = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
         return sum(v) / len(v) if v else None
 
+    def first(xs: Sequence[float | None] | None) -> float | None:
+        return mean((xs or [])[:1])
+
     n = row.get("steps_run", len(row.get("accuracy", [])))
     reached = row.get("steps_to_threshold")
+    acc = row.get("accuracy") or []
     k3 = row.get("k3") or []
     q = max(1, len(k3) // 4)
     w0 = int(row.get("aqn_first_noisy_step") or 0)
     k3_first, k3_last = mean(k3[:q]), mean(k3[-q:])
+    before, after = row.get("heldout_before"), row.get("heldout")
     return {
         "steps_to_threshold": float(reached) if reached else (float(n + 1) if n else None),
         "final": row.get("final"),
-        "heldout": row.get("heldout"),
+        "late_accuracy": mean(acc[-late_steps(len(acc)):]) if acc else None,
+        "heldout_before": before,
+        "heldout": after,
+        "heldout_gain": None if before is None or after is None else after - before,
+        "initial_entropy": first(row.get("entropy")),
+        "initial_sampling_entropy": first(row.get("sampling_entropy")),
         "early_entropy": mean((row.get("entropy") or [])[:early]),
         "early_reward": mean((row.get("reward") or [])[:early]),
         "noisy_entropy": mean((row.get("entropy") or [])[w0:w0 + AQN_WINDOW]),
+        "noisy_sampling_entropy": mean((row.get("sampling_entropy") or [])[w0:w0 + AQN_WINDOW]),
         "noisy_reward": mean((row.get("reward") or [])[w0:w0 + AQN_WINDOW]),
+        "post_noise_reward": mean((row.get("reward") or [])[w0 + AQN_WINDOW:]),
         "noisy_applied_noise_norm": mean((row.get("applied_noise_norm") or [])[w0:w0 + AQN_WINDOW]),
         "k3_first": k3_first,
         "k3_last": k3_last,
@@ -174,36 +201,53 @@ def measure_pass_rates(model: Any, tok: Any, task: Any, *, samples: int, max_tok
 
 
 class ModelCache:
-    """The last loaded (format, dtype) model: cells copy it instead of reloading (and re-dequantizing on CPU)."""
+    """The models loaded so far, by (format, dtype): cells copy them instead of reloading (and re-dequantizing
+    on CPU); a grid over formats keeps each of its (small) models once."""
 
     def __init__(self, run: Any, out: Path, device: torch.device, log: Callable[[str], None]) -> None:
         self.run, self.out, self.device, self.log = run, out, device, log
-        self.key: tuple[str, torch.dtype] | None = None
-        self.model: Any = None
-        self.tok: Any = None
+        self.models: dict[tuple[str, torch.dtype], tuple[Any, Any]] = {}
 
     def get(self, fmt: str, dtype: torch.dtype) -> tuple[Any, Any]:
         from qerl_cli.bench.runmodels import format_model_dir
         from qerl_cli.models import load_model
 
-        if self.key != (fmt, dtype):
-            self.model = None
-            gc.collect()
-            self.model, self.tok = load_model(str(format_model_dir(self.run, fmt, self.out, self.log)), dtype=dtype,
-                                              device=self.device)
-            self.key = (fmt, dtype)
-        return self.model, self.tok
+        if (fmt, dtype) not in self.models:
+            self.models[(fmt, dtype)] = load_model(str(format_model_dir(self.run, fmt, self.out, self.log)),
+                                                   dtype=dtype, device=self.device)
+        return self.models[(fmt, dtype)]
+
+
+def arm_label(arm: tuple[str, str]) -> str:
+    return f"{arm[0]}/{arm[1]}"
+
+
+def subset_rule(subset: dict[str, Any]) -> str:
+    """The selection rule of a perfectible subset, in words (for the result files and the manifest)."""
+    k = subset["key"]
+    arms = [arm_label(tuple(a)) for a in k.get("arms") or []]
+    who = f"every arm ({', '.join(arms)})" if len(arms) > 1 else (f"the arm {arms[0]}" if arms else "the model")
+    return (f"the {len(subset['selected'])} of {len(subset['problems'])} distinct {subset['source_task']} training "
+            f"problems (level {k.get('task_level')}, candidates drawn with seed {k['seed']}) that {who} solved in "
+            f"[{k['lo']:g}, {k['hi']:g}] of {k['samples']} samples at T = {k['temperature']:g}, "
+            f"{k['max_tokens']} tokens, measured before any training")
 
 
 def build_subset(run: Any, cfg: Any, *, candidates: int, samples: int, lo: float, hi: float, temperature: float,
-                 out: Path, models: ModelCache, log: Callable[[str], None]) -> dict[str, Any]:
-    """The perfectible subset of the run's model (reused from ``out/perfectible.json`` when it matches)."""
+                 out: Path, models: ModelCache, log: Callable[[str], None],
+                 arms: Sequence[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """The perfectible subset: the candidates every arm (format, precision) solves in [lo, hi] of its samples
+    (reused from ``out/perfectible.json`` when it matches). ``arms`` defaults to the run's format in
+    ``cfg.precision``."""
     from qerl_cli.bench.runmodels import model_hash, run_format
     from qerl_cli.manifest import atomic_write_json
     from qerl_cli.tasks import load_task
+
+    arm_list = [tuple(a) for a in (arms or [(run_format(run), cfg.precision)])]
     key = {"task": cfg.task, "task_level": cfg.task_level, "shots": cfg.shots, "chat_template": cfg.chat_template,
            "model_hash": model_hash(run), "candidates": candidates, "samples": samples, "lo": lo, "hi": hi,
-           "temperature": temperature, "max_tokens": cfg.max_completion_length, "seed": cfg.seed}
+           "temperature": temperature, "max_tokens": cfg.max_completion_length, "seed": cfg.seed,
+           "arms": [list(a) for a in arm_list]}
     path = out / "perfectible.json"
     if path.is_file():
         try:
@@ -213,31 +257,47 @@ def build_subset(run: Any, cfg: Any, *, candidates: int, samples: int, lo: float
         if old.get("key") == key:
             log(f"reusing the perfectible subset in {path} ({len(old['selected'])} of {candidates} problems)")
             return old
-    dtype = dtype_of(cfg.precision)
-    model, tok = models.get(run_format(run), dtype)
+    model, tok = models.get(*_arm_model(arm_list[0]))
     task = load_task(cfg.task, split="train", shots=cfg.shots, chat_template=cfg.chat_template, tokenizer=tok,
                      seed=cfg.seed, level=cfg.task_level, limit=candidates)
-    examples = task.examples[:candidates]
+    seen: set[str] = set()
+    examples = []
+    for e in task.examples[:candidates]:  # a small pool repeats problems: each is one candidate
+        if e.prompt not in seen:
+            seen.add(e.prompt)
+            examples.append(e)
     task.examples = examples
     if not examples:
         raise QerlError(f"task {cfg.task} has no training problems to build the perfectible subset from")
     t0 = time.perf_counter()
-    log(f"sampling {samples} completions for each of {len(examples)} {task.name} problems ...")
-    rates = measure_pass_rates(model, tok, task, samples=samples, max_tokens=cfg.max_completion_length,
-                               temperature=temperature, seed=cfg.seed, max_prompt_length=cfg.max_prompt_length,
-                               chat_template=cfg.chat_template, dtype=dtype)
-    selected = select_perfectible(rates, lo, hi)
+    rates: dict[str, list[float]] = {}
+    for arm in arm_list:
+        log(f"sampling {samples} completions for each of {len(examples)} {task.name} problems ({arm_label(arm)}) ...")
+        fmt, dtype = _arm_model(arm)
+        model, tok = models.get(fmt, dtype)
+        rates[arm_label(arm)] = measure_pass_rates(
+            model, tok, task, samples=samples, max_tokens=cfg.max_completion_length, temperature=temperature,
+            seed=cfg.seed, max_prompt_length=cfg.max_prompt_length, chat_template=cfg.chat_template, dtype=dtype)
+    per_arm = [select_perfectible(r, lo, hi) for r in rates.values()]
+    selected = sorted(set(per_arm[0]).intersection(*per_arm[1:]))
     subset = {
         "schema": SCHEMA, "kind": "bench/sanity/perfectible", "key": key, "source_task": task.name,
         "reward": task.reward, "stop": list(task.stop), "wall_s": time.perf_counter() - t0,
-        "problems": [{"index": i, "prompt": e.prompt, "answer": e.answer, "pass_rate": r}
-                     for i, (e, r) in enumerate(zip(examples, rates, strict=True))],
+        "problems": [{"index": i, "prompt": e.prompt, "answer": e.answer,
+                      "pass_rate": sum(r[i] for r in rates.values()) / len(rates),
+                      "pass_rates": {a: r[i] for a, r in rates.items()}} for i, e in enumerate(examples)],
         "selected": selected,
+        "selected_per_arm": {a: len(sel) for a, sel in zip(rates, per_arm, strict=True)},
     }
+    subset["rule"] = subset_rule(subset)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, jsonable(subset))
-    log(f"perfectible subset: {len(selected)} of {len(examples)} problems with pass rate in [{lo}, {hi}] -> {path}")
+    log(f"perfectible subset: {subset['rule']} -> {path}")
     return subset
+
+
+def _arm_model(arm: Sequence[str]) -> tuple[str, torch.dtype]:
+    return arm[0], dtype_of(arm[1])
 
 
 def _subset_task(subset: dict[str, Any], stop: bool = True) -> Any:
@@ -252,18 +312,28 @@ def _subset_task(subset: dict[str, Any], stop: bool = True) -> Any:
 
 
 def heldout_accuracy(trainer: Any, task: Any, samples: int = HELDOUT_SAMPLES) -> float:
-    """Mean accuracy of the trained policy (the trainer's rollout engine, adapter applied) on a held-out task."""
+    """Mean accuracy of the trainer's current policy (its rollout engine without AQN noise, adapters applied) on a
+    held-out task, ``samples`` samples per problem at the training temperature, with a seed that no training step
+    draws (so a score before the first step and one after the last sample with the same noise keys)."""
     from qerl_cli.rollout import SamplingParams
     from qerl_cli.tasks import get_reward
     from qerl_cli.tasks.rewards import safe_rewards
 
     c = trainer.cfg
+    engine = trainer.engine
     ids = [trainer.encode_prompt(e.prompt) for e in task.examples]
-    sp = SamplingParams(n=samples, temperature=c.temperature, max_tokens=c.max_completion_length,
-                        stop=list(task.stop), seed=c.seed + 10**6)  # a seed no training step draws
-    res = trainer.engine.generate(ids, sp)
-    if trainer.device.type == "cuda":
-        trainer.engine.release()
+    # more slots than a training step's for these few hundred short sequences (the cache is sized at the next
+    # generate and given back after it); the engine's own modules, so the plan it runs is the trainer's
+    slots = engine.max_batch_slots
+    engine.release()
+    engine.max_batch_slots = max(slots, min(HELDOUT_SLOTS, len(ids) * samples))
+    try:
+        res = engine.generate(ids, SamplingParams(n=samples, temperature=c.temperature,
+                                                  max_tokens=c.max_completion_length, stop=list(task.stop),
+                                                  seed=c.seed + 10**6))
+    finally:
+        engine.release()
+        engine.max_batch_slots = slots
     ex = task.examples
     rewards = safe_rewards(get_reward(task.reward), [ex[s.prompt_index].prompt for s in res.samples],
                            [s.text or "" for s in res.samples], answer=[ex[s.prompt_index].answer for s in res.samples])
@@ -274,9 +344,14 @@ def cell_label(cell: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in cell.items()) or "base"
 
 
+def cell_matches(cell: dict[str, Any], sel: dict[str, Any]) -> bool:
+    """Whether ``cell`` has every key of ``sel`` with that value (compared as lower-case text)."""
+    return all(k in cell and str(cell[k]).lower() == str(v).lower() for k, v in sel.items())
+
+
 def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], models: ModelCache,
               device: torch.device, log: Callable[[str], None], *, heldout: Any = None,
-              stop: bool = True) -> dict[str, Any]:
+              heldout_samples: int = HELDOUT_SAMPLES, stop: bool = True) -> dict[str, Any]:
     from qerl_cli.bench.runmodels import run_format
     from qerl_cli.manifest import RunDir
     from qerl_cli.train.trainer import NonFiniteLoss, Trainer
@@ -286,8 +361,8 @@ def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], 
     from qerl_cli.train.aqn import aqn_stage
 
     first_noisy = next((i for i in range(cfg.steps) if aqn_stage(i, cfg.steps, cfg.aqn_stages) >= 1), cfg.steps)
-    row: dict[str, Any] = {"cell": cell, "label": label, "format": fmt, "seed": cfg.seed, "heldout": None,
-                           "aqn_first_noisy_step": first_noisy, **{k: [] for k in SERIES}}
+    row: dict[str, Any] = {"cell": cell, "label": label, "format": fmt, "seed": cfg.seed, "heldout_before": None,
+                           "heldout": None, "aqn_first_noisy_step": first_noisy, **{k: [] for k in SERIES}}
     t0 = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="qerl-sanity-"))
     trainer = model = None
@@ -296,6 +371,8 @@ def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], 
         model = copy.deepcopy(base)  # LoRA attaches in place; every cell starts from the same weights
         trainer = Trainer(RunDir(scratch), cfg, device=str(device))
         trainer.setup(model=model, tokenizer=tok, task=_subset_task(subset, stop))
+        if heldout is not None:
+            row["heldout_before"] = heldout_accuracy(trainer, heldout, heldout_samples)
         status = "ok"
         for _ in range(cfg.steps):
             try:
@@ -309,7 +386,7 @@ def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], 
                 row[k].append(None if v is None else float(v))
             log(f"[{label} seed {cfg.seed}] step {trainer.step}: accuracy {m['accuracy']:.3f}")
         if heldout is not None and status == "ok":
-            row["heldout"] = heldout_accuracy(trainer, heldout)
+            row["heldout"] = heldout_accuracy(trainer, heldout, heldout_samples)
         row["status"] = status
     except Exception as exc:  # noqa: BLE001 - recorded per cell (with the steps it ran), the grid goes on
         if isinstance(exc, QerlError) and "run directory" in str(exc):
@@ -342,7 +419,9 @@ def bench_sanity(
     seeds: int = 1,
     seed_start: int | None = None,
     heldout: int = 0,
+    heldout_samples: int = HELDOUT_SAMPLES,
     stop: bool = True,
+    skip: Sequence[dict[str, Any]] = (),
     time_budget_s: float | None = None,
     out_dir: Path | None = None,
     log: Callable[[str], None] = print,
@@ -352,15 +431,19 @@ def bench_sanity(
     ``grid`` maps ``format`` and TrainConfig fields to the values to cross (bench/overrides.py
     parse_grid); ``overrides`` are TrainConfig fields for every cell (``--set``), over
     :func:`default_config`. Each cell runs ``seeds`` times, with seeds ``seed_start`` (default: the
-    config's seed) onwards; ``heldout`` held-out problems are scored after training (0: none); stop=False
-    drops the task's stop strings so that every completion runs to max_completion_length. With
+    config's seed) onwards; ``heldout`` held-out problems are scored, ``heldout_samples`` samples each, before
+    the first step and after the last (0: none); stop=False drops the task's stop strings so that every
+    completion runs to max_completion_length; cells matching an entry of ``skip`` (:func:`parse_skip`) are
+    left out of the grid. With
     ``time_budget_s`` no further (seed, cell) run starts once the elapsed time plus the longest run so far
     would pass it (the JSON says which were skipped). Recorded in the run's manifest under ``bench/sanity``.
     """
     from qerl_cli.bench.overrides import build_bench_config, grid_cells
+    from qerl_cli.bench.runmodels import run_format
     from qerl_cli.manifest import RunDir
 
-    for name, v in (("candidates", candidates), ("samples", samples), ("seeds", seeds)):
+    for name, v in (("candidates", candidates), ("samples", samples), ("seeds", seeds),
+                    ("heldout-samples", heldout_samples)):
         if not isinstance(v, int) or v < 1:
             raise QerlError(f"--{name} must be a positive integer, got {v!r}")
     if not isinstance(heldout, int) or heldout < 0:
@@ -371,7 +454,9 @@ def bench_sanity(
     axes = dict(grid or {})
     if "format" in axes:  # format slowest: each format's model is loaded once
         axes = {"format": axes.pop("format"), **axes}
-    cells = grid_cells(axes)
+    cells = [c for c in grid_cells(axes) if not any(cell_matches(c, sel) for sel in skip)]
+    if not cells:
+        raise QerlError("--skip leaves no cell of the grid to run: skip fewer cells")
     cfgs = [build_bench_config(default_config(device), {**base, **{k: v for k, v in c.items() if k != "format"}})
             for c in cells]  # every cell validated before anything runs
     run = RunDir(run_dir, create=False)
@@ -382,14 +467,17 @@ def bench_sanity(
     seed_list = list(range(first_seed, first_seed + seeds))
     budget = harness.Budget(time_budget_s)
     models = ModelCache(run, out, device, log)
+    # the arms the subset must be fair to: every (weight format, precision) a cell trains in
+    arms = list(dict.fromkeys((c.get("format", run_format(run)), cfg.precision)
+                              for c, cfg in zip(cells, cfgs, strict=True)))
     subset = build_subset(run, base_cfg, candidates=candidates, samples=samples, lo=lo, hi=hi,
-                          temperature=sample_temperature, out=out, models=models, log=log)
+                          temperature=sample_temperature, out=out, models=models, log=log, arms=arms)
     if not subset["selected"]:
-        raise QerlError(f"no problem of {candidates} has a pass rate in [{lo}, {hi}] on this model: widen the "
-                        "band (--lo/--hi), raise --candidates, or pick an easier task (--set task_level=1)")
+        raise QerlError(f"no problem of {candidates} has a pass rate in [{lo}, {hi}] for every arm "
+                        f"({', '.join(map(arm_label, arms))}): widen the band (--lo/--hi), raise --candidates, or "
+                        "pick an easier task (--set task_level=1)")
     held_task = None
     if heldout:
-        from qerl_cli.bench.runmodels import run_format
         from qerl_cli.tasks import load_task
         _, tok = models.get(cells[0].get("format", run_format(run)), dtype_of(cfgs[0].precision))
         held_task = load_task(base_cfg.task, split="test", shots=base_cfg.shots, chat_template=base_cfg.chat_template,
@@ -401,12 +489,14 @@ def bench_sanity(
         "bench/sanity", model=str(run.path),
         config={"grid": jsonable(grid or {}), "overrides": jsonable(base), "train": base_cfg.resolved().to_dict(),
                 "threshold": THRESHOLD, "window": WINDOW, "collapse_drop": COLLAPSE_DROP, "seeds": seed_list,
-                "heldout": heldout, "heldout_samples": HELDOUT_SAMPLES, "early_steps": EARLY_STEPS, "stop": stop,
-                "subset": {k: subset[k] for k in ("key", "selected", "source_task")}})
+                "heldout": heldout, "heldout_samples": heldout_samples, "early_steps": EARLY_STEPS, "stop": stop,
+                "skip": jsonable(list(skip)), "aqn_window": AQN_WINDOW,
+                "subset": {**{k: subset[k] for k in ("key", "selected", "source_task")},
+                           "rule": subset.get("rule") or subset_rule(subset)}})
     # seed-major: a run cut short still holds every cell for its first seeds
     runs = [harness.Cell({"label": cell_label(cell), "seed": seed},
                          partial(_run_cell, run, cell, dataclasses.replace(cfg0, seed=seed), subset, models, device,
-                                 log, heldout=held_task, stop=stop))
+                                 log, heldout=held_task, heldout_samples=heldout_samples, stop=stop))
             for seed in seed_list for cell, cfg0 in zip(cells, cfgs, strict=True)]
     longest = 0.0  # no (seed, cell) run starts that would end past the budget if it took this long
 
@@ -484,6 +574,21 @@ def plot(res: dict[str, Any], path: Path) -> None:
     if res["results"]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     save_figure(fig, path)
+
+
+def parse_skip(items: Iterable[str] | None) -> list[dict[str, str]]:
+    """``--skip`` items (``KEY=V[,KEY=V...]``: the grid cells that have all of these values) -> selectors."""
+    out = []
+    for item in items or ():
+        sel: dict[str, str] = {}
+        for pair in item.split(","):
+            key, sep, value = pair.partition("=")
+            if not sep or not key.strip() or not value.strip():
+                raise QerlError(f"--skip {item!r}: expected KEY=VALUE[,KEY=VALUE...], e.g. "
+                                "rollout_quant=none,correction=token_tis")
+            sel[key.strip().replace("-", "_")] = value.strip()
+        out.append(sel)
+    return out
 
 
 def parse_axes(items: Iterable[str] | None) -> dict[str, list[Any]]:

@@ -42,7 +42,8 @@ _CACHE_ALIGN = 64  # cache length multiple: keeps SDPA mask/K strides aligned fo
 @dataclass
 class Sample:
     """One generated completion. ``token_ids`` include the stop token when it ended the sample;
-    ``logprobs[i]`` is the float32 log-prob of ``token_ids[i]`` under the processed distribution."""
+    ``logprobs[i]`` is the float32 log-prob of ``token_ids[i]`` under the processed distribution and, with
+    ``SamplingParams(entropy=True)``, ``entropies[i]`` that distribution's entropy."""
 
     prompt_index: int
     sample_index: int
@@ -51,6 +52,7 @@ class Sample:
     logprobs: torch.Tensor
     finish_reason: str  # "stop" | "length"
     text: str | None = None
+    entropies: torch.Tensor | None = None  # float32 per token: the sampled distribution's entropy (entropy=True)
 
 
 @dataclass
@@ -303,6 +305,7 @@ class BuiltinEngine:
                 logprobs=torch.tensor(s.logprobs, dtype=torch.float32),
                 finish_reason=s.finish_reason or "length",
                 text=self.tokenizer.decode(s.tokens, skip_special_tokens=True) if self.tokenizer else None,
+                entropies=torch.tensor(s.entropies, dtype=torch.float32) if sampling.entropy else None,
             )
             for s in seqs
         ]

@@ -30,6 +30,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -49,7 +50,10 @@ class SamplingParams:
     ``seed=None`` draws a fresh seed; the one used is reported in ``RolloutResult.stats["seed"]``.
     ``prompt_offset`` shifts the prompt index in each sequence's noise key (``uid``): a call on prompts
     ``p..q`` of a larger batch with ``prompt_offset=p`` samples what one call on the whole batch would
-    (data-parallel rollout splits a batch across ranks this way).
+    (data-parallel rollout splits a batch across ranks this way). ``entropy=True`` also reports, per
+    sampled token, the entropy of the processed distribution it was drawn from (``Sample.entropies``):
+    the sampling policy's own entropy (under AQN, the noisy policy's), which no recompute with the
+    training forward can give.
     """
 
     n: int = 1
@@ -61,6 +65,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     prompt_offset: int = 0
+    entropy: bool = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -197,15 +202,28 @@ class TokenNoise:
         return -torch.log1p(-u)
 
 
-def sample_tokens(
+class Sampled(NamedTuple):
+    tokens: torch.Tensor  # int64 [B]
+    logprobs: torch.Tensor  # float32 [B]
+    entropies: torch.Tensor | None  # float32 [B], with SamplingParams.entropy
+
+
+def processed_entropy(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy [B] of processed log-probs [B, V] (filtered tokens: -inf, contributing 0)."""
+    p = logp.exp()
+    return -(p * logp.masked_fill(p == 0, 0.0)).sum(dim=-1)
+
+
+def sample(
     logits: torch.Tensor,
     params: SamplingParams,
     noise: TokenNoise,
     key: torch.Tensor,
     uids: torch.Tensor,
     steps: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row on the logits' device. Returns (tokens int64 [B], logprobs float32 [B]).
+) -> Sampled:
+    """Sample one token per row on the logits' device: tokens, their log-probs and, with ``params.entropy``,
+    the entropy of each row's processed distribution.
 
     ``key`` is ``seed_key(seed, device)``; ``uids``/``steps`` (int64 [B]) name each row's sequence and
     step, which with the key fully determine the row's noise.
@@ -216,4 +234,18 @@ def sample_tokens(
     else:
         e = noise.exponential(row_keys(key, uids, steps))
         tokens = torch.argmax(logp - torch.log(e), dim=-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    entropies = processed_entropy(logp) if params.entropy else None
+    return Sampled(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), entropies)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    noise: TokenNoise,
+    key: torch.Tensor,
+    uids: torch.Tensor,
+    steps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample` without the entropies: (tokens int64 [B], logprobs float32 [B])."""
+    out = sample(logits, params, noise, key, uids, steps)
+    return out.tokens, out.logprobs

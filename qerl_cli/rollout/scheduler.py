@@ -20,12 +20,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from qerl_cli.rollout.kv_cache import KVCache
 from qerl_cli.rollout.model_runner import ModelRunner
-from qerl_cli.rollout.sampling import SamplingParams, TokenNoise, sample_tokens, seed_key
+from qerl_cli.rollout.sampling import SamplingParams, TokenNoise, sample, seed_key
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 # (sequence, number of tokens already checked) -> completion length ending at the stop string, or None
@@ -41,6 +42,7 @@ class Sequence:
     max_new: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)  # with SamplingParams.entropy
     finish_reason: str | None = None
 
     @property
@@ -216,19 +218,20 @@ class Scheduler:
         b0, m = len(self.rows), len(new)
         uids = torch.tensor([s.uid for s in new], dtype=torch.int64, device=device)
         steps = torch.zeros(m, dtype=torch.int64, device=device)
-        tokens, logprobs = sample_tokens(torch.stack(logit_rows), self.params, self.noise, self.key, uids, steps)
+        tokens, logprobs, entropies = sample(torch.stack(logit_rows), self.params, self.noise, self.key, uids, steps)
         self.tok[b0 : b0 + m] = tokens
         self.pos[b0 : b0 + m] = torch.tensor([len(s.prompt) for s in new], dtype=torch.int64, device=device)
         self.uid[b0 : b0 + m] = uids
         self.step[b0 : b0 + m] = 1
-        host_tokens, host_lps = tokens.tolist(), logprobs.float().cpu().tolist()
+        host_tokens = tokens.tolist()
+        host_lps, host_ents = self._floats(logprobs, entropies)
         self.stats["syncs"] += 1
         if self.ttft is None:
             self.ttft = time.perf_counter() - self._t0
         self.rows.extend(new)
         finished = []
         for j, seq in enumerate(new):
-            if self._append(seq, [host_tokens[j]], [host_lps[j]]):
+            if self._append(seq, [host_tokens[j]], [host_lps[j]], [host_ents[j]] if host_ents else None):
                 finished.append(b0 + j)
         self._retire(finished)
 
@@ -243,29 +246,43 @@ class Scheduler:
         # The last step of the window processes the token at position cache_len + k - 1.
         kv_len = self._kv_bucket(max(s.cache_len for s in self.rows) + k)
         tok, pos, uid, step = self.tok[:b], self.pos[:b], self.uid[:b], self.step[:b]
-        out_tokens, out_lps = [], []
+        out_tokens, out_lps, out_ents = [], [], []
         for _ in range(k):
             logits = self.decode_fn(tok, pos, kv_len)
-            t, lp = sample_tokens(logits, self.params, self.noise, self.key, uid, step)
+            t, lp, ent = sample(logits, self.params, self.noise, self.key, uid, step)
             out_tokens.append(t)
             out_lps.append(lp)
+            if ent is not None:
+                out_ents.append(ent)
             tok.copy_(t)
             pos.add_(1)
             step.add_(1)
         host_tokens = torch.stack(out_tokens, dim=1).cpu().tolist()  # [B, k]
-        host_lps = torch.stack(out_lps, dim=1).float().cpu().tolist()
+        host_lps, host_ents = self._floats(torch.stack(out_lps, dim=1),
+                                           torch.stack(out_ents, dim=1) if out_ents else None)
         self.stats["decode_steps"] += k
         self.stats["decode_row_steps"] += k * b
         self.stats["syncs"] += 1
-        finished = [i for i, seq in enumerate(self.rows) if self._append(seq, host_tokens[i], host_lps[i])]
+        finished = [i for i, seq in enumerate(self.rows)
+                    if self._append(seq, host_tokens[i], host_lps[i], host_ents[i] if host_ents else None)]
         self._retire(finished)
 
-    def _append(self, seq: Sequence, tokens: list[int], lps: list[float]) -> bool:
+    @staticmethod
+    def _floats(logprobs: torch.Tensor, entropies: torch.Tensor | None) -> tuple[list[Any], list[Any] | None]:
+        """Log-probs (and entropies) on the host, in one transfer."""
+        if entropies is None:
+            return logprobs.float().cpu().tolist(), None
+        both = torch.stack([logprobs.float(), entropies.float()]).cpu().tolist()
+        return both[0], both[1]
+
+    def _append(self, seq: Sequence, tokens: list[int], lps: list[float], ents: list[float] | None = None) -> bool:
         """Add a window's tokens to ``seq`` up to its first finish; True if it finished."""
         checked = len(seq.tokens)
         for j, (token, lp) in enumerate(zip(tokens, lps, strict=True)):
             seq.tokens.append(token)
             seq.logprobs.append(lp)
+            if ents is not None:
+                seq.entropies.append(ents[j])
             if token in self.stop_ids:
                 seq.finish_reason = "stop"
             elif len(seq.tokens) >= seq.max_new:
@@ -279,6 +296,7 @@ class Scheduler:
                 self.stats["discarded_tokens"] += len(seq.tokens) - cut
                 del seq.tokens[cut:]
                 del seq.logprobs[cut:]
+                del seq.entropies[cut:]
                 seq.finish_reason = "stop"
         return seq.finish_reason is not None
 

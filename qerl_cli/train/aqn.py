@@ -171,19 +171,23 @@ class AQN:
             return {name: t.clone() for name, t in self._cached.items()}
         gen = self.generator if generator is None else generator
         sigma = self.sigma(step)
-        noisy: dict[str, torch.Tensor] = {}
-        sq_total = 0.0
-        per_norm = []
-        applied_sq = 0.0
-        for name, w in self.norms.items():
-            z = torch.randn(w.shape, generator=gen, dtype=torch.float32) * sigma
-            clean = w.detach()
-            new = (clean.float() + z.to(clean.device)).to(clean.dtype)
-            noisy[name] = new
-            zn = float(z.norm())
-            per_norm.append(zn)
-            sq_total += zn * zn
-            applied_sq += float((new.float() - clean.float()).norm()) ** 2
+        names = list(self.norms)
+        weights = [self.norms[n].detach() for n in names]
+        # every norm in one device->host and one host->device copy: a copy or a .norm() per norm is a device
+        # sync each, which under several processes sharing a GPU made an AQN step markedly slower
+        clean = torch.cat([w.reshape(-1) for w in weights]).cpu()  # __init__ made sure there is at least one
+        z = torch.cat([torch.randn(w.shape, generator=gen, dtype=torch.float32).reshape(-1) * sigma for w in weights])
+        new = (clean.float() + z).to(clean.dtype)
+        sizes = [w.numel() for w in weights]
+        per_norm = [float(part.norm()) for part in z.split(sizes)]
+        sq_total = sum(zn * zn for zn in per_norm)
+        applied_sq = float((new.float() - clean.float()).norm()) ** 2
+        devices = {w.device for w in weights}
+        if len(devices) == 1:
+            on_device = new.to(weights[0].device).split(sizes)
+        else:
+            on_device = tuple(part.to(w.device) for part, w in zip(new.split(sizes), weights, strict=True))
+        noisy = {n: part.view(w.shape) for n, part, w in zip(names, on_device, weights, strict=True)}
         self.last_metrics = {
             "aqn/sigma": sigma,
             "aqn/stage": float(aqn_stage(step, self.total_steps, self.stages)),

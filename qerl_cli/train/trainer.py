@@ -68,6 +68,20 @@ class PromptStream:
         self._perm = self._permutation()
 
 
+def sampling_entropy(samples: list[Any], mask: torch.Tensor) -> float | None:
+    """Mean entropy of the distributions the rollout engine sampled from (under AQN the noisy policy's), over the
+    completion tokens of ``mask`` [B, T], as ``entropy`` averages the training policy's; None when the engine
+    reports no entropies (vLLM)."""
+    if not samples or any(getattr(s, "entropies", None) is None for s in samples):
+        return None
+    m = mask.detach().float().cpu()
+    total = 0.0
+    for i, s in enumerate(samples):
+        n = min(len(s.entropies), m.shape[1])
+        total += float((s.entropies[:n].float() * m[i, :n]).sum())
+    return total / max(float(m.sum()), 1.0)
+
+
 def rollout_seed(seed: int, step: int, round_: int) -> int:
     return (seed * 1_000_003 + step * 7919 + round_ * 104_729) % (2**31 - 1)
 
@@ -318,7 +332,8 @@ class Trainer:
         # prompt_offset: these prompts start at that position of the round (noise keyed by global position)
         sp = SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p, top_k=-1,
                             max_tokens=c.max_completion_length, stop=list(self.task.stop),
-                            seed=rollout_seed(c.seed, self.step, round_), prompt_offset=prompt_offset)
+                            seed=rollout_seed(c.seed, self.step, round_), prompt_offset=prompt_offset,
+                            entropy=True)  # sampling/entropy: the rollout policy's own (AQN-noised) entropy
         res = self.engine.generate([self.prompt_ids[i] for i in indices], sp, norm_overrides=norm_overrides)
         return res
 
@@ -428,6 +443,9 @@ class Trainer:
             isw, is_metrics = is_weights(c.correction, old_logp, batch.rollout_logp, valid, cap=c.correction_cap)
             metrics.update(is_metrics)
         metrics["entropy"] = ((entropies * batch.mask).sum() / batch.mask.sum().clamp(min=1)).item()
+        s_ent = sampling_entropy(samples, batch.mask)
+        if s_ent is not None:
+            metrics["sampling/entropy"] = s_ent
         t_recompute = self.clock() - t1
         self._phase_peak(metrics, "recompute")
 
