@@ -117,32 +117,77 @@ def test_cli_bad_input_is_one_line(tmp_path, args, needles):
 
 
 def test_seeds_heldout_and_long_completions(run_dir, tmp_path):
-    """--seeds 2 on one cell: two rows with their seeds, per-step entropy/k3, held-out accuracy on 2 x 4 samples,
-    completions that run to max length with stop=False, and cells = mean over the two seeds."""
-    from qerl_cli.bench.sanity import HELDOUT_SAMPLES, seed_scalars
+    """--seeds 2 on one cell: two rows with their seeds, per-step entropy (clean and sampling)/k3, held-out accuracy
+    before and after training on 2 problems x 3 samples, completions that run to max length with stop=False, and
+    cells = mean over the two seeds."""
+    from qerl_cli.bench.sanity import seed_scalars
 
     out = tmp_path / "s"
     sets = {"steps": 2, "batch_prompts": 1, "num_generations": 2, "max_completion_length": 5, "task_level": "1",
             "lora_rank": 4, "shots": 0}
     res = bench_sanity(run_dir=run_dir, grid=parse_axes(["aqn=true"]), overrides=sets, candidates=2, samples=2,
-                       lo=0.0, hi=1.0, seeds=2, seed_start=7, heldout=2, stop=False, out_dir=out, log=lambda _m: None)
+                       lo=0.0, hi=1.0, seeds=2, seed_start=7, heldout=2, heldout_samples=3, stop=False, out_dir=out,
+                       log=lambda _m: None)
     rows = json.loads((out / "sanity.json").read_text())["results"]
     assert [r["seed"] for r in rows] == [7, 8] and res["config"]["seeds"] == [7, 8]
+    assert res["config"]["heldout_samples"] == 3 and "measured before any training" in res["config"]["subset"]["rule"]
     for r in rows:
-        assert r["status"] == "ok" and len(r["entropy"]) == len(r["k3"]) == 2
-        assert all(e > 0 and math.isfinite(e) for e in r["entropy"])
+        assert r["status"] == "ok" and len(r["entropy"]) == len(r["k3"]) == len(r["sampling_entropy"]) == 2
+        assert all(e > 0 and math.isfinite(e) for e in r["entropy"] + r["sampling_entropy"])
+        # step 1 is AQN stage 0 (no noise): the engine's sampling entropy is the training policy's, to fp32 rounding
+        assert r["sampling_entropy"][0] == pytest.approx(r["entropy"][0], abs=1e-3)
         # AQN stage 0 (step 1 of 2 with the bench's 4 stages) has sigma 0; step 2 is noisy, in fp32 nothing rounds away
         assert r["aqn_first_noisy_step"] == 1 and r["applied_noise_norm"][0] == 0 and r["applied_noise_norm"][1] > 0
         assert r["mean_length"] == [5.0, 5.0]  # no stop string: every completion is max_completion_length long
-        assert r["heldout"] * 2 * HELDOUT_SAMPLES == pytest.approx(round(r["heldout"] * 2 * HELDOUT_SAMPLES))
+        for k in ("heldout_before", "heldout"):  # fractions of 2 problems x 3 samples
+            assert r[k] * 6 == pytest.approx(round(r[k] * 6))
+        assert seed_scalars(r)["heldout_gain"] == pytest.approx(r["heldout"] - r["heldout_before"])
     cell = res["cells"]["aqn=True"]
     assert cell["seeds"] == [7, 8]
     e = [seed_scalars(r)["early_entropy"] for r in rows]
     assert e[0] == pytest.approx(sum(rows[0]["entropy"]) / 2)
     assert cell["metrics"]["early_entropy"]["mean"] == pytest.approx(sum(e) / 2)
     assert cell["metrics"]["early_entropy"]["n"] == 2
+    assert cell["metrics"]["initial_sampling_entropy"]["mean"] == pytest.approx(
+        (rows[0]["sampling_entropy"][0] + rows[1]["sampling_entropy"][0]) / 2)
     # different seeds draw different rollouts
     assert rows[0]["entropy"] != rows[1]["entropy"]
+
+
+def test_subset_is_fair_to_every_arm_and_skip_leaves_cells_out(run_dir, tmp_path):
+    """Two arms (the run's NVFP4 model in fp32 and in bf16): every candidate's pass rate is measured in each, the
+    subset is the intersection of their bands, and --skip removes the cells it names."""
+    from qerl_cli.bench.sanity import parse_skip
+
+    out = tmp_path / "s"
+    sets = {"steps": 1, "batch_prompts": 1, "num_generations": 2, "max_completion_length": 4, "task_level": "1",
+            "lora_rank": 4, "shots": 0}
+    res = bench_sanity(run_dir=run_dir, grid=parse_axes(["precision=fp32,bf16", "aqn=false,true"]), overrides=sets,
+                       candidates=6, samples=2, lo=0.5, hi=1.0, skip=parse_skip(["aqn=true"]), out_dir=out,
+                       log=lambda _m: None)
+    assert [r["cell"] for r in res["results"]] == [{"precision": "fp32", "aqn": False},
+                                                   {"precision": "bf16", "aqn": False}]
+    subset = json.loads((out / "perfectible.json").read_text())
+    assert subset["key"]["arms"] == [["nvfp4", "fp32"], ["nvfp4", "bf16"]]
+    rates = [p["pass_rates"] for p in subset["problems"]]
+    assert all(set(r) == {"nvfp4/fp32", "nvfp4/bf16"} for r in rates)
+    # the intersection, recomputed from the recorded rates
+    assert subset["selected"] == [i for i, r in enumerate(rates) if all(0.5 <= v <= 1.0 for v in r.values())]
+    assert subset["selected_per_arm"]["nvfp4/fp32"] >= len(subset["selected"])
+    assert "every arm (nvfp4/fp32, nvfp4/bf16)" in res["config"]["subset"]["rule"]
+    # a process that runs only some of the grid's cells is still fair to every arm: the same subset (reused)
+    msgs: list[str] = []
+    part = bench_sanity(run_dir=run_dir, grid=parse_axes(["precision=fp32,bf16", "aqn=false,true"]), overrides=sets,
+                        candidates=6, samples=2, lo=0.5, hi=1.0, skip=parse_skip(["aqn=true", "precision=bf16"]),
+                        out_dir=out, log=msgs.append)
+    assert [r["cell"] for r in part["results"]] == [{"precision": "fp32", "aqn": False}]
+    assert any(m.startswith("reusing the perfectible subset") for m in msgs)
+    assert part["config"]["subset"]["key"] == res["config"]["subset"]["key"]
+    with pytest.raises(QerlError, match="KEY=VALUE"):
+        parse_skip(["aqn"])
+    with pytest.raises(QerlError, match="leaves no cell"):
+        bench_sanity(run_dir=run_dir, grid=parse_axes(["aqn=true"]), overrides=sets, skip=[{"aqn": "true"}],
+                     out_dir=out, log=lambda _m: None)
 
 
 def test_time_budget_skips_and_seed_scalars_censor(run_dir, tmp_path):

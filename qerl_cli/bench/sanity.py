@@ -452,13 +452,13 @@ def bench_sanity(
     device = harness.device()
     base = dict(overrides or {})
     axes = dict(grid or {})
-    if "format" in axes:  # format slowest: each format's model is loaded once
-        axes = {"format": axes.pop("format"), **axes}
-    cells = [c for c in grid_cells(axes) if not any(cell_matches(c, sel) for sel in skip)]
-    if not cells:
+    all_cells = grid_cells(axes)
+    all_cfgs = [build_bench_config(default_config(device), {**base, **{k: v for k, v in c.items() if k != "format"}})
+                for c in all_cells]  # every cell validated before anything runs
+    kept = [i for i, c in enumerate(all_cells) if not any(cell_matches(c, sel) for sel in skip)]
+    if not kept:
         raise QerlError("--skip leaves no cell of the grid to run: skip fewer cells")
-    cfgs = [build_bench_config(default_config(device), {**base, **{k: v for k, v in c.items() if k != "format"}})
-            for c in cells]  # every cell validated before anything runs
+    cells, cfgs = [all_cells[i] for i in kept], [all_cfgs[i] for i in kept]
     run = RunDir(run_dir, create=False)
     run.require("quantize")
     out = harness.out_dir(out_dir, run)
@@ -467,9 +467,10 @@ def bench_sanity(
     seed_list = list(range(first_seed, first_seed + seeds))
     budget = harness.Budget(time_budget_s)
     models = ModelCache(run, out, device, log)
-    # the arms the subset must be fair to: every (weight format, precision) a cell trains in
+    # the arms the subset must be fair to: every (weight format, precision) a cell of the grid trains in, skipped
+    # cells included (processes that split one grid's cells between them then share one subset)
     arms = list(dict.fromkeys((c.get("format", run_format(run)), cfg.precision)
-                              for c, cfg in zip(cells, cfgs, strict=True)))
+                              for c, cfg in zip(all_cells, all_cfgs, strict=True)))
     subset = build_subset(run, base_cfg, candidates=candidates, samples=samples, lo=lo, hi=hi,
                           temperature=sample_temperature, out=out, models=models, log=log, arms=arms)
     if not subset["selected"]:
