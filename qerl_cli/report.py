@@ -352,8 +352,10 @@ def _missing(title: str, stage: str, run: Path) -> str:
 
 def _evidence_section(run: RunDir, stages: dict[str, Any], pngs: dict[str, bytes],
                       numbers: dict[str, Any]) -> str | None:
-    """The Evidence section from ``bench/evidence``: the verdict table, the compared pairs with their intervals,
-    the cells (mean and 95% interval over seeds) and the curves with 95% bands; None when the run has none."""
+    """The Evidence section from ``bench/evidence``: what the arms start from, the verdict table (with the fewest
+    pairs and the seeds that would decide what is undecided), the compared pairs (interval, method, sign-flip p,
+    verdict, seeds needed; levels beside gains), each group's training-set rule and cells (mean and 95% interval
+    over seeds), and the curves with 95% bands; None when the run has none."""
     rec = stages.get("bench/evidence")
     if not rec or rec.get("status") != "completed":
         return None
@@ -361,32 +363,49 @@ def _evidence_section(run: RunDir, stages: dict[str, Any], pngs: dict[str, bytes
     ev = _load_json(run.abs(rel)) if rel else None
     if not ev or not isinstance(ev.get("claims"), list):
         return None
-    from qerl_cli.bench.evidence import ci_text, plot_curves
+    from qerl_cli.bench.evidence import CELL_COLUMNS, ci_text, part_interval_text, plot_curves, verdict_text
 
     def cell(v: Any) -> str:
         return f"<td>{_esc(v)}</td>"
 
-    claims = "".join(f"<tr><td class='num'>{_esc(c['claim'])}</td>{cell(c['title'])}{cell(c['hypothesis'])}"
-                     f"<td><b>{_esc(c['verdict'])}</b></td></tr>" for c in ev["claims"])
-    body = ("<table><tr><th>claim</th><th>what</th><th>hypothesis (stated before the run)</th><th>verdict</th></tr>"
-            f"{claims}</table>")
-    trs = "".join(
-        f"<tr><td class='num'>{_esc(p['claim'])}</td>{cell(p['name'])}{cell(ci_text(p.get('a_stats')))}"
-        f"{cell(ci_text(p.get('b_stats')))}<td class='num'>{_esc(_fmt(p.get('diff')))} "
-        f"[{_esc(_fmt(p.get('lo')))}, {_esc(_fmt(p.get('hi')))}]</td>{cell('yes' if p.get('paired') else 'no')}"
-        f"<td class='num'>{_esc(_fmt(p.get('p_mann_whitney')))}</td>{cell(p['verdict'])}</tr>"
-        for p in ev.get("parts", []))
+    def num_cell(v: Any) -> str:
+        return f"<td class='num'>{_esc('-' if v is None else v)}</td>"
+
+    body = ("<p>Both arms start from the embedded model, a Q4_1 GGUF: &quot;bf16&quot; is Q4_1 dequantized to bf16, "
+            "&quot;nvfp4&quot; is Q4_1 re-quantized to NVFP4 (docs/evidence.md). Intervals are 95%: paired t "
+            "intervals over seeds (the bootstrap only from 30 pairs), the exact sign-flip p beside them; "
+            "&quot;(t only)&quot; marks a verdict the sign-flip test does not reach at that number of pairs.</p>")
+    claims = "".join(
+        f"<tr><td class='num'>{_esc(c['claim'])}</td>{cell(c['title'])}{cell(c['hypothesis'])}"
+        f"<td><b>{_esc(c['verdict'])}</b>{_esc(' (t only: ' + '; '.join(c['t_only']) + ')' if c.get('t_only') else '')}"
+        f"</td>{num_cell(c.get('min_pairs'))}"
+        f"{cell({True: 'yes', False: 'no', None: '-'}[c.get('all_meet_target')])}"
+        f"{num_cell(c.get('seeds_to_decide_rest'))}</tr>" for c in ev["claims"])
+    body += ("<table><tr><th>claim</th><th>what</th><th>hypothesis (stated before the run)</th><th>verdict</th>"
+             "<th>fewest pairs</th><th>every part: 8 pairs or enough by its spread</th>"
+             f"<th>seeds to decide the undecided parts</th></tr>{claims}</table>")
+    trs = ""
+    for p in ev.get("parts", []):
+        trs += (f"<tr><td class='num'>{_esc(p['claim'])}</td>{cell(p['name'])}{cell(ci_text(p.get('a_stats')))}"
+                f"{cell(ci_text(p.get('b_stats')))}<td class='num'>{_esc(part_interval_text(p))}</td>"
+                f"{cell(p.get('method') or '-')}{num_cell(p.get('n'))}"
+                f"{num_cell(None if p.get('p_sign_flip') is None else _fmt(p['p_sign_flip']))}{cell(verdict_text(p))}"
+                f"{cell(p.get('power', ''))}</tr>")
+        for m, lv in (p.get("levels") or {}).items():
+            trs += (f"<tr><td></td>{cell('level beside it: ' + m)}{cell(ci_text(lv.get('a')))}"
+                    f"{cell(ci_text(lv.get('b')))}<td colspan='6'></td></tr>")
     body += ("<h3>Compared pairs</h3><table><tr><th>claim</th><th>comparison</th><th>A: mean [95%]</th>"
-             "<th>B: mean [95%]</th><th>A - B, oriented [95% bootstrap]</th><th>paired</th><th>Mann-Whitney p</th>"
-             f"<th>verdict</th></tr>{trs}</table>")
-    cols = ("steps_to_threshold", "final", "heldout", "early_entropy", "noisy_entropy", "noisy_applied_noise_norm",
-            "k3_last")
+             "<th>B: mean [95%]</th><th>A - B, oriented [95%]</th><th>method</th><th>pairs</th><th>sign-flip p</th>"
+             f"<th>verdict</th><th>seeds needed</th></tr>{trs}</table>")
     for g, grp in (ev.get("groups") or {}).items():
+        cols = CELL_COLUMNS.get(g, CELL_COLUMNS["qerl"])
         head = "".join(f"<th>{_esc(c)}</th>" for c in cols)
         rows = "".join(f"<tr>{cell(label)}<td class='num'>{len(c.get('seeds', []))}</td>"
                        + "".join(cell(ci_text((c.get('metrics') or {}).get(k))) for k in cols) + "</tr>"
                        for label, c in (grp.get("cells") or {}).items())
-        body += f"<h3>Cells: {_esc(g)}</h3><table><tr><th>cell</th><th>seeds</th>{head}</tr>{rows}</table>"
+        rule = grp.get("selection_rule")
+        body += (f"<h3>Cells: {_esc(g)}</h3>" + (f"<p>Training set: {_esc(rule)}.</p>" if rule else "")
+                 + f"<table><tr><th>cell</th><th>seeds</th>{head}</tr>{rows}</table>")
     fig = plot_curves(ev)
     if fig is not None:
         import matplotlib.pyplot as plt
@@ -394,6 +413,9 @@ def _evidence_section(run: RunDir, stages: dict[str, Any], pngs: dict[str, bytes
         pngs["evidence_curves"] = _png(fig)
         plt.close(fig)
         body += _img(pngs["evidence_curves"], "Curves per cell: mean and 95% band over seeds", "evidence_curves")
+    src = ((ev.get("analysis") or {}).get("sources_sha256") or {})
+    if src:
+        body += f"<p>Analysis sources (sha256): {_esc(', '.join(f'{m} {h}' for m, h in src.items()))}.</p>"
     for c in ev["claims"]:
         numbers[f"evidence/claim{c['claim']}"] = c["verdict"]
     return f"<section id='bench-evidence'><h2>Evidence</h2>{body}</section>"

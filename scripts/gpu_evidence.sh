@@ -94,11 +94,13 @@ declare -A RUN=([qerl]=nv [flashrl]=bf [fp16]=bf)
 stamp "quantize nvfp4 + bf16 ($(left)s left)"
 # every wait names its pids: a bare `wait` also waits for the `exec > >(tee ...)` process substitution
 # (bash >= 5.1), which ends only with the script: the 2026-11-24 study call hung there for its whole limit
-qerl 200 quantize --run "$EV/nv" --format nvfp4 >"$EV/q_nv.log" 2>&1 &
+QT=$(( CPU == 1 ? 1800 : 200 ))
+qerl "$QT" quantize --run "$EV/nv" --format nvfp4 >"$EV/q_nv.log" 2>&1 &
 Q1=$!
-qerl 200 quantize --run "$EV/bf" --format bf16 >"$EV/q_bf.log" 2>&1 &
+qerl "$QT" quantize --run "$EV/bf" --format bf16 >"$EV/q_bf.log" 2>&1 &
 wait "$Q1" $!
-[ -f "$EV/nv/manifest.json" ] && [ -f "$EV/bf/manifest.json" ] || { tail -5 "$EV"/q_*.log; stamp "quantize failed"; exit 4; }
+quantized() { grep -q '"status": "completed"' "$1/manifest.json" 2>/dev/null; }
+quantized "$EV/nv" && quantized "$EV/bf" || { tail -5 "$EV"/q_*.log; stamp "quantize failed"; exit 4; }
 mkdir -p "$EV/models_nv" && ln -sfn "$EV/bf" "$EV/models_nv/bf16"
 
 # processes: group|name|first seed|seeds|--skip items that leave this process its cells
@@ -130,9 +132,11 @@ launch() {  # index: start that process in the background (CPU proof: and wait f
   # shellcheck disable=SC2086
   (cd /tmp && timeout $(( budget + 50 )) "${PY[@]}" bench sanity --run "$EV/${RUN[$g]}" ${ARGS[$g]} $COMMON \
     --seed-start "$s0" --seeds "$n" $skips --time-budget "$budget" --out "$d") >"$d.log" 2>&1 &
+  PID_OF[$1]=$!
   if [ "$SERIAL" = 1 ]; then wait $!; else PIDS+=($!); fi
 }
 PIDS=()
+declare -A PID_OF
 
 declare -A FIRST
 for i in "${!PROCS[@]}"; do g=${PROCS[$i]%%|*}; [ -z "${FIRST[$g]:-}" ] && FIRST[$g]=$i; done
@@ -147,6 +151,8 @@ while (( ${#PENDING[@]} )) && (( $(left) > 150 )); do  # a group's other process
     IFS='|' read -r _ first _ <<<"${PROCS[${FIRST[$g]}]}"
     f=$EV/$g/$first/perfectible.json
     if [ -f "$f" ]; then cp "$f" "$EV/$g/perfectible.json"; launch "$i"
+    elif ! kill -0 "${PID_OF[${FIRST[$g]}]}" 2>/dev/null; then  # it ended without a training set: its log says why
+      stamp "group $g: its first process ended without a training set; process ${PROCS[$i]%%|*}/$i not started"
     else REST+=("$i"); fi
   done
   PENDING=("${REST[@]}")

@@ -149,7 +149,7 @@ def test_report_evidence_section(tmp_path):
             rows.append({"cell": {"format": fmt, "aqn": False}, "label": f"format={fmt}, aqn=False", "seed": seed,
                          "status": "ok", "accuracy": acc, "reward": acc, "entropy": [ent + 0.01 * seed] * 4,
                          "k3": [1e-4] * 4, "steps_run": 4, "steps_to_threshold": 3, "final": 1.0, "collapsed": False,
-                         "heldout": 0.5})
+                         "heldout_before": 0.4, "heldout": 0.5})
     src = tmp_path / "sanity.json"
     src.write_text(json.dumps({"config": {"subset": {"key": {"k": 1}}}, "results": rows, "wall_s": 1.0}))
     write_evidence(inputs={"qerl": [src]}, out_dir=run_path / "bench" / "evidence", run_dir=run_path, n_boot=200,
@@ -157,9 +157,12 @@ def test_report_evidence_section(tmp_path):
     result = build_report(run_path)
     html = result["html"].read_text()
     assert result["sections"]["bench/evidence"] == "present" and "evidence_curves" in result["plots"]
-    assert "<h2>Evidence</h2>" in html and "early entropy: nvfp4 vs bf16 (AQN off)" in html
-    # claim 1: all three parts supported (same steps within 1, same held-out, +0.1 nats); claims 2-4 not run
-    assert result["numbers"]["evidence/claim1"] == "supported"
+    assert "<h2>Evidence</h2>" in html and "initial entropy (step 1): nvfp4 vs bf16 (AQN off)" in html
+    assert "Q4_1 GGUF" in html and "level beside it: heldout_before" in html and "paired t" in html
+    # claim 1: all three parts supported (same steps within 1, same held-out gain, +0.1 nats), from 3 pairs: the
+    # exact sign-flip test cannot agree (2^-3), so the verdicts are marked; claims 2-4 not run
+    assert result["numbers"]["evidence/claim1"] == "supported" and "supported (t only)" in html
+    assert "8 pairs or enough by its spread" in html
     assert result["numbers"]["evidence/claim4"] == "not run"
     # without the stage the section is absent and names its producer
     bare = build_report(_make_run(tmp_path / "b"))

@@ -324,16 +324,18 @@ def heldout_accuracy(trainer: Any, task: Any, samples: int = HELDOUT_SAMPLES) ->
     ids = [trainer.encode_prompt(e.prompt) for e in task.examples]
     # more slots than a training step's for these few hundred short sequences (the cache is sized at the next
     # generate and given back after it); the engine's own modules, so the plan it runs is the trainer's
-    slots = engine.max_batch_slots
+    slots = getattr(engine, "max_batch_slots", None)  # the builtin engine's; vLLM sizes its own batches
     engine.release()
-    engine.max_batch_slots = max(slots, min(HELDOUT_SLOTS, len(ids) * samples))
+    if slots is not None:
+        engine.max_batch_slots = max(slots, min(HELDOUT_SLOTS, len(ids) * samples))
     try:
         res = engine.generate(ids, SamplingParams(n=samples, temperature=c.temperature,
                                                   max_tokens=c.max_completion_length, stop=list(task.stop),
                                                   seed=c.seed + 10**6))
     finally:
         engine.release()
-        engine.max_batch_slots = slots
+        if slots is not None:
+            engine.max_batch_slots = slots
     ex = task.examples
     rewards = safe_rewards(get_reward(task.reward), [ex[s.prompt_index].prompt for s in res.samples],
                            [s.text or "" for s in res.samples], answer=[ex[s.prompt_index].answer for s in res.samples])
