@@ -46,7 +46,7 @@ CPU=${QERL_EV_CPU:-0}
 if [ "$CPU" = 1 ]; then job_start gpu_evidence out/gpu_evidence 5400; else job_start gpu_evidence out/gpu_evidence 480; fi
 if [ "$CPU" = 1 ]; then
   qerl_shim "${QERL_EV_QK:-/tmp/qk_evidence_cpu}"
-  export OMP_NUM_THREADS=${QERL_EV_THREADS:-2}
+  export OMP_NUM_THREADS=${QERL_EV_THREADS:-1}
 else
   qerl_shim
   install_wheels "${QERL_WHL_DIR:-out/rollout_whl}"
@@ -68,38 +68,51 @@ fi
 EV=${QERL_EV_DIR:-/tmp/ev}
 if [ "$CPU" = 1 ]; then
   EV=${QERL_EV_DIR:-/tmp/ev_cpu}
-  QN=2; FN=2; LN=2; STEPS=2; LSTEPS=2; LONG=6; SAMPLES=2; HELD="--heldout 2 --heldout-samples 2"
+  # every group and code path at tiny sizes, fewer cells (on a CPU an NVFP4 forward dequantizes every weight):
+  # qerl trains the bf16 cells only (its training set still measures both arms), flashrl bf16 and int8 + TIS
+  # rollouts, fp16 GRPO in both precisions, each over 2 seeds, one process at a time
+  QN=2; FN=2; LN=2; STEPS=2; LSTEPS=2; TOK=3; LONG=4; SAMPLES=2; HELD="--heldout 2 --heldout-samples 2"
   B="--set batch_prompts=1 --set num_generations=2 --set lora_rank=4"; BL="$B"
-  QBAND="--candidates 6 --lo 0 --hi 1"; FBAND="--candidates 4 --lo 0 --hi 1"; SERIAL=1
+  QBAND="--candidates 6 --lo 0 --hi 1 --skip format=nvfp4"
+  FBAND="--candidates 4 --lo 0 --hi 1 --skip rollout_quant=fp8 --skip rollout_quant=int8,correction=none"; SERIAL=1
 else
   embedded_gguf || { stamp "the embedded GGUF is not here: run QERL_EV_STAGE=stash first on the same warm machine"; exit 3; }
   QN=${QERL_EV_QERL_SEEDS:-8}; FN=${QERL_EV_FLASHRL_SEEDS:-8}; LN=${QERL_EV_FP16_SEEDS:-3}
-  STEPS=${QERL_EV_STEPS:-16}; LSTEPS=${QERL_EV_LONG_STEPS:-12}; LONG=128; SAMPLES=32; HELD="--heldout 32 --heldout-samples 32"
+  STEPS=${QERL_EV_STEPS:-16}; LSTEPS=${QERL_EV_LONG_STEPS:-12}; TOK=8; LONG=128; SAMPLES=32
+  HELD="--heldout 32 --heldout-samples 32"
   B="--set batch_prompts=8 --set num_generations=8 --set lora_rank=16"
   BL="--set batch_prompts=4 --set num_generations=8 --set lora_rank=16"
   QBAND="--candidates 125 --lo 0.1 --hi 0.9"; FBAND="--candidates 256 --lo 0.05 --hi 0.5"; SERIAL=0
 fi
-rm -rf "$EV"; mkdir -p "$EV"
+quantized() { grep -q '"status": "completed"' "$1/manifest.json" 2>/dev/null; }
+if [ "${QERL_EV_KEEP_MODELS:-0}" = 1 ] && quantized "$EV/nv" && quantized "$EV/bf"; then
+  # a rerun of the CPU proof: keep the two quantized runs, drop everything else
+  find "$EV" -mindepth 1 -maxdepth 1 ! -name nv ! -name bf -exec rm -rf {} +
+  KEEP=1
+else
+  rm -rf "$EV"; mkdir -p "$EV"; KEEP=0
+fi
 COMMON="--samples $SAMPLES --set lr=2e-4 --set gpu_memory_utilization=0.9"
 declare -A ARGS
 ARGS[qerl]="--grid aqn=false,true --grid format=bf16,nvfp4 $QBAND $HELD --set task_level=1,4 \
---set max_completion_length=8 --set steps=$STEPS --set aqn_stages=8 $B"
+--set max_completion_length=$TOK --set steps=$STEPS --set aqn_stages=8 $B"
 ARGS[flashrl]="--grid rollout_quant=none,int8,fp8 --grid correction=none,token_tis \
---skip rollout_quant=none,correction=token_tis $FBAND --set task_level=3 --set max_completion_length=8 \
+--skip rollout_quant=none,correction=token_tis $FBAND --set task_level=3 --set max_completion_length=$TOK \
 --set steps=$STEPS $B"
-ARGS[fp16]="--grid algo=grpo,pg_seq_is --grid precision=bf16,fp16 $FBAND --set task_level=3 --no-stop \
+ARGS[fp16]="--grid algo=grpo,pg_seq_is --grid precision=bf16,fp16 ${FBAND%% --skip*} --set task_level=3 --no-stop \
 --set max_completion_length=$LONG --set steps=$LSTEPS $BL"
 declare -A RUN=([qerl]=nv [flashrl]=bf [fp16]=bf)
 
-stamp "quantize nvfp4 + bf16 ($(left)s left)"
-# every wait names its pids: a bare `wait` also waits for the `exec > >(tee ...)` process substitution
-# (bash >= 5.1), which ends only with the script: the 2026-11-24 study call hung there for its whole limit
-QT=$(( CPU == 1 ? 1800 : 200 ))
-qerl "$QT" quantize --run "$EV/nv" --format nvfp4 >"$EV/q_nv.log" 2>&1 &
-Q1=$!
-qerl "$QT" quantize --run "$EV/bf" --format bf16 >"$EV/q_bf.log" 2>&1 &
-wait "$Q1" $!
-quantized() { grep -q '"status": "completed"' "$1/manifest.json" 2>/dev/null; }
+if [ "$KEEP" = 0 ]; then
+  stamp "quantize nvfp4 + bf16 ($(left)s left)"
+  # every wait names its pids: a bare `wait` also waits for the `exec > >(tee ...)` process substitution
+  # (bash >= 5.1), which ends only with the script: the 2026-11-24 study call hung there for its whole limit
+  QT=$(( CPU == 1 ? 1800 : 200 ))
+  qerl "$QT" quantize --run "$EV/nv" --format nvfp4 >"$EV/q_nv.log" 2>&1 &
+  Q1=$!
+  qerl "$QT" quantize --run "$EV/bf" --format bf16 >"$EV/q_bf.log" 2>&1 &
+  wait "$Q1" $!
+fi
 quantized "$EV/nv" && quantized "$EV/bf" || { tail -5 "$EV"/q_*.log; stamp "quantize failed"; exit 4; }
 mkdir -p "$EV/models_nv" && ln -sfn "$EV/bf" "$EV/models_nv/bf16"
 
@@ -107,8 +120,9 @@ mkdir -p "$EV/models_nv" && ln -sfn "$EV/bf" "$EV/models_nv/bf16"
 PROCS=()
 for ((s = 0; s < QN; s++)); do PROCS+=("qerl|p$s|$s|1|"); done
 for ((s = 0; s < FN; s++)); do PROCS+=("flashrl|p$s|$s|1|"); done
-if [ "$CPU" = 1 ]; then  # CPU proof: two processes of two cells each
-  PROCS+=("fp16|c0|0|$LN| --skip algo=pg_seq_is" "fp16|c1|0|$LN| --skip algo=grpo")
+if [ "$CPU" = 1 ]; then  # CPU proof: GRPO in bf16 and in fp16, one process each
+  PROCS+=("fp16|c0|0|$LN| --skip algo=pg_seq_is --skip precision=fp16"
+          "fp16|c1|0|$LN| --skip algo=pg_seq_is --skip precision=bf16")
 else  # one process per cell: the other three cells skipped
   LCELLS=("grpo bf16" "grpo fp16" "pg_seq_is bf16" "pg_seq_is fp16")
   for i in "${!LCELLS[@]}"; do

@@ -94,3 +94,21 @@ def test_trainer_logs_sampling_entropy_next_to_entropy(tmp_path):
     m = t.train_step()
     # no AQN, fp32: the engine sampled from the very policy the training forward recomputes
     assert m["sampling/entropy"] == pytest.approx(m["entropy"], abs=1e-4) and m["sampling/entropy"] > 0
+
+
+def test_stop_strings_keep_entropies_aligned(embedded):
+    """A stop string cuts a sample inside a decode window: its entropies are cut with its tokens, and each still
+    equals the teacher-forced entropy of its own position (the embedded model, arith prompts, stop at a newline)."""
+    model, tok = embedded
+    prompts = [tok("2 + 3 = 5\n14 + 5 = 19\n7 + 1 =").input_ids, tok("6 * 7 = 42\n3 * 3 =").input_ids]
+    engine = BuiltinEngine(model, tok, max_batch_slots=4, max_model_len=64)
+    res = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=8, stop=["\n"], seed=5,
+                                                  entropy=True))
+    assert any(s.finish_reason == "stop" for s in res.samples)
+    for s in res.samples:
+        assert s.entropies.shape == (len(s.token_ids),)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompts[s.prompt_index] + s.token_ids])).logits[0].double()
+        n = len(prompts[s.prompt_index])
+        ref = torch.distributions.Categorical(logits=logits[n - 1: n - 1 + len(s.token_ids)]).entropy()
+        assert torch.allclose(s.entropies.double(), ref, atol=1e-3)

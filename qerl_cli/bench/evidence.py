@@ -195,8 +195,14 @@ def power_line(row: dict[str, Any]) -> str:
         return "every seed gave the same difference: no number of seeds decides it (see docs/evidence.md)"
     parts = []
     if row["verdict"].startswith("inconclusive"):
-        parts.append(f"{need} seeds would decide it at the observed difference" if need
-                     else "no number of seeds decides it at the observed difference (it sits on the boundary)")
+        from qerl_cli.bench.stats import MAX_SEEDS, decision_gap
+
+        if need:
+            parts.append(f"{need} seeds would decide it at the observed difference")
+        elif decision_gap(row["diff"], row["kind"], row["margin"]):
+            parts.append(f"more than {MAX_SEEDS} seeds would be needed at the observed difference")
+        else:
+            parts.append("no number of seeds decides it at the observed difference (it sits on the boundary)")
     else:
         parts.append(f"decided with {n}" + (f" (this spread needs {need})" if need else ""))
     if width:
@@ -305,7 +311,10 @@ def build_evidence(groups: dict[str, Sequence[dict[str, Any]]], *, n_boot: int =
         sub = cfg.get("subset") or {}
         if sub.get("rule"):
             return sub["rule"]
-        return subset_rule({**sub, "problems": [None] * sub["key"]["candidates"]}) if sub.get("key") else None
+        try:  # a v1 file (2026-11-24) recorded the rule's settings only
+            return subset_rule({**sub, "problems": [None] * sub["key"]["candidates"]})
+        except (KeyError, TypeError):
+            return None
 
     return {
         "schema": SCHEMA, "kind": "bench/evidence",

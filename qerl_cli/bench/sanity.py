@@ -80,6 +80,12 @@ def select_perfectible(pass_rates: Sequence[float], lo: float = 0.2, hi: float =
     return [i for i, r in enumerate(pass_rates) if lo <= r <= hi]
 
 
+def select_for_arms(rates: dict[str, Sequence[float]], lo: float = 0.2, hi: float = 0.8) -> list[int]:
+    """Indices of the problems whose pass rate lies in [lo, hi] for every arm (the intersection of the bands)."""
+    per_arm = [set(select_perfectible(r, lo, hi)) for r in rates.values()]
+    return sorted(set.intersection(*per_arm)) if per_arm else []
+
+
 def curve_summary(acc: Sequence[float], threshold: float = THRESHOLD, window: int = WINDOW,
                   collapse_drop: float = COLLAPSE_DROP) -> dict[str, Any]:
     """Steps to threshold (1-based, None if never), final/best plateau (window means), collapse flag."""
@@ -278,8 +284,7 @@ def build_subset(run: Any, cfg: Any, *, candidates: int, samples: int, lo: float
         rates[arm_label(arm)] = measure_pass_rates(
             model, tok, task, samples=samples, max_tokens=cfg.max_completion_length, temperature=temperature,
             seed=cfg.seed, max_prompt_length=cfg.max_prompt_length, chat_template=cfg.chat_template, dtype=dtype)
-    per_arm = [select_perfectible(r, lo, hi) for r in rates.values()]
-    selected = sorted(set(per_arm[0]).intersection(*per_arm[1:]))
+    selected = select_for_arms(rates, lo, hi)
     subset = {
         "schema": SCHEMA, "kind": "bench/sanity/perfectible", "key": key, "source_task": task.name,
         "reward": task.reward, "stop": list(task.stop), "wall_s": time.perf_counter() - t0,
@@ -287,7 +292,7 @@ def build_subset(run: Any, cfg: Any, *, candidates: int, samples: int, lo: float
                       "pass_rate": sum(r[i] for r in rates.values()) / len(rates),
                       "pass_rates": {a: r[i] for a, r in rates.items()}} for i, e in enumerate(examples)],
         "selected": selected,
-        "selected_per_arm": {a: len(sel) for a, sel in zip(rates, per_arm, strict=True)},
+        "selected_per_arm": {a: len(select_perfectible(r, lo, hi)) for a, r in rates.items()},
     }
     subset["rule"] = subset_rule(subset)
     out.mkdir(parents=True, exist_ok=True)
