@@ -53,8 +53,9 @@ F_NVFP4 = -8  # w' = code * scale * 2**F in the kernel; the fp32 result is multi
 DECODE_CONFIGS = ((1, 4, False), (1, 8, False), (1, 4, True), (1, 8, True), (2, 4, True), (2, 8, True))
 WIDE_CONFIGS = ((4, 8, 1, 4), (4, 4, 2, 4), (8, 8, 1, 4), (8, 4, 2, 4))
 DECODE_WARPS = 8
-STREAM_CTAS_PER_SM = 2  # resident CTAs per SM of both stream kernels (registers <= 128 at 256 threads; smem)
+STREAM_CTAS_PER_SM = 2  # resident CTAs per SM of the stream kernels (registers <= 128 at 256 threads; smem)
 DECODE_MAX_M, WIDE_MAX_M = 16, 64
+PMODE_IMBALANCE = 1.06  # whole portions per CTA when the busiest CTA has at most 6% more than the average
 XSEG_BYTES = 96 * 1024  # decode kernel: activation bytes per K segment that the L1 of an SM is meant to keep
 MAX_LORA_RANK = 256
 PLANS_ENV = "QERL_CUDA_FP4_PLANS"  # "stream" (default: stream kernels at M <= 64) or "legacy" (the A/B switch)
@@ -111,7 +112,7 @@ def _lib() -> ctypes.CDLL:
     lib.qerl_fp4_gemm.restype = ci
     lib.qerl_fp4_has.argtypes = [ci] * 4
     lib.qerl_fp4_has.restype = ci
-    lib.qerl_fp4_stream.argtypes = [vp] * 11 + [ci] * 23 + [vp]
+    lib.qerl_fp4_stream.argtypes = [vp] * 11 + [ci] * 24 + [vp]
     lib.qerl_fp4_stream.restype = ci
     lib.qerl_fp4_has_stream.argtypes = [ci] * 6
     lib.qerl_fp4_has_stream.restype = ci
@@ -283,15 +284,25 @@ def legacy_plan(m: int, n: int, k: int, sms: int, mt: int | None = None, splits:
     return Plan("legacy", mt, wn, wk, perm, -(-kc // cps), cps)
 
 
+def ctas_per_sm(plan: Plan) -> int:
+    """Resident CTAs per SM a stream configuration is built for (its __launch_bounds__; registers and shared
+    memory): 3 for the decode kernel at MT = 1 from the permuted copy with 4 stages (79 registers), else 2."""
+    if plan.kind == "decode" and (plan.mt, plan.stages, plan.perm) == (1, 4, True):
+        return 3
+    return STREAM_CTAS_PER_SM
+
+
 def _finish(plan: Plan, n: int, k: int, sms: int, ctas: int | None, pmode: bool | None, min_units: int) -> Plan:
-    """Fill ctas (STREAM_CTAS_PER_SM per SM, at most one per `min_units` units), the range mode (whole portions when
-    there are >= 8 per CTA: at most 1/8 imbalance and no fix-up) and whether a fix-up runs."""
+    """Fill ctas (`ctas_per_sm` per SM, at most one per `min_units` units), the range mode (whole portions per CTA
+    when that costs at most PMODE_IMBALANCE over an even split of the units: no cut portion, no fix-up; else unit
+    ranges, every CTA the same units to within one) and whether a fix-up runs."""
     sp = plan.split(n, k)
     if ctas is None:
-        ctas = min(STREAM_CTAS_PER_SM * sms, max(1, sp.units // max(1, min_units)))
+        ctas = min(ctas_per_sm(plan) * sms, max(1, sp.units // max(1, min_units)))
     ctas = max(1, min(ctas, sp.units))
+    portions = sp.nseg * sp.rg
     if pmode is None:
-        pmode = sp.nseg * sp.rg >= 8 * ctas
+        pmode = -(-portions // ctas) * ctas <= PMODE_IMBALANCE * portions
     if pmode:
         ctas = min(ctas, sp.nseg * sp.rg)
     if sp.units * ctas >= 2**31 - sp.units:
@@ -301,13 +312,14 @@ def _finish(plan: Plan, n: int, k: int, sms: int, ctas: int | None, pmode: bool 
 
 def decode_plan(m: int, n: int, k: int, sms: int, *, stages: int | None = None, perm: bool | None = None,
                 ctas: int | None = None, nseg: int | None = None, pmode: bool | None = None) -> Plan:
-    """The decode kernel (M <= 16 per M group; MT = 1 to 8 tokens, 2 to 16): every SM gets STREAM_CTAS_PER_SM
-    CTAs of 8 warps. The activations are gathered from x at M <= 2 and read from the permuted copy above; their
-    K range is cut into segments of about XSEG_BYTES so that an SM's L1 keeps the slice its CTAs re-read for
-    every row block (the segments' sums then go through the fix-up)."""
+    """The decode kernel (M <= 16 per M group; MT = 1 to 8 tokens, 2 to 16): every SM gets `ctas_per_sm` CTAs
+    of 8 warps (3 with 4 ring stages at M 3..8, 2 with 8 stages at M <= 2 and with 4 at M 9..16). The activations
+    are gathered from x at M <= 2 and read from the permuted copy above; their K range is cut into segments of
+    about XSEG_BYTES so that an SM's L1 keeps the slice its CTAs re-read for every row block (the segments' sums
+    then go through the fix-up; the CTAs of one SM get neighbouring ranges, so they share a segment)."""
     mt = 1 if m <= 8 else 2
     perm = (m > 2 or mt > 1) if perm is None else perm
-    stages = stages or (8 if mt == 1 else 4)
+    stages = stages or (4 if mt == 1 and perm else 8 if mt == 1 else 4)
     if (mt, stages, perm) not in DECODE_CONFIGS:
         raise ValueError(f"no decode kernel for MT={mt}, S={stages}, perm={perm}; built: {DECODE_CONFIGS}")
     kc = k // 128
@@ -444,8 +456,8 @@ def fp4_gemm(x: torch.Tensor, repacked: torch.Tensor, scale: torch.Tensor, globa
         err = _lib().qerl_fp4_stream(ptr(x), ptr(xp), ptr(repacked), ptr(scale.view(torch.uint8)), ptr(gs),
                                      ptr(bias), ptr(y), ptr(slots), ptr(wseg), ptr(lora_h), ptr(lora_b), *common, kind,
                                      plan.mt, plan.wn, plan.rbw, plan.stages, int(plan.perm), plan.ctas, plan.nseg,
-                                     plan.kcs, int(plan.pmode), plan.grows, int(plan.fixup), int(use_pdl(pdl)),
-                                     stream)
+                                     plan.kcs, int(plan.pmode), plan.grows, ctas_per_sm(plan), int(plan.fixup),
+                                     int(use_pdl(pdl)), stream)
     if err:
         raise RuntimeError(f"qerl CUDA FP4 kernel launch failed ({plan.key()}): cudaError {err}")
     return y

@@ -70,7 +70,7 @@ struct Params {
   // per-segment values; ctas CTAs per M group, nseg K segments of kcs chunks, pmode: ranges of whole portions
   float* slots;
   float* wseg;
-  int ctas, nseg, kcs, pmode, grows;
+  int ctas, nseg, kcs, pmode, grows, cpsm;  // cpsm: CTAs per SM the grid is sized for
 };
 
 __device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
@@ -464,6 +464,16 @@ struct Split {  // 32-bit: the host checks U * ctas < 2^31
   __host__ __device__ int owner(int u, int C) const { return ((u + 1) * C - 1) / U; }  // pmode 0
 };
 
+// The range a CTA takes: the cpsm CTAs that share an SM (blocks b, b + C/cpsm, ... as the block scheduler places a
+// grid that fits at once) get neighbouring ranges, so they read the same activation slice (one K segment) from L1.
+// Only locality depends on that placement; every range is taken by exactly one CTA either way.
+__device__ __forceinline__ int range_index(const Params& p) {
+  const int b = blockIdx.x, C = gridDim.x, per = p.cpsm;
+  if (per <= 1 || C % per) return b;
+  const int nsm = C / per;
+  return (b % nsm) * per + b / nsm;
+}
+
 // One portion met by a CTA's range [u0, u1): segment s, row group gr, its units [ps, pe), the CTA's part [a, b);
 // the K chunk of unit u of it is u + chunk0.
 struct Portion {
@@ -547,8 +557,15 @@ struct DecodeLayout {  // dynamic shared memory of the decode kernel, bytes
 // M <= 16: 8 warps on one 16-row block (grows = 16) take its chunks in the CTA's range round-robin, each with its
 // own S-stage cp.async ring (no barrier but the one per portion); at a portion's end the warps' fp32 partials meet in
 // shared memory and one warp (rotating) sums them in warp order and writes the portion's value.
+// CTAs per SM the decode kernel is built for (keep in step with cuda_fp4.ctas_per_sm): 3 where 85 registers and
+// 3 rings fit (MT = 1 from the permuted copy, 4 stages), else 2
+template <int MT, int S, bool PERM>
+constexpr int decode_ctas_per_sm() {
+  return (MT == 1 && S == 4 && PERM) ? 3 : 2;
+}
+
 template <int MT, int S, bool NV, bool BF16, bool PERM>
-__global__ void __launch_bounds__(DW * 32, 2) fp4_decode_kernel(const Params p) {
+__global__ void __launch_bounds__(DW * 32, decode_ctas_per_sm<MT, S, PERM>()) fp4_decode_kernel(const Params p) {
   using L = DecodeLayout<MT, S>;
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);
@@ -557,7 +574,7 @@ __global__ void __launch_bounds__(DW * 32, 2) fp4_decode_kernel(const Params p) 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, q = lane & 3;
   const Split sp(p);
-  const int c = blockIdx.x;
+  const int c = range_index(p);
   int u0, u1;
   sp.range(c, gridDim.x, p.pmode != 0, u0, u1);
   const int pfirst = u0 < u1 ? sp.portion(u0) : 0, plast = u0 < u1 ? sp.portion(u1 - 1) : -1;
@@ -729,7 +746,7 @@ __global__ void __launch_bounds__(WN * 32, 2) fp4_wide_kernel(const Params p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, q = lane & 3;
   const Split sp(p);
-  const int c = blockIdx.x, KC = sp.KC;
+  const int c = range_index(p), KC = sp.KC;
   int u0, u1;
   sp.range(c, gridDim.x, p.pmode != 0, u0, u1);
   const int spr = NV ? (p.K >> 4) : (p.K >> 5);
@@ -1182,7 +1199,8 @@ int qerl_fp4_gemm(const void* x, void* xp, const void* w, const void* s, const f
 int qerl_fp4_stream(const void* x, void* xp, const void* w, const void* s, const float* gs, const float* bias, void* y,
                     float* slots, float* wseg, const void* lh, const void* lb, int M, int N, int K, int ldx, int nvfp4,
                     int bf16, int tiled, int shift, int R, int ldh, int kind, int mt, int wn, int rbw, int stages,
-                    int perm, int ctas, int nseg, int kcs, int pmode, int grows, int fixup, int pdl, void* stream) {
+                    int perm, int ctas, int nseg, int kcs, int pmode, int grows, int cpsm, int fixup, int pdl,
+                    void* stream) {
   qerl::Params p{};
   p.x = static_cast<const uint16_t*>(x);
   p.xp = static_cast<const uint4*>(xp);
@@ -1197,7 +1215,7 @@ int qerl_fp4_stream(const void* x, void* xp, const void* w, const void* s, const
   p.R = R, p.ldh = ldh;
   p.slots = slots;
   p.wseg = wseg;
-  p.ctas = ctas, p.nseg = nseg, p.kcs = kcs, p.pmode = pmode, p.grows = grows;
+  p.ctas = ctas, p.nseg = nseg, p.kcs = kcs, p.pmode = pmode, p.grows = grows, p.cpsm = cpsm;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const bool f = fixup != 0, d = pdl != 0;
   if (nvfp4) {
