@@ -260,7 +260,7 @@ from qerl_kernels import cuda_fp4
 t = time.time(); p = cuda_fp4.build(); print('built', p, f'{time.time() - t:.1f}s'); print('available', cuda_fp4.available())
 " 2>&1 | tail -n 3
   # registers / spills / shared memory per kernel, in the background while the self-check runs
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -c -o /tmp/qk/fp4_gemm.o kernels/cuda/fp4_gemm.cu \
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --split-compile=0 -Xptxas -v -c -o /tmp/qk/fp4_gemm.o kernels/cuda/fp4_gemm.cu \
     2>&1 | grep -E "Compiling entry|registers|spill" | paste - - - | sed -E 's/ptxas info *: //g' | cut -c1-240 \
     > "$OUT/decode_ptxas.txt" &
   PTXAS_PID=$!

@@ -290,12 +290,12 @@ def test_lora_epilogue_support_and_argument_checks() -> None:
     assert not cuda_fp4.supports_lora_epilogue(72, 3584, 32)  # N % 16
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="R % 8"):
-        cuda_fp4._check_lora(torch.zeros(4, 12, dtype=torch.bfloat16), torch.zeros(32, 12, dtype=torch.bfloat16),
+        cuda_fp4.check_lora_args(torch.zeros(4, 12, dtype=torch.bfloat16), torch.zeros(32, 12, dtype=torch.bfloat16),
                              x, 4, 32)
     with pytest.raises(ValueError, match="activation dtype"):
-        cuda_fp4._check_lora(torch.zeros(4, 16), torch.zeros(32, 16), x, 4, 32)
+        cuda_fp4.check_lora_args(torch.zeros(4, 16), torch.zeros(32, 16), x, 4, 32)
     with pytest.raises(ValueError, match="lora_b \\[N=32"):
-        cuda_fp4._check_lora(torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(16, 16, dtype=torch.bfloat16),
+        cuda_fp4.check_lora_args(torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(16, 16, dtype=torch.bfloat16),
                              x, 4, 32)
 
 
@@ -314,3 +314,22 @@ def test_cuda_backend_is_refused_clearly_without_a_hopper_gpu(monkeypatch: pytes
     monkeypatch.setenv(dispatch.CANDIDATES_ENV, "triton,cuda,bogus")
     with pytest.raises(QerlError, match="cuda"):
         dispatch.candidates()
+
+
+def test_lora_plans_are_keyed_apart_and_forward_with_lora_runs_off_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qerl_kernels import dispatch
+    from qerl_kernels import linear as ql
+
+    from qerl_cli.qlinear import QuantLinear
+
+    torch.manual_seed(0)
+    mod = QuantLinear.from_linear(torch.nn.Linear(256, 64, bias=True), "nvfp4")
+    monkeypatch.setenv(dispatch.CANDIDATES_ENV, "triton,cublas")
+    plain, lora = dispatch.shape_key(mod, torch.bfloat16), dispatch.shape_key(mod, torch.bfloat16, 32)
+    assert lora[:-1] == plain and lora[-1] == "lora32"  # a plan per rank; the plain key is unchanged
+    x, h, b = torch.randn(3, 256), torch.randn(3, 16), torch.randn(64, 16) * 0.1
+    monkeypatch.setenv(dispatch.ENV, "cublas")
+    assert dispatch.choose(mod, x, lora_rank=16) == "cublas"  # a forced backend answers for LoRA plans too
+    y = ql.forward_with_lora(x, mod, h, b)  # off the GPU: the module, then one addmm
+    ref = x @ mod.dequantized_weight(torch.float32).T + mod.bias + h @ b.T
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
