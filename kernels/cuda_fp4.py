@@ -57,6 +57,7 @@ DECODE_WARPS = 8
 STREAM_CTAS_PER_SM = 2  # resident CTAs per SM of the stream kernels (registers <= 128 at 256 threads; smem)
 DECODE_MAX_M, WIDE_MAX_M = 16, 64
 PMODE_IMBALANCE = 1.06  # whole portions per CTA when the busiest CTA has at most 6% more than the average
+MAX_SEGS = 32  # K segments the fix-up kernel takes (MAX_SEGS in fp4_gemm.cu)
 XSEG_BYTES = 96 * 1024  # decode kernel: activation bytes per K segment that the L1 of an SM is meant to keep
 MAX_LORA_RANK = 256
 PLANS_ENV = "QERL_CUDA_FP4_PLANS"  # "stream" (default: stream kernels at M <= 64) or "legacy" (the A/B switch)
@@ -308,6 +309,8 @@ def _finish(plan: Plan, n: int, k: int, sms: int, ctas: int | None, pmode: bool 
         ctas = min(ctas, sp.nseg * sp.rg)
     if sp.units * ctas >= 2**31 - sp.units:
         raise ValueError(f"stream plan too large for 32-bit unit arithmetic: {sp.units} units x {ctas} CTAs")
+    if sp.nseg > MAX_SEGS:
+        raise ValueError(f"stream plan with {sp.nseg} K segments; the fix-up kernel takes at most {MAX_SEGS}")
     return replace(plan, ctas=ctas, pmode=pmode, fixup=sp.nseg > 1 or sp.any_cut(ctas, pmode))
 
 
@@ -326,7 +329,7 @@ def decode_plan(m: int, n: int, k: int, sms: int, *, stages: int | None = None, 
     kc = k // 128
     rows = 8 * mt if perm else min(m, 8 * mt)
     if nseg is None:
-        nseg = max(1, -(-(rows * k * 2) // XSEG_BYTES))
+        nseg = min(MAX_SEGS, max(1, -(-(rows * k * 2) // XSEG_BYTES)))
     kcs = -(-kc // max(1, min(nseg, kc)))
     plan = Plan("decode", mt, 1, DECODE_WARPS, perm, stages=stages, kcs=kcs, nseg=-(-kc // kcs))
     return _finish(plan, n, k, sms, ctas, pmode, min_units=DECODE_WARPS)

@@ -904,38 +904,43 @@ __global__ void __launch_bounds__(WN * 32, 2) fp4_wide_kernel(const Params p) {
 }
 
 // The outputs of the stream plans that no CTA wrote: per segment in order, the segment's portion value (wseg, or
-// the pieces of the CTAs that share the portion, in CTA order), then + bias, rounded once.
+// the pieces of the CTAs that share the portion, in CTA order), then + bias, rounded once. One CTA per row group:
+// which CTAs hold each segment's portion is worked out once per group (MAX_SEGS segments at most).
+constexpr int MAX_SEGS = 32;
 template <bool BF16>
-__global__ void fp4_fixup_kernel(const Params p) {
+__global__ void __launch_bounds__(256) fp4_fixup_kernel(const Params p) {
+  __shared__ int cut_first[MAX_SEGS], cut_last[MAX_SEGS];
   pdl_launch();
   pdl_wait();
   const Split sp(p);
-  const size_t total = (size_t)p.M * p.N;
-  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
-    const int tok = (int)(idx / p.N), n = (int)(idx % p.N);
-    const int gr = n / p.grows, row = n - gr * p.grows;
-    float sum = 0.f;
-    bool direct = false;
-    for (int s = 0; s < sp.nseg; ++s) {
-      const int pi = s * sp.Rg + gr;
+  for (int gr = blockIdx.x; gr < sp.Rg; gr += gridDim.x) {
+    __syncthreads();  // the previous group's cut_first/cut_last are read
+    if (threadIdx.x < sp.nseg) {
+      const int pi = threadIdx.x * sp.Rg + gr;
       const int ps = sp.pstart(pi), pe = sp.pstart(pi + 1);
-      const int cf = p.pmode ? 0 : sp.owner(ps, p.ctas), cl = p.pmode ? 0 : sp.owner(pe - 1, p.ctas);
-      float v;
-      if (cf == cl) {
-        if (sp.nseg == 1) {
-          direct = true;  // written by the CTA that held the whole portion
-          break;
-        }
-        v = p.wseg[((size_t)s * p.M + tok) * p.N + n];
-      } else {
-        v = 0.f;
-        for (int cc = cf; cc < cl; ++cc) v += p.slots[(((size_t)cc * 2 + 1) * p.M + tok) * p.grows + row];
-        v += p.slots[((size_t)cl * 2 * p.M + tok) * p.grows + row];
-      }
-      sum += v;
+      cut_first[threadIdx.x] = p.pmode ? 0 : sp.owner(ps, p.ctas);
+      cut_last[threadIdx.x] = p.pmode ? 0 : sp.owner(pe - 1, p.ctas);
     }
-    if (direct) continue;
-    store_y<BF16>(p, tok, n, p.bias != nullptr ? sum + p.bias[n] : sum);
+    __syncthreads();
+    if (sp.nseg == 1 && cut_first[0] == cut_last[0]) continue;  // written by the CTA that held it whole
+    const int n0 = gr * p.grows, rows = p.N - n0 < p.grows ? p.N - n0 : p.grows;
+    for (int e = threadIdx.x; e < p.M * rows; e += blockDim.x) {
+      const int tok = e / rows, row = e - tok * rows, n = n0 + row;
+      float sum = 0.f;
+      for (int s = 0; s < sp.nseg; ++s) {
+        const int cf = cut_first[s], cl = cut_last[s];
+        float v;
+        if (cf == cl) {
+          v = p.wseg[((size_t)s * p.M + tok) * p.N + n];
+        } else {
+          v = 0.f;
+          for (int cc = cf; cc < cl; ++cc) v += p.slots[(((size_t)cc * 2 + 1) * p.M + tok) * p.grows + row];
+          v += p.slots[((size_t)cl * 2 * p.M + tok) * p.grows + row];
+        }
+        sum += v;
+      }
+      store_y<BF16>(p, tok, n, p.bias != nullptr ? sum + p.bias[n] : sum);
+    }
   }
 }
 
@@ -1031,8 +1036,8 @@ inline cudaError_t launch_permute(const Params& p, int tiles, cudaStream_t st, b
 
 template <bool BF16>
 cudaError_t launch_fixup(const Params& p, cudaStream_t st, bool pdl) {
-  const size_t want = ((size_t)p.M * p.N + 255) / 256;
-  return launch_ex(fp4_fixup_kernel<BF16>, dim3((unsigned)(want < 4096 ? want : 4096)), dim3(256), 0, st, pdl, p);
+  const int groups = (p.N + p.grows - 1) / p.grows;
+  return launch_ex(fp4_fixup_kernel<BF16>, dim3(groups < 4096 ? groups : 4096), dim3(256), 0, st, pdl, p);
 }
 
 template <int MT, int S, bool NV, bool BF16, bool PERM>

@@ -474,6 +474,7 @@ def decode_plan_variants(m: int, n: int, k: int, sms: int) -> list[tuple[str, An
         for wn, rbw in ((8, 1), (4, 2)):
             alts.append(cf.wide_plan(m, n, k, sms, wn=wn, rbw=rbw))
         alts.append(cf.wide_plan(m, n, k, sms, ctas=cf.ctas_per_sm(rule) * sms))
+        alts.append(cf.wide_plan(m, n, k, sms, ctas=sms))
         alts.append(cf.wide_plan(m, n, k, sms, pmode=not rule.pmode))
     seen = {rule.key()}
     for p in alts:
