@@ -40,6 +40,7 @@
 typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
 #else
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -260,13 +261,24 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
                : "memory");
 }
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
-               : "memory");
+// weights and block scales are read once per GEMM: marked first to leave L2, so that the activations, the LoRA
+// factors and the fix-up's pieces (re-read) stay
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
 }
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
-               : "memory");
+__device__ __forceinline__ void cp_async16_stream(void* dst, const void* src, uint64_t pol) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+               ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, uint64_t pol) {
+  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2;"
+               ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, uint64_t pol) {
+  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, %2;"
+               ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "l"(pol) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -602,17 +614,18 @@ __global__ void __launch_bounds__(DW * 32, decode_ctas_per_sm<MT, S, PERM>()) fp
       }
     }
   };
+  const uint64_t pol = evict_first_policy();
   auto issue = [&](int slot) {  // unit iu's weight and scale bytes of this warp into ring slot; cursor on
     const int ch = iu + ich0;
     uint4* dst = ring + (slot * DW + warp) * 64;
-    cp_async16(dst + lane, iw0 + ch * cstride);
-    cp_async16(dst + 32 + lane, iw1 + ch * cstride);
+    cp_async16_stream(dst + lane, iw0 + ch * cstride, pol);
+    cp_async16_stream(dst + 32 + lane, iw1 + ch * cstride, pol);
     if (lane < 16) {
       uint2* sd = scs + (slot * DW + warp) * 16 + lane;
       if constexpr (NV) {
-        cp_async8(sd, isc + ch * spc);
+        cp_async8(sd, isc + ch * spc, pol);
       } else {
-        cp_async4(sd, isc + ch * spc);
+        cp_async4(sd, isc + ch * spc, pol);
       }
     }
     iu += DW;
@@ -768,20 +781,21 @@ __global__ void __launch_bounds__(WN * 32, 2) fp4_wide_kernel(const Params p) {
       isc[r] = p.s + (size_t)(rb * 16 + (lane & 15)) * spr;
     }
   };
+  const uint64_t pol = evict_first_policy();
   auto issue_w = [&](int slot, int grp, int ch) {
     unsigned char* st = smem + slot * L::STAGE;
 #pragma unroll
     for (int r = 0; r < RBW; ++r) {
       if ((grp * WN + warp) * RBW + r < nblocks) {
         uint4* wd = reinterpret_cast<uint4*>(st + L::ACT) + (warp * RBW + r) * 64;
-        cp_async16(wd + lane, iw0[r] + ch * cstride);
-        cp_async16(wd + 32 + lane, iw1[r] + ch * cstride);
+        cp_async16_stream(wd + lane, iw0[r] + ch * cstride, pol);
+        cp_async16_stream(wd + 32 + lane, iw1[r] + ch * cstride, pol);
         if (lane < 16) {
           uint2* sd = reinterpret_cast<uint2*>(st + L::ACT + L::WB) + (warp * RBW + r) * 16 + lane;
           if constexpr (NV) {
-            cp_async8(sd, isc[r] + ch * spc);
+            cp_async8(sd, isc[r] + ch * spc, pol);
           } else {
-            cp_async4(sd, isc[r] + ch * spc);
+            cp_async4(sd, isc[r] + ch * spc, pol);
           }
         }
       }
