@@ -289,3 +289,25 @@ def test_two_gloo_ranks_train_like_one_and_resume_on_one_and_two(fp_run: Path, c
     finally:
         if dist.is_initialized():  # the 1-process runs' own 1-rank group
             dist.destroy_process_group()
+
+
+def test_scale_bench_runs_fsdp2_full_finetuning_with_int8_rollouts(tmp_path: Path) -> None:
+    """The runner scripts/gpu_fsdp.sh drives, on 1 CPU process (sharding degree 1) and the tiny shape."""
+    import torch.distributed as dist
+
+    from qerl_cli.bench.scale import run
+
+    out = tmp_path / "scale.json"
+    try:
+        res = run("tiny", "bf16", steps=1, warmup=0, batch_prompts=2, num_generations=2, prompt_len=8, new_tokens=4,
+                  micro_batch_size=4, out=out, train={"finetune": "full", "rollout_quant": "int8", "sharding": "fsdp2",
+                                                      "gradient_checkpointing": True})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    saved = json.loads(out.read_text())
+    assert saved["mode"]["sharding"] == "fsdp2" and saved["mode"]["finetune"] == "full"
+    assert saved["mode"]["gradient_checkpointing"] is True
+    step = saved["steps_detail"][0]
+    assert step["grad_norm"] > 0 and step["timing/requant_s"] > 0
+    assert res["phase_s"]["fwd_bwd"] > 0 and set(res["peak_gb"]) >= {"rollout", "fwd_bwd", "requant"}

@@ -475,10 +475,11 @@ class Trainer:
             self.full.sync_()
         if self.rollout_quant is not None:
             metrics.update(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
+            self._phase_peak(metrics, "requant")  # sharded: one gathered layer at a time on top of the rest
         t_train = self.clock() - t2
         if on_cuda:
-            metrics["memory/train_peak_gb"] = max(metrics.get("memory/fwd_bwd_peak_gb", 0.0),
-                                                  metrics.get("memory/optimizer_peak_gb", 0.0))
+            metrics["memory/train_peak_gb"] = max(metrics.get(f"memory/{p}_peak_gb", 0.0)
+                                                  for p in ("fwd_bwd", "optimizer", "requant"))
 
         self.step += 1
         metrics["lr"] = self.scheduler.get_last_lr()[0]
