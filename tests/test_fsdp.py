@@ -311,3 +311,38 @@ def test_scale_bench_runs_fsdp2_full_finetuning_with_int8_rollouts(tmp_path: Pat
     step = saved["steps_detail"][0]
     assert step["grad_norm"] > 0 and step["timing/requant_s"] > 0
     assert res["phase_s"]["fwd_bwd"] > 0 and set(res["peak_gb"]) >= {"rollout", "fwd_bwd", "requant"}
+
+
+def test_bf16_compute_on_fp32_shards_and_the_rollout_copy_follows_them() -> None:
+    """--precision bf16 at sharding degree 1: the sharded masters are fp32, each layer is gathered in bf16 for the
+    step, and after the update every INT8 code of the rollout copy is the quantized bf16 master (fixed scales)
+    and its norms are the bf16 masters: re-quantization read the updated shards, layer by layer."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from qerl_cli.bench.scale import build_trainer
+
+    try:
+        t = build_trainer("tiny", "bf16", batch_prompts=2, num_generations=2, prompt_len=8, new_tokens=4, lora_rank=8,
+                          micro_batch_size=4, seed=0, num_prompts=8, device="cpu",
+                          train={"finetune": "full", "rollout_quant": "int8", "sharding": "fsdp2",
+                                 "precision": "bf16", "aqn": True, "lr": 1e-2})
+        before = {n: p.full_tensor().clone() for n, p in t.full.trained.items()}
+        m = t.train_step()
+        assert m["grad_norm"] > 0 and m["rollout_quant/rel_err"] > 0
+        masters = {n: p.full_tensor() for n, p in t.full.trained.items()}
+        assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in t.full.trained.values())
+        assert max((masters[n] - before[n]).abs().max().item() for n in masters) > 1e-3  # the step moved them
+        lm = t.rollout_quant.model
+        for name, ql in t.rollout_quant.layers.items():
+            w = masters[f"{name}.weight"].to(torch.bfloat16).float()
+            want = torch.round((w / ql.weight_scale.float()).clamp(-128, 127)).to(torch.int8)
+            assert torch.equal(ql.weight, want), name
+        for name in t.rollout_quant.private:
+            copy = lm.get_parameter(name)
+            assert copy.dtype == torch.bfloat16 and torch.equal(copy, masters[name].to(torch.bfloat16)), name
+        emb = t.model.model.embed_tokens.weight  # frozen: not sharded, shared with the rollout copy
+        assert not isinstance(emb, DTensor) and emb.dtype == torch.bfloat16 and lm.model.embed_tokens.weight is emb
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -55,14 +55,15 @@ def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: 
 
     ctx = current()
     dev = pick_device(device or ctx.device)
-    precision = "bf16" if dev.type == "cuda" else "fp32"
-    cfg = TrainConfig(algo="dapo", steps=10**6, batch_prompts=batch_prompts, num_generations=num_generations,
-                      max_completion_length=new_tokens, lora_rank=lora_rank, precision=precision,
-                      micro_batch_size=micro_batch_size, dynamic_sampling=False, overlong_buffer=0, seed=seed,
-                      log_rollouts=False, lr=1e-5, **(train or {}))
+    fields = {"algo": "dapo", "steps": 10**6, "batch_prompts": batch_prompts, "num_generations": num_generations,
+              "max_completion_length": new_tokens, "lora_rank": lora_rank,
+              "precision": "bf16" if dev.type == "cuda" else "fp32", "micro_batch_size": micro_batch_size,
+              "dynamic_sampling": False, "overlong_buffer": 0, "seed": seed, "log_rollouts": False, "lr": 1e-5,
+              **(train or {})}
+    cfg = TrainConfig(**fields)
     cfg.validate()
     cfg = cfg.resolved()
-    dtype = dtype_of(precision)
+    dtype = dtype_of(cfg.precision)
     model = build_shape_model(get_shape(shape), fmt, dev, dtype, seed)  # no EOS: fixed-length generation
     task = Task("synthetic", "train", [Example(prompt=str(i), answer="") for i in range(num_prompts)],
                 "bench_random", (), lambda q: q, max_new_tokens=new_tokens)
