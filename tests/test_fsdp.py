@@ -257,6 +257,7 @@ def test_two_gloo_ranks_train_like_one_and_resume_on_one_and_two(fp_run: Path, c
         assert rec["outputs"]["weights_sha256"] == checkpointing.weights_record(c)["weights_sha256"]
         assert rec["config"]["sharding"] == "fsdp2" and rec["extra"]["dist"]["sharding"] == "fsdp2"
         assert "adapter_digests" not in rec["extra"]["dist"]
+        assert rec["pid"] == rec["extra"]["dist"]["pids"][0] != rec["extra"]["dist"]["pids"][1]  # rank 0 wrote it
         assert not [p for p in two.rglob("*") if ".tmp" in p.name or ".old" in p.name]
         # qerl eval's reader assembles the rows into the whole fp32 masters
         masters = checkpointing.read_full_weights(c, set(weights(two, 2)))
