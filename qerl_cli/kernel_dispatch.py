@@ -37,6 +37,19 @@ def quant_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor | None:
     return k.quant_linear(x, module)
 
 
+def lora_epilogue_linear(x: torch.Tensor, module: QuantLinear, lora_h: torch.Tensor,
+                         lora_b: torch.Tensor) -> torch.Tensor | None:
+    """``x W^T (+ b) + lora_h @ lora_b^T`` in ONE kernel (the LoRA expand in the quantized GEMM's epilogue) when
+    the kernel chosen for this forward has that epilogue; None otherwise (the caller runs the base and an
+    in-place expand). Decode only: no autograd."""
+    if module.format.kernel_backend(x.device) == BITSANDBYTES:
+        return None
+    k = _kernels()
+    if k is None or not hasattr(k, "lora_epilogue_linear"):
+        return None
+    return k.lora_epilogue_linear(x, module, lora_h, lora_b)
+
+
 def bnb_nf4_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor:
     """y = x @ W^T + b through `bitsandbytes.matmul_4bit` on the module's own NF4 tensors.
 

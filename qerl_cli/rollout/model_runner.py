@@ -36,7 +36,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.fast_layers import FastPlan, FusedOps, apply_rope_ref, is_silu_mlp, rms_norm_ref, signature
+from qerl_cli.rollout.fast_layers import (
+    FastPlan,
+    FusedOps,
+    ProjGroup,
+    apply_rope_ref,
+    is_silu_mlp,
+    rms_norm_ref,
+    signature,
+)
 from qerl_cli.rollout.kv_cache import KVCache
 from qerl_cli.rollout.profile import region
 
@@ -152,7 +160,11 @@ class ModelRunner:
         self.fast_lora = fast_lora and fast_env
         if fused_kernels is None:
             fused_kernels = self.device.type == "cuda"
-        self.ops = FusedOps(triton=fused_kernels and fast_env)
+        # LoRA inside the step (docs/decode.md): shrinks in the norm/SiLU kernels, expands in the quantized GEMM's
+        # epilogue where its kernel has one. QERL_FUSED_LORA=0 keeps one shrink GEMM per group and in-place expands
+        # (the A/B switch).
+        self.fused_lora = os.environ.get("QERL_FUSED_LORA", "1") != "0"
+        self.ops = FusedOps(triton=fused_kernels and fast_env, fused_lora=self.fused_lora)
         self.plan: FastPlan | None = None
 
     def prepare(self) -> None:
@@ -163,7 +175,8 @@ class ModelRunner:
             return
         sig = signature(self.layers)
         if self.plan is None or self.plan.signature != sig:
-            self.plan = FastPlan(self.layers, self.dtype, self.device)
+            self.plan = FastPlan(self.layers, self.dtype, self.device,
+                                 epilogue=self.fused_lora and self.device.type == "cuda")
             self._prepare_kernels()
         else:
             self.plan.refresh()
@@ -246,9 +259,9 @@ class ModelRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             lp = plan.layers[i] if plan is not None else None
-            h, x = self._add_norm(f"model.layers.{i}.input_layernorm", h, delta)
+            h, x, hl = self._add_norm_shrink(f"model.layers.{i}.input_layernorm", h, delta, lp and lp.qkv)
             if lp is not None:
-                q, k, v = lp.qkv(x)
+                q, k, v = lp.qkv(x, hl)
             else:
                 q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
             q = q.view(b, t, self.num_heads, self.head_dim)
@@ -261,19 +274,40 @@ class ModelRunner:
                 q = _apply_rope(q, cos, sin)
                 k = _apply_rope(k, cos, sin)
             o = attend(i, q, k, v)
-            delta = lp.o(o)[0] if lp is not None else attn.o_proj(o)
-            h, x = self._add_norm(f"model.layers.{i}.post_attention_layernorm", h, delta)
+            if lp is not None:
+                hl = None
+                if lp.o.a_cat is not None and self.ops.fused_lora:
+                    with region("lora"):  # the attention output's shrink: one launch of its own
+                        hl = self.ops.lora_shrink(o, lp.o.a_cat)
+                delta = lp.o(o, hl)[0]
+            else:
+                delta = attn.o_proj(o)
+            h, x, hl = self._add_norm_shrink(f"model.layers.{i}.post_attention_layernorm", h, delta,
+                                             lp and lp.gate_up)
             mlp = layer.mlp
             if lp is not None and lp.gate_up is not None and lp.down is not None:
-                gate, up = lp.gate_up(x)
+                gate, up = lp.gate_up(x, hl)
+                hl = None
                 with region("elementwise"):
-                    act = self.ops.silu_mul(gate, up, mlp.act_fn)
-                delta = lp.down(act)[0]
+                    if lp.down.a_cat is not None and self.ops.fused_lora:
+                        act, hl = self.ops.silu_mul_shrink(gate, up, mlp.act_fn, lp.down.a_cat)
+                    else:
+                        act = self.ops.silu_mul(gate, up, mlp.act_fn)
+                delta = lp.down(act, hl)[0]
             elif self.ops.triton and is_silu_mlp(mlp):
                 delta = mlp.down_proj(self.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn))
             else:
                 delta = mlp(x)
         return self._add_norm("model.norm", h, delta)[1]
+
+    def _add_norm_shrink(self, name: str, h: torch.Tensor, delta: torch.Tensor | None,
+                         group: ProjGroup | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``_add_norm``, plus the LoRA shrink of the group that reads the normed x when the fused ops take it
+        (else None: the group computes its own)."""
+        if group is None or group.a_cat is None or not self.ops.fused_lora:
+            return (*self._add_norm(name, h, delta), None)
+        with region("elementwise"):
+            return self.ops.add_rms_norm_shrink(h, delta, self.norm_w[name], self.norm_eps[name], group.a_cat)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids).to(self.dtype)
