@@ -518,10 +518,15 @@ def _sample_kernel(logits_ptr, vhash_ptr, base_ptr, uid_ptr, step_ptr, tok_ptr, 
 SAMPLE_SCALE_NONE, SAMPLE_SCALE_MUL, SAMPLE_SCALE_DIV = 0, 1, 2
 
 
-def sample_splits(rows: int, vocab: int, sms: int = 132, block: int = 1024) -> int:
-    """Vocabulary chunks per row: ~2 programs per SM in all (the per-element hashing and log work makes a
-    single program per row ALU-bound at small batches), each chunk >= 4 blocks."""
-    return max(1, min(triton.cdiv(2 * sms, max(rows, 1)), vocab // (4 * block)))
+SAMPLE_CHUNK = 8192  # vocabulary entries per program
+
+
+def sample_splits(vocab: int, chunk: int = SAMPLE_CHUNK) -> int:
+    """Programs per row: a fixed chunk of the vocabulary each, so the log-sum-exp's summation order (and so a
+    log-prob's last bits) depends on the vocabulary only, never on the batch (a row samples the same token
+    and log-prob alone or among others). Per element the kernel hashes, takes two logs and an exp, so one
+    program per row would be ALU-bound at small batches: 152k entries make 19 programs per row."""
+    return max(1, triton.cdiv(vocab, chunk))
 
 
 def sample_tokens(logits: torch.Tensor, vocab_hash32: torch.Tensor, base_key: torch.Tensor, uids: torch.Tensor,
@@ -544,9 +549,8 @@ def sample_tokens(logits: torch.Tensor, vocab_hash32: torch.Tensor, base_key: to
     if b == 0:
         return tokens, logprobs
     block = 1024
-    splits = sample_splits(b, v, num_sms(logits.device), block)
-    chunk = triton.cdiv(triton.cdiv(v, splits), block) * block
-    splits = triton.cdiv(v, chunk)
+    chunk = SAMPLE_CHUNK
+    splits = sample_splits(v, chunk)
     ws = torch.empty((b, splits, 8), dtype=torch.float32, device=logits.device) if splits > 1 else logprobs
     cnt = tile_counters(logits.device, b) if splits > 1 else tokens
     accurate = not INTERPRET and logits.is_cuda and libdevice is not None
