@@ -206,6 +206,7 @@ class ProjGroup:
         self.single = single
         # the expand may run in the quantized GEMM's epilogue (kernel_dispatch.lora_epilogue_linear)
         self.epilogue = epilogue and isinstance(single, QuantLinear)
+        self.expand_in_epilogue = False  # where the last call's expand ran (the profile's byte accounting)
         self.refresh()
 
     @property
@@ -270,12 +271,14 @@ class ProjGroup:
             with region(self.base_kind):
                 y = kernel_dispatch.lora_epilogue_linear(x2, self.single, h, self.b_blk)  # type: ignore[arg-type]
             if y is not None:
+                self.expand_in_epilogue = True
                 return y
         with region(self.base_kind):
             y = self.single(x2)  # type: ignore[misc]
         if self.b_blk is not None:
             with region("lora"):
                 y.addmm_(h, self.b_blk.t())  # in place: no copy of y
+        self.expand_in_epilogue = False
         return y
 
 
