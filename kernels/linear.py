@@ -202,11 +202,9 @@ def cuda_supported(module: nn.Module, x: torch.Tensor) -> bool:
     return kernel_state(module).repacked is not None and cuda_fp4.available(x.device)
 
 
-def cuda_fused(x: torch.Tensor, module: nn.Module, lora_h: torch.Tensor | None = None,
-               lora_b: torch.Tensor | None = None) -> torch.Tensor:
+def cuda_fused(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """qerl's CUDA C++ FP4 kernel on the module's resident repack and checkpoint block scales (no extra
-    weight copy; the fp32 bias is the one derived tensor, cached). ``lora_h`` [M, R] / ``lora_b`` [N, R]: the
-    LoRA expand added in the kernel's epilogue (only where `lora_epilogue_supported` says it has one)."""
+    weight copy; the fp32 bias is the one derived tensor, cached)."""
     from qerl_kernels import cuda_fp4
 
     st = kernel_state(module)
@@ -220,38 +218,8 @@ def cuda_fused(x: torch.Tensor, module: nn.Module, lora_h: torch.Tensor | None =
             bias = st.extra["bias_f32"] = module.bias.detach().float().contiguous()
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
-    lora = {} if lora_h is None else {"lora_h": lora_h, "lora_b": lora_b}
     return cuda_fp4.fp4_gemm(x, st.repacked, t["weight_scale"], t.get("weight_global_scale"), st.fmt,
-                             tiled=st.tiled, shift=st.shift, bias=bias, **lora)
-
-
-def lora_epilogue_supported(n: int, k: int, r: int) -> bool:
-    """Whether qerl's CUDA FP4 kernel has the LoRA-expand epilogue for an [*, k] x [n, k]^T GEMM of rank sum r
-    (`cuda_fp4.supports_lora_epilogue`; False while the built kernel has none)."""
-    from qerl_kernels import cuda_fp4
-
-    supports = getattr(cuda_fp4, "supports_lora_epilogue", None)
-    return bool(supports is not None and supports(n, k, r))
-
-
-def lora_epilogue_linear(x: torch.Tensor, module: nn.Module, lora_h: torch.Tensor,
-                         lora_b: torch.Tensor) -> torch.Tensor | None:
-    """y = x @ dequant(W)^T (+ bias) + lora_h @ lora_b^T in one launch, when the backend `dispatch.choose`
-    picks for this forward is the CUDA kernel and it has the epilogue for this shape and rank; else None (the
-    caller runs the base GEMM and an in-place expand). The decode step's path: no autograd, 2-D x."""
-    if INTERPRET or not x.is_cuda or module.fmt not in FP4_FORMATS or x.dim() != 2 or x.shape[1] != module.in_features:
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or lora_h.requires_grad):
-        return None
-    if lora_h.dtype != x.dtype or lora_b.dtype != x.dtype or lora_b.shape != (module.out_features, lora_h.shape[1]):
-        return None
-    if not lora_epilogue_supported(module.out_features, module.in_features, lora_h.shape[1]):
-        return None
-    from qerl_kernels import dispatch
-
-    if dispatch.choose(module, x) != "cuda" or not cuda_supported(module, x):
-        return None
-    return cuda_fused(x, module, lora_h=lora_h, lora_b=lora_b)
+                             tiled=st.tiled, shift=st.shift, bias=bias)
 
 
 def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:

@@ -28,6 +28,7 @@ add + RMSNorm, RoPE + KV-cache write and SiLU*mul are fused Triton kernels (``fu
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -197,7 +198,13 @@ class ModelRunner:
             from qerl_kernels import dispatch
         except ImportError:
             return
-        dispatch.prepare([m for g in self.plan.groups() for m in g.calls], self.dtype)
+        mods = [m for g in self.plan.groups() for m in g.calls]
+        # the groups whose expand may ride in the GEMM's epilogue get their LoRA-aware plans measured too
+        ranks = {g.single: g.b_blk.shape[1] for g in self.plan.groups() if g.epilogue and g.b_blk is not None}
+        if ranks and "lora_ranks" in inspect.signature(dispatch.prepare).parameters:
+            dispatch.prepare(mods, self.dtype, lora_ranks=ranks)
+        else:
+            dispatch.prepare(mods, self.dtype)
 
     # ----- norm weights ---------------------------------------------------------------------------------
 
