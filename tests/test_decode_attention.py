@@ -56,8 +56,9 @@ def test_flashinfer_arguments_attend_what_sdpa_attends(heads: int, kv_heads: int
     got = paged_decode_reference(q, cache_pages(k_cache), cache_pages(v_cache), indptr, indices, last, scale)
     assert (got - want).abs().max().item() < 1e-5
     # a wrong page table (one page too few for the row at 16) changes that row only
-    short = paged_decode_reference(q, cache_pages(k_cache), cache_pages(v_cache), torch.tensor([0, 1, 2, 3, 6, 10]),
-                                   torch.tensor([0, 4, 8, 12, 13, 14, 16, 17, 18, 19]), torch.tensor([1, 16, 16, 9, 16]),
-                                   scale)
+    indptr = torch.tensor([0, 1, 2, 3, 6, 10])
+    indices = torch.tensor([0, 4, 8, 12, 13, 14, 16, 17, 18, 19])
+    short = paged_decode_reference(q, cache_pages(k_cache), cache_pages(v_cache), indptr, indices,
+                                   torch.tensor([1, 16, 16, 9, 16]), scale)
     assert (short[2] - want[2]).abs().max().item() > 1e-3
     assert (short[[0, 1]] - want[[0, 1]]).abs().max().item() < 1e-5
