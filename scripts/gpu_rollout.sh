@@ -50,6 +50,8 @@
 #   FlashInfer is optional: scripts/flashinfer_wheels.sh here first; call 1 QERL_ROLLOUT_STAGES=fistash carrying
 #   out/fi_whl_a, call 2 (the one above) carrying out/fi_whl_b; without them dtests/dattn skip FlashInfer.
 #   QERL_D_ATTN (default sdpa) is handed to the d7/d32 benches as QERL_DECODE_ATTN (flashinfer | auto: its A/B).
+#   CPU dry run of the plumbing (numbers meaningless): QERL_ROLLOUT_STAGES=d7 QERL_D7_SHAPE=tiny QERL_D_PROMPT=16
+#   QERL_D_NEW=8 OUT=/tmp/x bash scripts/gpu_rollout.sh
 # The whole call keeps to $QERL_DEADLINE_S (default 570 s): stage time limits come from what is left.
 # Files under $OUT (at most 8 come back): b7/rollout.{json,png}, b32/rollout.{json,png}, train_metrics.jsonl,
 # gpu_rollout.log, b7eos/rollout.json, b7x/rollout.json (smoke: smoke05/, smoke7/; fastab: fa_off/, fa_on/).
@@ -164,7 +166,8 @@ d_runs() {  # d_runs SHAPE OUTDIR "FMT:B,B ..." -> JSON list of bench runs: the 
   python3 -P - "$@" <<'EOF'
 import json, os, sys
 shape, out, specs = sys.argv[1], sys.argv[2], sys.argv[3].split()
-base = dict(shape=shape, prompt_len=256, new_tokens=256, profile=True)
+base = dict(shape=shape, prompt_len=int(os.environ.get("QERL_D_PROMPT", "256")),
+            new_tokens=int(os.environ.get("QERL_D_NEW", "256")), profile=True)
 if shape == "qwen2.5-32b":
     base["memory_cap_gib"] = 79.65
 attn = {"QERL_DECODE_ATTN": os.environ.get("QERL_D_ATTN", "sdpa")}
@@ -199,7 +202,7 @@ if has d7; then
   if has d32; then B=$(( B - ${QERL_D32_RESERVE:-170} )); fi
   if has dattn; then B=$(( B - ${QERL_DATTN_RESERVE:-60} )); fi
   stamp "d7 (${B}s)"
-  timeout $(( B + 30 )) python3 -P /tmp/qk/run_many.py "$(d_runs qwen2.5-7b "$OUT/d7" "nvfp4:8,64,256 bf16:64")" "$B"
+  timeout $(( B + 30 )) python3 -P /tmp/qk/run_many.py "$(d_runs "${QERL_D7_SHAPE:-qwen2.5-7b}" "$OUT/d7" "nvfp4:8,64,256 bf16:64")" "$B"
 fi
 if has d32; then
   B=$(left)
