@@ -78,7 +78,7 @@ def test_decode_step_bytes_by_hand() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from qerl_cli.rollout import BuiltinEngine, SamplingParams
+    from qerl_cli.rollout import BuiltinEngine
     from qerl_cli.rollout.roofline import decode_step_bytes, floors
 
     torch.manual_seed(0)
@@ -91,7 +91,8 @@ def test_decode_step_bytes_by_hand() -> None:
     for p in model.parameters():
         p.requires_grad_(False)  # frozen bases fuse (q/k/v, gate/up)
     engine = BuiltinEngine(model, None, max_batch_slots=3, max_model_len=64)
-    engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, stop_token_ids=[]))
+    engine.runner.prepare()  # the projection plan (what generate() builds first)
+    assert engine.num_slots == 3 and engine.runner.plan is not None  # the KV cache
     b, ctx, kv_len, e = 3, 10, 64, 4
     got = decode_step_bytes(engine.runner, b, ctx, kv_len)["bytes"]
     h, i, d, hq, hk, v, r, layers = 64, 96, 16, 4, 2, 101, 4, 2
