@@ -91,7 +91,8 @@ def attention_rows(fi: object | None) -> list[dict]:
                 if fi is not None:
                     row = {"shape": shape, "batch": b, "kv_len": kv, "backend": "flashinfer"}
                     try:
-                        w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=groups >= 4)
+                        w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=groups >= 4,
+                                                                 backend="fa2")
                         indptr, indices, last = paged_layout((pos + 1).tolist(), kv)
                         w.plan(indptr, indices, last, hq, kvh, d, PAGE_SIZE, pos_encoding_mode="NONE",
                                q_data_type=dt, kv_data_type=dt)

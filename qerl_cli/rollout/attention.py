@@ -160,7 +160,9 @@ class DecodeAttention:
         if w is None:
             if self._workspace is None:
                 self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-            kw: dict[str, Any] = {"use_tensor_cores": self.num_heads // self.num_kv_heads >= 4}
+            # FlashAttention-2-style kernels, JIT-built with nvcc ("auto" may pick other libraries' backends); tensor
+            # cores for GQA groups >= 4 (FlashInfer's advice; its CUDA-core decode kernel takes groups 1-4 and 8 only)
+            kw: dict[str, Any] = {"use_tensor_cores": self.num_heads // self.num_kv_heads >= 4, "backend": "fa2"}
             if bucket is not None:  # CUDA-graph mode: fixed batch and buffers the captured kernels read
                 pages = bucket * (self.max_len // PAGE_SIZE)
                 kw.update(use_cuda_graph=True,
