@@ -420,16 +420,15 @@ def _sample_kernel(logits_ptr, vhash_ptr, base_ptr, uid_ptr, step_ptr, tok_ptr, 
     1 x * scale (torch's CUDA division by a Python float multiplies by its reciprocal), 2 x / scale."""
     row = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1)
-    NEG: tl.constexpr = float("-inf")
     key = tl.zeros((), dtype=tl.uint32)
     if not GREEDY:
         base = (tl.load(base_ptr) & 0xFFFFFFFF).to(tl.uint32)
         uid = (tl.load(uid_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
         stp = (tl.load(step_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
         key = _mix32u(_mix32u(base ^ uid) ^ stp)
-    m_run = tl.zeros((), dtype=tl.float32) + NEG
+    m_run = tl.zeros((), dtype=tl.float32) + float("-inf")
     s_run = tl.zeros((), dtype=tl.float32)
-    best = tl.zeros((), dtype=tl.float32) + NEG
+    best = tl.zeros((), dtype=tl.float32) + float("-inf")
     best_i = tl.zeros((), dtype=tl.int32)
     best_x = tl.zeros((), dtype=tl.float32)
     start = pid_s * chunk
@@ -438,7 +437,7 @@ def _sample_kernel(logits_ptr, vhash_ptr, base_ptr, uid_ptr, step_ptr, tok_ptr, 
     for v0 in range(start, end, BLOCK):
         offs = v0 + offs0
         msk = offs < end
-        x = tl.load(logits_ptr + row * stride_l + offs, mask=msk, other=NEG).to(tl.float32)
+        x = tl.load(logits_ptr + row * stride_l + offs, mask=msk, other=float("-inf")).to(tl.float32)
         if SCALE == 1:
             xt = x * scale
         elif SCALE == 2:
@@ -447,7 +446,7 @@ def _sample_kernel(logits_ptr, vhash_ptr, base_ptr, uid_ptr, step_ptr, tok_ptr, 
             xt = x
         bmax = tl.max(xt, axis=0)
         new_m = tl.maximum(m_run, bmax)
-        safe = tl.where(new_m == NEG, 0.0, new_m)
+        safe = tl.where(new_m == float("-inf"), 0.0, new_m)
         s_run = s_run * tl.exp(m_run - safe) + tl.sum(tl.exp(xt - safe), axis=0)
         m_run = new_m
         if GREEDY:
@@ -465,7 +464,7 @@ def _sample_kernel(logits_ptr, vhash_ptr, base_ptr, uid_ptr, step_ptr, tok_ptr, 
                 lw = tl.where(w == 1.0, -u, tl.log(w) * (-u) / (w - 1.0))
                 e = -lw
                 le = tl.log(e)
-            race = tl.where(msk, xt - le, NEG)
+            race = tl.where(msk, xt - le, float("-inf"))
         bk = tl.max(race, axis=0)
         bi = tl.argmax(race, axis=0)
         bx = tl.sum(tl.where(offs0 == bi, xt, 0.0), axis=0)
@@ -483,12 +482,12 @@ def _sample_kernel(logits_ptr, vhash_ptr, base_ptr, uid_ptr, step_ptr, tok_ptr, 
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel")
         if arrived == S - 1:
-            m_all = tl.zeros((), dtype=tl.float32) + NEG
+            m_all = tl.zeros((), dtype=tl.float32) + float("-inf")
             for s_i in range(0, S):
                 m_all = tl.maximum(m_all, tl.load(ws_ptr + (row * S + s_i) * 8 + 0, cache_modifier=".cg"))
-            safe = tl.where(m_all == NEG, 0.0, m_all)
+            safe = tl.where(m_all == float("-inf"), 0.0, m_all)
             tot = tl.zeros((), dtype=tl.float32)
-            best = tl.zeros((), dtype=tl.float32) + NEG
+            best = tl.zeros((), dtype=tl.float32) + float("-inf")
             best_i = tl.zeros((), dtype=tl.int32)
             best_x = tl.zeros((), dtype=tl.float32)
             for s_i in range(0, S):
@@ -556,6 +555,9 @@ def sample_tokens(logits: torch.Tensor, vocab_hash32: torch.Tensor, base_key: to
     accurate = not INTERPRET and logits.is_cuda and libdevice is not None
     _sample_kernel[(b, splits)](logits, vocab_hash32, base_key, uids, steps, tokens, logprobs, ws, cnt, v,
                                 logits.stride(0), chunk, splits, scale, GREEDY=greedy, SCALE=scale_mode,
-                                ACCURATE=accurate, SPLIT=splits > 1, BLOCK=block, num_warps=4)
+                                ACCURATE=accurate, SPLIT=splits > 1, BLOCK=block, num_warps=4,
+                                # torch rounds x / T and each subtraction in kernels of their own: no FMA
+                                # contraction of x * (1/T) - log E, or a race key would round differently
+                                enable_fp_fusion=False)
     LAUNCHES["sample_tokens"] += 1
     return tokens, logprobs
