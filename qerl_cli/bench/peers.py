@@ -69,7 +69,8 @@ def write_shape_checkpoint(model: nn.Module, out: Path, fmt: str) -> float:
     save_tensors(state, out)
     _, skipped = target_linears(model, ["lm_head"])
     write_config(model, out, fmt, skipped or ["lm_head"], None, torch.bfloat16)
-    word_tokenizer(int(model.config.vocab_size), out)
+    eos = getattr(model.config, "eos_token_id", None)
+    word_tokenizer(int(model.config.vocab_size), out, eos if isinstance(eos, int) else None)
     return time.perf_counter() - t0
 
 

@@ -252,6 +252,16 @@ def bench_step(
 
     if (shape is None) == (run_dir is None):
         raise QerlError("give exactly one of --shape (random model of an architecture) or --run (the run's model)")
+    peers = list(dict.fromkeys(peers or []))
+    if [p for p in peers if p not in PEERS]:
+        raise QerlError(f"unknown peer(s) {', '.join(p for p in peers if p not in PEERS)}; choose from "
+                        f"{', '.join(PEERS)}")
+    if peers and shape is None:
+        raise QerlError("--peers runs on a random model shape: give --shape")
+    if eos and shape is None:
+        raise QerlError("--eos is for --shape runs (a run's own task ends at its EOS already)")
+    if not 0.0 < vllm_memory <= 1.0:
+        raise QerlError(f"--vllm-memory must be in (0, 1], got {vllm_memory}")
     for name, v, lo in (("warmup", warmup, 0), ("measure", measure, 1), ("prompt_len", prompt_len, 1)):
         if not isinstance(v, int) or v < lo:
             raise QerlError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -284,16 +294,6 @@ def bench_step(
         raise QerlError(f"unknown format(s) {', '.join(bad) or '(none given)'}; "
                         f"choose from {', '.join(allowed)}, BASE+ROLLOUT with ROLLOUT one of "
                         f"{', '.join(rollout_quants)} (FlashRL rollouts), or FMT@vllm (the vLLM rollout engine)")
-    peers = list(dict.fromkeys(peers or []))
-    if [p for p in peers if p not in PEERS]:
-        raise QerlError(f"unknown peer(s) {', '.join(p for p in peers if p not in PEERS)}; choose from "
-                        f"{', '.join(PEERS)}")
-    if peers and spec is None:
-        raise QerlError("--peers runs on a random model shape: give --shape")
-    if eos and spec is None:
-        raise QerlError("--eos is for --shape runs (a run's own task ends at its EOS already)")
-    if not 0.0 < vllm_memory <= 1.0:
-        raise QerlError(f"--vllm-memory must be in (0, 1], got {vllm_memory}")
     out = harness.out_dir(out_dir, run, Path("bench-step"))
     harness.cap_memory(device, memory_cap_gib)
     budget = harness.Budget(time_budget_s)
