@@ -406,6 +406,14 @@ class _FormatStep:
 
             add_mfu(row, trainer.model.config, self.ceiling, lora_rank=trainer.cfg.lora_rank,
                     lora_targets=list(trainer.cfg.lora_targets))
+            if trainer.cfg.pack_sequences:
+                from qerl_cli.train.packing import varlen_kernel
+
+                mc = trainer.model.config
+                heads = int(mc.num_attention_heads)
+                row["packed_attention"] = varlen_kernel(
+                    self.device, self.dtype, heads, int(getattr(mc, "num_key_value_heads", None) or heads),
+                    int(getattr(mc, "head_dim", None) or mc.hidden_size // heads))
             if self.profile and self.device.type == "cuda":
                 row["rollout_profile"] = self._profile(trainer)
             return row

@@ -84,9 +84,6 @@ def _torch_varlen() -> Any:
     return varlen_attn
 
 
-_kernel_failed: set[str] = set()
-
-
 def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int],
                   scale: float | None) -> torch.Tensor:
     """Causal SDPA one sequence at a time; q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
@@ -103,39 +100,84 @@ def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[in
     return out
 
 
+def _flash_attn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                     scale: float | None) -> torch.Tensor:
+    fa = _flash_attn_varlen()
+    return fa(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True)
+
+
+def _torch_varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                       scale: float | None) -> torch.Tensor:
+    tv = _torch_varlen()
+    params = inspect.signature(tv).parameters
+    kw: dict[str, Any] = {"scale": scale}
+    if "is_causal" in params:  # keyword names differ between torch releases
+        kw["is_causal"] = True
+    else:
+        kw["window_size"] = (-1, 0)
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    out = tv(q, k, v, cu, cu, max_len, max_len, **kw)
+    return out[0] if isinstance(out, tuple) else out
+
+
+_KERNELS = {"flash_attn": (_flash_attn_varlen, _flash_attn_call), "torch": (_torch_varlen, _torch_varlen_call)}
+_kernel_ok: dict[tuple[str, torch.dtype], bool] = {}
+
+
+@torch.enable_grad()  # the recompute calls into this under no_grad
+def _probe(call: Any, q: torch.Tensor, k: torch.Tensor) -> bool:
+    g = torch.Generator(device=q.device).manual_seed(0)
+    h, hk, d = q.shape[1], k.shape[1], q.shape[2]
+    qs, ks, vs = (torch.randn(9, n, d, device=q.device, dtype=q.dtype, generator=g).requires_grad_(True)
+                  for n in (h, hk, hk))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=q.device)
+    out = call(qs, ks, vs, cu, 5, None)
+    out.float().sum().backward()
+    ref = _per_sequence(qs.detach(), ks.detach(), vs.detach(), [0, 4, 9], None)
+    return bool(torch.allclose(out.detach().float(), ref.float(), atol=2e-2, rtol=2e-2)
+                and qs.grad is not None and torch.isfinite(qs.grad).all())
+
+
+def _usable(name: str, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether kernel ``name`` exists and runs forward AND backward on this device and dtype, checked once
+    against per-sequence SDPA on a small packed batch (a kernel without a backward, or a wrong one, is skipped)."""
+    key = (name, q.dtype)
+    if key not in _kernel_ok:
+        find, call = _KERNELS[name]
+        ok = False
+        if find() is not None:
+            try:
+                ok = _probe(call, q, k)
+            except Exception as exc:  # noqa: BLE001 - any failure: the next kernel
+                log.warning("packed attention: %s varlen kernel unusable here (%s)", name, exc)
+        _kernel_ok[key] = ok
+    return _kernel_ok[key]
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
                      scale: float | None) -> torch.Tensor:
     """Causal attention within each packed sequence: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
     if q.is_cuda:
-        fa = _flash_attn_varlen()
-        if fa is not None and "flash_attn" not in _kernel_failed:
-            try:
-                return fa(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, softmax_scale=scale, causal=True)
-            except (RuntimeError, TypeError) as exc:  # an unsupported dtype/arch: the next kernel
-                _kernel_failed.add("flash_attn")
-                log.warning("flash-attn varlen failed (%s); trying torch's varlen attention", exc)
-        tv = _torch_varlen()
-        if tv is not None and "torch" not in _kernel_failed:
-            params = inspect.signature(tv).parameters
-            kw: dict[str, Any] = {"scale": scale}
-            kk, vv = k, v
-            if "is_causal" in params:
-                kw["is_causal"] = True
-            else:
-                kw["window_size"] = (-1, 0)
-            if k.shape[1] != q.shape[1]:
-                if "enable_gqa" in params:
-                    kw["enable_gqa"] = True
-                else:
-                    g = q.shape[1] // k.shape[1]
-                    kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-            try:
-                out = tv(q, kk, vv, cu_seqlens, cu_seqlens, max_len, max_len, **kw)
-                return out[0] if isinstance(out, tuple) else out
-            except (RuntimeError, TypeError) as exc:
-                _kernel_failed.add("torch")
-                log.warning("torch varlen_attn failed (%s); packed attention runs one sequence at a time", exc)
+        for name, (_, call) in _KERNELS.items():
+            if _usable(name, q, k):
+                return call(q, k, v, cu_seqlens, max_len, scale)
     return _per_sequence(q, k, v, cu_seqlens.tolist(), scale)
+
+
+def varlen_kernel(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
+    """Which kernel packed attention uses for these shapes here ("flash_attn", "torch" or "per-sequence SDPA")."""
+    if device.type == "cuda":
+        q = torch.empty(1, heads, head_dim, device=device, dtype=dtype)
+        k = torch.empty(1, kv_heads, head_dim, device=device, dtype=dtype)
+        for name in _KERNELS:
+            if _usable(name, q, k):
+                return name
+    return "per-sequence SDPA"
 
 
 def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -199,4 +241,5 @@ def packed_hidden(decoder: nn.Module, input_ids: torch.Tensor,
     return out.last_hidden_state[0], p
 
 
-__all__ = ["VARLEN_IMPL", "Packing", "enable_varlen_attention", "pack", "packed_hidden", "varlen_attention"]
+__all__ = ["VARLEN_IMPL", "Packing", "enable_varlen_attention", "pack", "packed_hidden", "varlen_attention",
+           "varlen_kernel"]

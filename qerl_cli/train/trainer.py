@@ -114,6 +114,7 @@ class Trainer:
         self.last_checkpoint_s = 0.0
         self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
         self.memory_plan: Any = None  # set by setup() (train/memory_plan.py)
+        self.keep_rollout_cache = False  # set by setup(): the builtin engine keeps its KV cache between steps
         self.backend: StepBackend  # set by setup()
         self.metrics_path = train_dir(run) / "metrics.jsonl"
         self.rollouts_dir = train_dir(run) / "rollouts"
