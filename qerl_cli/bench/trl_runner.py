@@ -63,7 +63,7 @@ def _run(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
     import transformers
     import trl
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     versions = {"trl": trl.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
@@ -132,8 +132,11 @@ def _run(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
     save()
     t = time.perf_counter()
     dtype = torch.bfloat16 if spec["settings"].get("bf16") else torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype)
+    # the word tokenizer by its own class: AutoTokenizer would swap in the model type's tokenizer (transformers 5
+    # maps qwen2 checkpoints to Qwen2Tokenizer whatever tokenizer_config says), which cannot read "t5 t17"
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(spec["model"])
+    # straight onto the GPU (TRL would move it there anyway; through host memory a 7B load takes longer)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype, device_map="cuda" if on_cuda else None)
     result["load_s"] = time.perf_counter() - t
     data = datasets.Dataset.from_dict({"prompt": spec["prompts"]})
     lora = spec["lora"]
