@@ -92,3 +92,23 @@ def test_packed_with_gradient_checkpointing() -> None:
     got = lora_grads(model)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5)
+
+
+def test_liger_logprob_backend_matches_chunked() -> None:
+    """--logprob-backend liger (Liger-Kernel's fused linear + cross-entropy, Triton under TRITON_INTERPRET=1 here)
+    gives the chunked path's log-probs and per-token gradients; skipped where liger-kernel is not installed."""
+    pytest.importorskip("liger_kernel")
+    from qerl_cli.train.logprobs import chunked_token_logprobs, liger_token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(6, 16, generator=g, requires_grad=True)
+    w = torch.randn(40, 16, generator=g) * 0.3
+    y = torch.randint(0, 40, (6,), generator=g)
+    ref = chunked_token_logprobs(h, w, None, y, 0.7, 4)[0]
+    h2 = h.detach().clone().requires_grad_(True)
+    got = liger_token_logprobs(h2, w, None, y, 0.7)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    weights = torch.linspace(-1.0, 1.0, 6)
+    (ref * weights).sum().backward()
+    (got * weights).sum().backward()
+    torch.testing.assert_close(h2.grad, h.grad, rtol=0, atol=1e-5)
