@@ -118,13 +118,13 @@ def stop_set(vocab: int, completion_len: int, eos: bool) -> list[int]:
     return (bench_stop_ids("eos", vocab, completion_len, None, True) or []) if eos else []
 
 
-def _synthetic_task(n: int, prompt_len: int, completion_len: int, stop_ids: list[int]) -> Any:
+def _synthetic_task(n: int, prompt_len: int, completion_len: int, stop_ids: list[int] | None = None) -> Any:
     from qerl_cli.tasks.datasets import Example, Task
 
     examples = [Example(prompt=f"<synthetic prompt {i}: {prompt_len} random token ids>", answer="")
                 for i in range(n)]
     return Task("synthetic", "train", examples, "synthetic_random_reward", (), lambda q: q,
-                max_new_tokens=completion_len, stop_token_ids=tuple(stop_ids))
+                max_new_tokens=completion_len, stop_token_ids=tuple(stop_ids or ()))
 
 
 def _median(xs: list[float]) -> float | None:
