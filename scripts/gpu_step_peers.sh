@@ -4,7 +4,7 @@
 # Before it, on the same warm machine, the parts are stashed by earlier calls (docs/bench_step.md "How to run the
 # three-way table"): vLLM 0.26 (scripts/vllm_pack.sh: parts p0 p1 p2 + wheels dir) and TRL's set
 # (scripts/trl_pack.sh: parts p0 p1 + trl.sha256). Where they are ($QERL_VLLM_WHL: the vLLM wheels dir with
-# vt.sha256, default .gpu_v15w; $QERL_VLLM_PARTS: "gpu_v15p0 gpu_v15p1 gpu_v15p2"; $QERL_TRL_SHA: .gpu_trlw/trl.sha256;
+# vt.sha256, default .gpu_v15w; $QERL_VLLM_PARTS: ".gpu_v15p0 .gpu_v15p1 .gpu_v15p2"; $QERL_TRL_SHA: .gpu_trlw/trl.sha256;
 # $QERL_TRL_PARTS: ".gpu_trlp0 .gpu_trlp1"; a part name is looked up in /tmp/vllm_parts, a carried folder is
 # stashed first). Without vLLM the vLLM cells and the train stage record why; without TRL the TRL cell does.
 # Stages ($QERL_PEERS_STAGES, default "info install step7b rollout liger train"), each skipped when too little
@@ -44,7 +44,7 @@ if has install; then
     echo "vllm: /tmp/vsite already holds it"
   elif [ -f "$WHL/vt.sha256" ]; then
     vfiles=()
-    for p in ${QERL_VLLM_PARTS:-gpu_v15p0 gpu_v15p1 gpu_v15p2}; do
+    for p in ${QERL_VLLM_PARTS:-.gpu_v15p0 .gpu_v15p1 .gpu_v15p2}; do
       if [ -f "$p/part" ]; then bash scripts/gpu_vllm_stash.sh "$p" >/dev/null; p=$(basename "$p"); fi
       [ -f "/tmp/vllm_parts/$p" ] && vfiles+=("/tmp/vllm_parts/$p") || echo "vllm: part $p missing from /tmp/vllm_parts"
     done
