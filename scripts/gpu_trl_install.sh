@@ -47,10 +47,10 @@ for line in sys.stdin:
         importlib.import_module(mod)
         v = md.version(dist.replace("_", "-"))
         ok = Version(v) >= Version(low)
-        print(f"  {dist:16} {v:14} {\"ok\" if ok else \"too old (< \" + low + \")\"}", file=sys.stderr)
+        state = "ok" if ok else "too old (< " + low + ")"
     except Exception as exc:  # noqa: BLE001
-        ok = False
-        print(f"  {dist:16} {\"-\":14} missing ({type(exc).__name__})", file=sys.stderr)
+        ok, v, state = False, "-", "missing (" + type(exc).__name__ + ")"
+    print("  %-16s %-14s %s" % (dist, v, state), file=sys.stderr)
     if not ok:
         print(dist)
 ')
