@@ -333,10 +333,19 @@ def bench_step(
                                                 "memory (GiB; 79.2 on an H200 stands for an 80 GB card); the memory "
                                                 "plan fits the step into it.")] = None,
     time_budget: Annotated[float | None, Opt(help="Skip formats that would start after this many seconds.")] = None,
+    peers: Annotated[str | None, Opt(help="Comma-separated peer stacks on the same shape and workload: trl (TRL "
+                                          "GRPOTrainer + peft LoRA + colocated vLLM, bf16).")] = None,
+    eos: Annotated[bool, Opt("--eos", help="--shape: rollouts end at a stop set (RL-like lengths, real padding).")]
+    = False,
+    profile: Annotated[bool, Opt("--profile", help="The step rollout's decode step by GPU-time category "
+                                                   "(CUDA).")] = False,
+    vllm_memory: Annotated[float, Opt(help="vLLM's gpu_memory_utilization in FMT@vllm and TRL cells.")] = 0.35,
     seed: int = 0,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench or ./bench-step).")] = None,
 ) -> None:
-    """One RL step of the trainer broken down by phase (rollout .. checkpoint) per format, vs BF16-LoRA."""
+    """One RL step of the trainer broken down by phase (rollout .. checkpoint) per format, vs BF16-LoRA.
+
+    A format FMT@vllm uses the vLLM rollout engine (QeRL's architecture); --peers trl adds TRL's GRPOTrainer."""
     from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.bench.step import bench_step as run_bench
 
@@ -346,6 +355,7 @@ def bench_step(
     res = run_bench(run_dir=run, shape=shape, formats=formats.split(",") if formats else None,
                     overrides=parse_sets(items), prompt_len=prompt_len, warmup=warmup, measure=measure, out_dir=out,
                     seed=seed, memory_cap_gib=memory_cap_gib, time_budget_s=time_budget,
+                    peers=peers.split(",") if peers else None, eos=eos, profile=profile, vllm_memory=vllm_memory,
                     log=_progress)
     _show(res)
 

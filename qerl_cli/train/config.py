@@ -76,6 +76,9 @@ class TrainConfig:
     gradient_checkpointing: bool | None = None  # None: the memory plan turns it on only when needed
     gpu_memory_gib: float | None = None  # GPU memory this run may use (e.g. 79.2 on an H200 for an 80 GB card)
     logprob_chunk_tokens: int = 512  # completion tokens per lm_head + log-softmax chunk; 0: all at once
+    logprob_backend: str = "chunked"  # the update's log-probs: qerl's chunked path, or liger (fused linear + CE)
+    pack_sequences: bool = True  # training forwards on the micro-batch's real tokens only (varlen attention)
+    keep_rollout_cache: bool | None = None  # builtin engine: keep KV cache + CUDA graphs between steps (None: plan)
     async_checkpoint: bool = True  # write checkpoints in a background thread while the next step runs
     save_steps: int = 10
     keep_checkpoints: int = 3
@@ -178,6 +181,9 @@ class TrainConfig:
             raise QerlError(f"--gpu-memory-gib must be > 0 (GiB), got {self.gpu_memory_gib}")
         if self.logprob_chunk_tokens < 0:
             raise QerlError(f"--logprob-chunk-tokens must be >= 0 (0: unchunked), got {self.logprob_chunk_tokens}")
+        from qerl_cli.train.logprobs import LOGPROB_BACKENDS
+
+        choice("logprob_backend", self.logprob_backend, LOGPROB_BACKENDS)
         if self.aqn and not self.aqn_sigma_start > 0:
             raise QerlError("--aqn-sigma-start must be > 0")
 
@@ -232,6 +238,10 @@ FIELD_HELP: dict[str, str] = {
     "gradient_checkpointing": "Recompute activations in the backward (default: on only when the plan needs it).",
     "gpu_memory_gib": "GPU memory the run may use, GiB (e.g. 79.2 to stand for an 80 GB card).",
     "logprob_chunk_tokens": "Completion tokens per lm_head + log-softmax chunk (0: all at once).",
+    "logprob_backend": "chunked (qerl's, default) | liger (Liger-Kernel fused linear + cross-entropy; CUDA).",
+    "pack_sequences": "Pack each micro-batch's sequences (no compute on padding; varlen attention).",
+    "keep_rollout_cache": "Keep the builtin engine's KV cache and CUDA graphs between steps (default: when the "
+                          "memory plan has room).",
     "async_checkpoint": "Write checkpoints in a background thread while the next step runs.",
     "save_steps": "Checkpoint every N steps.",
     "keep_checkpoints": "Checkpoints kept (older ones are deleted).",

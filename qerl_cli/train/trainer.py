@@ -114,6 +114,7 @@ class Trainer:
         self.last_checkpoint_s = 0.0
         self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
         self.memory_plan: Any = None  # set by setup() (train/memory_plan.py)
+        self.keep_rollout_cache = False  # set by setup(): the builtin engine keeps its KV cache between steps
         self.backend: StepBackend  # set by setup()
         self.metrics_path = train_dir(run) / "metrics.jsonl"
         self.rollouts_dir = train_dir(run) / "rollouts"
@@ -130,12 +131,14 @@ class Trainer:
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self, *, model: torch.nn.Module | None = None, tokenizer: Any = None, task: Any = None,
-              prompt_ids: list[list[int]] | None = None, reward_fn: Callable[..., Any] | None = None) -> None:
+              prompt_ids: list[list[int]] | None = None, reward_fn: Callable[..., Any] | None = None,
+              model_dir: Path | None = None) -> None:
         """Load the run's model, task and reward, or take them in memory (benchmarks: `qerl bench step|sanity`).
 
         ``model`` (a base model on this trainer's device, in its dtype) replaces the run's checkpoint;
         ``tokenizer`` may then be None when ``prompt_ids`` gives the prompts as token ids; ``task``
-        replaces ``cfg.task`` and ``reward_fn`` the task's reward.
+        replaces ``cfg.task`` and ``reward_fn`` the task's reward. ``model_dir``: the checkpoint of an
+        injected model, for a rollout engine that serves its own copy (``--rollout-engine vllm``).
         """
         from qerl_cli.models import load_model
         from qerl_cli.rollout import make_engine
@@ -156,6 +159,7 @@ class Trainer:
                                               expected_sha256=model_files(self.run) or None)
         else:
             base, self.tokenizer = model, tokenizer
+            self.model_dir = model_dir
         weights = self._resident_weights(base)
         self.full = self.rollout_quant = None  # FlashRL modes (qerl_cli/train/full_finetune.py, rollout_quant.py)
         if c.finetune == "full" or c.rollout_quant != "none":
@@ -210,6 +214,11 @@ class Trainer:
         max_len = max(len(p) for p in self.prompt_ids) + c.max_completion_length + 1
         self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
         rollout_model = self.model if self.rollout_quant is None else self.rollout_quant.model
+        # the builtin engine keeps its KV cache, LoRA shadows and CUDA graphs across steps when they fit beside
+        # training: re-allocating and re-capturing them every step cost the step's rollout its bench speed
+        keep = c.keep_rollout_cache if c.keep_rollout_cache is not None else (
+            self.memory_plan is not None and self.memory_plan.resident_cache_fits)
+        self.keep_rollout_cache = bool(keep) and c.rollout_engine == "builtin"
         self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer,
                                   max_batch_slots=min(c.max_batch_slots, c.batch_prompts * c.num_generations),
                                   max_model_len=max_len, gpu_memory_utilization=c.gpu_memory_utilization,
@@ -352,8 +361,10 @@ class Trainer:
 
         c = self.cfg
         # prompt_offset: these prompts start at that position of the round (noise keyed by global position)
+        stop_ids = getattr(self.task, "stop_token_ids", None)
         sp = SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p, top_k=-1,
                             max_tokens=c.max_completion_length, stop=list(self.task.stop),
+                            stop_token_ids=None if stop_ids is None else list(stop_ids),
                             seed=rollout_seed(c.seed, self.step, round_), prompt_offset=prompt_offset)
         res = self.engine.generate([self.prompt_ids[i] for i in indices], sp, norm_overrides=norm_overrides)
         return res
@@ -400,7 +411,7 @@ class Trainer:
         # -- rollout
         t0 = time.perf_counter()
         groups: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]] = []
-        rollout_timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
+        rollout_timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0.0}
         sampler = DynamicSampler(c.batch_prompts, g, max_refill_rounds=c.max_refill_rounds) if c.dynamic_sampling \
             else None
         round_ = 0
@@ -425,7 +436,7 @@ class Trainer:
                 groups, ds_stats = sampler.result()
                 metrics.update(ds_stats)
                 break
-        if on_cuda:
+        if on_cuda and not self.keep_rollout_cache:
             self.engine.release()
         t_rollout = self.clock() - t0
         self._phase_peak(metrics, "rollout")
@@ -453,6 +464,7 @@ class Trainer:
         metrics["completions/min_length"] = lengths.min().item()
         metrics["completions/max_length"] = lengths.max().item()
         metrics["completions/clipped_ratio"] = batch.truncated.float().mean().item()
+        metrics.update(batch_token_metrics(batch))
 
         # -- recompute pi_old with the training forward (clean norms), mismatch vs the rollout's mu
         t1 = self.clock()
@@ -489,6 +501,10 @@ class Trainer:
         metrics["timing/aqn_s"] = t_aqn
         metrics["timing/rollout_tokens_per_s"] = rollout_timing["tokens"] / max(t_rollout, 1e-9)
         metrics["timing/rollout_tokens"] = rollout_timing["tokens"]
+        # the engine's own split: prefill (with the first token) and decode; decode steps = token steps of the batch
+        metrics["timing/rollout_prefill_s"] = rollout_timing["prefill_s"]
+        metrics["timing/rollout_decode_s"] = rollout_timing["decode_s"]
+        metrics["rollout/decode_steps"] = rollout_timing["decode_steps"]
         if on_cuda:
             metrics["memory/peak_gb"] = max(v for k, v in metrics.items()
                                             if k.startswith("memory/") and k.endswith("_peak_gb"))
@@ -503,13 +519,14 @@ class Trainer:
             for i in range(0, batch.input_ids.shape[0], mb):
                 part = batch.rows(slice(i, i + mb))
                 lp, e = sampled_logprobs(self.model, part, self.cfg.temperature, with_entropy=True,
-                                         chunk_tokens=self.cfg.logprob_chunk_tokens)
+                                         chunk_tokens=self.cfg.logprob_chunk_tokens, packed=self.cfg.pack_sequences)
                 old.append(lp)
                 ent.append(e)
                 if with_ref:
                     with self.model.disable_adapter():
                         ref.append(sampled_logprobs(self.model, part, self.cfg.temperature,
-                                                    chunk_tokens=self.cfg.logprob_chunk_tokens)[0])
+                                                    chunk_tokens=self.cfg.logprob_chunk_tokens,
+                                                    packed=self.cfg.pack_sequences)[0])
         return torch.cat(old), (torch.cat(ref) if with_ref else None), torch.cat(ent)
 
     def _update(self, batch: RolloutBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
@@ -530,7 +547,8 @@ class Trainer:
         for micro in self.backend.update_micro_batches(bsz, self.micro_batch_size):
             sl = micro.rows
             part = batch.rows(sl)
-            logp, _ = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens)
+            logp, _ = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens,
+                                       packed=c.pack_sequences, backend=c.logprob_backend)
             loss, m = policy_loss(
                 c.algo, logp, old_logp[sl], adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
                 max_completion_length=c.max_completion_length, is_weights=None if isw is None else isw[sl],
@@ -665,6 +683,14 @@ class Trainer:
         self.last_checkpoint_s = self.clock() - t0
         self.dist.barrier()
         return path
+
+
+def batch_token_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """What the training forwards compute on: real tokens, padded positions, causal attention pairs (for FLOPs)."""
+    n = batch.attention_mask.sum(dim=1).double()
+    return {"batch/tokens": float(n.sum()), "batch/padded_tokens": float(batch.attention_mask.numel()),
+            "batch/attention_pairs": float((n * (n + 1) / 2).sum()),
+            "batch/loss_tokens": float((batch.mask > 0).sum())}
 
 
 class NonFiniteLoss(QerlError):
