@@ -326,11 +326,13 @@ def read_record(ckpt: Path) -> dict[str, Any] | None:
 
 
 def required_files(ckpt: Path, record: dict[str, Any] | None) -> list[str]:
-    """The files (relative to the checkpoint) that resume and eval read, for the checkpoint's layout."""
+    """The files (relative to the checkpoint) a record must list: the weights eval reads and the trainer state
+    resume reads. An older checkpoint without a record needs only its weights here (eval reads nothing else;
+    resume's reader refuses a missing trainer state itself)."""
     weights = weights_path(ckpt).relative_to(ckpt).as_posix()
     kind_files = [weights] + ([f"{ADAPTER_DIR}/adapter_config.json"] if checkpoint_kind(ckpt) == ADAPTER else [])
-    if record is None and (ckpt / LEGACY_TRAINER_STATE_FILE).exists():
-        return [*kind_files, LEGACY_TRAINER_STATE_FILE]
+    if record is None:
+        return kind_files
     return [*kind_files, *(p.name for p in state_paths(ckpt, TRAINER_STATE)), CONFIG_FILE]
 
 
@@ -359,8 +361,11 @@ def verify_checkpoint(run: RunDir, ckpt: Path) -> dict[str, Any] | None:
             if sha256_file(path) != want["sha256"]:
                 raise CheckpointDamaged(ckpt, path, "does not match the sha256 recorded when it was written "
                                                     "(corrupted or replaced)")
-        manifest_files = _manifest_outputs_for(run, ckpt).get("checkpoint_files")
-        if manifest_files and manifest_files != {rel: v["sha256"] for rel, v in files.items()}:
+        outputs = _manifest_outputs_for(run, ckpt)
+        manifest_files = outputs.get("checkpoint_files")
+        weights = weights_path(ckpt).relative_to(ckpt).as_posix()
+        if (manifest_files and manifest_files != {rel: v["sha256"] for rel, v in files.items()}) or (
+                outputs.get(weights_key(ckpt)) not in (None, files.get(weights, {}).get("sha256"))):
             raise CheckpointDamaged(ckpt, ckpt / RECORD_FILE, "does not match the copy in the manifest's train record "
                                                               "(replaced)")
         return record
