@@ -82,7 +82,7 @@ class GracefulStop:
     checkpointed; past that, or at a second SIGTERM, the step is abandoned (:class:`Preempted` is raised inside
     it, so nothing of it is logged or saved) and the previous checkpoint stays the one `--resume` continues
     from. Either way the stage is recorded `interrupted` and `qerl train` exits 143. ``can_abandon`` is off for
-    data-parallel ranks: they can only stop together, so their step always finishes (at the step-end agreement).
+    data-parallel ranks: they can only stop together (agreed before each step), so their step always finishes.
     """
 
     def __init__(self, grace_s: float = 0.0, *, can_abandon: bool = True) -> None:
