@@ -105,7 +105,8 @@ class GracefulStop:
         first = not self.preempted
         self.requested = self.preempted = True
         if not self.looping:  # still setting up: nothing to finish or save
-            raise Preempted("preempted (SIGTERM) before the first step")
+            raise Preempted("preempted (SIGTERM) while setting up, before any step: run the same command with "
+                            "--resume to continue")
         if first and self.can_abandon and self.grace_s > 0:
             # the grace period's end is a second SIGTERM to this (main) thread: it also wakes a blocking call
             self._timer = threading.Timer(self.grace_s, self._expire)
