@@ -318,6 +318,9 @@ def read_record(ckpt: Path) -> dict[str, Any] | None:
         raise CheckpointDamaged(ckpt, path, f"is unreadable ({type(exc).__name__})") from exc
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
         raise CheckpointDamaged(ckpt, path, "is not a qerl checkpoint record")
+    if not isinstance(record.get("version"), int) or record["version"] > RECORD_VERSION:
+        raise CheckpointDamaged(ckpt, path, f"has record version {record.get('version')!r}, which this qerl does not "
+                                            f"read ({RECORD_VERSION}): upgrade qerl")
     files = record.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, dict) and isinstance(v.get("sha256"), str)
                                               and isinstance(v.get("bytes"), int) for v in files.values()):
