@@ -428,5 +428,6 @@ def replica_digests(params: list[torch.nn.Parameter], ctx: DistContext, step: in
     digests = ctx.gather_objects(h.hexdigest())
     if len(set(digests)) > 1:
         raise QerlError(f"LoRA adapters diverged across ranks at step {step} ({len(set(digests))} different "
-                        "replicas): report this; the last consistent checkpoint is the one before")
+                        "replicas): report this; the last consistent checkpoint is the one before "
+                        "(--resume-from step_N)")
     return digests

@@ -69,6 +69,11 @@ class PromptStream:
         self._perm = self._permutation()
 
 
+# how a run stopped by a non-finite loss or gradient goes on
+NONFINITE_HINT = (": the checkpoints are intact; lower --lr and continue with --resume, or from an earlier one with "
+               "--resume-from step_N")
+
+
 def rollout_seed(seed: int, step: int, round_: int) -> int:
     return (seed * 1_000_003 + step * 7919 + round_ * 104_729) % (2**31 - 1)
 
@@ -575,7 +580,7 @@ class Trainer:
                 ref_logp=None if ref_logp is None else ref_logp[sl], beta=c.beta, rollout_logp=part.rollout_logp,
                 loss_normalizer=normalizer)
             if not torch.isfinite(loss):
-                raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}")
+                raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}{NONFINITE_HINT}")
             self.scaler.scale(loss).backward()
             total_loss += loss.item()
             w = sl.stop - i
@@ -590,7 +595,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))
         if not finite and not uses_loss_scaling(c.precision):
-            raise NonFiniteLoss(f"the gradient norm became {grad_norm.item()} at step {self.step + 1}")
+            raise NonFiniteLoss(f"the gradient norm became {grad_norm.item()} at step {self.step + 1}{NONFINITE_HINT}")
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
         self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
