@@ -31,7 +31,7 @@ from qerl_cli.train.batch import RolloutBatch, build_batch
 from qerl_cli.train.checkpointing import CheckpointWriter, resolve_checkpoint
 from qerl_cli.train.config import TrainConfig
 from qerl_cli.train.logprobs import sampled_logprobs
-from qerl_cli.train.step_backend import LogProbs, StepBackend, make_backend
+from qerl_cli.train.step_backend import LogProbs, StepBackend
 
 
 @dataclass
@@ -188,9 +188,16 @@ class Trainer:
         self.backend: StepBackend  # set by setup()
         self.metrics_path = train_dir(run) / "metrics.jsonl"
         self.rollouts_dir = train_dir(run) / "rollouts"
-        from qerl_cli.train.distributed import current
+        from qerl_cli.train.config import resolve_sharding
+        from qerl_cli.train.distributed import DistributedAbort, current
 
         self.dist = current()  # world_size 1 unless launched by torchrun (train/distributed.py)
+        try:  # recorded resolved: the manifest says which engine ran
+            self.cfg.sharding = resolve_sharding(self.cfg, self.dist.world_size)
+        except QerlError as exc:
+            if not self.dist.is_main:  # every rank refuses the same way; rank 0 says why
+                raise DistributedAbort(str(exc)) from exc
+            raise
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self, *, model: torch.nn.Module | None = None, tokenizer: Any = None, task: Any = None,
@@ -201,7 +208,6 @@ class Trainer:
         ``tokenizer`` may then be None when ``prompt_ids`` gives the prompts as token ids; ``task``
         replaces ``cfg.task`` and ``reward_fn`` the task's reward.
         """
-        from qerl_cli.lora import attach_lora, make_lora_config
         from qerl_cli.models import load_model
         from qerl_cli.rollout import make_engine
         from qerl_cli.tasks import get_reward, load_task
@@ -227,22 +233,34 @@ class Trainer:
             from qerl_cli.train.rollout_quant import check_full_precision_base
 
             check_full_precision_base(base, "--finetune full" if c.finetune == "full" else "--rollout-quant")
-        if c.finetune == "full" and self.dist.world_size > 1:
-            raise QerlError("--finetune full runs on one process only (data-parallel training averages LoRA "
-                            "adapters); use --finetune lora with torchrun/--gpus, or one GPU")
-        if c.finetune == "full":
+        sharded = c.sharding == "fsdp2"
+        if sharded:
+            from qerl_cli.train.fsdp import ShardedFullFinetune, rollout_private_names
+            from qerl_cli.train.rollout_quant import RolloutQuant
+
+            self.model = base
+            # the rollout copy first, from the whole weights: once sharded they are only ever gathered per layer
+            self.rollout_quant = RolloutQuant(base, c.rollout_quant, scales=c.requant_scales or "dynamic",
+                                              dtype=self.dtype, private=rollout_private_names(base))
+            self.full = ShardedFullFinetune(base, self.device, compute_dtype=self.dtype, offload=c.fsdp_offload,
+                                            ctx=self.dist)
+            self.rollout_quant.bind_gather(self.full.gather_units())
+            self.params = self.full.params
+        elif c.finetune == "full":
             from qerl_cli.train.full_finetune import FullFinetune
 
             self.model = base
             self.full = FullFinetune(base)
             self.params = self.full.params
         else:
+            from qerl_cli.lora import attach_lora, make_lora_config  # peft: imported only when LoRA trains
+
             self.model = attach_lora(base, make_lora_config(c.lora_rank, c.lora_alpha, c.lora_targets,
                                                             c.lora_dropout), seed=c.seed)
             self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
             if not self.params or any("lora_" not in n for n, p in self.model.named_parameters() if p.requires_grad):
                 raise QerlError("only LoRA adapters may be trainable; check --lora-targets")
-        if c.rollout_quant != "none":
+        if c.rollout_quant != "none" and self.rollout_quant is None:
             from qerl_cli.train.rollout_quant import RolloutQuant
 
             self.rollout_quant = RolloutQuant(self.model, c.rollout_quant, scales=c.requant_scales or "dynamic",
@@ -267,16 +285,21 @@ class Trainer:
                                   max_batch_slots=min(c.max_batch_slots, c.batch_prompts * c.num_generations),
                                   max_model_len=max_len, gpu_memory_utilization=c.gpu_memory_utilization,
                                   dtype=self.dtype, model_dir=self.model_dir)
-        self.aqn = (AQN(self.model, c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
+        # sharded: AQN reads (and the engine overrides) the rollout copy's own norms; otherwise the model's
+        aqn_model = self.rollout_quant.model if sharded else self.model
+        self.aqn = (AQN(aqn_model, c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
                         stages=c.aqn_stages, seed=c.seed) if c.aqn else None)
-        self.optimizer = torch.optim.AdamW(self.params, lr=c.lr, weight_decay=c.weight_decay, betas=(0.9, 0.99))
+        self.optimizer = torch.optim.AdamW(self.params, lr=c.lr, weight_decay=c.weight_decay, betas=(0.9, 0.99),
+                                           **(self.full.optimizer_options if sharded else {}))
         warm = max(0, c.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=uses_loss_scaling(c.precision))
         self.step = 0
         # local or data-parallel: chosen once here, so train_step has no branch on it (train/step_backend.py)
-        self.backend = make_backend(self, self.dist)
+        from qerl_cli.train.distributed import make_backend
+
+        self.backend = make_backend(self, self.dist, sharded_model=sharded)
         self.extended_from: int | None = None  # a finished run's steps, when --resume --steps extends it
 
     def _resident_weights(self, base: torch.nn.Module) -> int:
@@ -310,6 +333,10 @@ class Trainer:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
 
+    @property
+    def micro_batch_size(self) -> int:
+        return int(self.cfg.micro_batch_size or 1)
+
     def encode_prompt(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
         bos = self.tokenizer.bos_token_id
@@ -340,14 +367,23 @@ class Trainer:
             if key in saved and saved[key] != getattr(self.cfg, key):
                 raise QerlError(f"--resume with a different {key} ({getattr(self.cfg, key)!r}, checkpoint has "
                                 f"{saved[key]!r}): use the original settings or a new --run directory")
-        if self.full is not None:
+        sharded = self.cfg.sharding == "fsdp2"
+        if self.full is not None and (checkpointing.checkpoint_kind(ckpt) == checkpointing.FULL_SHARDED) != sharded:
+            raise QerlError(f"checkpoint {ckpt} was written " + (
+                "without sharding: resume it with --sharding none on one process" if sharded else
+                "by --sharding fsdp2 (sharded weights and optimizer): resume it with --sharding fsdp2 on any "
+                "number of processes"))
+        if sharded:  # every rank reads the rows of its own shard, whatever the world size that wrote them
+            self.full.load(ckpt, self.optimizer)
+        elif self.full is not None:
             self.full.load(ckpt)
         else:
             checkpointing.load_adapter_weights(self.model, ckpt)
         if self.rollout_quant is not None:  # the rollout copy follows the restored weights (and INT8 scales)
             self.rollout_quant.load_state_dict(checkpointing.rollout_quant_state(state))
             self.rollout_quant.requantize_()
-        self.optimizer.load_state_dict(state["optimizer"])
+        if not sharded:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.stream.load(state["data"])
@@ -511,17 +547,17 @@ class Trainer:
 
         # -- policy update (forward+backward, then optimizer: timed apart inside _update)
         t2 = self.clock()
-        rows = self.backend.update_rows(batch.input_ids.shape[0])
-        loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw, rows=rows)
+        loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw)
         metrics.update(loss_metrics)
         if self.full is not None:
             self.full.sync_()
         if self.rollout_quant is not None:
             metrics.update(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
+            self._phase_peak(metrics, "requant")  # sharded: one gathered layer at a time on top of the rest
         t_train = self.clock() - t2
         if on_cuda:
-            metrics["memory/train_peak_gb"] = max(metrics.get("memory/fwd_bwd_peak_gb", 0.0),
-                                                  metrics.get("memory/optimizer_peak_gb", 0.0))
+            metrics["memory/train_peak_gb"] = max(metrics.get(f"memory/{p}_peak_gb", 0.0)
+                                                  for p in ("fwd_bwd", "optimizer", "requant"))
 
         self.step += 1
         metrics["lr"] = self.scheduler.get_last_lr()[0]
@@ -555,13 +591,13 @@ class Trainer:
         return torch.cat(old), (torch.cat(ref) if with_ref else None), torch.cat(ent)
 
     def _update(self, batch: RolloutBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
-                adv: torch.Tensor, isw: torch.Tensor | None, rows: slice | None = None) -> dict[str, float]:
-        """One optimizer step; ``rows``: this rank's shard of the batch (normalisers stay the whole batch's)."""
+                adv: torch.Tensor, isw: torch.Tensor | None) -> dict[str, float]:
+        """One optimizer step over this process's micro-batches (the backend's; normalisers stay the whole
+        batch's, so the ranks' summed gradients are the 1-process gradient)."""
         from qerl_cli.train.losses import policy_loss
 
         c = self.cfg
         bsz = batch.input_ids.shape[0]
-        lo, hi = (0, bsz) if rows is None else (rows.start, rows.stop)
         normalizer = {"dapo": batch.mask.sum().clamp(min=1).item(),
                       "dr_grpo": float(bsz * c.max_completion_length)}.get(c.algo, float(bsz))
         self.model.train()
@@ -569,9 +605,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         agg: dict[str, float] = {}
         total_loss = 0.0
-        mb = c.micro_batch_size
-        for i in range(lo, hi, mb):
-            sl = slice(i, min(i + mb, hi))
+        for micro in self.backend.update_micro_batches(bsz, self.micro_batch_size):
+            sl = micro.rows
             part = batch.rows(sl)
             logp, _ = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens)
             loss, m = policy_loss(
@@ -581,9 +616,13 @@ class Trainer:
                 loss_normalizer=normalizer)
             if not torch.isfinite(loss):
                 raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}{NONFINITE_HINT}")
+            if not micro.counts:  # a stand-in pass: it runs only so that the ranks' collectives match
+                loss = loss * 0.0
             self.scaler.scale(loss).backward()
+            if not micro.counts:
+                continue
             total_loss += loss.item()
-            w = sl.stop - i
+            w = sl.stop - sl.start
             for k, v in m.items():
                 agg[k] = agg.get(k, 0.0) + v * w / bsz
         self.backend.reduce_gradients(self.params)  # nothing to do on one process
@@ -650,6 +689,8 @@ class Trainer:
         """Checkpoint this step; ``background`` (default: ``cfg.async_checkpoint`` on one process, LoRA) copies
         the state to host memory now and writes it in a thread while the caller goes on."""
         ck = checkpointing
+        if self.cfg.sharding == "fsdp2":
+            return self._save_sharded()
         if not self.dist.is_main:  # rank 0 writes; wait until the checkpoint is complete
             self.dist.barrier()
             return ck.checkpoint_path(self.run, self.step)
@@ -660,15 +701,7 @@ class Trainer:
         if not background:
             self.writer.wait()
 
-        state = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "data": self.stream.state(),
-            "aqn": self.aqn.state_dict() if self.aqn is not None else None,
-            "config": self.cfg.to_dict(),
-            ck.ROLLOUT_QUANT_KEY: self.rollout_quant.state_dict() if self.rollout_quant is not None else None,
-        }
+        state = {"optimizer": self.optimizer.state_dict(), **self._trainer_state()}
         if background:
             state, adapter, rng = ck.snapshot(state), ck.adapter_snapshot(self.model), ck.rng_state()
             step, config, keep = self.step, self.cfg.to_dict(), self.cfg.keep_checkpoints
@@ -679,6 +712,34 @@ class Trainer:
             path = ck.save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(),
                                       self.cfg.keep_checkpoints,
                                       full_weights=self.full.weights() if self.full is not None else None)
+        self.last_checkpoint_s = self.clock() - t0
+        self.dist.barrier()
+        return path
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the weights (and, without sharding, the optimizer)."""
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "data": self.stream.state(),
+            "aqn": self.aqn.state_dict() if self.aqn is not None else None,
+            "config": self.cfg.to_dict(),
+            checkpointing.ROLLOUT_QUANT_KEY: self.rollout_quant.state_dict() if self.rollout_quant is not None
+            else None,
+        }
+
+    def _save_sharded(self) -> Path:
+        """--sharding fsdp2: every rank writes its rows of the weights and AdamW state into rank 0's staging
+        directory (train/fsdp.py), rank 0 the rest; `latest` moves when all of it is there. Synchronous."""
+        ck = checkpointing
+        t0 = self.clock()
+        if self.dist.is_main:
+            path = ck.save_checkpoint(self.run, self.step, self.model, self._trainer_state(), self.cfg.to_dict(),
+                                      self.cfg.keep_checkpoints,
+                                      weights_writer=lambda tmp: self.full.write_checkpoint(tmp, self.optimizer))
+        else:
+            self.full.write_checkpoint(None, self.optimizer)
+            path = ck.checkpoint_path(self.run, self.step)
         self.last_checkpoint_s = self.clock() - t0
         self.dist.barrier()
         return path
@@ -702,11 +763,12 @@ def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, 
             "steps_done": step if step is not None else trainer.step}
 
 
-def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any],
-                     resume_from: str | None = None) -> tuple[Path, dict[str, Any]] | None:
+def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resume_from: str | None = None,
+                     *, verify: bool = True) -> tuple[Path, dict[str, Any]] | None:
     """`--resume` / `--resume-from step_N` checks, before the stage starts (a refusal leaves the manifest's train
-    record as it was): the checkpoint to continue from, verified file by file, and its trainer state; None when
-    plain `--resume` finds no checkpoint (the run starts over)."""
+    record as it was): the checkpoint to continue from, verified file by file (``verify``: rank 0 only, which
+    stops every rank when it refuses; N ranks hashing a sharded checkpoint N times would gain nothing), and its
+    trainer state; None when plain `--resume` finds no checkpoint (the run starts over)."""
     if resume_from is not None:
         ckpt = resolve_checkpoint(run, resume_from)
         if ckpt is None:
@@ -717,7 +779,8 @@ def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any],
         except QerlError:
             return None
         assert ckpt is not None
-    checkpointing.require_intact(run, ckpt, "resume")
+    if verify:
+        checkpointing.require_intact(run, ckpt, "resume")
     state = read_trainer_state(run, ckpt)
     done = int(state["step"])
     trained_on = (run.record("train") or {}).get("inputs", {}).get("model")
@@ -792,7 +855,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
                         "a new --run directory")
     # an earlier extension stays stated when the extended run is resumed again
     extended = (run.record("train") or {}).get("extra", {}).get("extended") if resume else None
-    start_from = _check_resumable(run, cfg, inputs["model"], resume_from) if resume else None
+    start_from = _check_resumable(run, cfg, inputs["model"], resume_from, verify=ctx.is_main) if resume else None
     # only rank 0 takes the run lock and writes the manifest; other ranks only read the run directory
     stage = run.stage("train", config=trainer.cfg.to_dict(), inputs=inputs, seeds={"seed": trainer.cfg.seed}) \
         if ctx.is_main else follower_stage("train")
@@ -831,8 +894,9 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
                 from qerl_cli.train.distributed import replica_digests
 
                 rec.extra["dist"] = {"world_size": ctx.world_size, "backend": ctx.backend,
-                                     "adapter_digests": replica_digests(trainer.params, ctx, trainer.step),
-                                     "pids": ctx.gather_objects(os.getpid())}
+                                     "sharding": trainer.cfg.sharding, "pids": ctx.gather_objects(os.getpid())}
+                if trainer.cfg.sharding != "fsdp2":  # replicas must stay bitwise equal; shards differ
+                    rec.extra["dist"]["adapter_digests"] = replica_digests(trainer.params, ctx, trainer.step)
             if ctx.is_main and not trainer.writer.busy:
                 rec.outputs = _checkpoint_outputs(run, trainer, path)
                 run.save(rec)
