@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import Preempted, QerlError
 
 app = typer.Typer(
     name="qerl",
@@ -96,14 +96,18 @@ TRAIN_FIXED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "dry_run": (Annotated[bool, Opt("--dry-run", help="Print the resolved config and exit.")], False),
     "resume": (Annotated[bool, Opt("--resume", help="Continue from the run's latest checkpoint; with --steps "
                                    "larger than the run's, extend a finished run.")], False),
+    "resume_from": (Annotated[str | None, Opt("--resume-from", help="Continue from an earlier checkpoint step_N "
+                                              "(e.g. when a later one is damaged); what the run wrote after it "
+                                              "(checkpoints, rollouts, metrics lines) is moved to "
+                                              "train/checkpoints.abandoned-<time>/, never deleted.")], None),
     "gpus": (Annotated[int | None, Opt("--gpus", help="Data-parallel on N GPUs: launches torchrun, one process "
                                        "per GPU (NCCL). On CPU use `torchrun --nproc-per-node N -m qerl_cli train` "
                                        "(gloo).")], None),
 }
 
 
-def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool, resume: bool, gpus: int | None,
-           **fields: Any) -> None:
+def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool, resume: bool,
+           resume_from: str | None, gpus: int | None, **fields: Any) -> None:
     """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN, TIS/MIS)."""
     import yaml
 
@@ -134,12 +138,17 @@ def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool,
     from qerl_cli.train.trainer import train as run_train
 
     ctx = distributed.init_from_env()
-    if not ctx.is_main:  # only rank 0 prints the console panel
-        run_train(run, cfg, resume=resume)
-    else:
-        with TrainConsole(console, cfg.resolved()) as ui:
-            res = run_train(run, cfg, resume=resume, on_step=ui.update)
-        ui.summary(res)
+    try:
+        if not ctx.is_main:  # only rank 0 prints the console panel
+            run_train(run, cfg, resume=resume, resume_from=resume_from)
+        else:
+            with TrainConsole(console, cfg.resolved()) as ui:
+                res = run_train(run, cfg, resume=resume, resume_from=resume_from, on_step=ui.update)
+            ui.summary(res)
+    except Preempted as exc:  # SIGTERM: stopped cleanly; 143 is what schedulers expect of a terminated job
+        if ctx.is_main:
+            err_console.print(f"[yellow]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(Preempted.exit_code) from exc
     distributed.shutdown()  # on success only: after a failure the process exits without more collectives
 
 

@@ -82,6 +82,9 @@ class TrainConfig:
     async_checkpoint: bool = True  # write checkpoints in a background thread while the next step runs
     save_steps: int = 10
     keep_checkpoints: int = 3
+    # after SIGTERM (preemption), how long the step in flight may take to finish and be checkpointed before it is
+    # abandoned; set it to the scheduler's grace period minus a checkpoint write (docs/checkpoints.md)
+    sigterm_grace_s: float = 10.0
     seed: int = 0
     shots: int | None = None
     chat_template: bool = False
@@ -179,6 +182,8 @@ class TrainConfig:
             raise QerlError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
             raise QerlError(f"--gpu-memory-gib must be > 0 (GiB), got {self.gpu_memory_gib}")
+        if not self.sigterm_grace_s >= 0:
+            raise QerlError(f"--sigterm-grace-s must be >= 0 seconds, got {self.sigterm_grace_s}")
         if self.logprob_chunk_tokens < 0:
             raise QerlError(f"--logprob-chunk-tokens must be >= 0 (0: unchunked), got {self.logprob_chunk_tokens}")
         from qerl_cli.train.logprobs import LOGPROB_BACKENDS
@@ -245,6 +250,8 @@ FIELD_HELP: dict[str, str] = {
     "async_checkpoint": "Write checkpoints in a background thread while the next step runs.",
     "save_steps": "Checkpoint every N steps.",
     "keep_checkpoints": "Checkpoints kept (older ones are deleted).",
+    "sigterm_grace_s": "After SIGTERM (SLURM, Kubernetes, spot preemption) the step in flight may finish and be "
+                       "checkpointed within this many seconds, else it is abandoned; exit 143 (docs/checkpoints.md).",
     "seed": "Seed of data order, sampling, AQN and LoRA init.",
     "shots": "Few-shot examples in the prompt (default per task).",
     "chat_template": "Wrap prompts in the model's chat template.",
