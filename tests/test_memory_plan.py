@@ -112,7 +112,8 @@ def _same(a: list[dict], b: list[dict], pa: dict, pb: dict, tol: float = 1e-6) -
 
 def test_chunked_logprobs_and_plan_leave_cpu_training_unchanged(tmp_path) -> None:
     # reference: the direct log-prob path with the old fixed defaults (micro-batch 8, no checkpointing)
-    ref_t, ref, ref_p = _run(tmp_path, "ref", logprob_chunk_tokens=0, micro_batch_size=8, gradient_checkpointing=False)
+    ref_t, ref, ref_p = _run(tmp_path, "ref", logprob_chunk_tokens=0, micro_batch_size=8, gradient_checkpointing=False,
+                             pack_sequences=False)
     # plan picks, 5-row chunks; padded forwards (packing, compared below, changes the attention's rounding)
     planned_t, planned, planned_p = _run(tmp_path, "planned", logprob_chunk_tokens=5, pack_sequences=False)
     assert planned_t.cfg.micro_batch_size == 8 and planned_t.cfg.gradient_checkpointing is False

@@ -344,8 +344,11 @@ def bench_step(
     by_name = {r["format"]: r for r in res["results"] if r["status"] == "ok"}
     for r in res["results"]:
         r["speedup_vs_bf16"] = (base["step_s"] / r["step_s"]) if base and r["status"] == "ok" and r["step_s"] else None
-        for peer in ("trl", "nvfp4@vllm"):  # the issue-26 ratios: qerl's NVFP4 step over each peer's
-            if r["format"] == "nvfp4" and peer in by_name and r["status"] == "ok" and r["step_s"]:
+        # the peer ratios: each qerl cell's step against TRL's, and against the vLLM-engine cell of its own format
+        if r["status"] != "ok" or not r["step_s"] or r["format"] in peers or "@" in r["format"]:
+            continue
+        for peer in ("trl", f"{r['format']}@vllm"):
+            if peer in by_name:
                 r[f"speedup_vs_{peer.replace('@', '_')}"] = by_name[peer]["step_s"] / r["step_s"]
     res["targets"] = _targets(res, cfg)
     res["wall_s"] = budget.elapsed()
