@@ -20,8 +20,12 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    # click's plain help: option names are never cut (`--x / --no-x` on one line, the description wraps below a
+    # long name) and help text is printed as written (rich markup would eat `qerl[llmcompressor]`)
+    rich_markup_mode=None,
 )
-bench_app = typer.Typer(help="Benchmarks: kernels, rollout, mismatch, step, sanity.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: kernels, rollout, mismatch, step, sanity, evidence.", no_args_is_help=True,
+                        rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
 
 console = Console()
