@@ -33,10 +33,11 @@ def test_oom_in_one_cell_is_recorded_and_the_next_cell_runs():
     logged: list[str] = []
     rows = run_cells([Cell({"batch": 1}, ok(1)), Cell({"batch": 2}, _alloc_too_much, "batch 2"),
                       Cell({"batch": 3}, ok(3))], oom="OOM/skipped", log=logged.append)
-    assert rows == [{"batch": 1, "status": "ok", "value": 1}, {"batch": 2, "status": "OOM/skipped"},
+    oom_note = "CUDA out of memory. Tried to allocate 80.00 GiB"
+    assert rows == [{"batch": 1, "status": "ok", "value": 1}, {"batch": 2, "status": "OOM/skipped", "note": oom_note},
                     {"batch": 3, "status": "ok", "value": 9}]
     assert ran == [1, 3]
-    assert logged == ["batch 2: OOM/skipped"]
+    assert logged == [f"batch 2: OOM/skipped: {oom_note}"]
 
 
 def test_failures_and_statuses():
@@ -49,8 +50,17 @@ def test_failures_and_statuses():
     def partial_fit() -> dict:
         return {"status": "ok (3 slots fit)", "slots": 3}
 
-    rows = run_cells([Cell({"c": "a"}, boom), Cell({"c": "b"}, empty), Cell({"c": "c"}, partial_fit)])
-    assert [r["status"] for r in rows] == ["error: bad shape", "error: RuntimeError", "ok (3 slots fit)"]
+    def no_bucket() -> dict:  # what a bare next() over an empty budget-dependent list raised
+        return {"bucket": next(iter([]))}
+
+    rows = run_cells([Cell({"c": "a"}, boom), Cell({"c": "b"}, empty), Cell({"c": "c"}, partial_fit),
+                      Cell({"c": "d"}, no_bucket)])
+    assert [r["status"] for r in rows] == ["error: bad shape", "error: RuntimeError", "ok (3 slots fit)",
+                                           "error: StopIteration"]
+    assert rows[0]["note"] == "bad shape"
+    # a failure without a message still says where it was raised
+    assert rows[3]["note"] == ("StopIteration raised without a message at tests/test_bench_harness.py:"
+                               f"{no_bucket.__code__.co_firstlineno + 1} (no_bucket)")
     assert list(rows[2]) == ["c", "status", "slots"]  # the key first, then the status, then the numbers
     # the engine's own message for a cache that cannot hold one sequence counts as out of memory
     assert harness.failure_status(QerlError("no room for even one KV-cache slot")) == "OOM"
@@ -103,7 +113,8 @@ def test_results_written_with_header_plot_and_json(tmp_path):
     on_disk = json.loads(paths["json"].read_text())
     assert on_disk["kind"] == "bench/demo" and on_disk["schema"] == harness.SCHEMA
     assert on_disk["date"].endswith("+00:00") and "device" in on_disk["env"]
-    assert on_disk["results"] == [{"n": 1, "status": "ok", "x": 0.5}, {"n": 2, "status": "OOM"}]
+    assert on_disk["results"] == [{"n": 1, "status": "ok", "x": 0.5},
+                                  {"n": 2, "status": "OOM", "note": "CUDA out of memory. Tried to allocate 80.00 GiB"}]
     assert list(on_disk["files"]) == ["json", "plot", "subset"]
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["demo.json", "demo.png"]  # no temp files
@@ -169,3 +180,18 @@ def test_saved_result_printed_by_its_bench_module(tmp_path, capsys):
     for kind in ("bench/evidence", "bench/nothing", "train"):
         with pytest.raises(QerlError, match="not a bench result with tables"):
             harness.report({"kind": kind})
+
+
+def test_notes_are_printed_under_the_tables_as_written():
+    """Why a cell failed reaches the terminal, not only the JSON; `[...]` in it is not eaten as rich markup."""
+    res = {"kind": "bench/step", "results": [{"format": "bf16", "backend": "torch", "status": "OOM in fwd_bwd",
+                                              "note": "out of memory in fwd_bwd; change: pip install 'qerl[x]'"}],
+           "targets": [], "files": {"json": "s.json", "plot": "s.png"}, "model": "m", "env": {"device": {}},
+           "config": {"measure": 1, "train": {"batch_prompts": 1, "num_generations": 1, "max_completion_length": 1,
+                                              "lora_rank": 1, "precision": "fp32", "aqn": False}}}
+    assert harness.note_lines(res) == ["format=bf16 backend=torch: OOM in fwd_bwd: out of memory in fwd_bwd; "
+                                       "change: pip install 'qerl[x]'"]
+    out = Console(width=300, file=io.StringIO(), record=True)
+    harness.show(out, [], harness.report(res)[1])
+    assert "format=bf16 backend=torch: OOM in fwd_bwd: out of memory in fwd_bwd; change: pip install 'qerl[x]'" \
+        in out.export_text()

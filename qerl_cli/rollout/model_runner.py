@@ -37,7 +37,7 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.rollout.fast_layers import FastPlan, FusedOps, apply_rope_ref, is_silu_mlp, rms_norm_ref, signature
-from qerl_cli.rollout.kv_cache import KVCache
+from qerl_cli.rollout.kv_cache import KVCache, bucket_for
 from qerl_cli.rollout.profile import region
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -398,7 +398,7 @@ class CudaGraphDecoder:
         self.fingerprint: tuple | None = None
 
     def bucket(self, b: int) -> int:
-        return next(s for s in self.buckets if s >= b)
+        return bucket_for(self.buckets, b, "decode batch (sequences per CUDA graph, at most the KV-cache slots)")
 
     def ensure_captured(self, bs: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The graph of (batch bucket ``bs``, ``kv_len``) and its output, captured now unless it exists
