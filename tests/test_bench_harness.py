@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,10 +130,24 @@ def test_manifest_record_when_a_run_dir_is_given(tmp_path):
     assert rec["status"] == "completed" and rec["stage"] == "bench"
     assert rec["outputs"] == {"json": {"path": "bench/demo.json"}} and rec["metrics"] == {"a/x": 0.5}
     assert rec["extra"] == {"p": str(tmp_path)}
-    assert harness.out_dir(None, run) == out
-    assert harness.out_dir(None, None, tmp_path / "d") == tmp_path / "d"
-    with pytest.raises(QerlError, match="name a folder"):
-        harness.out_dir(None, None, missing="name a folder with --out")
+    assert harness.out_dir(None, run, "demo") == out
+    assert harness.out_dir(tmp_path / "d", run, "demo") == tmp_path / "d"
+
+
+def test_default_output_folder_is_new_for_every_run(tmp_path, monkeypatch):
+    """Without --out or --run a bench writes to ./qerl-bench/<bench>-<date>-<time>, never into an earlier one."""
+    import datetime
+
+    monkeypatch.chdir(tmp_path)
+    now = datetime.datetime(2026, 11, 26, 9, 5, 7)
+    first = harness.default_out("step", now)
+    assert harness.out_dir(None, None, "step").parent == Path("qerl-bench")
+    assert first == Path("qerl-bench/step-20261126-090507")
+    first.mkdir(parents=True)
+    assert harness.default_out("step", now) == Path("qerl-bench/step-20261126-090507-2")
+    (tmp_path / "qerl-bench" / "step-20261126-090507-2").mkdir()
+    assert harness.default_out("step", now) == Path("qerl-bench/step-20261126-090507-3")
+    assert harness.default_out("kernels", now) == Path("qerl-bench/kernels-20261126-090507")
 
 
 def test_table_split_to_the_terminal_and_number_cells():

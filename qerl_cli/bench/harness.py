@@ -14,6 +14,7 @@ docs/benches.md says how to add a bench.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import numbers
 import time
@@ -237,15 +238,28 @@ def header(kind: str, **fields: Any) -> dict[str, Any]:
     return {"schema": SCHEMA, "kind": kind, "date": now_iso(), **fields, "env": environment(), "results": []}
 
 
-def out_dir(out: Path | None, run: Any, default: Path | None = None, *, missing: str = "") -> Path:
-    """Where a bench writes: ``out``, else the run's ``bench/`` folder, else ``default`` (else ``missing``)."""
+DEFAULT_ROOT = Path("qerl-bench")  # where a bench writes without --out or --run, under the working directory
+
+
+def default_out(bench: str, now: datetime.datetime | None = None) -> Path:
+    """``./qerl-bench/<bench>-<YYYYMMDD-HHMMSS>`` (local time): a new folder per bench run, so an earlier result
+    is never overwritten (a second run within the same second gets ``-2``, ``-3``, ...)."""
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    path = base = DEFAULT_ROOT / f"{bench}-{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def out_dir(out: Path | None, run: Any, bench: str) -> Path:
+    """Where a bench writes: ``out``, else the run's ``bench/`` folder, else :func:`default_out`."""
     if out is not None:
         return Path(out)
     if run is not None:
         return run.path / "bench"
-    if default is None:
-        raise QerlError(missing)
-    return default
+    return default_out(bench)
 
 
 def figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

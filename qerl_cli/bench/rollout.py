@@ -597,9 +597,7 @@ def bench_rollout(
         if fmts and fmts != [run_fmt]:
             log(f"--run: benchmarking the run's model ({run_fmt}); formats {fmts} ignored")
         fmts = [run_fmt]
-    # a random-shape bench has no run directory to write into; never litter the working directory
-    out = harness.out_dir(out_dir, run, missing="bench rollout --shape writes a JSON and a plot: name their folder "
-                                                "with --out DIR (or use --run DIR, which writes under DIR/bench)")
+    out = harness.out_dir(out_dir, run, "rollout")
     max_len = prompt_len + new_tokens
     if spec is not None and max_len > spec.max_positions:
         raise QerlError(f"prompt_len + new_tokens = {max_len} exceeds the {shape} shape's "

@@ -238,7 +238,7 @@ def bench_step(
         raise QerlError(f"unknown format(s) {', '.join(bad) or '(none given)'}; "
                         f"choose from {', '.join(allowed)}, or BASE+ROLLOUT with ROLLOUT one of "
                         f"{', '.join(rollout_quants)} (FlashRL rollouts)")
-    out = harness.out_dir(out_dir, run, Path("bench-step"))
+    out = harness.out_dir(out_dir, run, "step")
     harness.cap_memory(device, memory_cap_gib)
     budget = harness.Budget(time_budget_s)
     res = harness.header(
