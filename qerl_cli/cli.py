@@ -278,7 +278,7 @@ def bench_kernels(
               methods=tuple(methods.split(",")), peers=peer_list, backward=backward,
               log=_progress)
     _show(res)
-    console.print(f"JSON: {out}")
+    console.print(f"JSON: {escape(str(out))}")
 
 
 @bench_app.command("rollout")
@@ -300,6 +300,8 @@ def bench_rollout(
                                                                   "disabled (LoRA's cost).")] = False,
     profile: Annotated[bool, Opt("--profile", help="Per-decode-step GPU time by category (CUDA).")] = False,
     linear_backend: Annotated[str | None, Opt(help="Linear kernels: auto|qerl|triton|cuda|humming|cublas.")] = None,
+    memory_cap_gib: Annotated[float | None, Opt("--memory-cap", help="Cap this process's GPU memory (GiB; 79.2 on "
+                                                "an H200 stands for an 80 GB card).")] = None,
 ) -> None:
     """Rollout tokens/s, TTFT and memory per format and batch, against the weight+KV roofline."""
     from qerl_cli.bench.rollout import bench_rollout as run_bench
@@ -311,7 +313,8 @@ def bench_rollout(
                     batches=tuple(int(b) for b in batches.split(",")), prompt_len=prompt_len, new_tokens=new_tokens,
                     lora_rank=lora_rank, out_dir=out, eos_mode="eos" if eos else "fixed",
                     log=_progress, prompts=prompts, num_generations=num_generations,
-                    lora_modes=("on", "off") if lora_off else ("on",), profile=profile, linear_backend=linear_backend)
+                    lora_modes=("on", "off") if lora_off else ("on",), profile=profile, linear_backend=linear_backend,
+                    memory_cap_gib=memory_cap_gib)
     _show(res)
 
 
@@ -421,7 +424,7 @@ def bench_evidence(
 
     dest = out or ((run / "bench" / "evidence") if run else default_out("evidence"))
     ev = write_evidence(inputs=parse_inputs(input_), out_dir=dest, run_dir=run, log=_progress)
-    console.print(f"evidence: {dest / 'evidence.json'}  ({', '.join(c['verdict'] for c in ev['claims'])})")
+    console.print(f"evidence: {escape(str(dest / 'evidence.json'))}  ({', '.join(c['verdict'] for c in ev['claims'])})")
 
 
 @app.command()

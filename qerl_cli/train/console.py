@@ -101,7 +101,6 @@ class TrainConsole:
         self.start_step = start_step  # the step this process starts at (a resumed run's checkpoint)
         self.step_times: list[float] = []  # this process's finished steps, seconds
         self.step_t0: float | None = None
-        self.phase_t0: dict[str, float] = {}
 
     def expected_line(self) -> str:
         """How long the run should take, and where that figure comes from."""
@@ -166,7 +165,6 @@ class TrainConsole:
         label = PHASE_LABELS.get(name)
         if label is None:
             return
-        self.phase_t0[label] = now
         step = self.start_step + len(self.step_times) + 1
         eta = self.eta(now)
         last = self._last_phase_s(label)
