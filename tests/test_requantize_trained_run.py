@@ -26,31 +26,18 @@ def _digest(folder: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def trained_tiny(tmp_path_factory) -> tuple[Path, Path]:
-    """(a tiny Llama saved as a model directory, a run quantized from it with one trained step)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from qerl_cli.models import load_tokenizer, resolve_model
+def trained_tiny(tiny_source: Path, tmp_path_factory) -> tuple[Path, Path]:
+    """(the tiny model directory, a run quantized from it with one trained step)."""
     from qerl_cli.quantize import quantize_model
     from qerl_cli.train.config import build_config
     from qerl_cli.train.trainer import train
 
-    tok = load_tokenizer(resolve_model(None))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    model = LlamaForCausalLM(cfg).eval()
-    src = tmp_path_factory.mktemp("tiny_src")
-    model.save_pretrained(str(src))
-    tok.save_pretrained(str(src))
-    run = tmp_path_factory.mktemp("tiny_run") / "run"
-    quantize_model(run, str(src), fmt="nvfp4")
+    run = tmp_path_factory.mktemp("tiny_trained") / "run"
+    quantize_model(run, str(tiny_source), fmt="nvfp4")
     train(run, build_config("quick_cpu", {"steps": 1, "batch_prompts": 2, "num_generations": 2,
                                           "max_completion_length": 2, "shots": 0, "lora_rank": 4,
                                           "micro_batch_size": 4, "aqn": False, "log_rollouts": False}))
-    return src, run
+    return tiny_source, run
 
 
 def test_requantizing_a_trained_run_is_refused_in_one_line(trained_tiny: tuple[Path, Path]) -> None:

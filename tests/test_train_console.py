@@ -10,9 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-
-# one tiny step: 2 prompts x 2 samples of <= 2 tokens, zero-shot prompts (the output is checked, not the timing)
+# one step of a tiny model: 2 prompts x 2 samples of <= 2 tokens, zero-shot prompts (the output is checked, not
+# the timing)
 TINY = ["--config", "quick_cpu", "--batch-prompts", "2", "--num-generations", "2", "--max-completion-length", "2",
         "--shots", "0", "--lora-rank", "4", "--micro-batch-size", "4", "--save-steps", "1"]
 
@@ -23,8 +22,8 @@ def qerl(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=900, cwd=tempfile.gettempdir())
 
 
-@pytest.mark.slow  # two `qerl train` processes of one step each on the embedded model: ~40 s on 2 cores
-def test_progress_lines_eta_and_steps_of_this_run(run_dir: Path) -> None:
+def test_progress_lines_eta_and_steps_of_this_run(tiny_run: Path) -> None:
+    run_dir = tiny_run
     first = qerl("train", "--run", str(run_dir), "--steps", "1", *TINY)
     assert first.returncode == 0, first.stderr[-2000:]
     lines = first.stdout.splitlines()
