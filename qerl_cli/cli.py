@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import Preempted, QerlError
 
 app = typer.Typer(
     name="qerl",
@@ -105,14 +105,18 @@ TRAIN_FIXED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "dry_run": (Annotated[bool, Opt("--dry-run", help="Print the resolved config and exit.")], False),
     "resume": (Annotated[bool, Opt("--resume", help="Continue from the run's latest checkpoint; with --steps "
                                    "larger than the run's, extend a finished run.")], False),
+    "resume_from": (Annotated[str | None, Opt("--resume-from", help="Continue from an earlier checkpoint step_N "
+                                              "(e.g. when a later one is damaged); what the run wrote after it "
+                                              "(checkpoints, rollouts, metrics lines) is moved to "
+                                              "train/checkpoints.abandoned-<time>/, never deleted.")], None),
     "gpus": (Annotated[int | None, Opt("--gpus", help="Data-parallel on N GPUs: launches torchrun, one process "
                                        "per GPU (NCCL). On CPU use `torchrun --nproc-per-node N -m qerl_cli train` "
                                        "(gloo).")], None),
 }
 
 
-def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool, resume: bool, gpus: int | None,
-           **fields: Any) -> None:
+def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool, resume: bool,
+           resume_from: str | None, gpus: int | None, **fields: Any) -> None:
     """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN, TIS/MIS)."""
     import yaml
 
@@ -143,14 +147,20 @@ def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool,
     from qerl_cli.train.trainer import train as run_train
 
     ctx = distributed.init_from_env()
-    if not ctx.is_main:  # only rank 0 prints the console panel
-        run_train(run, cfg, resume=resume)
-    else:
-        ui = TrainConsole(console, cfg.resolved(), reference_step(config, _has_cuda()),
-                          start_step=_resume_step(run) if resume else 0)
-        with ui:
-            res = run_train(run, cfg, resume=resume, on_step=ui.update, on_setup=ui.attach)
-        ui.summary(res)
+    try:
+        if not ctx.is_main:  # only rank 0 prints the console panel
+            run_train(run, cfg, resume=resume, resume_from=resume_from)
+        else:
+            ui = TrainConsole(console, cfg.resolved(), reference_step(config, _has_cuda()),
+                              start_step=_resume_step(run, resume_from) if (resume or resume_from) else 0)
+            with ui:
+                res = run_train(run, cfg, resume=resume, resume_from=resume_from, on_step=ui.update,
+                                on_setup=ui.attach)
+            ui.summary(res)
+    except Preempted as exc:  # SIGTERM: stopped cleanly; 143 is what schedulers expect of a terminated job
+        if ctx.is_main:
+            err_console.print(f"[yellow]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(Preempted.exit_code) from exc
     distributed.shutdown()  # on success only: after a failure the process exits without more collectives
 
 
@@ -178,9 +188,12 @@ def _train_command() -> Any:
 app.command(name="train")(_train_command())
 
 
-def _resume_step(run: Path) -> int:
-    """The step `--resume` continues from, for the console's first line (0 where there is none yet; the trainer
-    itself checks the run and says what is wrong)."""
+def _resume_step(run: Path, resume_from: str | None = None) -> int:
+    """The step `--resume` (or `--resume-from step_N`) continues from, for the console's first line (0 where
+    there is none yet; the trainer itself checks the run and says what is wrong)."""
+    if resume_from:
+        digits = resume_from.removeprefix("step_")
+        return int(digits) if digits.isdigit() else 0
     from qerl_cli.manifest import RunDir
     from qerl_cli.train.checkpointing import latest_step
 
@@ -364,11 +377,20 @@ def bench_step(
                                                 "memory (GiB; 79.2 on an H200 stands for an 80 GB card); the memory "
                                                 "plan fits the step into it.")] = None,
     time_budget: Annotated[float | None, Opt(help="Skip formats that would start after this many seconds.")] = None,
+    peers: Annotated[str | None, Opt(help="Comma-separated peer stacks on the same shape and workload: trl (TRL "
+                                          "GRPOTrainer + peft LoRA + colocated vLLM, bf16).")] = None,
+    eos: Annotated[bool, Opt("--eos", help="--shape: rollouts end at a stop set (RL-like lengths, real padding).")]
+    = False,
+    profile: Annotated[bool, Opt("--profile", help="The step rollout's decode step by GPU-time category "
+                                                   "(CUDA).")] = False,
+    vllm_memory: Annotated[float, Opt(help="vLLM's gpu_memory_utilization in FMT@vllm and TRL cells.")] = 0.35,
     seed: int = 0,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench, else ./qerl-bench/step-DATE-TIME).")]
     = None,
 ) -> None:
-    """One RL step of the trainer broken down by phase (rollout .. checkpoint) per format, vs BF16-LoRA."""
+    """One RL step of the trainer broken down by phase (rollout .. checkpoint) per format, vs BF16-LoRA.
+
+    A format FMT@vllm uses the vLLM rollout engine (QeRL's architecture); --peers trl adds TRL's GRPOTrainer."""
     from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.bench.step import bench_step as run_bench
 
@@ -378,6 +400,7 @@ def bench_step(
     res = run_bench(run_dir=run, shape=shape, formats=formats.split(",") if formats else None,
                     overrides=parse_sets(items), prompt_len=prompt_len, warmup=warmup, measure=measure, out_dir=out,
                     seed=seed, memory_cap_gib=memory_cap_gib, time_budget_s=time_budget,
+                    peers=peers.split(",") if peers else None, eos=eos, profile=profile, vllm_memory=vllm_memory,
                     log=_progress)
     _show(res)
 

@@ -40,7 +40,9 @@ REGION_CATEGORY = {
 _PREFIX = "qerl."
 # name fragments -> category, for kernels launched outside every region (first match wins)
 _NAME_RULES = (
-    (("_fp4_mm", "_w8_mm", "fp4_dequant", "splitk_reduce", "humming", "marlin"), "quantized GEMM"),
+    # qerl's CUDA FP4 kernels (old and stream plans, the fix-up and activation permute) before "gemm" below
+    (("_fp4_mm", "fp4_gemm_kernel", "fp4_decode_kernel", "fp4_wide_kernel", "fp4_fixup_kernel", "permute_x_kernel",
+      "_w8_mm", "fp4_dequant", "splitk_reduce", "humming", "marlin"), "quantized GEMM"),
     (("memcpy", "memset", "copy_kernel", "catarraybatchedcopy", "copy_"), "copies"),
     (("rmsnorm", "rope", "silu", "layer_norm", "rms_norm"), "norm/RoPE/activation"),
     (("fmha", "flash", "attention", "sdpa", "cudnn"), "attention"),

@@ -115,6 +115,11 @@ class MemoryPlan:
         return self.weights + self.adapters + self.activations + self.logprobs + self.reserve
 
     @property
+    def resident_cache_fits(self) -> bool:
+        """Whether the KV cache can stay allocated through the update (no re-allocation, no graph re-capture)."""
+        return self.capacity is None or self.train_peak + self.kv_cache <= self.capacity
+
+    @property
     def rollout_peak(self) -> int:
         return self.weights + self.adapters + self.kv_cache + self.rollout + self.reserve
 
