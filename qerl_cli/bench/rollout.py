@@ -238,7 +238,7 @@ def precapture_graphs(engine: Any, batch: int, shrinking: bool = False, params: 
 
         sampler = StepSampler(params, engine.noise, 0, engine.device)
         sampler = sampler if sampler.capturable else None
-    top = graphs.bucket(batch)
+    top = graphs.bucket(min(batch, engine.num_slots))  # fewer slots may fit than the cell asks for
     sizes = [b for b in graphs.buckets if b <= top] if shrinking else [top]
     with torch.no_grad():
         for bs in sizes:
@@ -286,6 +286,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
             peak_reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None
             slots = engine.num_slots
             kv_gib = engine.runner.cache.shape.bytes_per_slot() * slots / 2**30
+            kv_room = engine.kv_room.describe() if engine.kv_room is not None else None
             if profile and device.type == "cuda":
                 from qerl_cli.rollout.profile import profile_decode
 
@@ -312,6 +313,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
         "sequences": n_seq,
         "decode_ms_per_step": 1000.0 * t["decode_s"] / st["decode_steps"] if st["decode_steps"] else None,
         "num_slots": slots,
+        "kv_room": kv_room,
         "profile": prof,
         "kv_cache_gib": kv_gib,
         "peak_mem_gib": peak,
@@ -635,9 +637,7 @@ def bench_rollout(
         if fmts and fmts != [run_fmt]:
             log(f"--run: benchmarking the run's model ({run_fmt}); formats {fmts} ignored")
         fmts = [run_fmt]
-    # a random-shape bench has no run directory to write into; never litter the working directory
-    out = harness.out_dir(out_dir, run, missing="bench rollout --shape writes a JSON and a plot: name their folder "
-                                                "with --out DIR (or use --run DIR, which writes under DIR/bench)")
+    out = harness.out_dir(out_dir, run, "rollout")
     max_len = prompt_len + new_tokens
     if spec is not None and max_len > spec.max_positions:
         raise QerlError(f"prompt_len + new_tokens = {max_len} exceeds the {shape} shape's "
@@ -761,7 +761,12 @@ def _measure(m: _Model, work: _Workload, batch: int, mode: str, lora: str) -> di
                      vocab=m.vocab, stop_ids=stop_ids, device=work.device, gpu_memory_utilization=work.gmu,
                      seed=work.seed, warmup=work.warmup, prompts_n=work.prompts, generations=work.num_generations,
                      lora=lora, profile=work.profile, copy_gbps=work.copy_GBps)
-    return {"status": "ok" if cell["num_slots"] >= batch else f"ok ({cell['num_slots']} slots fit)", **cell}
+    if cell["num_slots"] >= batch:
+        return {"status": "ok", **cell}
+    # the cell ran, but with fewer sequences at once than its batch: say so, and why
+    why = f"{m.fmt} weights {m.nbytes['weights'] / 2**30:.1f} GiB: {cell['kv_room'] or 'the KV budget'}"
+    return {"status": f"ok ({cell['num_slots']} of {batch} slots fit)", **cell,
+            "note": f"{why}; this cell needs {batch}"}
 
 
 def _log_cell(log: Callable[[str], None], cell: harness.Cell, row: dict[str, Any]) -> None:

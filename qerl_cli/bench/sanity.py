@@ -376,7 +376,7 @@ def bench_sanity(
             for c in cells]  # every cell validated before anything runs
     run = RunDir(run_dir, create=False)
     run.require("quantize")
-    out = harness.out_dir(out_dir, run)
+    out = harness.out_dir(out_dir, run, "sanity")
     base_cfg = build_bench_config(default_config(device), base)
     first_seed = base_cfg.seed if seed_start is None else int(seed_start)
     seed_list = list(range(first_seed, first_seed + seeds))

@@ -294,7 +294,7 @@ def bench_step(
         raise QerlError(f"unknown format(s) {', '.join(bad) or '(none given)'}; "
                         f"choose from {', '.join(allowed)}, BASE+ROLLOUT with ROLLOUT one of "
                         f"{', '.join(rollout_quants)} (FlashRL rollouts), or FMT@vllm (the vLLM rollout engine)")
-    out = harness.out_dir(out_dir, run, Path("bench-step"))
+    out = harness.out_dir(out_dir, run, "step")
     harness.cap_memory(device, memory_cap_gib)
     budget = harness.Budget(time_budget_s)
     res = harness.header(
@@ -420,6 +420,13 @@ class _FormatStep:
             if self.profile and self.device.type == "cuda":
                 row["rollout_profile"] = self._profile(trainer)
             return row
+        except Exception as exc:  # noqa: BLE001 - an OOM is explained here, anything else goes to the harness
+            if not harness.is_oom(exc):
+                raise
+            oom = oom_explanation(trainer.phase if trainer is not None else "setup",
+                                  trainer.memory_plan if trainer is not None else None, self.device, self.cfg)
+            self.log(f"{self.cell}: {oom['note']}")
+            return {**row, "status": f"OOM in {oom['phase']}", "note": oom.pop("note"), "oom": oom}
         finally:
             if trainer is not None:
                 try:
@@ -547,6 +554,58 @@ def _drop(model: Any) -> None:
     for p in model.parameters():
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     harness.free_memory()
+
+
+# which of the plan's estimates covers a phase, and the setting that shrinks that phase
+PHASE_PEAK = {"setup": "weights", "aqn": "rollout_peak", "rollout": "rollout_peak", "recompute": "train_peak",
+              "fwd_bwd": "train_peak", "optimizer": "train_peak", "requant": "train_peak", "checkpoint": "train_peak"}
+
+
+def _setting_for(phase: str, plan: Any, cfg: Any) -> str:
+    """The one setting to change first when ``phase`` ran out of memory (the plan's choice as the start)."""
+    mb = getattr(plan, "micro_batch_size", None) or cfg.micro_batch_size or 1
+    gc = bool(getattr(plan, "gradient_checkpointing", cfg.gradient_checkpointing))
+    seqs = cfg.batch_prompts * cfg.num_generations
+    if phase == "setup":
+        return "the base alone does not fit: a 4-bit format (--formats nvfp4) or a larger GPU"
+    if phase in ("aqn", "rollout"):
+        return (f"decode fewer sequences at once (--set max_batch_slots={max(1, min(seqs, cfg.max_batch_slots) // 2)}"
+                ") or lower --set gpu_memory_utilization (a smaller KV cache)")
+    if phase in ("recompute", "fwd_bwd"):
+        if mb > 1:
+            return f"--set micro_batch_size={mb // 2}" + ("" if gc else " (or --set gradient_checkpointing=true)")
+        if not gc:
+            return "--set gradient_checkpointing=true"
+        return f"--set max_completion_length={max(1, cfg.max_completion_length // 2)} (or fewer prompt tokens)"
+    if phase == "optimizer":
+        return f"--set lora_rank={max(1, cfg.lora_rank // 2)} (the fp32 masters and AdamW moments)"
+    if phase == "requant":
+        return "no --rollout-quant (the quantized rollout copy), or a larger GPU"
+    return "--set async_checkpoint=false (no snapshot held beside the next step)"
+
+
+def oom_explanation(phase: str, plan: Any, device: torch.device, cfg: Any) -> dict[str, Any]:
+    """An out-of-memory cell: the phase it hit, the memory plan's estimate for that phase, the capacity it had and
+    the setting to change (docs/bench_step.md); ``note`` says it in one line."""
+    from qerl_cli.train.memory_plan import GIB, device_capacity
+
+    part = PHASE_PEAK.get(phase, "peak")
+    estimate = getattr(plan, part, None) if plan is not None else None
+    capacity, _ = device_capacity(device, cfg.gpu_memory_gib)
+    source = "GPU cap" if cfg.gpu_memory_gib is not None else "GPU"
+    if capacity is None:  # CPU: the host's memory is the bound
+        import os
+
+        capacity, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    setting = _setting_for(phase, plan, cfg)
+    est = (f"the memory plan estimated {estimate / GIB:.1f} GiB ({part.replace('_', ' ')})" if estimate is not None
+           else "no memory plan yet (the model did not finish loading)")
+    seen = f", {peak / GIB:.1f} GiB allocated at the failure" if peak is not None else ""
+    return {"phase": phase, "plan_estimate_gib": None if estimate is None else estimate / GIB,
+            "plan_part": part, "capacity_gib": capacity / GIB, "capacity_source": source,
+            "allocated_gib": None if peak is None else peak / GIB, "setting": setting,
+            "note": f"out of memory in {phase}: {est} of {capacity / GIB:.1f} GiB ({source}){seen}; change: {setting}"}
 
 
 def _targets(res: dict[str, Any], cfg: Any) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.kv_cache import CacheShape, KVCache, activation_reserve, plan_num_slots
+from qerl_cli.rollout.kv_cache import CacheShape, KVBudget, KVCache, activation_reserve, kv_budget, plan_num_slots
 from qerl_cli.rollout.model_runner import (
     CudaGraphDecoder,
     ModelRunner,
@@ -169,6 +169,8 @@ class BuiltinEngine:
             dtype=self.runner.dtype,
         )
         self.kv_buckets = kv_len_buckets(cache_len)
+        # the CUDA memory the cache was sized from (None on CPU): says why fewer slots than asked fit
+        self.kv_room: KVBudget | None = None
         self.noise = TokenNoise(self.runner.vocab_size, self.device)
         self._graphs: CudaGraphDecoder | None = None
 
@@ -185,13 +187,10 @@ class BuiltinEngine:
     def _ensure_cache(self) -> KVCache:
         cache = self.runner.cache
         if cache is None or not cache.allocated:
-            slots = plan_num_slots(
-                self.shape,
-                self.max_batch_slots,
-                self.device,
-                self.gpu_memory_utilization,
-                self._activation_reserve(),
-            )
+            if self.device.type == "cuda":
+                self.kv_room = kv_budget(self.shape, self.device, self.gpu_memory_utilization,
+                                         self._activation_reserve())
+            slots = plan_num_slots(self.shape, self.max_batch_slots, self.kv_room)
             cache = KVCache(self.shape, slots, self.device)
             self.runner.cache = cache
         return cache

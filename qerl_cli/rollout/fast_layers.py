@@ -195,7 +195,7 @@ class ProjGroup:
         self.b_blk: torch.Tensor | None = None  # [sum N, sum r]: the one expand of a single-output group
         self.one_output = single is not None
         if start:
-            in_f = next(lo.a.shape[1] for lo in self.loras if lo is not None)
+            in_f = [lo.a.shape[1] for lo in self.loras if lo is not None][0]  # start > 0: one adapter at least
             self.a_cat = torch.empty(start, in_f, dtype=dtype, device=device)
             if self.one_output:
                 self.b_blk = torch.zeros(sum(self.sizes), start, dtype=dtype, device=device)  # type: ignore[arg-type]

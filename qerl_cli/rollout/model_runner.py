@@ -48,7 +48,7 @@ from qerl_cli.rollout.fast_layers import (
     rms_norm_ref,
     signature,
 )
-from qerl_cli.rollout.kv_cache import KVCache
+from qerl_cli.rollout.kv_cache import KVCache, bucket_for
 from qerl_cli.rollout.profile import region
 from qerl_cli.rollout.sampling import StepSampler
 
@@ -459,7 +459,7 @@ class CudaGraphDecoder:
         self.fingerprint: tuple | None = None
 
     def bucket(self, b: int) -> int:
-        return next(s for s in self.buckets if s >= b)
+        return bucket_for(self.buckets, b, "decode batch (sequences per CUDA graph, at most the KV-cache slots)")
 
     def ensure_captured(self, bs: int, kv_len: int, sampler: StepSampler | None = None,
                         host_positions: list[int] | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:

@@ -146,7 +146,9 @@ def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_
     device = runner.device
     if device.type != "cuda":
         raise RuntimeError("profile_decode needs CUDA")
-    kv_len = next(b for b in engine.kv_buckets if b >= context + 1)
+    from qerl_cli.rollout.kv_cache import bucket_for
+
+    kv_len = bucket_for(engine.kv_buckets, context + 1, "profiled decode step (tokens cached per sequence)")
     gen = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, runner.vocab_size, (batch,), generator=gen).to(device)
     positions = torch.full((batch,), context, dtype=torch.int64, device=device)

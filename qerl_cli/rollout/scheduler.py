@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qerl_cli.rollout.kv_cache import KVCache
+from qerl_cli.rollout.kv_cache import KVCache, bucket_for
 from qerl_cli.rollout.model_runner import ModelRunner
 from qerl_cli.rollout.sampling import SamplingParams, StepSampler, TokenNoise
 
@@ -235,7 +235,7 @@ class Scheduler:
     # ----- decode -------------------------------------------------------------------------------------
 
     def _kv_bucket(self, need: int) -> int:
-        return next(b for b in self.kv_buckets if b >= need)
+        return bucket_for(self.kv_buckets, need, "decode attention length (tokens cached per sequence)")
 
     def _decode_window(self) -> None:
         b = len(self.rows)

@@ -40,8 +40,8 @@ _FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def check_full_precision_base(model: nn.Module, what: str) -> None:
     """FlashRL modes train full-precision weights: refuse a run dir whose model is already quantized."""
-    if any(isinstance(m, QuantLinear) for m in model.modules()):
-        fmt = next(m.fmt for m in model.modules() if isinstance(m, QuantLinear))
+    fmt = next((m.fmt for m in model.modules() if isinstance(m, QuantLinear)), None)
+    if fmt is not None:
         raise QerlError(f"{what} trains full-precision weights, but this run dir holds a {fmt} model: make one "
                         "with `qerl quantize --format bf16 --run NEW_DIR` and train there")
 

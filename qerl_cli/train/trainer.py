@@ -185,6 +185,10 @@ class Trainer:
         self.last_checkpoint_s = 0.0
         self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
         self.memory_plan: Any = None  # set by setup() (train/memory_plan.py)
+        # the phase running now (`qerl bench step` names it when a step runs out of memory) and a callback as each
+        # phase starts (the console's progress lines)
+        self.phase = "setup"
+        self.on_phase: Callable[[str], None] | None = None
         self.keep_rollout_cache = False  # set by setup(): the builtin engine keeps its KV cache between steps
         self.backend: StepBackend  # set by setup()
         self.metrics_path = train_dir(run) / "metrics.jsonl"
@@ -426,6 +430,11 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def enter_phase(self, phase: str) -> None:
+        self.phase = phase
+        if self.on_phase is not None:
+            self.on_phase(phase)
+
     def _phase_peak(self, metrics: dict[str, Any], phase: str) -> None:
         """Record this phase's CUDA peak and restart the count for the next phase."""
         if self.device.type == "cuda":
@@ -478,6 +487,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
 
         # -- AQN: this step's noisy norm weights (timed on their own; they feed the rollout policy only)
+        self.enter_phase("aqn")
         ta = self.clock()
         overrides = None
         if self.aqn is not None:
@@ -487,6 +497,7 @@ class Trainer:
         self._phase_peak(metrics, "aqn")
 
         # -- rollout
+        self.enter_phase("rollout")
         t0 = time.perf_counter()
         groups: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]] = []
         rollout_timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0.0}
@@ -545,6 +556,7 @@ class Trainer:
         metrics.update(batch_token_metrics(batch))
 
         # -- recompute pi_old with the training forward (clean norms), mismatch vs the rollout's mu
+        self.enter_phase("recompute")
         t1 = self.clock()
         valid = (torch.arange(batch.mask.shape[1], device=self.device)[None, :] < batch.lengths[:, None]).float()
         old_logp, ref_logp, entropies = self.backend.old_logprobs(batch, c.beta > 0)
@@ -558,12 +570,14 @@ class Trainer:
         self._phase_peak(metrics, "recompute")
 
         # -- policy update (forward+backward, then optimizer: timed apart inside _update)
+        self.enter_phase("fwd_bwd")
         t2 = self.clock()
         loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw)
         metrics.update(loss_metrics)
         if self.full is not None:
             self.full.sync_()
         if self.rollout_quant is not None:
+            self.enter_phase("requant")
             metrics.update(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
             self._phase_peak(metrics, "requant")  # sharded: one gathered layer at a time on top of the rest
         t_train = self.clock() - t2
@@ -648,6 +662,7 @@ class Trainer:
         t_opt = self.clock()
         agg["timing/fwd_bwd_s"] = t_opt - t_fb
         self._phase_peak(agg, "fwd_bwd")
+        self.enter_phase("optimizer")
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))
@@ -707,6 +722,7 @@ class Trainer:
         """Checkpoint this step; ``background`` (default: ``cfg.async_checkpoint`` on one process, LoRA) copies
         the state to host memory now and writes it in a thread while the caller goes on."""
         ck = checkpointing
+        self.enter_phase("checkpoint")
         if self.cfg.sharding == "fsdp2":
             return self._save_sharded()
         if not self.dist.is_main:  # rank 0 writes; wait until the checkpoint is complete
