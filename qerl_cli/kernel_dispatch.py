@@ -37,6 +37,25 @@ def quant_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor | None:
     return k.quant_linear(x, module)
 
 
+def lora_epilogue_linear(x: torch.Tensor, module: QuantLinear, lora_h: torch.Tensor,
+                         lora_b: torch.Tensor) -> torch.Tensor | None:
+    """``x W^T (+ b) + lora_h @ lora_b^T`` in ONE kernel (the LoRA expand in qerl's CUDA FP4 GEMM's epilogue)
+    when the dispatcher's LoRA-aware choice for this shape, M bucket and rank is that kernel
+    (``qerl_kernels.linear.forward_with_lora``); None otherwise, and the caller runs the base GEMM and an
+    in-place expand (so a profile can tell the two apart). Decode only: no autograd."""
+    if module.format.kernel_backend(x.device) == BITSANDBYTES or not x.is_cuda or x.dim() != 2:
+        return None
+    k = _kernels()
+    if k is None or not hasattr(k, "forward_with_lora") or module.fmt not in k.FP4_FORMATS:
+        return None  # a qerl_kernels without the epilogue API
+    from qerl_kernels import dispatch
+
+    r = lora_h.shape[1]
+    if dispatch.choose(module, x, lora_rank=r) != "cuda" or not k.cuda_lora_supported(module, x, r):
+        return None
+    return k.forward_with_lora(x, module, lora_h, lora_b)
+
+
 def bnb_nf4_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor:
     """y = x @ W^T + b through `bitsandbytes.matmul_4bit` on the module's own NF4 tensors.
 

@@ -25,7 +25,7 @@ import torch
 
 from qerl_cli.rollout.kv_cache import KVCache
 from qerl_cli.rollout.model_runner import ModelRunner
-from qerl_cli.rollout.sampling import SamplingParams, TokenNoise, sample_tokens, seed_key
+from qerl_cli.rollout.sampling import SamplingParams, StepSampler, TokenNoise
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 # (sequence, number of tokens already checked) -> completion length ending at the stop string, or None
@@ -77,7 +77,7 @@ class Scheduler:
         self.cache = cache
         self.decode_fn = decode_fn
         self.params = params
-        self.key = seed_key(seed, runner.device)
+        self.sampler = StepSampler(params, noise, seed, runner.device)
         self.noise = noise
         self.stop_ids = stop_token_ids
         self.stop_check = stop_check
@@ -216,7 +216,7 @@ class Scheduler:
         b0, m = len(self.rows), len(new)
         uids = torch.tensor([s.uid for s in new], dtype=torch.int64, device=device)
         steps = torch.zeros(m, dtype=torch.int64, device=device)
-        tokens, logprobs = sample_tokens(torch.stack(logit_rows), self.params, self.noise, self.key, uids, steps)
+        tokens, logprobs = self.sampler(torch.stack(logit_rows), uids, steps)
         self.tok[b0 : b0 + m] = tokens
         self.pos[b0 : b0 + m] = torch.tensor([len(s.prompt) for s in new], dtype=torch.int64, device=device)
         self.uid[b0 : b0 + m] = uids
@@ -244,9 +244,17 @@ class Scheduler:
         kv_len = self._kv_bucket(max(s.cache_len for s in self.rows) + k)
         tok, pos, uid, step = self.tok[:b], self.pos[:b], self.uid[:b], self.step[:b]
         out_tokens, out_lps = [], []
-        for _ in range(k):
-            logits = self.decode_fn(tok, pos, kv_len)
-            t, lp = sample_tokens(logits, self.params, self.noise, self.key, uid, step)
+        # the sampler inside the decode graph where it is one checked kernel (CudaGraphDecoder.sample)
+        in_graph = hasattr(self.decode_fn, "sample") and self.sampler.capturable
+        # an attention backend planned on the host (FlashInfer) is told each step's positions, known here
+        plan = self.runner.attention.needs_host_positions
+        base = [s.cache_len for s in self.rows] if plan else []
+        for j in range(k):
+            host = {"host_positions": [p + j for p in base]} if plan else {}
+            if in_graph:
+                t, lp = self.decode_fn.sample(tok, pos, kv_len, self.sampler, uid, step, **host)  # type: ignore[attr-defined]
+            else:
+                t, lp = self.sampler(self.decode_fn(tok, pos, kv_len, **host), uid, step)
             out_tokens.append(t)
             out_lps.append(lp)
             tok.copy_(t)

@@ -15,6 +15,10 @@ adapter    ``adapter/`` (peft: adapter_config.json,                    ``--finet
            adapter_model.safetensors)
 full       ``weights.safetensors`` (every trained non-embedding         ``--finetune full``
            weight, fp32 masters)
+full_      ``weights.index.json`` + ``weights-rRRRRR-PPP.safetensors``  ``--finetune full
+sharded    (each rank's rows of the fp32 masters) and the same for      --sharding fsdp2``
+           the AdamW state (``optimizer.*``); readable on any number
+           of ranks (train/sharded_checkpoint.py, train/fsdp.py)
 =========  ==========================================================  =======================
 
 Every kind also holds ``trainer_state.pt`` (optimizer, scheduler, scaler, RNG, data order, AQN and, with
@@ -53,10 +57,13 @@ LATEST_FILE = "latest"
 
 ADAPTER = "adapter"  # kind: --finetune lora
 FULL = "full"  # kind: --finetune full
-KINDS = (ADAPTER, FULL)
+FULL_SHARDED = "full_sharded"  # kind: --finetune full --sharding fsdp2 (every rank's rows; train/fsdp.py)
+KINDS = (ADAPTER, FULL, FULL_SHARDED)
 ADAPTER_DIR = "adapter"  # peft's adapter_config.json + adapter_model.safetensors
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 FULL_WEIGHTS_FILE = "weights.safetensors"
+SHARDED_WEIGHTS_STEM = "weights"  # weights.index.json + weights-rRRRRR-PPP.safetensors (train/sharded_checkpoint.py)
+SHARDED_WEIGHTS_INDEX = SHARDED_WEIGHTS_STEM + ".index.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.json"
 ROLLOUT_QUANT_KEY = "rollout_quant"  # FlashRL's state (fixed INT8 scales) inside TRAINER_STATE_FILE
@@ -69,14 +76,19 @@ def checkpoint_kind(ckpt: Path) -> str | None:
         return ADAPTER
     if (ckpt / FULL_WEIGHTS_FILE).is_file():
         return FULL
+    if (ckpt / SHARDED_WEIGHTS_INDEX).is_file():
+        return FULL_SHARDED
     return None
 
 
 def weights_path(ckpt: Path) -> Path:
-    """The file holding a checkpoint's trained weights (what the manifest hashes)."""
+    """The file holding a checkpoint's trained weights (what the manifest hashes; a sharded checkpoint's index
+    holds the sha256 of each of its shard files, checked when they are read)."""
     kind = checkpoint_kind(ckpt)
     if kind == FULL:
         return ckpt / FULL_WEIGHTS_FILE
+    if kind == FULL_SHARDED:
+        return ckpt / SHARDED_WEIGHTS_INDEX
     return ckpt / ADAPTER_DIR / ADAPTER_WEIGHTS_FILE
 
 
@@ -196,18 +208,23 @@ def adapter_snapshot(peft_model: Any) -> dict[str, torch.Tensor]:
 def save_checkpoint(run: RunDir, step: int, peft_model: Any, state: dict[str, Any], config: dict[str, Any],
                     keep: int, *, full_weights: Mapping[str, torch.Tensor] | None = None,
                     adapter_state: dict[str, torch.Tensor] | None = None,
-                    rng: dict[str, Any] | None = None) -> Path:
+                    rng: dict[str, Any] | None = None,
+                    weights_writer: Callable[[Path], None] | None = None) -> Path:
     """Write `step_N` of one kind, move `latest` to it, then prune to `keep` per kind.
 
     ``full_weights`` (name -> tensor) makes it a FULL checkpoint; otherwise it is an ADAPTER one, written
     from ``adapter_state`` (from :func:`adapter_snapshot`: a background write saves the state of the step it
     was taken at) or from the live ``peft_model``. ``rng`` replaces the current RNG state the same way.
     ``state`` may hold the FlashRL state under ROLLOUT_QUANT_KEY (read back by :func:`rollout_quant_state`).
+    ``weights_writer(staging_dir)`` makes it a FULL_SHARDED checkpoint: it writes the weights (and the sharded
+    optimizer state) into the staging directory, together with the other ranks (train/fsdp.py).
     """
     final = checkpoint_path(run, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     with staged_directory(final) as tmp:
-        if full_weights is not None:
+        if weights_writer is not None:
+            weights_writer(tmp)
+        elif full_weights is not None:
             write_full_weights(tmp, full_weights)
         else:
             peft_model.save_pretrained(str(tmp / ADAPTER_DIR),
@@ -298,9 +315,18 @@ def load_adapter_weights(peft_model: Any, ckpt: Path) -> None:
 
 
 def read_full_weights(ckpt: Path, expected: set[str]) -> dict[str, torch.Tensor]:
-    """A FULL checkpoint's trained weights; refused unless they are exactly the parameters `expected`."""
+    """A FULL (or FULL_SHARDED, assembled from its rows) checkpoint's trained weights; refused unless they are
+    exactly the parameters `expected`."""
     from safetensors.torch import load_file
 
+    if checkpoint_kind(ckpt) == FULL_SHARDED:
+        from qerl_cli.train.sharded_checkpoint import ShardReader
+
+        with ShardReader(ckpt, SHARDED_WEIGHTS_STEM) as reader:
+            if set(reader.keys()) != expected:
+                raise QerlError(f"checkpoint {ckpt} was trained with other parameters than this model has: "
+                                "evaluate it on the run it was trained in")
+            return {k: reader.full(k) for k in reader.keys()}
     path = ckpt / FULL_WEIGHTS_FILE
     if not path.is_file():
         raise QerlError(f"checkpoint {ckpt} has no {FULL_WEIGHTS_FILE}: it is not a --finetune full checkpoint")
@@ -317,11 +343,11 @@ def apply_to_model(run: RunDir, model: Any, ckpt: Path) -> tuple[Any, dict[str, 
     Returns (model, adapter_info, weights_info): an ADAPTER checkpoint wraps the model in peft
     (adapter_info: path and LoRA settings); a FULL one copies its weights into the model in place
     (weights_info: path and sha256)."""
-    if checkpoint_kind(ckpt) == FULL:
+    if checkpoint_kind(ckpt) in (FULL, FULL_SHARDED):
         from qerl_cli.train.full_finetune import load_weights
 
         load_weights(model, ckpt)
-        path = ckpt / FULL_WEIGHTS_FILE
+        path = weights_path(ckpt)
         return model, None, {"path": run.rel(path), "sha256": sha256_file(path)}
     from qerl_cli.lora import adapter_summary, load_adapter
 
@@ -332,7 +358,7 @@ def apply_to_model(run: RunDir, model: Any, ckpt: Path) -> tuple[Any, dict[str, 
 
 def weights_key(ckpt: Path) -> str:
     """The train record's outputs key for a checkpoint's weights sha256."""
-    return "weights_sha256" if checkpoint_kind(ckpt) == FULL else "adapter_sha256"
+    return "weights_sha256" if checkpoint_kind(ckpt) in (FULL, FULL_SHARDED) else "adapter_sha256"
 
 
 def weights_record(ckpt: Path) -> dict[str, str]:

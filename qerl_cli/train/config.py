@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mis")
 SCALE_REWARDS = ("group", "batch", "none")
 FINETUNES = ("lora", "full")
+# How the trained weights are laid out over the processes (docs/distributed.md): one process ("none"),
+# replicated on every torchrun rank with summed gradients ("ddp"), or sharded with FSDP2 ("fsdp2").
+# "auto": fsdp2 for --finetune full under torchrun, ddp for LoRA under torchrun, none on one process.
+SHARDINGS = ("auto", "none", "ddp", "fsdp2")
 ROLLOUT_QUANTS = ("none", *rollout_formats())
 REQUANT_SCALES = ("fixed", "dynamic")
 FLASHRL_IS_CAP = 2.0  # FlashRL's token-TIS cap C
@@ -85,6 +89,8 @@ class TrainConfig:
     finetune: str = "lora"  # lora | full (all weights but embeddings/lm_head; see docs/flashrl.md)
     rollout_quant: str = "none"  # FlashRL: rollouts on a quantized copy re-quantized after every update
     requant_scales: str | None = None  # default: fixed for int8 (calibrated once), dynamic otherwise
+    sharding: str = "auto"  # auto | none | ddp | fsdp2 (resolve_sharding; docs/distributed.md)
+    fsdp_offload: bool = False  # fsdp2: sharded weights, grads and AdamW state in pinned host memory
 
     def resolved(self) -> TrainConfig:
         """Fill per-algorithm defaults so the manifest records what actually ran."""
@@ -141,6 +147,19 @@ class TrainConfig:
                             "use --beta 0 or --finetune lora")
         if self.rollout_quant != "none" and self.rollout_engine != "builtin":
             raise QerlError("--rollout-quant needs the builtin rollout engine (--rollout-engine builtin)")
+        choice("sharding", self.sharding, SHARDINGS)
+        if self.sharding == "fsdp2":
+            if self.finetune != "full":
+                raise QerlError("--sharding fsdp2 shards full fine-tuning (--finetune full); LoRA adapters are "
+                                "small and replicate: use --sharding ddp (the default under torchrun)")
+            if self.rollout_quant == "none":
+                raise QerlError("--sharding fsdp2 rolls out from a quantized copy of the sharded weights: add "
+                                f"--rollout-quant {'|'.join(rollout_formats())}")
+            if self.precision == "fp16":
+                raise QerlError("--sharding fsdp2 trains in bf16 or fp32 (fp16 loss scaling is not sharded): use "
+                                "--precision bf16")
+        if self.fsdp_offload and self.sharding not in ("fsdp2", "auto"):
+            raise QerlError("--fsdp-offload offloads FSDP2's sharded state: use it with --sharding fsdp2")
         choice("precision", self.precision, PRECISIONS)
         choice("rollout_engine", self.rollout_engine, ("builtin", "vllm"))
         if self.scale_rewards is not None:
@@ -230,7 +249,33 @@ FIELD_HELP: dict[str, str] = {
     "finetune": "lora | full (all weights but embeddings; needs a bf16 run dir).",
     "rollout_quant": "FlashRL rollouts: " + ", ".join(ROLLOUT_QUANTS) + " (on a bf16 run dir).",
     "requant_scales": "fixed (int8 default) | dynamic",
+    "sharding": "auto | none | ddp | fsdp2 (auto: fsdp2 for --finetune full under torchrun, ddp for LoRA).",
+    "fsdp_offload": "fsdp2: keep sharded weights, grads and AdamW state in pinned host memory (CPU step).",
 }
+
+
+def resolve_sharding(cfg: TrainConfig, world_size: int) -> str:
+    """The sharding engine a run uses on ``world_size`` processes (what the manifest records).
+
+    auto: fsdp2 for full fine-tuning under torchrun, ddp for LoRA under torchrun, none on one process;
+    ddp on one process is none (nothing to replicate to). fsdp2 on one process is FSDP at degree 1: the
+    fp32 masters are its sharded parameters, computed in bf16 one layer at a time, offloadable to the host."""
+    s = cfg.sharding
+    if s == "auto":
+        s = "none" if world_size <= 1 else ("fsdp2" if cfg.finetune == "full" else "ddp")
+    if s == "ddp" and world_size <= 1:
+        s = "none"
+    if s == "none" and world_size > 1:
+        raise QerlError(f"--sharding none runs one process, but torchrun started {world_size}: use --sharding "
+                        "ddp (LoRA) or fsdp2 (--finetune full)")
+    if s == "ddp" and cfg.finetune == "full":
+        raise QerlError("--finetune full on several processes shards its weights: use --sharding fsdp2 (the "
+                        "default under torchrun)")
+    if cfg.fsdp_offload and s != "fsdp2":
+        raise QerlError("--fsdp-offload offloads FSDP2's sharded state: use it with --sharding fsdp2")
+    if s == "fsdp2":  # auto may have chosen it: the checks of an explicit fsdp2
+        TrainConfig.validate(dataclasses.replace(cfg, sharding="fsdp2"))
+    return s
 
 
 @dataclass(frozen=True)

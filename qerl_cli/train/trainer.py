@@ -30,7 +30,7 @@ from qerl_cli.train.batch import RolloutBatch, build_batch
 from qerl_cli.train.checkpointing import CheckpointWriter, latest_step, resolve_checkpoint
 from qerl_cli.train.config import TrainConfig
 from qerl_cli.train.logprobs import sampled_logprobs
-from qerl_cli.train.step_backend import LogProbs, StepBackend, make_backend
+from qerl_cli.train.step_backend import LogProbs, StepBackend
 
 
 @dataclass
@@ -117,9 +117,16 @@ class Trainer:
         self.backend: StepBackend  # set by setup()
         self.metrics_path = train_dir(run) / "metrics.jsonl"
         self.rollouts_dir = train_dir(run) / "rollouts"
-        from qerl_cli.train.distributed import current
+        from qerl_cli.train.config import resolve_sharding
+        from qerl_cli.train.distributed import DistributedAbort, current
 
         self.dist = current()  # world_size 1 unless launched by torchrun (train/distributed.py)
+        try:  # recorded resolved: the manifest says which engine ran
+            self.cfg.sharding = resolve_sharding(self.cfg, self.dist.world_size)
+        except QerlError as exc:
+            if not self.dist.is_main:  # every rank refuses the same way; rank 0 says why
+                raise DistributedAbort(str(exc)) from exc
+            raise
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self, *, model: torch.nn.Module | None = None, tokenizer: Any = None, task: Any = None,
@@ -130,7 +137,6 @@ class Trainer:
         ``tokenizer`` may then be None when ``prompt_ids`` gives the prompts as token ids; ``task``
         replaces ``cfg.task`` and ``reward_fn`` the task's reward.
         """
-        from qerl_cli.lora import attach_lora, make_lora_config
         from qerl_cli.models import load_model
         from qerl_cli.rollout import make_engine
         from qerl_cli.tasks import get_reward, load_task
@@ -161,22 +167,34 @@ class Trainer:
             from qerl_cli.train.rollout_quant import check_full_precision_base
 
             check_full_precision_base(base, "--finetune full" if c.finetune == "full" else "--rollout-quant")
-        if c.finetune == "full" and self.dist.world_size > 1:
-            raise QerlError("--finetune full runs on one process only (data-parallel training averages LoRA "
-                            "adapters); use --finetune lora with torchrun/--gpus, or one GPU")
-        if c.finetune == "full":
+        sharded = c.sharding == "fsdp2"
+        if sharded:
+            from qerl_cli.train.fsdp import ShardedFullFinetune, rollout_private_names
+            from qerl_cli.train.rollout_quant import RolloutQuant
+
+            self.model = base
+            # the rollout copy first, from the whole weights: once sharded they are only ever gathered per layer
+            self.rollout_quant = RolloutQuant(base, c.rollout_quant, scales=c.requant_scales or "dynamic",
+                                              dtype=self.dtype, private=rollout_private_names(base))
+            self.full = ShardedFullFinetune(base, self.device, compute_dtype=self.dtype, offload=c.fsdp_offload,
+                                            ctx=self.dist)
+            self.rollout_quant.bind_gather(self.full.gather_units())
+            self.params = self.full.params
+        elif c.finetune == "full":
             from qerl_cli.train.full_finetune import FullFinetune
 
             self.model = base
             self.full = FullFinetune(base)
             self.params = self.full.params
         else:
+            from qerl_cli.lora import attach_lora, make_lora_config  # peft: imported only when LoRA trains
+
             self.model = attach_lora(base, make_lora_config(c.lora_rank, c.lora_alpha, c.lora_targets,
                                                             c.lora_dropout), seed=c.seed)
             self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
             if not self.params or any("lora_" not in n for n, p in self.model.named_parameters() if p.requires_grad):
                 raise QerlError("only LoRA adapters may be trainable; check --lora-targets")
-        if c.rollout_quant != "none":
+        if c.rollout_quant != "none" and self.rollout_quant is None:
             from qerl_cli.train.rollout_quant import RolloutQuant
 
             self.rollout_quant = RolloutQuant(self.model, c.rollout_quant, scales=c.requant_scales or "dynamic",
@@ -203,16 +221,20 @@ class Trainer:
         self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer, max_batch_slots=slots,
                                   max_model_len=max_len, gpu_memory_utilization=c.gpu_memory_utilization,
                                   dtype=self.dtype, model_dir=self.model_dir)
-        self.aqn = (AQN(self.model, c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
+        # sharded: AQN reads (and the engine overrides) the rollout copy's own norms; otherwise the model's
+        aqn_model = self.rollout_quant.model if sharded else self.model
+        self.aqn = (AQN(aqn_model, c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
                         stages=c.aqn_stages, seed=c.seed) if c.aqn else None)
-        self.optimizer = self._make_optimizer()
+        self.optimizer = self._make_optimizer(**(self.full.optimizer_options if sharded else {}))
         warm = max(0, c.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=uses_loss_scaling(c.precision))
         self.step = 0
         # local or data-parallel: chosen once here, so train_step has no branch on it (train/step_backend.py)
-        self.backend = make_backend(self, self.dist)
+        from qerl_cli.train.distributed import make_backend
+
+        self.backend = make_backend(self, self.dist, sharded_model=sharded)
         self.extended_from: int | None = None  # a finished run's steps, when --resume --steps extends it
 
     # ---- the memory plan (train/memory_plan.py) and what it decides ----------------------------------------
@@ -243,10 +265,13 @@ class Trainer:
         return self.plan_memory(AutoConfig.from_pretrained(str(self.model_dir)), model_dir_format(self.model_dir),
                                 prompt_tokens=self.cfg.max_prompt_length)
 
-    def _make_optimizer(self) -> torch.optim.Optimizer:
+    def _make_optimizer(self, **options: Any) -> torch.optim.Optimizer:
         """AdamW, with its moments in pinned host memory when the plan (or --optimizer-offload) says so: the
-        same numbers either way (train/host_offload.py)."""
-        kw = dict(lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99))
+        same numbers either way (train/host_offload.py). ``options``: AdamW options a sharding engine asks for."""
+        kw = dict(lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99), **options)
+        if self.cfg.optimizer_offload and options:
+            raise QerlError("--optimizer-offload moves replicated AdamW state to the host; FSDP2's sharded state "
+                            "goes there with --fsdp-offload")
         if self.cfg.optimizer_offload:
             from qerl_cli.train.host_offload import HostOffloadAdamW
 
@@ -292,6 +317,10 @@ class Trainer:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
 
+    @property
+    def micro_batch_size(self) -> int:
+        return int(self.cfg.micro_batch_size or 1)
+
     def encode_prompt(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
         bos = self.tokenizer.bos_token_id
@@ -315,14 +344,23 @@ class Trainer:
             if key in saved and saved[key] != getattr(self.cfg, key):
                 raise QerlError(f"--resume with a different {key} ({getattr(self.cfg, key)!r}, checkpoint has "
                                 f"{saved[key]!r}): use the original settings or a new --run directory")
-        if self.full is not None:
+        sharded = self.cfg.sharding == "fsdp2"
+        if self.full is not None and (checkpointing.checkpoint_kind(ckpt) == checkpointing.FULL_SHARDED) != sharded:
+            raise QerlError(f"checkpoint {ckpt} was written " + (
+                "without sharding: resume it with --sharding none on one process" if sharded else
+                "by --sharding fsdp2 (sharded weights and optimizer): resume it with --sharding fsdp2 on any "
+                "number of processes"))
+        if sharded:  # every rank reads the rows of its own shard, whatever the world size that wrote them
+            self.full.load(ckpt, self.optimizer)
+        elif self.full is not None:
             self.full.load(ckpt)
         else:
             checkpointing.load_adapter_weights(self.model, ckpt)
         if self.rollout_quant is not None:  # the rollout copy follows the restored weights (and INT8 scales)
             self.rollout_quant.load_state_dict(checkpointing.rollout_quant_state(state))
             self.rollout_quant.requantize_()
-        self.optimizer.load_state_dict(state["optimizer"])
+        if not sharded:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.stream.load(state["data"])
@@ -487,17 +525,17 @@ class Trainer:
 
         # -- policy update (forward+backward, then optimizer: timed apart inside _update)
         t2 = self.clock()
-        rows = self.backend.update_rows(batch.input_ids.shape[0])
-        loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw, rows=rows)
+        loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw)
         metrics.update(loss_metrics)
         if self.full is not None:
             self.full.sync_()
         if self.rollout_quant is not None:
             metrics.update(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
+            self._phase_peak(metrics, "requant")  # sharded: one gathered layer at a time on top of the rest
         t_train = self.clock() - t2
         if on_cuda:
-            metrics["memory/train_peak_gb"] = max(metrics.get("memory/fwd_bwd_peak_gb", 0.0),
-                                                  metrics.get("memory/optimizer_peak_gb", 0.0))
+            metrics["memory/train_peak_gb"] = max(metrics.get(f"memory/{p}_peak_gb", 0.0)
+                                                  for p in ("fwd_bwd", "optimizer", "requant"))
 
         self.step += 1
         metrics["lr"] = self.scheduler.get_last_lr()[0]
@@ -531,13 +569,13 @@ class Trainer:
         return torch.cat(old), (torch.cat(ref) if with_ref else None), torch.cat(ent)
 
     def _update(self, batch: RolloutBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
-                adv: torch.Tensor, isw: torch.Tensor | None, rows: slice | None = None) -> dict[str, float]:
-        """One optimizer step; ``rows``: this rank's shard of the batch (normalisers stay the whole batch's)."""
+                adv: torch.Tensor, isw: torch.Tensor | None) -> dict[str, float]:
+        """One optimizer step over this process's micro-batches (the backend's; normalisers stay the whole
+        batch's, so the ranks' summed gradients are the 1-process gradient)."""
         from qerl_cli.train.losses import policy_loss
 
         c = self.cfg
         bsz = batch.input_ids.shape[0]
-        lo, hi = (0, bsz) if rows is None else (rows.start, rows.stop)
         normalizer = {"dapo": batch.mask.sum().clamp(min=1).item(),
                       "dr_grpo": float(bsz * c.max_completion_length)}.get(c.algo, float(bsz))
         self.model.train()
@@ -545,9 +583,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         agg: dict[str, float] = {}
         total_loss = 0.0
-        mb = c.micro_batch_size
-        for i in range(lo, hi, mb):
-            sl = slice(i, min(i + mb, hi))
+        for micro in self.backend.update_micro_batches(bsz, self.micro_batch_size):
+            sl = micro.rows
             part = batch.rows(sl)
             logp, _ = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens)
             loss, m = policy_loss(
@@ -557,9 +594,13 @@ class Trainer:
                 loss_normalizer=normalizer)
             if not torch.isfinite(loss):
                 raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}")
+            if not micro.counts:  # a stand-in pass: it runs only so that the ranks' collectives match
+                loss = loss * 0.0
             self.scaler.scale(loss).backward()
+            if not micro.counts:
+                continue
             total_loss += loss.item()
-            w = sl.stop - i
+            w = sl.stop - sl.start
             for k, v in m.items():
                 agg[k] = agg.get(k, 0.0) + v * w / bsz
         self.backend.reduce_gradients(self.params)  # nothing to do on one process
@@ -628,6 +669,8 @@ class Trainer:
         """Checkpoint this step; ``background`` (default: ``cfg.async_checkpoint`` on one process, LoRA) copies
         the state to host memory now and writes it in a thread while the caller goes on."""
         ck = checkpointing
+        if self.cfg.sharding == "fsdp2":
+            return self._save_sharded()
         if not self.dist.is_main:  # rank 0 writes; wait until the checkpoint is complete
             self.dist.barrier()
             return ck.checkpoint_path(self.run, self.step)
@@ -638,15 +681,7 @@ class Trainer:
         if not background:
             self.writer.wait()
 
-        state = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "data": self.stream.state(),
-            "aqn": self.aqn.state_dict() if self.aqn is not None else None,
-            "config": self.cfg.to_dict(),
-            ck.ROLLOUT_QUANT_KEY: self.rollout_quant.state_dict() if self.rollout_quant is not None else None,
-        }
+        state = {"optimizer": self.optimizer.state_dict(), **self._trainer_state()}
         if background:
             state, adapter, rng = ck.snapshot(state), ck.adapter_snapshot(self.model), ck.rng_state()
             step, config, keep = self.step, self.cfg.to_dict(), self.cfg.keep_checkpoints
@@ -657,6 +692,34 @@ class Trainer:
             path = ck.save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(),
                                       self.cfg.keep_checkpoints,
                                       full_weights=self.full.weights() if self.full is not None else None)
+        self.last_checkpoint_s = self.clock() - t0
+        self.dist.barrier()
+        return path
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the weights (and, without sharding, the optimizer)."""
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "data": self.stream.state(),
+            "aqn": self.aqn.state_dict() if self.aqn is not None else None,
+            "config": self.cfg.to_dict(),
+            checkpointing.ROLLOUT_QUANT_KEY: self.rollout_quant.state_dict() if self.rollout_quant is not None
+            else None,
+        }
+
+    def _save_sharded(self) -> Path:
+        """--sharding fsdp2: every rank writes its rows of the weights and AdamW state into rank 0's staging
+        directory (train/fsdp.py), rank 0 the rest; `latest` moves when all of it is there. Synchronous."""
+        ck = checkpointing
+        t0 = self.clock()
+        if self.dist.is_main:
+            path = ck.save_checkpoint(self.run, self.step, self.model, self._trainer_state(), self.cfg.to_dict(),
+                                      self.cfg.keep_checkpoints,
+                                      weights_writer=lambda tmp: self.full.write_checkpoint(tmp, self.optimizer))
+        else:
+            self.full.write_checkpoint(None, self.optimizer)
+            path = ck.checkpoint_path(self.run, self.step)
         self.last_checkpoint_s = self.clock() - t0
         self.dist.barrier()
         return path
@@ -762,8 +825,10 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
                         from qerl_cli.train.distributed import replica_digests
 
                         rec.extra["dist"] = {"world_size": ctx.world_size, "backend": ctx.backend,
-                                             "adapter_digests": replica_digests(trainer.params, ctx, trainer.step),
+                                             "sharding": trainer.cfg.sharding,
                                              "pids": ctx.gather_objects(os.getpid())}
+                        if trainer.cfg.sharding != "fsdp2":  # replicas must stay bitwise equal; shards differ
+                            rec.extra["dist"]["adapter_digests"] = replica_digests(trainer.params, ctx, trainer.step)
                     if ctx.is_main and not trainer.writer.busy:
                         rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
                         run.save(rec)
