@@ -70,7 +70,6 @@ MIN_GEMM_TOKENS = 2048  # below this many rows per micro-batch the base GEMMs ru
 GC_MIN_ROWS = 1024
 ENGINE_PREFILL_TOKENS = 8192  # the builtin engine's max_prefill_tokens
 CACHE_ALIGN = 64  # the builtin engine rounds the cache length up to this
-OFFLOAD_BUCKET_BYTES = 64 << 20  # HostOffloadAdamW's bucket (qerl_cli/train/host_offload.py)
 PHASES = ("setup", "aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")
 PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
@@ -267,6 +266,7 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
+        """The largest phase estimate (allocated bytes, without the reserve)."""
         return max(self.phase_estimates().values())
 
     @property
@@ -284,8 +284,9 @@ class MemoryPlan:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        # "peak" includes the reserve (what the fit compares with the capacity); "peak_allocated" does not
         d.update(adapters=self.adapters, train_peak=self.train_peak, rollout_peak=self.rollout_peak,
-                 peak=self.peak + self.reserve, phase_estimates=self.phase_estimates())
+                 peak=self.peak + self.reserve, peak_allocated=self.peak, phase_estimates=self.phase_estimates())
         return d
 
     def lines(self) -> list[str]:
@@ -363,6 +364,8 @@ def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | 
 
     Raises :class:`MemoryPlanError` when nothing fits (with the one-line advice unless ``advise`` is False).
     """
+    from qerl_cli.train.host_offload import DEFAULT_BUCKET_BYTES
+
     wb = weights if isinstance(weights, WeightBytes) else WeightBytes(stored=int(weights))
     seq_tokens = prompt_tokens + completion_tokens
     n_lora = dims.lora_params(lora_rank, lora_targets)
@@ -402,7 +405,8 @@ def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | 
             capacity=capacity, reserve=reserve, weights=wb.resident(copies), weight_parts=wb,
             lora_params=4 * n_lora, grads=4 * n_lora, optimizer_state=0 if offload else moments,
             optimizer_host=moments if offload else 0,
-            optimizer_step=min(7 * OFFLOAD_BUCKET_BYTES, 2 * moments) if offload else 4 * n_lora,
+            # offloaded: the moments of <= 3 buckets on the GPU + AdamW's square root of one; else the foreach root
+            optimizer_step=min(7 * DEFAULT_BUCKET_BYTES, 2 * moments) if offload else 4 * n_lora,
             shadows=dims.shadow_elems(lora_rank, lora_targets) * elem,
             activations=kept, layer_backward=backward,
             activations_no_gc=sum(_activations(dims, elem, tokens, False)),
