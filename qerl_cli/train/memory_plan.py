@@ -296,7 +296,7 @@ class MemoryPlan:
 
         w = self.weight_parts
         cap = "no limit known (CPU)" if self.capacity is None else f"{self.capacity / GIB:.2f} GiB"
-        opt = "host (pinned)" if self.optimizer_offload else "GPU"
+        opt = "in pinned host memory" if self.optimizer_offload else "on the GPU"
         est = self.phase_estimates()
         out = [
             f"memory plan ({self.sequences} sequences x {self.seq_tokens} tokens; GPU memory {cap})",
@@ -305,7 +305,7 @@ class MemoryPlan:
             f"{'' if w.measured is None else f', measured {w.measured / GIB:.2f}'})",
             f"  LoRA factors (fp32)             {g(self.lora_params)} GiB",
             f"  gradients (fp32)                {g(self.grads)} GiB",
-            f"  AdamW moments                   {g(self.optimizer_state + self.optimizer_host)} GiB  (on the {opt})",
+            f"  AdamW moments                   {g(self.optimizer_state + self.optimizer_host)} GiB  ({opt})",
             f"  activations, no grad ckpt       {g(self.activations_no_gc)} GiB  (micro-batch {self.micro_batch_size})",
             f"  activations, grad ckpt          {g(self.activations_gc)} GiB  (micro-batch {self.micro_batch_size})",
             f"  logprob chunk + kept rows       {g(self.logprob_chunk + self.logprob_kept)} GiB",
