@@ -232,9 +232,9 @@ SHRINK_MAX_R = 256  # sum of the ranks a group's shrink may have (the [BM, R] ac
 
 @triton.jit
 def _lora_shrink_kernel(p0_ptr, p1_ptr, w_ptr, hout_ptr, xout_ptr, a_ptr, out_ptr, ws_ptr, cnt_ptr,
-                        M, K, R, stride_p0, stride_p1, stride_ho, stride_xo, stride_a, stride_out, k_split, eps, S,
-                        PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                        BR: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+                        M, K, R, stride_p0, stride_p1, stride_ho, stride_xo, stride_a, stride_out, k_split, eps,
+                        S: tl.constexpr, PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr,
+                        BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BKN: tl.constexpr, F32: tl.constexpr):
     """out[M, R] = x @ A^T with x made here from the inputs (PROLOGUE): 0 x = p0; 1 (RMSNorm) x = w *
     rmsnorm(p0 + p1), also storing p0 + p1 (HAS_DELTA) and x; 2 (SiLU) x = silu(p0) * p1, also storing x.
     Program (m tile, K split): its slice of x is made, stored once, and multiplied into an fp32 [BM, R]
@@ -249,9 +249,11 @@ def _lora_shrink_kernel(p0_ptr, p1_ptr, w_ptr, hout_ptr, xout_ptr, a_ptr, out_pt
     rstd = tl.zeros((BM,), dtype=tl.float32)
     if PROLOGUE == 1:
         # the norm needs the whole row: every K split reads it once (L2-resident after the first)
+        # in wide BKN blocks: a loop of dependent L2 loads is latency-bound, few long iterations keep it short
         ss = tl.zeros((BM,), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            cols = k0 + offs_k
+        offs_n = tl.arange(0, BKN)
+        for k0 in range(0, K, BKN):
+            cols = k0 + offs_n
             m2 = rmask[:, None] & (cols < K)[None, :]
             s = tl.load(p0_ptr + rows64[:, None] * stride_p0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
             if HAS_DELTA:
@@ -299,7 +301,7 @@ def _lora_shrink_kernel(p0_ptr, p1_ptr, w_ptr, hout_ptr, xout_ptr, a_ptr, out_pt
         arrived = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel")
         if arrived == S - 1:
             total = tl.zeros((BM, BR), dtype=tl.float32)
-            for s_i in range(0, S):
+            for s_i in tl.static_range(0, S):  # unrolled: the S loads are issued back to back, summed in order
                 total += tl.load(ws_ptr + (s_i * M + rows64[:, None]) * R + rr[None, :], mask=omask, other=0.0,
                                  cache_modifier=".cg")
             tl.store(out_ptr + rows64[:, None] * stride_out + rr[None, :], total.to(dt), mask=omask)
@@ -323,10 +325,12 @@ def shrink_plan(m: int, k: int, r: int, prologue: int, sms: int = 132) -> tuple[
         bm = 32 if m <= 32 else 64
     mt = triton.cdiv(m, bm)
     kt = triton.cdiv(k, bk)
+    # few splits: each is a chain of dependent loads, and the last program sums all S partials (measured on an
+    # H100, 2026-11-26: 16-32 splits made each shrink ~20 us, slower than norm + a separate cuBLAS shrink)
     if prologue == SHRINK_NORM:
-        splits = min(kt, 16) if m <= 16 else max(1, min(kt, 32 // mt))
+        splits = min(kt, 8) if m <= 16 else max(1, min(kt, 8 // mt))
     else:
-        splits = max(1, min(kt // 2, triton.cdiv(2 * sms, mt), 32))
+        splits = max(1, min(kt // 2, triton.cdiv(2 * sms, mt), 8))
     return bm, br, bk, splits
 
 
@@ -356,8 +360,9 @@ def _shrink(prologue: int, p0: torch.Tensor, p1: torch.Tensor | None, weight: to
     _lora_shrink_kernel[(mt, splits)](
         p0, p1_, w_, ho, xo, a, out, ws, cnt, m, k, r, p0.stride(0), p1_.stride(0), ho.stride(0), xo.stride(0),
         a.stride(0), out.stride(0), k_split, eps, splits, PROLOGUE=prologue, HAS_DELTA=p1 is not None and
-        prologue == SHRINK_NORM, SPLIT=splits > 1, BM=bm, BR=br, BK=bk, F32=INTERPRET or p0.dtype == torch.float32,
-        num_warps=4)
+        prologue == SHRINK_NORM, SPLIT=splits > 1, BM=bm, BR=br, BK=bk,
+        BKN=min(triton.next_power_of_2(k), 1024 if bm <= 16 else 256), F32=INTERPRET or p0.dtype == torch.float32,
+        num_warps=8 if bm <= 16 else 4)
     return out
 
 

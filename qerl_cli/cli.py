@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import Preempted, QerlError
 
 app = typer.Typer(
     name="qerl",
@@ -96,14 +96,18 @@ TRAIN_FIXED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "dry_run": (Annotated[bool, Opt("--dry-run", help="Print the resolved config and exit.")], False),
     "resume": (Annotated[bool, Opt("--resume", help="Continue from the run's latest checkpoint; with --steps "
                                    "larger than the run's, extend a finished run.")], False),
+    "resume_from": (Annotated[str | None, Opt("--resume-from", help="Continue from an earlier checkpoint step_N "
+                                              "(e.g. when a later one is damaged); what the run wrote after it "
+                                              "(checkpoints, rollouts, metrics lines) is moved to "
+                                              "train/checkpoints.abandoned-<time>/, never deleted.")], None),
     "gpus": (Annotated[int | None, Opt("--gpus", help="Data-parallel on N GPUs: launches torchrun, one process "
                                        "per GPU (NCCL). On CPU use `torchrun --nproc-per-node N -m qerl_cli train` "
                                        "(gloo).")], None),
 }
 
 
-def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool, resume: bool, gpus: int | None,
-           **fields: Any) -> None:
+def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool, resume: bool,
+           resume_from: str | None, gpus: int | None, **fields: Any) -> None:
     """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN, TIS/MIS)."""
     import yaml
 
@@ -134,12 +138,17 @@ def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool,
     from qerl_cli.train.trainer import train as run_train
 
     ctx = distributed.init_from_env()
-    if not ctx.is_main:  # only rank 0 prints the console panel
-        run_train(run, cfg, resume=resume)
-    else:
-        with TrainConsole(console, cfg.resolved()) as ui:
-            res = run_train(run, cfg, resume=resume, on_step=ui.update)
-        ui.summary(res)
+    try:
+        if not ctx.is_main:  # only rank 0 prints the console panel
+            run_train(run, cfg, resume=resume, resume_from=resume_from)
+        else:
+            with TrainConsole(console, cfg.resolved()) as ui:
+                res = run_train(run, cfg, resume=resume, resume_from=resume_from, on_step=ui.update)
+            ui.summary(res)
+    except Preempted as exc:  # SIGTERM: stopped cleanly; 143 is what schedulers expect of a terminated job
+        if ctx.is_main:
+            err_console.print(f"[yellow]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(Preempted.exit_code) from exc
     distributed.shutdown()  # on success only: after a failure the process exits without more collectives
 
 
@@ -333,10 +342,19 @@ def bench_step(
                                                 "memory (GiB; 79.2 on an H200 stands for an 80 GB card); the memory "
                                                 "plan fits the step into it.")] = None,
     time_budget: Annotated[float | None, Opt(help="Skip formats that would start after this many seconds.")] = None,
+    peers: Annotated[str | None, Opt(help="Comma-separated peer stacks on the same shape and workload: trl (TRL "
+                                          "GRPOTrainer + peft LoRA + colocated vLLM, bf16).")] = None,
+    eos: Annotated[bool, Opt("--eos", help="--shape: rollouts end at a stop set (RL-like lengths, real padding).")]
+    = False,
+    profile: Annotated[bool, Opt("--profile", help="The step rollout's decode step by GPU-time category "
+                                                   "(CUDA).")] = False,
+    vllm_memory: Annotated[float, Opt(help="vLLM's gpu_memory_utilization in FMT@vllm and TRL cells.")] = 0.35,
     seed: int = 0,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench or ./bench-step).")] = None,
 ) -> None:
-    """One RL step of the trainer broken down by phase (rollout .. checkpoint) per format, vs BF16-LoRA."""
+    """One RL step of the trainer broken down by phase (rollout .. checkpoint) per format, vs BF16-LoRA.
+
+    A format FMT@vllm uses the vLLM rollout engine (QeRL's architecture); --peers trl adds TRL's GRPOTrainer."""
     from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.bench.step import bench_step as run_bench
 
@@ -346,6 +364,7 @@ def bench_step(
     res = run_bench(run_dir=run, shape=shape, formats=formats.split(",") if formats else None,
                     overrides=parse_sets(items), prompt_len=prompt_len, warmup=warmup, measure=measure, out_dir=out,
                     seed=seed, memory_cap_gib=memory_cap_gib, time_budget_s=time_budget,
+                    peers=peers.split(",") if peers else None, eos=eos, profile=profile, vllm_memory=vllm_memory,
                     log=_progress)
     _show(res)
 

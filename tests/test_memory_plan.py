@@ -287,25 +287,30 @@ def _run(tmp_path, name: str, steps: int = 2, **cfg_kw):
     return trainer, ms, params
 
 
-def _same(a: list[dict], b: list[dict], pa: dict, pb: dict) -> None:
+def _same(a: list[dict], b: list[dict], pa: dict, pb: dict, tol: float = 1e-6) -> None:
     for x, y in zip(a, b, strict=True):
         keys = {k for k in x if not k.startswith(("timing/", "memory/"))}
         assert keys == {k for k in y if not k.startswith(("timing/", "memory/"))}
         for k in keys:
-            assert x[k] == pytest.approx(y[k], abs=1e-6, rel=0), k
+            assert x[k] == pytest.approx(y[k], abs=tol, rel=0), k
     assert pa.keys() == pb.keys()
     for k in pa:
-        torch.testing.assert_close(pa[k], pb[k], rtol=0, atol=1e-6)
+        torch.testing.assert_close(pa[k], pb[k], rtol=0, atol=tol)
 
 
 def test_chunked_logprobs_and_plan_leave_cpu_training_unchanged(tmp_path) -> None:
     # reference: the direct log-prob path with the old fixed defaults (micro-batch 8, no checkpointing)
     ref_t, ref, ref_p = _run(tmp_path, "ref", logprob_chunk_tokens=0, micro_batch_size=8, gradient_checkpointing=False)
-    planned_t, planned, planned_p = _run(tmp_path, "planned", logprob_chunk_tokens=5)  # plan picks, 5-row chunks
+    # plan picks, 5-row chunks; padded forwards (packing, compared below, changes the attention's rounding)
+    planned_t, planned, planned_p = _run(tmp_path, "planned", logprob_chunk_tokens=5, pack_sequences=False)
     assert planned_t.cfg.micro_batch_size == 8 and planned_t.cfg.gradient_checkpointing is False
     assert planned_t.memory_plan.capacity is None  # CPU
     assert ref[0]["loss"] != 0 and ref[0]["grad_norm"] > 0 and ref[1]["entropy"] > 0
     _same(ref, planned, ref_p, planned_p)
+    # packed training forwards (the default; train/packing.py): the same run to rounding (per-sequence attention)
+    packed_t, packed, packed_p = _run(tmp_path, "packed", logprob_chunk_tokens=5)
+    assert packed_t.cfg.pack_sequences
+    _same(ref, packed, ref_p, packed_p, tol=1e-5)
 
 
 def test_training_with_offloaded_optimizer_state_is_unchanged(tmp_path) -> None:

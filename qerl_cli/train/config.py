@@ -78,9 +78,15 @@ class TrainConfig:
     logprob_chunk_tokens: int = 512  # completion tokens per lm_head + log-softmax chunk; 0: all at once
     optimizer_offload: bool | None = None  # AdamW's moments in pinned host memory; None: the memory plan decides
     kernel_weight_copies: bool | None = None  # may FP4 kernels keep a second weight copy (humming)? None: the plan
+    logprob_backend: str = "chunked"  # the update's log-probs: qerl's chunked path, or liger (fused linear + CE)
+    pack_sequences: bool = True  # training forwards on the micro-batch's real tokens only (varlen attention)
+    keep_rollout_cache: bool | None = None  # builtin engine: keep KV cache + CUDA graphs between steps (None: plan)
     async_checkpoint: bool = True  # write checkpoints in a background thread while the next step runs
     save_steps: int = 10
     keep_checkpoints: int = 3
+    # after SIGTERM (preemption), how long the step in flight may take to finish and be checkpointed before it is
+    # abandoned; set it to the scheduler's grace period minus a checkpoint write (docs/checkpoints.md)
+    sigterm_grace_s: float = 10.0
     seed: int = 0
     shots: int | None = None
     chat_template: bool = False
@@ -178,8 +184,13 @@ class TrainConfig:
             raise QerlError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
             raise QerlError(f"--gpu-memory-gib must be > 0 (GiB), got {self.gpu_memory_gib}")
+        if not self.sigterm_grace_s >= 0:
+            raise QerlError(f"--sigterm-grace-s must be >= 0 seconds, got {self.sigterm_grace_s}")
         if self.logprob_chunk_tokens < 0:
             raise QerlError(f"--logprob-chunk-tokens must be >= 0 (0: unchunked), got {self.logprob_chunk_tokens}")
+        from qerl_cli.train.logprobs import LOGPROB_BACKENDS
+
+        choice("logprob_backend", self.logprob_backend, LOGPROB_BACKENDS)
         if self.aqn and not self.aqn_sigma_start > 0:
             raise QerlError("--aqn-sigma-start must be > 0")
 
@@ -238,9 +249,15 @@ FIELD_HELP: dict[str, str] = {
                          "(default: the memory plan's choice; exact either way).",
     "kernel_weight_copies": "Let the FP4 kernel dispatch keep a second, converted weight copy where a peer kernel "
                             "(humming) is faster (default: only when the step fits with it).",
+    "logprob_backend": "chunked (qerl's, default) | liger (Liger-Kernel fused linear + cross-entropy; CUDA).",
+    "pack_sequences": "Pack each micro-batch's sequences (no compute on padding; varlen attention).",
+    "keep_rollout_cache": "Keep the builtin engine's KV cache and CUDA graphs between steps (default: when the "
+                          "memory plan has room).",
     "async_checkpoint": "Write checkpoints in a background thread while the next step runs.",
     "save_steps": "Checkpoint every N steps.",
     "keep_checkpoints": "Checkpoints kept (older ones are deleted).",
+    "sigterm_grace_s": "After SIGTERM (SLURM, Kubernetes, spot preemption) the step in flight may finish and be "
+                       "checkpointed within this many seconds, else it is abandoned; exit 143 (docs/checkpoints.md).",
     "seed": "Seed of data order, sampling, AQN and LoRA init.",
     "shots": "Few-shot examples in the prompt (default per task).",
     "chat_template": "Wrap prompts in the model's chat template.",

@@ -35,6 +35,7 @@ import datetime
 import itertools
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import Preempted, QerlError
 from qerl_cli.train.step_backend import (
     LocalBackend,
     LogProbs,
@@ -434,7 +435,9 @@ def strip_option(argv: list[str], name: str) -> list[str]:
 def launch(nproc: int, argv: list[str], *, debug: bool = False) -> int:
     """Run ``python -m torch.distributed.run --standalone --nproc-per-node N -m qerl_cli ARGV`` with NVLink
     multicast off; torchrun's own failure report (a traceback of the elastic agent) is hidden unless
-    --debug, since the failing rank already printed one clear line. Returns the exit code to use."""
+    --debug, since the failing rank already printed one clear line. A SIGTERM to this process is passed to
+    torchrun, which passes it to every rank (each finishes its step and checkpoints, docs/checkpoints.md); the
+    exit code is then 143. Returns the exit code to use."""
     env = {**os.environ, **SAFE_NCCL_ENV}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -442,15 +445,28 @@ def launch(nproc: int, argv: list[str], *, debug: bool = False) -> int:
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
     assert proc.stderr is not None
     saw_error = hiding = False
-    for line in proc.stderr:
-        if line.startswith("error:") or "error:" in line[:40]:
-            saw_error = True
-        if not debug and (hiding or "Traceback (most recent call last)" in line or "torch.distributed.elastic" in line
-                          or "ChildFailedError" in line):
-            hiding = True
-            continue
-        sys.stderr.write(line)
-    rc = proc.wait()
+    terminated: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        # a scheduler's SIGTERM reaches the ranks through torchrun, which passes it on to every rank
+        terminated.append(signum)
+        proc.send_signal(signum)
+
+    old = signal.signal(signal.SIGTERM, forward)
+    try:
+        for line in proc.stderr:
+            if line.startswith("error:") or "error:" in line[:40]:
+                saw_error = True
+            if not debug and (hiding or "Traceback (most recent call last)" in line
+                              or "torch.distributed.elastic" in line or "ChildFailedError" in line):
+                hiding = True
+                continue
+            sys.stderr.write(line)
+        rc = proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    if terminated:
+        return Preempted.exit_code
     if rc == 0:
         return 0
     if not saw_error:
@@ -470,5 +486,6 @@ def replica_digests(params: list[torch.nn.Parameter], ctx: DistContext, step: in
     digests = ctx.gather_objects(h.hexdigest())
     if len(set(digests)) > 1:
         raise QerlError(f"LoRA adapters diverged across ranks at step {step} ({len(set(digests))} different "
-                        "replicas): report this; the last consistent checkpoint is the one before")
+                        "replicas): report this; the last consistent checkpoint is the one before "
+                        "(--resume-from step_N)")
     return digests

@@ -241,6 +241,7 @@ class MemoryPlan:
     sequences: int
     seq_tokens: int
     aqn: int = 0
+    resident_cache: bool = True  # the KV cache stays through the update (see resident_cache_fits)
     tried: list[str] = field(default_factory=list)
 
     @property
@@ -248,20 +249,27 @@ class MemoryPlan:
         """LoRA factors + gradients + AdamW moments wherever they live (the old single figure)."""
         return self.lora_params + self.grads + self.optimizer_state + self.optimizer_host
 
+    @property
+    def resident_cache_fits(self) -> bool:
+        """Whether the builtin engine keeps its KV cache (and shadows, CUDA graphs) through the update: chosen
+        by the plan when there is room and memory is not short (then every phase holds it)."""
+        return self.resident_cache
+
     def phase_estimates(self) -> dict[str, int]:
         """Estimated peak allocated bytes per phase of a step (the names of ``qerl bench step``'s phases, plus
         ``setup``: after the trainer is built); compare with ``max_memory_allocated`` per phase."""
+        cache = self.kv_cache + self.shadows if self.resident_cache and self.capacity is not None else 0
         static = self.weights + self.lora_params + self.optimizer_state
-        train = static + self.grads
+        train = static + self.grads + cache
         return {
             "setup": self.weights + self.lora_params,
-            "aqn": static + self.aqn,
+            "aqn": static + cache + self.aqn,
             "rollout": static + self.shadows + self.kv_cache + self.rollout,
-            "recompute": static + self.logprob_kept + max(self.logprob_chunk, self.recompute + self.dequant),
+            "recompute": static + cache + self.logprob_kept + max(self.logprob_chunk, self.recompute + self.dequant),
             "fwd_bwd": train + self.activations + self.logprob_kept + max(self.logprob_chunk,
                                                                           self.layer_backward + self.dequant),
             "optimizer": train + self.optimizer_step,
-            "checkpoint": static,
+            "checkpoint": static + cache,
         }
 
     @property
@@ -358,7 +366,7 @@ def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | 
                 gradient_checkpointing: bool | None = None, logprob_chunk: int = 512,
                 gpu_memory_utilization: float | None = None, optimizer_offload: bool | None = None,
                 extra_weight_copies: bool | None = None, prompts: int | None = None,
-                advise: bool = True) -> MemoryPlan:
+                keep_rollout_cache: bool | None = None, advise: bool = True) -> MemoryPlan:
     """Choose micro-batch, gradient checkpointing, where AdamW's moments live and whether kernels may keep a
     second weight copy, so the step fits ``capacity`` bytes (module docstring).
 
@@ -423,6 +431,11 @@ def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | 
         p.kv_slots = slots
         p.kv_cache = slots * per_slot
         p.rollout = rollout_reserve(dims, elem, max(1, slots), prefill)
+        if keep_rollout_cache is not None or capacity is None:
+            p.resident_cache = keep_rollout_cache is not False
+        else:  # kept between steps when there is room for it in every phase, and memory is not short
+            p.resident_cache = not gc
+            p.resident_cache = p.resident_cache and p.fits()
         return p
 
     if capacity is None:  # CPU: nothing to fit; the defaults as they always were
@@ -443,7 +456,8 @@ def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | 
         raise MemoryPlanError("memory plan: nothing fits")
     kw = dict(weights=wb, elem=elem, sequences=sequences, prompt_tokens=prompt_tokens,
               completion_tokens=completion_tokens, lora_rank=lora_rank, lora_targets=lora_targets,
-              logprob_chunk=logprob_chunk, prompts=prompts)
+              logprob_chunk=logprob_chunk, prompts=prompts, keep_rollout_cache=False if keep_rollout_cache is False
+              else None)
     raise MemoryPlanError(_advice(dims, capacity=capacity, fixed_mb=micro_batch_size, fixed_gc=gradient_checkpointing,
                                   fixed_offload=optimizer_offload, fixed_copies=extra_weight_copies, last=p, kw=kw))
 
@@ -558,7 +572,8 @@ def plan_for_config(cfg: Any, model_config: Any, *, weights: int | WeightBytes, 
         completion_tokens=cfg.max_completion_length, lora_rank=cfg.lora_rank, lora_targets=list(cfg.lora_targets),
         micro_batch_size=cfg.micro_batch_size, gradient_checkpointing=cfg.gradient_checkpointing,
         logprob_chunk=cfg.logprob_chunk_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization,
-        optimizer_offload=cfg.optimizer_offload, extra_weight_copies=copies, prompts=cfg.batch_prompts)
+        optimizer_offload=cfg.optimizer_offload, extra_weight_copies=copies, prompts=cfg.batch_prompts,
+        keep_rollout_cache=cfg.keep_rollout_cache if cfg.rollout_engine == "builtin" else False)
 
 
 def plan_before_build(cfg: Any, model_config: Any, fmt: str, *, device: Any, prompt_tokens: int,

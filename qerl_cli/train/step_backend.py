@@ -107,7 +107,8 @@ class LocalBackend:
     def rollout_round(self, indices: list[int], round_: int, overrides: Any) -> RolloutRound:
         res = self.worker.generate(indices, round_, overrides)
         raw, shaped = self.worker.score(indices, res.samples)
-        return RolloutRound(res.samples, raw, shaped, res.timings, busy_s=[0.0])
+        timings = {**res.timings, "decode_steps": float(res.stats.get("decode_steps", 0))}
+        return RolloutRound(res.samples, raw, shaped, timings, busy_s=[0.0])
 
     def old_logprobs(self, batch: RolloutBatch, with_ref: bool) -> LogProbs:
         return self.worker.forward_no_grad(batch, with_ref)

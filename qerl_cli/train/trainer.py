@@ -12,8 +12,9 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,13 +22,13 @@ from typing import Any
 import torch
 
 from qerl_cli.device import pick as pick_device
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import Preempted, QerlError
 from qerl_cli.manifest import RunDir
 from qerl_cli.precision import dtype_of, uses_loss_scaling
 from qerl_cli.runlayout import base_fingerprint, checkpoints_dir, model_files, quantized_model_dir, train_dir
 from qerl_cli.train import checkpointing
 from qerl_cli.train.batch import RolloutBatch, build_batch
-from qerl_cli.train.checkpointing import CheckpointWriter, latest_step, resolve_checkpoint
+from qerl_cli.train.checkpointing import CheckpointWriter, resolve_checkpoint
 from qerl_cli.train.config import TrainConfig
 from qerl_cli.train.logprobs import sampled_logprobs
 from qerl_cli.train.step_backend import LogProbs, StepBackend
@@ -68,30 +69,100 @@ class PromptStream:
         self._perm = self._permutation()
 
 
+# how a run stopped by a non-finite loss or gradient goes on
+NONFINITE_HINT = (": the checkpoints are intact; lower --lr and continue with --resume, or from an earlier one with "
+               "--resume-from step_N")
+
+
 def rollout_seed(seed: int, step: int, round_: int) -> int:
     return (seed * 1_000_003 + step * 7919 + round_ * 104_729) % (2**31 - 1)
 
 
 class GracefulStop:
-    """First Ctrl-C: finish the step, checkpoint, exit cleanly. Second: interrupt at once."""
+    """Stop requests at a step boundary: Ctrl-C (SIGINT) and SIGTERM (what SLURM, Kubernetes and spot instances
+    send before they kill a job). Before :meth:`loop` (model loading) either signal interrupts at once.
 
-    def __init__(self) -> None:
+    Ctrl-C: the step in flight finishes, a checkpoint is written, exit 130; a second Ctrl-C interrupts at once.
+    SIGTERM: the step in flight may finish within ``grace_s`` seconds (``--sigterm-grace-s``) and is then
+    checkpointed; past that, or at a second SIGTERM, the step is abandoned (:class:`Preempted` is raised inside
+    it, so nothing of it is logged or saved) and the previous checkpoint stays the one `--resume` continues
+    from. Either way the stage is recorded `interrupted` and `qerl train` exits 143. ``can_abandon`` is off for
+    data-parallel ranks: they can only stop together (agreed before each step), so their step always finishes.
+    """
+
+    def __init__(self, grace_s: float = 0.0, *, can_abandon: bool = True) -> None:
+        self.grace_s = grace_s
+        self.can_abandon = can_abandon
         self.requested = False
-        self._old: Any = None
+        self.preempted = False
+        self.in_step = False
+        self.looping = False  # set by loop(): before it (setup), a signal interrupts at once
+        self._old: dict[int, Any] = {}
+        self._timer: threading.Timer | None = None
+        self._main = threading.main_thread().ident
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.requested or not self.looping:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        first = not self.preempted
+        self.requested = self.preempted = True
+        if not self.looping:  # still setting up: nothing to finish or save
+            raise Preempted("preempted (SIGTERM) while setting up, before any step: run the same command with "
+                            "--resume to continue")
+        if first and self.can_abandon and self.grace_s > 0:
+            # the grace period's end is a second SIGTERM to this (main) thread: it also wakes a blocking call
+            self._timer = threading.Timer(self.grace_s, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+        if self.in_step and self.can_abandon and (not first or self.grace_s <= 0):
+            raise Preempted("abandoned")
+
+    def _expire(self) -> None:
+        if self.in_step and self._main is not None:
+            signal.pthread_kill(self._main, signal.SIGTERM)
+
+    def loop(self) -> None:
+        """From here on a stop request waits for the step boundary."""
+        self.looping = True
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Hold SIGINT/SIGTERM back for a short block that must not stop halfway (they arrive after it)."""
+        signals = {signal.SIGINT, signal.SIGTERM}
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Around one train step: the span a SIGTERM past its grace period abandons."""
+        self.in_step = True
+        try:
+            yield
+        finally:
+            self.in_step = False
 
     def __enter__(self) -> GracefulStop:
-        def handler(signum: int, frame: Any) -> None:
-            if self.requested:
-                raise KeyboardInterrupt
-            self.requested = True
-
         with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
-            self._old = signal.signal(signal.SIGINT, handler)
+            self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
+            self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        self.in_step = False
+        if self._timer is not None:  # never a SIGTERM from the timer once the default handler is back
+            self._timer.cancel()
+            self._timer.join()
+        for signum, old in self._old.items():
+            signal.signal(signum, old)
 
 
 @dataclass
@@ -114,6 +185,7 @@ class Trainer:
         self.last_checkpoint_s = 0.0
         self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
         self.memory_plan: Any = None  # set by setup() (train/memory_plan.py)
+        self.keep_rollout_cache = False  # set by setup(): the builtin engine keeps its KV cache between steps
         self.backend: StepBackend  # set by setup()
         self.metrics_path = train_dir(run) / "metrics.jsonl"
         self.rollouts_dir = train_dir(run) / "rollouts"
@@ -130,12 +202,14 @@ class Trainer:
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self, *, model: torch.nn.Module | None = None, tokenizer: Any = None, task: Any = None,
-              prompt_ids: list[list[int]] | None = None, reward_fn: Callable[..., Any] | None = None) -> None:
+              prompt_ids: list[list[int]] | None = None, reward_fn: Callable[..., Any] | None = None,
+              model_dir: Path | None = None) -> None:
         """Load the run's model, task and reward, or take them in memory (benchmarks: `qerl bench step|sanity`).
 
         ``model`` (a base model on this trainer's device, in its dtype) replaces the run's checkpoint;
         ``tokenizer`` may then be None when ``prompt_ids`` gives the prompts as token ids; ``task``
-        replaces ``cfg.task`` and ``reward_fn`` the task's reward.
+        replaces ``cfg.task`` and ``reward_fn`` the task's reward. ``model_dir``: the checkpoint of an
+        injected model, for a rollout engine that serves its own copy (``--rollout-engine vllm``).
         """
         from qerl_cli.models import load_model
         from qerl_cli.rollout import make_engine
@@ -158,6 +232,7 @@ class Trainer:
                                               expected_sha256=model_files(self.run) or None)
         else:
             base, self.tokenizer = model, tokenizer
+            self.model_dir = model_dir
             fmt = getattr(base, "qerl_format", None)
             if self.memory_plan is None and fmt is not None and prompt_ids is not None:
                 self.plan_memory(base.config, fmt, prompt_tokens=max(len(p) for p in prompt_ids))
@@ -215,8 +290,14 @@ class Trainer:
         max_len = max(len(p) for p in self.prompt_ids) + c.max_completion_length + 1
         self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
         rollout_model = self.model if self.rollout_quant is None else self.rollout_quant.model
+        # the builtin engine keeps its KV cache, LoRA shadows and CUDA graphs across steps when they fit beside
+        # training (the plan decides: not when memory is short): re-allocating and re-capturing them every step
+        # cost the step's rollout its bench speed
+        keep = c.keep_rollout_cache if c.keep_rollout_cache is not None else (
+            self.memory_plan is not None and self.memory_plan.resident_cache_fits)
+        self.keep_rollout_cache = bool(keep) and c.rollout_engine == "builtin"
         slots = min(c.max_batch_slots, c.batch_prompts * c.num_generations)
-        if self.memory_plan.capacity is not None and c.rollout_engine == "builtin":
+        if self.memory_plan is not None and self.memory_plan.capacity is not None and c.rollout_engine == "builtin":
             slots = min(slots, max(1, self.memory_plan.kv_slots))  # the KV-cache share the plan fitted
         self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer, max_batch_slots=slots,
                                   max_model_len=max_len, gpu_memory_utilization=c.gpu_memory_utilization,
@@ -330,14 +411,21 @@ class Trainer:
         return ids[-self.cfg.max_prompt_length:]
 
     # ---- resume ----------------------------------------------------------------------------------
-    def resume(self) -> int:
-        try:
-            ckpt = resolve_checkpoint(self.run, "latest")
-        except QerlError:
-            self._truncate_metrics(0)  # killed before the first checkpoint: start over cleanly
-            return 0
-        assert ckpt is not None
-        state = checkpointing.load_checkpoint(ckpt)
+    def resume(self, ckpt: Path | None = None, state: dict[str, Any] | None = None) -> int:
+        """Restore everything from a checkpoint (default: `latest`, verified here); the step it continues at.
+
+        ``ckpt`` and ``state``: a checkpoint the caller has verified and its loaded trainer state (`train`
+        does both before the stage starts, so a damaged checkpoint leaves the manifest as it was)."""
+        if ckpt is None:
+            try:
+                ckpt = resolve_checkpoint(self.run, "latest")
+            except QerlError:
+                self._truncate_metrics(0)  # killed before the first checkpoint: start over cleanly
+                return 0
+            assert ckpt is not None
+            checkpointing.require_intact(self.run, ckpt, "resume")
+        if state is None:
+            state = read_trainer_state(self.run, ckpt)
         saved = state.get("config", {})
         for key in ("algo", "lora_rank", "lora_targets", "precision", "seed", "task", "aqn", "finetune",
                     "rollout_quant", "requant_scales"):
@@ -408,8 +496,10 @@ class Trainer:
 
         c = self.cfg
         # prompt_offset: these prompts start at that position of the round (noise keyed by global position)
+        stop_ids = getattr(self.task, "stop_token_ids", None)
         sp = SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p, top_k=-1,
                             max_tokens=c.max_completion_length, stop=list(self.task.stop),
+                            stop_token_ids=None if stop_ids is None else list(stop_ids),
                             seed=rollout_seed(c.seed, self.step, round_), prompt_offset=prompt_offset)
         res = self.engine.generate([self.prompt_ids[i] for i in indices], sp, norm_overrides=norm_overrides)
         return res
@@ -456,7 +546,7 @@ class Trainer:
         # -- rollout
         t0 = time.perf_counter()
         groups: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]] = []
-        rollout_timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
+        rollout_timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0.0}
         sampler = DynamicSampler(c.batch_prompts, g, max_refill_rounds=c.max_refill_rounds) if c.dynamic_sampling \
             else None
         round_ = 0
@@ -481,7 +571,7 @@ class Trainer:
                 groups, ds_stats = sampler.result()
                 metrics.update(ds_stats)
                 break
-        if on_cuda:
+        if on_cuda and not self.keep_rollout_cache:
             self.engine.release()
         t_rollout = self.clock() - t0
         self._phase_peak(metrics, "rollout")
@@ -509,6 +599,7 @@ class Trainer:
         metrics["completions/min_length"] = lengths.min().item()
         metrics["completions/max_length"] = lengths.max().item()
         metrics["completions/clipped_ratio"] = batch.truncated.float().mean().item()
+        metrics.update(batch_token_metrics(batch))
 
         # -- recompute pi_old with the training forward (clean norms), mismatch vs the rollout's mu
         t1 = self.clock()
@@ -545,6 +636,10 @@ class Trainer:
         metrics["timing/aqn_s"] = t_aqn
         metrics["timing/rollout_tokens_per_s"] = rollout_timing["tokens"] / max(t_rollout, 1e-9)
         metrics["timing/rollout_tokens"] = rollout_timing["tokens"]
+        # the engine's own split: prefill (with the first token) and decode; decode steps = token steps of the batch
+        metrics["timing/rollout_prefill_s"] = rollout_timing["prefill_s"]
+        metrics["timing/rollout_decode_s"] = rollout_timing["decode_s"]
+        metrics["rollout/decode_steps"] = rollout_timing["decode_steps"]
         if on_cuda:
             metrics["memory/peak_gb"] = max(v for k, v in metrics.items()
                                             if k.startswith("memory/") and k.endswith("_peak_gb"))
@@ -559,13 +654,14 @@ class Trainer:
             for i in range(0, batch.input_ids.shape[0], mb):
                 part = batch.rows(slice(i, i + mb))
                 lp, e = sampled_logprobs(self.model, part, self.cfg.temperature, with_entropy=True,
-                                         chunk_tokens=self.cfg.logprob_chunk_tokens)
+                                         chunk_tokens=self.cfg.logprob_chunk_tokens, packed=self.cfg.pack_sequences)
                 old.append(lp)
                 ent.append(e)
                 if with_ref:
                     with self.model.disable_adapter():
                         ref.append(sampled_logprobs(self.model, part, self.cfg.temperature,
-                                                    chunk_tokens=self.cfg.logprob_chunk_tokens)[0])
+                                                    chunk_tokens=self.cfg.logprob_chunk_tokens,
+                                                    packed=self.cfg.pack_sequences)[0])
         return torch.cat(old), (torch.cat(ref) if with_ref else None), torch.cat(ent)
 
     def _update(self, batch: RolloutBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
@@ -586,14 +682,15 @@ class Trainer:
         for micro in self.backend.update_micro_batches(bsz, self.micro_batch_size):
             sl = micro.rows
             part = batch.rows(sl)
-            logp, _ = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens)
+            logp, _ = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens,
+                                       packed=c.pack_sequences, backend=c.logprob_backend)
             loss, m = policy_loss(
                 c.algo, logp, old_logp[sl], adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
                 max_completion_length=c.max_completion_length, is_weights=None if isw is None else isw[sl],
                 ref_logp=None if ref_logp is None else ref_logp[sl], beta=c.beta, rollout_logp=part.rollout_logp,
                 loss_normalizer=normalizer)
             if not torch.isfinite(loss):
-                raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}")
+                raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}{NONFINITE_HINT}")
             if not micro.counts:  # a stand-in pass: it runs only so that the ranks' collectives match
                 loss = loss * 0.0
             self.scaler.scale(loss).backward()
@@ -612,7 +709,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))
         if not finite and not uses_loss_scaling(c.precision):
-            raise NonFiniteLoss(f"the gradient norm became {grad_norm.item()} at step {self.step + 1}")
+            raise NonFiniteLoss(f"the gradient norm became {grad_norm.item()} at step {self.step + 1}{NONFINITE_HINT}")
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
         self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
@@ -725,21 +822,52 @@ class Trainer:
         return path
 
 
+def batch_token_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """What the training forwards compute on: real tokens, padded positions, causal attention pairs (for FLOPs)."""
+    n = batch.attention_mask.sum(dim=1).double()
+    return {"batch/tokens": float(n.sum()), "batch/padded_tokens": float(batch.attention_mask.numel()),
+            "batch/attention_pairs": float((n * (n + 1) / 2).sum()),
+            "batch/loss_tokens": float((batch.mask > 0).sum())}
+
+
 class NonFiniteLoss(QerlError):
     """NaN/inf in the loss or gradients; the last good checkpoint stays the one to resume."""
 
 
+def read_trainer_state(run: RunDir, ckpt: Path) -> dict[str, Any]:
+    """A verified checkpoint's trainer state; an unreadable one is the same one line as a damaged file."""
+    try:
+        return checkpointing.load_checkpoint(ckpt)
+    except checkpointing.CheckpointDamaged as err:
+        raise QerlError(checkpointing.damaged_message(run, err, "resume")) from err
+
+
 def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, Any]:
     step = checkpointing.checkpoint_step(ckpt)  # a background write finishes after the trainer moved on
-    return {"checkpoint": run.rel(ckpt), "metrics": run.rel(trainer.metrics_path),
-            **checkpointing.weights_record(ckpt), "steps_done": step if step is not None else trainer.step}
+    return {**checkpointing.checkpoint_outputs(run, ckpt), "metrics": run.rel(trainer.metrics_path),
+            "steps_done": step if step is not None else trainer.step}
 
 
-def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any]) -> None:
-    """`--resume` checks, before the stage starts (a refusal leaves the manifest's train record as it was)."""
-    done = latest_step(run)
-    if done is None:
-        return
+def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resume_from: str | None = None,
+                     *, verify: bool = True) -> tuple[Path, dict[str, Any]] | None:
+    """`--resume` / `--resume-from step_N` checks, before the stage starts (a refusal leaves the manifest's train
+    record as it was): the checkpoint to continue from, verified file by file (``verify``: rank 0 only, which
+    stops every rank when it refuses; N ranks hashing a sharded checkpoint N times would gain nothing), and its
+    trainer state; None when plain `--resume` finds no checkpoint (the run starts over)."""
+    if resume_from is not None:
+        ckpt = resolve_checkpoint(run, resume_from)
+        if ckpt is None:
+            raise QerlError("--resume-from needs a step_N checkpoint (base is not one): train a new --run instead")
+    else:
+        try:
+            ckpt = resolve_checkpoint(run, "latest")
+        except QerlError:
+            return None
+        assert ckpt is not None
+    if verify:
+        checkpointing.require_intact(run, ckpt, "resume")
+    state = read_trainer_state(run, ckpt)
+    done = int(state["step"])
     trained_on = (run.record("train") or {}).get("inputs", {}).get("model")
     if trained_on and trained_on.get("files") and base_fingerprint(trained_on) != base_fingerprint(model):
         raise QerlError(f"the checkpoints in {train_dir(run)} were trained on another base model than {run.path}'s "
@@ -748,6 +876,40 @@ def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any]) -> No
         more = "already finished" if done == cfg.steps else f"is at step {done}, past --steps {cfg.steps}"
         raise QerlError(f"the training run in {run.path} {more}: pass --steps N with N > {done} to extend it "
                         "(AQN keeps its schedule; the added steps run at --aqn-sigma-end)")
+    return ckpt, state
+
+
+def set_aside_after(run: RunDir, step: int, metrics_path: Path, rollouts_dir: Path) -> dict[str, Any]:
+    """`--resume-from step_N`: move what the run wrote after step N (later checkpoints, their rollouts and
+    metrics lines) into ``train/checkpoints.abandoned-<time>/``, never deleting it; what the manifest records."""
+    from qerl_cli.manifest import atomic_write_text
+
+    dest = checkpointing.abandoned_dir(run)
+    moved = checkpointing.set_aside_checkpoints_after(run, step, dest)
+    later_lines: list[str] = []
+    if metrics_path.is_file():
+        keep = []
+        for line in metrics_path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                later = json.loads(line).get("step", 0) > step
+            except (json.JSONDecodeError, AttributeError, TypeError):
+                later = True  # a torn last line (a killed trainer) goes aside too
+            (later_lines if later else keep).append(line)
+        if later_lines:
+            dest.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(dest / metrics_path.name, "".join(x + "\n" for x in later_lines))
+            atomic_write_text(metrics_path, "".join(x + "\n" for x in keep))
+    rollouts = []
+    for p in sorted(rollouts_dir.glob("step_*.jsonl")) if rollouts_dir.is_dir() else []:
+        if p.stem[5:].isdigit() and int(p.stem[5:]) > step:
+            (dest / rollouts_dir.name).mkdir(parents=True, exist_ok=True)
+            p.rename(dest / rollouts_dir.name / p.name)
+            rollouts.append(p.name)
+    return {"checkpoint": checkpointing.checkpoint_name(step),
+            "set_aside": run.rel(dest) if dest.exists() else None, "checkpoints": moved,
+            "metrics_lines": len(later_lines), "rollout_files": len(rollouts)}
 
 
 def trainer_device() -> str | None:
@@ -757,10 +919,11 @@ def trainer_device() -> str | None:
     return current().device
 
 
-def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device: str | None = None,
-          on_step: Callable[[dict[str, Any]], None] | None = None,
+def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume_from: str | None = None,
+          device: str | None = None, on_step: Callable[[dict[str, Any]], None] | None = None,
           on_setup: Callable[[Trainer], None] | None = None) -> TrainResult:
-    """Run `cfg.steps` RL steps on the run's quantized model; resumable with `resume=True`."""
+    """Run `cfg.steps` RL steps on the run's quantized model; resumable with `resume=True` (from `latest`) or
+    ``resume_from="step_N"`` (an earlier checkpoint: what the run wrote after it is set aside, not deleted)."""
     from qerl_cli.train.distributed import follower_stage
 
     run = RunDir(run_dir, create=False)
@@ -770,73 +933,101 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
     inputs = {"model": {"path": model_rec["outputs"]["model"]["path"],
                         "files": model_rec["outputs"]["model"].get("files", {}),
                         "format": model_rec["outputs"]["model"].get("format")}}
+    resume = resume or resume_from is not None
     if not resume and (checkpoints_dir(run).exists() or trainer.metrics_path.exists()):
         # refused before the stage starts, so the finished run's manifest record stays as it was
         raise QerlError(f"{train_dir(run)} already holds a training run: pass --resume to continue it, or use "
                         "a new --run directory")
     # an earlier extension stays stated when the extended run is resumed again
     extended = (run.record("train") or {}).get("extra", {}).get("extended") if resume else None
-    if resume:
-        _check_resumable(run, cfg, inputs["model"])
+    start_from = _check_resumable(run, cfg, inputs["model"], resume_from, verify=ctx.is_main) if resume else None
     # the memory plan from the model's config: a run that cannot fit is refused here, before the stage starts and
     # before any weight is loaded (setup() plans again with the measured weights)
     trainer.plan_run_memory()
     # only rank 0 takes the run lock and writes the manifest; other ranks only read the run directory
     stage = run.stage("train", config=trainer.cfg.to_dict(), inputs=inputs, seeds={"seed": trainer.cfg.seed}) \
         if ctx.is_main else follower_stage("train")
-    with stage as rec:
+    with stage as rec, GracefulStop(trainer.cfg.sigterm_grace_s, can_abandon=not ctx.enabled) as stop:
+        if start_from is not None and ctx.is_main:
+            ckpt, state = start_from
+            if resume_from is not None:  # under the run lock: later checkpoints, rollouts, metrics lines set aside
+                with stop.deferred():  # all of it or (before it starts) none of it
+                    rec.extra["resume_from"] = set_aside_after(run, int(state["step"]), trainer.metrics_path,
+                                                               trainer.rollouts_dir)
+            rec.outputs = _checkpoint_outputs(run, trainer, ckpt)  # what the run stands on until its next save
+            run.save(rec)
         with ctx.agree("setup"):  # a failure on any rank stops every rank with one clear line
             try:
                 trainer.setup()
             except torch.cuda.OutOfMemoryError as exc:
                 raise QerlError("out of GPU memory while loading the model: lower --gpu-memory-utilization") from exc
-            start = trainer.resume() if resume else 0
+            start = (trainer.resume(*start_from) if start_from is not None else trainer.resume()) if resume else 0
         if ctx.is_main and trainer.memory_plan is not None:
             rec.extra["memory_plan"] = trainer.memory_plan.to_dict()
         if on_setup:
             on_setup(trainer)
         history: list[dict[str, Any]] = []
         last_ckpt: Path | None = None
-        stopped = False
-        with GracefulStop() as stop:
-            while trainer.step < trainer.cfg.steps:
-                try:
-                    m = trainer.train_step()
-                except torch.cuda.OutOfMemoryError as exc:
-                    raise QerlError(
-                        f"out of GPU memory at step {trainer.step + 1}: lower --batch-prompts, "
-                        "--micro-batch-size or --max-completion-length, or use --gradient-checkpointing; the last "
-                        "checkpoint is intact (--resume)") from exc
-                finished = trainer.wait_checkpoint()  # the previous step's background write
-                if finished is not None and ctx.is_main:
-                    rec.outputs = _checkpoint_outputs(run, trainer, finished)
-                    run.save(rec)
-                trainer.append_metrics(m)
-                history.append(m)
-                if on_step:
-                    on_step(m)
-                done = trainer.step >= trainer.cfg.steps
-                stop_now = ctx.any_true(stop.requested)  # every rank stops at the same step
-                if done or trainer.step % trainer.cfg.save_steps == 0 or stop_now:
-                    # the last checkpoint (end of run or Ctrl-C) is written before the process moves on
-                    last_ckpt = trainer.save(background=None if not (done or stop_now) else False)
-                    m["timing/checkpoint_s"] = trainer.last_checkpoint_s  # in history; the jsonl line is written
-                    if ctx.enabled:
-                        from qerl_cli.train.distributed import replica_digests
+        saved_step = start  # the step of the newest checkpoint written (or resumed from)
+        stopped = abandoned = preempted = False
+        logged = trainer.step  # steps whose metrics are in metrics.jsonl
 
-                        rec.extra["dist"] = {"world_size": ctx.world_size, "backend": ctx.backend,
-                                             "sharding": trainer.cfg.sharding,
-                                             "pids": ctx.gather_objects(os.getpid())}
-                        if trainer.cfg.sharding != "fsdp2":  # replicas must stay bitwise equal; shards differ
-                            rec.extra["dist"]["adapter_digests"] = replica_digests(trainer.params, ctx, trainer.step)
-                    if ctx.is_main and not trainer.writer.busy:
-                        rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
-                        run.save(rec)
-                if stop_now and not done:
-                    stopped = True
-                    break
-        trainer.wait_checkpoint()
-        if last_ckpt is None and trainer.step > 0:  # resumed a run that had already finished its steps
+        def checkpoint(*, background: bool | None) -> Path:
+            nonlocal saved_step
+            path = trainer.save(background=background)
+            saved_step = trainer.step
+            if history:
+                history[-1]["timing/checkpoint_s"] = trainer.last_checkpoint_s  # in history; the jsonl line is written
+            if ctx.enabled:
+                from qerl_cli.train.distributed import replica_digests
+
+                rec.extra["dist"] = {"world_size": ctx.world_size, "backend": ctx.backend,
+                                     "sharding": trainer.cfg.sharding, "pids": ctx.gather_objects(os.getpid())}
+                if trainer.cfg.sharding != "fsdp2":  # replicas must stay bitwise equal; shards differ
+                    rec.extra["dist"]["adapter_digests"] = replica_digests(trainer.params, ctx, trainer.step)
+            if ctx.is_main and not trainer.writer.busy:
+                rec.outputs = _checkpoint_outputs(run, trainer, path)
+                run.save(rec)
+            return path
+
+        stop.loop()
+        while trainer.step < trainer.cfg.steps:
+            if ctx.any_true(stop.requested):  # every rank stops at the same step boundary
+                stopped = True
+                break
+            logged = trainer.step
+            try:
+                with stop.step():
+                    m = trainer.train_step()
+            except Preempted:
+                # SIGTERM past the grace period: the step is dropped whole (nothing of it is logged or saved, its
+                # half-updated state is never written); the last checkpoint is what --resume continues from
+                stopped = abandoned = True
+                break
+            except torch.cuda.OutOfMemoryError as exc:
+                raise QerlError(
+                    f"out of GPU memory at step {trainer.step + 1}: lower --batch-prompts, "
+                    "--micro-batch-size or --max-completion-length, or use --gradient-checkpointing; the last "
+                    "checkpoint is intact (--resume)") from exc
+            finished = trainer.wait_checkpoint()  # the previous step's background write
+            if finished is not None and ctx.is_main:
+                rec.outputs = _checkpoint_outputs(run, trainer, finished)
+                run.save(rec)
+            trainer.append_metrics(m)
+            history.append(m)
+            if on_step:
+                on_step(m)
+            done = trainer.step >= trainer.cfg.steps
+            if done or trainer.step % trainer.cfg.save_steps == 0:
+                # the last checkpoint is written before the process moves on
+                last_ckpt = checkpoint(background=None if not done else False)
+        if stopped and not abandoned and saved_step < trainer.step:
+            last_ckpt = checkpoint(background=False)  # Ctrl-C / SIGTERM: the finished step is kept
+        preempted = ctx.any_true(stop.preempted) if stopped else False
+        finished = trainer.wait_checkpoint()
+        if finished is not None and ctx.is_main:
+            rec.outputs = _checkpoint_outputs(run, trainer, finished)
+        if last_ckpt is None and trainer.step > 0 and not abandoned:  # resumed a run that had finished its steps
             last_ckpt = resolve_checkpoint(run, "latest")
             assert last_ckpt is not None
             if ctx.is_main:
@@ -846,10 +1037,22 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
                         "aqn_schedule_steps": trainer.aqn.total_steps if trainer.aqn else None}
         if extended:
             rec.extra["extended"] = extended
-        rec.metrics = {"steps_done": trainer.step, "resumed_from": start,
+        logged = logged if abandoned else trainer.step  # an abandoned step may have counted itself already
+        rec.metrics = {"steps_done": logged, "resumed_from": start,
                        **({k: history[-1][k] for k in ("reward", "accuracy", "completions/mean_length")
                            if k in history[-1]} if history else {})}
         if stopped:
-            # recorded as interrupted; the checkpoint just written is what --resume continues from
+            # recorded as interrupted; the newest checkpoint is what --resume continues from
+            if ctx.is_main:
+                rec.extra["stopped"] = {"signal": "SIGTERM" if preempted else "SIGINT", "at_step": logged,
+                                        "abandoned_step": logged + 1 if abandoned else None,
+                                        "checkpoint": checkpointing.checkpoint_name(saved_step) if saved_step else None}
+            if preempted:
+                where = (f"step {logged + 1} was abandoned past --sigterm-grace-s" if abandoned
+                         else f"step {logged} finished and was checkpointed")
+                again = f"`qerl train --run {run.path} --resume`"
+                resume_hint = (f"{again} continues from {checkpointing.checkpoint_name(saved_step)}" if saved_step
+                               else f"no checkpoint was written yet: {again} starts over")
+                raise Preempted(f"preempted (SIGTERM): {where}; {resume_hint}")
             raise KeyboardInterrupt
     return TrainResult(run.path, trainer.step, history, last_ckpt, stopped)
