@@ -145,7 +145,7 @@ if f.is_file():
         if plan:
             print(f"   plan: mb {plan['micro_batch_size']}, gc {plan['gradient_checkpointing']}, optimizer offload "
                   f"{plan['optimizer_offload']}, kernel copies {plan['extra_weight_copies']}, kv slots "
-                  f"{plan['kv_slots']}; weights {plan['weights'] / 2**30:.2f} GiB (stored "
+                  f"{plan['kv_slots']} (kept between steps: {plan.get('resident_cache')}); weights {plan['weights'] / 2**30:.2f} GiB (stored "
                   f"{plan['weight_parts']['stored'] / 2**30:.2f}, kernel layouts "
                   f"{plan['weight_parts']['kernel_derived'] / 2**30:.2f}, measured "
                   f"{(plan['weight_parts']['measured'] or 0) / 2**30:.2f})")

@@ -323,7 +323,8 @@ class MemoryPlan:
             "  peak per phase (GiB): " + ", ".join(f"{p} {b / GIB:.1f}" for p, b in est.items()),
             f"  chosen: micro_batch_size {self.micro_batch_size}, gradient_checkpointing "
             f"{str(self.gradient_checkpointing).lower()}, optimizer_offload {str(self.optimizer_offload).lower()}, "
-            f"kernel_weight_copies {str(self.extra_weight_copies).lower()}, gpu_memory_utilization "
+            f"kernel_weight_copies {str(self.extra_weight_copies).lower()}, keep_rollout_cache "
+            f"{str(self.resident_cache).lower()}, gpu_memory_utilization "
             f"{'-' if self.gpu_memory_utilization is None else f'{self.gpu_memory_utilization:.3f}'}",
         ]
         return out
