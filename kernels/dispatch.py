@@ -12,7 +12,8 @@ Backends (`set_backend(name)`, or QERL_LINEAR_BACKEND; `qerl bench rollout --lin
   reads the same resident repack as `triton`/`cublas`, so choosing it costs no extra weight copy;
 - `humming`: humming-kernels at every M (needs the package; it converts the weight into its own layout,
   a second resident copy, which `auto` accepts only where humming measured faster;
-  QERL_DISPATCH_CANDIDATES=triton,cublas keeps `auto` on qerl's single copy).
+  QERL_DISPATCH_CANDIDATES=triton,cublas keeps `auto` on qerl's single copy, and so does
+  `allow_extra_copies(False)`, which the training memory plan calls when the step would not fit with them).
 `set_backend` writes QERL_LINEAR_BACKEND so the run's manifest (which records every QERL_* variable)
 names the backend. Timing uses `triton.testing.do_bench` (median; it flushes L2 before every call, so the
 weights come from HBM) on the module's own weight.
@@ -44,6 +45,7 @@ ENV = "QERL_LINEAR_BACKEND"
 CACHE_ENV = "QERL_KERNEL_CACHE"
 CANDIDATES_ENV = "QERL_DISPATCH_CANDIDATES"
 _plans: dict[tuple, dict[int, str]] = {}  # shape key -> {bucket: backend}
+_extra_copies = True  # may `auto` measure (and so choose) backends that keep their own copy of a weight?
 _disk: dict[str, Any] | None = None
 last_timings: dict[int, dict[str, float]] = {}  # the latest measure_plan's {bucket: {candidate: us}}
 
@@ -169,6 +171,38 @@ def humming_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return humming_peer.forward(layer, x)
 
 
+# ---- what the kernels keep beside a module's own tensors (the memory plan counts it) --------------------------
+def derived_bytes(fmt: str, n: int, k: int, act_elem: int = 2, bias: bool = False) -> int:
+    """Bytes qerl's kernels derive from an [n, k] module's stored tensors and keep (an upper bound: it assumes
+    every kernel that could run the module ran once).
+
+    FP4 on the in-place repacked layout (K % 128 == 0): the block scales as 16-bit factors for the activation
+    dtype (`fp4.kernel_scales`, 2 bytes per block of 16 (NVFP4) or 32 (MXFP4) weights, one set per storage:
+    a fused q/k/v or gate/up shares it with its parts) and, with a bias, the CUDA kernel's fp32 copy of it.
+    FP8: the fp32 scale row of the FP8xFP8 path. The repack itself is in place (no bytes)."""
+    from qerl_kernels.linear import FP4_FORMATS, REPACK
+
+    if fmt in FP4_FORMATS:
+        from qerl_kernels.fp4 import group_size
+
+        if not REPACK or k % 128:
+            return 0
+        return n * (k // group_size(fmt)) * 2 + (n * 4 if bias else 0)
+    return n * 4 if fmt == "fp8" else 0
+
+
+def extra_copy_bytes(fmt: str, n: int, k: int) -> int:
+    """Bytes of the copy a peer backend converts an [n, k] module into when `auto` chooses it (humming: FP4
+    nibbles + one scale byte per block); 0 when no such backend can be chosen here."""
+    from qerl_kernels import humming_peer
+
+    if fmt not in humming_peer.FORMATS or not humming_peer.available():
+        return 0
+    from qerl_kernels.fp4 import group_size
+
+    return n * k // 2 + n * (k // group_size(fmt))
+
+
 # ---- the timing pass -----------------------------------------------------------------------------------
 def shape_key(module: nn.Module, dtype: torch.dtype, lora_rank: int | None = None) -> tuple:
     key = (module.fmt, module.out_features, module.in_features, str(dtype).removeprefix("torch."),
@@ -176,13 +210,27 @@ def shape_key(module: nn.Module, dtype: torch.dtype, lora_rank: int | None = Non
     return key + (f"lora{lora_rank}",) if lora_rank else key
 
 
+def allow_extra_copies(allowed: bool) -> None:
+    """Whether `auto` may measure, and so choose, a backend that keeps its own converted copy of a weight
+    (humming: +0.5 byte per weight, for every module it wins on, a fused q/k/v or gate/up included). The memory
+    plan turns it off when the step would not fit with those copies (qerl_cli/train/memory_plan.py). Plans are
+    keyed by the candidate list, so a plan measured with humming is not reused without it."""
+    global _extra_copies
+    _extra_copies = bool(allowed)
+
+
+def extra_copies_allowed() -> bool:
+    return _extra_copies
+
+
 def candidates() -> list[str]:
-    """What `auto` measures: triton, cublas, cuda (Hopper with nvcc) and (installed) humming, or the subset
-    QERL_DISPATCH_CANDIDATES names (e.g. `triton,cublas,cuda` keeps auto on qerl's one resident copy)."""
+    """What `auto` measures: triton, cublas, cuda (Hopper with nvcc) and (installed, unless
+    `allow_extra_copies(False)`) humming, or the subset QERL_DISPATCH_CANDIDATES names (e.g. `triton,cublas,cuda`
+    keeps auto on qerl's one resident copy)."""
     from qerl_kernels import cuda_fp4, humming_peer
 
     found = ["triton", "cublas"] + (["cuda"] if cuda_fp4.available() else []) + \
-        (["humming"] if humming_peer.available() else [])
+        (["humming"] if _extra_copies and humming_peer.available() else [])
     wanted = os.environ.get(CANDIDATES_ENV)
     if not wanted:
         return found

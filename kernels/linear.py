@@ -130,7 +130,7 @@ class KernelState:
     shift: int = 0  # MXFP4 exponent shift F (see fp4.py)
     repacked: torch.Tensor | None = None  # the module's own weight_packed, repacked in place (fp4.repack_fp4)
     tiled: bool = False  # repacked in 4 KB chunks (N % 64 == 0 too)
-    kscales: dict = field(default_factory=dict)  # activation dtype -> fp4.kernel_scales(...)
+    kscales: dict = field(default_factory=dict)  # activation dtype -> fp4.kernel_scales(...) (`block_scales`)
     fp8_scale_row: torch.Tensor | None = None  # FP8 weight scale as fp32 [1, N] for torch._scaled_mm
     extra: dict = field(default_factory=dict)
 
@@ -164,6 +164,28 @@ def kernel_state(module: nn.Module) -> KernelState:
     return st
 
 
+def block_scales(module: nn.Module, st: KernelState, dtype: torch.dtype) -> torch.Tensor:
+    """`fp4.kernel_scales` of a repacked module for activations of `dtype`, made once per storage: a part of a
+    fused q/k/v or gate/up (`QuantLinear.fused_rows`) takes its rows of the fused module's set, so the training
+    forward (parts) and the rollout (fused) do not each keep one (0.125 byte per NVFP4 weight). Valid because the
+    tiled scale layout, like the tiled weight, only reorders within 64-row blocks, and parts start on them."""
+    ks = st.kscales.get(dtype)
+    if ks is not None:
+        return ks
+    fused_rows = getattr(module, "fused_rows", None)
+    owner = fused_rows() if callable(fused_rows) else None
+    if owner is not None:
+        fused, row = owner
+        fst = kernel_state(fused)
+        aligned = not st.tiled or row % 64 == 0
+        if fst.repacked is not None and (fst.tiled, fst.shift) == (st.tiled, st.shift) and aligned:
+            ks = block_scales(fused, fst, dtype)[row:row + st.n]
+    if ks is None:
+        ks = kernel_scales(_tensors(module)["weight_scale"], st.fmt, dtype, st.shift, tiled=st.tiled)
+    st.kscales[dtype] = ks
+    return ks
+
+
 # ---- forward / backward on 2-D activations ---------------------------------------------------------
 def _use_fp8_act(x: torch.Tensor, st: KernelState) -> bool:
     mode = _fp8_act_mode()
@@ -182,9 +204,7 @@ def fp4_fused(x: torch.Tensor, module: nn.Module, cfg: TileConfig | None = None)
     m = x.shape[0]
     if st.repacked is not None:
         cfg = cfg or fp4_config(m, st.n, st.k, num_sms(x.device))
-        ks = st.kscales.get(x.dtype)
-        if ks is None:
-            ks = st.kscales[x.dtype] = kernel_scales(t["weight_scale"], st.fmt, x.dtype, st.shift, tiled=st.tiled)
+        ks = block_scales(module, st, x.dtype)
         return fp4_matmul_v2(x, st.repacked, ks, gs, st.fmt, cfg, shift=st.shift, bias=module.bias, tiled=st.tiled)
     cfg = cfg or fp4_config(m, st.n, st.k, num_sms(x.device), repacked=False)
     return fp4_matmul(x, t["weight_packed"], t["weight_scale"], gs, st.fmt, cfg, bias=module.bias, shift=st.shift)

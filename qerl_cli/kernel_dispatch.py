@@ -72,3 +72,32 @@ def bnb_nf4_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor:
                     dtype=module.dtype)
     bias = None if module.bias is None else module.bias.to(x.dtype)
     return bnb.matmul_4bit(x, module.weight.t(), quant_state=qs, bias=bias)
+
+
+# ---- what the kernels keep beside the weights, and whether a peer may keep its own copy (the memory plan) ----
+@functools.cache
+def _dispatch():  # noqa: ANN202 - a module or None
+    try:
+        import qerl_kernels.dispatch as dispatch
+    except ImportError:
+        return None
+    return dispatch
+
+
+def derived_bytes(fmt: str, n: int, k: int, act_elem: int = 2, bias: bool = False) -> int:
+    """What qerl's CUDA kernels derive from an [n, k] layer's tensors and keep (0 without qerl_kernels)."""
+    d = _dispatch()
+    return 0 if d is None else d.derived_bytes(fmt, n, k, act_elem, bias)
+
+
+def extra_copy_bytes(fmt: str, n: int, k: int) -> int:
+    """The peer kernel's own copy of an [n, k] layer when the dispatcher may choose it (humming), else 0."""
+    d = _dispatch()
+    return 0 if d is None else d.extra_copy_bytes(fmt, n, k)
+
+
+def allow_extra_copies(allowed: bool) -> None:
+    """Let the FP4 dispatcher choose backends that keep a second copy of a weight (or not)."""
+    d = _dispatch()
+    if d is not None:
+        d.allow_extra_copies(allowed)

@@ -67,9 +67,10 @@ DEFAULT_FORMATS = ("bf16", "nvfp4", "nf4")
 PEERS = ("trl",)
 SCHEMA = 1
 # issue 16: NVFP4 end-to-end step vs BF16-LoRA; NVFP4 LoRA r32 GRPO 8 x (256 + 1024) peak memory (GiB, the max over
-# phases of max_memory_allocated) with default settings: 32B on an 80 GB GPU, 72B on an H200; 7B NVFP4 peak vs BF16
+# phases of max_memory_allocated) with default settings: 32B on an 80 GB GPU; 7B NVFP4 peak vs BF16. Issue 27: the
+# 72B step on one 80 GB card (the plan gives it the same settings on any larger one)
 SPEEDUP_TARGETS = {"qwen2.5-7b": 1.6, "qwen2.5-14b": 1.7, "qwen2.5-32b": 2.0}  # issue 26 (7B was 1.5 in 16)
-PEAK_TARGETS_GIB = {"qwen2.5-32b": 40.0, "qwen2.5-72b": 100.0}
+PEAK_TARGETS_GIB = {"qwen2.5-32b": 40.0, "qwen2.5-72b": 60.0}
 PEAK_RATIO_TARGET = 0.5  # NVFP4 peak <= this x the BF16-LoRA peak of the same configuration
 # issue 26: the NVFP4 step against the peers of the same bench (bench/peers.py), and the training phases' MFU
 PEER_TARGETS = {"qwen2.5-7b": {"nvfp4@vllm": 1.3, "trl": 2.0}}
@@ -174,7 +175,9 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
         if on_cuda:
             for p in MEM_PHASES[:-1]:
                 row[f"mem_{p}_gb"] = m.get(f"memory/{p}_peak_gb")
+                row[f"end_{p}_gb"] = m.get(f"memory/{p}_end_gb")  # still allocated when the phase ended
             row["mem_checkpoint_gb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
+            row["end_checkpoint_gb"] = torch.cuda.memory_allocated(trainer.device) / 2**30
             row["peak_gb"] = max(v for k, v in row.items() if k.startswith("mem_") and v is not None)
         row["warmup"] = i < warmup
         rows.append(row)
@@ -396,6 +399,10 @@ class _FormatStep:
                 row["memory_plan"] = plan.to_dict()
                 row["micro_batch_size"] = plan.micro_batch_size
                 row["gradient_checkpointing"] = plan.gradient_checkpointing
+                row["optimizer_offload"] = plan.optimizer_offload
+                row["kernel_weight_copies"] = plan.extra_weight_copies
+                # next to the measured mem_<phase>_gb: the plan's estimate of the same peak (allocated bytes)
+                row.update({f"est_{p}_gb": b / 2**30 for p, b in plan.phase_estimates().items()})
             row["keep_rollout_cache"] = trainer.keep_rollout_cache
             row["pack_sequences"] = trainer.cfg.pack_sequences
             row["logprob_backend"] = trainer.cfg.logprob_backend
@@ -468,8 +475,12 @@ class _FormatStep:
         vllm = cfg.rollout_engine == "vllm"
         if self.spec is not None:
             n_prompts = cfg.batch_prompts * (self.warmup + self.measure_steps)
+            # the memory plan from the shape's config: a step that cannot fit is refused here, before any weight
+            trainer.plan_memory(self.spec.config(), self.fmt, prompt_tokens=self.prompt_len)
             stops = list(self.stop_ids or [])
+            t0 = time.perf_counter()
             model = build_shape_model(self.spec, self.fmt, self.device, self.dtype, self.seed)
+            row["model_build_s"] = time.perf_counter() - t0
             model_dir = None
             if vllm:  # vLLM serves its own copy: the same random weights, written as a checkpoint
                 from qerl_cli.bench.peers import write_shape_checkpoint
@@ -484,10 +495,15 @@ class _FormatStep:
             if vllm:
                 row["vllm_startup_s"] = getattr(trainer.engine, "startup_s", None)
             return
+        from transformers import AutoConfig
+
         from qerl_cli.bench.runmodels import format_model_dir
         from qerl_cli.models import load_model
+        from qerl_cli.train.memory_plan import model_dir_format, stored_bytes
 
         model_dir = format_model_dir(self.run, self.fmt, self.out, self.log)
+        trainer.plan_memory(AutoConfig.from_pretrained(str(model_dir)), model_dir_format(model_dir),
+                            prompt_tokens=cfg.max_prompt_length, stored=stored_bytes(model_dir))
         model, tok = load_model(str(model_dir), dtype=self.dtype, device=self.device)
         trainer.setup(model=model, tokenizer=tok, model_dir=model_dir if vllm else None)
         row["model_dir"] = str(model_dir)
@@ -641,8 +657,8 @@ def _targets(res: dict[str, Any], cfg: Any) -> list[dict[str, Any]]:
         seqs = cfg.batch_prompts * cfg.num_generations
         prompt, new = res["config"]["prompt_len"], cfg.max_completion_length
         asked = seqs == 8 and prompt == 256 and new == 1024 and cfg.lora_rank == 32 and cfg.algo == "grpo"
-        out.append({"target": f"{shape} nvfp4 LoRA r32 GRPO 8 x (256 + 1024) peak < {limit:.0f} GiB",
-                    "value": nv["peak_gb"], "met": (nv["peak_gb"] < limit) if asked else None,
+        out.append({"target": f"{shape} nvfp4 LoRA r32 GRPO 8 x (256 + 1024) peak <= {limit:.0f} GiB",
+                    "value": nv["peak_gb"], "met": (nv["peak_gb"] <= limit) if asked else None,
                     "note": None if asked else f"measured at {seqs} x ({prompt} + {new}) tokens: not the target's"})
     return out
 

@@ -76,6 +76,8 @@ class TrainConfig:
     gradient_checkpointing: bool | None = None  # None: the memory plan turns it on only when needed
     gpu_memory_gib: float | None = None  # GPU memory this run may use (e.g. 79.2 on an H200 for an 80 GB card)
     logprob_chunk_tokens: int = 512  # completion tokens per lm_head + log-softmax chunk; 0: all at once
+    optimizer_offload: bool | None = None  # AdamW's moments in pinned host memory; None: the memory plan decides
+    kernel_weight_copies: bool | None = None  # may FP4 kernels keep a second weight copy (humming)? None: the plan
     logprob_backend: str = "chunked"  # the update's log-probs: qerl's chunked path, or liger (fused linear + CE)
     pack_sequences: bool = True  # training forwards on the micro-batch's real tokens only (varlen attention)
     keep_rollout_cache: bool | None = None  # builtin engine: keep KV cache + CUDA graphs between steps (None: plan)
@@ -243,6 +245,10 @@ FIELD_HELP: dict[str, str] = {
     "gradient_checkpointing": "Recompute activations in the backward (default: on only when the plan needs it).",
     "gpu_memory_gib": "GPU memory the run may use, GiB (e.g. 79.2 to stand for an 80 GB card).",
     "logprob_chunk_tokens": "Completion tokens per lm_head + log-softmax chunk (0: all at once).",
+    "optimizer_offload": "Keep AdamW's moments in pinned host memory, streamed to the GPU for each step "
+                         "(default: the memory plan's choice; exact either way).",
+    "kernel_weight_copies": "Let the FP4 kernel dispatch keep a second, converted weight copy where a peer kernel "
+                            "(humming) is faster (default: only when the step fits with it).",
     "logprob_backend": "chunked (qerl's, default) | liger (Liger-Kernel fused linear + cross-entropy; CUDA).",
     "pack_sequences": "Pack each micro-batch's sequences (no compute on padding; varlen attention).",
     "keep_rollout_cache": "Keep the builtin engine's KV cache and CUDA graphs between steps (default: when the "

@@ -230,11 +230,16 @@ class Trainer:
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
         if model is None:
             self.model_dir = quantized_model_dir(self.run)
+            if self.memory_plan is None:  # refused here, before a weight is loaded, when the run cannot fit
+                self.plan_run_memory()
             base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device,
                                               expected_sha256=model_files(self.run) or None)
         else:
             base, self.tokenizer = model, tokenizer
             self.model_dir = model_dir
+            fmt = getattr(base, "qerl_format", None)
+            if self.memory_plan is None and fmt is not None and prompt_ids is not None:
+                self.plan_memory(base.config, fmt, prompt_tokens=max(len(p) for p in prompt_ids))
         weights = self._resident_weights(base)
         self.full = self.rollout_quant = None  # FlashRL modes (qerl_cli/train/full_finetune.py, rollout_quant.py)
         if c.finetune == "full" or c.rollout_quant != "none":
@@ -290,20 +295,22 @@ class Trainer:
         self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
         rollout_model = self.model if self.rollout_quant is None else self.rollout_quant.model
         # the builtin engine keeps its KV cache, LoRA shadows and CUDA graphs across steps when they fit beside
-        # training: re-allocating and re-capturing them every step cost the step's rollout its bench speed
+        # training (the plan decides: not when memory is short): re-allocating and re-capturing them every step
+        # cost the step's rollout its bench speed
         keep = c.keep_rollout_cache if c.keep_rollout_cache is not None else (
             self.memory_plan is not None and self.memory_plan.resident_cache_fits)
         self.keep_rollout_cache = bool(keep) and c.rollout_engine == "builtin"
-        self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer,
-                                  max_batch_slots=min(c.max_batch_slots, c.batch_prompts * c.num_generations),
+        slots = min(c.max_batch_slots, c.batch_prompts * c.num_generations)
+        if self.memory_plan is not None and self.memory_plan.capacity is not None and c.rollout_engine == "builtin":
+            slots = min(slots, max(1, self.memory_plan.kv_slots))  # the KV-cache share the plan fitted
+        self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer, max_batch_slots=slots,
                                   max_model_len=max_len, gpu_memory_utilization=c.gpu_memory_utilization,
                                   dtype=self.dtype, model_dir=self.model_dir)
         # sharded: AQN reads (and the engine overrides) the rollout copy's own norms; otherwise the model's
         aqn_model = self.rollout_quant.model if sharded else self.model
         self.aqn = (AQN(aqn_model, c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
                         stages=c.aqn_stages, seed=c.seed) if c.aqn else None)
-        self.optimizer = torch.optim.AdamW(self.params, lr=c.lr, weight_decay=c.weight_decay, betas=(0.9, 0.99),
-                                           **(self.full.optimizer_options if sharded else {}))
+        self.optimizer = self._make_optimizer(**(self.full.optimizer_options if sharded else {}))
         warm = max(0, c.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
@@ -314,6 +321,47 @@ class Trainer:
 
         self.backend = make_backend(self, self.dist, sharded_model=sharded)
         self.extended_from: int | None = None  # a finished run's steps, when --resume --steps extends it
+
+    # ---- the memory plan (train/memory_plan.py) and what it decides ----------------------------------------
+    def plan_memory(self, model_config: Any, fmt: str, *, prompt_tokens: int, stored: int | None = None) -> Any:
+        """The plan from the model's config and format, before any weight is built: raises MemoryPlanError (one
+        line naming the setting to change) when the run cannot fit. Sets whether FP4 kernels may keep a second
+        weight copy before the first forward could make one; ``setup()`` plans again with what it measures."""
+        from qerl_cli import kernel_dispatch
+        from qerl_cli.train.memory_plan import plan_before_build, stored_bytes
+
+        if stored is None and self.model_dir is not None:
+            stored = stored_bytes(self.model_dir)
+        plan = plan_before_build(self.cfg, model_config, fmt, device=self.device, prompt_tokens=prompt_tokens,
+                                 stored=stored)
+        self.memory_plan = plan
+        if self.device.type == "cuda" and plan.capacity is not None:
+            kernel_dispatch.allow_extra_copies(plan.extra_weight_copies)
+        return plan
+
+    def plan_run_memory(self) -> Any:
+        """:meth:`plan_memory` for the run directory's model, from its config.json (nothing is loaded); prompts
+        count at --max-prompt-length, their bound."""
+        from transformers import AutoConfig
+
+        from qerl_cli.train.memory_plan import model_dir_format
+
+        self.model_dir = quantized_model_dir(self.run)
+        return self.plan_memory(AutoConfig.from_pretrained(str(self.model_dir)), model_dir_format(self.model_dir),
+                                prompt_tokens=self.cfg.max_prompt_length)
+
+    def _make_optimizer(self, **options: Any) -> torch.optim.Optimizer:
+        """AdamW, with its moments in pinned host memory when the plan (or --optimizer-offload) says so: the
+        same numbers either way (train/host_offload.py). ``options``: AdamW options a sharding engine asks for."""
+        kw = dict(lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99), **options)
+        if self.cfg.optimizer_offload and options:
+            raise QerlError("--optimizer-offload moves replicated AdamW state to the host; FSDP2's sharded state "
+                            "goes there with --fsdp-offload")
+        if self.cfg.optimizer_offload:
+            from qerl_cli.train.host_offload import HostOffloadAdamW
+
+            return HostOffloadAdamW(self.params, **kw)
+        return torch.optim.AdamW(self.params, **kw)
 
     def _resident_weights(self, base: torch.nn.Module) -> int:
         """What the base holds on the device before adapters (the plan's "weights"). On CUDA one 1-token
@@ -329,16 +377,24 @@ class Trainer:
         return torch.cuda.memory_allocated(self.device)
 
     def _apply_memory_plan(self, base: torch.nn.Module, weights: int, prompt_tokens: int) -> None:
-        """Plan the step's memory (train/memory_plan.py) and take its micro-batch, checkpointing and KV-cache share."""
+        """Plan the step's memory again with the measured weights and the real prompts (train/memory_plan.py) and
+        take its micro-batch, checkpointing, optimizer placement and KV-cache share."""
+        import dataclasses
+
         from qerl_cli.train.memory_plan import plan_for_config
 
         c = self.cfg
         elem = torch.empty((), dtype=self.dtype).element_size()
-        plan = plan_for_config(c, base.config, weights=weights, device=self.device, prompt_tokens=prompt_tokens,
-                               elem=elem)
+        before = self.memory_plan  # made from the config before the weights existed, if it was
+        measured: Any = weights
+        if before is not None:  # the larger of estimate and measurement counts; the copies decision stands
+            measured = dataclasses.replace(before.weight_parts, measured=weights)
+        plan = plan_for_config(c, base.config, weights=measured, device=self.device, prompt_tokens=prompt_tokens,
+                               elem=elem, extra_weight_copies=None if before is None else before.extra_weight_copies)
         self.memory_plan = plan
         c.micro_batch_size = plan.micro_batch_size
         c.gradient_checkpointing = plan.gradient_checkpointing
+        c.optimizer_offload = plan.optimizer_offload
         if c.gpu_memory_utilization is None:
             # builtin engine: the cache gets what is free within the cap; vLLM keeps its usual share
             c.gpu_memory_utilization = (plan.gpu_memory_utilization if c.rollout_engine == "builtin" else None) or 0.5
@@ -436,9 +492,10 @@ class Trainer:
             self.on_phase(phase)
 
     def _phase_peak(self, metrics: dict[str, Any], phase: str) -> None:
-        """Record this phase's CUDA peak and restart the count for the next phase."""
+        """Record this phase's CUDA peak (and what stays allocated after it) and restart the count for the next."""
         if self.device.type == "cuda":
             metrics[f"memory/{phase}_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics[f"memory/{phase}_end_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None,
@@ -672,6 +729,8 @@ class Trainer:
         self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
         self.scheduler.step()
+        # nothing reads the gradients after the step: freed now, they stay out of the next rollout's memory
+        self.optimizer.zero_grad(set_to_none=True)
         agg["timing/optimizer_s"] = self.clock() - t_opt
         self._phase_peak(agg, "optimizer")
         self.model.eval()
@@ -898,6 +957,9 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
     # an earlier extension stays stated when the extended run is resumed again
     extended = (run.record("train") or {}).get("extra", {}).get("extended") if resume else None
     start_from = _check_resumable(run, cfg, inputs["model"], resume_from, verify=ctx.is_main) if resume else None
+    # the memory plan from the model's config: a run that cannot fit is refused here, before the stage starts and
+    # before any weight is loaded (setup() plans again with the measured weights)
+    trainer.plan_run_memory()
     # only rank 0 takes the run lock and writes the manifest; other ranks only read the run directory
     stage = run.stage("train", config=trainer.cfg.to_dict(), inputs=inputs, seeds={"seed": trainer.cfg.seed}) \
         if ctx.is_main else follower_stage("train")
