@@ -12,10 +12,15 @@ Backends (`set_backend(name)`, or QERL_LINEAR_BACKEND; `qerl bench rollout --lin
   reads the same resident repack as `triton`/`cublas`, so choosing it costs no extra weight copy;
 - `humming`: humming-kernels at every M (needs the package; it converts the weight into its own layout,
   a second resident copy, which `auto` accepts only where humming measured faster;
-  QERL_DISPATCH_CANDIDATES=triton,cublas keeps `auto` on qerl's single copy).
+  QERL_DISPATCH_CANDIDATES=triton,cublas keeps `auto` on qerl's single copy, and so does
+  `allow_extra_copies(False)`, which the training memory plan calls when the step would not fit with them).
 `set_backend` writes QERL_LINEAR_BACKEND so the run's manifest (which records every QERL_* variable)
 names the backend. Timing uses `triton.testing.do_bench` (median; it flushes L2 before every call, so the
 weights come from HBM) on the module's own weight.
+
+With a LoRA expand to add (`choose(module, x, lora_rank=R)`, used by `linear.forward_with_lora`), the plan is
+measured per (shape, R) on what each candidate really costs: `cuda` with the expand in its epilogue against every
+other backend followed by one `addmm_` of the expand; the answer names the base backend.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +45,7 @@ ENV = "QERL_LINEAR_BACKEND"
 CACHE_ENV = "QERL_KERNEL_CACHE"
 CANDIDATES_ENV = "QERL_DISPATCH_CANDIDATES"
 _plans: dict[tuple, dict[int, str]] = {}  # shape key -> {bucket: backend}
+_extra_copies = True  # may `auto` measure (and so choose) backends that keep their own copy of a weight?
 _disk: dict[str, Any] | None = None
 last_timings: dict[int, dict[str, float]] = {}  # the latest measure_plan's {bucket: {candidate: us}}
 
@@ -91,52 +97,59 @@ def _threshold_choice(m: int) -> str:
     return "cublas" if m >= LARGE_M_DEQUANT else "triton"
 
 
-def choose(module: nn.Module, x: torch.Tensor) -> str:
-    """'triton' | 'cuda' | 'cublas' | 'humming' for this forward."""
+def choose(module: nn.Module, x: torch.Tensor, lora_rank: int | None = None) -> str:
+    """'triton' | 'cuda' | 'cublas' | 'humming' for this forward. With `lora_rank` R the forward also adds a
+    rank-R LoRA expand: 'cuda' then means the expand in its epilogue, any other answer that backend + one addmm."""
     backend = get_backend()
     m = x.shape[0]
     if backend == "cuda":
-        from qerl_kernels.linear import cuda_supported
+        from qerl_kernels.linear import cuda_lora_supported, cuda_supported
 
-        return "cuda" if cuda_supported(module, x) else _threshold_choice(m)  # shapes it cannot run fall back
+        ok = cuda_lora_supported(module, x, lora_rank) if lora_rank else cuda_supported(module, x)
+        return "cuda" if ok else _threshold_choice(m)  # shapes it cannot run fall back
     if backend in ("triton", "cublas", "humming"):
         return backend
     if backend == "qerl":
         return _threshold_choice(m)
-    key = shape_key(module, x.dtype)
+    key = shape_key(module, x.dtype, lora_rank)
     plan = _plans.get(key)
     if plan is None:
         plan = _load_cached(key)
         if plan is None:
             if torch.cuda.is_current_stream_capturing():
                 return _threshold_choice(m)  # cannot time inside a graph capture; qerl's threshold meanwhile
-            plan = measure_plan(module, x.dtype)
+            plan = measure_plan(module, x.dtype, lora_rank=lora_rank)
             _store_cached(key, plan)
         _plans[key] = plan
     return plan.get(bucket(m), _threshold_choice(m))
 
 
-def prepare(model: nn.Module | Iterable[nn.Module], dtype: torch.dtype = torch.bfloat16) -> dict[tuple, dict[int, str]]:
+def prepare(model: nn.Module | Iterable[nn.Module], dtype: torch.dtype = torch.bfloat16,
+            lora_ranks: Mapping[nn.Module, int] | None = None) -> dict[tuple, dict[int, str]]:
     """Measure (or load) the plan of every FP4 QuantLinear shape in `model` (a module, or several) now: call it
     after loading and before capturing CUDA graphs, since a shape first seen inside a capture runs qerl's fixed
-    threshold, and so that the timing pass is not inside a timed decode. Logs how long measuring took."""
+    threshold, and so that the timing pass is not inside a timed decode. `lora_ranks` {module: R} also measures
+    the plans with a rank-R expand for the modules that will run `linear.forward_with_lora`. Logs how long
+    measuring took."""
     if get_backend() != "auto" or not torch.cuda.is_available():
         return {}
     roots = [model] if isinstance(model, nn.Module) else list(model)
     done: dict[tuple, dict[int, str]] = {}
     t0, measured = time.perf_counter(), 0
-    for m in (sub for root in roots for sub in root.modules()):
+    ranks = dict(lora_ranks or {})
+    for m in [sub for root in roots for sub in root.modules()] + list(ranks):
         if getattr(m, "fmt", None) not in ("nvfp4", "mxfp4") or not hasattr(m, "qweight") or not m.qweight.is_cuda:
             continue
-        key = shape_key(m, dtype)
-        if key in done:
-            continue
-        plan = _plans.get(key) or _load_cached(key)
-        if plan is None:
-            plan = measure_plan(m, dtype)
-            _store_cached(key, plan)
-            measured += 1
-        _plans[key] = done[key] = plan
+        for rank in (None, ranks[m]) if ranks.get(m) else (None,):
+            key = shape_key(m, dtype, rank)
+            if key in done:
+                continue
+            plan = _plans.get(key) or _load_cached(key)
+            if plan is None:
+                plan = measure_plan(m, dtype, lora_rank=rank)
+                _store_cached(key, plan)
+                measured += 1
+            _plans[key] = done[key] = plan
     if measured:
         log.info("kernel plans: %d new shape(s) measured in %.1f s (%d in all; later runs load them from %s)",
                  measured, time.perf_counter() - t0, len(done), cache_path())
@@ -158,19 +171,66 @@ def humming_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return humming_peer.forward(layer, x)
 
 
+# ---- what the kernels keep beside a module's own tensors (the memory plan counts it) --------------------------
+def derived_bytes(fmt: str, n: int, k: int, act_elem: int = 2, bias: bool = False) -> int:
+    """Bytes qerl's kernels derive from an [n, k] module's stored tensors and keep (an upper bound: it assumes
+    every kernel that could run the module ran once).
+
+    FP4 on the in-place repacked layout (K % 128 == 0): the block scales as 16-bit factors for the activation
+    dtype (`fp4.kernel_scales`, 2 bytes per block of 16 (NVFP4) or 32 (MXFP4) weights, one set per storage:
+    a fused q/k/v or gate/up shares it with its parts) and, with a bias, the CUDA kernel's fp32 copy of it.
+    FP8: the fp32 scale row of the FP8xFP8 path. The repack itself is in place (no bytes)."""
+    from qerl_kernels.linear import FP4_FORMATS, REPACK
+
+    if fmt in FP4_FORMATS:
+        from qerl_kernels.fp4 import group_size
+
+        if not REPACK or k % 128:
+            return 0
+        return n * (k // group_size(fmt)) * 2 + (n * 4 if bias else 0)
+    return n * 4 if fmt == "fp8" else 0
+
+
+def extra_copy_bytes(fmt: str, n: int, k: int) -> int:
+    """Bytes of the copy a peer backend converts an [n, k] module into when `auto` chooses it (humming: FP4
+    nibbles + one scale byte per block); 0 when no such backend can be chosen here."""
+    from qerl_kernels import humming_peer
+
+    if fmt not in humming_peer.FORMATS or not humming_peer.available():
+        return 0
+    from qerl_kernels.fp4 import group_size
+
+    return n * k // 2 + n * (k // group_size(fmt))
+
+
 # ---- the timing pass -----------------------------------------------------------------------------------
-def shape_key(module: nn.Module, dtype: torch.dtype) -> tuple:
-    return (module.fmt, module.out_features, module.in_features, str(dtype).removeprefix("torch."),
-            module.bias is not None, ",".join(candidates()))
+def shape_key(module: nn.Module, dtype: torch.dtype, lora_rank: int | None = None) -> tuple:
+    key = (module.fmt, module.out_features, module.in_features, str(dtype).removeprefix("torch."),
+           module.bias is not None, ",".join(candidates()))
+    return key + (f"lora{lora_rank}",) if lora_rank else key
+
+
+def allow_extra_copies(allowed: bool) -> None:
+    """Whether `auto` may measure, and so choose, a backend that keeps its own converted copy of a weight
+    (humming: +0.5 byte per weight, for every module it wins on, a fused q/k/v or gate/up included). The memory
+    plan turns it off when the step would not fit with those copies (qerl_cli/train/memory_plan.py). Plans are
+    keyed by the candidate list, so a plan measured with humming is not reused without it."""
+    global _extra_copies
+    _extra_copies = bool(allowed)
+
+
+def extra_copies_allowed() -> bool:
+    return _extra_copies
 
 
 def candidates() -> list[str]:
-    """What `auto` measures: triton, cublas, cuda (Hopper with nvcc) and (installed) humming, or the subset
-    QERL_DISPATCH_CANDIDATES names (e.g. `triton,cublas,cuda` keeps auto on qerl's one resident copy)."""
+    """What `auto` measures: triton, cublas, cuda (Hopper with nvcc) and (installed, unless
+    `allow_extra_copies(False)`) humming, or the subset QERL_DISPATCH_CANDIDATES names (e.g. `triton,cublas,cuda`
+    keeps auto on qerl's one resident copy)."""
     from qerl_kernels import cuda_fp4, humming_peer
 
     found = ["triton", "cublas"] + (["cuda"] if cuda_fp4.available() else []) + \
-        (["humming"] if humming_peer.available() else [])
+        (["humming"] if _extra_copies and humming_peer.available() else [])
     wanted = os.environ.get(CANDIDATES_ENV)
     if not wanted:
         return found
@@ -184,24 +244,36 @@ def candidates() -> list[str]:
 
 
 def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...] = M_BUCKETS,
-                 rep_ms: int = 8, cands: tuple[str, ...] | None = None) -> dict[int, str]:
+                 rep_ms: int = 8, cands: tuple[str, ...] | None = None, lora_rank: int | None = None) -> dict[int, str]:
     """Time every candidate at each bucket's M on `module`; the fastest whose output matches the exact
-    dequantize + matmul (relative error < 2e-2) wins. Returns {bucket: backend}."""
+    dequantize + matmul (relative error < 2e-2) wins. Returns {bucket: backend}. With `lora_rank` R every
+    candidate also adds a rank-R expand: `cuda` in its epilogue, the others by one addmm after the GEMM."""
     from qerl_kernels import linear as ql
 
     dev = module.qweight.device
     gen = torch.Generator(device=dev).manual_seed(0)
     plan: dict[int, str] = {}
     timings: dict[int, dict[str, float]] = {}
-    funcs = {"triton": ql.fp4_fused, "cublas": ql.dequant_linear, "cuda": ql.cuda_fused,
-             "humming": lambda x, mod: humming_forward(mod, x)}
+    base = {"triton": ql.fp4_fused, "cublas": ql.dequant_linear, "cuda": ql.cuda_fused,
+            "humming": lambda x, mod: humming_forward(mod, x)}
+    probe = torch.empty(1, module.in_features, device=dev, dtype=dtype)
     cands = list(cands or candidates())
-    if "cuda" in cands and not ql.cuda_supported(module, torch.empty(1, module.in_features, device=dev, dtype=dtype)):
-        cands.remove("cuda")  # a shape or dtype the CUDA kernel does not cover
+    if "cuda" in cands and not (ql.cuda_lora_supported(module, probe, lora_rank) if lora_rank
+                                else ql.cuda_supported(module, probe)):
+        cands.remove("cuda")  # a shape, dtype or rank the CUDA kernel does not cover
+    lora_b = None
+    if lora_rank:
+        lora_b = torch.randn(module.out_features, lora_rank, device=dev, dtype=dtype, generator=gen) * 0.02
     with torch.no_grad():
         for b in buckets:
             x = torch.randn(b, module.in_features, device=dev, dtype=dtype, generator=gen)
             ref = ql.dequant_linear(x, module).float()
+            funcs = base
+            if lora_rank:
+                h = torch.randn(b, lora_rank, device=dev, dtype=dtype, generator=gen)
+                ref = ref + h.float() @ lora_b.float().T
+                funcs = {c: (lambda x_, mod, f=f, h=h: f(x_, mod).addmm_(h, lora_b.t())) for c, f in base.items()}
+                funcs["cuda"] = lambda x_, mod, h=h: ql.cuda_fused(x_, mod, h, lora_b)
             best, best_t, row = None, float("inf"), {}
             for c in cands:
                 try:
@@ -211,7 +283,7 @@ def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...]
                         log.warning("dispatch: %s wrong on %s N=%d K=%d M=%d (rel err %.2e); not used", c,
                                     module.fmt, module.out_features, module.in_features, b, err)
                         continue
-                    t = _time_gpu(lambda c=c, x=x: funcs[c](x, module), rep_ms)
+                    t = _time_gpu(lambda f=funcs[c], x=x: f(x, module), rep_ms)
                 except Exception as exc:  # a candidate that fails here is simply not chosen
                     log.warning("dispatch: %s failed on %s N=%d K=%d M=%d: %s", c, module.fmt,
                                 module.out_features, module.in_features, b, repr(exc)[:200])
@@ -225,7 +297,8 @@ def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...]
     last_timings.update(timings)
     if "humming" not in plan.values():  # drop humming's copy of the weight when it won nowhere
         ql.kernel_state(module).extra.pop("humming", None)
-    log.info("dispatch plan %s N=%d K=%d %s: %s", module.fmt, module.out_features, module.in_features, dtype,
+    log.info("dispatch plan %s N=%d K=%d %s%s: %s", module.fmt, module.out_features, module.in_features, dtype,
+             f" +LoRA r{lora_rank}" if lora_rank else "",
              ", ".join(f"M<={b} {plan[b]} ({', '.join(f'{c} {us:.1f}us' for c, us in timings[b].items())})"
                        for b in buckets))
     return plan

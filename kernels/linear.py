@@ -130,7 +130,7 @@ class KernelState:
     shift: int = 0  # MXFP4 exponent shift F (see fp4.py)
     repacked: torch.Tensor | None = None  # the module's own weight_packed, repacked in place (fp4.repack_fp4)
     tiled: bool = False  # repacked in 4 KB chunks (N % 64 == 0 too)
-    kscales: dict = field(default_factory=dict)  # activation dtype -> fp4.kernel_scales(...)
+    kscales: dict = field(default_factory=dict)  # activation dtype -> fp4.kernel_scales(...) (`block_scales`)
     fp8_scale_row: torch.Tensor | None = None  # FP8 weight scale as fp32 [1, N] for torch._scaled_mm
     extra: dict = field(default_factory=dict)
 
@@ -164,6 +164,28 @@ def kernel_state(module: nn.Module) -> KernelState:
     return st
 
 
+def block_scales(module: nn.Module, st: KernelState, dtype: torch.dtype) -> torch.Tensor:
+    """`fp4.kernel_scales` of a repacked module for activations of `dtype`, made once per storage: a part of a
+    fused q/k/v or gate/up (`QuantLinear.fused_rows`) takes its rows of the fused module's set, so the training
+    forward (parts) and the rollout (fused) do not each keep one (0.125 byte per NVFP4 weight). Valid because the
+    tiled scale layout, like the tiled weight, only reorders within 64-row blocks, and parts start on them."""
+    ks = st.kscales.get(dtype)
+    if ks is not None:
+        return ks
+    fused_rows = getattr(module, "fused_rows", None)
+    owner = fused_rows() if callable(fused_rows) else None
+    if owner is not None:
+        fused, row = owner
+        fst = kernel_state(fused)
+        aligned = not st.tiled or row % 64 == 0
+        if fst.repacked is not None and (fst.tiled, fst.shift) == (st.tiled, st.shift) and aligned:
+            ks = block_scales(fused, fst, dtype)[row:row + st.n]
+    if ks is None:
+        ks = kernel_scales(_tensors(module)["weight_scale"], st.fmt, dtype, st.shift, tiled=st.tiled)
+    st.kscales[dtype] = ks
+    return ks
+
+
 # ---- forward / backward on 2-D activations ---------------------------------------------------------
 def _use_fp8_act(x: torch.Tensor, st: KernelState) -> bool:
     mode = _fp8_act_mode()
@@ -182,9 +204,7 @@ def fp4_fused(x: torch.Tensor, module: nn.Module, cfg: TileConfig | None = None)
     m = x.shape[0]
     if st.repacked is not None:
         cfg = cfg or fp4_config(m, st.n, st.k, num_sms(x.device))
-        ks = st.kscales.get(x.dtype)
-        if ks is None:
-            ks = st.kscales[x.dtype] = kernel_scales(t["weight_scale"], st.fmt, x.dtype, st.shift, tiled=st.tiled)
+        ks = block_scales(module, st, x.dtype)
         return fp4_matmul_v2(x, st.repacked, ks, gs, st.fmt, cfg, shift=st.shift, bias=module.bias, tiled=st.tiled)
     cfg = cfg or fp4_config(m, st.n, st.k, num_sms(x.device), repacked=False)
     return fp4_matmul(x, t["weight_packed"], t["weight_scale"], gs, st.fmt, cfg, bias=module.bias, shift=st.shift)
@@ -202,9 +222,11 @@ def cuda_supported(module: nn.Module, x: torch.Tensor) -> bool:
     return kernel_state(module).repacked is not None and cuda_fp4.available(x.device)
 
 
-def cuda_fused(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+def cuda_fused(x: torch.Tensor, module: nn.Module, lora_h: torch.Tensor | None = None,
+               lora_b: torch.Tensor | None = None) -> torch.Tensor:
     """qerl's CUDA C++ FP4 kernel on the module's resident repack and checkpoint block scales (no extra
-    weight copy; the fp32 bias is the one derived tensor, cached)."""
+    weight copy; the fp32 bias is the one derived tensor, cached); with `lora_h` [M, R] and `lora_b` [N, R] the
+    LoRA expand lora_h @ lora_b^T is added in the kernel's epilogue."""
     from qerl_kernels import cuda_fp4
 
     st = kernel_state(module)
@@ -219,7 +241,15 @@ def cuda_fused(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
     return cuda_fp4.fp4_gemm(x, st.repacked, t["weight_scale"], t.get("weight_global_scale"), st.fmt,
-                             tiled=st.tiled, shift=st.shift, bias=bias)
+                             tiled=st.tiled, shift=st.shift, bias=bias, lora_h=lora_h, lora_b=lora_b)
+
+
+def cuda_lora_supported(module: nn.Module, x: torch.Tensor, rank: int) -> bool:
+    """Whether `cuda_fused(x, module, lora_h, lora_b)` can fuse a rank-`rank` expand into this forward."""
+    from qerl_kernels import cuda_fp4
+
+    return cuda_supported(module, x) and cuda_fp4.supports_lora_epilogue(module.out_features, module.in_features,
+                                                                         rank)
 
 
 def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -250,17 +280,41 @@ def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
             return fp4_fused(x, module)
         from qerl_kernels import dispatch
 
-        backend = dispatch.choose(module, x)
-        if backend == "cublas":
-            return dequant_linear(x, module)
-        if backend == "humming":
-            return dispatch.humming_forward(module, x)
-        if backend == "cuda":
-            return cuda_fused(x, module)
-        return fp4_fused(x, module)
+        return forward_by(dispatch.choose(module, x), x, module)
     if _use_fp8_act(x, st):
         return fp8_scaled_matmul(x, t["weight"], st.fp8_scale_row, None if bias is None else bias.to(x.dtype))
     return w8_matmul(x, t["weight"], t["weight_scale"], w8_config(m, st.n, st.k, sms), bias=bias)
+
+
+def forward_by(backend: str, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """An FP4 forward through one backend ('triton' | 'cuda' | 'cublas' | 'humming')."""
+    from qerl_kernels import dispatch
+
+    if backend == "cublas":
+        return dequant_linear(x, module)
+    if backend == "humming":
+        return dispatch.humming_forward(module, x)
+    if backend == "cuda":
+        return cuda_fused(x, module)
+    return fp4_fused(x, module)
+
+
+def forward_with_lora(x: torch.Tensor, module: nn.Module, lora_h: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    """y = module(x) + lora_h @ lora_b^T for 2-D contiguous-rows x [M, K] (no autograd: the rollout's decode step).
+    `lora_h` [M, R] is the shrink (x A^T, computed where x was made), `lora_b` [N, R] the expand already scaled
+    (block-diagonal for a fused q/k/v or gate/up group), both in x's dtype. The backend is the dispatcher's choice
+    for (shape, M bucket, R) (`dispatch.choose(module, x, lora_rank=R)`): qerl's CUDA kernel with the expand in
+    its epilogue (one launch, one rounding) or another backend followed by one in-place addmm."""
+    from qerl_kernels import dispatch
+
+    if module.fmt not in FP4_FORMATS or INTERPRET or not x.is_cuda:
+        y = module(x)
+        return y.addmm_(lora_h, lora_b.t())
+    backend = dispatch.choose(module, x, lora_rank=lora_h.shape[1])
+    if backend == "cuda" and cuda_lora_supported(module, x, lora_h.shape[1]):
+        return cuda_fused(x if x.stride(1) == 1 else x.contiguous(), module, lora_h, lora_b)
+    y = forward_by(backend, x, module)
+    return y.addmm_(lora_h, lora_b.t())
 
 
 def linear_backward_dx(dy: torch.Tensor, module: nn.Module) -> torch.Tensor:

@@ -271,7 +271,244 @@ def check_cuda_kernel(device: str = "cuda", g: torch.Generator | None = None) ->
                             "used_cuda": used, "ok": used and max(r1, r2) <= 1.2e-2})
     finally:
         dispatch.set_backend(prev)
+    print(f"selfcheck: cuda legacy plans done ({len(out)} checks)", flush=True)
+    return out + check_stream_plans(device, g)
+
+
+def _one_hot_case(fmt: str, n: int, k: int) -> tuple[dict, int]:
+    """Weights whose every 4 rows hold all 256 byte values (every code, low and high nibble) under every E4M3
+    scale (NVFP4, global scale 1) or 11 E8M0 exponents (MXFP4): one-hot activations read them back exactly."""
+    from qerl_kernels.fp4 import mxfp4_shift
+
+    packed = (torch.arange(n * k // 2) % 256).reshape(n, k // 2).to(torch.uint8)
+    if fmt == "nvfp4":
+        tens = {"weight_packed": packed, "weight_global_scale": torch.ones(1),
+                "weight_scale": (torch.arange(n * k // 16) % 127).reshape(n, k // 16).to(torch.uint8)
+                .view(torch.float8_e4m3fn)}
+        return tens, 0
+    sc = (140 - torch.arange(n * k // 32) % 11).reshape(n, k // 32).to(torch.uint8)
+    return {"weight_packed": packed, "weight_scale": sc}, mxfp4_shift(sc)
+
+
+def check_stream_plans(device: str = "cuda", g: torch.Generator | None = None) -> list[dict]:
+    """The decode-size plans of qerl's CUDA FP4 kernel (`cuda_fp4.DECODE_CONFIGS`, `WIDE_CONFIGS`): every built
+    configuration exact on one-hot activations (every code and scale; a one-hot LoRA expand and integer bias exact
+    too, against the epilogue's emulation), random shapes at the M each serves with bias and LoRA on and off, row
+    groups cut between CTAs, K segments and whole portions per CTA, NaN-poisoned outputs and workspaces, two runs
+    bit-identical, the same bits from a CUDA graph with programmatic dependent launch (after a copy, after a
+    kernel, after another GEMM) with new inputs, and QuantLinear through `linear.forward_with_lora`."""
+    from qerl_kernels import cuda_fp4, dispatch
+    from qerl_kernels import linear as ql
+    from qerl_kernels.fp4 import mxfp4_shift, repack_fp4
+
+    from qerl_cli.formats import QuantizedWeight, dequantize, quantize
+    from qerl_cli.qlinear import QuantLinear
+
+    if not cuda_fp4.available():
+        return [{"path": "cuda-stream", "ok": True, "skipped": True, "reason": cuda_fp4.unavailable_reason(),
+                 "rel": None, "tol": 0.0}]
+    g = g or torch.Generator(device="cpu").manual_seed(1)
+    dev = torch.device(device)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    out: list[dict] = []
+
+    def gemm(x: torch.Tensor, w: tuple, plan: cuda_fp4.Plan | None, bias: torch.Tensor | None = None,
+             lora: tuple | None = None, pdl: bool | None = None) -> torch.Tensor:
+        rep, sc, gs, fmt, tiled, shift = w
+        y = torch.full((x.shape[0], rep.shape[0]), float("nan"), dtype=x.dtype, device=dev)  # poisoned
+        h, b = lora or (None, None)
+        return cuda_fp4.fp4_gemm(x, rep, sc, gs, fmt, tiled=tiled, shift=shift, bias=bias, lora_h=h, lora_b=b,
+                                 plan=plan, pdl=pdl, out=y)
+
+    def run(path: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, tol: float, **info) -> None:
+        try:
+            got = fn().clone()
+            again = fn()
+            torch.cuda.synchronize()
+            det = bool(torch.equal(got, again))
+            written = bool(torch.isfinite(got).all())
+            if tol == 0.0:
+                ok = bool(torch.equal(got.float(), ref.float()))
+                rel = 0.0 if ok else _rel(got, ref)
+            else:
+                rel = _rel(got, ref)
+                ok = rel <= tol
+            out.append({"path": path, "rel": rel, "tol": tol, "deterministic": det, "written": written,
+                        "ok": ok and det and written, **info})
+        except Exception as exc:
+            out.append({"path": path, "rel": None, "tol": tol, "ok": False, "error": repr(exc)[:400], **info})
+
+    def variants(m: int, n: int, k: int) -> list[tuple[str, cuda_fp4.Plan]]:
+        """Every built stream configuration serving m, each with the rule's ranges, cut portions and whole ones."""
+        plans: list[tuple[str, cuda_fp4.Plan]] = []
+        if m <= cuda_fp4.DECODE_MAX_M:
+            for mt, st, perm in cuda_fp4.DECODE_CONFIGS:
+                if mt != (1 if m <= 8 else 2) or (not perm and m > 2):
+                    continue
+                for tag, kw in (("rule", {}), ("cut7", {"ctas": 7, "pmode": False}),
+                                ("seg3cut5", {"ctas": 5, "nseg": 3, "pmode": False}),
+                                ("whole", {"ctas": 3, "pmode": True})):
+                    try:
+                        plans.append((f"decode-mt{mt}-S{st}-perm{int(perm)}-{tag}",
+                                      cuda_fp4.decode_plan(m, n, k, sms, stages=st, perm=perm, **kw)))
+                    except ValueError:
+                        pass
+        elif m <= cuda_fp4.WIDE_MAX_M:
+            for mt, wn, rbw, st in cuda_fp4.WIDE_CONFIGS:
+                if mt != (4 if m <= 32 else 8):
+                    continue
+                for tag, kw in (("rule", {}), ("cut5", {"ctas": 5, "pmode": False}), ("whole", {"ctas": 2,
+                                                                                               "pmode": True})):
+                    plans.append((f"wide-mt{mt}-{wn}x{rbw}-{tag}",
+                                  cuda_fp4.wide_plan(m, n, k, sms, mt=mt, wn=wn, rbw=rbw, stages=st, **kw)))
+        return plans
+
+    cuda_fp4.POISON_WORKSPACE = True
+    try:
+        # 1. exact: one-hot activations and a one-hot LoRA expand with integer B and bias, every configuration
+        n, k = 256, 1024
+        for fmt in ("nvfp4", "mxfp4"):
+            tens, shift = _one_hot_case(fmt, n, k)
+            wref = dequantize(QuantizedWeight(fmt, (n, k), tens), torch.float32).to(dev)
+            w = (repack_fp4(tens["weight_packed"], tiled=True).to(dev), tens["weight_scale"].to(dev),
+                 tens["weight_global_scale"].to(dev) if fmt == "nvfp4" else None, fmt, True, shift)
+            for dt in (torch.bfloat16, torch.float16):
+                for m in (1, 2, 8, 16, 32, 64):
+                    for name, plan in variants(m, n, k):
+                        for call in range(2):
+                            rows = torch.arange(m, device=dev)
+                            kt = (rows * 37 + call * 11 + 5) % k
+                            x = torch.zeros(m, k, dtype=dt, device=dev)
+                            x[rows, kt] = 1
+                            acc = wref[:, kt].T.contiguous()  # [m, n]: the weights the rows read back
+                            lora = bias = None
+                            if call == 1:
+                                r = 24
+                                h = torch.zeros(m, r, dtype=dt, device=dev)
+                                h[rows, (rows * 5 + 3) % r] = 1
+                                b = (torch.randint(-4, 5, (n, r), generator=g)).to(device=dev, dtype=dt)
+                                lora = (h, b)
+                                bias = torch.randint(-3, 4, (n,), generator=g).float().to(dev)
+                            want = cuda_fp4.emulate_epilogue(acc, 1.0, dt, bias,
+                                                             None if lora is None else (h.float() @ b.float().T))
+                            run(f"stream-{fmt}-exact-{name}-{'lora-bias' if call else 'plain'}-{dt}",
+                                bind(gemm, x, w, plan, bias, lora), want, 0.0, M=m, N=n, K=k)
+        print(f"selfcheck: stream exact section done ({len(out)} checks)", flush=True)
+        # 2. random weights: the decode shapes, odd M, bias and LoRA on/off, every configuration's ranges
+        for fmt in ("nvfp4", "mxfp4"):
+            for nn_, kk, tiled in ((4608, 3584, True), (208, 384, False), (3584, 18944, True)):
+                qw = quantize((torch.randn(nn_, kk, generator=g) * 0.05).to(dev), fmt)
+                t = qw.tensors
+                wd = dequantize(qw, torch.float32).double()
+                shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else 0
+                w = (repack_fp4(t["weight_packed"], tiled=tiled), t["weight_scale"], t.get("weight_global_scale"),
+                     fmt, tiled, shift)
+                bias = torch.randn(nn_, generator=g).to(dev)
+                small = nn_ * kk < 2**22
+                ms = (1, 2, 3, 8, 13, 16, 17, 32, 45, 64) if small else (1, 8, 16, 32, 64)
+                for dt in (torch.bfloat16, torch.float16):
+                    for m in ms:
+                        x = torch.randn(m, kk, generator=g).to(device=dev, dtype=dt)
+                        base = x.double() @ wd.T
+                        for li, (r, with_bias) in enumerate(((0, False), (32, True), (136, False))):
+                            lora = None
+                            ref = base + (bias.double() if with_bias else 0)
+                            if r:
+                                h = torch.randn(m, r, generator=g).to(device=dev, dtype=dt)
+                                b = (torch.randn(nn_, r, generator=g) * 0.02).to(device=dev, dtype=dt)
+                                lora = (h, b)
+                                ref = ref + h.double() @ b.double().T
+                            plans = variants(m, nn_, kk) if li == 0 or small else variants(m, nn_, kk)[:1]
+                            for name, plan in plans:
+                                run(f"stream-{fmt}-fwd-{name}-tiled{tiled}-r{r}-bias{with_bias}-{dt}",
+                                    bind(gemm, x, w, plan, bias if with_bias else None, lora), ref, TOL[dt],
+                                    M=m, N=nn_, K=kk)
+            print(f"selfcheck: stream {fmt} random section done ({len(out)} checks)", flush=True)
+        # 3. CUDA graph with programmatic dependent launch: a GEMM after a copy, after a kernel, after a GEMM; the
+        #    replay's bits equal the eager (no PDL) run's, also with new inputs copied in before a second replay
+        qw = quantize((torch.randn(4608, 3584, generator=g) * 0.05).to(dev), "nvfp4")
+        t = qw.tensors
+        w = (repack_fp4(t["weight_packed"], tiled=True), t["weight_scale"], t["weight_global_scale"], "nvfp4", True, 0)
+        for m in (1, 8, 16, 64):
+            out.append(_graph_pdl_check(m, w, g, dev, sms))
+    finally:
+        cuda_fp4.POISON_WORKSPACE = False
+    # 4. QuantLinear: forward_with_lora through each backend, and the LoRA-aware measured plan
+    prev = dispatch.get_backend()
+    try:
+        for fmt in ("nvfp4", "mxfp4"):
+            lin = torch.nn.Linear(1024, 768, bias=True).to(dev)
+            mod = QuantLinear.from_linear(lin, fmt).to(dev)
+            wd = mod.dequantized_weight(torch.float32).double()
+            for be in ("cuda", "triton", "cublas"):
+                dispatch.set_backend(be)
+                for m in (1, 16, 64, 100):
+                    xx = torch.randn(m, 1024, generator=g).to(device=dev, dtype=torch.bfloat16)
+                    h = torch.randn(m, 32, generator=g).to(device=dev, dtype=torch.bfloat16)
+                    b = (torch.randn(768, 32, generator=g) * 0.02).to(device=dev, dtype=torch.bfloat16)
+                    with torch.no_grad():
+                        yy = ql.forward_with_lora(xx, mod, h, b)
+                    ref = xx.double() @ wd.T + mod.bias.double() + h.double() @ b.double().T
+                    out.append({"path": f"QuantLinear-{fmt}-forward_with_lora-{be}", "M": m, "rel": _rel(yy, ref),
+                                "tol": 1.2e-2, "ok": _rel(yy, ref) <= 1.2e-2})
+            dispatch.set_backend("auto")
+            plan = dispatch.measure_plan(mod, torch.bfloat16, buckets=(1, 16, 64), rep_ms=3,
+                                         cands=("triton", "cublas", "cuda"), lora_rank=32)
+            out.append({"path": f"dispatch-plan-lora-{fmt}", "plan": {str(b_): c for b_, c in plan.items()},
+                        "us": {str(b_): row for b_, row in dispatch.last_timings.items()},
+                        "ok": set(plan.values()) <= {"triton", "cublas", "cuda"}, "rel": 0.0, "tol": 0.0})
+    finally:
+        dispatch.set_backend(prev)
     return out
+
+
+def _graph_pdl_check(m: int, w: tuple, g: torch.Generator, dev: torch.device, sms: int) -> dict:
+    """One CUDA graph: a copy, a GEMM, a kernel, a GEMM with LoRA, a GEMM (the stream plans launch with programmatic
+    dependent launch under capture); two replays with different inputs must equal the eager (no PDL) bits."""
+    from qerl_kernels import cuda_fp4
+
+    rep, sc, gs, fmt = w[:4]
+    n, k = rep.shape[0], rep.shape[1] * 2
+    src = torch.randn(m, k, generator=g).to(device=dev, dtype=torch.bfloat16)
+    h = torch.randn(m, 96, generator=g).to(device=dev, dtype=torch.bfloat16)
+    b = (torch.randn(n, 96, generator=g) * 0.02).to(device=dev, dtype=torch.bfloat16)
+    xbuf = torch.empty_like(src)
+    ys = [torch.empty(m, n, dtype=torch.bfloat16, device=dev) for _ in range(3)]
+
+    def body() -> None:
+        xbuf.copy_(src)
+        cuda_fp4.fp4_gemm(xbuf, rep, sc, gs, fmt, tiled=True, out=ys[0])  # after a copy
+        x2 = xbuf * 2
+        cuda_fp4.fp4_gemm(x2, rep, sc, gs, fmt, tiled=True, out=ys[1], lora_h=h, lora_b=b)  # after a kernel
+        cuda_fp4.fp4_gemm(x2, rep, sc, gs, fmt, tiled=True, out=ys[2])  # after a GEMM
+
+    def eager() -> list[torch.Tensor]:
+        x2 = src * 2
+        return [cuda_fp4.fp4_gemm(src, rep, sc, gs, fmt, tiled=True, pdl=False),
+                cuda_fp4.fp4_gemm(x2, rep, sc, gs, fmt, tiled=True, lora_h=h, lora_b=b, pdl=False),
+                cuda_fp4.fp4_gemm(x2, rep, sc, gs, fmt, tiled=True, pdl=False)]
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        same = []
+        for _ in range(2):
+            graph.replay()
+            want = eager()
+            torch.cuda.synchronize()
+            same.append(all(torch.equal(a, b_) for a, b_ in zip(ys, want, strict=True)))
+            src.copy_(torch.randn(m, k, generator=g).to(device=dev, dtype=torch.bfloat16))
+        return {"path": f"stream-graph-pdl-M{m}", "M": m, "ok": all(same), "replays_equal": same,
+                "plan": cuda_fp4.launch_plan(m, n, k, sms).key(), "rel": 0.0, "tol": 0.0}
+    except Exception as exc:
+        return {"path": f"stream-graph-pdl-M{m}", "M": m, "ok": False, "error": repr(exc)[:400], "rel": None,
+                "tol": 0.0}
 
 
 def _check_resident_layout(device: str, g: torch.Generator) -> list[dict]:

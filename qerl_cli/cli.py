@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import Preempted, QerlError
 
 app = typer.Typer(
     name="qerl",
@@ -20,8 +20,12 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    # click's plain help: option names are never cut (`--x / --no-x` on one line, the description wraps below a
+    # long name) and help text is printed as written (rich markup would eat `qerl[llmcompressor]`)
+    rich_markup_mode=None,
 )
-bench_app = typer.Typer(help="Benchmarks: kernels, rollout, mismatch, step, sanity.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: kernels, rollout, mismatch, step, sanity, evidence.", no_args_is_help=True,
+                        rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
 
 console = Console()
@@ -54,6 +58,8 @@ def quantize(
     dtype: Annotated[str, typer.Option(help="Dtype of unquantized tensors and scales: bf16|fp16.")] = "bf16",
     seed: int = 0,
     show_layers: Annotated[int, typer.Option(help="Rows of the per-layer error table to print (worst first).")] = 12,
+    force: Annotated[bool, typer.Option("--force", help="Re-quantize a run that holds a trained adapter: its train/ "
+                                        "is moved to train.replaced-<time>/ (recorded in the manifest).")] = False,
 ) -> None:
     """Quantize a model into RUN/model as a compressed-tensors checkpoint."""
     from rich.progress import Progress
@@ -67,7 +73,7 @@ def quantize(
             bar.update(task, total=n, completed=i, description=name)
 
         res = quantize_model(run, model, fmt=format, ignore=ignore, method=method, dtype=dtype, seed=seed,
-                             progress=progress)
+                             progress=progress, force=force)
     s = res.summary()
     table = Table(title=f"{res.fmt} per-layer error (worst {min(show_layers, len(res.layers))} of {len(res.layers)})")
     for col in ("layer", "shape", "rel. Frobenius err", "max |err|"):
@@ -81,6 +87,9 @@ def quantize(
         f"({s['compression']:.2f}x); rel. error mean {s['rel_fro_mean']:.4f}, max {s['rel_fro_max']:.4f}; "
         f"unquantized: {', '.join(res.skipped) or 'none'}"
     )
+    if res.replaced_train:
+        console.print(f"the adapter trained on the old base ({escape(res.replaced_train['held'])}) moved to "
+                      f"{escape(str(res.run / res.replaced_train['moved_to']))}", highlight=False)
 
 
 Opt = typer.Option
@@ -96,14 +105,18 @@ TRAIN_FIXED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "dry_run": (Annotated[bool, Opt("--dry-run", help="Print the resolved config and exit.")], False),
     "resume": (Annotated[bool, Opt("--resume", help="Continue from the run's latest checkpoint; with --steps "
                                    "larger than the run's, extend a finished run.")], False),
+    "resume_from": (Annotated[str | None, Opt("--resume-from", help="Continue from an earlier checkpoint step_N "
+                                              "(e.g. when a later one is damaged); what the run wrote after it "
+                                              "(checkpoints, rollouts, metrics lines) is moved to "
+                                              "train/checkpoints.abandoned-<time>/, never deleted.")], None),
     "gpus": (Annotated[int | None, Opt("--gpus", help="Data-parallel on N GPUs: launches torchrun, one process "
                                        "per GPU (NCCL). On CPU use `torchrun --nproc-per-node N -m qerl_cli train` "
                                        "(gloo).")], None),
 }
 
 
-def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool, resume: bool, gpus: int | None,
-           **fields: Any) -> None:
+def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool, resume: bool,
+           resume_from: str | None, gpus: int | None, **fields: Any) -> None:
     """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN, TIS/MIS)."""
     import yaml
 
@@ -130,16 +143,24 @@ def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool,
         console.print("\n".join(f"# {line}" for line in dry_run_lines(run, cfg)), markup=False, highlight=False,
                       soft_wrap=True)
         return
-    from qerl_cli.train.console import TrainConsole
+    from qerl_cli.train.console import TrainConsole, reference_step
     from qerl_cli.train.trainer import train as run_train
 
     ctx = distributed.init_from_env()
-    if not ctx.is_main:  # only rank 0 prints the console panel
-        run_train(run, cfg, resume=resume)
-    else:
-        with TrainConsole(console, cfg.resolved()) as ui:
-            res = run_train(run, cfg, resume=resume, on_step=ui.update)
-        ui.summary(res)
+    try:
+        if not ctx.is_main:  # only rank 0 prints the console panel
+            run_train(run, cfg, resume=resume, resume_from=resume_from)
+        else:
+            ui = TrainConsole(console, cfg.resolved(), reference_step(config, _has_cuda()),
+                              start_step=_resume_step(run, resume_from) if (resume or resume_from) else 0)
+            with ui:
+                res = run_train(run, cfg, resume=resume, resume_from=resume_from, on_step=ui.update,
+                                on_setup=ui.attach)
+            ui.summary(res)
+    except Preempted as exc:  # SIGTERM: stopped cleanly; 143 is what schedulers expect of a terminated job
+        if ctx.is_main:
+            err_console.print(f"[yellow]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(Preempted.exit_code) from exc
     distributed.shutdown()  # on success only: after a failure the process exits without more collectives
 
 
@@ -165,6 +186,21 @@ def _train_command() -> Any:
 
 
 app.command(name="train")(_train_command())
+
+
+def _resume_step(run: Path, resume_from: str | None = None) -> int:
+    """The step `--resume` (or `--resume-from step_N`) continues from, for the console's first line (0 where
+    there is none yet; the trainer itself checks the run and says what is wrong)."""
+    if resume_from:
+        digits = resume_from.removeprefix("step_")
+        return int(digits) if digits.isdigit() else 0
+    from qerl_cli.manifest import RunDir
+    from qerl_cli.train.checkpointing import latest_step
+
+    try:
+        return latest_step(RunDir(run, create=False)) or 0
+    except QerlError:
+        return 0
 
 
 def _launch_gpus(n: int) -> bool:
@@ -242,17 +278,20 @@ def bench_kernels(
     methods: Annotated[str, Opt(help="bf16,nvfp4,mxfp4,int8,fp8,fp8xfp8")] = "bf16,nvfp4,mxfp4,int8,fp8,fp8xfp8",
     peers: Annotated[str | None, Opt(help="Peers to time (default: every installed one); 'none' for none.")] = None,
     backward: Annotated[bool, Opt("--backward/--no-backward", help="Time dx = dy @ W at M=2048.")] = True,
-    out: Annotated[Path, Opt(help="JSON output path.")] = Path("bench-kernels.json"),
+    out: Annotated[Path | None, Opt(help="JSON output path (default ./qerl-bench/kernels-DATE-TIME/kernels.json).")]
+    = None,
 ) -> None:
     """Time qerl's quantized GEMM kernels against BF16 cuBLAS and installed peers (CUDA GPU)."""
+    from qerl_cli.bench.harness import default_out
     from qerl_cli.bench.kernels import bench_kernels as run
 
+    out = out or default_out("kernels") / "kernels.json"
     peer_list = None if peers is None else ([] if peers == "none" else peers.split(","))
     res = run(shapes=tuple(shapes.split(",")), ms=tuple(int(m) for m in ms.split(",")), out_json=out,
               methods=tuple(methods.split(",")), peers=peer_list, backward=backward,
               log=_progress)
     _show(res)
-    console.print(f"JSON: {out}")
+    console.print(f"JSON: {escape(str(out))}")
 
 
 @bench_app.command("rollout")
@@ -265,7 +304,8 @@ def bench_rollout(
     new_tokens: Annotated[int | None, Opt(help="New tokens per sequence (default 1024; 64 on CPU).")] = None,
     lora_rank: int = 32,
     eos: Annotated[bool, Opt("--eos/--fixed-length", help="Stop at EOS instead of a fixed length.")] = False,
-    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench; required with --shape).")] = None,
+    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench, else ./qerl-bench/rollout-DATE-TIME).")]
+    = None,
     prompts: Annotated[int | None, Opt(help="Prompts per cell (default: one per slot); with --num-generations "
                                             "more sequences than slots, the queue refills finished slots.")] = None,
     num_generations: Annotated[int, Opt(help="Samples per prompt (needs --prompts).")] = 1,
@@ -273,6 +313,8 @@ def bench_rollout(
                                                                   "disabled (LoRA's cost).")] = False,
     profile: Annotated[bool, Opt("--profile", help="Per-decode-step GPU time by category (CUDA).")] = False,
     linear_backend: Annotated[str | None, Opt(help="Linear kernels: auto|qerl|triton|cuda|humming|cublas.")] = None,
+    memory_cap_gib: Annotated[float | None, Opt("--memory-cap", help="Cap this process's GPU memory (GiB; 79.2 on "
+                                                "an H200 stands for an 80 GB card).")] = None,
 ) -> None:
     """Rollout tokens/s, TTFT and memory per format and batch, against the weight+KV roofline."""
     from qerl_cli.bench.rollout import bench_rollout as run_bench
@@ -284,7 +326,8 @@ def bench_rollout(
                     batches=tuple(int(b) for b in batches.split(",")), prompt_len=prompt_len, new_tokens=new_tokens,
                     lora_rank=lora_rank, out_dir=out, eos_mode="eos" if eos else "fixed",
                     log=_progress, prompts=prompts, num_generations=num_generations,
-                    lora_modes=("on", "off") if lora_off else ("on",), profile=profile, linear_backend=linear_backend)
+                    lora_modes=("on", "off") if lora_off else ("on",), profile=profile, linear_backend=linear_backend,
+                    memory_cap_gib=memory_cap_gib)
     _show(res)
 
 
@@ -299,7 +342,8 @@ def bench_mismatch(
     max_tokens: int = 32,
     temperature: float = 1.0,
     seed: int = 0,
-    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench or ./bench-mismatch).")] = None,
+    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench, else ./qerl-bench/mismatch-DATE-TIME).")]
+    = None,
     shape: Annotated[str | None, Opt(help="Random model of this shape, e.g. qwen2.5-7b.")] = None,
     device: Annotated[str, Opt(help="cpu | cuda")] = "cpu",
     prompt_len: Annotated[int, Opt(help="Random prompt length with --shape.")] = 64,
@@ -333,10 +377,20 @@ def bench_step(
                                                 "memory (GiB; 79.2 on an H200 stands for an 80 GB card); the memory "
                                                 "plan fits the step into it.")] = None,
     time_budget: Annotated[float | None, Opt(help="Skip formats that would start after this many seconds.")] = None,
+    peers: Annotated[str | None, Opt(help="Comma-separated peer stacks on the same shape and workload: trl (TRL "
+                                          "GRPOTrainer + peft LoRA + colocated vLLM, bf16).")] = None,
+    eos: Annotated[bool, Opt("--eos", help="--shape: rollouts end at a stop set (RL-like lengths, real padding).")]
+    = False,
+    profile: Annotated[bool, Opt("--profile", help="The step rollout's decode step by GPU-time category "
+                                                   "(CUDA).")] = False,
+    vllm_memory: Annotated[float, Opt(help="vLLM's gpu_memory_utilization in FMT@vllm and TRL cells.")] = 0.35,
     seed: int = 0,
-    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench or ./bench-step).")] = None,
+    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench, else ./qerl-bench/step-DATE-TIME).")]
+    = None,
 ) -> None:
-    """One RL step of the trainer broken down by phase (rollout .. checkpoint) per format, vs BF16-LoRA."""
+    """One RL step of the trainer broken down by phase (rollout .. checkpoint) per format, vs BF16-LoRA.
+
+    A format FMT@vllm uses the vLLM rollout engine (QeRL's architecture); --peers trl adds TRL's GRPOTrainer."""
     from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.bench.step import bench_step as run_bench
 
@@ -346,6 +400,7 @@ def bench_step(
     res = run_bench(run_dir=run, shape=shape, formats=formats.split(",") if formats else None,
                     overrides=parse_sets(items), prompt_len=prompt_len, warmup=warmup, measure=measure, out_dir=out,
                     seed=seed, memory_cap_gib=memory_cap_gib, time_budget_s=time_budget,
+                    peers=peers.split(",") if peers else None, eos=eos, profile=profile, vllm_memory=vllm_memory,
                     log=_progress)
     _show(res)
 
@@ -386,14 +441,16 @@ def bench_sanity(
 def bench_evidence(
     input_: Annotated[list[str], Opt("--input", help="GROUP=SANITY_JSON (qerl|flashrl|fp16; repeatable).")],
     run: Annotated[Path | None, Opt("--run", help="Run directory to record it in (for qerl report).")] = None,
-    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench/evidence or ./evidence).")] = None,
+    out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench/evidence, else "
+                                         "./qerl-bench/evidence-DATE-TIME).")] = None,
 ) -> None:
     """The seed claims' verdicts from `bench sanity --seeds` results: intervals, tests, evidence.{json,md,png}."""
     from qerl_cli.bench.evidence import parse_inputs, write_evidence
+    from qerl_cli.bench.harness import default_out
 
-    dest = out or ((run / "bench" / "evidence") if run else Path("evidence"))
+    dest = out or ((run / "bench" / "evidence") if run else default_out("evidence"))
     ev = write_evidence(inputs=parse_inputs(input_), out_dir=dest, run_dir=run, log=_progress)
-    console.print(f"evidence: {dest / 'evidence.json'}  ({', '.join(c['verdict'] for c in ev['claims'])})")
+    console.print(f"evidence: {escape(str(dest / 'evidence.json'))}  ({', '.join(c['verdict'] for c in ev['claims'])})")
 
 
 @app.command()

@@ -15,3 +15,10 @@ class RunLockedError(QerlError):
 
 class StageMissingError(QerlError):
     """A stage needs the output of an earlier stage that the run directory does not have."""
+
+
+class Preempted(KeyboardInterrupt):
+    """SIGTERM stopped `qerl train` at a checkpoint (a scheduler preempting the job): the stage is recorded
+    `interrupted` like Ctrl-C, and the command exits 143 (128 + SIGTERM), as schedulers expect."""
+
+    exit_code = 143

@@ -37,6 +37,25 @@ def quant_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor | None:
     return k.quant_linear(x, module)
 
 
+def lora_epilogue_linear(x: torch.Tensor, module: QuantLinear, lora_h: torch.Tensor,
+                         lora_b: torch.Tensor) -> torch.Tensor | None:
+    """``x W^T (+ b) + lora_h @ lora_b^T`` in ONE kernel (the LoRA expand in qerl's CUDA FP4 GEMM's epilogue)
+    when the dispatcher's LoRA-aware choice for this shape, M bucket and rank is that kernel
+    (``qerl_kernels.linear.forward_with_lora``); None otherwise, and the caller runs the base GEMM and an
+    in-place expand (so a profile can tell the two apart). Decode only: no autograd."""
+    if module.format.kernel_backend(x.device) == BITSANDBYTES or not x.is_cuda or x.dim() != 2:
+        return None
+    k = _kernels()
+    if k is None or not hasattr(k, "forward_with_lora") or module.fmt not in k.FP4_FORMATS:
+        return None  # a qerl_kernels without the epilogue API
+    from qerl_kernels import dispatch
+
+    r = lora_h.shape[1]
+    if dispatch.choose(module, x, lora_rank=r) != "cuda" or not k.cuda_lora_supported(module, x, r):
+        return None
+    return k.forward_with_lora(x, module, lora_h, lora_b)
+
+
 def bnb_nf4_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor:
     """y = x @ W^T + b through `bitsandbytes.matmul_4bit` on the module's own NF4 tensors.
 
@@ -53,3 +72,32 @@ def bnb_nf4_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor:
                     dtype=module.dtype)
     bias = None if module.bias is None else module.bias.to(x.dtype)
     return bnb.matmul_4bit(x, module.weight.t(), quant_state=qs, bias=bias)
+
+
+# ---- what the kernels keep beside the weights, and whether a peer may keep its own copy (the memory plan) ----
+@functools.cache
+def _dispatch():  # noqa: ANN202 - a module or None
+    try:
+        import qerl_kernels.dispatch as dispatch
+    except ImportError:
+        return None
+    return dispatch
+
+
+def derived_bytes(fmt: str, n: int, k: int, act_elem: int = 2, bias: bool = False) -> int:
+    """What qerl's CUDA kernels derive from an [n, k] layer's tensors and keep (0 without qerl_kernels)."""
+    d = _dispatch()
+    return 0 if d is None else d.derived_bytes(fmt, n, k, act_elem, bias)
+
+
+def extra_copy_bytes(fmt: str, n: int, k: int) -> int:
+    """The peer kernel's own copy of an [n, k] layer when the dispatcher may choose it (humming), else 0."""
+    d = _dispatch()
+    return 0 if d is None else d.extra_copy_bytes(fmt, n, k)
+
+
+def allow_extra_copies(allowed: bool) -> None:
+    """Let the FP4 dispatcher choose backends that keep a second copy of a weight (or not)."""
+    d = _dispatch()
+    if d is not None:
+        d.allow_extra_copies(allowed)

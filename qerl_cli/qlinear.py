@@ -129,6 +129,24 @@ class QuantLinear(nn.Module):
         """The main packed tensor (peft and other tools look here for the layer's device)."""
         return getattr(self, self.tensor_names[0])
 
+    def fused_rows(self) -> tuple[QuantLinear, int] | None:
+        """(the fused module whose storage this module's rows are a view of, the first of those rows), or None
+        for a module that owns its storage (`fuse_quant_linears`). Kernels use it to derive per-storage data
+        once (the FP4 block-scale layout) and hand the parts their rows of it."""
+        layout = self._layout
+        owner = layout.owner()
+        if owner is None or owner is self:
+            return None
+        row = 0
+        for ref in getattr(layout, "parts", ()):
+            m = ref()
+            if m is None:
+                return None
+            if m is self:
+                return owner, row
+            row += m.out_features
+        return None
+
     @property
     def weight_nbytes(self) -> int:
         # from the buffers as they are (the repack has the same size; no transient unrepacked copy)

@@ -21,6 +21,7 @@ from qerl_cli.formats import WeightFormat, dequantize, get_format
 from qerl_cli.manifest import RunDir, sha256_file, staged_directory
 from qerl_cli.models import ModelSource, load_model, resolve_model
 from qerl_cli.precision import dtype_of
+from qerl_cli.runlayout import checkpoints_dir, train_dir
 
 METHODS = ("rtn", "gptq", "awq")
 DTYPES = ("bf16", "fp16")  # precisions a checkpoint's unquantized tensors and 16-bit scales are stored in
@@ -48,6 +49,7 @@ class QuantizeResult:
     bytes_before: int = 0
     bytes_after: int = 0
     group_size: int | None = None
+    replaced_train: dict[str, Any] | None = None  # --force on a trained run: where its train/ went
 
     def summary(self) -> dict[str, Any]:
         rel = [e.rel_fro for e in self.layers] or [0.0]
@@ -89,11 +91,13 @@ def quantize_model(
     seed: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
     loaded: tuple[Any, Any] | None = None,
+    force: bool = False,
 ) -> QuantizeResult:
     """Quantize `model` (default: the embedded SmolLM2) into `run_dir/model` and record the stage.
 
     `loaded` passes an already loaded fp32 (model, tokenizer) of that same source (tests, notebooks);
-    its weights are read, never modified.
+    its weights are read, never modified. A run that already holds a trained adapter is refused (the new base
+    would not match it) unless `force`, which moves `train/` aside once the new model is in place.
     """
     spec = get_format(fmt)
     if method not in METHODS:
@@ -109,6 +113,11 @@ def quantize_model(
     ignore = list(ignore) if ignore is not None else ["lm_head"]
     out_dtype = dtype_of(dtype)
     run = RunDir(run_dir)
+    trained = trained_steps(run)
+    if trained is not None and not force:  # refused before the stage record: the manifest stays as it was
+        raise QerlError(f"{train_dir(run)} holds an adapter trained on this run's current base ({trained}); a new "
+                        "base would not match it: quantize into a new --run directory, or pass --force to move "
+                        "train/ aside")
     src = resolve_model(model)
     torch.manual_seed(seed)
     config = {"model": src.to_json(), "format": fmt, "ignore": ignore, "method": method, "dtype": dtype}
@@ -128,6 +137,8 @@ def quantize_model(
                 result.layers, files = _llmcompressor_checkpoint(hf_model, tokenizer, targets, fmt, method,
                                                                  skipped, tmp)
                 _finish(rec, run, result, tmp, files, method, ignore)
+            if trained is not None:
+                rec.extra["replaced_train"] = result.replaced_train = move_train_aside(run, trained)
             return result
         global_scales = fused_global_scales(targets) if spec.global_scale else {}
 
@@ -159,7 +170,33 @@ def quantize_model(
             if getattr(hf_model, "generation_config", None) is not None:
                 hf_model.generation_config.save_pretrained(str(tmp))
             _finish(rec, run, result, tmp, files, method, ignore)
+        if trained is not None:
+            rec.extra["replaced_train"] = result.replaced_train = move_train_aside(run, trained)
     return result
+
+
+def trained_steps(run: RunDir) -> str | None:
+    """What `train/` holds that a re-quantized base would orphan ("checkpoints step_4, step_8"), None if nothing."""
+    ckpts = checkpoints_dir(run)
+    names = sorted(p.name for p in ckpts.iterdir() if p.is_dir()) if ckpts.is_dir() else []
+    return f"checkpoints {', '.join(names)}" if names else None
+
+
+def move_train_aside(run: RunDir, trained: str) -> dict[str, Any]:
+    """`--force`: rename `train/` to `train.replaced-<UTC time>/` (after the new model is in place, so a failed
+    quantize leaves the pair as it was); the manifest record of what moved where."""
+    import datetime
+    import os
+
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    dest = run.path / f"train.replaced-{stamp}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = run.path / f"train.replaced-{stamp}-{n}"
+    os.replace(train_dir(run), dest)
+    old = (run.record("train") or {}).get("inputs", {}).get("model", {})
+    return {"moved_to": run.rel(dest), "held": trained, "trained_on_files": old.get("files", {})}
 
 
 def _finish(rec: Any, run: RunDir, result: QuantizeResult, tmp: Path, files: list[str], method: str,

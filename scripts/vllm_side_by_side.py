@@ -36,27 +36,9 @@ def _left(deadline: float) -> float:
 
 def write_checkpoint(model: torch.nn.Module, out: Path) -> float:
     """compressed-tensors NVFP4A16 checkpoint + word-level tokenizer of ``model`` (a build_random_model)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
+    from qerl_cli.bench.peers import write_shape_checkpoint
 
-    from qerl_cli.checkpoint import save_tensors, target_linears, write_config
-
-    t0 = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_tensors(state, out)
-    _, skipped = target_linears(model, ["lm_head"])
-    write_config(model, out, "nvfp4", skipped or ["lm_head"], None, torch.bfloat16)
-    vocab = model.config.vocab_size
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    eos = f"t{model.config.eos_token_id}"
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token="t0").save_pretrained(str(out))
-    return time.perf_counter() - t0
+    return write_shape_checkpoint(model, out, "nvfp4")
 
 
 def cell_summary(runs: list[Any]) -> dict[str, Any]:

@@ -53,3 +53,33 @@ def run_dir(quantized_runs, tmp_path):
     dst = tmp_path / "run"
     shutil.copytree(quantized_runs["nvfp4"].run, dst, ignore=shutil.ignore_patterns(".lock", "train", "eval", "bench"))
     return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_source(tmp_path_factory):
+    """A tiny random Llama (2 layers, hidden 64) with the embedded model's tokenizer, saved as a model directory:
+    CLI runs on it cost the process start, not the model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qerl_cli.models import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    src = tmp_path_factory.mktemp("tiny_src")
+    LlamaForCausalLM(cfg).eval().save_pretrained(str(src))
+    tok.save_pretrained(str(src))
+    return src
+
+
+@pytest.fixture
+def tiny_run(tiny_source, tmp_path):
+    """A fresh run quantized (NVFP4) from the tiny model."""
+    from qerl_cli.quantize import quantize_model
+
+    run = tmp_path / "tiny_run"
+    quantize_model(run, str(tiny_source), fmt="nvfp4")
+    return run

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -11,6 +10,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from qerl_cli.errors import QerlError
+from qerl_cli.statefile import read_state, write_state
 from qerl_cli.train.aqn import AQN, aqn_sigma, aqn_stage
 
 NORMS = [
@@ -140,17 +140,15 @@ def test_redrawn_per_step_cached_within_step_and_seeded():
     assert not torch.equal(c.noisy_norm_weights(10)[NORMS[0]], s10[NORMS[0]])
 
 
-def test_resume_from_state_dict_is_reproducible():
+def test_resume_from_state_dict_is_reproducible(tmp_path):
     a = AQN(_tiny_llama(), total_steps=100, seed=1)
     a.noisy_norm_weights(10)
     a.noisy_norm_weights(11)
-    buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
+    write_state(tmp_path, "aqn", a.state_dict())  # how a checkpoint stores it (qerl_cli/statefile.py)
     ref12, ref13 = a.noisy_norm_weights(12), a.noisy_norm_weights(13)
 
     b = AQN(_tiny_llama(), total_steps=100, seed=999)
-    buf.seek(0)
-    b.load_state_dict(torch.load(buf, weights_only=False))
+    b.load_state_dict(read_state(tmp_path, "aqn"))
     got12, got13 = b.noisy_norm_weights(12), b.noisy_norm_weights(13)
     assert all(torch.equal(ref12[n], got12[n]) and torch.equal(ref13[n], got13[n]) for n in NORMS)
 

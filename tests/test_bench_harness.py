@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,10 +34,11 @@ def test_oom_in_one_cell_is_recorded_and_the_next_cell_runs():
     logged: list[str] = []
     rows = run_cells([Cell({"batch": 1}, ok(1)), Cell({"batch": 2}, _alloc_too_much, "batch 2"),
                       Cell({"batch": 3}, ok(3))], oom="OOM/skipped", log=logged.append)
-    assert rows == [{"batch": 1, "status": "ok", "value": 1}, {"batch": 2, "status": "OOM/skipped"},
+    oom_note = "CUDA out of memory. Tried to allocate 80.00 GiB"
+    assert rows == [{"batch": 1, "status": "ok", "value": 1}, {"batch": 2, "status": "OOM/skipped", "note": oom_note},
                     {"batch": 3, "status": "ok", "value": 9}]
     assert ran == [1, 3]
-    assert logged == ["batch 2: OOM/skipped"]
+    assert logged == [f"batch 2: OOM/skipped: {oom_note}"]
 
 
 def test_failures_and_statuses():
@@ -49,8 +51,17 @@ def test_failures_and_statuses():
     def partial_fit() -> dict:
         return {"status": "ok (3 slots fit)", "slots": 3}
 
-    rows = run_cells([Cell({"c": "a"}, boom), Cell({"c": "b"}, empty), Cell({"c": "c"}, partial_fit)])
-    assert [r["status"] for r in rows] == ["error: bad shape", "error: RuntimeError", "ok (3 slots fit)"]
+    def no_bucket() -> dict:  # what a bare next() over an empty budget-dependent list raised
+        return {"bucket": next(iter([]))}
+
+    rows = run_cells([Cell({"c": "a"}, boom), Cell({"c": "b"}, empty), Cell({"c": "c"}, partial_fit),
+                      Cell({"c": "d"}, no_bucket)])
+    assert [r["status"] for r in rows] == ["error: bad shape", "error: RuntimeError", "ok (3 slots fit)",
+                                           "error: StopIteration"]
+    assert rows[0]["note"] == "bad shape"
+    # a failure without a message still says where it was raised
+    assert rows[3]["note"] == ("StopIteration raised without a message at tests/test_bench_harness.py:"
+                               f"{no_bucket.__code__.co_firstlineno + 1} (no_bucket)")
     assert list(rows[2]) == ["c", "status", "slots"]  # the key first, then the status, then the numbers
     # the engine's own message for a cache that cannot hold one sequence counts as out of memory
     assert harness.failure_status(QerlError("no room for even one KV-cache slot")) == "OOM"
@@ -103,7 +114,8 @@ def test_results_written_with_header_plot_and_json(tmp_path):
     on_disk = json.loads(paths["json"].read_text())
     assert on_disk["kind"] == "bench/demo" and on_disk["schema"] == harness.SCHEMA
     assert on_disk["date"].endswith("+00:00") and "device" in on_disk["env"]
-    assert on_disk["results"] == [{"n": 1, "status": "ok", "x": 0.5}, {"n": 2, "status": "OOM"}]
+    assert on_disk["results"] == [{"n": 1, "status": "ok", "x": 0.5},
+                                  {"n": 2, "status": "OOM", "note": "CUDA out of memory. Tried to allocate 80.00 GiB"}]
     assert list(on_disk["files"]) == ["json", "plot", "subset"]
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["demo.json", "demo.png"]  # no temp files
@@ -118,10 +130,24 @@ def test_manifest_record_when_a_run_dir_is_given(tmp_path):
     assert rec["status"] == "completed" and rec["stage"] == "bench"
     assert rec["outputs"] == {"json": {"path": "bench/demo.json"}} and rec["metrics"] == {"a/x": 0.5}
     assert rec["extra"] == {"p": str(tmp_path)}
-    assert harness.out_dir(None, run) == out
-    assert harness.out_dir(None, None, tmp_path / "d") == tmp_path / "d"
-    with pytest.raises(QerlError, match="name a folder"):
-        harness.out_dir(None, None, missing="name a folder with --out")
+    assert harness.out_dir(None, run, "demo") == out
+    assert harness.out_dir(tmp_path / "d", run, "demo") == tmp_path / "d"
+
+
+def test_default_output_folder_is_new_for_every_run(tmp_path, monkeypatch):
+    """Without --out or --run a bench writes to ./qerl-bench/<bench>-<date>-<time>, never into an earlier one."""
+    import datetime
+
+    monkeypatch.chdir(tmp_path)
+    now = datetime.datetime(2026, 11, 26, 9, 5, 7)
+    first = harness.default_out("step", now)
+    assert harness.out_dir(None, None, "step").parent == Path("qerl-bench")
+    assert first == Path("qerl-bench/step-20261126-090507")
+    first.mkdir(parents=True)
+    assert harness.default_out("step", now) == Path("qerl-bench/step-20261126-090507-2")
+    (tmp_path / "qerl-bench" / "step-20261126-090507-2").mkdir()
+    assert harness.default_out("step", now) == Path("qerl-bench/step-20261126-090507-3")
+    assert harness.default_out("kernels", now) == Path("qerl-bench/kernels-20261126-090507")
 
 
 def test_table_split_to_the_terminal_and_number_cells():
@@ -169,3 +195,18 @@ def test_saved_result_printed_by_its_bench_module(tmp_path, capsys):
     for kind in ("bench/evidence", "bench/nothing", "train"):
         with pytest.raises(QerlError, match="not a bench result with tables"):
             harness.report({"kind": kind})
+
+
+def test_notes_are_printed_under_the_tables_as_written():
+    """Why a cell failed reaches the terminal, not only the JSON; `[...]` in it is not eaten as rich markup."""
+    res = {"kind": "bench/step", "results": [{"format": "bf16", "backend": "torch", "status": "OOM in fwd_bwd",
+                                              "note": "out of memory in fwd_bwd; change: pip install 'qerl[x]'"}],
+           "targets": [], "files": {"json": "s.json", "plot": "s.png"}, "model": "m", "env": {"device": {}},
+           "config": {"measure": 1, "train": {"batch_prompts": 1, "num_generations": 1, "max_completion_length": 1,
+                                              "lora_rank": 1, "precision": "fp32", "aqn": False}}}
+    assert harness.note_lines(res) == ["format=bf16 backend=torch: OOM in fwd_bwd: out of memory in fwd_bwd; "
+                                       "change: pip install 'qerl[x]'"]
+    out = Console(width=300, file=io.StringIO(), record=True)
+    harness.show(out, [], harness.report(res)[1])
+    assert "format=bf16 backend=torch: OOM in fwd_bwd: out of memory in fwd_bwd; change: pip install 'qerl[x]'" \
+        in out.export_text()

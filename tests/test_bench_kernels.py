@@ -63,3 +63,28 @@ def test_errors_and_weight_copies():
     l2 = 50 * 2**20
     assert weight_copies(l2, l2) == 3  # three L2s of weights rotate out of the cache
     assert weight_copies(10 * l2, l2) == 1 and weight_copies(1, l2) == 48  # at least one, at most the cap
+
+
+def test_decode_sweep_plans_and_table() -> None:
+    from qerl_kernels import cuda_fp4
+
+    from qerl_cli.bench.kernels import DECODE_MS, decode_plan_variants, decode_table, layer_linears
+
+    for m in DECODE_MS:  # the legacy plan, the rule, then distinct built variants, on every decode GEMM
+        for model in ("qwen2.5-7b", "qwen2.5-32b"):
+            for _, n, k in layer_linears(model):
+                got = decode_plan_variants(m, n, k, 132)
+                assert [name for name, _ in got[:2]] == ["legacy", "stream"] and got[0][1].kind == "legacy"
+                assert len({p.key() for _, p in got}) == len(got)
+                for _, p in got:
+                    cuda_fp4.check_plan(p)
+    res = {"device": "test GPU", "sms": 132, "copy_GBps": 3000.0, "shapes": ["qwen2.5-7b"], "ms": [8], "results": []}
+    for i, g in enumerate(GEMMS):  # per GEMM: bf16 100 us, legacy 40, stream 30 (at 1500 GB/s), fused LoRA 31
+        for method, us in (("bf16", 100), ("cuda-legacy", 40), ("cuda-stream", 30), ("cuda-stream+lora32", 31),
+                           ("cuda-stream+addmm32", 36)):
+            res["results"].append({"model": "qwen2.5-7b", "gemm": g, "M": 8, "method": method,
+                                   "ms": us * 1e-3 * (i + 1), "GBps": 1500.0})
+    lines = decode_table(res)
+    row = lines[-1].split("|")
+    assert [c.strip() for c in row[1:4]] == ["1000.0", "400.0", "300.0"]  # layer sums: 10x each GEMM's us
+    assert "1500 (50.0%)" in lines[-1] and "310.0 /  360.0" in lines[-1]

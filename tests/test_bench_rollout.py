@@ -215,3 +215,27 @@ def test_lora_share_and_targets_arithmetic():
     assert got["nvfp4 batch 64 >= 1.8x qerl bf16 (decode tok/s)"] == (pytest.approx(1.6), False)
     assert got["nvfp4 batch 8: LoRA <= 10% of the decode step (adapters on vs off)"] == (pytest.approx(5.0), True)
     assert got["nvfp4 batch 64: LoRA <= 10% of the decode step (adapters on vs off)"][1] is False
+
+
+def test_floor_table_renders_each_category_against_its_floor():
+    """`--profile`'s byte-floor table: floor ms and the % of it the measured category time reaches."""
+    from rich.console import Console
+
+    from qerl_cli.bench.rollout import render_floor_table, tables
+    from qerl_cli.rollout.roofline import floors
+
+    ms = {"quantized GEMM": 3.0, "attention": 1.0, "sampling": 0.05}
+    need = {"quantized GEMM": 3.0e9, "attention": 1.5e9, "sampling": 0.1e9}  # at 3000 GB/s: 1.0, 0.5, 0.033 ms
+    prof = {"graph_step_ms": 6.0, "kernel_ms_per_step": 5.0, "ms_per_step": ms, "floors": floors(need, ms, 3000.0),
+            "step_bytes": sum(need.values()), "attention_read_bytes": 2.5e9, "copy_GBps": 3000.0}
+    res = {"copy_GBps": 3000.0, "results": [{"format": "nvfp4", "batch": 64, "lora": "on", "profile": prof}]}
+    table = render_floor_table(res)
+    assert table is not None and table.row_count == 1
+    console = Console(width=300, record=True)
+    console.print(table)
+    text = console.export_text()
+    assert "1.000 (33%)" in text and "0.500 (50%)" in text and "0.033 (67%)" in text  # per category
+    assert "2,500" in text and "1.533 (26%)" in text  # SDPA's bucketed KV MB; the whole step's floor vs 6 ms
+    assert render_floor_table({"results": [{"profile": None}]}) is None
+    assert len(tables({"results": [], "config": {"prompt_len": 1, "new_tokens": 1, "lora_rank": 0},
+                       "env": {"device": {}}})) == 1

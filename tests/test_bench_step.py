@@ -105,3 +105,35 @@ def test_overrides_are_typed():
     assert len(cells) == 8 and cells[0] == {"format": "bf16", "aqn": False, "precision": "bf16"}
     assert cells[-1] == {"format": "nvfp4", "aqn": True, "precision": "fp16"}
     assert grid_cells({}) == [{}]
+
+
+def test_oom_cell_names_phase_estimate_capacity_and_setting(tmp_path, monkeypatch, capsys):
+    """A step that runs out of memory in its forward+backward (forced: the real host allocator is asked for
+    1 EiB inside the real update phase) records the phase, the plan's estimate for it, the capacity and the
+    setting to change, in the row, the JSON and the printed report; the other formats still run."""
+    import torch
+    from rich.console import Console
+
+    from qerl_cli.bench import harness
+    from qerl_cli.train.trainer import Trainer
+
+    def update_past_the_host(self, *args, **kwargs):
+        torch.empty(1 << 60, dtype=torch.uint8)  # the allocator refuses: can't allocate memory
+
+    monkeypatch.setattr(Trainer, "_update", update_past_the_host)
+    res = bench_step(shape="tiny", formats=("bf16",), overrides=SMALL, prompt_len=8, warmup=0, measure=1,
+                     out_dir=tmp_path, log=lambda _m: None)
+    (row,) = json.loads((tmp_path / "step.json").read_text())["results"]
+    assert row["status"] == "OOM in fwd_bwd"
+    oom = row["oom"]
+    assert oom["phase"] == "fwd_bwd" and oom["plan_part"] == "train_peak"
+    assert oom["plan_estimate_gib"] == pytest.approx(row["memory_plan"]["train_peak"] / 2**30)
+    assert oom["capacity_source"] == "host memory" and oom["capacity_gib"] > 0.5
+    # the plan chose micro-batch 4 (all 2 x 2 sequences) without checkpointing: halve the micro-batch first
+    assert row["micro_batch_size"] == 4 and oom["setting"].startswith("--set micro_batch_size=2")
+    assert row["note"].startswith("out of memory in fwd_bwd: the memory plan estimated ")
+    assert f"of {oom['capacity_gib']:.1f} GiB (host memory)" in row["note"]
+    out = Console(width=100, record=True, file=open("/dev/null", "w"))  # noqa: SIM115 - closed with the test
+    harness.show(out, *harness.report(res))
+    printed = out.export_text()
+    assert "OOM in fwd_bwd" in printed and "change: --set micro_batch_size=2" in printed

@@ -50,9 +50,18 @@ def test_adapter_kind_round_trips_with_its_state_and_flashrl_scales(tmp_path: Pa
 
     assert path == ck.checkpoint_path(run, 3) and path.name == "step_3"
     assert ck.checkpoint_kind(path) == ck.ADAPTER
-    # the on-disk layout old runs have: peft's adapter dir, trainer_state.pt, config.json, `latest`
-    assert (path / "adapter" / "adapter_model.safetensors").is_file() and (path / "trainer_state.pt").is_file()
+    # the on-disk layout: peft's adapter dir, the trainer state as safetensors + JSON (no pickle), config.json,
+    # the record hashing every file, `latest`
+    assert (path / "adapter" / "adapter_model.safetensors").is_file() and not (path / "trainer_state.pt").exists()
+    assert (path / "trainer_state.safetensors").is_file() and (path / "trainer_state.json").is_file()
     assert (path / "config.json").is_file() and (path.parent / "latest").read_text() == "step_3\n"
+    record = ck.read_record(path)
+    assert record["step"] == 3 and record["kind"] == ck.ADAPTER
+    assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "trainer_state.safetensors",
+            "trainer_state.json", "config.json"} <= set(record["files"])
+    for rel, f in record["files"].items():
+        assert f == {"sha256": sha256_file(path / rel), "bytes": (path / rel).stat().st_size}, rel
+    assert ck.verify_checkpoint(run, path) == record
     loaded = ck.load_checkpoint(path)
     assert loaded["step"] == 3 and loaded["optimizer"] == {"lr": 0.1} and "rng" in loaded
     rq = ck.rollout_quant_state(loaded)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -172,17 +173,20 @@ def test_training_panel_fits_80_columns() -> None:
 
 
 def test_bench_tables_fit_80_columns_and_shape_needs_out(tmp_path: Path) -> None:
-    """`bench rollout --shape tiny` writes nothing into the working directory and its table is not cut at 80."""
+    """`bench rollout --shape tiny` without --out writes to ./qerl-bench/rollout-<date>-<time>/ (the one default
+    place, a new folder per run), says so on its last line, and its table is not cut at 80 columns."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    assert_one_line_error(qerl("bench", "rollout", "--shape", "tiny", cwd=cwd), "--out DIR")
-    assert list(cwd.iterdir()) == []
     env = {**os.environ, "COLUMNS": "80", "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-m", "qerl_cli", "bench", "rollout", "--shape", "tiny", "--out",
-                          str(tmp_path / "b"), "--formats", "bf16,nvfp4", "--batches", "1", "--new-tokens", "2",
+    res = subprocess.run([sys.executable, "-m", "qerl_cli", "bench", "rollout", "--shape", "tiny",
+                          "--formats", "bf16,nvfp4", "--batches", "1", "--new-tokens", "2",
                           "--prompt-len", "4"], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "…" not in res.stdout and max(len(line) for line in res.stdout.splitlines()) <= 80
     for header in ("format", "linears", "decode tok/s", "% roofline", "status", "nvfp4", "reference"):
         assert header in res.stdout, header
-    assert (tmp_path / "b" / "rollout.json").is_file() and list(cwd.iterdir()) == []
+    assert [p.name for p in cwd.iterdir()] == ["qerl-bench"]
+    (folder,) = (cwd / "qerl-bench").iterdir()
+    assert re.fullmatch(r"rollout-\d{8}-\d{6}", folder.name) and (folder / "rollout.json").is_file()
+    last = " ".join(res.stdout.split("\n" + "JSON:")[-1].split())
+    assert last.startswith(f"{Path('qerl-bench') / folder.name / 'rollout.json'} plot:"), res.stdout[-500:]

@@ -173,3 +173,112 @@ def test_rope_kv_write_first_use_check_leaves_the_kernels_cache_rows() -> None:
     ops.rope_kv_write(q, k, v, positions, rows, cg, sg, cos, sin, cache_k, cache_v)
     assert "rope_kv_write" in ops.checked and ops.enabled["rope_kv_write"]
     assert torch.equal(cache_k, want_k) and torch.equal(cache_v, want_v)
+
+
+# ---- LoRA shrinks inside the kernel that makes their input (issue 25) --------------------------------------------
+def _hl_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """A shrink output: fp32 to reduction order; fp16 to one rounding of the output (the sum has K terms)."""
+    assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite output"
+    err = (got.double() - want.double()).abs().max().item()
+    scale = want.double().abs().max().item()
+    assert err <= {torch.float32: 1e-5, torch.float16: 2e-3}[dtype] * max(scale, 1.0), (err, scale)
+
+
+# (rows, K, R): ragged everywhere; K=1100 splits K across programs (the in-kernel fixed-order reduction);
+# R=96 is q/k/v's r=32 x 3; 37 rows span 3 row tiles
+SHRINK_SHAPES = [(1, 40, 3), (5, 1100, 20), (37, 200, 96)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k,r", SHRINK_SHAPES)
+def test_lora_shrink_kernels_match_reference(dtype: torch.dtype, rows: int, k: int, r: int) -> None:
+    from qerl_kernels.decode import lora_shrink, rmsnorm_shrink, shrink_plan, silu_mul_shrink
+
+    g = torch.Generator().manual_seed(rows * k + r)
+    a = (0.1 * torch.randn(r, k, generator=g)).to(dtype)
+    nan = float("nan")
+    # plain (o_proj): x as rows of a [rows, 1, K] attention output
+    x = torch.randn(rows, 1, k, generator=g).to(dtype)
+    out = torch.full((rows, r), nan, dtype=dtype)
+    assert lora_shrink(x, a, out=out) is out
+    _hl_close(out, x.reshape(rows, k).double() @ a.double().T, dtype)
+    # add + RMSNorm + shrink: h' and x as add_rmsnorm makes them, and x @ A^T from the rounded x
+    h = (2 * torch.randn(rows, 1, k, generator=g)).to(dtype)
+    d = torch.randn(rows, 1, k, generator=g).to(dtype)
+    w = (1 + 0.3 * torch.randn(k, generator=g)).to(dtype)
+    h_out, x_out, hl = (torch.full_like(h, nan), torch.full_like(h, nan), torch.full((rows, r), nan, dtype=dtype))
+    got_h, got_x, got_hl = rmsnorm_shrink(h, d, w, 1e-6, a, h_out=h_out, x_out=x_out, out=hl)
+    assert got_h is h_out and got_x is x_out and got_hl is hl
+    assert torch.equal(got_h, h + d)
+    want_x = rms_norm_ref(h + d, w, 1e-6)
+    _close(got_x, want_x, dtype)
+    _hl_close(got_hl, got_x.reshape(rows, k).double() @ a.double().T, dtype)
+    _hl_close(got_hl, want_x.reshape(rows, k).double() @ a.double().T, dtype)
+    # no residual (the first layer's input norm)
+    got_h, got_x, got_hl = rmsnorm_shrink(h, None, w, 1e-6, a)
+    assert got_h is h
+    _close(got_x, rms_norm_ref(h, w, 1e-6), dtype)
+    _hl_close(got_hl, got_x.reshape(rows, k).double() @ a.double().T, dtype)
+    # SiLU * up + shrink, gate and up as the column halves of one fused gate/up output (row stride 2K + 5)
+    gu = (3 * torch.randn(rows, 2 * k + 5, generator=g)).to(dtype)
+    gate, up = gu[:, :k], gu[:, k:2 * k]
+    act = torch.full((rows, k), nan, dtype=dtype)
+    got_act, got_hl = silu_mul_shrink(gate, up, a, out=act)
+    assert got_act is act
+    _close(got_act, torch.nn.functional.silu(gate) * up, dtype)
+    _hl_close(got_hl, got_act.double() @ a.double().T, dtype)
+    if k == 1100:  # the split-K path really ran
+        assert shrink_plan(rows, k, r, 0)[3] > 1 and shrink_plan(rows, k, r, 1)[3] > 1
+
+
+def test_fused_shrink_ops_fall_back_once(caplog) -> None:
+    """FusedOps' LoRA ops: the kernel result at first use, then on a wrong kernel one warning and the torch
+    reference (norm + mm) from then on, the other kernels untouched."""
+    ops = FusedOps(triton=True)
+    assert ops.fused_lora and ops.enabled["rmsnorm_shrink"]
+    g = torch.Generator().manual_seed(9)
+    h, d, w, a = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g), torch.rand(8, generator=g), \
+        torch.randn(4, 8, generator=g)
+    s, x, hl = ops.add_rms_norm_shrink(h, d, w, 1e-6, a)
+    assert "rmsnorm_shrink" in ops.checked
+    _hl_close(hl, x.double() @ a.double().T, torch.float32)
+
+    class Broken:
+        @staticmethod
+        def lora_shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(x.shape[0], a.shape[0])
+
+    ops._k = Broken()
+    with caplog.at_level("WARNING", logger="qerl.rollout"):
+        for _ in range(2):
+            assert torch.equal(ops.lora_shrink(h, a), h @ a.T)
+    assert not ops.enabled["lora_shrink"] and ops.enabled["rmsnorm_shrink"] and ops.fused_lora
+    assert sum("lora_shrink disabled" in r.message for r in caplog.records) == 1
+    assert not FusedOps(triton=True, fused_lora=False).fused_lora  # QERL_FUSED_LORA=0
+
+
+# ---- the one-pass sampler (issue 25) ------------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [1500, 9000])  # one program per row, and two (the in-kernel merge)
+def test_fused_sampler_equals_the_torch_path(vocab: int) -> None:
+    """Same tokens and log-probs (fp32 rounding) as the torch path for temperature 1, 0.7, greedy and top-p/top-k
+    (torch filters, then the one pass); batch-invariant: a row alone samples what it samples in the batch."""
+    from qerl_cli.rollout.sampling import SamplingParams, TokenNoise, sample_tokens, seed_key, torch_sample
+
+    cpu = torch.device("cpu")
+    fused = TokenNoise(vocab, cpu, fused=False, fused_sampling=True)
+    plain = TokenNoise(vocab, cpu, fused=False, fused_sampling=False)
+    assert fused.fused_sampling and not plain.fused_sampling
+    g = torch.Generator().manual_seed(vocab)
+    logits = (3 * torch.randn(3, vocab, generator=g)).to(torch.float16)
+    key = seed_key(11, cpu)
+    uids, steps = torch.tensor([0, 7, 2**40 + 3]), torch.tensor([0, 2**33 + 1, 12])
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7), SamplingParams(temperature=0.0),
+                   SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=50)):
+        tok, lp = sample_tokens(logits, params, fused, key, uids, steps)
+        want_tok, want_lp = torch_sample(logits, params, plain, key, uids, steps)
+        assert torch.equal(tok, want_tok), params
+        assert (lp - want_lp).abs().max().item() < 1e-5, params
+        alone = sample_tokens(logits[1:2], params, fused, key, uids[1:2], steps[1:2])
+        assert torch.equal(alone[0], tok[1:2]) and torch.equal(alone[1], lp[1:2])
+    assert fused.fused_sampling  # its first-use check passed
+    assert fused.capturable(SamplingParams(temperature=0.7)) and not fused.capturable(SamplingParams(top_p=0.9))

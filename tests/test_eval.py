@@ -354,7 +354,9 @@ def test_requantized_run_refuses_the_old_adapter(eval_run: Path, embedded, tmp_p
     run = tmp_path / "run"
     shutil.copytree(eval_run, run, ignore=shutil.ignore_patterns("eval", ".lock"))
     before = json.loads((run / "manifest.json").read_text())["stages"].keys()
-    quantize_model(run, None, fmt="nvfp4", loaded=embedded)
+    # re-quantizing moves train/ aside (--force); a user who moves it back has an adapter beside a new base
+    moved = quantize_model(run, None, fmt="nvfp4", loaded=embedded, force=True).replaced_train
+    (run / moved["moved_to"]).rename(run / "train")
     after = json.loads((run / "manifest.json").read_text())["stages"].keys()
     assert "another base model" in _error(run_eval, run, "gsm8k", limit=1, max_tokens=4)
     assert json.loads((run / "manifest.json").read_text())["stages"].keys() == after == before  # no eval record

@@ -183,6 +183,11 @@ def test_each_format_is_detected_from_the_config_its_writer_produces(name: str, 
     assert gs == {"nvfp4": 16, "mxfp4": 32, "int4": 64, "int8": None, "fp8": None, "nf4": 64, "bf16": None}[name]
     assert act_quant == fmt.act_quant
     assert [f.name for f in FORMATS.values() if f.matches_config(config.get("quantization_config"))] == [name]
+    if fmt.ct_format is not None:  # each group names its encoding, as llm-compressor writes it (never null)
+        groups = config["quantization_config"]["config_groups"]
+        assert {g["format"] for g in groups.values()} == {fmt.ct_format}
+        assert {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "int4": "pack-quantized",
+                "int8": "int-quantized", "fp8": "float-quantized"}[name] == fmt.ct_format
 
 
 def test_unknown_configs_are_refused_in_one_line() -> None:

@@ -58,7 +58,9 @@ def test_resume_continues_at_the_last_step_with_its_optimizer_state(bf16_run: Pa
     shutil.copytree(bf16_run, run, ignore=shutil.ignore_patterns(".lock"))
     train(run, build_config("quick_cpu", {**SMALL, "steps": 2, "keep_checkpoints": 5}))
     ckpts = run / "train" / "checkpoints"
-    saved = torch.load(ckpts / "step_2" / "trainer_state.pt", map_location="cpu", weights_only=False)
+    from qerl_cli.train.checkpointing import load_checkpoint
+
+    saved = load_checkpoint(ckpts / "step_2")
     saved_opt = _tensors(saved["optimizer"]["state"])
     from safetensors.torch import load_file
 

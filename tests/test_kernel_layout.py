@@ -98,6 +98,35 @@ def test_fused_parts_share_the_in_place_repack() -> None:
         assert torch.equal(p.quantized_weight.tensors["weight_packed"], b)
 
 
+@pytest.mark.parametrize("part_first", [False, True])
+def test_fused_parts_share_one_block_scale_layout(part_first: bool) -> None:
+    from qerl_kernels.fp4 import kernel_scales
+    from qerl_kernels.linear import block_scales
+
+    sizes, k = (128, 64, 64), 256
+    ws = [_weight(n, k, 30 + i) for i, n in enumerate(sizes)]
+    gs = nvfp4_global_scale(max(w.abs().max() for w in ws))
+    parts = [QuantLinear.from_quantized(quantize(w, "nvfp4", global_scale=gs, dtype=torch.float32)) for w in ws]
+    own = [p.weight_scale.clone() for p in parts]
+    fused = fuse_quant_linears(parts)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    order = [parts[2], fused, parts[0]] if part_first else [fused, parts[0], parts[2]]
+    ys = {id(m): quant_linear(x, m) for m in order}  # the forward builds the scale layout on first use
+    fks = kernel_state(fused).kscales[x.dtype]
+    row = 0
+    for p, scale in zip(parts, own, strict=True):
+        if id(p) in ys:
+            ks = kernel_state(p).kscales[x.dtype]
+            # the part's scales are its rows of the fused module's set (one set per storage), and they are
+            # exactly what the part would have built for itself
+            assert ks.untyped_storage().data_ptr() == fks.untyped_storage().data_ptr()
+            assert ks.data_ptr() == fks[row].data_ptr()
+            assert torch.equal(ks, kernel_scales(scale, "nvfp4", x.dtype, tiled=True))
+            assert block_scales(p, kernel_state(p), x.dtype) is ks
+            assert torch.equal(ys[id(p)], ys[id(fused)][:, row:row + p.out_features])
+        row += p.out_features
+
+
 def test_parts_off_64_row_boundaries_use_the_row_local_repack() -> None:
     sizes, k = (96, 32), 128
     ws = [_weight(n, k, 20 + i) for i, n in enumerate(sizes)]

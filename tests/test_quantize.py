@@ -74,6 +74,7 @@ def test_nvfp4_checkpoint_layout(quantized_runs) -> None:
     assert qc["ignore"] == ["lm_head"]
     w = qc["config_groups"]["group_0"]["weights"]
     assert (w["num_bits"], w["type"], w["strategy"], w["group_size"]) == (4, "float", "tensor_group", 16)
+    assert qc["config_groups"]["group_0"]["format"] == "nvfp4-pack-quantized"  # explicit, as llm-compressor writes
     with safe_open(str(res.model_dir / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         p = "model.layers.0.self_attn.q_proj"

@@ -166,3 +166,151 @@ def test_fast_decode_path_on_cuda(monkeypatch) -> None:
     off = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=256)
     assert not off.runner.fast_lora and not off.runner.ops.triton and not off.noise.fused
     assert run(off, greedy)[0] == s_tokens
+
+
+def _all_lora(model: nn.Module, rank: int = 8) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"], init_lora_weights=False)
+    return get_peft_model(model, lora).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_lora_and_sampler_on_cuda(monkeypatch, dtype: torch.dtype) -> None:
+    """Issue 25's default decode path on the GPU: LoRA shrinks inside the norm/SiLU kernels (+ o's own), the
+    one-pass sampler captured in the decode graphs. Kernels build and pass their first-use checks; fp32 greedy
+    and sampled tokens equal the QERL_FUSED_LORA=0 / QERL_FUSED_SAMPLING=0 path (log-probs to 1e-4); bf16 runs
+    with no fallback."""
+    from qerl_kernels import decode as decode_kernels
+
+    peft_model = _all_lora(random_model("qwen3", dtype))
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[])
+    sampled = SamplingParams(n=2, temperature=0.8, max_tokens=16, seed=5, stop_token_ids=[])
+    names = ("rmsnorm_shrink", "silu_mul_shrink", "lora_shrink", "sample_tokens")
+    before = {n: decode_kernels.LAUNCHES[n] for n in names}
+    fused = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=256)
+    f_greedy, f_greedy_lp = run(fused, greedy)
+    f_sampled, f_sampled_lp = run(fused, sampled)
+    assert all(fused.runner.ops.enabled.values()), fused.runner.ops.enabled
+    assert fused.noise.fused_sampling and fused.runner.ops.fused_lora
+    assert all(decode_kernels.LAUNCHES[n] > before[n] for n in ("rmsnorm_shrink", "silu_mul_shrink", "lora_shrink"))
+    # the sampler ran inside the decode graphs (graph keys carry the sampler's signature)
+    assert any(key[-1] is not None for key in fused._graphs.graphs), list(fused._graphs.graphs)
+    if dtype != torch.float32:
+        return
+    monkeypatch.setenv("QERL_FUSED_LORA", "0")
+    monkeypatch.setenv("QERL_FUSED_SAMPLING", "0")
+    plain = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=256)
+    assert not plain.runner.ops.fused_lora and not plain.noise.fused_sampling
+    p_greedy, p_greedy_lp = run(plain, greedy)
+    p_sampled, p_sampled_lp = run(plain, sampled)
+    assert f_greedy == p_greedy and f_sampled == p_sampled
+    for a, b in zip(f_greedy_lp + f_sampled_lp, p_greedy_lp + p_sampled_lp, strict=True):
+        assert torch.allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_kernels_at_model_sizes_on_cuda(dtype: torch.dtype) -> None:
+    """The compiled kernels on Qwen2.5-7B sizes (hidden 3584, intermediate 18944, r = 32 per projection, vocab
+    152064) at batches 1, 8, 64 and 256, against torch: shrinks to one rounding of their output, the sampler's
+    tokens equal to the torch path's (up to near-ties) and inside a CUDA graph equal to eager."""
+    from qerl_kernels.decode import lora_shrink, rmsnorm_shrink, silu_mul_shrink
+
+    from qerl_cli.rollout.fast_layers import rms_norm_ref
+    from qerl_cli.rollout.sampling import StepSampler, TokenNoise, torch_sample
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    hidden, inter = 3584, 18944
+    for m in (1, 8, 64, 256):
+        a3 = (0.02 * torch.randn(96, hidden, device=dev, generator=g)).to(dtype)
+        ad = (0.02 * torch.randn(32, inter, device=dev, generator=g)).to(dtype)
+        h = torch.randn(m, 1, hidden, device=dev, generator=g).to(dtype)
+        d = torch.randn(m, 1, hidden, device=dev, generator=g).to(dtype)
+        w = (1 + 0.3 * torch.randn(hidden, device=dev, generator=g)).to(dtype)
+        s, x, hl = rmsnorm_shrink(h, d, w, 1e-6, a3)
+        want_x = rms_norm_ref(h + d, w, 1e-6)
+        assert torch.equal(s, h + d)
+        assert ((x.float() - want_x.float()).norm() / want_x.float().norm()).item() < tol
+        want = x.reshape(m, hidden).double() @ a3.double().T
+        assert ((hl.double() - want).norm() / want.norm()).item() < tol
+        gu = torch.randn(m, 2 * inter, device=dev, generator=g).to(dtype)
+        act, hl = silu_mul_shrink(gu[:, :inter], gu[:, inter:], ad)
+        want = act.double() @ ad.double().T
+        assert ((hl.double() - want).norm() / want.norm()).item() < tol
+        o = torch.randn(m, 1, hidden, device=dev, generator=g).to(dtype)
+        want = o.reshape(m, hidden).double() @ a3[:32].double().T
+        assert ((lora_shrink(o, a3[:32].contiguous()).double() - want).norm() / want.norm()).item() < tol
+    vocab = 152064
+    fused = TokenNoise(vocab, dev, fused=True, fused_sampling=True)
+    plain = TokenNoise(vocab, dev, fused=True, fused_sampling=False)
+    for b in (8, 64, 256):
+        logits = (3 * torch.randn(b, vocab, device=dev, generator=g)).to(dtype)
+        uids, steps = torch.arange(b, device=dev), torch.full((b,), 3, device=dev)
+        for temp in (1.0, 0.7, 0.0):
+            params = SamplingParams(temperature=temp)
+            sampler = StepSampler(params, fused, 42, dev)
+            tok, lp = sampler(logits, uids, steps)
+            assert fused.fused_sampling, "the fused sampler fell back"
+            want_tok, want_lp = torch_sample(logits, params, plain, sampler.key, uids, steps)
+            assert (tok == want_tok).float().mean().item() >= 0.99  # near-ties may resolve either way
+            same = tok == want_tok
+            assert (lp[same] - want_lp[same]).abs().max().item() < 1e-4
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                g_tok, g_lp = sampler(logits, uids, steps)
+            graph.replay()
+            assert torch.equal(g_tok, tok) and torch.equal(g_lp, lp)
+
+
+def test_flashinfer_decode_matches_sdpa_on_cuda() -> None:
+    """FlashInfer's paged batch decode over qerl's cache (the page table attention.py builds) against SDPA, for
+    the 7B and 32B head layouts, eager and inside a CUDA graph planned per replay. Skipped without flashinfer."""
+    pytest.importorskip("flashinfer")
+    from qerl_cli.rollout.attention import DecodeAttention, sdpa_decode
+    from qerl_cli.rollout.model_runner import decode_mask
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(1)
+    for heads, kvh in ((28, 4), (40, 8)):
+        slots, max_len, d = 16, 2048, 128
+        k_cache = torch.randn(slots, max_len, kvh, d, device=dev, dtype=dtype, generator=g)
+        v_cache = torch.randn(slots, max_len, kvh, d, device=dev, dtype=dtype, generator=g)
+        att = DecodeAttention(num_heads=heads, num_kv_heads=kvh, head_dim=d, scale=d**-0.5, max_len=max_len,
+                              dtype=dtype, device=dev, backend="flashinfer")
+        assert att.backend == "flashinfer"
+        positions = [0, 15, 16, 700, 2047, 1023, 64, 5]
+        pos = torch.tensor(positions, device=dev)
+        q = torch.randn(len(positions), heads, d, device=dev, dtype=dtype, generator=g)
+        want = sdpa_decode(q, k_cache, v_cache, max_len, decode_mask(pos, max_len, dtype), d**-0.5)
+        att.select(8, max_len)
+        att.plan(positions)
+        got = att(q, k_cache, v_cache, max_len, None)
+        assert att.current == "flashinfer", "FlashInfer failed and fell back"
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
+        att.plan(positions, bucket=8)  # the CUDA-graph wrapper of batch bucket 8
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = att(q, k_cache, v_cache, max_len, None)
+        shorter = [max(p - 1, 0) for p in positions]
+        att.plan(shorter, bucket=8)  # a new step's plan, then replay: the captured kernels read the new table
+        graph.replay()
+        want = sdpa_decode(q, k_cache, v_cache, max_len, decode_mask(torch.tensor(shorter, device=dev), max_len,
+                                                                      dtype), d**-0.5)
+        assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
+
+
+def test_flashinfer_engine_runs_on_cuda(monkeypatch) -> None:
+    """QERL_DECODE_ATTN=flashinfer end to end (CUDA graphs, per-step plans): no fallback, and greedy tokens
+    follow the SDPA engine's (bf16; a near-tie may part them late, so only the first 4 of each prompt)."""
+    pytest.importorskip("flashinfer")
+    model = random_model("llama", torch.bfloat16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
+    want = run(BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256), greedy)[0]
+    monkeypatch.setenv("QERL_DECODE_ATTN", "flashinfer")
+    engine = BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256)
+    got = run(engine, greedy)[0]
+    assert engine.runner.attention.current == "flashinfer" and engine.runner.attention.backend == "flashinfer"
+    assert all(a[:4] == b[:4] for a, b in zip(got, want, strict=True))

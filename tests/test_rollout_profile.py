@@ -69,3 +69,52 @@ def test_regions_are_free_unless_profiling() -> None:
         with region("lora"):
             torch.ones(3).sum()
     assert any(e.name == "qerl.lora" for e in prof.events())
+
+
+def test_decode_step_bytes_by_hand() -> None:
+    """The byte floor of one decode step of a tiny fp32 Qwen2 (2 layers, hidden 64, intermediate 96, 4 heads of
+    16 over 2 KV heads, vocab 101) with LoRA r = 4 on all 7 linears, on the CPU path (fused q/k/v and
+    gate/up, shrinks as GEMMs, in-place expands), counted by hand per category."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from qerl_cli.rollout import BuiltinEngine
+    from qerl_cli.rollout.roofline import decode_step_bytes, floors
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"])
+    model = get_peft_model(Qwen2ForCausalLM(cfg).eval(), lora).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)  # frozen bases fuse (q/k/v, gate/up)
+    engine = BuiltinEngine(model, None, max_batch_slots=3, max_model_len=64)
+    engine.runner.prepare()  # the projection plan (what generate() builds first)
+    assert engine.num_slots == 3 and engine.runner.plan is not None  # the KV cache
+    b, ctx, kv_len, e = 3, 10, 64, 4
+    got = decode_step_bytes(engine.runner, b, ctx, kv_len)["bytes"]
+    h, i, d, hq, hk, v, r, layers = 64, 96, 16, 4, 2, 101, 4, 2
+    qkv_n = (hq + 2 * hk) * d  # 128
+    per_layer_dense = (
+        (h * qkv_n + qkv_n) + b * (h + qkv_n)  # q/k/v weight + biases, x in, q/k/v out
+        + h * h + b * 2 * h  # o
+        + h * 2 * i + b * (h + 2 * i)  # gate/up
+        + i * h + b * (i + h)  # down
+    ) * e
+    assert got["dense GEMM"] == layers * per_layer_dense + (v * h + b * (h + v)) * e  # + lm_head and its logits
+    # LoRA per layer: A_cat + h for each shrink GEMM; block-diagonal B_blk + h + the base output read and written
+    shrink = (3 * r * h + b * 3 * r) + (r * h + b * r) + (2 * r * h + b * 2 * r) + (r * i + b * r)
+    expand = ((qkv_n * 3 * r) + b * 3 * r + 2 * b * qkv_n) + (h * r + b * r + 2 * b * h) \
+        + (2 * i * 2 * r + b * 2 * r + 2 * b * 2 * i) + (h * r + b * r + 2 * b * h)
+    assert got["LoRA"] == layers * (shrink + expand) * e
+    assert got["attention"] == layers * (2 * b * (ctx + 1) * hk * d + 2 * b * hq * d) * e
+    norms = (7 + 8) * b * h + 2 * 2 * h + 4 * b * h + h  # 2 layers' adds + norms (no residual at layer 0), final
+    rope = layers * (b * (qkv_n + hq * d) + 2 * b * hk * d)
+    assert got["norm/RoPE/activation"] == (norms + layers * 3 * b * i + rope) * e
+    assert got["sampling"] == b * v * e
+    f = floors(got, {"sampling": 0.002, "attention": 0.0}, 1000.0)  # 1000 GB/s
+    assert f["sampling"]["floor_ms"] == pytest.approx(b * v * e / 1e9)
+    assert f["sampling"]["pct_of_floor"] == pytest.approx(100 * b * v * e / 1e9 / 0.002)
+    assert f["attention"]["pct_of_floor"] is None and floors(got, {}, None)["LoRA"]["floor_ms"] is None

@@ -90,7 +90,9 @@ def test_resume_on_a_requantized_base_is_refused(trained: Path, embedded, tmp_pa
 
     run = tmp_path / "run"
     shutil.copytree(trained, run, ignore=shutil.ignore_patterns(".lock"))
-    quantize_model(run, None, fmt="int8", loaded=embedded)
+    # re-quantizing moves train/ aside (--force); a user who moves it back has an adapter beside a new base
+    moved = quantize_model(run, None, fmt="int8", loaded=embedded, force=True).replaced_train
+    (run / moved["moved_to"]).rename(run / "train")
     before = _manifest(run)["stages"]["train"]
     with pytest.raises(QerlError, match="trained on another base model"):
         train(run, build_config("quick_cpu", {**TINY, "steps": 5}), resume=True)

@@ -86,7 +86,7 @@ def test_sampling_entropy_metric_hand_computed():
 def test_trainer_logs_sampling_entropy_next_to_entropy(tmp_path):
     spec = get_shape("tiny")
     cfg = TrainConfig(batch_prompts=2, num_generations=2, max_completion_length=4, lora_rank=4, precision="fp32",
-                      lr=1e-2, steps=1, aqn=False, log_rollouts=False, seed=2)
+                      lr=1e-2, steps=1, aqn=False, log_rollouts=False, seed=2, log_sampling_entropy=True)
     t = Trainer(RunDir(tmp_path / "r"), cfg, device="cpu")
     t.setup(model=build_shape_model(spec, "bf16", torch.device("cpu"), torch.float32, seed=0), tokenizer=None,
             task=_synthetic_task(2, 4, 4), prompt_ids=synthetic_prompts(2, 4, spec.vocab, 0),
@@ -94,6 +94,8 @@ def test_trainer_logs_sampling_entropy_next_to_entropy(tmp_path):
     m = t.train_step()
     # no AQN, fp32: the engine sampled from the very policy the training forward recomputes
     assert m["sampling/entropy"] == pytest.approx(m["entropy"], abs=1e-4) and m["sampling/entropy"] > 0
+    # off by default: the rollouts keep the fused sampler and the metric is absent
+    assert TrainConfig().log_sampling_entropy is False
 
 
 def test_stop_strings_keep_entropies_aligned(embedded):

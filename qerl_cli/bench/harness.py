@@ -14,6 +14,7 @@ docs/benches.md says how to add a bench.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import numbers
 import time
@@ -131,7 +132,9 @@ def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError | MemoryError):
         return True
     msg = str(exc)
-    return "out of memory" in msg.lower() or "no room for even one KV-cache slot" in msg
+    # the host allocator's refusal (a CPU bench) is a RuntimeError saying "can't allocate memory"
+    return ("out of memory" in msg.lower() or "can't allocate memory" in msg
+            or "no room for even one KV-cache slot" in msg)
 
 
 def failure_status(exc: BaseException, oom: str = "OOM") -> str:
@@ -140,6 +143,37 @@ def failure_status(exc: BaseException, oom: str = "OOM") -> str:
         return oom
     text = str(exc)
     return f"error: {text.splitlines()[0][:160] if text.strip() else type(exc).__name__}"
+
+
+def failure_note(exc: BaseException) -> str:
+    """Why a cell failed, in full (the status keeps it short): the exception's first line, or, for one raised
+    without a message (a bare StopIteration, say), its type and where it was raised."""
+    text = str(exc).strip()
+    if text:
+        return text.splitlines()[0][:400]
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return f"{type(exc).__name__} raised without a message"
+    f = frames[-1]
+    where = "/".join(Path(f.filename).parts[-2:])
+    return f"{type(exc).__name__} raised without a message at {where}:{f.lineno} ({f.name})"
+
+
+def row_label(row: dict[str, Any]) -> str:
+    """A row's key fields (those before ``status``) as ``name=value`` words."""
+    words = []
+    for k, v in row.items():
+        if k == "status":
+            break
+        words.append(f"{k}={v}")
+    return " ".join(words)
+
+
+def note_lines(res: dict[str, Any]) -> list[str]:
+    """One line per result row that carries a ``note`` (why it failed, or why it ran differently than asked)."""
+    return [f"{row_label(r)}: {r.get('status')}: {r['note']}" for r in res.get("results", []) if r.get("note")]
 
 
 @dataclass
@@ -164,9 +198,9 @@ def run_cell(cell: Cell, *, oom: str = "OOM", fatal: Callable[[Exception], bool]
     except Exception as exc:  # noqa: BLE001 - recorded per cell, the bench goes on
         if fatal is not None and fatal(exc):
             raise
-        row = {**cell.key, "status": failure_status(exc, oom)}
+        row = {**cell.key, "status": failure_status(exc, oom), "note": failure_note(exc)}
         if log is not None:
-            log(f"{cell.label or cell.key}: {row['status']}")
+            log(f"{cell.label or cell.key}: {row['status']}: {row['note']}")
         free_memory()
     cell.seconds = time.perf_counter() - t0
     return row
@@ -204,15 +238,28 @@ def header(kind: str, **fields: Any) -> dict[str, Any]:
     return {"schema": SCHEMA, "kind": kind, "date": now_iso(), **fields, "env": environment(), "results": []}
 
 
-def out_dir(out: Path | None, run: Any, default: Path | None = None, *, missing: str = "") -> Path:
-    """Where a bench writes: ``out``, else the run's ``bench/`` folder, else ``default`` (else ``missing``)."""
+DEFAULT_ROOT = Path("qerl-bench")  # where a bench writes without --out or --run, under the working directory
+
+
+def default_out(bench: str, now: datetime.datetime | None = None) -> Path:
+    """``./qerl-bench/<bench>-<YYYYMMDD-HHMMSS>`` (local time): a new folder per bench run, so an earlier result
+    is never overwritten (a second run within the same second gets ``-2``, ``-3``, ...)."""
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    path = base = DEFAULT_ROOT / f"{bench}-{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def out_dir(out: Path | None, run: Any, bench: str) -> Path:
+    """Where a bench writes: ``out``, else the run's ``bench/`` folder, else :func:`default_out`."""
     if out is not None:
         return Path(out)
     if run is not None:
         return run.path / "bench"
-    if default is None:
-        raise QerlError(missing)
-    return default
+    return default_out(bench)
 
 
 def figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -317,7 +364,7 @@ def report(res: dict[str, Any]) -> tuple[list[Any], list[str]]:
         mod = None
     if mod is None or not hasattr(mod, "tables"):
         raise QerlError(f"not a bench result with tables (kind {kind!r}): give a JSON written by `qerl bench ...`")
-    return mod.tables(res), mod.short_summary(res)
+    return mod.tables(res), [*note_lines(res), *mod.short_summary(res)]
 
 
 def show(console: Any, tables: Sequence[Any], lines: Sequence[str]) -> None:
@@ -326,7 +373,7 @@ def show(console: Any, tables: Sequence[Any], lines: Sequence[str]) -> None:
         for part in fit_table(table, console):
             console.print(part)
     for line in lines:
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, markup=False, soft_wrap=True)  # a note may hold `qerl[vllm]`
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -442,3 +442,202 @@ def short_summary(res: dict, model: str | None = None, method: str = "nvfp4") ->
         ok = " ok" if r["speedup"] >= BACKWARD_TARGET else f" MISS (target {BACKWARD_TARGET}x)"
         out.append(f"{model} {method} dx M=2048: {r['ms'] * 1e3:.1f} us, {r['speedup']:.2f}x BF16{ok}")
     return out
+
+
+# ---- issue 25: the CUDA kernel's decode-size plans, old vs new, against humming and BF16 ----------------
+DECODE_MS = (1, 8, 16, 32, 64)
+# the expand each decoder-layer GEMM adds with LoRA r32 on all seven linears (q/k/v and gate/up fused: the
+# block-diagonal B of the group has the parts' ranks side by side)
+DECODE_LORA_RANKS = {"qkv": 96, "o": 32, "gate_up": 64, "down": 32}
+
+
+def decode_plan_variants(m: int, n: int, k: int, sms: int) -> list[tuple[str, Any]]:
+    """(name, cuda_fp4.Plan) timed per GEMM and M: the legacy rule, the stream rule, and the variants the rule
+    chose between (ring depth, K segments, whole portions vs unit ranges; the wide kernel's warp shapes)."""
+    from qerl_kernels import cuda_fp4 as cf
+
+    out = [("legacy", cf.legacy_plan(m, n, k, sms))]
+    rule = cf.decode_plan(m, n, k, sms) if m <= cf.DECODE_MAX_M else cf.wide_plan(m, n, k, sms)
+    out.append(("stream", rule))
+    alts: list[Any] = []
+    if rule.kind == "decode":
+        for st in (4, 8):
+            try:
+                alts.append(cf.decode_plan(m, n, k, sms, stages=st))
+            except ValueError:
+                pass
+        alts.append(cf.decode_plan(m, n, k, sms, nseg=1))
+        alts.append(cf.decode_plan(m, n, k, sms, pmode=not rule.pmode))
+        if m <= 2:
+            alts.append(cf.decode_plan(m, n, k, sms, perm=True, stages=4))
+    else:
+        for wn, rbw in ((8, 1), (4, 2)):
+            alts.append(cf.wide_plan(m, n, k, sms, wn=wn, rbw=rbw))
+        alts.append(cf.wide_plan(m, n, k, sms, ctas=cf.ctas_per_sm(rule) * sms))
+        alts.append(cf.wide_plan(m, n, k, sms, ctas=sms))
+        alts.append(cf.wide_plan(m, n, k, sms, pmode=not rule.pmode))
+    seen = {rule.key()}
+    for p in alts:
+        if p.key() not in seen:
+            seen.add(p.key())
+            out.append((p.key(), p))
+    return out
+
+
+def sweep_decode(shapes: Sequence[str] = ("qwen2.5-7b", "qwen2.5-32b"), ms: Sequence[int] = DECODE_MS,
+                 out_json: Path | None = None, *, fmt: str = "nvfp4", peers: bool = True, rep_ms: int = 15,
+                 log: Callable[[str], None] | None = print) -> dict[str, Any]:
+    """Time qerl's CUDA FP4 kernel's plans on the decode GEMMs of `shapes` at each M: the legacy plan, the stream
+    rule (without and with programmatic dependent launch between the graph's GEMMs) and its variants, the rule
+    with the LoRA expand in its epilogue against the rule + one addmm of the expand, the Triton kernel, humming
+    (when it imports; + addmm for the LoRA row) and BF16 cuBLAS. Rows: ms per GEMM, GB/s of weight + scale bytes
+    and % of the measured copy bandwidth. Same timing as `bench_kernels` (graphs over rotating weight copies)."""
+    from qerl_kernels import humming_peer
+    from qerl_kernels import linear as ql
+
+    device = harness.device(cuda_only="sweep_decode")
+    props = torch.cuda.get_device_properties(device)
+    sms = props.multi_processor_count
+    l2 = l2_bytes(device)
+    res = harness.header("bench/decode_plans", device=props.name, sms=sms, l2_bytes=l2, torch=torch.__version__,
+                         fmt=fmt, ms=list(ms), shapes=list(shapes),
+                         timing="triton.testing.do_bench median over CUDA-graph replays of rotating weight copies")
+    res.update({"errors": [], "copy_GBps": harness.copy_bandwidth_gbps(device)})
+    copy = res["copy_GBps"] or float("nan")
+    with_humming = peers and humming_peer.available()
+    copies_for = partial(weight_copies, l2=l2)
+    if log:
+        log(f"decode sweep on {props.name} ({sms} SMs), copy {copy:.0f} GB/s, humming {with_humming}")
+
+    def record(model: str, gemm: str, n: int, k: int, m: int, method: str, calls: list, wbytes: int,
+               plan: Any = None) -> None:
+        try:
+            t, mode = time_calls(calls, rep_ms=rep_ms)
+        except Exception as exc:
+            _failed(res, model, gemm, m, method, exc)
+            return
+        gbps = wbytes / (t * 1e-3) / 1e9
+        res["results"].append({"model": model, "gemm": gemm, "N": n, "K": k, "M": m, "method": method, "ms": t,
+                               "timing": mode, "GBps": gbps, "pct_copy": 100 * gbps / copy,
+                               "plan": None if plan is None else plan.key()})
+
+    for model in shapes:
+        for gemm, n, k in layer_linears(model):
+            w = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
+            mods = quant_modules(w, fmt, copies_for)
+            st = [ql.kernel_state(m_) for m_ in mods]
+            wbytes = mods[0].weight_nbytes
+            r = DECODE_LORA_RANKS.get(gemm, 32)
+            lb = (torch.randn(n, r, device=device) * 0.02).to(torch.bfloat16)
+            dense = [w] + [w.clone() for _ in range(copies_for(w.numel() * 2) - 1)]
+            hum = None
+            if with_humming:
+                try:
+                    qw = quantize_for_peer(w, fmt)
+                    hum = [humming_peer.build({a: b.clone() for a, b in qw.tensors.items()}, fmt, n, k)
+                           for _ in range(copies_for(qw.nbytes()))]
+                except Exception as exc:
+                    _failed(res, model, gemm, 0, "humming", exc)
+            for m in ms:
+                _sweep_one(res, record, model, gemm, n, k, m, fmt, sms, mods, st, wbytes, dense, hum, r, lb, device)
+                if out_json is not None:
+                    _save(res, out_json)
+                if log:
+                    done = [x_ for x_ in res["results"] if x_["model"] == model and x_["gemm"] == gemm
+                            and x_["M"] == m]
+                    log(f"{model} {gemm} M={m}: " + ", ".join(f"{x_['method']} {x_['ms'] * 1e3:.1f}us" for x_ in done))
+            del mods, st, dense, hum, w
+            torch.cuda.empty_cache()
+    if out_json is not None:
+        _save(res, out_json)
+    return res
+
+
+def _sweep_one(res: dict, record: Callable, model: str, gemm: str, n: int, k: int, m: int, fmt: str, sms: int,
+               mods: list, st: list, wbytes: int, dense: list, hum: list | None, r: int, lb: torch.Tensor,
+               device: torch.device) -> None:
+    """One (GEMM, M) cell of `sweep_decode`: every method timed on the same activations."""
+    import torch.nn.functional as F
+    from qerl_kernels import cuda_fp4, humming_peer
+    from qerl_kernels import linear as ql
+
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    h = torch.randn(m, r, device=device, dtype=torch.bfloat16)
+
+    def gemm_calls(plan: Any, pdl: bool, lora: bool = False) -> list:
+        return [partial(cuda_fp4.fp4_gemm, x, s_.repacked, m_.weight_scale, getattr(m_, "weight_global_scale", None),
+                        fmt, tiled=s_.tiled, shift=s_.shift, plan=plan, pdl=pdl, lora_h=h if lora else None,
+                        lora_b=lb if lora else None) for m_, s_ in zip(mods, st, strict=True)]
+
+    def then_addmm(calls: list) -> list:
+        return [partial(_addmm_after, c, h, lb) for c in calls]
+
+    record(model, gemm, n, k, m, "bf16", [partial(F.linear, x, w_) for w_ in dense], n * k * 2)
+    record(model, gemm, n, k, m, "triton", [partial(ql.fp4_fused, x, m_) for m_ in mods], wbytes)
+    rule = None
+    for name, plan in decode_plan_variants(m, n, k, sms):
+        rule = plan if name == "stream" else rule
+        record(model, gemm, n, k, m, f"cuda-{name}", gemm_calls(plan, False), wbytes, plan)
+    if rule is not None:
+        record(model, gemm, n, k, m, "cuda-stream-pdl", gemm_calls(rule, True), wbytes, rule)
+        record(model, gemm, n, k, m, f"cuda-stream+lora{r}", gemm_calls(rule, False, True), wbytes, rule)
+        record(model, gemm, n, k, m, f"cuda-stream+addmm{r}", then_addmm(gemm_calls(rule, False)), wbytes, rule)
+    if hum:
+        try:
+            humming_peer.warm(hum[0], x)
+            calls = [partial(humming_peer.forward, l_, x) for l_ in hum]
+            record(model, gemm, n, k, m, "humming", calls, wbytes)
+            record(model, gemm, n, k, m, f"humming+addmm{r}", then_addmm(calls), wbytes)
+        except Exception as exc:
+            _failed(res, model, gemm, m, "humming", exc)
+
+
+def _addmm_after(call: Callable[[], torch.Tensor], h: torch.Tensor, lb: torch.Tensor) -> torch.Tensor:
+    return call().addmm_(h, lb.t())
+
+
+def quantize_for_peer(w: torch.Tensor, fmt: str) -> Any:
+    from qerl_cli.formats import quantize
+
+    return quantize(w, fmt, dtype=torch.bfloat16)
+
+
+def decode_table(res: dict) -> list[str]:
+    """Plain lines, per model and M: the layer's four GEMMs summed (us) for BF16, the legacy plan, the stream rule
+    (and with PDL), the best stream variant, humming; the rule's GB/s and % of copy bandwidth; the LoRA rows."""
+    rows = res["results"]
+    lines = [f"decode plans, {res.get('device')} ({res.get('sms')} SMs), copy {res.get('copy_GBps') or 0:.0f} GB/s; "
+             "us per layer (4 GEMMs), rule GB/s (% copy)"]
+    for model in res["shapes"]:
+        lines.append(f"{model}:  M |   bf16 | legacy | stream | +pdl   | best variant    | humming | "
+                     "GB/s (%copy) | +lora fused / +addmm | humming+addmm")
+        for m in res["ms"]:
+            def layer(method: str, rows_=rows, m=m, model=model) -> float | None:
+                got = [r for r in rows_ if r["model"] == model and r["M"] == m and r["method"] == method]
+                return sum(r["ms"] for r in got) * 1e3 if len(got) == 4 else None
+
+            def fmt_us(v: float | None) -> str:
+                return f"{v:6.1f}" if v is not None else "     -"
+
+            cand = {r["method"] for r in rows if r["model"] == model and r["M"] == m and r["method"].startswith(
+                "cuda-") and "+" not in r["method"] and r["method"] != "cuda-stream-pdl"}
+            per_gemm_best = 0.0
+            for gemm, _, _ in layer_linears(model):
+                got = [r["ms"] for r in rows if r["model"] == model and r["M"] == m and r["gemm"] == gemm
+                       and r["method"] in cand]
+                per_gemm_best += min(got) * 1e3 if got else float("nan")
+            stream = [r for r in rows if r["model"] == model and r["M"] == m and r["method"] == "cuda-stream"]
+            gb = sum(r["GBps"] * r["ms"] for r in stream) / max(1e-12, sum(r["ms"] for r in stream))
+            pct = 100 * gb / (res.get("copy_GBps") or float("nan"))
+            lo = [r for r in rows if r["model"] == model and r["M"] == m and "+lora" in r["method"]]
+            ad = [r for r in rows if r["model"] == model and r["M"] == m
+                  and r["method"].startswith("cuda-stream+addmm")]
+            ha = [r for r in rows if r["model"] == model and r["M"] == m and r["method"].startswith("humming+addmm")]
+            fused = sum(r["ms"] for r in lo) * 1e3 if len(lo) == 4 else None
+            sep = sum(r["ms"] for r in ad) * 1e3 if len(ad) == 4 else None
+            hsep = sum(r["ms"] for r in ha) * 1e3 if len(ha) == 4 else None
+            lines.append(f"{'':>12}{m:3d} | {fmt_us(layer('bf16'))} | {fmt_us(layer('cuda-legacy'))} | "
+                         f"{fmt_us(layer('cuda-stream'))} | {fmt_us(layer('cuda-stream-pdl'))} | "
+                         f"{per_gemm_best:15.1f} | {fmt_us(layer('humming'))}  | {gb:5.0f} ({pct:4.1f}%) | "
+                         f"{fmt_us(fused)} / {fmt_us(sep)}   | {fmt_us(hsep)}")
+    return lines

@@ -229,8 +229,8 @@ def bench_mismatch(
     the BF16/FP16 ratio is what such a run checks. ``device`` runs both engines there (``cuda``: the
     rollout engine's CUDA graphs and Triton kernels against the training forward).
 
-    Output directory: ``out_dir``, else ``run_dir/bench``, else ``./bench-mismatch``. With ``run_dir``
-    the run's quantized model and its single format are used, and the bench is recorded in the
+    Output directory: ``out_dir``, else ``run_dir/bench``, else ``./qerl-bench/mismatch-<date>-<time>``. With
+    ``run_dir`` the run's quantized model and its single format are used, and the bench is recorded in the
     manifest under ``bench/mismatch``. Nothing is written until every cell has run.
     """
     from qerl_cli.models import load_model
@@ -250,7 +250,7 @@ def bench_mismatch(
         fmts = [run_fmt]
     elif not fmts:
         raise QerlError(f"no format given; choose from {', '.join(DEFAULT_FORMATS)}")
-    out = harness.out_dir(out_dir, run, Path("bench-mismatch"))
+    out = harness.out_dir(out_dir, run, "mismatch")
 
     budget = harness.Budget()
     torch.manual_seed(seed)

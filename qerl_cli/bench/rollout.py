@@ -221,22 +221,29 @@ def bench_stop_ids(mode: str, vocab: int, new_tokens: int, model_eos: list[int] 
     return list(range(vocab - k, vocab))
 
 
-def precapture_graphs(engine: Any, batch: int, shrinking: bool = False) -> None:
+def precapture_graphs(engine: Any, batch: int, shrinking: bool = False, params: Any = None) -> None:
     """Capture the decode graphs of every KV-length bucket now, so no capture lands in the timed run;
     ``shrinking`` (EOS-ended or queued workloads, whose batch drains at the end): every smaller batch
-    bucket too.
+    bucket too. ``params``: the timed run's ``SamplingParams``; where the engine captures its sampler
+    in the decode graph, those graphs are the ones captured.
 
     Uses the engine's graph decoder (built by the warm-up generate); any failure just leaves capture to
     the timed run (a few extra eager steps, about 1%)."""
     graphs = getattr(engine, "_graphs", None)
     if graphs is None or not hasattr(graphs, "ensure_captured"):
         return
-    top = graphs.bucket(batch)
+    sampler = None
+    if params is not None:
+        from qerl_cli.rollout.sampling import StepSampler
+
+        sampler = StepSampler(params, engine.noise, 0, engine.device)
+        sampler = sampler if sampler.capturable else None
+    top = graphs.bucket(min(batch, engine.num_slots))  # fewer slots may fit than the cell asks for
     sizes = [b for b in graphs.buckets if b <= top] if shrinking else [top]
     with torch.no_grad():
         for bs in sizes:
             for kv in engine.kv_buckets:
-                graphs.ensure_captured(bs, kv)
+                graphs.ensure_captured(bs, kv, sampler)
     torch.cuda.synchronize()
 
 
@@ -252,7 +259,7 @@ def _adapters(model: nn.Module, lora: str) -> Any:
 def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, new_tokens: int, vocab: int,
               stop_ids: list[int] | None, device: torch.device, gpu_memory_utilization: float, seed: int,
               warmup: bool, prompts_n: int | None = None, generations: int = 1, lora: str = "on",
-              profile: bool = False) -> dict[str, Any]:
+              profile: bool = False, copy_gbps: float | None = None) -> dict[str, Any]:
     from qerl_cli.rollout import BuiltinEngine, SamplingParams
 
     engine = BuiltinEngine(model, tokenizer, max_batch_slots=batch, max_model_len=prompt_len + new_tokens,
@@ -262,26 +269,28 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
     prof = None
     try:
         with _adapters(model, lora):
+            params = SamplingParams(n=generations, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=new_tokens,
+                                    stop_token_ids=stop_ids, seed=seed)
             if warmup:
                 warm = SamplingParams(n=1, temperature=1.0, max_tokens=min(new_tokens, 16), stop_token_ids=[],
                                       seed=seed + 1)
                 engine.generate(prompts[:batch], warm)
                 if device.type == "cuda" and engine.use_graphs:
-                    precapture_graphs(engine, batch, shrinking=bool(stop_ids) or len(prompts) * generations > batch)
+                    precapture_graphs(engine, batch, shrinking=bool(stop_ids) or len(prompts) * generations > batch,
+                                      params=params)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            params = SamplingParams(n=generations, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=new_tokens,
-                                    stop_token_ids=stop_ids, seed=seed)
             res = engine.generate(prompts, params)
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
             peak_reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None
             slots = engine.num_slots
             kv_gib = engine.runner.cache.shape.bytes_per_slot() * slots / 2**30
+            kv_room = engine.kv_room.describe() if engine.kv_room is not None else None
             if profile and device.type == "cuda":
                 from qerl_cli.rollout.profile import profile_decode
 
-                prof = profile_decode(engine, min(batch, slots), prompt_len + new_tokens // 2)
+                prof = profile_decode(engine, min(batch, slots), prompt_len + new_tokens // 2, copy_gbps=copy_gbps)
     finally:
         engine.release()
     t, st = res.timings, res.stats
@@ -304,6 +313,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
         "sequences": n_seq,
         "decode_ms_per_step": 1000.0 * t["decode_s"] / st["decode_steps"] if st["decode_steps"] else None,
         "num_slots": slots,
+        "kv_room": kv_room,
         "profile": prof,
         "kv_cache_gib": kv_gib,
         "peak_mem_gib": peak,
@@ -411,9 +421,41 @@ def render_table(res: dict[str, Any]) -> Any:
 
 
 def tables(res: dict[str, Any]) -> list[Any]:
-    """The bench's tables: every cell, then the decode-step profile when the run was profiled."""
-    prof = render_profile_table(res)
-    return [render_table(res)] + ([prof] if prof is not None else [])
+    """The bench's tables: every cell, then the decode-step profile and its byte floors when profiled."""
+    extra = [t for t in (render_profile_table(res), render_floor_table(res)) if t is not None]
+    return [render_table(res)] + extra
+
+
+def render_floor_table(res: dict[str, Any]) -> Any | None:
+    """A rich Table: per profiled cell and category, the byte floor (bytes it must move over the run's copy
+    bandwidth; qerl_cli/rollout/roofline.py) and the % of it the measured kernel time reaches."""
+    from rich.table import Table
+
+    from qerl_cli.rollout.profile import CATEGORIES
+
+    cells = [c for c in res["results"] if (c.get("profile") or {}).get("floors")]
+    if not cells:
+        return None
+    cats = [k for k in CATEGORIES if k not in ("copies", "other")]
+    table = Table(title=f"decode step byte floors: floor ms (bytes / {num(res.get('copy_GBps'), COUNT)} GB/s copy "
+                        "bandwidth) and % of it reached; attention: live context (SDPA's KV bucket in KV read)")
+    for col in ("format", "batch", "LoRA", *cats, "KV read MB", "step"):
+        table.add_column(col, justify="left" if col in ("format", "LoRA") else "right")
+    def cell(floor_ms: float | None, measured_ms: float | None) -> str:
+        if floor_ms is None:
+            return "-"
+        pct = 100.0 * floor_ms / measured_ms if measured_ms else None
+        return f"{floor_ms:.3f} ({num(pct, '{:.0f}')}%)"
+
+    for c in cells:
+        p = c["profile"]
+        bw = p.get("copy_GBps")
+        step_floor = p["step_bytes"] / (bw * 1e9) * 1e3 if bw else None
+        table.add_row(c["format"], str(c["batch"]), c.get("lora", "on"),
+                      *(cell(p["floors"].get(k, {}).get("floor_ms"), p["ms_per_step"].get(k)) for k in cats),
+                      f"{p['attention_read_bytes'] / 1e6:,.0f}",
+                      cell(step_floor, p.get("graph_step_ms") or p["kernel_ms_per_step"]))
+    return table
 
 
 def render_profile_table(res: dict[str, Any]) -> Any | None:
@@ -595,9 +637,7 @@ def bench_rollout(
         if fmts and fmts != [run_fmt]:
             log(f"--run: benchmarking the run's model ({run_fmt}); formats {fmts} ignored")
         fmts = [run_fmt]
-    # a random-shape bench has no run directory to write into; never litter the working directory
-    out = harness.out_dir(out_dir, run, missing="bench rollout --shape writes a JSON and a plot: name their folder "
-                                                "with --out DIR (or use --run DIR, which writes under DIR/bench)")
+    out = harness.out_dir(out_dir, run, "rollout")
     max_len = prompt_len + new_tokens
     if spec is not None and max_len > spec.max_positions:
         raise QerlError(f"prompt_len + new_tokens = {max_len} exceeds the {shape} shape's "
@@ -720,8 +760,13 @@ def _measure(m: _Model, work: _Workload, batch: int, mode: str, lora: str) -> di
     cell = _run_cell(m.model, m.tokenizer, batch=batch, prompt_len=work.prompt_len, new_tokens=work.new_tokens,
                      vocab=m.vocab, stop_ids=stop_ids, device=work.device, gpu_memory_utilization=work.gmu,
                      seed=work.seed, warmup=work.warmup, prompts_n=work.prompts, generations=work.num_generations,
-                     lora=lora, profile=work.profile)
-    return {"status": "ok" if cell["num_slots"] >= batch else f"ok ({cell['num_slots']} slots fit)", **cell}
+                     lora=lora, profile=work.profile, copy_gbps=work.copy_GBps)
+    if cell["num_slots"] >= batch:
+        return {"status": "ok", **cell}
+    # the cell ran, but with fewer sequences at once than its batch: say so, and why
+    why = f"{m.fmt} weights {m.nbytes['weights'] / 2**30:.1f} GiB: {cell['kv_room'] or 'the KV budget'}"
+    return {"status": f"ok ({cell['num_slots']} of {batch} slots fit)", **cell,
+            "note": f"{why}; this cell needs {batch}"}
 
 
 def _log_cell(log: Callable[[str], None], cell: harness.Cell, row: dict[str, Any]) -> None:

@@ -457,7 +457,7 @@ def bench_sanity(
         raise QerlError(f"--heldout must be a non-negative integer, got {heldout!r}")
     select_perfectible([], lo, hi)  # checks the band
     device = harness.device()
-    base = dict(overrides or {})
+    base = {"log_sampling_entropy": True, **(overrides or {})}  # the AQN claims are about the sampling policy
     axes = dict(grid or {})
     all_cells = grid_cells(axes)
     all_cfgs = [build_bench_config(default_config(device), {**base, **{k: v for k, v in c.items() if k != "format"}})
@@ -468,7 +468,7 @@ def bench_sanity(
     cells, cfgs = [all_cells[i] for i in kept], [all_cfgs[i] for i in kept]
     run = RunDir(run_dir, create=False)
     run.require("quantize")
-    out = harness.out_dir(out_dir, run)
+    out = harness.out_dir(out_dir, run, "sanity")
     base_cfg = build_bench_config(default_config(device), base)
     first_seed = base_cfg.seed if seed_start is None else int(seed_start)
     seed_list = list(range(first_seed, first_seed + seeds))

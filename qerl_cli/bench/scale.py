@@ -7,6 +7,12 @@ fixed-length generation (EOS disabled) and random rewards seeded per (prompt, sa
 non-zero. Rank 0 writes a JSON with per-step seconds and global tokens/s (prompt + generated tokens of
 the whole batch per step second); tokens/s per GPU at N ranks over tokens/s at 1 rank is the scaling
 efficiency. ``python -m qerl_cli.bench.scale --help`` for the options; scripts/gpu_scale.sh drives it.
+
+``--finetune full --rollout-quant int8 --sharding fsdp2`` (format bf16: the trained weights are full precision)
+is FlashRL mode on FSDP2 (train/fsdp.py): every weight trains, sharded over the ranks, rollouts from an INT8
+copy re-quantized from the sharded masters after each step; ``--fsdp-offload`` keeps the sharded state in
+host memory. The result then also holds each phase's peak GPU memory per rank (``memory/*_peak_gb`` of every
+rank's step metrics: the max over ranks is the per-GPU peak). scripts/gpu_fsdp.sh drives that mode.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ def _reward(prompts: list[str], completions: list[str], answer: list[str] | None
 
 def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: int, prompt_len: int,
                   new_tokens: int, lora_rank: int, micro_batch_size: int, seed: int, num_prompts: int = 4096,
-                  device: str | None = None) -> Any:
-    """A Trainer over an in-memory random shape model (no run directory), on this rank's device."""
+                  device: str | None = None, train: dict[str, Any] | None = None) -> Any:
+    """A Trainer over an in-memory random shape model (no run directory), on this rank's device; ``train``:
+    more TrainConfig fields (finetune, rollout_quant, sharding, fsdp_offload, gradient_checkpointing, ...)."""
     from qerl_cli.bench.shapes import get_shape
     from qerl_cli.bench.step import build_shape_model
     from qerl_cli.device import pick as pick_device
@@ -48,12 +55,15 @@ def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: 
 
     ctx = current()
     dev = pick_device(device or ctx.device)
-    precision = "bf16" if dev.type == "cuda" else "fp32"
-    cfg = TrainConfig(algo="dapo", steps=10**6, batch_prompts=batch_prompts, num_generations=num_generations,
-                      max_completion_length=new_tokens, lora_rank=lora_rank, precision=precision,
-                      micro_batch_size=micro_batch_size, dynamic_sampling=False, overlong_buffer=0, seed=seed,
-                      log_rollouts=False, lr=1e-5).resolved()
-    dtype = dtype_of(precision)
+    fields = {"algo": "dapo", "steps": 10**6, "batch_prompts": batch_prompts, "num_generations": num_generations,
+              "max_completion_length": new_tokens, "lora_rank": lora_rank,
+              "precision": "bf16" if dev.type == "cuda" else "fp32", "micro_batch_size": micro_batch_size,
+              "dynamic_sampling": False, "overlong_buffer": 0, "seed": seed, "log_rollouts": False, "lr": 1e-5,
+              **(train or {})}
+    cfg = TrainConfig(**fields)
+    cfg.validate()
+    cfg = cfg.resolved()
+    dtype = dtype_of(cfg.precision)
     model = build_shape_model(get_shape(shape), fmt, dev, dtype, seed)  # no EOS: fixed-length generation
     task = Task("synthetic", "train", [Example(prompt=str(i), answer="") for i in range(num_prompts)],
                 "bench_random", (), lambda q: q, max_new_tokens=new_tokens)
@@ -68,9 +78,14 @@ def build_trainer(shape: str, fmt: str, *, batch_prompts: int, num_generations: 
     return t
 
 
+PHASE_TIMES = ("rollout", "recompute", "fwd_bwd", "optimizer", "requant", "train")
+PEAK_PHASES = ("rollout", "recompute", "fwd_bwd", "optimizer", "requant")
+
+
 def run(shape: str = "tiny", fmt: str = "nvfp4", steps: int = 3, warmup: int = 1, batch_prompts: int = 8,
         num_generations: int = 4, prompt_len: int = 64, new_tokens: int = 32, lora_rank: int = 16,
-        micro_batch_size: int = 8, seed: int = 0, out: str | Path | None = None) -> dict[str, Any]:
+        micro_batch_size: int = 8, seed: int = 0, out: str | Path | None = None,
+        train: dict[str, Any] | None = None) -> dict[str, Any]:
     from qerl_cli.train.distributed import current, init_from_env
 
     init_from_env()
@@ -78,8 +93,10 @@ def run(shape: str = "tiny", fmt: str = "nvfp4", steps: int = 3, warmup: int = 1
     t0 = time.perf_counter()
     trainer = build_trainer(shape, fmt, batch_prompts=batch_prompts, num_generations=num_generations,
                             prompt_len=prompt_len, new_tokens=new_tokens, lora_rank=lora_rank,
-                            micro_batch_size=micro_batch_size, seed=seed)
+                            micro_batch_size=micro_batch_size, seed=seed, train=train)
     build_s = time.perf_counter() - t0
+    on_cuda = trainer.device.type == "cuda"
+    build_peak = torch.cuda.max_memory_allocated(trainer.device) / 2**30 if on_cuda else None
     rows = []
     for i in range(warmup + steps):
         ctx.barrier()
@@ -91,15 +108,30 @@ def run(shape: str = "tiny", fmt: str = "nvfp4", steps: int = 3, warmup: int = 1
             torch.cuda.synchronize()
         dt = time.perf_counter() - t
         dt = max(ctx.gather_objects(dt))  # a step ends when its slowest rank does
+        # each rank's phase peaks (its own GPU): the per-GPU peak of a phase is the max over ranks
+        peaks = ctx.gather_objects({p: m.get(f"memory/{p}_peak_gb") for p in PEAK_PHASES})
         if i >= warmup:
             rows.append({"step_s": dt, **{k: m.get(k) for k in (
                 "timing/rollout_s", "timing/recompute_s", "timing/train_s", "timing/rollout_tokens_per_s",
+                "timing/fwd_bwd_s", "timing/optimizer_s", "timing/requant_s",
                 "dist/rollout_s_max", "dist/rollout_s_min", "dist/rollout_idle_frac", "grad_norm", "reward",
-                "memory/peak_gb")}})
+                "memory/peak_gb")}, "rank_peaks_gb": peaks})
     tokens = batch_prompts * num_generations * (prompt_len + new_tokens)
     step_s = statistics.median(r["step_s"] for r in rows) if rows else float("nan")
-    on_cuda = trainer.device.type == "cuda"
+
+    def peak(phase: str) -> float | None:
+        vals = [v for r in rows for rank in r["rank_peaks_gb"] for k, v in rank.items() if k == phase and v is not None]
+        return max(vals) if vals else None
+
+    c = trainer.cfg
     res = {"shape": shape, "format": fmt, "world_size": ctx.world_size, "backend": ctx.backend,
+           "mode": {"finetune": c.finetune, "sharding": c.sharding, "rollout_quant": c.rollout_quant,
+                    "fsdp_offload": c.fsdp_offload, "precision": c.precision,
+                    "gradient_checkpointing": c.gradient_checkpointing},
+           "phase_s": {p: statistics.median(r.get(f"timing/{p}_s") or 0.0 for r in rows) if rows else None
+                       for p in PHASE_TIMES},
+           "peak_gb": {p: peak(p) for p in PEAK_PHASES}, "build_peak_gb": max(ctx.gather_objects(build_peak))
+           if on_cuda else None,
            "device": str(trainer.device), "gpu": torch.cuda.get_device_name() if on_cuda else None,
            "config": {"batch_prompts": batch_prompts, "num_generations": num_generations, "prompt_len": prompt_len,
                       "new_tokens": new_tokens, "lora_rank": lora_rank, "micro_batch_size": micro_batch_size,
@@ -142,13 +174,23 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--finetune", default="lora", help="lora, or full (FlashRL mode: needs --format bf16)")
+    ap.add_argument("--rollout-quant", default="none", help="FlashRL rollout copy: int8, fp8, nvfp4, mxfp4")
+    ap.add_argument("--sharding", default="auto", help="auto, none, ddp or fsdp2")
+    ap.add_argument("--fsdp-offload", action="store_true", help="fsdp2: sharded state in pinned host memory")
+    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="the KV-cache budget as a fraction of the GPU (full fine-tuning holds much more than LoRA)")
     a = ap.parse_args()
     import os
 
     if a.batch_prompts_per_rank:
         a.batch_prompts = a.batch_prompts_per_rank * int(os.environ.get("WORLD_SIZE", "1"))
+    train = {"finetune": a.finetune, "rollout_quant": a.rollout_quant, "sharding": a.sharding,
+             "fsdp_offload": a.fsdp_offload, "gpu_memory_utilization": a.gpu_memory_utilization,
+             **({"gradient_checkpointing": True} if a.gradient_checkpointing else {})}
     res = run(a.shape, a.format, a.steps, a.warmup, a.batch_prompts, a.num_generations, a.prompt_len, a.new_tokens,
-              a.lora_rank, a.micro_batch_size, a.seed, a.out)
+              a.lora_rank, a.micro_batch_size, a.seed, a.out, train)
     if res["world_size"] == 1 or __import__("qerl_cli.train.distributed", fromlist=["x"]).current().is_main:
         print(json.dumps({k: res[k] for k in ("world_size", "step_s_median", "tokens_per_s", "tokens_per_s_per_gpu")}))
     from qerl_cli.train.distributed import shutdown

@@ -27,6 +27,14 @@ bitsandbytes' 4-bit matmul and needs CUDA and bitsandbytes (else skipped with th
 A format ``BASE+ROLLOUT`` (e.g. ``bf16+int8``) is the FlashRL setting: the trained model in ``BASE``,
 rollouts through a copy quantized to ``ROLLOUT`` and re-quantized after every update (``rollout_quant``),
 corrected by token TIS; its speed-up is still measured against the plain ``bf16`` row.
+Peers (bench/peers.py): a format ``FMT@vllm`` runs the same trainer with the vLLM rollout engine (QeRL's
+architecture, the random model written as a checkpoint vLLM serves); ``peers=("trl",)`` adds TRL's
+GRPOTrainer with LoRA and colocated vLLM on the BF16 model, in its own process.
+``eos``: rollouts end at a stop set of ``vocab / (max_completion_length / 2)`` token ids (geometric lengths,
+mean about half the maximum, as ``bench rollout --eos``), so the training phases see real padding.
+Per cell also: the rollout's milliseconds per decode token-step (the whole phase, and the engine's decode part
+alone), the training phases' TFLOP/s and MFU against the BF16 matmul ceiling measured once per run
+(bench/flops.py), and with ``profile`` the decode step's GPU time by category on the step's own engine.
 Outputs (written last, each atomically): ``step.json`` and ``step.png`` (stacked phase bars).
 """
 
@@ -56,12 +64,18 @@ PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "requant", "che
 MEM_PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "requant", "checkpoint")
 PEAK_COLUMNS = ("rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")  # the table's peak-memory columns
 DEFAULT_FORMATS = ("bf16", "nvfp4", "nf4")
+PEERS = ("trl",)
 SCHEMA = 1
 # issue 16: NVFP4 end-to-end step vs BF16-LoRA; NVFP4 LoRA r32 GRPO 8 x (256 + 1024) peak memory (GiB, the max over
-# phases of max_memory_allocated) with default settings: 32B on an 80 GB GPU, 72B on an H200; 7B NVFP4 peak vs BF16
-SPEEDUP_TARGETS = {"qwen2.5-7b": 1.5, "qwen2.5-14b": 1.7, "qwen2.5-32b": 2.0}
-PEAK_TARGETS_GIB = {"qwen2.5-32b": 40.0, "qwen2.5-72b": 100.0}
+# phases of max_memory_allocated) with default settings: 32B on an 80 GB GPU; 7B NVFP4 peak vs BF16. Issue 27: the
+# 72B step on one 80 GB card (the plan gives it the same settings on any larger one)
+SPEEDUP_TARGETS = {"qwen2.5-7b": 1.6, "qwen2.5-14b": 1.7, "qwen2.5-32b": 2.0}  # issue 26 (7B was 1.5 in 16)
+PEAK_TARGETS_GIB = {"qwen2.5-32b": 40.0, "qwen2.5-72b": 60.0}
 PEAK_RATIO_TARGET = 0.5  # NVFP4 peak <= this x the BF16-LoRA peak of the same configuration
+# issue 26: the NVFP4 step against the peers of the same bench (bench/peers.py), and the training phases' MFU
+PEER_TARGETS = {"qwen2.5-7b": {"nvfp4@vllm": 1.3, "trl": 2.0}}
+MFU_TARGET = 0.5
+MFU_TARGET_SHAPES = ("qwen2.5-7b",)
 
 
 def default_config(device: torch.device, warmup: int, measure: int) -> dict[str, Any]:
@@ -92,19 +106,26 @@ def synthetic_reward(seed: int) -> Callable[..., list[float]]:
     return synthetic_random_reward
 
 
-def synthetic_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """``n`` prompts of ``length`` random token ids (the last id, the shapes' EOS, never drawn)."""
+def synthetic_prompts(n: int, length: int, vocab: int, seed: int, avoid_top: int = 1) -> list[list[int]]:
+    """``n`` prompts of ``length`` random token ids; the last ``avoid_top`` ids (EOS, the stop set) never drawn."""
     rng = random.Random(seed)
-    return [[rng.randrange(vocab - 1) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(vocab - avoid_top) for _ in range(length)] for _ in range(n)]
 
 
-def _synthetic_task(n: int, prompt_len: int, completion_len: int) -> Any:
+def stop_set(vocab: int, completion_len: int, eos: bool) -> list[int]:
+    """The shape workload's stop ids: none (fixed lengths) or ``bench rollout``'s EOS set (the top ids)."""
+    from qerl_cli.bench.rollout import bench_stop_ids
+
+    return (bench_stop_ids("eos", vocab, completion_len, None, True) or []) if eos else []
+
+
+def _synthetic_task(n: int, prompt_len: int, completion_len: int, stop_ids: list[int] | None = None) -> Any:
     from qerl_cli.tasks.datasets import Example, Task
 
     examples = [Example(prompt=f"<synthetic prompt {i}: {prompt_len} random token ids>", answer="")
                 for i in range(n)]
     return Task("synthetic", "train", examples, "synthetic_random_reward", (), lambda q: q,
-                max_new_tokens=completion_len)
+                max_new_tokens=completion_len, stop_token_ids=tuple(stop_ids or ()))
 
 
 def _median(xs: list[float]) -> float | None:
@@ -145,10 +166,18 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
         row["sequences"] = n_seq
         row["accuracy"] = m.get("accuracy")
         row["loss"] = m.get("loss")
+        row["reward"] = m.get("reward")
+        for k in ("tokens", "padded_tokens", "attention_pairs", "loss_tokens"):
+            row[f"batch_{k}"] = m.get(f"batch/{k}")
+        row["decode_steps"] = m.get("rollout/decode_steps")
+        row["rollout_decode_s"] = m.get("timing/rollout_decode_s")
+        row["rollout_prefill_s"] = m.get("timing/rollout_prefill_s")
         if on_cuda:
             for p in MEM_PHASES[:-1]:
                 row[f"mem_{p}_gb"] = m.get(f"memory/{p}_peak_gb")
+                row[f"end_{p}_gb"] = m.get(f"memory/{p}_end_gb")  # still allocated when the phase ended
             row["mem_checkpoint_gb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
+            row["end_checkpoint_gb"] = torch.cuda.memory_allocated(trainer.device) / 2**30
             row["peak_gb"] = max(v for k, v in row.items() if k.startswith("mem_") and v is not None)
         row["warmup"] = i < warmup
         rows.append(row)
@@ -162,8 +191,11 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
 
 def _summarize(rows: list[dict[str, Any]], prompt_len: float) -> dict[str, Any]:
     meas = [r for r in rows if not r["warmup"]]
-    out: dict[str, Any] = {k: _median([r[k] for r in meas]) for k in
-                           [f"{p}_s" for p in PHASES] + ["other_s", "step_s", "rollout_tokens", "generated_tokens"]}
+    out: dict[str, Any] = {k: _median([r.get(k) for r in meas]) for k in
+                           [f"{p}_s" for p in PHASES] + ["other_s", "step_s", "rollout_tokens", "generated_tokens",
+                                                         "batch_tokens", "batch_padded_tokens",
+                                                         "batch_attention_pairs", "batch_loss_tokens", "decode_steps",
+                                                         "rollout_decode_s", "rollout_prefill_s"]}
     out["sequences"] = meas[0]["sequences"]
     gen = out["generated_tokens"]
     train_tokens = out["sequences"] * prompt_len + gen  # tokens each training forward processes
@@ -172,6 +204,14 @@ def _summarize(rows: list[dict[str, Any]], prompt_len: float) -> dict[str, Any]:
     out["recompute_tok_s"] = train_tokens / out["recompute_s"] if out["recompute_s"] else None
     out["fwd_bwd_tok_s"] = train_tokens / out["fwd_bwd_s"] if out["fwd_bwd_s"] else None
     out["step_tok_s"] = gen / out["step_s"] if out["step_s"] else None
+    steps = out.get("decode_steps")
+    # the rollout phase per decode token-step (prefill, scoring, engine set-up included) and the engine's decode
+    # alone: what `bench rollout` reports as decode ms/step at the same batch and context
+    out["rollout_ms_per_token_step"] = 1000.0 * out["rollout_s"] / steps if steps else None
+    out["decode_ms_per_step"] = 1000.0 * out["rollout_decode_s"] / steps if steps and out.get("rollout_decode_s") \
+        else None
+    if out.get("batch_tokens") and out.get("batch_padded_tokens"):
+        out["padding_pct"] = 100.0 * (1.0 - out["batch_tokens"] / out["batch_padded_tokens"])
     if "peak_gb" in meas[0]:
         for p in MEM_PHASES:
             out[f"mem_{p}_gb"] = max((r.get(f"mem_{p}_gb") or 0.0) for r in rows)
@@ -194,6 +234,10 @@ def bench_step(
     seed: int = 0,
     memory_cap_gib: float | None = None,
     time_budget_s: float | None = None,
+    peers: Iterable[str] | None = None,
+    eos: bool = False,
+    profile: bool = False,
+    vllm_memory: float = 0.35,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Time the real RL step per format; write ``step.json`` + ``step.png``; return the result.
@@ -202,11 +246,25 @@ def bench_step(
     :func:`default_config`; with ``shape`` they size the batch (``batch_prompts`` x ``num_generations``
     sequences of ``prompt_len`` + ``max_completion_length`` tokens). ``formats`` default: bf16, nvfp4, nf4
     (``shape``) or the run's format (``run_dir``). ``time_budget_s`` skips formats that would start after it.
+    A format ``FMT@vllm`` runs with the vLLM rollout engine; ``peers`` ("trl") adds TRL's GRPOTrainer
+    (bench/peers.py). ``eos``: shape rollouts end at the bench's stop set. ``profile``: the decode step's GPU
+    time by category on each builtin cell's own engine (CUDA). ``vllm_memory``: vLLM's
+    ``gpu_memory_utilization`` in the vLLM-engine and TRL cells.
     """
     from qerl_cli.bench.overrides import build_bench_config
 
     if (shape is None) == (run_dir is None):
         raise QerlError("give exactly one of --shape (random model of an architecture) or --run (the run's model)")
+    peers = list(dict.fromkeys(peers or []))
+    if [p for p in peers if p not in PEERS]:
+        raise QerlError(f"unknown peer(s) {', '.join(p for p in peers if p not in PEERS)}; choose from "
+                        f"{', '.join(PEERS)}")
+    if peers and shape is None:
+        raise QerlError("--peers runs on a random model shape: give --shape")
+    if eos and shape is None:
+        raise QerlError("--eos is for --shape runs (a run's own task ends at its EOS already)")
+    if not 0.0 < vllm_memory <= 1.0:
+        raise QerlError(f"--vllm-memory must be in (0, 1], got {vllm_memory}")
     for name, v, lo in (("warmup", warmup, 0), ("measure", measure, 1), ("prompt_len", prompt_len, 1)):
         if not isinstance(v, int) or v < lo:
             raise QerlError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -232,13 +290,14 @@ def bench_step(
         fmts = list(dict.fromkeys(formats or [run_format(run)]))  # StageMissingError names `qerl quantize`
     allowed = tuple(n for n, f in FORMATS.items() if f.cuda_backend != REFERENCE)  # a GPU path exists
     rollout_quants = rollout_formats()  # the `BASE+ROLLOUT` cells (FlashRL mode)
-    bad = [f for f in fmts if f.partition("+")[0] not in allowed
-           or (f.partition("+")[2] or "int8") not in rollout_quants]
+    bad = [f for f in fmts if f.partition("@")[0].partition("+")[0] not in allowed
+           or (f.partition("@")[0].partition("+")[2] or "int8") not in rollout_quants
+           or f.partition("@")[2] not in ("", "vllm") or ("+" in f and "@" in f)]
     if bad or not fmts:
         raise QerlError(f"unknown format(s) {', '.join(bad) or '(none given)'}; "
-                        f"choose from {', '.join(allowed)}, or BASE+ROLLOUT with ROLLOUT one of "
-                        f"{', '.join(rollout_quants)} (FlashRL rollouts)")
-    out = harness.out_dir(out_dir, run, Path("bench-step"))
+                        f"choose from {', '.join(allowed)}, BASE+ROLLOUT with ROLLOUT one of "
+                        f"{', '.join(rollout_quants)} (FlashRL rollouts), or FMT@vllm (the vLLM rollout engine)")
+    out = harness.out_dir(out_dir, run, "step")
     harness.cap_memory(device, memory_cap_gib)
     budget = harness.Budget(time_budget_s)
     res = harness.header(
@@ -246,26 +305,54 @@ def bench_step(
         config={"formats": fmts, "prompt_len": prompt_len if shape else "task", "warmup": warmup,
                 "measure": measure, "seed": seed, "memory_cap_gib": memory_cap_gib,
                 "train": cfg.resolved().to_dict(), "overrides": jsonable(dict(overrides or {})),
-                "lengths": "fixed (EOS ignored)" if shape else "the model's (EOS / stop strings)",
-                "rewards": "seeded uniform random" if shape else "the task's"})
+                "lengths": ("EOS (stop set of the top token ids)" if eos else "fixed (EOS ignored)") if shape
+                else "the model's (EOS / stop strings)",
+                "rewards": "seeded uniform random" if shape else "the task's", "peers": peers, "eos": eos,
+                "profile": profile, "vllm_memory": vllm_memory})
+    from qerl_cli.bench.flops import matmul_ceiling_tflops
+
+    res["matmul_ceiling_tflops"] = ceiling = matmul_ceiling_tflops(device)
+    if ceiling is not None:
+        log(f"BF16 matmul ceiling (8192^3): {ceiling:.0f} TFLOP/s")
+    stop_ids = stop_set(spec.vocab, cfg.max_completion_length, eos) if spec is not None else None
+    common = dict(device=device, dtype=dtype, warmup=warmup, measure=measure, prompt_len=prompt_len, seed=seed,
+                  spec=spec, run=run, out=out, log=log, stop_ids=stop_ids, profile=profile, ceiling=ceiling)
     cells = []
+    steps: dict[str, _FormatStep] = {}
     for cell in fmts:
-        fmt, _, rollout_quant = cell.partition("+")
-        cell_cfg = cfg
+        name, _, engine = cell.partition("@")
+        fmt, _, rollout_quant = name.partition("+")
+        cell_over = dict(overrides or {})
         if rollout_quant:
-            cell_cfg = build_bench_config(default_config(device, warmup, measure),
-                                          {**dict(overrides or {}), "rollout_quant": rollout_quant})
+            cell_over["rollout_quant"] = rollout_quant
+        if engine:
+            cell_over.update(rollout_engine=engine, gpu_memory_utilization=vllm_memory)
+        cell_cfg = cfg
+        if cell_over != dict(overrides or {}):
+            cell_cfg = build_bench_config(default_config(device, warmup, measure), cell_over)
             cell_cfg.steps = cfg.steps
         backend = get_format(fmt).kernel_backend(device) + (
-            f", rollouts {get_format(rollout_quant).kernel_backend(device)}" if rollout_quant else "")
-        step = _FormatStep(res, cell, fmt, backend, cell_cfg, device, dtype, warmup=warmup, measure=measure,
-                           prompt_len=prompt_len, seed=seed, spec=spec, run=run, out=out, log=log)
+            f", rollouts {get_format(rollout_quant).kernel_backend(device)}" if rollout_quant else "") + (
+            ", rollouts vLLM" if engine else "")
+        step = _FormatStep(res, cell, fmt, backend, cell_cfg, **common)
+        steps[cell] = step
         cells.append(harness.Cell({"format": cell, "backend": backend}, step.measure, cell))
+    for peer in peers:
+        trl = _TrlStep(res, cfg, steps, vllm_memory=vllm_memory, budget=budget, **common)
+        cells.append(harness.Cell({"format": peer, "backend": "TRL GRPOTrainer, peft LoRA, vLLM colocate (bf16)"},
+                                  trl.measure, peer))
     res["results"] = harness.run_cells(cells, budget=budget, log=log)
     unquantized = {name for name, f in FORMATS.items() if not f.quantized}  # the BF16-LoRA baseline cell
     base = next((r for r in res["results"] if r["format"] in unquantized and r["status"] == "ok"), None)
+    by_name = {r["format"]: r for r in res["results"] if r["status"] == "ok"}
     for r in res["results"]:
         r["speedup_vs_bf16"] = (base["step_s"] / r["step_s"]) if base and r["status"] == "ok" and r["step_s"] else None
+        # the peer ratios: each qerl cell's step against TRL's, and against the vLLM-engine cell of its own format
+        if r["status"] != "ok" or not r["step_s"] or r["format"] in peers or "@" in r["format"]:
+            continue
+        for peer in ("trl", f"{r['format']}@vllm"):
+            if peer in by_name:
+                r[f"speedup_vs_{peer.replace('@', '_')}"] = by_name[peer]["step_s"] / r["step_s"]
     res["targets"] = _targets(res, cfg)
     res["wall_s"] = budget.elapsed()
     paths = harness.write_results(res, out, "step.json", {"plot": ("step.png", partial(plot, res))})
@@ -279,12 +366,15 @@ def bench_step(
 class _FormatStep:
     """One format's cell: a Trainer on that format's model, its warm-up and measured steps, then cleanup."""
 
-    def __init__(self, res: dict[str, Any], cell: str, fmt: str, backend: str, cfg: Any, device: torch.device,
-                 dtype: torch.dtype, *, warmup: int, measure: int, prompt_len: int, seed: int, spec: Any, run: Any,
-                 out: Path, log: Callable[[str], None]) -> None:
+    def __init__(self, res: dict[str, Any], cell: str, fmt: str, backend: str, cfg: Any, *, device: torch.device,
+                 dtype: torch.dtype, warmup: int, measure: int, prompt_len: int, seed: int, spec: Any, run: Any,
+                 out: Path, log: Callable[[str], None], stop_ids: list[int] | None = None, profile: bool = False,
+                 ceiling: float | None = None) -> None:
         self.res, self.cell, self.fmt, self.backend, self.cfg = res, cell, fmt, backend, cfg
         self.device, self.dtype, self.warmup, self.measure_steps = device, dtype, warmup, measure
         self.prompt_len, self.seed, self.spec, self.run, self.out, self.log = prompt_len, seed, spec, run, out, log
+        self.stop_ids, self.profile, self.ceiling = stop_ids, profile, ceiling
+        self.row: dict[str, Any] = {}  # what the cell measured (the TRL cell reads the plan's choices from it)
 
     def measure(self) -> dict[str, Any]:
         reason = nf4_skip_reason(self.device) if get_format(self.fmt).requires == "bitsandbytes" else None
@@ -294,7 +384,7 @@ class _FormatStep:
         from qerl_cli.manifest import RunDir
         from qerl_cli.train.trainer import Trainer
 
-        row: dict[str, Any] = {}
+        row: dict[str, Any] = self.row
         scratch = Path(tempfile.mkdtemp(prefix=f"qerl-step-{self.fmt}-"))
         trainer = None
         try:
@@ -302,20 +392,48 @@ class _FormatStep:
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             trainer = Trainer(RunDir(scratch), self.cfg, device=str(self.device))
-            self._setup(trainer, row)
+            self._setup(trainer, row, scratch)
             row["build_s"] = time.perf_counter() - t0
             plan = trainer.memory_plan
             if plan is not None:  # what the plan chose (train/memory_plan.py) and what it predicted
                 row["memory_plan"] = plan.to_dict()
                 row["micro_batch_size"] = plan.micro_batch_size
                 row["gradient_checkpointing"] = plan.gradient_checkpointing
+                row["optimizer_offload"] = plan.optimizer_offload
+                row["kernel_weight_copies"] = plan.extra_weight_copies
+                # next to the measured mem_<phase>_gb: the plan's estimate of the same peak (allocated bytes)
+                row.update({f"est_{p}_gb": b / 2**30 for p, b in plan.phase_estimates().items()})
+            row["keep_rollout_cache"] = trainer.keep_rollout_cache
+            row["pack_sequences"] = trainer.cfg.pack_sequences
+            row["logprob_backend"] = trainer.cfg.logprob_backend
             if self.device.type == "cuda":
                 row["build_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            self.log(f"{self.fmt}: trainer ready in {row['build_s']:.1f}s ({self.backend})")
+            self.log(f"{self.cell}: trainer ready in {row['build_s']:.1f}s ({self.backend})")
             p_len = self.prompt_len if self.spec is not None else statistics.mean(len(p) for p in trainer.prompt_ids)
             rows = _measure(trainer, self.warmup, self.measure_steps, self.log, self.cell)
             row.update(_summarize(rows, p_len))
+            from qerl_cli.bench.flops import add_mfu
+
+            add_mfu(row, trainer.model.config, self.ceiling, lora_rank=trainer.cfg.lora_rank,
+                    lora_targets=list(trainer.cfg.lora_targets))
+            if trainer.cfg.pack_sequences:
+                from qerl_cli.train.packing import varlen_kernel
+
+                mc = trainer.model.config
+                heads = int(mc.num_attention_heads)
+                row["packed_attention"] = varlen_kernel(
+                    self.device, self.dtype, heads, int(getattr(mc, "num_key_value_heads", None) or heads),
+                    int(getattr(mc, "head_dim", None) or mc.hidden_size // heads))
+            if self.profile and self.device.type == "cuda":
+                row["rollout_profile"] = self._profile(trainer)
             return row
+        except Exception as exc:  # noqa: BLE001 - an OOM is explained here, anything else goes to the harness
+            if not harness.is_oom(exc):
+                raise
+            oom = oom_explanation(trainer.phase if trainer is not None else "setup",
+                                  trainer.memory_plan if trainer is not None else None, self.device, self.cfg)
+            self.log(f"{self.cell}: {oom['note']}")
+            return {**row, "status": f"OOM in {oom['phase']}", "note": oom.pop("note"), "oom": oom}
         finally:
             if trainer is not None:
                 try:
@@ -328,26 +446,182 @@ class _FormatStep:
             harness.free_memory()
             shutil.rmtree(scratch, ignore_errors=True)
 
-    def _setup(self, trainer: Any, row: dict[str, Any]) -> None:
+    def _profile(self, trainer: Any) -> dict[str, Any] | None:
+        """The decode step of the step's own engine by GPU-time category, at the step's batch and mean context
+        (rollout/profile.py), as `bench rollout --profile` reports it: after a short generate with the step's
+        prompts, so cache, LoRA shadows and graphs are those the step's rollout used."""
+        from qerl_cli.rollout import BuiltinEngine, SamplingParams
+        from qerl_cli.rollout.profile import profile_decode
+
+        engine = trainer.engine
+        if not isinstance(engine, BuiltinEngine):
+            return None
+        c = trainer.cfg
+        prompts = trainer.prompt_ids[:c.batch_prompts]
+        with torch.no_grad():
+            engine.generate(prompts, SamplingParams(n=c.num_generations, temperature=c.temperature,
+                                                    max_tokens=min(16, c.max_completion_length), stop_token_ids=[],
+                                                    seed=self.seed))
+        batch = min(c.batch_prompts * c.num_generations, engine.num_slots)
+        context = int(statistics.mean(len(p) for p in prompts)) + c.max_completion_length // 2
+        prof = profile_decode(engine, batch, context)
+        self.log(f"{self.cell}: decode-step profile at batch {batch}, context {context}: "
+                 f"{prof['kernel_ms_per_step']:.2f} ms of kernels, graph step {prof['graph_step_ms'] or 0:.2f} ms")
+        return prof
+
+    def _setup(self, trainer: Any, row: dict[str, Any], scratch: Path) -> None:
         """The trainer on this format's model: a random shape with synthetic prompts and rewards, or the run's."""
         cfg = self.cfg
+        vllm = cfg.rollout_engine == "vllm"
         if self.spec is not None:
             n_prompts = cfg.batch_prompts * (self.warmup + self.measure_steps)
+            # the memory plan from the shape's config: a step that cannot fit is refused here, before any weight
+            trainer.plan_memory(self.spec.config(), self.fmt, prompt_tokens=self.prompt_len)
+            stops = list(self.stop_ids or [])
+            t0 = time.perf_counter()
             model = build_shape_model(self.spec, self.fmt, self.device, self.dtype, self.seed)
+            row["model_build_s"] = time.perf_counter() - t0
+            model_dir = None
+            if vllm:  # vLLM serves its own copy: the same random weights, written as a checkpoint
+                from qerl_cli.bench.peers import write_shape_checkpoint
+
+                model_dir = scratch / "model"
+                row["write_ckpt_s"] = write_shape_checkpoint(model, model_dir, self.fmt)
             trainer.setup(model=model, tokenizer=None,
-                          task=_synthetic_task(n_prompts, self.prompt_len, cfg.max_completion_length),
-                          prompt_ids=synthetic_prompts(n_prompts, self.prompt_len, self.spec.vocab, self.seed),
-                          reward_fn=synthetic_reward(self.seed))
+                          task=_synthetic_task(n_prompts, self.prompt_len, cfg.max_completion_length, stops),
+                          prompt_ids=synthetic_prompts(n_prompts, self.prompt_len, self.spec.vocab, self.seed,
+                                                       avoid_top=max(1, len(stops))),
+                          reward_fn=synthetic_reward(self.seed), model_dir=model_dir)
+            if vllm:
+                row["vllm_startup_s"] = getattr(trainer.engine, "startup_s", None)
             return
+        from transformers import AutoConfig
+
         from qerl_cli.bench.runmodels import format_model_dir
         from qerl_cli.models import load_model
+        from qerl_cli.train.memory_plan import model_dir_format, stored_bytes
 
         model_dir = format_model_dir(self.run, self.fmt, self.out, self.log)
+        trainer.plan_memory(AutoConfig.from_pretrained(str(model_dir)), model_dir_format(model_dir),
+                            prompt_tokens=cfg.max_prompt_length, stored=stored_bytes(model_dir))
         model, tok = load_model(str(model_dir), dtype=self.dtype, device=self.device)
-        trainer.setup(model=model, tokenizer=tok)
+        trainer.setup(model=model, tokenizer=tok, model_dir=model_dir if vllm else None)
         row["model_dir"] = str(model_dir)
         self.res["model"] = str(self.run.path)
 
+
+class _TrlStep:
+    """The TRL peer cell (bench/peers.py): the same shape in bf16, written as a Hugging Face checkpoint, trained
+    by TRL's GRPOTrainer in its own process; micro-batch and gradient checkpointing as qerl's bf16 cell chose."""
+
+    def __init__(self, res: dict[str, Any], cfg: Any, steps: dict[str, _FormatStep], *, vllm_memory: float,
+                 budget: Any, device: torch.device, dtype: torch.dtype, warmup: int, measure: int, prompt_len: int,
+                 seed: int, spec: Any, log: Callable[[str], None], stop_ids: list[int] | None,
+                 ceiling: float | None, out: Path, **_: Any) -> None:
+        self.res, self.cfg, self.steps, self.vllm_memory, self.budget = res, cfg, steps, vllm_memory, budget
+        self.device, self.dtype, self.warmup, self.measure_steps = device, dtype, warmup, measure
+        self.prompt_len, self.seed, self.spec, self.log = prompt_len, seed, spec, log
+        self.stop_ids, self.ceiling, self.out = stop_ids, ceiling, out
+
+    def measure(self) -> dict[str, Any]:
+        from qerl_cli.bench.flops import add_mfu
+        from qerl_cli.bench.peers import run_trl
+
+        cfg = self.cfg
+        ref = next((s.row for name, s in self.steps.items() if name.startswith("bf16") and s.row.get("steps")), {})
+        mb = ref.get("micro_batch_size") or cfg.micro_batch_size or 8
+        gc = bool(ref.get("gradient_checkpointing") if ref else cfg.gradient_checkpointing)
+        n_prompts = cfg.batch_prompts * (self.warmup + self.measure_steps)
+        stops = list(self.stop_ids or [])
+        prompts = synthetic_prompts(n_prompts, self.prompt_len, self.spec.vocab, self.seed,
+                                    avoid_top=max(1, len(stops)))
+        model = build_shape_model(self.spec, "bf16", self.device, self.dtype, self.seed)
+        config = model.config
+        left = None if self.budget.seconds is None else max(60.0, self.budget.seconds - self.budget.elapsed())
+        try:
+            row = run_trl(model=model, cfg=cfg, prompts=prompts, stop_ids=stops, prompt_len=self.prompt_len,
+                          warmup=self.warmup, measure=self.measure_steps, micro_batch=mb, gradient_checkpointing=gc,
+                          seed=self.seed, vllm_gpu_memory_utilization=self.vllm_memory, timeout_s=left, log=self.log,
+                          before_run=lambda: _drop(model), log_dir=self.out)
+        finally:
+            model = None
+            harness.free_memory()
+        if row.get("status", "ok") != "ok":
+            return row
+        med = row["median"]
+        seqs = cfg.batch_prompts * cfg.num_generations
+        mean_len = row.get("mean_completion_length") or cfg.max_completion_length
+        # TRL's phases in qerl's columns: rollout = weight sync + vLLM generate; recompute = the rest of
+        # generate-and-score (old log-probs, rewards, padding); fwd_bwd = the update (optimizer included)
+        row.update(rollout_s=med["sync_s"] + med["generate_s"], recompute_s=med["rest_of_gen_score_s"],
+                   fwd_bwd_s=med["update_s"], optimizer_s=None, step_s=med["step_s"], peak_gb=med.get("peak_gb"),
+                   sequences=seqs, generated_tokens=mean_len * seqs, rollout_tokens=mean_len * seqs,
+                   micro_batch_size=mb, gradient_checkpointing=gc, weight_sync_s=med["sync_s"])
+        row["rollout_tok_s"] = row["rollout_tokens"] / row["rollout_s"] if row["rollout_s"] else None
+        n = self.prompt_len + mean_len  # lengths per sequence are not reported by TRL: the mean stands for all
+        row.update(batch_tokens=seqs * n, batch_attention_pairs=seqs * n * (n + 1) / 2,
+                   batch_loss_tokens=seqs * mean_len)
+        add_mfu(row, config, self.ceiling, lora_rank=cfg.lora_rank, lora_targets=list(cfg.lora_targets))
+        return row
+
+
+def _drop(model: Any) -> None:
+    """Free a model's GPU memory before another process needs it (its parameters become empty)."""
+    for p in model.parameters():
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    harness.free_memory()
+
+
+# which of the plan's estimates covers a phase, and the setting that shrinks that phase
+PHASE_PEAK = {"setup": "weights", "aqn": "rollout_peak", "rollout": "rollout_peak", "recompute": "train_peak",
+              "fwd_bwd": "train_peak", "optimizer": "train_peak", "requant": "train_peak", "checkpoint": "train_peak"}
+
+
+def _setting_for(phase: str, plan: Any, cfg: Any) -> str:
+    """The one setting to change first when ``phase`` ran out of memory (the plan's choice as the start)."""
+    mb = getattr(plan, "micro_batch_size", None) or cfg.micro_batch_size or 1
+    gc = bool(getattr(plan, "gradient_checkpointing", cfg.gradient_checkpointing))
+    seqs = cfg.batch_prompts * cfg.num_generations
+    if phase == "setup":
+        return "the base alone does not fit: a 4-bit format (--formats nvfp4) or a larger GPU"
+    if phase in ("aqn", "rollout"):
+        return (f"decode fewer sequences at once (--set max_batch_slots={max(1, min(seqs, cfg.max_batch_slots) // 2)}"
+                ") or lower --set gpu_memory_utilization (a smaller KV cache)")
+    if phase in ("recompute", "fwd_bwd"):
+        if mb > 1:
+            return f"--set micro_batch_size={mb // 2}" + ("" if gc else " (or --set gradient_checkpointing=true)")
+        if not gc:
+            return "--set gradient_checkpointing=true"
+        return f"--set max_completion_length={max(1, cfg.max_completion_length // 2)} (or fewer prompt tokens)"
+    if phase == "optimizer":
+        return f"--set lora_rank={max(1, cfg.lora_rank // 2)} (the fp32 masters and AdamW moments)"
+    if phase == "requant":
+        return "no --rollout-quant (the quantized rollout copy), or a larger GPU"
+    return "--set async_checkpoint=false (no snapshot held beside the next step)"
+
+
+def oom_explanation(phase: str, plan: Any, device: torch.device, cfg: Any) -> dict[str, Any]:
+    """An out-of-memory cell: the phase it hit, the memory plan's estimate for that phase, the capacity it had and
+    the setting to change (docs/bench_step.md); ``note`` says it in one line."""
+    from qerl_cli.train.memory_plan import GIB, device_capacity
+
+    part = PHASE_PEAK.get(phase, "peak")
+    estimate = getattr(plan, part, None) if plan is not None else None
+    capacity, _ = device_capacity(device, cfg.gpu_memory_gib)
+    source = "GPU cap" if cfg.gpu_memory_gib is not None else "GPU"
+    if capacity is None:  # CPU: the host's memory is the bound
+        import os
+
+        capacity, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    setting = _setting_for(phase, plan, cfg)
+    est = (f"the memory plan estimated {estimate / GIB:.1f} GiB ({part.replace('_', ' ')})" if estimate is not None
+           else "no memory plan yet (the model did not finish loading)")
+    seen = f", {peak / GIB:.1f} GiB allocated at the failure" if peak is not None else ""
+    return {"phase": phase, "plan_estimate_gib": None if estimate is None else estimate / GIB,
+            "plan_part": part, "capacity_gib": capacity / GIB, "capacity_source": source,
+            "allocated_gib": None if peak is None else peak / GIB, "setting": setting,
+            "note": f"out of memory in {phase}: {est} of {capacity / GIB:.1f} GiB ({source}){seen}; change: {setting}"}
 
 
 def _targets(res: dict[str, Any], cfg: Any) -> list[dict[str, Any]]:
@@ -365,13 +639,26 @@ def _targets(res: dict[str, Any], cfg: Any) -> list[dict[str, Any]]:
         ratio = nv["peak_gb"] / bf["peak_gb"]
         out.append({"target": f"{shape} nvfp4 peak <= {PEAK_RATIO_TARGET}x BF16-LoRA peak", "value": ratio,
                     "met": ratio <= PEAK_RATIO_TARGET})
+    peer_need = PEER_TARGETS.get(shape or "", {})
+    for peer, need_x in peer_need.items():
+        key = f"speedup_vs_{peer.replace('@', '_')}"
+        if nv is not None and nv.get(key) is not None:
+            out.append({"target": f"{shape} nvfp4 step >= {need_x}x the {peer} cell", "value": nv[key],
+                        "met": nv[key] >= need_x})
+    if shape in MFU_TARGET_SHAPES:
+        for name, r in rows.items():
+            for phase in ("recompute", "fwd_bwd"):
+                if "@" in name or name == "trl" or r.get(f"{phase}_mfu") is None:
+                    continue
+                out.append({"target": f"{shape} {name} {phase} >= {MFU_TARGET:.0%} of the BF16 matmul ceiling",
+                            "value": r[f"{phase}_mfu"], "met": r[f"{phase}_mfu"] >= MFU_TARGET})
     limit = PEAK_TARGETS_GIB.get(shape or "")
     if limit is not None and nv is not None and nv.get("peak_gb") is not None:
         seqs = cfg.batch_prompts * cfg.num_generations
         prompt, new = res["config"]["prompt_len"], cfg.max_completion_length
         asked = seqs == 8 and prompt == 256 and new == 1024 and cfg.lora_rank == 32 and cfg.algo == "grpo"
-        out.append({"target": f"{shape} nvfp4 LoRA r32 GRPO 8 x (256 + 1024) peak < {limit:.0f} GiB",
-                    "value": nv["peak_gb"], "met": (nv["peak_gb"] < limit) if asked else None,
+        out.append({"target": f"{shape} nvfp4 LoRA r32 GRPO 8 x (256 + 1024) peak <= {limit:.0f} GiB",
+                    "value": nv["peak_gb"], "met": (nv["peak_gb"] <= limit) if asked else None,
                     "note": None if asked else f"measured at {seqs} x ({prompt} + {new}) tokens: not the target's"})
     return out
 
@@ -390,7 +677,8 @@ def render_table(res: dict[str, Any]) -> Any:
     table = Table(title=f"qerl bench step: {res['model']}, {c['batch_prompts']} x {c['num_generations']} sequences, "
                         f"<= {c['max_completion_length']} new tokens, LoRA r={c['lora_rank']}, {c['precision']}, "
                         f"AQN {'on' if c['aqn'] else 'off'}, {gpu}; median of {res['config']['measure']} steps")
-    cols = ("format", "linears", "rollout s", "rollout tok/s", "recompute s", "fwd+bwd s", "optimizer s", "AQN s",
+    cols = ("format", "linears", "rollout s", "rollout tok/s", "ms/token-step", "decode ms/step", "recompute s",
+            "fwd+bwd s", "recompute TF/s (MFU)", "fwd+bwd TF/s (MFU)", "pad %", "optimizer s", "AQN s",
             "requant s", "checkpoint s", "other s", "step s", "speed-up", *(f"{p} GiB" for p in PEAK_COLUMNS),
             "peak GiB", "plan GiB", "mb / gc", "status")
     for col in cols:
@@ -400,7 +688,9 @@ def render_table(res: dict[str, Any]) -> Any:
         choice = "-" if r.get("micro_batch_size") is None else \
             f"{r['micro_batch_size']} / {'on' if r.get('gradient_checkpointing') else 'off'}"
         table.add_row(r["format"], r["backend"], num(r.get("rollout_s")), num(r.get("rollout_tok_s"), "{:,.0f}"),
-                      num(r.get("recompute_s")), num(r.get("fwd_bwd_s")), num(r.get("optimizer_s")),
+                      num(r.get("rollout_ms_per_token_step"), "{:.2f}"), num(r.get("decode_ms_per_step"), "{:.2f}"),
+                      num(r.get("recompute_s")), num(r.get("fwd_bwd_s")), _tf(r, "recompute"), _tf(r, "fwd_bwd"),
+                      num(r.get("padding_pct"), "{:.0f}"), num(r.get("optimizer_s")),
                       num(r.get("aqn_s")),
                       num(r.get("requant_s")), num(r.get("checkpoint_s")), num(r.get("other_s")), num(r.get("step_s")),
                       num(r.get("speedup_vs_bf16"), "{:.2f}x"), *peaks, num(r.get("peak_gb"), "{:.1f}"),
@@ -409,8 +699,20 @@ def render_table(res: dict[str, Any]) -> Any:
     return table
 
 
+def _tf(r: dict[str, Any], phase: str) -> str:
+    tf, mfu = r.get(f"{phase}_tflops"), r.get(f"{phase}_mfu")
+    if tf is None:
+        return "-"
+    return f"{tf:.0f} ({100 * mfu:.0f}%)" if mfu is not None else f"{tf:.0f}"
+
+
 def short_summary(res: dict[str, Any]) -> list[str]:
     lines = []
+    if res.get("matmul_ceiling_tflops"):
+        lines.append(f"BF16 matmul ceiling (8192^3, measured in this run): {res['matmul_ceiling_tflops']:.0f} TFLOP/s")
+    for r in res["results"]:
+        if r.get("status") != "ok" and r.get("log_tail"):
+            lines.append(f"{r['format']}: {r['status']}")
     for t in res.get("targets", []):
         state = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
         note = f" ({t['note']})" if t.get("note") else ""

@@ -192,7 +192,7 @@ def _canonical_task(task: str) -> tuple[str, str]:
 
 def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _Resolved:
     from qerl_cli.runlayout import check_adapter_base, quantized_model_dir
-    from qerl_cli.train.checkpointing import require_weights, resolve_checkpoint, verify_weights
+    from qerl_cli.train.checkpointing import require_intact, resolve_checkpoint
 
     if harness not in HARNESSES:
         raise QerlError(f"unknown harness {harness!r}: use one of {', '.join(HARNESSES)}")
@@ -206,11 +206,11 @@ def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _
     ckpt_dir = resolve_checkpoint(run, checkpoint)
     ckpt_name = "base" if ckpt_dir is None else ckpt_dir.name
     if ckpt_dir is not None:
-        require_weights(ckpt_dir)
-        # before any model is loaded or result written; for a full checkpoint too: its frozen embeddings come
-        # from the base, which must be the trained one
+        # before any model is loaded or result written: every file of the checkpoint against the sha256 recorded
+        # when it was written; for a full checkpoint too, the base check: its frozen embeddings come from the
+        # base, which must be the trained one
+        require_intact(run, ckpt_dir, "eval")
         check_adapter_base(run, ckpt_dir)
-        verify_weights(run, ckpt_dir)
     slug = f"{slug}-{ckpt_name}" + ("" if harness == "builtin" else f"-{harness}")
     kind = "gsm8k" if name == "gsm8k" else "math" if name == "math500" else "arith" if name.startswith("arith") \
         else "jsonl"

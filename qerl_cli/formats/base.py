@@ -202,12 +202,13 @@ class CompressedTensorsFormat(WeightFormat):
         from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, preset_name_to_scheme
 
         scheme = preset_name_to_scheme(self.ct_preset, ["Linear"])
-        if group_size and scheme.weights.group_size is not None and scheme.weights.group_size != group_size:
-            scheme = QuantizationScheme(
-                targets=["Linear"],
-                weights=scheme.weights.model_copy(update={"group_size": group_size}),
-                input_activations=scheme.input_activations,
-            )
+        weights = scheme.weights
+        if group_size and weights.group_size is not None and weights.group_size != group_size:
+            weights = weights.model_copy(update={"group_size": group_size})
+        # the group's own `format` written out (llm-compressor does so): a null one makes readers fall back to
+        # the top-level format, which works but leaves the group's encoding implicit
+        scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=scheme.input_activations,
+                                    format=self.ct_format)
         return QuantizationConfig(
             config_groups={"group_0": scheme}, format=self.ct_format, ignore=ignore, quantization_status="compressed"
         )

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.kv_cache import CacheShape, KVCache, activation_reserve, plan_num_slots
+from qerl_cli.rollout.kv_cache import CacheShape, KVBudget, KVCache, activation_reserve, kv_budget, plan_num_slots
 from qerl_cli.rollout.model_runner import (
     CudaGraphDecoder,
     ModelRunner,
@@ -118,7 +118,11 @@ class BuiltinEngine:
         fast_lora: run LoRA layers through in-dtype shadows of A and B*scaling, refreshed in place at
             every ``generate`` (``fast_layers.py``); False calls the peft modules.
         fused_kernels: fused Triton kernels for norm/RoPE/KV-write/SiLU (default: on CUDA only).
-            ``QERL_FAST_DECODE=0`` in the environment turns both off.
+            ``QERL_FAST_DECODE=0`` in the environment turns both off. With them, LoRA shrinks run inside
+            the norm/SiLU kernels and the expands in the FP4 GEMM's epilogue where it has one
+            (``QERL_FUSED_LORA=0``: off), and sampling is one kernel captured in the decode graph
+            (``QERL_FUSED_SAMPLING=0``: off); ``QERL_DECODE_ATTN=sdpa|flashinfer|auto`` picks the decode
+            attention (docs/decode.md).
     """
 
     def __init__(
@@ -167,6 +171,8 @@ class BuiltinEngine:
             dtype=self.runner.dtype,
         )
         self.kv_buckets = kv_len_buckets(cache_len)
+        # the CUDA memory the cache was sized from (None on CPU): says why fewer slots than asked fit
+        self.kv_room: KVBudget | None = None
         self.noise = TokenNoise(self.runner.vocab_size, self.device)
         self._graphs: CudaGraphDecoder | None = None
 
@@ -183,13 +189,10 @@ class BuiltinEngine:
     def _ensure_cache(self) -> KVCache:
         cache = self.runner.cache
         if cache is None or not cache.allocated:
-            slots = plan_num_slots(
-                self.shape,
-                self.max_batch_slots,
-                self.device,
-                self.gpu_memory_utilization,
-                self._activation_reserve(),
-            )
+            if self.device.type == "cuda":
+                self.kv_room = kv_budget(self.shape, self.device, self.gpu_memory_utilization,
+                                         self._activation_reserve())
+            slots = plan_num_slots(self.shape, self.max_batch_slots, self.kv_room)
             cache = KVCache(self.shape, slots, self.device)
             self.runner.cache = cache
         return cache

@@ -168,7 +168,7 @@ class ProjGroup:
     """
 
     def __init__(self, modules: list[nn.Module], dtype: torch.dtype, device: torch.device,
-                 fuse: bool = True) -> None:
+                 fuse: bool = True, epilogue: bool = False) -> None:
         from qerl_cli.qlinear import QuantLinear
 
         self.modules = modules
@@ -195,7 +195,7 @@ class ProjGroup:
         self.b_blk: torch.Tensor | None = None  # [sum N, sum r]: the one expand of a single-output group
         self.one_output = single is not None
         if start:
-            in_f = next(lo.a.shape[1] for lo in self.loras if lo is not None)
+            in_f = [lo.a.shape[1] for lo in self.loras if lo is not None][0]  # start > 0: one adapter at least
             self.a_cat = torch.empty(start, in_f, dtype=dtype, device=device)
             if self.one_output:
                 self.b_blk = torch.zeros(sum(self.sizes), start, dtype=dtype, device=device)  # type: ignore[arg-type]
@@ -204,6 +204,9 @@ class ProjGroup:
                     if lo is not None:
                         self.sb[i] = torch.empty(lo.b.shape, dtype=dtype, device=device)
         self.single = single
+        # the expand may run in the quantized GEMM's epilogue (kernel_dispatch.lora_epilogue_linear)
+        self.epilogue = epilogue and isinstance(single, QuantLinear)
+        self.expand_in_epilogue = False  # where the last call's expand ran (the profile's byte accounting)
         self.refresh()
 
     @property
@@ -232,21 +235,17 @@ class ProjGroup:
     def shadows(self) -> list[torch.Tensor]:
         return [t for t in [self.a_cat, self.b_blk, *self.sb] if t is not None]
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, h: torch.Tensor | None = None) -> list[torch.Tensor]:
         """``x`` [..., in] -> one output [..., out_i] per projection (column views of one tensor when the
-        group runs as one GEMM)."""
+        group runs as one GEMM). ``h`` [rows, sum r]: the LoRA shrink ``x @ A_cat^T`` when the kernel that
+        made x already computed it (``FusedOps``), else it is computed here."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        h = None
-        if self.a_cat is not None:
+        if self.a_cat is not None and h is None:
             with region("lora"):
                 h = torch.mm(x2, self.a_cat.t())
         if self.single is not None:
-            with region(self.base_kind):
-                y = self.single(x2)
-            if self.b_blk is not None:
-                with region("lora"):
-                    y.addmm_(h, self.b_blk.t())  # in place: no copy of y
+            y = self._base_and_expand(x2, h)
             outs, c0 = [], 0
             for n in self.sizes:
                 outs.append(y[:, c0:c0 + n].view(*lead, n))  # type: ignore[misc]
@@ -261,6 +260,26 @@ class ProjGroup:
                     y.addmm_(h[:, sl[0] : sl[1]], sb.t())  # type: ignore[index,union-attr]
             outs.append(y.view(*lead, y.shape[-1]))
         return outs
+
+    def _base_and_expand(self, x2: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+        """The group's one base GEMM plus the LoRA expand ``h @ B_blk^T``: in the quantized GEMM's epilogue
+        where the kernel the dispatcher chose has one (``epilogue`` on, a ``QuantLinear`` base), else one
+        in-place ``addmm_`` (beta = 1: cuBLAS adds into the base output, no copy)."""
+        if self.b_blk is not None and self.epilogue and x2.is_cuda:
+            from qerl_cli import kernel_dispatch
+
+            with region(self.base_kind):
+                y = kernel_dispatch.lora_epilogue_linear(x2, self.single, h, self.b_blk)  # type: ignore[arg-type]
+            if y is not None:
+                self.expand_in_epilogue = True
+                return y
+        with region(self.base_kind):
+            y = self.single(x2)  # type: ignore[misc]
+        if self.b_blk is not None:
+            with region("lora"):
+                y.addmm_(h, self.b_blk.t())  # in place: no copy of y
+        self.expand_in_epilogue = False
+        return y
 
 
 def _out_features(m: nn.Module) -> int | None:
@@ -289,15 +308,16 @@ def is_silu_mlp(mlp: nn.Module) -> bool:
 class FastPlan:
     """Per-layer projection groups of a Llama/Qwen decoder stack (see the module docstring)."""
 
-    def __init__(self, layers: list[nn.Module], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, layers: list[nn.Module], dtype: torch.dtype, device: torch.device,
+                 epilogue: bool = False) -> None:
         self.layers: list[LayerPlan] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = ProjGroup([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
-            o = ProjGroup([attn.o_proj], dtype, device)
+            qkv = ProjGroup([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device, epilogue=epilogue)
+            o = ProjGroup([attn.o_proj], dtype, device, epilogue=epilogue)
             if is_silu_mlp(mlp):
-                gate_up = ProjGroup([mlp.gate_proj, mlp.up_proj], dtype, device)
-                down = ProjGroup([mlp.down_proj], dtype, device)
+                gate_up = ProjGroup([mlp.gate_proj, mlp.up_proj], dtype, device, epilogue=epilogue)
+                down = ProjGroup([mlp.down_proj], dtype, device, epilogue=epilogue)
             else:
                 gate_up = down = None
             self.layers.append(LayerPlan(qkv, o, gate_up, down))
@@ -364,15 +384,21 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 class FusedOps:
     """The decode step's elementwise work. ``triton=True`` routes it to ``qerl_kernels.decode``.
 
+    ``fused_lora`` (default: with ``triton``): the LoRA shrinks run inside the kernel that makes their input
+    (``rmsnorm_shrink``, ``silu_mul_shrink``; o_proj's alone in ``lora_shrink``), up to
+    ``FUSED_SHRINK_MAX_ROWS`` rows (decode batches; a long prefill keeps norm + cuBLAS shrink).
     The first call of each kernel is checked against the torch reference on the same inputs (outside
     graph capture, which always follows eager warm-up runs); an exception or a mismatch logs one warning
     and that op stays on the torch path, so a kernel that fails to build on a GPU costs no run.
     """
 
-    NAMES = ("add_rmsnorm", "rope_kv_write", "silu_mul")
+    NAMES = ("add_rmsnorm", "rope_kv_write", "silu_mul", "rmsnorm_shrink", "silu_mul_shrink", "lora_shrink")
+    LORA_NAMES = ("rmsnorm_shrink", "silu_mul_shrink", "lora_shrink")
+    FUSED_SHRINK_MAX_ROWS = 256
 
-    def __init__(self, triton: bool) -> None:
-        self.enabled = dict.fromkeys(self.NAMES, triton)
+    def __init__(self, triton: bool, fused_lora: bool | None = None) -> None:
+        fused_lora = triton if fused_lora is None else fused_lora and triton
+        self.enabled = {n: (fused_lora if n in self.LORA_NAMES else triton) for n in self.NAMES}
         self.checked: set[str] = set()
         self._k = None
         if triton:
@@ -383,6 +409,11 @@ class FusedOps:
             except Exception as exc:  # noqa: BLE001 - any import/build problem means: torch path
                 log.warning("qerl fused decode kernels unavailable (%s); using the torch path", exc)
                 self.enabled = dict.fromkeys(self.NAMES, False)
+
+    @property
+    def fused_lora(self) -> bool:
+        """Whether the runner should hand LoRA shrinks to these ops (else each group computes its own)."""
+        return any(self.enabled[n] for n in self.LORA_NAMES)
 
     @property
     def triton(self) -> bool:
@@ -440,6 +471,54 @@ class FusedOps:
             if out is not None:
                 return out
         return act(gate) * up
+
+    def _shrink_ok(self, name: str, x: torch.Tensor, a: torch.Tensor) -> bool:
+        rows = x.numel() // max(1, x.shape[-1])
+        return (self.enabled[name] and rows <= self.FUSED_SHRINK_MAX_ROWS and a.dtype == x.dtype and a.dim() == 2
+                and a.is_contiguous() and a.shape[1] == x.shape[-1] and a.shape[0] <= 256)
+
+    def add_rms_norm_shrink(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                            a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(h + delta, x = rmsnorm(h + delta) * weight, x @ A^T as [rows, R]); ``delta=None``: (h, rmsnorm(h), ..)."""
+
+        def ref() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            s = h if delta is None else h + delta
+            x = rms_norm_ref(s, weight, eps)
+            return s, x, torch.mm(x.reshape(-1, x.shape[-1]), a.t())
+
+        if self._shrink_ok("rmsnorm_shrink", h, a) and _fusable(h, weight, delta):
+            out = self._try("rmsnorm_shrink", lambda: self._k.rmsnorm_shrink(h, delta, weight, eps, a), ref)
+            if out is not None:
+                return out
+        s, x = self.add_rms_norm(h, delta, weight, eps) if delta is not None else (h, self.rms_norm(h, weight, eps))
+        with region("lora"):
+            return s, x, torch.mm(x.reshape(-1, x.shape[-1]), a.t())
+
+    def silu_mul_shrink(self, gate: torch.Tensor, up: torch.Tensor, act: nn.Module,
+                        a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(silu(gate) * up, that @ A^T as [rows, R])."""
+
+        def ref() -> tuple[torch.Tensor, torch.Tensor]:
+            y = act(gate) * up
+            return y, torch.mm(y.reshape(-1, y.shape[-1]), a.t())
+
+        if (self._shrink_ok("silu_mul_shrink", gate, a) and _rows_packed(gate) and _rows_packed(up)
+                and gate.shape == up.shape and gate.dtype == up.dtype):
+            out = self._try("silu_mul_shrink", lambda: self._k.silu_mul_shrink(gate, up, a), ref)
+            if out is not None:
+                return out
+        y = self.silu_mul(gate, up, act)
+        with region("lora"):
+            return y, torch.mm(y.reshape(-1, y.shape[-1]), a.t())
+
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """x @ A^T as [rows, R] (one launch: K split across programs, reduced in the same kernel)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if self._shrink_ok("lora_shrink", x2, a) and _rows_packed(x2):
+            out = self._try("lora_shrink", lambda: self._k.lora_shrink(x2, a), lambda: torch.mm(x2, a.t()))
+            if out is not None:
+                return out
+        return torch.mm(x2, a.t())
 
     def rope_kv_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       rows: torch.Tensor, cos_g: torch.Tensor, sin_g: torch.Tensor, cos: torch.Tensor,

@@ -50,39 +50,70 @@ def activation_reserve(*, hidden: int, intermediate: int, heads: int, kv_heads: 
     return prefill + sampling + (512 << 20)
 
 
-def plan_num_slots(
-    shape: CacheShape,
-    max_slots: int,
-    device: torch.device,
-    gpu_memory_utilization: float,
-    reserve_bytes: int,
-) -> int:
-    """How many slots to allocate: ``max_slots``, fewer if the memory budget says so.
+@dataclass(frozen=True)
+class KVBudget:
+    """The CUDA memory a KV cache may take (bytes): what the process may hold, what is in use, the activation
+    reserve; ``fit`` whole slots of ``per_slot`` bytes. It explains a cache smaller than asked for."""
 
-    On CUDA the budget follows vLLM's meaning of ``gpu_memory_utilization``: the fraction of the whole
-    GPU this process may hold. What is already in use (weights, optimizer state, other tensors) and
-    ``reserve_bytes`` (activations of a prefill chunk and of sampling) come off it; the rest is KV
-    cache. On CPU the explicit ``max_slots`` is used as is.
-    """
-    if device.type != "cuda":
-        return max_slots
+    total: int
+    utilization: float
+    in_use: int
+    reserve: int
+    per_slot: int
+    max_len: int
+
+    @property
+    def budget(self) -> int:
+        return int(self.total * self.utilization) - self.in_use - self.reserve
+
+    @property
+    def fit(self) -> int:
+        return self.budget // self.per_slot if self.budget > 0 else 0
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (f"{self.in_use / gib:.1f} GiB in use (weights, adapters, optimizer) and {self.reserve / gib:.1f} GiB "
+                f"kept for activations, of {self.utilization:g} x {self.total / gib:.1f} GiB, leave KV room for "
+                f"{self.fit} sequences of {self.max_len} tokens ({self.per_slot / gib:.3f} GiB each)")
+
+
+def kv_budget(shape: CacheShape, device: torch.device, gpu_memory_utilization: float,
+              reserve_bytes: int) -> KVBudget:
+    """The KV-cache budget on CUDA, following vLLM's meaning of ``gpu_memory_utilization``: the fraction of the
+    whole GPU this process may hold. What is already in use (weights, optimizer state, other tensors) and
+    ``reserve_bytes`` (activations of a prefill chunk and of sampling) come off it; the rest is KV cache."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise QerlError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     free, total = torch.cuda.mem_get_info(device)
     # blocks this process's caching allocator holds but no tensor uses (e.g. a model build's freed
     # temporaries) are free for the cache too: count only what is allocated, plus other processes' memory
     used = total - free - (torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    budget = int(total * gpu_memory_utilization) - used - reserve_bytes
-    per_slot = shape.bytes_per_slot()
-    fit = budget // per_slot if budget > 0 else 0
-    if fit < 1:
+    return KVBudget(total=total, utilization=gpu_memory_utilization, in_use=used, reserve=reserve_bytes,
+                    per_slot=shape.bytes_per_slot(), max_len=shape.max_len)
+
+
+def plan_num_slots(shape: CacheShape, max_slots: int, budget: KVBudget | None) -> int:
+    """How many slots to allocate: ``max_slots``, fewer if the CUDA memory ``budget`` says so (None, on CPU:
+    ``max_slots`` as is)."""
+    if budget is None:
+        return max_slots
+    if budget.fit < 1:
         raise QerlError(
-            f"no room for even one KV-cache slot: budget {budget / 2**30:.2f} GiB "
-            f"(gpu_memory_utilization={gpu_memory_utilization}, in use {used / 2**30:.2f} GiB of "
-            f"{total / 2**30:.2f} GiB), one slot of {shape.max_len} tokens needs {per_slot / 2**30:.3f} GiB; "
-            "raise gpu_memory_utilization or lower max_model_len"
+            f"no room for even one KV-cache slot: budget {budget.budget / 2**30:.2f} GiB "
+            f"(gpu_memory_utilization={budget.utilization}, in use {budget.in_use / 2**30:.2f} GiB of "
+            f"{budget.total / 2**30:.2f} GiB), one slot of {shape.max_len} tokens needs "
+            f"{budget.per_slot / 2**30:.3f} GiB; raise gpu_memory_utilization or lower max_model_len"
         )
-    return int(min(max_slots, fit))
+    return int(min(max_slots, budget.fit))
+
+
+def bucket_for(buckets: list[int], need: int, what: str) -> int:
+    """The smallest of the ascending ``buckets`` that holds ``need``; a bucket list sized by a memory budget may
+    hold none, and then the error says ``what`` needed how much (never a bare StopIteration)."""
+    for b in buckets:
+        if b >= need:
+            return b
+    raise QerlError(f"{what}: needs {need}, the largest is {buckets[-1] if buckets else 0}")
 
 
 class KVCache:

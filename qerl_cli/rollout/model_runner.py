@@ -28,17 +28,29 @@ add + RMSNorm, RoPE + KV-cache write and SiLU*mul are fused Triton kernels (``fu
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.fast_layers import FastPlan, FusedOps, apply_rope_ref, is_silu_mlp, rms_norm_ref, signature
-from qerl_cli.rollout.kv_cache import KVCache
+from qerl_cli.rollout.attention import DecodeAttention
+from qerl_cli.rollout.fast_layers import (
+    FastPlan,
+    FusedOps,
+    ProjGroup,
+    apply_rope_ref,
+    is_silu_mlp,
+    rms_norm_ref,
+    signature,
+)
+from qerl_cli.rollout.kv_cache import KVCache, bucket_for
 from qerl_cli.rollout.profile import region
+from qerl_cli.rollout.sampling import StepSampler
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
@@ -141,6 +153,10 @@ class ModelRunner:
         self.cos = cos[0].to(self.dtype).contiguous()  # [cache_len, head_dim]
         self.sin = sin[0].to(self.dtype).contiguous()
         self.cache: KVCache | None = None
+        # decode attention: cuDNN SDPA, or FlashInfer's paged batch decode (QERL_DECODE_ATTN; attention.py)
+        self.attention = DecodeAttention(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                         head_dim=self.head_dim, scale=self.scale, max_len=self.cache_len,
+                                         dtype=self.dtype, device=self.device)
         # What the engine calls for a decode step. A torch.compile of decode_step can be put here; measured
         # on an H200 (Qwen2.5-0.5B shape, bf16, dynamic=True, CUDA graphs captured around it) it was 2.5-3x
         # SLOWER than the plain graphs (cause not established) and took 85 s to compile, so no option uses it.
@@ -152,7 +168,11 @@ class ModelRunner:
         self.fast_lora = fast_lora and fast_env
         if fused_kernels is None:
             fused_kernels = self.device.type == "cuda"
-        self.ops = FusedOps(triton=fused_kernels and fast_env)
+        # LoRA inside the step (docs/decode.md): shrinks in the norm/SiLU kernels, expands in the quantized GEMM's
+        # epilogue where its kernel has one. QERL_FUSED_LORA=0 keeps one shrink GEMM per group and in-place expands
+        # (the A/B switch).
+        self.fused_lora = os.environ.get("QERL_FUSED_LORA", "1") != "0"
+        self.ops = FusedOps(triton=fused_kernels and fast_env, fused_lora=self.fused_lora)
         self.plan: FastPlan | None = None
 
     def prepare(self) -> None:
@@ -163,7 +183,8 @@ class ModelRunner:
             return
         sig = signature(self.layers)
         if self.plan is None or self.plan.signature != sig:
-            self.plan = FastPlan(self.layers, self.dtype, self.device)
+            self.plan = FastPlan(self.layers, self.dtype, self.device,
+                                 epilogue=self.fused_lora and self.device.type == "cuda")
             self._prepare_kernels()
         else:
             self.plan.refresh()
@@ -177,7 +198,13 @@ class ModelRunner:
             from qerl_kernels import dispatch
         except ImportError:
             return
-        dispatch.prepare([m for g in self.plan.groups() for m in g.calls], self.dtype)
+        mods = [m for g in self.plan.groups() for m in g.calls]
+        # the groups whose expand may ride in the GEMM's epilogue get their LoRA-aware plans measured too
+        ranks = {g.single: g.b_blk.shape[1] for g in self.plan.groups() if g.epilogue and g.b_blk is not None}
+        if ranks and "lora_ranks" in inspect.signature(dispatch.prepare).parameters:
+            dispatch.prepare(mods, self.dtype, lora_ranks=ranks)
+        else:
+            dispatch.prepare(mods, self.dtype)
 
     # ----- norm weights ---------------------------------------------------------------------------------
 
@@ -246,9 +273,9 @@ class ModelRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             lp = plan.layers[i] if plan is not None else None
-            h, x = self._add_norm(f"model.layers.{i}.input_layernorm", h, delta)
+            h, x, hl = self._add_norm_shrink(f"model.layers.{i}.input_layernorm", h, delta, lp and lp.qkv)
             if lp is not None:
-                q, k, v = lp.qkv(x)
+                q, k, v = lp.qkv(x, hl)
             else:
                 q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
             q = q.view(b, t, self.num_heads, self.head_dim)
@@ -261,19 +288,40 @@ class ModelRunner:
                 q = _apply_rope(q, cos, sin)
                 k = _apply_rope(k, cos, sin)
             o = attend(i, q, k, v)
-            delta = lp.o(o)[0] if lp is not None else attn.o_proj(o)
-            h, x = self._add_norm(f"model.layers.{i}.post_attention_layernorm", h, delta)
+            if lp is not None:
+                hl = None
+                if lp.o.a_cat is not None and self.ops.fused_lora:
+                    with region("lora"):  # the attention output's shrink: one launch of its own
+                        hl = self.ops.lora_shrink(o, lp.o.a_cat)
+                delta = lp.o(o, hl)[0]
+            else:
+                delta = attn.o_proj(o)
+            h, x, hl = self._add_norm_shrink(f"model.layers.{i}.post_attention_layernorm", h, delta,
+                                             lp and lp.gate_up)
             mlp = layer.mlp
             if lp is not None and lp.gate_up is not None and lp.down is not None:
-                gate, up = lp.gate_up(x)
+                gate, up = lp.gate_up(x, hl)
+                hl = None
                 with region("elementwise"):
-                    act = self.ops.silu_mul(gate, up, mlp.act_fn)
-                delta = lp.down(act)[0]
+                    if lp.down.a_cat is not None and self.ops.fused_lora:
+                        act, hl = self.ops.silu_mul_shrink(gate, up, mlp.act_fn, lp.down.a_cat)
+                    else:
+                        act = self.ops.silu_mul(gate, up, mlp.act_fn)
+                delta = lp.down(act, hl)[0]
             elif self.ops.triton and is_silu_mlp(mlp):
                 delta = mlp.down_proj(self.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn))
             else:
                 delta = mlp(x)
         return self._add_norm("model.norm", h, delta)[1]
+
+    def _add_norm_shrink(self, name: str, h: torch.Tensor, delta: torch.Tensor | None,
+                         group: ProjGroup | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``_add_norm``, plus the LoRA shrink of the group that reads the normed x when the fused ops take it
+        (else None: the group computes its own)."""
+        if group is None or group.a_cat is None or not self.ops.fused_lora:
+            return (*self._add_norm(name, h, delta), None)
+        with region("elementwise"):
+            return self.ops.add_rms_norm_shrink(h, delta, self.norm_w[name], self.norm_eps[name], group.a_cat)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids).to(self.dtype)
@@ -318,41 +366,46 @@ class ModelRunner:
 
     # ----- decode -------------------------------------------------------------------------------------
 
-    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                    host_positions: list[int] | None = None) -> torch.Tensor:
         """One token for each of the first B slots. tokens/positions: int64 [B]; returns logits [B, V].
 
         Slot ``b`` holds its sequence's K/V at positions < positions[b]; this step writes position
         ``positions[b]`` and attends keys ``0..positions[b]`` of the first ``kv_len`` cache positions.
         Static shapes for a fixed (B, kv_len), no host sync: safe to capture in a CUDA graph.
+        ``host_positions``: ``positions`` as host ints, given by an eager caller when the attention backend is
+        planned on the host (FlashInfer); a CUDA-graph caller plans before the replay and passes none.
         """
         assert self.cache is not None and self.cache.k is not None and self.cache.v is not None
         cache_k, cache_v = self.cache.k, self.cache.v
         b = tokens.shape[0]
+        if host_positions is not None and self.attention.needs_host_positions:
+            self.attention.select(b, kv_len)
+            self.attention.plan(list(host_positions))
         rows = torch.arange(b, device=tokens.device)
         cos = self.cos[positions][:, None, None, :]
         sin = self.sin[positions][:, None, None, :]
-        keys = torch.arange(kv_len, device=tokens.device)
-        visible = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, kv_len]
-        # SDPA turns a boolean mask into this additive one in every layer; build it once per step
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device).masked_fill_(~visible, float("-inf"))
+        mask = decode_mask(positions, kv_len, self.dtype)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             layer_k, layer_v = cache_k[i], cache_v[i]
             # RoPE of q and k and the cache write of k and v at each slot's position: one kernel on CUDA
             with region("elementwise"):
                 q = self.ops.rope_kv_write(q, k, v, positions, rows, cos, sin, self.cos, self.sin, layer_k, layer_v)
-            # [B, kv_len, kv_heads, d] -> [B, kv_heads, kv_len, d]: a strided view, no copy.
-            keys_b = layer_k[:b, :kv_len].transpose(1, 2)
-            vals_b = layer_v[:b, :kv_len].transpose(1, 2)
-            # Head h uses KV head h // groups (transformers' repeat_kv), so [B, heads, d] viewed as
-            # [B, kv_heads, groups, d] puts a KV head's query heads on SDPA's query-length axis.
-            qg = q.reshape(b, self.num_kv_heads, self.groups, self.head_dim)
             with region("attn"):
-                o = F.scaled_dot_product_attention(qg, keys_b, vals_b, attn_mask=mask, scale=self.scale)
+                o = self.attention(q, layer_k, layer_v, kv_len, mask)
             return o.reshape(b, 1, self.num_heads * self.head_dim)
 
         x = self._layers(self._embed(tokens[:, None]), cos, sin, attend, rope_in_attend=True)
         return self._logits(x[:, 0])
+
+
+def decode_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive SDPA mask [B, 1, 1, kv_len]: 0 where key <= the row's position, -inf after (SDPA would turn
+    a boolean mask into this in every layer; built once per step)."""
+    keys = torch.arange(kv_len, device=positions.device)
+    visible = (keys[None, :] <= positions[:, None])[:, None, None, :]
+    return torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
 
 
 def _bucket_sizes(max_slots: int) -> list[int]:
@@ -372,19 +425,23 @@ def kv_len_buckets(max_len: int, smallest: int = 128) -> list[int]:
 
 
 class CudaGraphDecoder:
-    """Replays ``ModelRunner.decode_step`` from CUDA graphs, one per (batch bucket, kv-length bucket).
+    """Replays ``ModelRunner.decode_step`` from CUDA graphs, one per (batch bucket, kv-length bucket), with the
+    sampler captured after it where that is one kernel (``sample``).
 
     * Batches are padded up to a bucket; the padding rows decode token 0 at position 0 into slots
       ``B..bucket-1``, which are free (the scheduler keeps running sequences in slots ``0..B-1``), and a
       free slot's position 0 is rewritten by the prefill that next occupies it. Buckets never exceed the
       slot count.
-    * Graphs are captured lazily, the first time a (bucket, kv_len) pair is needed, with the live inputs
-      already in the static buffers: the warm-up runs then write exactly the K/V the real step writes
+    * Graphs are captured lazily, the first time a (bucket, kv_len, sampler) triple is needed, with the live
+      inputs already in the static buffers: the warm-up runs then write exactly the K/V the real step writes
       (idempotent), so capturing mid-rollout cannot corrupt a running sequence.
     * All graphs share one memory pool; they never run concurrently, and each keeps its output alive.
     * A graph bakes in the address of every tensor it reads (weights, LoRA factors, cache, norm
       buffers). ``fingerprint`` records those addresses; the engine drops the graphs when it changes
-      (cache reallocated after ``release()``, parameters re-assigned, adapters toggled).
+      (cache reallocated after ``release()``, parameters re-assigned, adapters toggled). A captured sampler
+      reads static uid/step/seed-key buffers, and the graph key holds its temperature and filters.
+    * An attention backend planned on the host (FlashInfer) is planned before every replay (and before a
+      capture) with the bucket's positions; the backend the graph uses is part of its key.
     """
 
     def __init__(self, runner: ModelRunner, max_slots: int) -> None:
@@ -393,35 +450,57 @@ class CudaGraphDecoder:
         device = runner.device
         self.tokens = torch.zeros(max_slots, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_slots, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.uids = torch.zeros(max_slots, dtype=torch.int64, device=device)
+        self.steps = torch.zeros(max_slots, dtype=torch.int64, device=device)
+        self.key = torch.zeros((), dtype=torch.int64, device=device)
+        self._key_value: int | None = None
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.fingerprint: tuple | None = None
 
     def bucket(self, b: int) -> int:
-        return next(s for s in self.buckets if s >= b)
+        return bucket_for(self.buckets, b, "decode batch (sequences per CUDA graph, at most the KV-cache slots)")
 
-    def ensure_captured(self, bs: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The graph of (batch bucket ``bs``, ``kv_len``) and its output, captured now unless it exists
-        (benches call it to keep captures out of their timed runs)."""
-        entry = self.graphs.get((bs, kv_len))
+    def ensure_captured(self, bs: int, kv_len: int, sampler: StepSampler | None = None,
+                        host_positions: list[int] | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """The graph of (batch bucket ``bs``, ``kv_len``, ``sampler``) and its output (logits, or (tokens,
+        log-probs) with a sampler), captured now unless it exists (benches call it to keep captures out of
+        their timed runs). Plans a host-planned attention backend for the static buffers' positions first."""
+        att = self.runner.attention
+        if att.needs_host_positions:
+            hp = host_positions if host_positions is not None else self.positions[:bs].tolist()
+            att.select(bs, kv_len, lambda: self._time_attention(hp, kv_len))
+            att.plan(hp, bucket=bs)
+        key = (bs, kv_len, att.current, None if sampler is None else sampler.signature)
+        entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[(bs, kv_len)] = self._capture(bs, kv_len)
+            entry = self.graphs[key] = self._capture(bs, kv_len, sampler)
         return entry
 
-    def _capture(self, bs: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        tokens, positions = self.tokens[:bs], self.positions[:bs]
+    def _time_attention(self, positions: list[int], kv_len: int) -> dict[str, float]:
+        cache = self.runner.cache
+        assert cache is not None and cache.k is not None and cache.v is not None
+        return self.runner.attention.time_both(positions, cache.k[0], cache.v[0], kv_len)
+
+    def _run(self, bs: int, kv_len: int, sampler: StepSampler | None) -> Any:
+        logits = self.runner.step_fn(self.tokens[:bs], self.positions[:bs], kv_len)
+        if sampler is None:
+            return logits
+        return sampler(logits, self.uids[:bs], self.steps[:bs], key=self.key)
+
+    def _capture(self, bs: int, kv_len: int, sampler: StepSampler | None) -> tuple[torch.cuda.CUDAGraph, Any]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: compiles, lazy inits, cuBLAS workspaces happen outside the capture
-                self.runner.step_fn(tokens, positions, kv_len)
+                self._run(bs, kv_len, sampler)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.runner.step_fn(tokens, positions, kv_len)
+            out = self._run(bs, kv_len, sampler)
         return graph, out
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def _load(self, tokens: torch.Tensor, positions: torch.Tensor, host_positions: list[int] | None) -> tuple:
         b = tokens.shape[0]
         bs = self.bucket(b)
         self.tokens[:b].copy_(tokens)
@@ -429,9 +508,35 @@ class CudaGraphDecoder:
         if bs > b:
             self.tokens[b:bs].zero_()
             self.positions[b:bs].zero_()
-        graph, out = self.ensure_captured(bs, kv_len)
+        hp = None
+        if self.runner.attention.needs_host_positions:
+            hp = list(host_positions) if host_positions is not None else positions.tolist()
+            hp += [0] * (bs - b)
+        return b, bs, hp
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                 host_positions: list[int] | None = None) -> torch.Tensor:
+        b, bs, hp = self._load(tokens, positions, host_positions)
+        graph, out = self.ensure_captured(bs, kv_len, host_positions=hp)
         graph.replay()
         return out[:b]
+
+    def sample(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, sampler: StepSampler,
+               uids: torch.Tensor, steps: torch.Tensor,
+               host_positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step and its sampling in one graph replay: (tokens int64 [B], log-probs float32 [B])."""
+        b, bs, hp = self._load(tokens, positions, host_positions)
+        self.uids[:b].copy_(uids)
+        self.steps[:b].copy_(steps)
+        if bs > b:
+            self.uids[b:bs].zero_()
+            self.steps[b:bs].zero_()
+        if self._key_value != sampler.key_value:
+            self.key.fill_(sampler.key_value)
+            self._key_value = sampler.key_value
+        graph, (tok, lp) = self.ensure_captured(bs, kv_len, sampler, host_positions=hp)
+        graph.replay()
+        return tok[:b], lp[:b]
 
 
 def graph_fingerprint(runner: ModelRunner) -> tuple:

@@ -8,7 +8,11 @@ the trace's correlation ids); a kernel outside every region is classified by its
 
 The profile runs the decode step eagerly (a graph replay hides which host call launched each kernel); the
 per-kernel GPU times are those of the graphed step, the gaps between them are not, so the report gives
-both the summed kernel time and, separately, the graph-replayed step time.
+both the summed kernel time and, separately, the graph-replayed step time (decode and sampling, as the
+scheduler runs them: the sampler inside the graph where it is captured there).
+
+Each category also gets its byte floor (``roofline.py``: the bytes its kernels must move over the measured
+copy bandwidth) and the % of that floor it reaches.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ REGION_CATEGORY = {
 _PREFIX = "qerl."
 # name fragments -> category, for kernels launched outside every region (first match wins)
 _NAME_RULES = (
-    (("_fp4_mm", "_w8_mm", "fp4_dequant", "splitk_reduce", "humming", "marlin"), "quantized GEMM"),
+    # qerl's CUDA FP4 kernels (old and stream plans, the fix-up and activation permute) before "gemm" below
+    (("_fp4_mm", "fp4_gemm_kernel", "fp4_decode_kernel", "fp4_wide_kernel", "fp4_fixup_kernel", "permute_x_kernel",
+      "_w8_mm", "fp4_dequant", "splitk_reduce", "humming", "marlin"), "quantized GEMM"),
     (("memcpy", "memset", "copy_kernel", "catarraybatchedcopy", "copy_"), "copies"),
     (("rmsnorm", "rope", "silu", "layer_norm", "rms_norm"), "norm/RoPE/activation"),
     (("fmha", "flash", "attention", "sdpa", "cudnn"), "attention"),
@@ -124,33 +130,38 @@ def categorize_trace(trace: dict[str, Any]) -> dict[str, Any]:
 
 
 def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_reps: int = 20,
-                   trace_path: Path | None = None) -> dict[str, Any]:
+                   trace_path: Path | None = None, copy_gbps: float | None = None) -> dict[str, Any]:
     """Profile ``steps`` decode steps (+ sampling) of ``batch`` slots at ``context`` cached tokens.
 
     Needs an engine whose last ``generate`` left its KV cache, LoRA plan and norm buffers in place (call
     before ``release()``). Writes K/V at position ``context`` of slots ``0..batch-1`` (bench use only).
-    Returns per-step milliseconds by category, the summed kernel time, and the CUDA-graph-replayed step
-    time at the same (batch, KV bucket) when the engine uses graphs.
+    Returns per-step milliseconds by category, the summed kernel time, the CUDA-graph-replayed step
+    time at the same (batch, KV bucket) when the engine uses graphs, and per category the bytes the step
+    must move, the floor they set at ``copy_gbps`` (the run's measured copy bandwidth) and the % of it.
     """
-    from qerl_cli.rollout.sampling import SamplingParams, sample_tokens, seed_key
+    from qerl_cli.rollout.roofline import decode_step_bytes, floors
+    from qerl_cli.rollout.sampling import SamplingParams, StepSampler
 
     runner = engine.runner
     device = runner.device
     if device.type != "cuda":
         raise RuntimeError("profile_decode needs CUDA")
-    kv_len = next(b for b in engine.kv_buckets if b >= context + 1)
+    from qerl_cli.rollout.kv_cache import bucket_for
+
+    kv_len = bucket_for(engine.kv_buckets, context + 1, "profiled decode step (tokens cached per sequence)")
     gen = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, runner.vocab_size, (batch,), generator=gen).to(device)
     positions = torch.full((batch,), context, dtype=torch.int64, device=device)
     uid = torch.arange(batch, dtype=torch.int64, device=device)
     step = torch.zeros(batch, dtype=torch.int64, device=device)
     params = SamplingParams(n=1, temperature=1.0, max_tokens=1, stop_token_ids=[], seed=0)
-    key = seed_key(0, device)
+    sampler = StepSampler(params, engine.noise, 0, device)
+    host = [context] * batch
 
     def one() -> None:
-        logits = runner.decode_step(tokens, positions, kv_len)
+        logits = runner.decode_step(tokens, positions, kv_len, host_positions=host)
         with region("sampling"):
-            sample_tokens(logits, params, engine.noise, key, uid, step)
+            sampler(logits, uid, step)
 
     with torch.no_grad():
         with profiling():
@@ -164,12 +175,20 @@ def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_
         graph_ms = None
         graphs = getattr(engine, "_graphs", None)
         if graphs is not None:
-            graphs(tokens, positions, kv_len)  # captures the bucket if needed
+            in_graph = sampler.capturable
+
+            def replay() -> None:  # a step as the scheduler runs it
+                if in_graph:
+                    graphs.sample(tokens, positions, kv_len, sampler, uid, step, host_positions=host)
+                else:
+                    sampler(graphs(tokens, positions, kv_len, host_positions=host), uid, step)
+
+            replay()  # captures the bucket if needed
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(graph_reps):
-                graphs(tokens, positions, kv_len)
+                replay()
             end.record()
             torch.cuda.synchronize()
             graph_ms = start.elapsed_time(end) / graph_reps
@@ -179,12 +198,20 @@ def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_
     if trace_path is None:
         path.unlink(missing_ok=True)
     ms = {c: v / 1000.0 / steps for c, v in cats["us"].items()}
+    need = decode_step_bytes(runner, batch, context, kv_len)
     return {
         "batch": batch,
         "context": context,
         "kv_len": kv_len,
         "steps": steps,
         "ms_per_step": ms,
+        "floors": floors(need["bytes"], ms, copy_gbps),
+        "attention_read_bytes": need["attention_read_bytes"],
+        "step_bytes": need["total_bytes"],
+        "copy_GBps": copy_gbps,
+        "sampler_in_graph": bool(graphs is not None and sampler.capturable),
+        "fused_lora": runner.ops.fused_lora,
+        "attention_backend": runner.attention.current,
         "kernel_ms_per_step": sum(ms.values()),
         "kernels_per_step": cats["kernels"] / steps,
         "graph_step_ms": graph_ms,

@@ -96,6 +96,16 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 
     ``temperature == 0`` is treated as 1 (the greedy log-prob convention, see the module docstring).
     """
+    return torch.log_softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+
+
+def has_filters(top_k: int, top_p: float) -> bool:
+    return top_k > 0 or top_p < 1.0
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """``logits / temperature`` in float32 with the top-k and top-p filters applied (filtered tokens -inf):
+    ``process_logits`` before its renormalisation."""
     x = logits.float()
     if temperature not in (0.0, 1.0):
         x = x / temperature
@@ -109,7 +119,7 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
         remove_sorted[..., -1] = False
         remove = remove_sorted.scatter(-1, order, remove_sorted)
         x = x.masked_fill(remove, float("-inf"))
-    return torch.log_softmax(x, dim=-1)
+    return x
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -149,27 +159,57 @@ class TokenNoise:
     kernel (``qerl_kernels.decode.token_uniform``) instead of ~25 int64 passes over [B, V]; its first
     result is compared bit for bit with the torch arithmetic, and any failure or difference logs one
     warning and keeps the torch path.
+
+    ``fused_sampling`` (default: with ``fused``, unless ``QERL_FUSED_SAMPLING=0``): ``sample_tokens`` runs
+    ONE kernel (``qerl_kernels.decode.sample_tokens``) that reads each row's logits once: log-sum-exp of
+    ``x / T`` online, the same exponential race on the same noise (row keys hashed in the kernel) and the
+    winner's log-prob. What changes in rounding against the torch path: the race compares ``x/T - log E``
+    where torch compares ``(x/T - lse) - log E`` (lse is one constant per row, so the winner is the same
+    unless two tokens' keys lie within an ulp of each other), and lse is summed in another order (log-probs
+    differ by ~1e-7 relative). Top-k/top-p keep torch's filtering (sort) and then run the same one pass;
+    greedy with those filters keeps the torch path. The first call is checked against the torch path (same
+    tokens up to such near-ties, log-probs within 1e-4); a failure logs one warning and keeps torch.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device, fused: bool | None = None) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, fused: bool | None = None,
+                 fused_sampling: bool | None = None) -> None:
         v = torch.arange(vocab_size, dtype=torch.int64, device=device)
         # Hash the vocabulary index once; per step only one mixer pass over [B, V] remains.
         self.vocab_hash = mix32(mix32(v ^ 0x9E3779B9))
         if fused is None:
             fused = device.type == "cuda" and os.environ.get("QERL_FAST_DECODE", "1") != "0"
+        if fused_sampling is None:
+            fused_sampling = fused and os.environ.get("QERL_FUSED_SAMPLING", "1") != "0"
+        self.device = device
         self._kernel = None
         self._checked = False
-        if fused:
+        self._sampler = None
+        self._sampler_checked = False
+        self._inv_t: dict[float, float] = {}
+        self.vocab_hash32: torch.Tensor | None = None
+        if fused or fused_sampling:
             try:
-                from qerl_kernels.decode import token_uniform
-
-                self._kernel = token_uniform
+                from qerl_kernels import decode as kernels
             except Exception as exc:  # noqa: BLE001 - any import problem means: torch path
-                _log.warning("qerl fused sampling noise unavailable (%s); using the torch path", exc)
+                _log.warning("qerl fused sampling kernels unavailable (%s); using the torch path", exc)
+            else:
+                self._kernel = kernels.token_uniform if fused else None
+                if fused_sampling:
+                    self._sampler = kernels
+                    self.vocab_hash32 = self.vocab_hash.to(torch.int32)  # the same 32 bits (wraps above 2^31)
 
     @property
     def fused(self) -> bool:
         return self._kernel is not None
+
+    @property
+    def fused_sampling(self) -> bool:
+        return self._sampler is not None
+
+    def capturable(self, params: SamplingParams) -> bool:
+        """Whether ``sample_tokens`` is one checked kernel for these parameters (no host sync, no filters), so
+        a CUDA graph may capture it after the decode step."""
+        return self._sampler is not None and self._sampler_checked and not has_filters(params.top_k, params.top_p)
 
     def uniform(self, keys: torch.Tensor) -> torch.Tensor:
         """The torch arithmetic: u[b, v] in (0, 1) from the row keys [B] (int64 holding 32-bit values)."""
@@ -201,6 +241,85 @@ class TokenNoise:
             u = self.uniform(keys)
         return -torch.log1p(-u)
 
+    # ----- the one-pass sampler ------------------------------------------------------------------------------
+    def _scale(self, temperature: float) -> tuple[int, float]:
+        """How the kernel divides by T as torch does on this device: not at all for T in (0, 1); on CUDA
+        torch multiplies by its own float32 reciprocal of a Python-float divisor (read back once per T),
+        on the CPU it divides."""
+        from qerl_kernels.decode import SAMPLE_SCALE_DIV, SAMPLE_SCALE_MUL, SAMPLE_SCALE_NONE
+
+        if temperature in (0.0, 1.0):
+            return SAMPLE_SCALE_NONE, 1.0
+        if self.device.type != "cuda":
+            return SAMPLE_SCALE_DIV, temperature
+        inv = self._inv_t.get(temperature)
+        if inv is None:
+            inv = self._inv_t[temperature] = float(torch.ones((), device=self.device) / temperature)
+        return SAMPLE_SCALE_MUL, inv
+
+    def fused_sample(self, logits: torch.Tensor, params: SamplingParams, key: torch.Tensor, uids: torch.Tensor,
+                     steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``sample_tokens`` through the one-pass kernel, or None where it does not apply (then torch runs)."""
+        if self._sampler is None or logits.dim() != 2:
+            return None
+        filtered = has_filters(params.top_k, params.top_p)
+        if filtered and params.greedy:
+            return None
+        x, (mode, scale) = logits, self._scale(params.temperature)
+        if filtered:  # torch's exact filters (sort), then the same single pass over the filtered x / T
+            x, mode, scale = filter_logits(logits, params.temperature, params.top_k, params.top_p), 0, 1.0
+        try:
+            out = self._sampler.sample_tokens(x, self.vocab_hash32, key, uids, steps, greedy=params.greedy,
+                                              scale_mode=mode, scale=scale)
+        except Exception as exc:  # noqa: BLE001 - a kernel that fails to build costs no run
+            self._sampler = None
+            _log.warning("qerl fused sampler disabled, torch path used instead: %s: %s", type(exc).__name__,
+                         str(exc).splitlines()[0] if str(exc) else "")
+            return None
+        if not self._sampler_checked and not _capturing():
+            self._sampler_checked = True
+            why = _sampler_mismatch(out, torch_sample(logits, params, self, key, uids, steps), logits, params,
+                                    self, key, uids, steps)
+            if why:
+                self._sampler = None
+                _log.warning("qerl fused sampler disabled, torch path used instead: first-use check: %s", why)
+                return None
+        return out
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _sampler_mismatch(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+                      logits: torch.Tensor, params: SamplingParams, noise: TokenNoise, key: torch.Tensor,
+                      uids: torch.Tensor, steps: torch.Tensor) -> str:
+    """'' when the fused result is the torch path's up to rounding: each row's token equal, or both tokens'
+    race keys within 1e-5 of each other (a near-tie the two roundings may resolve differently); log-probs of
+    equal tokens within 1e-4 + 1e-5 |lp|."""
+    tok, lp = got
+    ref_tok, ref_lp = want
+    same = tok == ref_tok
+    if not bool(same.all()):
+        logp = process_logits(logits, params.temperature, params.top_k, params.top_p)
+        keys = logp if params.greedy else logp - torch.log(noise.exponential(row_keys(key, uids, steps)))
+        a = keys.gather(-1, tok[:, None].clamp(0, keys.shape[-1] - 1))[:, 0]
+        b = keys.gather(-1, ref_tok[:, None])[:, 0]
+        near = (a - b).abs() <= 1e-5 * b.abs().clamp_min(1.0)
+        if not bool((same | near).all()):
+            return f"{int((~(same | near)).sum())} of {tok.numel()} rows sampled another token"
+    err = (lp - ref_lp).abs()[same]
+    if err.numel() and not bool((err <= 1e-4 + 1e-5 * ref_lp[same].abs()).all()):
+        return f"log-prob differs by {float(err.max()):.3g}"
+    return ""
+
+
+def torch_sample(logits: torch.Tensor, params: SamplingParams, noise: TokenNoise, key: torch.Tensor,
+                 uids: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path of ``sample_tokens`` (the reference the fused sampler is checked against)."""
+    out = sample(logits, params, noise, key, uids, steps)
+    return out.tokens, out.logprobs
+
 
 class Sampled(NamedTuple):
     tokens: torch.Tensor  # int64 [B]
@@ -222,12 +341,8 @@ def sample(
     uids: torch.Tensor,
     steps: torch.Tensor,
 ) -> Sampled:
-    """Sample one token per row on the logits' device: tokens, their log-probs and, with ``params.entropy``,
-    the entropy of each row's processed distribution.
-
-    ``key`` is ``seed_key(seed, device)``; ``uids``/``steps`` (int64 [B]) name each row's sequence and
-    step, which with the key fully determine the row's noise.
-    """
+    """The torch sampler: tokens, their log-probs and, with ``params.entropy``, the entropy of each row's
+    processed distribution (the fused kernel reports no entropies, so a call that wants them runs here)."""
     logp = process_logits(logits, params.temperature, params.top_k, params.top_p)
     if params.greedy:
         tokens = torch.argmax(logits, dim=-1)
@@ -246,6 +361,45 @@ def sample_tokens(
     uids: torch.Tensor,
     steps: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sample` without the entropies: (tokens int64 [B], logprobs float32 [B])."""
-    out = sample(logits, params, noise, key, uids, steps)
-    return out.tokens, out.logprobs
+    """Sample one token per row on the logits' device. Returns (tokens int64 [B], logprobs float32 [B]).
+
+    ``key`` is ``seed_key(seed, device)``; ``uids``/``steps`` (int64 [B]) name each row's sequence and
+    step, which with the key fully determine the row's noise. One fused kernel where ``noise`` has it
+    (``TokenNoise.fused_sampling``), else the torch path.
+    """
+    out = noise.fused_sample(logits, params, key, uids, steps)
+    return out if out is not None else torch_sample(logits, params, noise, key, uids, steps)
+
+
+class StepSampler:
+    """The sampling of one ``generate`` call: its parameters, noise and seed key, callable on logits.
+
+    ``key_value`` is the seed key as a host int, so a CUDA graph that captured the sampler (reading a
+    static key buffer) is given a new call's key by one ``fill_`` instead of a copy per step. With
+    ``params.entropy`` it samples through ``sample`` (torch, with entropies) and is not captured."""
+
+    def __init__(self, params: SamplingParams, noise: TokenNoise, seed: int, device: torch.device) -> None:
+        self.params = params
+        self.noise = noise
+        self.key_value = int(seed_key(seed, torch.device("cpu")))
+        self.key = torch.tensor(self.key_value, dtype=torch.int64, device=device)
+
+    @property
+    def signature(self) -> tuple:
+        """What a captured graph bakes in (the kernel's scalar arguments and constexprs)."""
+        p = self.params
+        return (p.temperature, p.top_k, p.top_p)
+
+    @property
+    def capturable(self) -> bool:
+        return not self.params.entropy and self.noise.capturable(self.params)
+
+    def __call__(self, logits: torch.Tensor, uids: torch.Tensor, steps: torch.Tensor,
+                 key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample_tokens(logits, self.params, self.noise, self.key if key is None else key, uids, steps)
+
+    def with_entropy(self, logits: torch.Tensor, uids: torch.Tensor, steps: torch.Tensor) -> Sampled:
+        """Tokens, log-probs and (with ``params.entropy``) entropies; the fused kernel where no entropy is asked."""
+        if self.params.entropy:
+            return sample(logits, self.params, self.noise, self.key, uids, steps)
+        return Sampled(*self(logits, uids, steps), None)

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from qerl_cli.rollout.kv_cache import KVCache
+from qerl_cli.rollout.kv_cache import KVCache, bucket_for
 from qerl_cli.rollout.model_runner import ModelRunner
-from qerl_cli.rollout.sampling import SamplingParams, TokenNoise, sample, seed_key
+from qerl_cli.rollout.sampling import SamplingParams, StepSampler, TokenNoise
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 # (sequence, number of tokens already checked) -> completion length ending at the stop string, or None
@@ -79,7 +79,7 @@ class Scheduler:
         self.cache = cache
         self.decode_fn = decode_fn
         self.params = params
-        self.key = seed_key(seed, runner.device)
+        self.sampler = StepSampler(params, noise, seed, runner.device)
         self.noise = noise
         self.stop_ids = stop_token_ids
         self.stop_check = stop_check
@@ -218,7 +218,7 @@ class Scheduler:
         b0, m = len(self.rows), len(new)
         uids = torch.tensor([s.uid for s in new], dtype=torch.int64, device=device)
         steps = torch.zeros(m, dtype=torch.int64, device=device)
-        tokens, logprobs, entropies = sample(torch.stack(logit_rows), self.params, self.noise, self.key, uids, steps)
+        tokens, logprobs, entropies = self.sampler.with_entropy(torch.stack(logit_rows), uids, steps)
         self.tok[b0 : b0 + m] = tokens
         self.pos[b0 : b0 + m] = torch.tensor([len(s.prompt) for s in new], dtype=torch.int64, device=device)
         self.uid[b0 : b0 + m] = uids
@@ -238,7 +238,7 @@ class Scheduler:
     # ----- decode -------------------------------------------------------------------------------------
 
     def _kv_bucket(self, need: int) -> int:
-        return next(b for b in self.kv_buckets if b >= need)
+        return bucket_for(self.kv_buckets, need, "decode attention length (tokens cached per sequence)")
 
     def _decode_window(self) -> None:
         b = len(self.rows)
@@ -247,9 +247,18 @@ class Scheduler:
         kv_len = self._kv_bucket(max(s.cache_len for s in self.rows) + k)
         tok, pos, uid, step = self.tok[:b], self.pos[:b], self.uid[:b], self.step[:b]
         out_tokens, out_lps, out_ents = [], [], []
-        for _ in range(k):
-            logits = self.decode_fn(tok, pos, kv_len)
-            t, lp, ent = sample(logits, self.params, self.noise, self.key, uid, step)
+        # the sampler inside the decode graph where it is one checked kernel (CudaGraphDecoder.sample)
+        in_graph = hasattr(self.decode_fn, "sample") and self.sampler.capturable
+        # an attention backend planned on the host (FlashInfer) is told each step's positions, known here
+        plan = self.runner.attention.needs_host_positions
+        base = [s.cache_len for s in self.rows] if plan else []
+        for j in range(k):
+            host = {"host_positions": [p + j for p in base]} if plan else {}
+            ent = None
+            if in_graph:
+                t, lp = self.decode_fn.sample(tok, pos, kv_len, self.sampler, uid, step, **host)  # type: ignore[attr-defined]
+            else:
+                t, lp, ent = self.sampler.with_entropy(self.decode_fn(tok, pos, kv_len, **host), uid, step)
             out_tokens.append(t)
             out_lps.append(lp)
             if ent is not None:

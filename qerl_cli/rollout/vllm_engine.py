@@ -412,5 +412,7 @@ class VllmEngine:
             "lora_sync_s": lora_sync_s,
             "wake_s": wake_s,
         }
-        stats = {"seed": seed, "requests": len(requests), "lora_version": self._lora_version}
+        # every request starts at once, so the batch takes as many decode token-steps as its longest sample
+        stats = {"seed": seed, "requests": len(requests), "lora_version": self._lora_version,
+                 "decode_steps": max((len(s.token_ids) for s in samples), default=1) - 1}
         return RolloutResult(samples=samples, timings=timings, stats=stats)

@@ -112,6 +112,7 @@ class Task:
     shots: int = 0
     chat_template: bool = False
     max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS; () none (fixed lengths)
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -15,28 +15,43 @@ adapter    ``adapter/`` (peft: adapter_config.json,                    ``--finet
            adapter_model.safetensors)
 full       ``weights.safetensors`` (every trained non-embedding         ``--finetune full``
            weight, fp32 masters)
+full_      ``weights.index.json`` + ``weights-rRRRRR-PPP.safetensors``  ``--finetune full
+sharded    (each rank's rows of the fp32 masters) and the same for      --sharding fsdp2``
+           the AdamW state (``optimizer.*``); readable on any number
+           of ranks (train/sharded_checkpoint.py, train/fsdp.py)
 =========  ==========================================================  =======================
 
-Every kind also holds ``trainer_state.pt`` (optimizer, scheduler, scaler, RNG, data order, AQN and, with
-``--rollout-quant int8 --requant-scales fixed``, the FlashRL fixed INT8 scales under ``rollout_quant``:
-calibration state, not weights, so they add no kind) and ``config.json`` (the run's TrainConfig).
+Every kind also holds the trainer state as ``trainer_state.safetensors`` + ``trainer_state.json`` (optimizer,
+scheduler, scaler, RNG, data order, AQN and, with ``--rollout-quant int8 --requant-scales fixed``, the FlashRL
+fixed INT8 scales under ``rollout_quant``: calibration state, not weights, so they add no kind; written and read
+by qerl_cli/statefile.py, no pickle), ``config.json`` (the run's TrainConfig) and, written last,
+``checkpoint.json``: the checkpoint's record, with the sha256 and size of every other file in it.
+
+Nothing a checkpoint holds is trusted unread: :func:`verify_checkpoint` checks every file against the record
+(and the record against the manifest's copy, for the checkpoint the train record names) before `--resume`,
+`qerl eval` or `qerl report` use it; a damaged one is refused with one line naming the file and the newest
+checkpoint that still verifies. Checkpoints of older qerl versions (no record, ``trainer_state.pt``) are read
+with ``torch.load(weights_only=True)`` and an allow-list of the numpy types their RNG state needs.
 
 Writes are staged: the checkpoint is written into a temporary sibling and renamed whole; the `latest`
 pointer is written last, so a crash at any point leaves the previous checkpoint as the one resumed.
 
 Background writes (:class:`CheckpointWriter`): the trainer copies the adapter, optimizer, scheduler,
 scaler and RNG state to host memory at the step boundary (:func:`snapshot`; the next step updates the
-live tensors in place), then a thread serialises that copy with the same staged-directory / `latest`-last
-protocol while the next step runs. One write is in flight at a time; the trainer waits for it before it
-logs the next step, so a metrics line of step N+1 always means step N's checkpoint is complete.
+live tensors in place), then a thread serialises that copy, hashes the files it wrote into the record, and
+follows the same staged-directory / `latest`-last protocol while the next step runs. One write is in flight
+at a time; the trainer waits for it before it logs the next step, so a metrics line of step N+1 always means
+step N's checkpoint is complete.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,21 +60,30 @@ import numpy as np
 import torch
 
 from qerl_cli.errors import QerlError
-from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, sha256_file, staged_directory
+from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, now_iso, sha256_file, staged_directory
 from qerl_cli.runlayout import checkpoints_dir
+from qerl_cli.statefile import StateFileError, read_state, state_paths, write_state
 
 CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 LATEST_FILE = "latest"
 
 ADAPTER = "adapter"  # kind: --finetune lora
 FULL = "full"  # kind: --finetune full
-KINDS = (ADAPTER, FULL)
+FULL_SHARDED = "full_sharded"  # kind: --finetune full --sharding fsdp2 (every rank's rows; train/fsdp.py)
+KINDS = (ADAPTER, FULL, FULL_SHARDED)
 ADAPTER_DIR = "adapter"  # peft's adapter_config.json + adapter_model.safetensors
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 FULL_WEIGHTS_FILE = "weights.safetensors"
-TRAINER_STATE_FILE = "trainer_state.pt"
+SHARDED_WEIGHTS_STEM = "weights"  # weights.index.json + weights-rRRRRR-PPP.safetensors (train/sharded_checkpoint.py)
+SHARDED_WEIGHTS_INDEX = SHARDED_WEIGHTS_STEM + ".index.json"
+TRAINER_STATE = "trainer_state"  # trainer_state.safetensors + trainer_state.json (qerl_cli/statefile.py)
+LEGACY_TRAINER_STATE_FILE = "trainer_state.pt"  # before the record: read with torch.load(weights_only=True)
 CONFIG_FILE = "config.json"
-ROLLOUT_QUANT_KEY = "rollout_quant"  # FlashRL's state (fixed INT8 scales) inside TRAINER_STATE_FILE
+RECORD_FILE = "checkpoint.json"  # written last: every other file's sha256 and size
+RECORD_FORMAT = "qerl-checkpoint"
+RECORD_VERSION = 1
+ROLLOUT_QUANT_KEY = "rollout_quant"  # FlashRL's state (fixed INT8 scales) inside the trainer state
+ABANDONED_PREFIX = "checkpoints.abandoned-"  # train/checkpoints.abandoned-<time>/: what --resume-from set aside
 
 
 # ---- kinds, names, lookup -------------------------------------------------------------------------------
@@ -69,14 +93,19 @@ def checkpoint_kind(ckpt: Path) -> str | None:
         return ADAPTER
     if (ckpt / FULL_WEIGHTS_FILE).is_file():
         return FULL
+    if (ckpt / SHARDED_WEIGHTS_INDEX).is_file():
+        return FULL_SHARDED
     return None
 
 
 def weights_path(ckpt: Path) -> Path:
-    """The file holding a checkpoint's trained weights (what the manifest hashes)."""
+    """The file holding a checkpoint's trained weights (what the manifest hashes; a sharded checkpoint's index
+    holds the sha256 of each of its shard files, checked when they are read)."""
     kind = checkpoint_kind(ckpt)
     if kind == FULL:
         return ckpt / FULL_WEIGHTS_FILE
+    if kind == FULL_SHARDED:
+        return ckpt / SHARDED_WEIGHTS_INDEX
     return ckpt / ADAPTER_DIR / ADAPTER_WEIGHTS_FILE
 
 
@@ -196,28 +225,46 @@ def adapter_snapshot(peft_model: Any) -> dict[str, torch.Tensor]:
 def save_checkpoint(run: RunDir, step: int, peft_model: Any, state: dict[str, Any], config: dict[str, Any],
                     keep: int, *, full_weights: Mapping[str, torch.Tensor] | None = None,
                     adapter_state: dict[str, torch.Tensor] | None = None,
-                    rng: dict[str, Any] | None = None) -> Path:
+                    rng: dict[str, Any] | None = None,
+                    weights_writer: Callable[[Path], None] | None = None) -> Path:
     """Write `step_N` of one kind, move `latest` to it, then prune to `keep` per kind.
 
     ``full_weights`` (name -> tensor) makes it a FULL checkpoint; otherwise it is an ADAPTER one, written
     from ``adapter_state`` (from :func:`adapter_snapshot`: a background write saves the state of the step it
     was taken at) or from the live ``peft_model``. ``rng`` replaces the current RNG state the same way.
     ``state`` may hold the FlashRL state under ROLLOUT_QUANT_KEY (read back by :func:`rollout_quant_state`).
+    ``weights_writer(staging_dir)`` makes it a FULL_SHARDED checkpoint: it writes the weights (and the sharded
+    optimizer state) into the staging directory, together with the other ranks (train/fsdp.py).
     """
     final = checkpoint_path(run, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     with staged_directory(final) as tmp:
-        if full_weights is not None:
+        if weights_writer is not None:
+            weights_writer(tmp)
+        elif full_weights is not None:
             write_full_weights(tmp, full_weights)
         else:
             peft_model.save_pretrained(str(tmp / ADAPTER_DIR),
                                        state_dict=adapter_state if adapter_state is not None
                                        else adapter_snapshot(peft_model))
-        torch.save({**state, "rng": rng if rng is not None else rng_state(), "step": step}, tmp / TRAINER_STATE_FILE)
+        write_state(tmp, TRAINER_STATE, {**state, "rng": rng if rng is not None else rng_state(), "step": step})
         atomic_write_json(tmp / CONFIG_FILE, config)
+        write_record(tmp, step)  # last: it hashes what was written above (in this thread, for a background write)
     write_latest(run, step)
     prune_checkpoints(run, keep)
     return final
+
+
+def write_record(ckpt: Path, step: int) -> dict[str, Any]:
+    """Hash every file of a (staged) checkpoint into its ``checkpoint.json``; the record written."""
+    files = {}
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != RECORD_FILE):
+        rel = path.relative_to(ckpt).as_posix()
+        files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    record = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "step": step, "kind": checkpoint_kind(ckpt),
+              "written": now_iso(), "files": files}
+    atomic_write_json(ckpt / RECORD_FILE, record)
+    return record
 
 
 def write_full_weights(directory: Path, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -268,13 +315,196 @@ class CheckpointWriter:
         return self._result
 
 
-# ---- read ------------------------------------------------------------------------------------------------
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """The trainer state of a checkpoint (optimizer, scheduler, ..., "step", "config")."""
+# ---- verify ----------------------------------------------------------------------------------------------
+class CheckpointDamaged(QerlError):
+    """A checkpoint file that is missing, truncated, changed since it was written, or unreadable."""
+
+    def __init__(self, ckpt: Path, path: Path, why: str) -> None:
+        super().__init__(f"{path} {why}")
+        self.ckpt, self.path, self.why = ckpt, path, why
+
+
+def read_record(ckpt: Path) -> dict[str, Any] | None:
+    """A checkpoint's ``checkpoint.json`` (None: an older qerl wrote the checkpoint without one)."""
+    path = ckpt / RECORD_FILE
+    if not path.exists():
+        return None
     try:
-        return torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise QerlError(f"checkpoint {path} is unreadable ({exc}): resume from an earlier step_N") from exc
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointDamaged(ckpt, path, f"is unreadable ({type(exc).__name__})") from exc
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        raise CheckpointDamaged(ckpt, path, "is not a qerl checkpoint record")
+    if not isinstance(record.get("version"), int) or record["version"] > RECORD_VERSION:
+        raise CheckpointDamaged(ckpt, path, f"has record version {record.get('version')!r}, which this qerl does not "
+                                            f"read ({RECORD_VERSION}): upgrade qerl")
+    files = record.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, dict) and isinstance(v.get("sha256"), str)
+                                              and isinstance(v.get("bytes"), int) for v in files.values()):
+        raise CheckpointDamaged(ckpt, path, "is not a complete checkpoint record")
+    return record
+
+
+def required_files(ckpt: Path, record: dict[str, Any] | None) -> list[str]:
+    """The files (relative to the checkpoint) a record must list: the weights eval reads and the trainer state
+    resume reads. An older checkpoint without a record needs only its weights here (eval reads nothing else;
+    resume's reader refuses a missing trainer state itself)."""
+    weights = weights_path(ckpt).relative_to(ckpt).as_posix()
+    kind_files = [weights] + ([f"{ADAPTER_DIR}/adapter_config.json"] if checkpoint_kind(ckpt) == ADAPTER else [])
+    if record is None:
+        return kind_files
+    return [*kind_files, *(p.name for p in state_paths(ckpt, TRAINER_STATE)), CONFIG_FILE]
+
+
+def verify_checkpoint(run: RunDir, ckpt: Path) -> dict[str, Any] | None:
+    """Check every file of a checkpoint against its record: present, its recorded size and sha256, and the
+    record itself equal to the manifest's copy when the train record names this checkpoint. Returns the record
+    (None for an older checkpoint without one: its weights are then checked against the manifest's sha256
+    where it has one, and opened to see that they are whole). Raises CheckpointDamaged naming the first bad
+    file."""
+    record = read_record(ckpt)
+    if record is not None:
+        files = record["files"]
+        for rel in required_files(ckpt, record):
+            if rel not in files:
+                raise CheckpointDamaged(ckpt, ckpt / RECORD_FILE, f"does not list {rel}")
+        for rel, want in files.items():
+            path = ckpt / rel
+            if ".." in Path(rel).parts or Path(rel).is_absolute():
+                raise CheckpointDamaged(ckpt, ckpt / RECORD_FILE, f"names a file outside the checkpoint ({rel})")
+            if not path.is_file():
+                raise CheckpointDamaged(ckpt, path, "is missing")
+            size = path.stat().st_size
+            if size != want["bytes"]:
+                raise CheckpointDamaged(ckpt, path, f"has {size} bytes, not the {want['bytes']} written (truncated "
+                                                    "or replaced)")
+            if sha256_file(path) != want["sha256"]:
+                raise CheckpointDamaged(ckpt, path, "does not match the sha256 recorded when it was written "
+                                                    "(corrupted or replaced)")
+        outputs = _manifest_outputs_for(run, ckpt)
+        manifest_files = outputs.get("checkpoint_files")
+        weights = weights_path(ckpt).relative_to(ckpt).as_posix()
+        if (manifest_files and manifest_files != {rel: v["sha256"] for rel, v in files.items()}) or (
+                outputs.get(weights_key(ckpt)) not in (None, files.get(weights, {}).get("sha256"))):
+            raise CheckpointDamaged(ckpt, ckpt / RECORD_FILE, "does not match the copy in the manifest's train record "
+                                                              "(replaced)")
+        return record
+    if state_paths(ckpt, TRAINER_STATE)[1].exists():  # written by this qerl, which always writes the record
+        raise CheckpointDamaged(ckpt, ckpt / RECORD_FILE, "is missing")
+    for rel in required_files(ckpt, None):
+        if not (ckpt / rel).is_file():
+            raise CheckpointDamaged(ckpt, ckpt / rel, "is missing (the checkpoint is incomplete)")
+    path = weights_path(ckpt)
+    recorded = _manifest_outputs_for(run, ckpt).get(weights_key(ckpt))
+    if recorded and sha256_file(path) != recorded:
+        raise CheckpointDamaged(ckpt, path, "does not match the sha256 the manifest recorded for it (corrupted or "
+                                            "replaced)")
+    _check_safetensors(ckpt, path)
+    return None
+
+
+def _manifest_outputs_for(run: RunDir, ckpt: Path) -> dict[str, Any]:
+    outputs = (run.record("train") or {}).get("outputs", {})
+    return outputs if outputs.get("checkpoint") == run.rel(ckpt) else {}
+
+
+def _check_safetensors(ckpt: Path, path: Path) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except (OSError, SafetensorError, ValueError) as exc:
+        raise CheckpointDamaged(ckpt, path, f"is unreadable ({exc})") from exc
+
+
+def newest_intact(run: RunDir, *, skip: Path | None = None) -> Path | None:
+    """The newest checkpoint that verifies (``skip``: one already found damaged), or None."""
+    for _step, ckpt in sorted(list_checkpoints(run).items(), reverse=True):
+        if skip is not None and ckpt == skip:
+            continue
+        try:
+            verify_checkpoint(run, ckpt)
+        except CheckpointDamaged:
+            continue
+        return ckpt
+    return None
+
+
+def how_to_use(run: RunDir, ckpt: Path, use: str) -> str:
+    """How a command continues with another checkpoint: the flag to pass (``use``: resume, eval or report)."""
+    name = ckpt.name
+    if use == "eval":
+        return f"evaluate it with --checkpoint {name}"
+    resume = f"`qerl train --run {run.path} --resume-from {name}` continues from it (later checkpoints are moved aside)"
+    if use == "report":
+        return f"{resume}, or move the damaged checkpoint out of {checkpoints_dir(run)} to write the report"
+    return resume
+
+
+def damaged_message(run: RunDir, err: CheckpointDamaged, use: str) -> str:
+    """One line: the damaged file, and the newest checkpoint that verifies with the flag that uses it."""
+    other = newest_intact(run, skip=err.ckpt)
+    if other is None:
+        fallback = "--checkpoint base scores the base model" if use == "eval" else \
+            "train again in a new --run directory"
+        return f"{err}: no other checkpoint in {checkpoints_dir(run)} verifies; {fallback}"
+    return f"{err}: the newest intact checkpoint is {other.name}; {how_to_use(run, other, use)}"
+
+
+def require_intact(run: RunDir, ckpt: Path, use: str) -> dict[str, Any] | None:
+    """:func:`verify_checkpoint`, with a damaged checkpoint turned into the one line ``use`` prints."""
+    try:
+        return verify_checkpoint(run, ckpt)
+    except CheckpointDamaged as err:
+        raise QerlError(damaged_message(run, err, use)) from err
+
+
+def verify_all(run: RunDir) -> list[dict[str, Any]]:
+    """Every checkpoint verified (`qerl report`): step, kind, files, bytes and whether a record covered them.
+    Raises the one line of :func:`damaged_message` at the first damaged one."""
+    rows = []
+    for step, ckpt in list_checkpoints(run).items():
+        record = require_intact(run, ckpt, "report")
+        files = record["files"] if record else {}
+        rows.append({"step": step, "kind": checkpoint_kind(ckpt), "files": len(files),
+                     "bytes": sum(v["bytes"] for v in files.values()), "sha256_verified": record is not None})
+    return rows
+
+
+# ---- read ------------------------------------------------------------------------------------------------
+def _legacy_allow_list() -> list[Any]:
+    """What an older ``trainer_state.pt`` holds besides tensors and plain values: numpy's RNG state array."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """The trainer state of a checkpoint (optimizer, scheduler, ..., "step", "config"), read without running
+    anything it holds: safetensors + JSON, or an older ``trainer_state.pt`` through ``weights_only=True``.
+    Callers verify the checkpoint first (:func:`require_intact`)."""
+    legacy = path / LEGACY_TRAINER_STATE_FILE
+    if not state_paths(path, TRAINER_STATE)[1].exists() and legacy.exists():
+        import pickle
+
+        try:
+            with torch.serialization.safe_globals(_legacy_allow_list()):
+                state = torch.load(legacy, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError,
+                KeyError, IndexError) as exc:
+            raise CheckpointDamaged(path, legacy, "holds something other than tensors and plain values, or is "
+                                                  "damaged: it is not read (reading it could run code)") from exc
+    else:
+        try:
+            state = read_state(path, TRAINER_STATE)
+        except StateFileError as exc:
+            raise CheckpointDamaged(path, path, f"has an unreadable trainer state ({exc})") from exc
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointDamaged(path, path, "has a trainer state without its step")
+    return state
 
 
 def rollout_quant_state(state: dict[str, Any]) -> dict[str, Any] | None:
@@ -298,9 +528,18 @@ def load_adapter_weights(peft_model: Any, ckpt: Path) -> None:
 
 
 def read_full_weights(ckpt: Path, expected: set[str]) -> dict[str, torch.Tensor]:
-    """A FULL checkpoint's trained weights; refused unless they are exactly the parameters `expected`."""
+    """A FULL (or FULL_SHARDED, assembled from its rows) checkpoint's trained weights; refused unless they are
+    exactly the parameters `expected`."""
     from safetensors.torch import load_file
 
+    if checkpoint_kind(ckpt) == FULL_SHARDED:
+        from qerl_cli.train.sharded_checkpoint import ShardReader
+
+        with ShardReader(ckpt, SHARDED_WEIGHTS_STEM) as reader:
+            if set(reader.keys()) != expected:
+                raise QerlError(f"checkpoint {ckpt} was trained with other parameters than this model has: "
+                                "evaluate it on the run it was trained in")
+            return {k: reader.full(k) for k in reader.keys()}
     path = ckpt / FULL_WEIGHTS_FILE
     if not path.is_file():
         raise QerlError(f"checkpoint {ckpt} has no {FULL_WEIGHTS_FILE}: it is not a --finetune full checkpoint")
@@ -312,17 +551,17 @@ def read_full_weights(ckpt: Path, expected: set[str]) -> dict[str, torch.Tensor]
 
 
 def apply_to_model(run: RunDir, model: Any, ckpt: Path) -> tuple[Any, dict[str, Any] | None, dict[str, Any] | None]:
-    """Put a checkpoint's trained weights on a freshly loaded base (`qerl eval`).
+    """Put a checkpoint's trained weights on a freshly loaded base (`qerl eval`; verified by the caller).
 
     Returns (model, adapter_info, weights_info): an ADAPTER checkpoint wraps the model in peft
     (adapter_info: path and LoRA settings); a FULL one copies its weights into the model in place
     (weights_info: path and sha256)."""
-    if checkpoint_kind(ckpt) == FULL:
+    if checkpoint_kind(ckpt) in (FULL, FULL_SHARDED):
         from qerl_cli.train.full_finetune import load_weights
 
         load_weights(model, ckpt)
-        path = ckpt / FULL_WEIGHTS_FILE
-        return model, None, {"path": run.rel(path), "sha256": sha256_file(path)}
+        path = weights_path(ckpt)
+        return model, None, {"path": run.rel(path), "sha256": weights_sha256(ckpt)}
     from qerl_cli.lora import adapter_summary, load_adapter
 
     adapter_dir = ckpt / ADAPTER_DIR
@@ -332,28 +571,51 @@ def apply_to_model(run: RunDir, model: Any, ckpt: Path) -> tuple[Any, dict[str, 
 
 def weights_key(ckpt: Path) -> str:
     """The train record's outputs key for a checkpoint's weights sha256."""
-    return "weights_sha256" if checkpoint_kind(ckpt) == FULL else "adapter_sha256"
+    return "weights_sha256" if checkpoint_kind(ckpt) in (FULL, FULL_SHARDED) else "adapter_sha256"
+
+
+def weights_sha256(ckpt: Path) -> str:
+    """The sha256 of a checkpoint's weights file: from its record (hashed when written), else computed."""
+    record = read_record(ckpt)
+    rel = weights_path(ckpt).relative_to(ckpt).as_posix()
+    if record is not None and rel in record["files"]:
+        return record["files"][rel]["sha256"]
+    return sha256_file(weights_path(ckpt))
 
 
 def weights_record(ckpt: Path) -> dict[str, str]:
     """What the train record's outputs hold about a checkpoint's weights: its sha256 under the kind's key."""
-    return {weights_key(ckpt): sha256_file(weights_path(ckpt))}
+    return {weights_key(ckpt): weights_sha256(ckpt)}
 
 
-def require_weights(ckpt: Path) -> None:
-    """Refuse a checkpoint whose weights file is missing (an adapter_config.json alone is not a checkpoint)."""
-    path = weights_path(ckpt)
-    if not path.is_file():
-        raise QerlError(f"checkpoint {ckpt} has no {path.relative_to(ckpt)}: the checkpoint is incomplete; pick "
-                        "another with --checkpoint step_N or --checkpoint base")
+def checkpoint_outputs(run: RunDir, ckpt: Path) -> dict[str, Any]:
+    """The train record's outputs for the checkpoint it names: path, the weights' sha256 and (from the
+    checkpoint's record) every file's sha256, so the manifest holds its own copy to check the record against."""
+    record = read_record(ckpt)
+    files = {rel: v["sha256"] for rel, v in record["files"].items()} if record else {}
+    return {"checkpoint": run.rel(ckpt), **weights_record(ckpt), **({"checkpoint_files": files} if files else {})}
 
 
-def verify_weights(run: RunDir, ckpt: Path) -> None:
-    """Refuse a checkpoint whose weights no longer have the sha256 the manifest's train record holds for it
-    (only the checkpoint that record names has one; older step_N are not hashed)."""
-    outputs = (run.record("train") or {}).get("outputs", {})
-    recorded = outputs.get(weights_key(ckpt))
-    path = weights_path(ckpt)
-    if recorded and outputs.get("checkpoint") == run.rel(ckpt) and sha256_file(path) != recorded:
-        raise QerlError(f"{path} does not match the sha256 the manifest recorded for it (corrupted or replaced): "
-                        "evaluate another --checkpoint step_N or train again")
+# ---- --resume-from: later checkpoints set aside ------------------------------------------------------------
+def abandoned_dir(run: RunDir) -> Path:
+    """A new ``train/checkpoints.abandoned-<time>/`` for what `--resume-from` sets aside (never deleted)."""
+    base = checkpoints_dir(run).parent / f"{ABANDONED_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
+
+
+def set_aside_checkpoints_after(run: RunDir, step: int, dest: Path) -> list[str]:
+    """Move every checkpoint (complete or not) after ``step`` into ``dest`` and point `latest` at step_N."""
+    moved = []
+    root = checkpoints_dir(run)
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        later = checkpoint_step(p)
+        if later is not None and later > step and p.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(p), str(dest / p.name))
+            moved.append(p.name)
+    write_latest(run, step)
+    return moved

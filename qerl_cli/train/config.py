@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mis")
 SCALE_REWARDS = ("group", "batch", "none")
 FINETUNES = ("lora", "full")
+# How the trained weights are laid out over the processes (docs/distributed.md): one process ("none"),
+# replicated on every torchrun rank with summed gradients ("ddp"), or sharded with FSDP2 ("fsdp2").
+# "auto": fsdp2 for --finetune full under torchrun, ddp for LoRA under torchrun, none on one process.
+SHARDINGS = ("auto", "none", "ddp", "fsdp2")
 ROLLOUT_QUANTS = ("none", *rollout_formats())
 REQUANT_SCALES = ("fixed", "dynamic")
 FLASHRL_IS_CAP = 2.0  # FlashRL's token-TIS cap C
@@ -72,17 +76,28 @@ class TrainConfig:
     gradient_checkpointing: bool | None = None  # None: the memory plan turns it on only when needed
     gpu_memory_gib: float | None = None  # GPU memory this run may use (e.g. 79.2 on an H200 for an 80 GB card)
     logprob_chunk_tokens: int = 512  # completion tokens per lm_head + log-softmax chunk; 0: all at once
+    optimizer_offload: bool | None = None  # AdamW's moments in pinned host memory; None: the memory plan decides
+    kernel_weight_copies: bool | None = None  # may FP4 kernels keep a second weight copy (humming)? None: the plan
+    logprob_backend: str = "chunked"  # the update's log-probs: qerl's chunked path, or liger (fused linear + CE)
+    pack_sequences: bool = True  # training forwards on the micro-batch's real tokens only (varlen attention)
+    keep_rollout_cache: bool | None = None  # builtin engine: keep KV cache + CUDA graphs between steps (None: plan)
     async_checkpoint: bool = True  # write checkpoints in a background thread while the next step runs
     save_steps: int = 10
     keep_checkpoints: int = 3
+    # after SIGTERM (preemption), how long the step in flight may take to finish and be checkpointed before it is
+    # abandoned; set it to the scheduler's grace period minus a checkpoint write (docs/checkpoints.md)
+    sigterm_grace_s: float = 10.0
     seed: int = 0
     shots: int | None = None
     chat_template: bool = False
     task_level: str | None = None  # arith difficulty knob
     log_rollouts: bool = True
+    log_sampling_entropy: bool = False  # sampling/entropy (rollouts then sample in torch, not the fused kernel)
     finetune: str = "lora"  # lora | full (all weights but embeddings/lm_head; see docs/flashrl.md)
     rollout_quant: str = "none"  # FlashRL: rollouts on a quantized copy re-quantized after every update
     requant_scales: str | None = None  # default: fixed for int8 (calibrated once), dynamic otherwise
+    sharding: str = "auto"  # auto | none | ddp | fsdp2 (resolve_sharding; docs/distributed.md)
+    fsdp_offload: bool = False  # fsdp2: sharded weights, grads and AdamW state in pinned host memory
 
     def resolved(self) -> TrainConfig:
         """Fill per-algorithm defaults so the manifest records what actually ran."""
@@ -139,6 +154,19 @@ class TrainConfig:
                             "use --beta 0 or --finetune lora")
         if self.rollout_quant != "none" and self.rollout_engine != "builtin":
             raise QerlError("--rollout-quant needs the builtin rollout engine (--rollout-engine builtin)")
+        choice("sharding", self.sharding, SHARDINGS)
+        if self.sharding == "fsdp2":
+            if self.finetune != "full":
+                raise QerlError("--sharding fsdp2 shards full fine-tuning (--finetune full); LoRA adapters are "
+                                "small and replicate: use --sharding ddp (the default under torchrun)")
+            if self.rollout_quant == "none":
+                raise QerlError("--sharding fsdp2 rolls out from a quantized copy of the sharded weights: add "
+                                f"--rollout-quant {'|'.join(rollout_formats())}")
+            if self.precision == "fp16":
+                raise QerlError("--sharding fsdp2 trains in bf16 or fp32 (fp16 loss scaling is not sharded): use "
+                                "--precision bf16")
+        if self.fsdp_offload and self.sharding not in ("fsdp2", "auto"):
+            raise QerlError("--fsdp-offload offloads FSDP2's sharded state: use it with --sharding fsdp2")
         choice("precision", self.precision, PRECISIONS)
         choice("rollout_engine", self.rollout_engine, ("builtin", "vllm"))
         if self.scale_rewards is not None:
@@ -157,8 +185,13 @@ class TrainConfig:
             raise QerlError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
             raise QerlError(f"--gpu-memory-gib must be > 0 (GiB), got {self.gpu_memory_gib}")
+        if not self.sigterm_grace_s >= 0:
+            raise QerlError(f"--sigterm-grace-s must be >= 0 seconds, got {self.sigterm_grace_s}")
         if self.logprob_chunk_tokens < 0:
             raise QerlError(f"--logprob-chunk-tokens must be >= 0 (0: unchunked), got {self.logprob_chunk_tokens}")
+        from qerl_cli.train.logprobs import LOGPROB_BACKENDS
+
+        choice("logprob_backend", self.logprob_backend, LOGPROB_BACKENDS)
         if self.aqn and not self.aqn_sigma_start > 0:
             raise QerlError("--aqn-sigma-start must be > 0")
 
@@ -213,9 +246,21 @@ FIELD_HELP: dict[str, str] = {
     "gradient_checkpointing": "Recompute activations in the backward (default: on only when the plan needs it).",
     "gpu_memory_gib": "GPU memory the run may use, GiB (e.g. 79.2 to stand for an 80 GB card).",
     "logprob_chunk_tokens": "Completion tokens per lm_head + log-softmax chunk (0: all at once).",
+    "optimizer_offload": "Keep AdamW's moments in pinned host memory, streamed to the GPU for each step "
+                         "(default: the memory plan's choice; exact either way).",
+    "kernel_weight_copies": "Let the FP4 kernel dispatch keep a second, converted weight copy where a peer kernel "
+                            "(humming) is faster (default: only when the step fits with it).",
+    "logprob_backend": "chunked (qerl's, default) | liger (Liger-Kernel fused linear + cross-entropy; CUDA).",
+    "pack_sequences": "Pack each micro-batch's sequences (no compute on padding; varlen attention).",
+    "keep_rollout_cache": "Keep the builtin engine's KV cache and CUDA graphs between steps (default: when the "
+                          "memory plan has room).",
+    "log_sampling_entropy": "Log sampling/entropy, the entropy of the policy the rollouts sampled from (under AQN "
+                            "the noisy one); rollouts then sample in torch instead of the fused CUDA kernel.",
     "async_checkpoint": "Write checkpoints in a background thread while the next step runs.",
     "save_steps": "Checkpoint every N steps.",
     "keep_checkpoints": "Checkpoints kept (older ones are deleted).",
+    "sigterm_grace_s": "After SIGTERM (SLURM, Kubernetes, spot preemption) the step in flight may finish and be "
+                       "checkpointed within this many seconds, else it is abandoned; exit 143 (docs/checkpoints.md).",
     "seed": "Seed of data order, sampling, AQN and LoRA init.",
     "shots": "Few-shot examples in the prompt (default per task).",
     "chat_template": "Wrap prompts in the model's chat template.",
@@ -224,7 +269,33 @@ FIELD_HELP: dict[str, str] = {
     "finetune": "lora | full (all weights but embeddings; needs a bf16 run dir).",
     "rollout_quant": "FlashRL rollouts: " + ", ".join(ROLLOUT_QUANTS) + " (on a bf16 run dir).",
     "requant_scales": "fixed (int8 default) | dynamic",
+    "sharding": "auto | none | ddp | fsdp2 (auto: fsdp2 for --finetune full under torchrun, ddp for LoRA).",
+    "fsdp_offload": "fsdp2: keep sharded weights, grads and AdamW state in pinned host memory (CPU step).",
 }
+
+
+def resolve_sharding(cfg: TrainConfig, world_size: int) -> str:
+    """The sharding engine a run uses on ``world_size`` processes (what the manifest records).
+
+    auto: fsdp2 for full fine-tuning under torchrun, ddp for LoRA under torchrun, none on one process;
+    ddp on one process is none (nothing to replicate to). fsdp2 on one process is FSDP at degree 1: the
+    fp32 masters are its sharded parameters, computed in bf16 one layer at a time, offloadable to the host."""
+    s = cfg.sharding
+    if s == "auto":
+        s = "none" if world_size <= 1 else ("fsdp2" if cfg.finetune == "full" else "ddp")
+    if s == "ddp" and world_size <= 1:
+        s = "none"
+    if s == "none" and world_size > 1:
+        raise QerlError(f"--sharding none runs one process, but torchrun started {world_size}: use --sharding "
+                        "ddp (LoRA) or fsdp2 (--finetune full)")
+    if s == "ddp" and cfg.finetune == "full":
+        raise QerlError("--finetune full on several processes shards its weights: use --sharding fsdp2 (the "
+                        "default under torchrun)")
+    if cfg.fsdp_offload and s != "fsdp2":
+        raise QerlError("--fsdp-offload offloads FSDP2's sharded state: use it with --sharding fsdp2")
+    if s == "fsdp2":  # auto may have chosen it: the checks of an explicit fsdp2
+        TrainConfig.validate(dataclasses.replace(cfg, sharding="fsdp2"))
+    return s
 
 
 @dataclass(frozen=True)

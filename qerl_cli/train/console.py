@@ -1,16 +1,22 @@
 """The training console: a live panel led by reward, accuracy, length and mismatch (not the loss,
-which is ~0 by construction in GRPO), with a progress bar and ETA. Plain lines when not a terminal."""
+which is ~0 by construction in GRPO), with a progress bar, the phase running now and the run's ETA.
+Plain lines when not a terminal: one as each step's rollout and update start, one per finished step.
+
+The first line says how long the run is expected to take: before a step has run, from a preset's measured
+seconds per step (MEASURED_STEP_S, scaled by the sequences per step) where one applies; from the first
+finished step on, from this run's own mean step time."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
 from rich.panel import Panel
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from qerl_cli.train.config import TrainConfig
@@ -28,6 +34,44 @@ LEAD = (
 )
 
 
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """A preset's measured seconds per RL step, with what it was measured on."""
+
+    seconds: float
+    sequences: int  # sequences per step it was measured with: the estimate scales by this
+    where: str
+
+
+# The README's main job (quick_cpu on the embedded SmolLM2-135M NVFP4, 8 x 8 sequences), CPU only: the estimate
+# the first line gives before this run has timed a step of its own.
+MEASURED_STEP_S = {
+    "quick_cpu": MeasuredStep(63.0, 64, "2 CPU cores, 2026-11-26: 8 steps in 503 s"),
+}
+# the phases a step reports on the console: rollout, then the update (recompute + forward/backward + optimizer)
+PHASE_LABELS = {"rollout": "rollout", "recompute": "update"}
+
+
+def reference_step(preset: str | None, on_cuda: bool) -> MeasuredStep | None:
+    """The measured step time that applies to this run before it has timed one (None: none applies)."""
+    return None if on_cuda or preset is None else MEASURED_STEP_S.get(preset)
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
+def duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def _fmt(metrics: dict[str, Any], key: str, fmt: str) -> str:
     v = metrics.get(key)
     if v is None:
@@ -39,22 +83,42 @@ def _fmt(metrics: dict[str, Any], key: str, fmt: str) -> str:
 
 
 class TrainConsole:
-    def __init__(self, console: Console, cfg: TrainConfig) -> None:
+    def __init__(self, console: Console, cfg: TrainConfig, reference: MeasuredStep | None = None,
+                 start_step: int = 0) -> None:
         self.console = console
         self.cfg = cfg
         self.live: Live | None = None
         self.progress = Progress(TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TextColumn("ETA"), TimeRemainingColumn(), console=console)
-        self.task_id = self.progress.add_task("train", total=cfg.steps)
+                                 TextColumn("{task.fields[phase]}"), TextColumn("ETA {task.fields[eta]}"),
+                                 console=console)
+        self.task_id = self.progress.add_task("train", total=cfg.steps, phase="setup", eta="-")
         self.first = self.last = None  # type: dict[str, Any] | None
         self.t0 = time.perf_counter()
+        # before this run has timed a step: the preset's measured step, scaled by the sequences per step
+        self.reference_s = (reference.seconds * cfg.batch_prompts * cfg.num_generations / reference.sequences
+                            if reference is not None else None)
+        self.reference = reference
+        self.start_step = start_step  # the step this process starts at (a resumed run's checkpoint)
+        self.step_times: list[float] = []  # this process's finished steps, seconds
+        self.step_t0: float | None = None
+
+    def expected_line(self) -> str:
+        """How long the run should take, and where that figure comes from."""
+        n = max(0, self.cfg.steps - self.start_step)
+        if self.reference_s is None:
+            return f"{_steps(n)}; expected time: from the first step's (no measured figure for this setup)"
+        ref = self.reference
+        assert ref is not None
+        return (f"{_steps(n)}, expected ~{duration(n * self.reference_s)} ({ref.seconds:.0f} s per step of "
+                f"{ref.sequences} sequences measured on {ref.where}; the ETA is re-estimated from each step)")
 
     def __enter__(self) -> TrainConsole:
         parts = [self.cfg.algo, self.cfg.task, self.cfg.precision]
         parts += ["AQN"] if self.cfg.aqn else []
         parts += [self.cfg.correction] if self.cfg.correction != "none" else []
         title = "qerl train · " + " · ".join(parts)
-        self.console.print(f"[bold]{title}[/]")
+        self.console.print(f"[bold]{escape(title)}[/] · {escape(self.expected_line())}", highlight=False,
+                           soft_wrap=True)
         if self.console.is_terminal:
             self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
             self.live.__enter__()
@@ -76,20 +140,74 @@ class TrainConsole:
             table.add_row(label, *(_fmt(m, key, fmt) for _, m in rows))
         return Group(Panel(table, title="metrics", expand=False), self.progress)
 
+    # ---- progress: the trainer calls `phase` as each phase starts (Trainer.on_phase) -----------------------
+    def attach(self, trainer: Any) -> None:
+        """`train(on_setup=...)`: follow the trainer's phases from here on; a resumed run starts at its step."""
+        self.start_step = int(trainer.step)
+        trainer.on_phase = self.phase
+        self.progress.update(self.task_id, completed=self.start_step)
+
+    def eta(self, now: float) -> str:
+        """The run's remaining time: steps left times the mean step (this run's, else the reference), minus
+        what the running step has already taken."""
+        per_step = sum(self.step_times) / len(self.step_times) if self.step_times else self.reference_s
+        if per_step is None:
+            return "after the first step"
+        left = self.cfg.steps - self.start_step - len(self.step_times)
+        running = now - self.step_t0 if self.step_t0 is not None else 0.0
+        source = f"mean of {_steps(len(self.step_times))}" if self.step_times else "measured preset"
+        return f"{duration(max(0.0, left * per_step - running))} ({source})"
+
+    def phase(self, name: str) -> None:
+        now = time.perf_counter()
+        if name == "aqn" and self.step_t0 is None:  # the first step's first phase
+            self.step_t0 = now
+        label = PHASE_LABELS.get(name)
+        if label is None:
+            return
+        step = self.start_step + len(self.step_times) + 1
+        eta = self.eta(now)
+        last = self._last_phase_s(label)
+        took = f" (last step's took {duration(last)})" if last is not None else ""
+        self.progress.update(self.task_id, phase=label, eta=eta)
+        if self.live is None:
+            self.console.print(f"step {step}/{self.cfg.steps} {label}{took}; run ETA {eta}", highlight=False)
+
+    def _last_phase_s(self, label: str) -> float | None:
+        m = self.last
+        if m is None:
+            return None
+        if label == "rollout":
+            return m.get("timing/rollout_s")
+        return (m.get("timing/recompute_s") or 0.0) + (m.get("timing/train_s") or 0.0)
+
     def update(self, metrics: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if self.step_t0 is not None:
+            self.step_times.append(now - self.step_t0)
+        self.step_t0 = now  # the next step's time includes this one's checkpoint write
         if self.first is None:
             self.first = metrics
         self.last = metrics
-        self.progress.update(self.task_id, completed=metrics.get("step", 0))
+        eta = self.eta(now)
+        self.progress.update(self.task_id, completed=metrics.get("step", 0), phase="", eta=eta)
         if self.live is not None:
             self.live.update(self._render())
         else:
             parts = " ".join(f"{label}={_fmt(metrics, k, f)}" for k, label, f in LEAD[:6])
-            self.console.print(f"step {metrics.get('step')}/{self.cfg.steps} {parts}", highlight=False)
+            took = ""
+            if self.step_times:
+                took = (f"; {duration(self.step_times[-1])} (rollout {duration(self._last_phase_s('rollout') or 0)}, "
+                        f"update {duration(self._last_phase_s('update') or 0)})")
+            self.console.print(f"step {metrics.get('step')}/{self.cfg.steps} {parts}{took}; run ETA {eta}",
+                               highlight=False)
 
     def summary(self, result: Any) -> None:
+        done = int(result.steps_done)
+        ran = done - self.start_step  # this process's steps only: a resumed run started at its checkpoint
+        resumed = f" (resumed at step {self.start_step}; the run is at step {done})" if self.start_step else ""
         self.console.print(
-            f"trained {result.steps_done} steps in {time.perf_counter() - self.t0:.0f}s; checkpoint "
+            f"trained {_steps(ran)}{resumed} in {time.perf_counter() - self.t0:.0f}s; checkpoint "
             f"[bold]{escape(str(result.checkpoint))}[/]; metrics in {escape(str(result.run))}/train/metrics.jsonl")
         note = training_scope_note(self.cfg)
         if note:

@@ -22,14 +22,20 @@ How a step runs on N ranks (the single-process trainer is the N = 1 case of the 
   identical across ranks without any broadcast.
 * Only rank 0 writes (metrics, rollouts, checkpoints, manifest, the run lock); the others only read.
   Checkpoints hold no per-rank state, so resume works on any number of ranks.
+* With ``--sharding fsdp2`` (train/fsdp.py) the model's weights are sharded instead of replicated: rollouts,
+  gathering and row shards are as above, but every forward/backward pass all-gathers each layer, so all
+  ranks run the SAME number of passes (a rank with fewer rows runs stand-in passes whose loss is scaled by
+  0), and the gradients are already summed by FSDP's reduce-scatter in backward (nothing to all-reduce).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,8 +46,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from qerl_cli.errors import QerlError
-from qerl_cli.train.step_backend import LogProbs, RolloutRound, StepWorker
+from qerl_cli.errors import Preempted, QerlError
+from qerl_cli.train.step_backend import (
+    LocalBackend,
+    LogProbs,
+    MicroBatch,
+    RolloutRound,
+    StepBackend,
+    StepWorker,
+    micro_batches,
+)
 
 if TYPE_CHECKING:
     from qerl_cli.train.batch import RolloutBatch
@@ -95,6 +109,14 @@ class DistContext:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (picklable; what the others pass is ignored)."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def any_true(self, flag: bool) -> bool:
         if not self.enabled:
@@ -245,9 +267,10 @@ def merge_chunks(per_rank: list[list[_Chunk]], total: int) -> tuple[list[_Chunk]
 
 
 def rollout_round(worker: StepWorker, ctx: DistContext, indices: list[int], round_: int,
-                  overrides: Any) -> RolloutRound:
-    """Generate and score ``indices`` (one round of one step) across all ranks; every rank gets all of it."""
-    counter = store_counter(f"qerl/rollout/{worker.step}/{round_}") if ctx.enabled else (lambda k: 0)
+                  overrides: Any, session: int = 0) -> RolloutRound:
+    """Generate and score ``indices`` (one round of one step) across all ranks; every rank gets all of it.
+    ``session`` tells apart trainers built one after the other in the same job (their counters must not meet)."""
+    counter = store_counter(f"qerl/rollout/{session}/{worker.step}/{round_}") if ctx.enabled else (lambda k: 0)
     mine: list[_Chunk] = []
     busy = 0.0
     for start, end in claim_chunks(len(indices), ctx.world_size, counter):
@@ -281,13 +304,25 @@ def rollout_metrics(world_size: int, busy_s: list[float]) -> dict[str, float]:
 
 
 # ---- training ---------------------------------------------------------------------------------------
-def forward_no_grad_sharded(worker: StepWorker, ctx: DistContext, batch: RolloutBatch, with_ref: bool) -> LogProbs:
+def forward_no_grad_sharded(worker: StepWorker, ctx: DistContext, batch: RolloutBatch, with_ref: bool,
+                            lockstep: bool = False) -> LogProbs:
     """pi_old (and ref) log-probs and entropies of the whole batch: each rank computes its row shard, then
-    all ranks gather every shard (the IS weights and mismatch metrics need the whole batch)."""
+    all ranks gather every shard (the IS weights and mismatch metrics need the whole batch). ``lockstep``
+    (a sharded model): one pass per micro-batch, padded with stand-in passes to the same count on every rank."""
     n, t = batch.completion_ids.shape
     rows = shard_rows(n, ctx.rank, ctx.world_size)
-    if rows.stop > rows.start:
-        old, ref, ent = worker.forward_no_grad(batch.rows(rows), with_ref)
+    if lockstep:
+        size = worker.micro_batch_size
+        passes = micro_batches(rows, size, lockstep_passes(n, ctx.world_size, size))
+    else:  # the whole shard in one call (the worker splits it into micro-batches)
+        passes = micro_batches(rows, max(1, rows.stop - rows.start))
+    outs = []
+    for mb in passes:
+        res = worker.forward_no_grad(batch.rows(mb.rows), with_ref)
+        if mb.counts:
+            outs.append(res)
+    if outs:
+        old, ref, ent = (None if outs[0][i] is None else torch.cat([o[i] for o in outs]) for i in range(3))
     else:
         z = torch.zeros(0, t, device=batch.input_ids.device)
         old, ref, ent = z, (z if with_ref else None), z
@@ -298,6 +333,13 @@ def forward_no_grad_sharded(worker: StepWorker, ctx: DistContext, batch: Rollout
         return None if parts[0][i] is None else torch.cat([p[i] for p in parts]).to(dev)
 
     return cat(0), cat(1), cat(2)
+
+
+def lockstep_passes(n: int, world_size: int, size: int) -> int:
+    """Forward/backward passes every rank runs over a batch of ``n`` rows with a sharded model: those of
+    the largest row shard (shard sizes differ by at most one row)."""
+    largest = math.ceil(n / world_size)
+    return math.ceil(largest / size)
 
 
 def reduce_gradients(params: list[torch.nn.Parameter], ctx: DistContext) -> None:
@@ -324,31 +366,48 @@ def reduce_loss_metrics(total_loss: float, agg: dict[str, float], ctx: DistConte
     return loss, out
 
 
-class DistributedBackend:
-    """The step's layout-dependent parts on N ranks (the module docstring says how); see train/step_backend.py."""
+_SESSIONS = itertools.count()
 
-    def __init__(self, worker: StepWorker, ctx: DistContext) -> None:
+
+class DistributedBackend:
+    """The step's layout-dependent parts on N ranks (the module docstring says how); see train/step_backend.py.
+    ``sharded_model``: the weights are FSDP-sharded (train/fsdp.py): passes in lockstep, no gradient all-reduce."""
+
+    def __init__(self, worker: StepWorker, ctx: DistContext, *, sharded_model: bool = False) -> None:
         self.worker = worker
         self.ctx = ctx
         self.world_size = ctx.world_size
+        self.sharded_model = sharded_model
+        # every rank builds its trainers in the same order, so this numbers them alike on all ranks
+        self.session = next(_SESSIONS)
 
     def rollout_round(self, indices: list[int], round_: int, overrides: Any) -> RolloutRound:
-        return rollout_round(self.worker, self.ctx, indices, round_, overrides)
+        return rollout_round(self.worker, self.ctx, indices, round_, overrides, self.session)
 
     def old_logprobs(self, batch: RolloutBatch, with_ref: bool) -> LogProbs:
-        return forward_no_grad_sharded(self.worker, self.ctx, batch, with_ref)
+        return forward_no_grad_sharded(self.worker, self.ctx, batch, with_ref, lockstep=self.sharded_model)
 
-    def update_rows(self, n: int) -> slice | None:
-        return shard_rows(n, self.ctx.rank, self.ctx.world_size)
+    def update_micro_batches(self, n: int, size: int) -> list[MicroBatch]:
+        rows = shard_rows(n, self.ctx.rank, self.ctx.world_size)
+        return micro_batches(rows, size, lockstep_passes(n, self.ctx.world_size, size) if self.sharded_model
+                             else None)
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        reduce_gradients(params, self.ctx)
+        if not self.sharded_model:  # FSDP's reduce-scatter summed them in backward already
+            reduce_gradients(params, self.ctx)
 
     def reduce_loss_metrics(self, total_loss: float, agg: dict[str, float]) -> tuple[float, dict[str, float]]:
         return reduce_loss_metrics(total_loss, agg, self.ctx)
 
     def step_metrics(self, busy_s: list[float]) -> dict[str, float]:
         return rollout_metrics(self.ctx.world_size, busy_s)
+
+
+def make_backend(worker: StepWorker, ctx: DistContext, *, sharded_model: bool = False) -> StepBackend:
+    """The backend for this process's place in the job: one process (any sharding degree 1) or N ranks."""
+    if ctx.enabled:
+        return DistributedBackend(worker, ctx, sharded_model=sharded_model)
+    return LocalBackend(worker)
 
 
 @contextlib.contextmanager
@@ -376,7 +435,9 @@ def strip_option(argv: list[str], name: str) -> list[str]:
 def launch(nproc: int, argv: list[str], *, debug: bool = False) -> int:
     """Run ``python -m torch.distributed.run --standalone --nproc-per-node N -m qerl_cli ARGV`` with NVLink
     multicast off; torchrun's own failure report (a traceback of the elastic agent) is hidden unless
-    --debug, since the failing rank already printed one clear line. Returns the exit code to use."""
+    --debug, since the failing rank already printed one clear line. A SIGTERM to this process is passed to
+    torchrun, which passes it to every rank (each finishes its step and checkpoints, docs/checkpoints.md); the
+    exit code is then 143. Returns the exit code to use."""
     env = {**os.environ, **SAFE_NCCL_ENV}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -384,15 +445,28 @@ def launch(nproc: int, argv: list[str], *, debug: bool = False) -> int:
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
     assert proc.stderr is not None
     saw_error = hiding = False
-    for line in proc.stderr:
-        if line.startswith("error:") or "error:" in line[:40]:
-            saw_error = True
-        if not debug and (hiding or "Traceback (most recent call last)" in line or "torch.distributed.elastic" in line
-                          or "ChildFailedError" in line):
-            hiding = True
-            continue
-        sys.stderr.write(line)
-    rc = proc.wait()
+    terminated: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        # a scheduler's SIGTERM reaches the ranks through torchrun, which passes it on to every rank
+        terminated.append(signum)
+        proc.send_signal(signum)
+
+    old = signal.signal(signal.SIGTERM, forward)
+    try:
+        for line in proc.stderr:
+            if line.startswith("error:") or "error:" in line[:40]:
+                saw_error = True
+            if not debug and (hiding or "Traceback (most recent call last)" in line
+                              or "torch.distributed.elastic" in line or "ChildFailedError" in line):
+                hiding = True
+                continue
+            sys.stderr.write(line)
+        rc = proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    if terminated:
+        return Preempted.exit_code
     if rc == 0:
         return 0
     if not saw_error:
@@ -412,5 +486,6 @@ def replica_digests(params: list[torch.nn.Parameter], ctx: DistContext, step: in
     digests = ctx.gather_objects(h.hexdigest())
     if len(set(digests)) > 1:
         raise QerlError(f"LoRA adapters diverged across ranks at step {step} ({len(set(digests))} different "
-                        "replicas): report this; the last consistent checkpoint is the one before")
+                        "replicas): report this; the last consistent checkpoint is the one before "
+                        "(--resume-from step_N)")
     return digests

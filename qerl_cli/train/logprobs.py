@@ -106,11 +106,36 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: tor
     return logp, (ent if with_entropy else None)
 
 
+def liger_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(targets) [N] through Liger-Kernel's fused linear + cross-entropy (per token, ``reduction="none"``).
+
+    ``log softmax((h W^T + b) / T)[y]`` is minus the cross-entropy of ``h / T`` against ``W`` (and ``b / T``), so
+    the temperature is folded into the input. Liger recomputes the vocabulary pass in its backward instead of
+    keeping a Jacobian row per token as :class:`ChunkedLogProb` does. CUDA only (Triton kernels).
+    """
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as exc:
+        raise QerlError("--logprob-backend liger needs liger-kernel (pip install liger-kernel)") from exc
+    b = None if bias is None else bias / temperature
+    ce = liger_fused_linear_cross_entropy(hidden / temperature, weight, targets, b, reduction="none")
+    ce = ce[0] if isinstance(ce, tuple) else ce
+    return -ce.float()
+
+
+LOGPROB_BACKENDS = ("chunked", "liger")
+
+
 def sampled_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float, with_entropy: bool = False,
-                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, packed: bool = False,
+                     backend: str = "chunked") -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t) [B, T] (0 where ``mask`` is 0) and optionally the entropy [B, T], as ``batch.sampled_logprobs``.
 
-    ``chunk_tokens`` = 0 takes the direct path (every completion position's logits at once).
+    ``chunk_tokens`` = 0 takes the direct path (every completion position's logits at once). ``packed``: the
+    rows' real tokens run as one packed row with per-sequence attention (train/packing.py), so no layer computes
+    on padding. ``backend`` "liger": the log-probs (not the entropy) through Liger-Kernel's fused linear +
+    cross-entropy instead of :class:`ChunkedLogProb`.
     """
     parts = plain_head(model) if chunk_tokens > 0 else None
     if parts is None:
@@ -118,16 +143,27 @@ def sampled_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float, 
     decoder, head = parts
     b, t = batch.completion_ids.shape
     # hidden state at position j predicts token j+1: completion token k sits at prompt_len + k
-    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                     use_cache=False).last_hidden_state  # [B, L, H]
-    seq_len = hidden.shape[1]
-    pos = (batch.prompt_lens.to(hidden.device)[:, None] - 1 + torch.arange(t, device=hidden.device)[None, :])
-    keep = (batch.mask > 0).to(hidden.device)
+    device = batch.input_ids.device
+    pos = (batch.prompt_lens.to(device)[:, None] - 1 + torch.arange(t, device=device)[None, :])
+    keep = (batch.mask > 0).to(device)
     rows, cols = keep.nonzero(as_tuple=True)
-    flat_pos = pos[rows, cols].clamp(max=seq_len - 1)
-    h = hidden[rows, flat_pos]  # [n, H]: only the tokens that carry a loss
-    targets = batch.completion_ids.to(hidden.device)[rows, cols]
-    lp, ent = chunked_token_logprobs(h, head.weight, head.bias, targets, temperature, chunk_tokens, with_entropy)
+    if packed:
+        from qerl_cli.train.packing import packed_hidden
+
+        flat, layout = packed_hidden(decoder, batch.input_ids, batch.attention_mask)  # [T_real, H]
+        h = flat[layout.offsets[rows] + pos[rows, cols]]
+    else:
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                         use_cache=False).last_hidden_state  # [B, L, H]
+        flat_pos = pos[rows, cols].clamp(max=hidden.shape[1] - 1)
+        h = hidden[rows, flat_pos]  # [n, H]: only the tokens that carry a loss
+    targets = batch.completion_ids.to(device)[rows, cols]
+    if backend == "liger" and not with_entropy:
+        lp, ent = liger_token_logprobs(h, head.weight, head.bias, targets, temperature), None
+    elif backend in LOGPROB_BACKENDS:
+        lp, ent = chunked_token_logprobs(h, head.weight, head.bias, targets, temperature, chunk_tokens, with_entropy)
+    else:
+        raise QerlError(f"unknown log-prob backend {backend!r}; choose one of {', '.join(LOGPROB_BACKENDS)}")
     logp = lp.new_zeros(b, t).index_put((rows, cols), lp)
     entropy = None
     if with_entropy:
@@ -136,4 +172,5 @@ def sampled_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float, 
     return logp, entropy
 
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "ChunkedLogProb", "chunked_token_logprobs", "plain_head", "sampled_logprobs"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "LOGPROB_BACKENDS", "ChunkedLogProb", "chunked_token_logprobs",
+           "liger_token_logprobs", "plain_head", "sampled_logprobs"]

@@ -6,6 +6,11 @@ rotary tables and lm_head are the SAME tensors (so norm training and AQN's norm 
 rollouts for free), while each projection is a `QuantLinear` holding only its quantized weight. With
 LoRA the quantized weight is W + scale * B @ A merged, so the rollout copy carries no adapters.
 
+With sharded training (train/fsdp.py) the trained norms and biases are sharded too: the copy then holds its
+own copies of them (``private``), and ``bind_gather`` hands it one context per FSDP unit in which that
+unit's weights are whole; `requantize_()` enters them one at a time (quantize the unit's projections, copy
+its norms and biases, reshard), so the full-precision model is never gathered at once.
+
 `requantize_()` refreshes those quantized tensors from the current trained weights by `copy_` into the
 existing buffers (the Triton kernels of `qerl_kernels.quantize` on CUDA for INT8/FP8), so no tensor is
 reallocated and the decode CUDA graphs, which bake in buffer addresses, stay valid. INT8 scales are
@@ -15,9 +20,11 @@ calibration) and reused, values beyond them clamp; "dynamic" recomputes them lik
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import time
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -33,8 +40,8 @@ _FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def check_full_precision_base(model: nn.Module, what: str) -> None:
     """FlashRL modes train full-precision weights: refuse a run dir whose model is already quantized."""
-    if any(isinstance(m, QuantLinear) for m in model.modules()):
-        fmt = next(m.fmt for m in model.modules() if isinstance(m, QuantLinear))
+    fmt = next((m.fmt for m in model.modules() if isinstance(m, QuantLinear)), None)
+    if fmt is not None:
         raise QerlError(f"{what} trains full-precision weights, but this run dir holds a {fmt} model: make one "
                         "with `qerl quantize --format bf16 --run NEW_DIR` and train there")
 
@@ -87,7 +94,9 @@ class RolloutQuant:
     """The quantized rollout copy of `model` in `fmt`, and its in-place re-quantization."""
 
     def __init__(self, model: nn.Module, fmt: str, *, scales: str = "dynamic", dtype: torch.dtype | None = None,
-                 use_kernels: bool | None = None) -> None:
+                 use_kernels: bool | None = None, private: Collection[str] = ()) -> None:
+        """``private``: names of the (unwrapped) model's parameters the copy holds its own copy of instead of
+        sharing them (those a sharded trainer shards); ``requantize_`` refreshes them with the weights."""
         if fmt not in ROLLOUT_FORMATS:
             raise QerlError(f"--rollout-quant must be one of {', '.join(ROLLOUT_FORMATS)}, not {fmt!r}")
         spec = get_format(fmt)
@@ -110,14 +119,25 @@ class RolloutQuant:
         first = next(iter(self.sources.values()))
         self.dtype = dtype or (first.get_base_layer() if _is_lora(first) else first).weight.dtype
         self.use_kernels = use_kernels
-        # Every parameter and buffer maps to itself: the copy gets new module objects over shared tensors.
-        memo: dict[int, Any] = {id(t): t for t in itertools.chain(lm.parameters(), lm.buffers())}
+        # Every parameter and buffer maps to itself: the copy gets new module objects over shared tensors,
+        # except the private ones, which deepcopy clones.
+        self.lm = lm
+        self.private = sorted(private)
+        unshared = {id(lm.get_parameter(n)) for n in self.private}
+        memo: dict[int, Any] = {id(t): t for t in itertools.chain(lm.parameters(), lm.buffers())
+                                if id(t) not in unshared}
         self.model = copy.deepcopy(lm, memo)
+        for n in self.private:
+            self.model.get_parameter(n).requires_grad_(False)
+        self.units: list[tuple[str, Callable[[], contextlib.AbstractContextManager[Any]]]] = []
+        private_set = set(self.private)
         self.layers: dict[str, QuantLinear] = {}
         gscales = self._global_scales() if spec.global_scale else {}
         for name, src in self.sources.items():
             w = effective_weight(src)
             bias = _bias(src)
+            if bias is not None and f"{name}.bias" in private_set:
+                bias = bias.detach().clone()
             qw = spec.quantize(w, global_scale=gscales.get(name), dtype=self.dtype)
             ql = QuantLinear.from_quantized(qw, bias=bias, act_quant=spec.act_quant)
             # CPU has no kernels: dequantize each weight once per update instead of on every forward
@@ -128,11 +148,13 @@ class RolloutQuant:
         self.last_metrics: dict[str, float] = {}
 
     # ---- re-quantization ---------------------------------------------------------------------------
-    def _global_scales(self) -> dict[str, torch.Tensor]:
-        """Formats with a global scale (NVFP4): one per fused group (q/k/v, gate/up), from the current weights' amax."""
-        amax = {n: effective_weight(m).float().abs().max() for n, m in self.sources.items()}
+    def _global_scales(self, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """Formats with a global scale (NVFP4): one per fused group (q/k/v, gate/up), from the current weights' amax
+        (of ``names`` only: a fused group lies within one decoder layer, so one gathered unit holds all of it)."""
+        names = list(self.sources) if names is None else list(names)
+        amax = {n: effective_weight(self.sources[n]).float().abs().max() for n in names}
         out = {}
-        for name in self.sources:
+        for name in names:
             parent, _, leaf = name.rpartition(".")
             group = next((g for g in _FUSED_GROUPS if leaf in g), (leaf,))
             members = [f"{parent}.{g}" if parent else g for g in group]
@@ -143,38 +165,81 @@ class RolloutQuant:
         # qerl_kernels.quantize re-quantizes the per-channel 8-bit formats in place on the GPU
         return self.spec.kernel == "w8" and (w.is_cuda if self.use_kernels is None else self.use_kernels)
 
+    def bind_gather(self, units: list[tuple[str, Callable[[], contextlib.AbstractContextManager[Any]]]]) -> None:
+        """Sharded weights (train/fsdp.py): (module prefix, context in which that unit's weights are whole) per
+        unit; ``requantize_`` then refreshes the copy unit by unit inside those contexts."""
+        self.units = list(units)
+
+    def _groups(self) -> list[tuple[Callable[[], contextlib.AbstractContextManager[Any]], list[str], list[str]]]:
+        """(context, projection names, private parameter names) per gathered unit (one group without units).
+        A projection's own bias is refreshed with its weight, so it is not listed again."""
+        own_bias = {f"{n}.bias" for n in self.sources}
+        private = [n for n in self.private if n not in own_bias]
+        if not self.units:
+            return [(contextlib.nullcontext, list(self.sources), private)]
+
+        def owner(name: str) -> int:
+            best = -1
+            for i, (prefix, _) in enumerate(self.units):
+                if (name == prefix or name.startswith(prefix + ".")) and \
+                        (best < 0 or len(prefix) > len(self.units[best][0])):
+                    best = i
+            if best < 0:
+                raise QerlError(f"{name} belongs to no sharded unit of the model; report this")
+            return best
+
+        groups: list[tuple[list[str], list[str]]] = [([], []) for _ in self.units]
+        for name in self.sources:
+            groups[owner(name)][0].append(name)
+        for name in private:
+            groups[owner(name)][1].append(name)
+        return [(ctx, srcs, privs) for (_, ctx), (srcs, privs) in zip(self.units, groups, strict=True)]
+
     @torch.no_grad()
     def requantize_(self) -> dict[str, float]:
-        """Refresh every quantized weight from the trained weights, in place; returns rollout_quant metrics."""
+        """Refresh every quantized weight (and private norm/bias) from the trained weights, in place; returns
+        rollout_quant metrics. With sharded weights every rank must call it (each unit is all-gathered)."""
         sync = next(iter(self.layers.values())).qweight.is_cuda
         if sync:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        gscales = self._global_scales() if self.spec.global_scale else {}
-        for name, src in self.sources.items():
-            ql = self.layers[name]
-            w = effective_weight(src)
-            if self._kernels_for(w):
-                from qerl_kernels.quantize import quantize_w8_
-
-                quantize_w8_(w, ql.weight, ql.weight_scale, self.fmt, recompute_scale=not self.fixed_scales)
-            elif self.fixed_scales:
-                s = ql.weight_scale.float()
-                ql.weight.copy_(torch.round((w.float() / s).clamp(-128, 127)).to(torch.int8))
-            else:
-                qw = self.spec.quantize(w, global_scale=gscales.get(name), dtype=self.dtype)
-                for key, t in qw.tensors.items():
-                    getattr(ql, key).copy_(t)
-            bias = _bias(src)
-            if ql.bias is not None and bias is not None:
-                ql.bias.copy_(bias.detach())
-            ql.dequantized_cache = None
-            _refresh_kernel_state(ql)
+        first = next(iter(self.sources))
+        quality: dict[str, float] = {}
+        for ctx, names, privs in self._groups():
+            with ctx():
+                gscales = self._global_scales(names) if self.spec.global_scale else {}
+                for name in names:
+                    self._requantize_one(name, gscales.get(name))
+                for name in privs:
+                    self.model.get_parameter(name).copy_(self.lm.get_parameter(name).detach())
+                if first in names:
+                    quality = self.quality()
         if sync:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
-        self.last_metrics = {"timing/requant_s": elapsed, **self.quality()}
+        self.last_metrics = {"timing/requant_s": elapsed, **quality}
         return self.last_metrics
+
+    def _requantize_one(self, name: str, global_scale: torch.Tensor | None) -> None:
+        src = self.sources[name]
+        ql = self.layers[name]
+        w = effective_weight(src)
+        if self._kernels_for(w):
+            from qerl_kernels.quantize import quantize_w8_
+
+            quantize_w8_(w, ql.weight, ql.weight_scale, self.fmt, recompute_scale=not self.fixed_scales)
+        elif self.fixed_scales:
+            s = ql.weight_scale.float()
+            ql.weight.copy_(torch.round((w.float() / s).clamp(-128, 127)).to(torch.int8))
+        else:
+            qw = self.spec.quantize(w, global_scale=global_scale, dtype=self.dtype)
+            for key, t in qw.tensors.items():
+                getattr(ql, key).copy_(t)
+        bias = _bias(src)
+        if ql.bias is not None and bias is not None:
+            ql.bias.copy_(bias.detach())
+        ql.dequantized_cache = None
+        _refresh_kernel_state(ql)
 
     @torch.no_grad()
     def quality(self) -> dict[str, float]:

@@ -1,15 +1,17 @@
 """Where the parts of an RL step that depend on the process layout run: one process, or data-parallel ranks.
 
 `Trainer.train_step` is written once against :class:`StepBackend`; the backend is chosen once, in
-`Trainer.setup` (:func:`make_backend`): :class:`LocalBackend` on one process, `DistributedBackend`
-(train/distributed.py) under torchrun. A backend asks the trainer only through the public
-:class:`StepWorker` methods (generate, score, forward_no_grad), so neither module reaches into the other.
+`Trainer.setup` (train/distributed.py's ``make_backend``): :class:`LocalBackend` on one process,
+`DistributedBackend` (train/distributed.py) under torchrun. A backend asks the trainer only through the public
+:class:`StepWorker` methods (generate, score, forward_no_grad), so neither module reaches into the other. This
+module imports no other backend module (distributed.py imports it, not the other way round).
 
 What differs between the two, and nothing else:
 
 * a rollout round: generate + score the round's prompts here, or split them over the ranks and gather;
 * the pi_old / reference forward: the whole batch here, or each rank's row shard then gathered;
-* the policy update's rows: all of them here, or this rank's contiguous shard;
+* the policy update's micro-batches: all rows here, or this rank's contiguous shard (with a sharded model,
+  padded with stand-in micro-batches so that every rank runs the same number of forward/backward passes);
 * after backward: nothing here, or the sum of every rank's gradients and loss metrics;
 * the step's dist/* metrics.
 """
@@ -25,6 +27,24 @@ if TYPE_CHECKING:
     from qerl_cli.train.batch import RolloutBatch
 
 LogProbs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]  # pi_old, reference (beta > 0), entropies
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Batch rows one forward/backward pass trains on. ``counts`` False marks a stand-in: a pass a rank runs
+    only so that its collectives match the other ranks' (FSDP gathers every layer in every pass); its loss is
+    multiplied by 0 and its metrics are dropped."""
+
+    rows: slice
+    counts: bool = True
+
+
+def micro_batches(rows: slice, size: int, passes: int | None = None) -> list[MicroBatch]:
+    """``rows`` in micro-batches of at most ``size`` rows, then stand-ins (the batch's row 0) up to ``passes``."""
+    out = [MicroBatch(slice(i, min(i + size, rows.stop))) for i in range(rows.start, rows.stop, size)]
+    while passes is not None and len(out) < passes:
+        out.append(MicroBatch(slice(0, 1), counts=False))
+    return out
 
 
 @dataclass
@@ -44,6 +64,7 @@ class StepWorker(Protocol):
 
     step: int
     prompt_ids: list[list[int]]
+    micro_batch_size: int  # sequences per forward pass
 
     def generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None,
                  prompt_offset: int = 0) -> Any: ...
@@ -62,8 +83,8 @@ class StepBackend(Protocol):
     def old_logprobs(self, batch: RolloutBatch, with_ref: bool) -> LogProbs:
         """pi_old (and reference) log-probs and entropies of the whole batch."""
 
-    def update_rows(self, n: int) -> slice | None:
-        """The batch rows this process trains on (None: all)."""
+    def update_micro_batches(self, n: int, size: int) -> list[MicroBatch]:
+        """The forward/backward passes this process runs over a batch of ``n`` rows, in order."""
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Make every process hold the whole batch's gradient (after backward, before clipping)."""
@@ -86,13 +107,14 @@ class LocalBackend:
     def rollout_round(self, indices: list[int], round_: int, overrides: Any) -> RolloutRound:
         res = self.worker.generate(indices, round_, overrides)
         raw, shaped = self.worker.score(indices, res.samples)
-        return RolloutRound(res.samples, raw, shaped, res.timings, busy_s=[0.0])
+        timings = {**res.timings, "decode_steps": float(res.stats.get("decode_steps", 0))}
+        return RolloutRound(res.samples, raw, shaped, timings, busy_s=[0.0])
 
     def old_logprobs(self, batch: RolloutBatch, with_ref: bool) -> LogProbs:
         return self.worker.forward_no_grad(batch, with_ref)
 
-    def update_rows(self, n: int) -> slice | None:
-        return None
+    def update_micro_batches(self, n: int, size: int) -> list[MicroBatch]:
+        return micro_batches(slice(0, n), size)
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         return None
@@ -102,12 +124,3 @@ class LocalBackend:
 
     def step_metrics(self, busy_s: list[float]) -> dict[str, float]:
         return {}
-
-
-def make_backend(worker: StepWorker, ctx: Any) -> StepBackend:
-    """The backend for this process's place in the job (`ctx`: train/distributed.py's DistContext)."""
-    if ctx.enabled:
-        from qerl_cli.train.distributed import DistributedBackend
-
-        return DistributedBackend(worker, ctx)
-    return LocalBackend(worker)

@@ -12,8 +12,9 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,16 +22,16 @@ from typing import Any
 import torch
 
 from qerl_cli.device import pick as pick_device
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import Preempted, QerlError
 from qerl_cli.manifest import RunDir
 from qerl_cli.precision import dtype_of, uses_loss_scaling
 from qerl_cli.runlayout import base_fingerprint, checkpoints_dir, model_files, quantized_model_dir, train_dir
 from qerl_cli.train import checkpointing
 from qerl_cli.train.batch import RolloutBatch, build_batch
-from qerl_cli.train.checkpointing import CheckpointWriter, latest_step, resolve_checkpoint
+from qerl_cli.train.checkpointing import CheckpointWriter, resolve_checkpoint
 from qerl_cli.train.config import TrainConfig
 from qerl_cli.train.logprobs import sampled_logprobs
-from qerl_cli.train.step_backend import LogProbs, StepBackend, make_backend
+from qerl_cli.train.step_backend import LogProbs, StepBackend
 
 
 @dataclass
@@ -68,6 +69,11 @@ class PromptStream:
         self._perm = self._permutation()
 
 
+# how a run stopped by a non-finite loss or gradient goes on
+NONFINITE_HINT = (": the checkpoints are intact; lower --lr and continue with --resume, or from an earlier one with "
+               "--resume-from step_N")
+
+
 def sampling_entropy(samples: list[Any], mask: torch.Tensor) -> float | None:
     """Mean entropy of the distributions the rollout engine sampled from (under AQN the noisy policy's), over the
     completion tokens of ``mask`` [B, T], as ``entropy`` averages the training policy's; None when the engine
@@ -87,25 +93,90 @@ def rollout_seed(seed: int, step: int, round_: int) -> int:
 
 
 class GracefulStop:
-    """First Ctrl-C: finish the step, checkpoint, exit cleanly. Second: interrupt at once."""
+    """Stop requests at a step boundary: Ctrl-C (SIGINT) and SIGTERM (what SLURM, Kubernetes and spot instances
+    send before they kill a job). Before :meth:`loop` (model loading) either signal interrupts at once.
 
-    def __init__(self) -> None:
+    Ctrl-C: the step in flight finishes, a checkpoint is written, exit 130; a second Ctrl-C interrupts at once.
+    SIGTERM: the step in flight may finish within ``grace_s`` seconds (``--sigterm-grace-s``) and is then
+    checkpointed; past that, or at a second SIGTERM, the step is abandoned (:class:`Preempted` is raised inside
+    it, so nothing of it is logged or saved) and the previous checkpoint stays the one `--resume` continues
+    from. Either way the stage is recorded `interrupted` and `qerl train` exits 143. ``can_abandon`` is off for
+    data-parallel ranks: they can only stop together (agreed before each step), so their step always finishes.
+    """
+
+    def __init__(self, grace_s: float = 0.0, *, can_abandon: bool = True) -> None:
+        self.grace_s = grace_s
+        self.can_abandon = can_abandon
         self.requested = False
-        self._old: Any = None
+        self.preempted = False
+        self.in_step = False
+        self.looping = False  # set by loop(): before it (setup), a signal interrupts at once
+        self._old: dict[int, Any] = {}
+        self._timer: threading.Timer | None = None
+        self._main = threading.main_thread().ident
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.requested or not self.looping:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        first = not self.preempted
+        self.requested = self.preempted = True
+        if not self.looping:  # still setting up: nothing to finish or save
+            raise Preempted("preempted (SIGTERM) while setting up, before any step: run the same command with "
+                            "--resume to continue")
+        if first and self.can_abandon and self.grace_s > 0:
+            # the grace period's end is a second SIGTERM to this (main) thread: it also wakes a blocking call
+            self._timer = threading.Timer(self.grace_s, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+        if self.in_step and self.can_abandon and (not first or self.grace_s <= 0):
+            raise Preempted("abandoned")
+
+    def _expire(self) -> None:
+        if self.in_step and self._main is not None:
+            signal.pthread_kill(self._main, signal.SIGTERM)
+
+    def loop(self) -> None:
+        """From here on a stop request waits for the step boundary."""
+        self.looping = True
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Hold SIGINT/SIGTERM back for a short block that must not stop halfway (they arrive after it)."""
+        signals = {signal.SIGINT, signal.SIGTERM}
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Around one train step: the span a SIGTERM past its grace period abandons."""
+        self.in_step = True
+        try:
+            yield
+        finally:
+            self.in_step = False
 
     def __enter__(self) -> GracefulStop:
-        def handler(signum: int, frame: Any) -> None:
-            if self.requested:
-                raise KeyboardInterrupt
-            self.requested = True
-
         with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
-            self._old = signal.signal(signal.SIGINT, handler)
+            self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
+            self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        self.in_step = False
+        if self._timer is not None:  # never a SIGTERM from the timer once the default handler is back
+            self._timer.cancel()
+            self._timer.join()
+        for signum, old in self._old.items():
+            signal.signal(signum, old)
 
 
 @dataclass
@@ -128,23 +199,36 @@ class Trainer:
         self.last_checkpoint_s = 0.0
         self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
         self.memory_plan: Any = None  # set by setup() (train/memory_plan.py)
+        # the phase running now (`qerl bench step` names it when a step runs out of memory) and a callback as each
+        # phase starts (the console's progress lines)
+        self.phase = "setup"
+        self.on_phase: Callable[[str], None] | None = None
+        self.keep_rollout_cache = False  # set by setup(): the builtin engine keeps its KV cache between steps
         self.backend: StepBackend  # set by setup()
         self.metrics_path = train_dir(run) / "metrics.jsonl"
         self.rollouts_dir = train_dir(run) / "rollouts"
-        from qerl_cli.train.distributed import current
+        from qerl_cli.train.config import resolve_sharding
+        from qerl_cli.train.distributed import DistributedAbort, current
 
         self.dist = current()  # world_size 1 unless launched by torchrun (train/distributed.py)
+        try:  # recorded resolved: the manifest says which engine ran
+            self.cfg.sharding = resolve_sharding(self.cfg, self.dist.world_size)
+        except QerlError as exc:
+            if not self.dist.is_main:  # every rank refuses the same way; rank 0 says why
+                raise DistributedAbort(str(exc)) from exc
+            raise
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self, *, model: torch.nn.Module | None = None, tokenizer: Any = None, task: Any = None,
-              prompt_ids: list[list[int]] | None = None, reward_fn: Callable[..., Any] | None = None) -> None:
+              prompt_ids: list[list[int]] | None = None, reward_fn: Callable[..., Any] | None = None,
+              model_dir: Path | None = None) -> None:
         """Load the run's model, task and reward, or take them in memory (benchmarks: `qerl bench step|sanity`).
 
         ``model`` (a base model on this trainer's device, in its dtype) replaces the run's checkpoint;
         ``tokenizer`` may then be None when ``prompt_ids`` gives the prompts as token ids; ``task``
-        replaces ``cfg.task`` and ``reward_fn`` the task's reward.
+        replaces ``cfg.task`` and ``reward_fn`` the task's reward. ``model_dir``: the checkpoint of an
+        injected model, for a rollout engine that serves its own copy (``--rollout-engine vllm``).
         """
-        from qerl_cli.lora import attach_lora, make_lora_config
         from qerl_cli.models import load_model
         from qerl_cli.rollout import make_engine
         from qerl_cli.tasks import get_reward, load_task
@@ -160,32 +244,50 @@ class Trainer:
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
         if model is None:
             self.model_dir = quantized_model_dir(self.run)
+            if self.memory_plan is None:  # refused here, before a weight is loaded, when the run cannot fit
+                self.plan_run_memory()
             base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device,
                                               expected_sha256=model_files(self.run) or None)
         else:
             base, self.tokenizer = model, tokenizer
+            self.model_dir = model_dir
+            fmt = getattr(base, "qerl_format", None)
+            if self.memory_plan is None and fmt is not None and prompt_ids is not None:
+                self.plan_memory(base.config, fmt, prompt_tokens=max(len(p) for p in prompt_ids))
         weights = self._resident_weights(base)
         self.full = self.rollout_quant = None  # FlashRL modes (qerl_cli/train/full_finetune.py, rollout_quant.py)
         if c.finetune == "full" or c.rollout_quant != "none":
             from qerl_cli.train.rollout_quant import check_full_precision_base
 
             check_full_precision_base(base, "--finetune full" if c.finetune == "full" else "--rollout-quant")
-        if c.finetune == "full" and self.dist.world_size > 1:
-            raise QerlError("--finetune full runs on one process only (data-parallel training averages LoRA "
-                            "adapters); use --finetune lora with torchrun/--gpus, or one GPU")
-        if c.finetune == "full":
+        sharded = c.sharding == "fsdp2"
+        if sharded:
+            from qerl_cli.train.fsdp import ShardedFullFinetune, rollout_private_names
+            from qerl_cli.train.rollout_quant import RolloutQuant
+
+            self.model = base
+            # the rollout copy first, from the whole weights: once sharded they are only ever gathered per layer
+            self.rollout_quant = RolloutQuant(base, c.rollout_quant, scales=c.requant_scales or "dynamic",
+                                              dtype=self.dtype, private=rollout_private_names(base))
+            self.full = ShardedFullFinetune(base, self.device, compute_dtype=self.dtype, offload=c.fsdp_offload,
+                                            ctx=self.dist)
+            self.rollout_quant.bind_gather(self.full.gather_units())
+            self.params = self.full.params
+        elif c.finetune == "full":
             from qerl_cli.train.full_finetune import FullFinetune
 
             self.model = base
             self.full = FullFinetune(base)
             self.params = self.full.params
         else:
+            from qerl_cli.lora import attach_lora, make_lora_config  # peft: imported only when LoRA trains
+
             self.model = attach_lora(base, make_lora_config(c.lora_rank, c.lora_alpha, c.lora_targets,
                                                             c.lora_dropout), seed=c.seed)
             self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
             if not self.params or any("lora_" not in n for n, p in self.model.named_parameters() if p.requires_grad):
                 raise QerlError("only LoRA adapters may be trainable; check --lora-targets")
-        if c.rollout_quant != "none":
+        if c.rollout_quant != "none" and self.rollout_quant is None:
             from qerl_cli.train.rollout_quant import RolloutQuant
 
             self.rollout_quant = RolloutQuant(self.model, c.rollout_quant, scales=c.requant_scales or "dynamic",
@@ -206,21 +308,74 @@ class Trainer:
         max_len = max(len(p) for p in self.prompt_ids) + c.max_completion_length + 1
         self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
         rollout_model = self.model if self.rollout_quant is None else self.rollout_quant.model
-        self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer,
-                                  max_batch_slots=min(c.max_batch_slots, c.batch_prompts * c.num_generations),
+        # the builtin engine keeps its KV cache, LoRA shadows and CUDA graphs across steps when they fit beside
+        # training (the plan decides: not when memory is short): re-allocating and re-capturing them every step
+        # cost the step's rollout its bench speed
+        keep = c.keep_rollout_cache if c.keep_rollout_cache is not None else (
+            self.memory_plan is not None and self.memory_plan.resident_cache_fits)
+        self.keep_rollout_cache = bool(keep) and c.rollout_engine == "builtin"
+        slots = min(c.max_batch_slots, c.batch_prompts * c.num_generations)
+        if self.memory_plan is not None and self.memory_plan.capacity is not None and c.rollout_engine == "builtin":
+            slots = min(slots, max(1, self.memory_plan.kv_slots))  # the KV-cache share the plan fitted
+        self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer, max_batch_slots=slots,
                                   max_model_len=max_len, gpu_memory_utilization=c.gpu_memory_utilization,
                                   dtype=self.dtype, model_dir=self.model_dir)
-        self.aqn = (AQN(self.model, c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
+        # sharded: AQN reads (and the engine overrides) the rollout copy's own norms; otherwise the model's
+        aqn_model = self.rollout_quant.model if sharded else self.model
+        self.aqn = (AQN(aqn_model, c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
                         stages=c.aqn_stages, seed=c.seed) if c.aqn else None)
-        self.optimizer = torch.optim.AdamW(self.params, lr=c.lr, weight_decay=c.weight_decay, betas=(0.9, 0.99))
+        self.optimizer = self._make_optimizer(**(self.full.optimizer_options if sharded else {}))
         warm = max(0, c.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=uses_loss_scaling(c.precision))
         self.step = 0
         # local or data-parallel: chosen once here, so train_step has no branch on it (train/step_backend.py)
-        self.backend = make_backend(self, self.dist)
+        from qerl_cli.train.distributed import make_backend
+
+        self.backend = make_backend(self, self.dist, sharded_model=sharded)
         self.extended_from: int | None = None  # a finished run's steps, when --resume --steps extends it
+
+    # ---- the memory plan (train/memory_plan.py) and what it decides ----------------------------------------
+    def plan_memory(self, model_config: Any, fmt: str, *, prompt_tokens: int, stored: int | None = None) -> Any:
+        """The plan from the model's config and format, before any weight is built: raises MemoryPlanError (one
+        line naming the setting to change) when the run cannot fit. Sets whether FP4 kernels may keep a second
+        weight copy before the first forward could make one; ``setup()`` plans again with what it measures."""
+        from qerl_cli import kernel_dispatch
+        from qerl_cli.train.memory_plan import plan_before_build, stored_bytes
+
+        if stored is None and self.model_dir is not None:
+            stored = stored_bytes(self.model_dir)
+        plan = plan_before_build(self.cfg, model_config, fmt, device=self.device, prompt_tokens=prompt_tokens,
+                                 stored=stored)
+        self.memory_plan = plan
+        if self.device.type == "cuda" and plan.capacity is not None:
+            kernel_dispatch.allow_extra_copies(plan.extra_weight_copies)
+        return plan
+
+    def plan_run_memory(self) -> Any:
+        """:meth:`plan_memory` for the run directory's model, from its config.json (nothing is loaded); prompts
+        count at --max-prompt-length, their bound."""
+        from transformers import AutoConfig
+
+        from qerl_cli.train.memory_plan import model_dir_format
+
+        self.model_dir = quantized_model_dir(self.run)
+        return self.plan_memory(AutoConfig.from_pretrained(str(self.model_dir)), model_dir_format(self.model_dir),
+                                prompt_tokens=self.cfg.max_prompt_length)
+
+    def _make_optimizer(self, **options: Any) -> torch.optim.Optimizer:
+        """AdamW, with its moments in pinned host memory when the plan (or --optimizer-offload) says so: the
+        same numbers either way (train/host_offload.py). ``options``: AdamW options a sharding engine asks for."""
+        kw = dict(lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99), **options)
+        if self.cfg.optimizer_offload and options:
+            raise QerlError("--optimizer-offload moves replicated AdamW state to the host; FSDP2's sharded state "
+                            "goes there with --fsdp-offload")
+        if self.cfg.optimizer_offload:
+            from qerl_cli.train.host_offload import HostOffloadAdamW
+
+            return HostOffloadAdamW(self.params, **kw)
+        return torch.optim.AdamW(self.params, **kw)
 
     def _resident_weights(self, base: torch.nn.Module) -> int:
         """What the base holds on the device before adapters (the plan's "weights"). On CUDA one 1-token
@@ -236,22 +391,34 @@ class Trainer:
         return torch.cuda.memory_allocated(self.device)
 
     def _apply_memory_plan(self, base: torch.nn.Module, weights: int, prompt_tokens: int) -> None:
-        """Plan the step's memory (train/memory_plan.py) and take its micro-batch, checkpointing and KV-cache share."""
+        """Plan the step's memory again with the measured weights and the real prompts (train/memory_plan.py) and
+        take its micro-batch, checkpointing, optimizer placement and KV-cache share."""
+        import dataclasses
+
         from qerl_cli.train.memory_plan import plan_for_config
 
         c = self.cfg
         elem = torch.empty((), dtype=self.dtype).element_size()
-        plan = plan_for_config(c, base.config, weights=weights, device=self.device, prompt_tokens=prompt_tokens,
-                               elem=elem)
+        before = self.memory_plan  # made from the config before the weights existed, if it was
+        measured: Any = weights
+        if before is not None:  # the larger of estimate and measurement counts; the copies decision stands
+            measured = dataclasses.replace(before.weight_parts, measured=weights)
+        plan = plan_for_config(c, base.config, weights=measured, device=self.device, prompt_tokens=prompt_tokens,
+                               elem=elem, extra_weight_copies=None if before is None else before.extra_weight_copies)
         self.memory_plan = plan
         c.micro_batch_size = plan.micro_batch_size
         c.gradient_checkpointing = plan.gradient_checkpointing
+        c.optimizer_offload = plan.optimizer_offload
         if c.gpu_memory_utilization is None:
             # builtin engine: the cache gets what is free within the cap; vLLM keeps its usual share
             c.gpu_memory_utilization = (plan.gpu_memory_utilization if c.rollout_engine == "builtin" else None) or 0.5
         if c.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
+
+    @property
+    def micro_batch_size(self) -> int:
+        return int(self.cfg.micro_batch_size or 1)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
@@ -262,28 +429,44 @@ class Trainer:
         return ids[-self.cfg.max_prompt_length:]
 
     # ---- resume ----------------------------------------------------------------------------------
-    def resume(self) -> int:
-        try:
-            ckpt = resolve_checkpoint(self.run, "latest")
-        except QerlError:
-            self._truncate_metrics(0)  # killed before the first checkpoint: start over cleanly
-            return 0
-        assert ckpt is not None
-        state = checkpointing.load_checkpoint(ckpt)
+    def resume(self, ckpt: Path | None = None, state: dict[str, Any] | None = None) -> int:
+        """Restore everything from a checkpoint (default: `latest`, verified here); the step it continues at.
+
+        ``ckpt`` and ``state``: a checkpoint the caller has verified and its loaded trainer state (`train`
+        does both before the stage starts, so a damaged checkpoint leaves the manifest as it was)."""
+        if ckpt is None:
+            try:
+                ckpt = resolve_checkpoint(self.run, "latest")
+            except QerlError:
+                self._truncate_metrics(0)  # killed before the first checkpoint: start over cleanly
+                return 0
+            assert ckpt is not None
+            checkpointing.require_intact(self.run, ckpt, "resume")
+        if state is None:
+            state = read_trainer_state(self.run, ckpt)
         saved = state.get("config", {})
         for key in ("algo", "lora_rank", "lora_targets", "precision", "seed", "task", "aqn", "finetune",
                     "rollout_quant", "requant_scales"):
             if key in saved and saved[key] != getattr(self.cfg, key):
                 raise QerlError(f"--resume with a different {key} ({getattr(self.cfg, key)!r}, checkpoint has "
                                 f"{saved[key]!r}): use the original settings or a new --run directory")
-        if self.full is not None:
+        sharded = self.cfg.sharding == "fsdp2"
+        if self.full is not None and (checkpointing.checkpoint_kind(ckpt) == checkpointing.FULL_SHARDED) != sharded:
+            raise QerlError(f"checkpoint {ckpt} was written " + (
+                "without sharding: resume it with --sharding none on one process" if sharded else
+                "by --sharding fsdp2 (sharded weights and optimizer): resume it with --sharding fsdp2 on any "
+                "number of processes"))
+        if sharded:  # every rank reads the rows of its own shard, whatever the world size that wrote them
+            self.full.load(ckpt, self.optimizer)
+        elif self.full is not None:
             self.full.load(ckpt)
         else:
             checkpointing.load_adapter_weights(self.model, ckpt)
         if self.rollout_quant is not None:  # the rollout copy follows the restored weights (and INT8 scales)
             self.rollout_quant.load_state_dict(checkpointing.rollout_quant_state(state))
             self.rollout_quant.requantize_()
-        self.optimizer.load_state_dict(state["optimizer"])
+        if not sharded:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.stream.load(state["data"])
@@ -317,10 +500,16 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def enter_phase(self, phase: str) -> None:
+        self.phase = phase
+        if self.on_phase is not None:
+            self.on_phase(phase)
+
     def _phase_peak(self, metrics: dict[str, Any], phase: str) -> None:
-        """Record this phase's CUDA peak and restart the count for the next phase."""
+        """Record this phase's CUDA peak (and what stays allocated after it) and restart the count for the next."""
         if self.device.type == "cuda":
             metrics[f"memory/{phase}_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics[f"memory/{phase}_end_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None,
@@ -330,10 +519,14 @@ class Trainer:
 
         c = self.cfg
         # prompt_offset: these prompts start at that position of the round (noise keyed by global position)
+        stop_ids = getattr(self.task, "stop_token_ids", None)
         sp = SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p, top_k=-1,
                             max_tokens=c.max_completion_length, stop=list(self.task.stop),
+                            stop_token_ids=None if stop_ids is None else list(stop_ids),
                             seed=rollout_seed(c.seed, self.step, round_), prompt_offset=prompt_offset,
-                            entropy=True)  # sampling/entropy: the rollout policy's own (AQN-noised) entropy
+                            # sampling/entropy: the rollout policy's own (AQN-noised) entropy; the torch sampler
+                            # computes it, so it is asked for only when logged (the fused kernel is faster)
+                            entropy=c.log_sampling_entropy)
         res = self.engine.generate([self.prompt_ids[i] for i in indices], sp, norm_overrides=norm_overrides)
         return res
 
@@ -368,6 +561,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
 
         # -- AQN: this step's noisy norm weights (timed on their own; they feed the rollout policy only)
+        self.enter_phase("aqn")
         ta = self.clock()
         overrides = None
         if self.aqn is not None:
@@ -377,9 +571,10 @@ class Trainer:
         self._phase_peak(metrics, "aqn")
 
         # -- rollout
+        self.enter_phase("rollout")
         t0 = time.perf_counter()
         groups: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]] = []
-        rollout_timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
+        rollout_timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0.0}
         sampler = DynamicSampler(c.batch_prompts, g, max_refill_rounds=c.max_refill_rounds) if c.dynamic_sampling \
             else None
         round_ = 0
@@ -404,7 +599,7 @@ class Trainer:
                 groups, ds_stats = sampler.result()
                 metrics.update(ds_stats)
                 break
-        if on_cuda:
+        if on_cuda and not self.keep_rollout_cache:
             self.engine.release()
         t_rollout = self.clock() - t0
         self._phase_peak(metrics, "rollout")
@@ -432,8 +627,10 @@ class Trainer:
         metrics["completions/min_length"] = lengths.min().item()
         metrics["completions/max_length"] = lengths.max().item()
         metrics["completions/clipped_ratio"] = batch.truncated.float().mean().item()
+        metrics.update(batch_token_metrics(batch))
 
         # -- recompute pi_old with the training forward (clean norms), mismatch vs the rollout's mu
+        self.enter_phase("recompute")
         t1 = self.clock()
         valid = (torch.arange(batch.mask.shape[1], device=self.device)[None, :] < batch.lengths[:, None]).float()
         old_logp, ref_logp, entropies = self.backend.old_logprobs(batch, c.beta > 0)
@@ -450,18 +647,20 @@ class Trainer:
         self._phase_peak(metrics, "recompute")
 
         # -- policy update (forward+backward, then optimizer: timed apart inside _update)
+        self.enter_phase("fwd_bwd")
         t2 = self.clock()
-        rows = self.backend.update_rows(batch.input_ids.shape[0])
-        loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw, rows=rows)
+        loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw)
         metrics.update(loss_metrics)
         if self.full is not None:
             self.full.sync_()
         if self.rollout_quant is not None:
+            self.enter_phase("requant")
             metrics.update(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
+            self._phase_peak(metrics, "requant")  # sharded: one gathered layer at a time on top of the rest
         t_train = self.clock() - t2
         if on_cuda:
-            metrics["memory/train_peak_gb"] = max(metrics.get("memory/fwd_bwd_peak_gb", 0.0),
-                                                  metrics.get("memory/optimizer_peak_gb", 0.0))
+            metrics["memory/train_peak_gb"] = max(metrics.get(f"memory/{p}_peak_gb", 0.0)
+                                                  for p in ("fwd_bwd", "optimizer", "requant"))
 
         self.step += 1
         metrics["lr"] = self.scheduler.get_last_lr()[0]
@@ -471,6 +670,10 @@ class Trainer:
         metrics["timing/aqn_s"] = t_aqn
         metrics["timing/rollout_tokens_per_s"] = rollout_timing["tokens"] / max(t_rollout, 1e-9)
         metrics["timing/rollout_tokens"] = rollout_timing["tokens"]
+        # the engine's own split: prefill (with the first token) and decode; decode steps = token steps of the batch
+        metrics["timing/rollout_prefill_s"] = rollout_timing["prefill_s"]
+        metrics["timing/rollout_decode_s"] = rollout_timing["decode_s"]
+        metrics["rollout/decode_steps"] = rollout_timing["decode_steps"]
         if on_cuda:
             metrics["memory/peak_gb"] = max(v for k, v in metrics.items()
                                             if k.startswith("memory/") and k.endswith("_peak_gb"))
@@ -485,23 +688,24 @@ class Trainer:
             for i in range(0, batch.input_ids.shape[0], mb):
                 part = batch.rows(slice(i, i + mb))
                 lp, e = sampled_logprobs(self.model, part, self.cfg.temperature, with_entropy=True,
-                                         chunk_tokens=self.cfg.logprob_chunk_tokens)
+                                         chunk_tokens=self.cfg.logprob_chunk_tokens, packed=self.cfg.pack_sequences)
                 old.append(lp)
                 ent.append(e)
                 if with_ref:
                     with self.model.disable_adapter():
                         ref.append(sampled_logprobs(self.model, part, self.cfg.temperature,
-                                                    chunk_tokens=self.cfg.logprob_chunk_tokens)[0])
+                                                    chunk_tokens=self.cfg.logprob_chunk_tokens,
+                                                    packed=self.cfg.pack_sequences)[0])
         return torch.cat(old), (torch.cat(ref) if with_ref else None), torch.cat(ent)
 
     def _update(self, batch: RolloutBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
-                adv: torch.Tensor, isw: torch.Tensor | None, rows: slice | None = None) -> dict[str, float]:
-        """One optimizer step; ``rows``: this rank's shard of the batch (normalisers stay the whole batch's)."""
+                adv: torch.Tensor, isw: torch.Tensor | None) -> dict[str, float]:
+        """One optimizer step over this process's micro-batches (the backend's; normalisers stay the whole
+        batch's, so the ranks' summed gradients are the 1-process gradient)."""
         from qerl_cli.train.losses import policy_loss
 
         c = self.cfg
         bsz = batch.input_ids.shape[0]
-        lo, hi = (0, bsz) if rows is None else (rows.start, rows.stop)
         normalizer = {"dapo": batch.mask.sum().clamp(min=1).item(),
                       "dr_grpo": float(bsz * c.max_completion_length)}.get(c.algo, float(bsz))
         self.model.train()
@@ -509,21 +713,25 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         agg: dict[str, float] = {}
         total_loss = 0.0
-        mb = c.micro_batch_size
-        for i in range(lo, hi, mb):
-            sl = slice(i, min(i + mb, hi))
+        for micro in self.backend.update_micro_batches(bsz, self.micro_batch_size):
+            sl = micro.rows
             part = batch.rows(sl)
-            logp, _ = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens)
+            logp, _ = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens,
+                                       packed=c.pack_sequences, backend=c.logprob_backend)
             loss, m = policy_loss(
                 c.algo, logp, old_logp[sl], adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
                 max_completion_length=c.max_completion_length, is_weights=None if isw is None else isw[sl],
                 ref_logp=None if ref_logp is None else ref_logp[sl], beta=c.beta, rollout_logp=part.rollout_logp,
                 loss_normalizer=normalizer)
             if not torch.isfinite(loss):
-                raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}")
+                raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}{NONFINITE_HINT}")
+            if not micro.counts:  # a stand-in pass: it runs only so that the ranks' collectives match
+                loss = loss * 0.0
             self.scaler.scale(loss).backward()
+            if not micro.counts:
+                continue
             total_loss += loss.item()
-            w = sl.stop - i
+            w = sl.stop - sl.start
             for k, v in m.items():
                 agg[k] = agg.get(k, 0.0) + v * w / bsz
         self.backend.reduce_gradients(self.params)  # nothing to do on one process
@@ -531,15 +739,18 @@ class Trainer:
         t_opt = self.clock()
         agg["timing/fwd_bwd_s"] = t_opt - t_fb
         self._phase_peak(agg, "fwd_bwd")
+        self.enter_phase("optimizer")
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))
         if not finite and not uses_loss_scaling(c.precision):
-            raise NonFiniteLoss(f"the gradient norm became {grad_norm.item()} at step {self.step + 1}")
+            raise NonFiniteLoss(f"the gradient norm became {grad_norm.item()} at step {self.step + 1}{NONFINITE_HINT}")
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
         self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
         self.scheduler.step()
+        # nothing reads the gradients after the step: freed now, they stay out of the next rollout's memory
+        self.optimizer.zero_grad(set_to_none=True)
         agg["timing/optimizer_s"] = self.clock() - t_opt
         self._phase_peak(agg, "optimizer")
         self.model.eval()
@@ -590,6 +801,9 @@ class Trainer:
         """Checkpoint this step; ``background`` (default: ``cfg.async_checkpoint`` on one process, LoRA) copies
         the state to host memory now and writes it in a thread while the caller goes on."""
         ck = checkpointing
+        self.enter_phase("checkpoint")
+        if self.cfg.sharding == "fsdp2":
+            return self._save_sharded()
         if not self.dist.is_main:  # rank 0 writes; wait until the checkpoint is complete
             self.dist.barrier()
             return ck.checkpoint_path(self.run, self.step)
@@ -600,15 +814,7 @@ class Trainer:
         if not background:
             self.writer.wait()
 
-        state = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "data": self.stream.state(),
-            "aqn": self.aqn.state_dict() if self.aqn is not None else None,
-            "config": self.cfg.to_dict(),
-            ck.ROLLOUT_QUANT_KEY: self.rollout_quant.state_dict() if self.rollout_quant is not None else None,
-        }
+        state = {"optimizer": self.optimizer.state_dict(), **self._trainer_state()}
         if background:
             state, adapter, rng = ck.snapshot(state), ck.adapter_snapshot(self.model), ck.rng_state()
             step, config, keep = self.step, self.cfg.to_dict(), self.cfg.keep_checkpoints
@@ -623,22 +829,81 @@ class Trainer:
         self.dist.barrier()
         return path
 
+    def _trainer_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the weights (and, without sharding, the optimizer)."""
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "data": self.stream.state(),
+            "aqn": self.aqn.state_dict() if self.aqn is not None else None,
+            "config": self.cfg.to_dict(),
+            checkpointing.ROLLOUT_QUANT_KEY: self.rollout_quant.state_dict() if self.rollout_quant is not None
+            else None,
+        }
+
+    def _save_sharded(self) -> Path:
+        """--sharding fsdp2: every rank writes its rows of the weights and AdamW state into rank 0's staging
+        directory (train/fsdp.py), rank 0 the rest; `latest` moves when all of it is there. Synchronous."""
+        ck = checkpointing
+        t0 = self.clock()
+        if self.dist.is_main:
+            path = ck.save_checkpoint(self.run, self.step, self.model, self._trainer_state(), self.cfg.to_dict(),
+                                      self.cfg.keep_checkpoints,
+                                      weights_writer=lambda tmp: self.full.write_checkpoint(tmp, self.optimizer))
+        else:
+            self.full.write_checkpoint(None, self.optimizer)
+            path = ck.checkpoint_path(self.run, self.step)
+        self.last_checkpoint_s = self.clock() - t0
+        self.dist.barrier()
+        return path
+
+
+def batch_token_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """What the training forwards compute on: real tokens, padded positions, causal attention pairs (for FLOPs)."""
+    n = batch.attention_mask.sum(dim=1).double()
+    return {"batch/tokens": float(n.sum()), "batch/padded_tokens": float(batch.attention_mask.numel()),
+            "batch/attention_pairs": float((n * (n + 1) / 2).sum()),
+            "batch/loss_tokens": float((batch.mask > 0).sum())}
+
 
 class NonFiniteLoss(QerlError):
     """NaN/inf in the loss or gradients; the last good checkpoint stays the one to resume."""
 
 
+def read_trainer_state(run: RunDir, ckpt: Path) -> dict[str, Any]:
+    """A verified checkpoint's trainer state; an unreadable one is the same one line as a damaged file."""
+    try:
+        return checkpointing.load_checkpoint(ckpt)
+    except checkpointing.CheckpointDamaged as err:
+        raise QerlError(checkpointing.damaged_message(run, err, "resume")) from err
+
+
 def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, Any]:
     step = checkpointing.checkpoint_step(ckpt)  # a background write finishes after the trainer moved on
-    return {"checkpoint": run.rel(ckpt), "metrics": run.rel(trainer.metrics_path),
-            **checkpointing.weights_record(ckpt), "steps_done": step if step is not None else trainer.step}
+    return {**checkpointing.checkpoint_outputs(run, ckpt), "metrics": run.rel(trainer.metrics_path),
+            "steps_done": step if step is not None else trainer.step}
 
 
-def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any]) -> None:
-    """`--resume` checks, before the stage starts (a refusal leaves the manifest's train record as it was)."""
-    done = latest_step(run)
-    if done is None:
-        return
+def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resume_from: str | None = None,
+                     *, verify: bool = True) -> tuple[Path, dict[str, Any]] | None:
+    """`--resume` / `--resume-from step_N` checks, before the stage starts (a refusal leaves the manifest's train
+    record as it was): the checkpoint to continue from, verified file by file (``verify``: rank 0 only, which
+    stops every rank when it refuses; N ranks hashing a sharded checkpoint N times would gain nothing), and its
+    trainer state; None when plain `--resume` finds no checkpoint (the run starts over)."""
+    if resume_from is not None:
+        ckpt = resolve_checkpoint(run, resume_from)
+        if ckpt is None:
+            raise QerlError("--resume-from needs a step_N checkpoint (base is not one): train a new --run instead")
+    else:
+        try:
+            ckpt = resolve_checkpoint(run, "latest")
+        except QerlError:
+            return None
+        assert ckpt is not None
+    if verify:
+        checkpointing.require_intact(run, ckpt, "resume")
+    state = read_trainer_state(run, ckpt)
+    done = int(state["step"])
     trained_on = (run.record("train") or {}).get("inputs", {}).get("model")
     if trained_on and trained_on.get("files") and base_fingerprint(trained_on) != base_fingerprint(model):
         raise QerlError(f"the checkpoints in {train_dir(run)} were trained on another base model than {run.path}'s "
@@ -647,6 +912,40 @@ def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any]) -> No
         more = "already finished" if done == cfg.steps else f"is at step {done}, past --steps {cfg.steps}"
         raise QerlError(f"the training run in {run.path} {more}: pass --steps N with N > {done} to extend it "
                         "(AQN keeps its schedule; the added steps run at --aqn-sigma-end)")
+    return ckpt, state
+
+
+def set_aside_after(run: RunDir, step: int, metrics_path: Path, rollouts_dir: Path) -> dict[str, Any]:
+    """`--resume-from step_N`: move what the run wrote after step N (later checkpoints, their rollouts and
+    metrics lines) into ``train/checkpoints.abandoned-<time>/``, never deleting it; what the manifest records."""
+    from qerl_cli.manifest import atomic_write_text
+
+    dest = checkpointing.abandoned_dir(run)
+    moved = checkpointing.set_aside_checkpoints_after(run, step, dest)
+    later_lines: list[str] = []
+    if metrics_path.is_file():
+        keep = []
+        for line in metrics_path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                later = json.loads(line).get("step", 0) > step
+            except (json.JSONDecodeError, AttributeError, TypeError):
+                later = True  # a torn last line (a killed trainer) goes aside too
+            (later_lines if later else keep).append(line)
+        if later_lines:
+            dest.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(dest / metrics_path.name, "".join(x + "\n" for x in later_lines))
+            atomic_write_text(metrics_path, "".join(x + "\n" for x in keep))
+    rollouts = []
+    for p in sorted(rollouts_dir.glob("step_*.jsonl")) if rollouts_dir.is_dir() else []:
+        if p.stem[5:].isdigit() and int(p.stem[5:]) > step:
+            (dest / rollouts_dir.name).mkdir(parents=True, exist_ok=True)
+            p.rename(dest / rollouts_dir.name / p.name)
+            rollouts.append(p.name)
+    return {"checkpoint": checkpointing.checkpoint_name(step),
+            "set_aside": run.rel(dest) if dest.exists() else None, "checkpoints": moved,
+            "metrics_lines": len(later_lines), "rollout_files": len(rollouts)}
 
 
 def trainer_device() -> str | None:
@@ -656,10 +955,11 @@ def trainer_device() -> str | None:
     return current().device
 
 
-def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device: str | None = None,
-          on_step: Callable[[dict[str, Any]], None] | None = None,
+def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume_from: str | None = None,
+          device: str | None = None, on_step: Callable[[dict[str, Any]], None] | None = None,
           on_setup: Callable[[Trainer], None] | None = None) -> TrainResult:
-    """Run `cfg.steps` RL steps on the run's quantized model; resumable with `resume=True`."""
+    """Run `cfg.steps` RL steps on the run's quantized model; resumable with `resume=True` (from `latest`) or
+    ``resume_from="step_N"`` (an earlier checkpoint: what the run wrote after it is set aside, not deleted)."""
     from qerl_cli.train.distributed import follower_stage
 
     run = RunDir(run_dir, create=False)
@@ -669,68 +969,101 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
     inputs = {"model": {"path": model_rec["outputs"]["model"]["path"],
                         "files": model_rec["outputs"]["model"].get("files", {}),
                         "format": model_rec["outputs"]["model"].get("format")}}
+    resume = resume or resume_from is not None
     if not resume and (checkpoints_dir(run).exists() or trainer.metrics_path.exists()):
         # refused before the stage starts, so the finished run's manifest record stays as it was
         raise QerlError(f"{train_dir(run)} already holds a training run: pass --resume to continue it, or use "
                         "a new --run directory")
     # an earlier extension stays stated when the extended run is resumed again
     extended = (run.record("train") or {}).get("extra", {}).get("extended") if resume else None
-    if resume:
-        _check_resumable(run, cfg, inputs["model"])
+    start_from = _check_resumable(run, cfg, inputs["model"], resume_from, verify=ctx.is_main) if resume else None
+    # the memory plan from the model's config: a run that cannot fit is refused here, before the stage starts and
+    # before any weight is loaded (setup() plans again with the measured weights)
+    trainer.plan_run_memory()
     # only rank 0 takes the run lock and writes the manifest; other ranks only read the run directory
     stage = run.stage("train", config=trainer.cfg.to_dict(), inputs=inputs, seeds={"seed": trainer.cfg.seed}) \
         if ctx.is_main else follower_stage("train")
-    with stage as rec:
+    with stage as rec, GracefulStop(trainer.cfg.sigterm_grace_s, can_abandon=not ctx.enabled) as stop:
+        if start_from is not None and ctx.is_main:
+            ckpt, state = start_from
+            if resume_from is not None:  # under the run lock: later checkpoints, rollouts, metrics lines set aside
+                with stop.deferred():  # all of it or (before it starts) none of it
+                    rec.extra["resume_from"] = set_aside_after(run, int(state["step"]), trainer.metrics_path,
+                                                               trainer.rollouts_dir)
+            rec.outputs = _checkpoint_outputs(run, trainer, ckpt)  # what the run stands on until its next save
+            run.save(rec)
         with ctx.agree("setup"):  # a failure on any rank stops every rank with one clear line
             try:
                 trainer.setup()
             except torch.cuda.OutOfMemoryError as exc:
                 raise QerlError("out of GPU memory while loading the model: lower --gpu-memory-utilization") from exc
-            start = trainer.resume() if resume else 0
+            start = (trainer.resume(*start_from) if start_from is not None else trainer.resume()) if resume else 0
         if ctx.is_main and trainer.memory_plan is not None:
             rec.extra["memory_plan"] = trainer.memory_plan.to_dict()
         if on_setup:
             on_setup(trainer)
         history: list[dict[str, Any]] = []
         last_ckpt: Path | None = None
-        stopped = False
-        with GracefulStop() as stop:
-            while trainer.step < trainer.cfg.steps:
-                try:
-                    m = trainer.train_step()
-                except torch.cuda.OutOfMemoryError as exc:
-                    raise QerlError(
-                        f"out of GPU memory at step {trainer.step + 1}: lower --batch-prompts, "
-                        "--micro-batch-size or --max-completion-length, or use --gradient-checkpointing; the last "
-                        "checkpoint is intact (--resume)") from exc
-                finished = trainer.wait_checkpoint()  # the previous step's background write
-                if finished is not None and ctx.is_main:
-                    rec.outputs = _checkpoint_outputs(run, trainer, finished)
-                    run.save(rec)
-                trainer.append_metrics(m)
-                history.append(m)
-                if on_step:
-                    on_step(m)
-                done = trainer.step >= trainer.cfg.steps
-                stop_now = ctx.any_true(stop.requested)  # every rank stops at the same step
-                if done or trainer.step % trainer.cfg.save_steps == 0 or stop_now:
-                    # the last checkpoint (end of run or Ctrl-C) is written before the process moves on
-                    last_ckpt = trainer.save(background=None if not (done or stop_now) else False)
-                    m["timing/checkpoint_s"] = trainer.last_checkpoint_s  # in history; the jsonl line is written
-                    if ctx.enabled:
-                        from qerl_cli.train.distributed import replica_digests
+        saved_step = start  # the step of the newest checkpoint written (or resumed from)
+        stopped = abandoned = preempted = False
+        logged = trainer.step  # steps whose metrics are in metrics.jsonl
 
-                        rec.extra["dist"] = {"world_size": ctx.world_size, "backend": ctx.backend,
-                                             "adapter_digests": replica_digests(trainer.params, ctx, trainer.step),
-                                             "pids": ctx.gather_objects(os.getpid())}
-                    if ctx.is_main and not trainer.writer.busy:
-                        rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
-                        run.save(rec)
-                if stop_now and not done:
-                    stopped = True
-                    break
-        trainer.wait_checkpoint()
-        if last_ckpt is None and trainer.step > 0:  # resumed a run that had already finished its steps
+        def checkpoint(*, background: bool | None) -> Path:
+            nonlocal saved_step
+            path = trainer.save(background=background)
+            saved_step = trainer.step
+            if history:
+                history[-1]["timing/checkpoint_s"] = trainer.last_checkpoint_s  # in history; the jsonl line is written
+            if ctx.enabled:
+                from qerl_cli.train.distributed import replica_digests
+
+                rec.extra["dist"] = {"world_size": ctx.world_size, "backend": ctx.backend,
+                                     "sharding": trainer.cfg.sharding, "pids": ctx.gather_objects(os.getpid())}
+                if trainer.cfg.sharding != "fsdp2":  # replicas must stay bitwise equal; shards differ
+                    rec.extra["dist"]["adapter_digests"] = replica_digests(trainer.params, ctx, trainer.step)
+            if ctx.is_main and not trainer.writer.busy:
+                rec.outputs = _checkpoint_outputs(run, trainer, path)
+                run.save(rec)
+            return path
+
+        stop.loop()
+        while trainer.step < trainer.cfg.steps:
+            if ctx.any_true(stop.requested):  # every rank stops at the same step boundary
+                stopped = True
+                break
+            logged = trainer.step
+            try:
+                with stop.step():
+                    m = trainer.train_step()
+            except Preempted:
+                # SIGTERM past the grace period: the step is dropped whole (nothing of it is logged or saved, its
+                # half-updated state is never written); the last checkpoint is what --resume continues from
+                stopped = abandoned = True
+                break
+            except torch.cuda.OutOfMemoryError as exc:
+                raise QerlError(
+                    f"out of GPU memory at step {trainer.step + 1}: lower --batch-prompts, "
+                    "--micro-batch-size or --max-completion-length, or use --gradient-checkpointing; the last "
+                    "checkpoint is intact (--resume)") from exc
+            finished = trainer.wait_checkpoint()  # the previous step's background write
+            if finished is not None and ctx.is_main:
+                rec.outputs = _checkpoint_outputs(run, trainer, finished)
+                run.save(rec)
+            trainer.append_metrics(m)
+            history.append(m)
+            if on_step:
+                on_step(m)
+            done = trainer.step >= trainer.cfg.steps
+            if done or trainer.step % trainer.cfg.save_steps == 0:
+                # the last checkpoint is written before the process moves on
+                last_ckpt = checkpoint(background=None if not done else False)
+        if stopped and not abandoned and saved_step < trainer.step:
+            last_ckpt = checkpoint(background=False)  # Ctrl-C / SIGTERM: the finished step is kept
+        preempted = ctx.any_true(stop.preempted) if stopped else False
+        finished = trainer.wait_checkpoint()
+        if finished is not None and ctx.is_main:
+            rec.outputs = _checkpoint_outputs(run, trainer, finished)
+        if last_ckpt is None and trainer.step > 0 and not abandoned:  # resumed a run that had finished its steps
             last_ckpt = resolve_checkpoint(run, "latest")
             assert last_ckpt is not None
             if ctx.is_main:
@@ -740,10 +1073,22 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, device
                         "aqn_schedule_steps": trainer.aqn.total_steps if trainer.aqn else None}
         if extended:
             rec.extra["extended"] = extended
-        rec.metrics = {"steps_done": trainer.step, "resumed_from": start,
+        logged = logged if abandoned else trainer.step  # an abandoned step may have counted itself already
+        rec.metrics = {"steps_done": logged, "resumed_from": start,
                        **({k: history[-1][k] for k in ("reward", "accuracy", "completions/mean_length")
                            if k in history[-1]} if history else {})}
         if stopped:
-            # recorded as interrupted; the checkpoint just written is what --resume continues from
+            # recorded as interrupted; the newest checkpoint is what --resume continues from
+            if ctx.is_main:
+                rec.extra["stopped"] = {"signal": "SIGTERM" if preempted else "SIGINT", "at_step": logged,
+                                        "abandoned_step": logged + 1 if abandoned else None,
+                                        "checkpoint": checkpointing.checkpoint_name(saved_step) if saved_step else None}
+            if preempted:
+                where = (f"step {logged + 1} was abandoned past --sigterm-grace-s" if abandoned
+                         else f"step {logged} finished and was checkpointed")
+                again = f"`qerl train --run {run.path} --resume`"
+                resume_hint = (f"{again} continues from {checkpointing.checkpoint_name(saved_step)}" if saved_step
+                               else f"no checkpoint was written yet: {again} starts over")
+                raise Preempted(f"preempted (SIGTERM): {where}; {resume_hint}")
             raise KeyboardInterrupt
     return TrainResult(run.path, trainer.step, history, last_ckpt, stopped)

@@ -1,0 +1,85 @@
+"""Model FLOPs of the training phases of an RL step, and the GPU's measured BF16 matmul ceiling (MFU).
+
+Counted on the REAL tokens of the batch (prompt + completion of every sequence, no padding), so compute
+spent on padding shows up as a lower MFU. Per forward (multiply-add = 2 FLOPs):
+
+  linears    2 * P * tokens              P = the decoder's projection weights (q, k, v, o, gate, up, down)
+  LoRA       2 * r * (in + out) * tokens per adapted projection
+  attention  4 * heads * head_dim * pairs per layer     pairs = sum_i n_i (n_i + 1) / 2 (causal)
+  lm_head    2 * hidden * vocab * loss tokens            (the chunked log-probs project only those)
+
+recompute = one forward. fwd+bwd = the forward, the chunked log-prob Jacobian rows (another
+2 * hidden * vocab per loss token), and the backward: the input gradient through every frozen linear
+(2 P tokens), twice the attention forward, and three times the LoRA forward (dA, dB, dx). Gradient
+checkpointing's extra forward is NOT counted (model FLOPs, not hardware FLOPs): with checkpointing on, the MFU
+is lower by that recompute. The optimizer and the reference (KL) pass are not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def matmul_ceiling_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float | None:
+    """TFLOP/s of an n x n x n bf16 matmul on ``device`` (median of ``reps`` timed runs after a warm-up);
+    None off CUDA."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0)
+    del a, b
+    torch.cuda.empty_cache()
+    times.sort()
+    return 2.0 * n**3 / times[len(times) // 2] / 1e12
+
+
+def layer_dims(config: Any) -> dict[str, int]:
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return {"hidden": int(config.hidden_size), "intermediate": int(config.intermediate_size),
+            "layers": int(config.num_hidden_layers), "heads": heads,
+            "kv_heads": int(getattr(config, "num_key_value_heads", None) or heads), "head_dim": head_dim,
+            "vocab": int(config.vocab_size)}
+
+
+def phase_flops(config: Any, *, tokens: float, attention_pairs: float, loss_tokens: float, lora_rank: int,
+                lora_targets: list[str]) -> dict[str, float]:
+    """FLOPs of the recompute forward and of forward + backward (see the module docstring)."""
+    d = layer_dims(config)
+    h, i, q, kv = d["hidden"], d["intermediate"], d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    linear = d["layers"] * sum(a * b for a, b in shapes.values())
+    lora = d["layers"] * sum(lora_rank * (a + b) for t, (a, b) in shapes.items() if t in lora_targets)
+    attention = d["layers"] * 4.0 * q * attention_pairs
+    head = 2.0 * h * d["vocab"] * loss_tokens
+    forward = 2.0 * linear * tokens + 2.0 * lora * tokens + attention + head
+    backward = 2.0 * linear * tokens + 2.0 * attention + 6.0 * lora * tokens
+    return {"recompute": forward, "fwd_bwd": forward + head + backward}
+
+
+def add_mfu(row: dict[str, Any], config: Any, ceiling_tflops: float | None, *, lora_rank: int,
+            lora_targets: list[str]) -> None:
+    """Fill ``{recompute,fwd_bwd}_tflops`` and ``_mfu`` of a bench-step row from its token counts and seconds."""
+    if not row.get("batch_tokens"):
+        return
+    fl = phase_flops(config, tokens=row["batch_tokens"], attention_pairs=row.get("batch_attention_pairs") or 0.0,
+                     loss_tokens=row.get("batch_loss_tokens") or 0.0, lora_rank=lora_rank, lora_targets=lora_targets)
+    for phase, flops in fl.items():
+        secs = row.get(f"{phase}_s")
+        tf = flops / secs / 1e12 if secs else None
+        row[f"{phase}_tflops"] = tf
+        row[f"{phase}_mfu"] = tf / ceiling_tflops if tf is not None and ceiling_tflops else None

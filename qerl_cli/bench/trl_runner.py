@@ -1,0 +1,177 @@
+"""TRL's GRPOTrainer on one spec, in its own process (started by ``qerl_cli.bench.peers.run_trl``).
+
+    python -P trl_runner.py SPEC.json
+
+Imports only TRL and what it needs (never qerl), trains ``steps`` GRPO steps on the spec's checkpoint with a
+peft LoRA, and writes ``result`` (JSON): per optimizer step its wall time and parts, medians over the steps
+after ``warmup``, the versions, TRL's own logged metrics. Any exception is written there as ``error`` (the
+bench shows it as the cell's status), so a failure says exactly where TRL stopped.
+
+Timing: a ``TrainerCallback`` takes the synchronized wall time from ``on_step_begin`` to ``on_step_end`` (one
+optimizer step: generation, every micro-batch's forward and backward, the optimizer). Inside it, the
+generate-and-score phase (``_generate_and_score_completions``), and within that the vLLM weight sync and
+``generate`` calls, are timed by wrapping them on the trainer instance; ``update`` is the step minus
+generate-and-score.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    result: dict[str, Any] = {"status": "starting"}
+    out = Path(spec["result"])
+
+    def save() -> None:
+        out.write_text(json.dumps(result, default=str))
+
+    try:
+        return _run(spec, result, save)
+    except BaseException as exc:  # noqa: BLE001 - the cell records exactly why TRL stopped
+        result["status"] = "failed"
+        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:600]
+        result["traceback"] = traceback.format_exc()[-4000:]
+        save()
+        traceback.print_exc()
+        return 1
+
+
+def _run(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
+    t_start = time.perf_counter()
+    import torch
+
+    result["phase"] = "import"
+    save()
+    import datasets
+    import peft
+    import transformers
+    import trl
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    versions = {"trl": trl.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+                "datasets": datasets.__version__, "torch": torch.__version__}
+    try:
+        import vllm
+
+        versions["vllm"] = vllm.__version__
+    except ImportError:
+        versions["vllm"] = None
+    try:
+        import accelerate
+
+        versions["accelerate"] = accelerate.__version__
+    except ImportError:
+        pass
+    result["versions"] = versions
+    result["import_s"] = time.perf_counter() - t_start
+    on_cuda = torch.cuda.is_available()
+
+    rng = random.Random(spec["seed"])
+
+    def synthetic_random_reward(prompts: Any, completions: Any, **kwargs: Any) -> list[float]:
+        return [rng.random() for _ in completions]
+
+    steps: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            _sync()
+            current.clear()
+            current.update(t0=time.perf_counter(), gen_score_s=0.0, sync_s=0.0, generate_s=0.0)
+            if on_cuda:
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            _sync()
+            row = {"step_s": time.perf_counter() - current["t0"], **{k: v for k, v in current.items() if k != "t0"}}
+            row["update_s"] = row["step_s"] - row["gen_score_s"]
+            row["rest_of_gen_score_s"] = row["gen_score_s"] - row["sync_s"] - row["generate_s"]
+            if on_cuda:
+                row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            row["warmup"] = len(steps) < spec["warmup"]
+            steps.append(row)
+            result["steps"] = steps
+            save()
+
+    def timed(key: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            _sync()
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                _sync()
+                current[key] = current.get(key, 0.0) + time.perf_counter() - t
+
+        return wrapper
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs: Any) -> Any:
+            return timed("gen_score_s", super()._generate_and_score_completions)(inputs)
+
+    result["phase"] = "load"
+    save()
+    t = time.perf_counter()
+    dtype = torch.bfloat16 if spec["settings"].get("bf16") else torch.float32
+    # the word tokenizer by its own class: AutoTokenizer would swap in the model type's tokenizer (transformers 5
+    # maps qwen2 checkpoints to Qwen2Tokenizer whatever tokenizer_config says), which cannot read "t5 t17"
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(spec["model"])
+    # straight onto the GPU (TRL would move it there anyway; through host memory a 7B load takes longer)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype, device_map="cuda" if on_cuda else None)
+    result["load_s"] = time.perf_counter() - t
+    data = datasets.Dataset.from_dict({"prompt": spec["prompts"]})
+    lora = spec["lora"]
+    peft_config = LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"], lora_dropout=lora["lora_dropout"],
+                             target_modules=lora["target_modules"], task_type="CAUSAL_LM")
+    settings = dict(spec["settings"])
+    args = GRPOConfig(output_dir=spec["out"], max_steps=spec["steps"], generation_kwargs=spec["generation_kwargs"],
+                      **settings)
+    result["phase"] = "trainer"
+    save()
+    t = time.perf_counter()
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=synthetic_random_reward, args=args, train_dataset=data,
+                               processing_class=tokenizer, peft_config=peft_config, callbacks=[StepTimer()])
+    result["trainer_init_s"] = time.perf_counter() - t  # includes vLLM's start-up in colocate mode
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is not None:  # TRL's vLLM phases, timed on this instance
+        gen.sync_weights = timed("sync_s", gen.sync_weights)
+        gen.generate = timed("generate_s", gen.generate)
+    result["phase"] = "train"
+    save()
+    trainer.train()
+    meas = [s for s in steps if not s["warmup"]] or steps
+    med = {k: statistics.median(s[k] for s in meas) for k in
+           ("step_s", "gen_score_s", "sync_s", "generate_s", "rest_of_gen_score_s", "update_s")}
+    if on_cuda:
+        med["peak_gb"] = max(s.get("peak_gb", 0.0) for s in steps)
+    logs = [h for h in trainer.state.log_history if "loss" in h or "reward" in h]
+    lengths = [h.get("completions/mean_length") for h in logs if h.get("completions/mean_length") is not None]
+    result.update(status="ok", phase="done", median=med, log_history=logs,
+                  mean_completion_length=statistics.mean(lengths) if lengths else None,
+                  trl_step_time=[h.get("step_time") for h in logs if h.get("step_time") is not None],
+                  wall_s=time.perf_counter() - t_start)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

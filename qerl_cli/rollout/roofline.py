@@ -1,0 +1,143 @@
+"""The byte floor of a decode step, per profile category: what each category's kernels must move.
+
+``qerl bench rollout --profile`` times a decode step's GPU kernels by category (``profile.py``); this module
+says how many bytes each category has to read and write for that step, so the profile can show each
+category against physics: its floor is ``bytes / copy bandwidth`` (the device-to-device copy GB/s measured
+once per run, read + write bytes per second, which is how the bytes here are counted too), and the
+category reaches ``floor / measured`` of it.
+
+What is counted, for the step as the runner runs it now (its projection plan, fused ops, attention):
+
+* quantized GEMM / dense GEMM: each base GEMM's weight as resident (FP4 bytes + block scales + global
+  scale; bf16 for dense bases), its bias, its activations in and out; the lm_head (dense) and its logits;
+  a LoRA expand done in a quantized GEMM's epilogue adds its B factor and h here.
+* LoRA: the bf16 shadows the step really reads (``A_cat`` of a shrink run as its own GEMM, the
+  block-diagonal ``B_blk`` of an in-place expand, zeros included) and h; an in-place expand also reads and
+  writes the base output.
+* norm/RoPE/activation: residual adds + RMSNorms (read h and delta, write h and x), Qwen3's q/k norms,
+  RoPE + the K/V cache write, SiLU * up; and ``A_cat`` of the shrinks fused into the norm / SiLU kernels.
+* attention: the K and V the step needs, ``2 x layers x batch x (context + 1) x kv_heads x head_dim``
+  (the live context); ``attention_read_bytes`` is what SDPA reads with the power-of-two KV bucket
+  (``kv_len`` positions per row, plus the mask), up to twice that. q in, o out.
+* sampling: one read of the logits (what the one-pass sampler reads; the torch path makes ~10 passes).
+* copies / other: nothing (the embedding gather and the step's tiny index tensors).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from qerl_cli.rollout.fast_layers import ProjGroup
+    from qerl_cli.rollout.model_runner import ModelRunner
+
+
+def module_bytes(m: nn.Module) -> int:
+    """Bytes of weight (as resident) and bias one forward of a base module reads."""
+    from qerl_cli.qlinear import QuantLinear
+
+    if isinstance(m, QuantLinear):
+        return m.weight_nbytes + (0 if m.bias is None else m.bias.numel() * m.bias.element_size())
+    return sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+
+
+def _in_out(m: nn.Module) -> tuple[int, int]:
+    from qerl_cli.qlinear import QuantLinear
+
+    if isinstance(m, QuantLinear | nn.Linear):
+        return int(m.in_features), int(m.out_features)
+    w = getattr(m, "weight", None)
+    return (int(w.shape[1]), int(w.shape[0])) if isinstance(w, torch.Tensor) and w.dim() == 2 else (0, 0)
+
+
+def _add(out: dict[str, float], cat: str, nbytes: float) -> None:
+    out[cat] = out.get(cat, 0.0) + float(nbytes)
+
+
+def group_bytes(g: ProjGroup, rows: int, elem: int, shrink_fused: bool, out: dict[str, float]) -> None:
+    """One projection group's base GEMM(s) and LoRA, by category. ``shrink_fused``: its shrink ran inside the
+    kernel that made its input (a norm or SiLU kernel), which reads ``A_cat`` instead of a GEMM."""
+    base_cat = "quantized GEMM" if g.base_kind == "qgemm" else "dense GEMM"
+    bases = [g.single] if g.single is not None else g.calls
+    for m in bases:
+        k, n = _in_out(m)
+        _add(out, base_cat, module_bytes(m) + rows * (k + n) * elem)
+    if g.a_cat is None:
+        return
+    r = g.a_cat.shape[0]
+    _add(out, "norm/RoPE/activation" if shrink_fused else "LoRA", (g.a_cat.numel() + rows * r) * elem)
+    if g.b_blk is not None:
+        n = g.b_blk.shape[0]
+        if g.expand_in_epilogue:
+            _add(out, base_cat, (g.b_blk.numel() + rows * r) * elem)
+        else:  # in-place addmm_: B, h, and the base output read and written again
+            _add(out, "LoRA", (g.b_blk.numel() + rows * r + 2 * rows * n) * elem)
+    else:
+        for sb in g.sb:
+            if sb is not None:
+                _add(out, "LoRA", (sb.numel() + rows * sb.shape[1] + 2 * rows * sb.shape[0]) * elem)
+
+
+def decode_step_bytes(runner: ModelRunner, batch: int, context: int, kv_len: int) -> dict[str, Any]:
+    """{"bytes": {category: bytes}, "attention_read_bytes": ...} for one decode step of ``batch`` rows whose
+    cache holds ``context`` positions (this step writes position ``context``), SDPA over ``kv_len``."""
+    cfg = runner.config
+    elem = torch.empty((), dtype=runner.dtype).element_size()
+    kv_elem = elem if runner.cache is None else runner.cache.shape.dtype.itemsize
+    hidden, inter = int(cfg.hidden_size), int(cfg.intermediate_size)
+    heads, kvh, d, layers = runner.num_heads, runner.num_kv_heads, runner.head_dim, runner.num_layers
+    m = batch
+    out: dict[str, float] = {}
+    ops = runner.ops
+    fused_rows = m <= ops.FUSED_SHRINK_MAX_ROWS
+    norm_fused = ops.enabled["rmsnorm_shrink"] and fused_rows
+    silu_fused = ops.enabled["silu_mul_shrink"] and fused_rows
+    plan = runner.plan
+    for i, layer in enumerate(runner.layers):
+        lp = plan.layers[i] if plan is not None else None
+        if lp is not None:
+            group_bytes(lp.qkv, m, elem, norm_fused, out)
+            group_bytes(lp.o, m, elem, False, out)
+            if lp.gate_up is not None and lp.down is not None:
+                group_bytes(lp.gate_up, m, elem, norm_fused, out)
+                group_bytes(lp.down, m, elem, silu_fused, out)
+            else:
+                for mod in layer.mlp.modules():
+                    if mod is not layer.mlp and not list(mod.children()):
+                        k, n = _in_out(mod)
+                        _add(out, "dense GEMM", module_bytes(mod) + m * (k + n) * elem)
+        else:
+            for mod in (layer.self_attn, layer.mlp):
+                for sub in mod.modules():
+                    if not list(sub.children()) and _in_out(sub) != (0, 0):
+                        k, n = _in_out(sub)
+                        _add(out, "dense GEMM", module_bytes(sub) + m * (k + n) * elem)
+        # two residual adds + RMSNorms (the first layer's input norm has no residual to add), SiLU * up
+        _add(out, "norm/RoPE/activation", (8 - (1 if i == 0 else 0)) * m * hidden * elem + 2 * hidden * elem)
+        _add(out, "norm/RoPE/activation", 3 * m * inter * elem)
+        if runner.has_qk_norm:
+            _add(out, "norm/RoPE/activation", 2 * m * (heads + kvh) * d * elem)
+        # RoPE + K/V write: q, k, v in; q out; k, v into the cache
+        _add(out, "norm/RoPE/activation", m * ((heads + 2 * kvh) * d + heads * d) * elem + 2 * m * kvh * d * kv_elem)
+        _add(out, "attention", 2 * m * (context + 1) * kvh * d * kv_elem + 2 * m * heads * d * elem)
+    _add(out, "norm/RoPE/activation", 4 * m * hidden * elem + hidden * elem)  # the final norm
+    vocab = runner.vocab_size
+    _add(out, "dense GEMM", module_bytes(runner.lm_head) + m * (hidden + vocab) * elem)
+    _add(out, "sampling", m * vocab * elem)
+    bucket = layers * (2 * m * kv_len * kvh * d * kv_elem + 2 * m * heads * d * elem + m * kv_len * elem)
+    return {"bytes": out, "attention_read_bytes": float(bucket), "total_bytes": sum(out.values())}
+
+
+def floors(step_bytes: dict[str, float], ms: dict[str, float], copy_gbps: float | None) -> dict[str, dict]:
+    """Per category: bytes, floor ms (bytes over the copy bandwidth) and the % of that floor the measured ms
+    reach (None without a bandwidth or a measured time)."""
+    rows: dict[str, dict] = {}
+    for cat, nbytes in step_bytes.items():
+        floor = nbytes / (copy_gbps * 1e9) * 1e3 if copy_gbps else None
+        t = ms.get(cat)
+        rows[cat] = {"bytes": nbytes, "floor_ms": floor,
+                     "pct_of_floor": 100.0 * floor / t if floor is not None and t else None}
+    return rows
