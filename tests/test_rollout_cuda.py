@@ -137,9 +137,18 @@ def test_graphs_follow_lora_toggles_and_bf16() -> None:
     assert run(graphs, greedy, prompts=prompts)[0] == with_lora == run(eager, greedy, prompts=prompts)[0]
 
 
+def _default_switches(monkeypatch) -> None:
+    """The default decode path, whatever switches the process was started with (scripts/gpu_cudatests.sh runs
+    this file under each issue-25 switch; tests of the defaults test the defaults)."""
+    for name in ("QERL_FUSED_LORA", "QERL_FUSED_SAMPLING", "QERL_CUDA_FP4_PLANS", "QERL_CUDA_PDL", "QERL_FAST_DECODE",
+                 "QERL_DECODE_ATTN"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_fast_decode_path_on_cuda(monkeypatch) -> None:
     """The fused Triton kernels build, pass their first-use check and, with LoRA shadows, give the module
     path's greedy tokens (fp32) inside CUDA graphs; QERL_FAST_DECODE=0 turns the whole path off."""
+    _default_switches(monkeypatch)
     from peft import LoraConfig, get_peft_model
     from qerl_kernels import decode as decode_kernels
 
@@ -182,6 +191,7 @@ def test_fused_lora_and_sampler_on_cuda(monkeypatch, dtype: torch.dtype) -> None
     one-pass sampler captured in the decode graphs. Kernels build and pass their first-use checks; fp32 greedy
     and sampled tokens equal the QERL_FUSED_LORA=0 / QERL_FUSED_SAMPLING=0 path (log-probs to 1e-4); bf16 runs
     with no fallback."""
+    _default_switches(monkeypatch)
     from qerl_kernels import decode as decode_kernels
 
     peft_model = _all_lora(random_model("qwen3", dtype))

@@ -524,7 +524,10 @@ class CudaGraphDecoder:
     def sample(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, sampler: StepSampler,
                uids: torch.Tensor, steps: torch.Tensor,
                host_positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step and its sampling in one graph replay: (tokens int64 [B], log-probs float32 [B])."""
+        """A decode step and its sampling in one graph replay: (tokens int64 [B], log-probs float32 [B]).
+
+        The results are copies: the graph's output buffers are overwritten by the next replay, and a caller
+        that keeps a window of steps (the scheduler stacks k of them) would otherwise see the last step k times."""
         b, bs, hp = self._load(tokens, positions, host_positions)
         self.uids[:b].copy_(uids)
         self.steps[:b].copy_(steps)
@@ -536,7 +539,7 @@ class CudaGraphDecoder:
             self._key_value = sampler.key_value
         graph, (tok, lp) = self.ensure_captured(bs, kv_len, sampler, host_positions=hp)
         graph.replay()
-        return tok[:b], lp[:b]
+        return tok[:b].clone(), lp[:b].clone()
 
 
 def graph_fingerprint(runner: ModelRunner) -> tuple:
