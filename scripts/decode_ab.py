@@ -1,4 +1,4 @@
-"""The issue-25 A/B table from `scripts/gpu_rollout.sh` stages d7/d32: the new decode path against
+"""The issue-25 A/B table from `scripts/gpu_rollout.sh` stages d7/d32: QERL_FUSED_LORA=1 QERL_FUSED_SAMPLING=1 against
 QERL_FUSED_LORA=0 QERL_FUSED_SAMPLING=0, per shape, format and batch (LoRA r32 on), and the new path's LoRA and
 sampling shares of the step.
 
@@ -32,7 +32,7 @@ def f(v: float | None, fmt: str = "{:.2f}") -> str:
 
 
 def main() -> None:
-    print("== issue 25 A/B: new decode path (default) vs QERL_FUSED_LORA=0 QERL_FUSED_SAMPLING=0; LoRA r32 on")
+    print("== issue 25 A/B: QERL_FUSED_LORA=1 QERL_FUSED_SAMPLING=1 (\"new\") vs both 0; LoRA r32 on")
     print(f"{'shape':12} {'fmt':6} {'batch':>5} {'ms/step new':>11} {'A/B off':>8} {'speed-up':>8} {'graph new':>9} "
           f"{'graph off':>9} {'LoRA %':>7} {'sampl ms':>8} {'sampl %':>7} {'% roof':>7}")
     for d in (Path(a) for a in sys.argv[1:]):

@@ -160,7 +160,7 @@ def test_fast_decode_path_on_cuda(monkeypatch) -> None:
     before = sum(decode_kernels.LAUNCHES.values())
     fast = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=256)
     f_tokens, f_lps = run(fast, greedy)
-    assert fast.runner.ops.triton and all(fast.runner.ops.enabled.values()), fast.runner.ops.enabled
+    assert fast.runner.ops.triton and not fast.runner.ops.fell_back, fast.runner.ops.fell_back
     assert sum(decode_kernels.LAUNCHES.values()) > before and fast._graphs is not None and fast._graphs.graphs
     slow = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=256, fast_lora=False,
                          fused_kernels=False)
@@ -192,6 +192,7 @@ def test_fused_lora_and_sampler_on_cuda(monkeypatch, dtype: torch.dtype) -> None
     and sampled tokens equal the QERL_FUSED_LORA=0 / QERL_FUSED_SAMPLING=0 path (log-probs to 1e-4); bf16 runs
     with no fallback."""
     _default_switches(monkeypatch)
+    monkeypatch.setenv("QERL_FUSED_LORA", "1")  # opt-in (slower on the GPU so far; docs/decode.md)
     from qerl_kernels import decode as decode_kernels
 
     peft_model = _all_lora(random_model("qwen3", dtype))

@@ -400,6 +400,7 @@ class FusedOps:
         fused_lora = triton if fused_lora is None else fused_lora and triton
         self.enabled = {n: (fused_lora if n in self.LORA_NAMES else triton) for n in self.NAMES}
         self.checked: set[str] = set()
+        self.fell_back: set[str] = set()  # kernels that failed to build or their first-use check
         self._k = None
         if triton:
             try:
@@ -408,6 +409,7 @@ class FusedOps:
                 self._k = kernels
             except Exception as exc:  # noqa: BLE001 - any import/build problem means: torch path
                 log.warning("qerl fused decode kernels unavailable (%s); using the torch path", exc)
+                self.fell_back = {n for n, on in self.enabled.items() if on}
                 self.enabled = dict.fromkeys(self.NAMES, False)
 
     @property
@@ -421,6 +423,7 @@ class FusedOps:
 
     def _fail(self, name: str, why: str) -> None:
         self.enabled[name] = False
+        self.fell_back.add(name)
         log.warning("qerl fused decode kernel %s disabled, torch path used instead: %s", name, why)
 
     def _try(self, name: str, run, ref):  # noqa: ANN001, ANN202 - small local dispatcher

@@ -169,9 +169,9 @@ class ModelRunner:
         if fused_kernels is None:
             fused_kernels = self.device.type == "cuda"
         # LoRA inside the step (docs/decode.md): shrinks in the norm/SiLU kernels, expands in the quantized GEMM's
-        # epilogue where its kernel has one. QERL_FUSED_LORA=0 keeps one shrink GEMM per group and in-place expands
-        # (the A/B switch).
-        self.fused_lora = os.environ.get("QERL_FUSED_LORA", "1") != "0"
+        # epilogue where its kernel has one. Opt-in (QERL_FUSED_LORA=1): on the GPU (32B, 2026-11-26) its shrink
+        # kernels made the step 1.4-1.6x slower than one shrink GEMM per group with in-place expands (the default).
+        self.fused_lora = os.environ.get("QERL_FUSED_LORA", "0") == "1"
         self.ops = FusedOps(triton=fused_kernels and fast_env, fused_lora=self.fused_lora)
         self.plan: FastPlan | None = None
 
