@@ -120,7 +120,8 @@ class BuiltinEngine:
         fused_kernels: fused Triton kernels for norm/RoPE/KV-write/SiLU (default: on CUDA only).
             ``QERL_FAST_DECODE=0`` in the environment turns both off. With them, LoRA shrinks run inside
             the norm/SiLU kernels and the expands in the FP4 GEMM's epilogue where it has one
-            with ``QERL_FUSED_LORA=1`` (opt-in: slower on the GPU so far, docs/decode.md), and sampling is one kernel captured in the decode graph
+            with ``QERL_FUSED_LORA=1`` (opt-in: slower on the GPU so far, docs/decode.md), and sampling is
+            one kernel captured in the decode graph
             (``QERL_FUSED_SAMPLING=0``: off); ``QERL_DECODE_ATTN=sdpa|flashinfer|auto`` picks the decode
             attention (docs/decode.md).
     """
