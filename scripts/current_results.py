@@ -78,7 +78,9 @@ def rows_of(entry: dict[str, Any], raw: dict[str, Any]) -> list[tuple[str, str, 
             unit = next((u for key, u in entry.get("units", {}).items() if key in t["target"]), spec)
             met = t.get("met")
             note = f" ({t['note']})" if t.get("note") else ""
-            out.append((what + note, fmt(t.get("value"), unit), target, verdict(met)))
+            prefix = entry.get("label", "")  # e.g. the shape, where the bench's own wording omits it
+            prefix = "" if what.startswith(prefix) else prefix
+            out.append((prefix + what + note, fmt(t.get("value"), unit), target, verdict(met)))
         return out
     for row in entry["rows"]:
         value = pick(raw, row["value"], where)

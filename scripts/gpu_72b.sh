@@ -122,7 +122,7 @@ summary = {"status": row["status"], "wall_s": time.perf_counter() - t0,
            "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None,
            "peak_gb": row.get("peak_gb"), "plan": row.get("memory_plan", {}).get("phase_estimates")}
 summary["refused_before_build"] = row["status"].startswith("error: memory plan") and (
-    not on_cuda or summary["max_memory_allocated_gib"] < 0.01)
+    not on_cuda or summary["max_memory_allocated_gib"] < 0.1)  # cuBLAS keeps a 32 MiB workspace
 print(json.dumps(summary))
 json.dump(summary, open(out, "w"), indent=1)
 EOF
