@@ -17,6 +17,13 @@ import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+
+class KernelSettingError(ValueError):
+    """A kernel setting (a backend name, an environment variable) that cannot work here. The message says what to
+    choose instead; an application reports it as the user's error (qerl's CLI: one line, exit code 2)."""
+
+    exit_code = 2
+
 # Decode modes of the FP4 weight decoder (the `DECODE` constexpr of the kernels).
 DECODE_ASM = 0  # inline PTX: 8 nibbles -> 8 16-bit values by shifting the magnitude bits into the exponent
 DECODE_ARITH = 1  # integer arithmetic into fp32 bits (interpreter-safe, also runs on any GPU)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from qerl_kernels._common import KernelSettingError
 from torch import nn
 
 log = logging.getLogger("qerl.kernels")
@@ -52,9 +53,7 @@ last_timings: dict[int, dict[str, float]] = {}  # the latest measure_plan's {buc
 
 def _check(name: str) -> str:
     if name not in BACKENDS:
-        from qerl_cli.errors import QerlError
-
-        raise QerlError(f"unknown linear backend {name!r}; choose one of {', '.join(BACKENDS)}")
+        raise KernelSettingError(f"unknown linear backend {name!r}; choose one of {', '.join(BACKENDS)}")
     return name
 
 
@@ -69,18 +68,14 @@ def set_backend(name: str) -> None:
         from qerl_kernels import humming_peer
 
         if not humming_peer.available():
-            from qerl_cli.errors import QerlError
-
-            raise QerlError("linear backend 'humming' needs the humming-kernels package (and CUDA); install it "
-                            "or choose auto|qerl|triton|cuda|cublas")
+            raise KernelSettingError("linear backend 'humming' needs the humming-kernels package (and CUDA); "
+                                     "install it or choose auto|qerl|triton|cuda|cublas")
     if name == "cuda":
         from qerl_kernels import cuda_fp4
 
         if not cuda_fp4.available():
-            from qerl_cli.errors import QerlError
-
-            raise QerlError("linear backend 'cuda' needs a Hopper (sm_90) GPU and nvcc to build qerl's CUDA FP4 "
-                            "kernel (set CUDA_HOME); choose auto|qerl|triton|cublas")
+            raise KernelSettingError("linear backend 'cuda' needs a Hopper (sm_90) GPU and nvcc to build qerl's CUDA "
+                                     "FP4 kernel (set CUDA_HOME); choose auto|qerl|triton|cublas")
     os.environ[ENV] = name
 
 
@@ -92,7 +87,7 @@ def bucket(m: int) -> int:
 
 
 def _threshold_choice(m: int) -> str:
-    from qerl_kernels.linear import LARGE_M_DEQUANT
+    from qerl_kernels.backends import LARGE_M_DEQUANT
 
     return "cublas" if m >= LARGE_M_DEQUANT else "triton"
 
@@ -103,7 +98,7 @@ def choose(module: nn.Module, x: torch.Tensor, lora_rank: int | None = None) -> 
     backend = get_backend()
     m = x.shape[0]
     if backend == "cuda":
-        from qerl_kernels.linear import cuda_lora_supported, cuda_supported
+        from qerl_kernels.backends import cuda_lora_supported, cuda_supported
 
         ok = cuda_lora_supported(module, x, lora_rank) if lora_rank else cuda_supported(module, x)
         return "cuda" if ok else _threshold_choice(m)  # shapes it cannot run fall back
@@ -158,7 +153,7 @@ def prepare(model: nn.Module | Iterable[nn.Module], dtype: torch.dtype = torch.b
 
 def humming_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     from qerl_kernels import humming_peer
-    from qerl_kernels.linear import kernel_state
+    from qerl_kernels.backends import kernel_state
 
     st = kernel_state(module)
     layer = st.extra.get("humming")
@@ -180,7 +175,7 @@ def derived_bytes(fmt: str, n: int, k: int, act_elem: int = 2, bias: bool = Fals
     dtype (`fp4.kernel_scales`, 2 bytes per block of 16 (NVFP4) or 32 (MXFP4) weights, one set per storage:
     a fused q/k/v or gate/up shares it with its parts) and, with a bias, the CUDA kernel's fp32 copy of it.
     FP8: the fp32 scale row of the FP8xFP8 path. The repack itself is in place (no bytes)."""
-    from qerl_kernels.linear import FP4_FORMATS, REPACK
+    from qerl_kernels.backends import FP4_FORMATS, REPACK
 
     if fmt in FP4_FORMATS:
         from qerl_kernels.fp4 import group_size
@@ -237,9 +232,8 @@ def candidates() -> list[str]:
     names = [w.strip() for w in wanted.split(",") if w.strip()]
     bad = [w for w in names if w not in ("triton", "cublas", "cuda", "humming")]
     if bad or not names:
-        from qerl_cli.errors import QerlError
-
-        raise QerlError(f"{CANDIDATES_ENV}={wanted!r}: name some of triton, cublas, cuda, humming (comma-separated)")
+        raise KernelSettingError(f"{CANDIDATES_ENV}={wanted!r}: name some of triton, cublas, cuda, humming "
+                                 "(comma-separated)")
     return [c for c in found if c in names] or ["triton"]
 
 
@@ -248,7 +242,7 @@ def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...]
     """Time every candidate at each bucket's M on `module`; the fastest whose output matches the exact
     dequantize + matmul (relative error < 2e-2) wins. Returns {bucket: backend}. With `lora_rank` R every
     candidate also adds a rank-R expand: `cuda` in its epilogue, the others by one addmm after the GEMM."""
-    from qerl_kernels import linear as ql
+    from qerl_kernels import backends as ql
 
     dev = module.qweight.device
     gen = torch.Generator(device=dev).manual_seed(0)

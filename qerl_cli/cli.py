@@ -496,6 +496,9 @@ def main() -> None:
             sys.exit(_usage_error(exc))
         if _state["debug"]:
             raise
+        if isinstance(exc, _kernel_setting_error()):  # a kernel setting the user chose: theirs to fix, one line
+            _error_line(str(exc))
+            sys.exit(2)
         err_console.print(f"[bold red]internal error:[/] {escape(exc.__class__.__name__)}: {escape(str(exc))} "
                           "(rerun with --debug for the traceback and please report it)", highlight=False,
                           soft_wrap=True)
@@ -505,6 +508,13 @@ def main() -> None:
 def _error_line(message: str) -> None:
     """One `error: ...` line. The message is escaped: rich would read `qerl[vllm]` as a markup tag and drop it."""
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def _kernel_setting_error() -> tuple[type[BaseException], ...]:
+    """qerl_kernels' error for a kernel setting that cannot work (a bad QERL_LINEAR_BACKEND, say); it can only
+    come from kernels already loaded, so a CLI run that never loaded them does not import them here."""
+    common = sys.modules.get("qerl_kernels._common")
+    return (common.KernelSettingError,) if common is not None else ()
 
 
 def _usage_error_types() -> tuple[type[BaseException], ...]:

@@ -9,14 +9,15 @@ back to the torch reference (dequantize, then matmul).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from qerl_cli.formats import BITSANDBYTES
 
-if TYPE_CHECKING:
-    from qerl_cli.qlinear import QuantLinear
+# The modules passed here are qerl_cli.qlinear.QuantLinear; typed as nn.Module so that this module stays below
+# qlinear (which calls it) rather than forming a circle with it.
+QuantModule = nn.Module
 
 
 @functools.cache
@@ -28,7 +29,7 @@ def _kernels():  # noqa: ANN202 - a module or None
     return linear
 
 
-def quant_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor | None:
+def quant_linear(x: torch.Tensor, module: QuantModule) -> torch.Tensor | None:
     if module.format.kernel_backend(x.device) == BITSANDBYTES:
         return bnb_nf4_linear(x, module)
     k = _kernels()
@@ -37,7 +38,7 @@ def quant_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor | None:
     return k.quant_linear(x, module)
 
 
-def lora_epilogue_linear(x: torch.Tensor, module: QuantLinear, lora_h: torch.Tensor,
+def lora_epilogue_linear(x: torch.Tensor, module: QuantModule, lora_h: torch.Tensor,
                          lora_b: torch.Tensor) -> torch.Tensor | None:
     """``x W^T (+ b) + lora_h @ lora_b^T`` in ONE kernel (the LoRA expand in qerl's CUDA FP4 GEMM's epilogue)
     when the dispatcher's LoRA-aware choice for this shape, M bucket and rank is that kernel
@@ -56,7 +57,7 @@ def lora_epilogue_linear(x: torch.Tensor, module: QuantLinear, lora_h: torch.Ten
     return k.forward_with_lora(x, module, lora_h, lora_b)
 
 
-def bnb_nf4_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor:
+def bnb_nf4_linear(x: torch.Tensor, module: QuantModule) -> torch.Tensor:
     """y = x @ W^T + b through `bitsandbytes.matmul_4bit` on the module's own NF4 tensors.
 
     qerl's NF4 bytes are bitsandbytes' layout (same codebook, blocks of 64 over the flat weight, first

@@ -3,7 +3,7 @@
 # parallel processes on one GPU, so that a failure names the switch that causes it. One call, ~3 minutes.
 #   QERL_CT_CONFIGS: ';'-separated env settings, one pytest process each (default below: the defaults, then each
 #   issue-25 switch off, then all off); QERL_CT_SELFCHECK=1 also runs the kernel self-check (python -m
-#   qerl_kernels.selfcheck, ~5 min); QERL_CT_TESTS: the test files (default tests/test_rollout_cuda.py).
+#   qerl_cli.bench.kernel_selfcheck, ~5 min); QERL_CT_TESTS: the test files (default tests/test_rollout_cuda.py).
 # Files under $OUT: cudatests_<i>.log per config, selfcheck.json/.log; the summary table prints last.
 source "$(dirname "$0")/gpu_common.sh"  # set -uo pipefail, the repo root as working directory
 job_start gpu_cudatests out/gpu_cudatests 540 nolog
@@ -15,7 +15,7 @@ CONFIGS=${QERL_CT_CONFIGS:-"QERL_DEFAULTS=1;QERL_FUSED_SAMPLING=0;QERL_FUSED_LOR
 TESTS=${QERL_CT_TESTS:-tests/test_rollout_cuda.py}
 IFS=';' read -ra CFG <<< "$CONFIGS"
 if [ "${QERL_CT_SELFCHECK:-0}" = 1 ]; then
-  (TRITON_INTERPRET=0 timeout 330 python3 -P -m qerl_kernels.selfcheck "$OUT/selfcheck.json" > "$OUT/selfcheck.log" 2>&1) &
+  (TRITON_INTERPRET=0 timeout 330 python3 -P -m qerl_cli.bench.kernel_selfcheck "$OUT/selfcheck.json" > "$OUT/selfcheck.log" 2>&1) &
 fi
 i=0
 for c in "${CFG[@]}"; do

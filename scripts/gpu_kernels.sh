@@ -60,7 +60,7 @@ if has cudacheck; then
   stamp cudacheck
   timeout "${QERL_CUDACHECK_TIMEOUT:-200}" python3 -c "
 import json, sys, torch
-from qerl_kernels.selfcheck import check_cuda_kernel
+from qerl_cli.bench.kernel_selfcheck import check_cuda_kernel
 res = check_cuda_kernel()
 bad = [r for r in res if not r['ok']]
 for r in bad[:30]: print('FAIL', json.dumps(r)[:300])
@@ -75,13 +75,13 @@ fi
 
 if has selfcheck; then
   stamp selfcheck
-  timeout "${QERL_SELFCHECK_TIMEOUT:-300}" python3 -m qerl_kernels.selfcheck "$OUT/selfcheck.json" 2>&1 \
+  timeout "${QERL_SELFCHECK_TIMEOUT:-300}" python3 -m qerl_cli.bench.kernel_selfcheck "$OUT/selfcheck.json" 2>&1 \
     | tee "$OUT/selfcheck.log" | tail -n 60
 fi
 
 if has sweep; then
   stamp sweep
-  timeout "${QERL_SWEEP_TIMEOUT:-300}" python3 -m qerl_kernels.tune "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" \
+  timeout "${QERL_SWEEP_TIMEOUT:-300}" python3 -m qerl_cli.bench.kernel_tune "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" \
     | grep -v '^sweep ' | tail -n 80
 fi
 
@@ -267,7 +267,7 @@ t = time.time(); p = cuda_fp4.build(); print('built', p, f'{time.time() - t:.1f}
   stamp "decode: self-check"
   timeout "${QERL_DECODECHECK_TIMEOUT:-170}" python3 -c "
 import json
-from qerl_kernels.selfcheck import check_cuda_kernel
+from qerl_cli.bench.kernel_selfcheck import check_cuda_kernel
 res = check_cuda_kernel()
 bad = [r for r in res if not r['ok']]
 for r in bad[:25]: print('FAIL', json.dumps(r)[:300])

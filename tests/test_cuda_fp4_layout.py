@@ -1,6 +1,7 @@
 """The CUDA FP4 kernel's data layout, checked on the CPU through its exact emulation (`qerl_kernels.cuda_fp4`):
 which bytes each lane loads, how they decode, which scales they meet and which activation each tensor-core
-operand slot is paired with. The kernel itself runs only on a Hopper GPU (`python -m qerl_kernels.selfcheck`)."""
+operand slot is paired with. The kernel itself runs only on a Hopper GPU
+(`python -m qerl_cli.bench.kernel_selfcheck`)."""
 
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ def test_eval_scores_the_full_checkpoint_weights(bf16_run: Path, tmp_path: Path)
     assert result["checkpoint"]["name"] == "step_1" and result["checkpoint"]["adapter"] is None
     assert result["checkpoint"]["weights"]["sha256"] == sha256_file(ckpt / "weights.safetensors")
 
-    from qerl_cli.train.full_finetune import load_weights  # what run_eval applied, checked tensor by tensor
+    from qerl_cli.train.checkpointing import load_weights  # what run_eval applied, checked tensor by tensor
 
     model = load_model(str(run / "model"), dtype=torch.float32)[0]
     params = dict(model.named_parameters())

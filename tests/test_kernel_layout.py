@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from qerl_kernels import dispatch
+from qerl_kernels._common import KernelSettingError
 from qerl_kernels.fp4 import fp4_dequantize_v2, repack_fp4, unrepack_fp4
 from qerl_kernels.linear import kernel_state, linear_backward_dx, quant_linear
 
-from qerl_cli.errors import QerlError
 from qerl_cli.formats import dequantize, nvfp4_global_scale, quantize
 from qerl_cli.qlinear import QuantLinear, fuse_quant_linears
 
@@ -147,7 +147,7 @@ def test_backend_override_and_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
     assert os.environ[dispatch.ENV] == "cublas"  # what the manifest records
-    with pytest.raises(QerlError, match="choose one of auto, qerl, triton, humming, cublas"):
+    with pytest.raises(KernelSettingError, match="choose one of auto, qerl, triton, humming, cublas"):
         dispatch.set_backend("fastest")
     monkeypatch.setenv(dispatch.ENV, "auto")
     assert [dispatch.bucket(m) for m in (1, 2, 9, 16, 200, 256, 257, 5000)] == [1, 8, 16, 16, 256, 256, 512, 2048]
@@ -172,5 +172,5 @@ def test_dispatch_candidates_follow_the_env(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(dispatch.CANDIDATES_ENV, "triton, cublas")
     assert dispatch.candidates() == ["triton", "cublas"]
     monkeypatch.setenv(dispatch.CANDIDATES_ENV, "marlin")
-    with pytest.raises(QerlError, match="QERL_DISPATCH_CANDIDATES"):
+    with pytest.raises(KernelSettingError, match="QERL_DISPATCH_CANDIDATES"):
         dispatch.candidates()

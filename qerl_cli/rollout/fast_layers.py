@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.profile import region
+from qerl_cli.rollout.regions import region
 
 log = logging.getLogger("qerl.rollout")
 

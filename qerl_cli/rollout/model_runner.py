@@ -49,7 +49,7 @@ from qerl_cli.rollout.fast_layers import (
     signature,
 )
 from qerl_cli.rollout.kv_cache import KVCache, bucket_for
-from qerl_cli.rollout.profile import region
+from qerl_cli.rollout.regions import region
 from qerl_cli.rollout.sampling import StepSampler
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")

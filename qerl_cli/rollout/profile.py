@@ -1,10 +1,9 @@
 """Where a decode step's GPU time goes: torch.profiler kernels grouped into a few categories.
 
 Kernel names alone cannot tell a LoRA GEMM from the lm_head GEMM (both are cuBLAS kernels), so the
-decode path marks its pieces with ``region(name)``: a ``torch.profiler.record_function`` range while
-``profiling()`` is active, a no-op otherwise (and inside a captured CUDA graph the ranges cost nothing at
-replay). A kernel belongs to the innermost region around the host call that launched it (matched through
-the trace's correlation ids); a kernel outside every region is classified by its name.
+decode path marks its pieces with ``regions.region(name)``. A kernel belongs to the innermost region around
+the host call that launched it (matched through the trace's correlation ids); a kernel outside every region
+is classified by its name.
 
 The profile runs the decode step eagerly (a graph replay hides which host call launched each kernel); the
 per-kernel GPU times are those of the graphed step, the gaps between them are not, so the report gives
@@ -17,13 +16,15 @@ copy bandwidth) and the % of that floor it reaches.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from qerl_cli.rollout.regions import PREFIX, profiling, region
+
+__all__ = ["CATEGORIES", "categorize_trace", "classify_name", "profile_decode", "profiling", "region"]
 
 CATEGORIES = ("quantized GEMM", "dense GEMM", "LoRA", "attention", "norm/RoPE/activation", "sampling", "copies",
               "other")
@@ -37,7 +38,6 @@ REGION_CATEGORY = {
     "elementwise": "norm/RoPE/activation",
     "sampling": "sampling",
 }
-_PREFIX = "qerl."
 # name fragments -> category, for kernels launched outside every region (first match wins)
 _NAME_RULES = (
     # qerl's CUDA FP4 kernels (old and stream plans, the fix-up and activation permute) before "gemm" below
@@ -48,26 +48,6 @@ _NAME_RULES = (
     (("fmha", "flash", "attention", "sdpa", "cudnn"), "attention"),
     (("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce", "gemv"), "dense GEMM"),
 )
-
-_active = False
-
-
-def region(name: str) -> contextlib.AbstractContextManager[Any]:
-    """A profiler range ``qerl.<name>`` while ``profiling()`` is on, else a free no-op."""
-    if _active:
-        return torch.profiler.record_function(_PREFIX + name)
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def profiling() -> Iterator[None]:
-    global _active
-    old, _active = _active, True
-    try:
-        yield
-    finally:
-        _active = old
-
 
 def classify_name(name: str, cat: str = "kernel") -> str:
     """Category of a kernel launched outside every region, from its trace category and name."""
@@ -97,10 +77,10 @@ def categorize_trace(trace: dict[str, Any]) -> dict[str, Any]:
             corr = (e.get("args") or {}).get("correlation")
             if corr is not None:
                 launches[int(corr)] = (e.get("tid"), float(e["ts"]))
-        elif cat == "user_annotation" and str(e.get("name", "")).startswith(_PREFIX):
+        elif cat == "user_annotation" and str(e.get("name", "")).startswith(PREFIX):
             ts = float(e["ts"])
             ranges.setdefault(e.get("tid"), []).append((ts, ts + float(e.get("dur", 0.0)),
-                                                         str(e["name"])[len(_PREFIX):]))
+                                                         str(e["name"])[len(PREFIX):]))
     us = dict.fromkeys(CATEGORIES, 0.0)
     per_name: dict[tuple[str, str], float] = {}
     count = 0

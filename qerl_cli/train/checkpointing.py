@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, now_iso, sha256_file, staged_directory
@@ -527,6 +528,23 @@ def load_adapter_weights(peft_model: Any, ckpt: Path) -> None:
             p.data = p.data.float()
 
 
+# what `--finetune full` leaves frozen (train/full_finetune.py): a FULL checkpoint holds every other parameter
+FROZEN = ("embed_tokens", "lm_head")
+
+
+def trained_names(model: nn.Module) -> set[str]:
+    """The parameters --finetune full trains and a FULL checkpoint holds (all but the embeddings / lm_head)."""
+    return {n for n, _ in model.named_parameters() if not any(part in FROZEN for part in n.split("."))}
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, ckpt: Path) -> None:
+    """Put a FULL checkpoint's trained weights into `model` (`qerl eval`: no masters, no grads)."""
+    params = dict(model.named_parameters())
+    for name, t in read_full_weights(ckpt, trained_names(model)).items():
+        params[name].copy_(t)  # copy_ casts the fp32 masters to the model's dtype
+
+
 def read_full_weights(ckpt: Path, expected: set[str]) -> dict[str, torch.Tensor]:
     """A FULL (or FULL_SHARDED, assembled from its rows) checkpoint's trained weights; refused unless they are
     exactly the parameters `expected`."""
@@ -557,8 +575,6 @@ def apply_to_model(run: RunDir, model: Any, ckpt: Path) -> tuple[Any, dict[str, 
     (adapter_info: path and LoRA settings); a FULL one copies its weights into the model in place
     (weights_info: path and sha256)."""
     if checkpoint_kind(ckpt) in (FULL, FULL_SHARDED):
-        from qerl_cli.train.full_finetune import load_weights
-
         load_weights(model, ckpt)
         path = weights_path(ckpt)
         return model, None, {"path": run.rel(path), "sha256": weights_sha256(ckpt)}

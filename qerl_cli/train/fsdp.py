@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.train.checkpointing import trained_names
 from qerl_cli.train.distributed import DistContext
-from qerl_cli.train.full_finetune import trained_names
 from qerl_cli.train.sharded_checkpoint import RowShard, ShardReader, chunk_rows, write_index, write_rank
 
 WEIGHTS_STEM = "weights"  # train/checkpointing.py: a FULL_SHARDED checkpoint holds weights.index.json

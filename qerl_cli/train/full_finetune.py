@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-
-FROZEN = ("embed_tokens", "lm_head")
+from qerl_cli.train.checkpointing import read_full_weights, trained_names
 
 
 class FullFinetune:
@@ -64,26 +63,9 @@ class FullFinetune:
     @torch.no_grad()
     def load(self, ckpt: Path) -> None:
         """Restore the masters (and the model's weights) from a FULL checkpoint (`--resume`)."""
-        from qerl_cli.train.checkpointing import read_full_weights
-
         for name, t in read_full_weights(ckpt, set(self.masters)).items():
             self.masters[name].copy_(t)
         self.sync_()
-
-
-def trained_names(model: nn.Module) -> set[str]:
-    """The parameters --finetune full trains (all but the frozen embeddings / lm_head)."""
-    return {n for n, _ in model.named_parameters() if not any(part in FROZEN for part in n.split("."))}
-
-
-@torch.no_grad()
-def load_weights(model: nn.Module, ckpt: Path) -> None:
-    """Put a FULL checkpoint's trained weights into `model` (`qerl eval`: no masters, no grads)."""
-    from qerl_cli.train.checkpointing import read_full_weights
-
-    params = dict(model.named_parameters())
-    for name, t in read_full_weights(ckpt, trained_names(model)).items():
-        params[name].copy_(t)  # copy_ casts the fp32 masters to the model's dtype
 
 
 def _move_grad_to(master: nn.Parameter):  # noqa: ANN202 - a hook

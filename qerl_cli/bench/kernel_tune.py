@@ -1,4 +1,4 @@
-"""Sweep launch configurations of the fused FP4 kernel on the GPU (`python -m qerl_kernels.tune OUT.json`).
+"""Sweep launch configurations of the fused FP4 kernel on the GPU (`python -m qerl_cli.bench.kernel_tune OUT.json`).
 
 The data behind `linear.fp4_config`: for each M, every candidate tile shape (and split-K factor, and the
 asm / arithmetic / table decoders at a few M) is timed on the four GEMMs of one Qwen2.5-7B layer, with
@@ -40,7 +40,7 @@ def sweep_fp4(model: str = "qwen2.5-7b", ms: tuple[int, ...] = (1, 16, 64, 128, 
     from qerl_cli.bench.harness import device
     from qerl_cli.bench.kernels import l2_bytes, layer_linears, quant_modules, time_calls, weight_copies
 
-    dev = device(cuda_only="python -m qerl_kernels.tune")
+    dev = device(cuda_only="python -m qerl_cli.bench.kernel_tune")
     sms = num_sms(dev)
     copies_for = partial(weight_copies, l2=l2_bytes(dev))
     rows: list[dict] = []
