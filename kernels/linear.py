@@ -74,7 +74,6 @@ def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 
 def forward_by(backend: str, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """An FP4 forward through one backend ('triton' | 'cuda' | 'cublas' | 'humming')."""
-
     if backend == "cublas":
         return dequant_linear(x, module)
     if backend == "humming":
@@ -90,7 +89,6 @@ def forward_with_lora(x: torch.Tensor, module: nn.Module, lora_h: torch.Tensor, 
     (block-diagonal for a fused q/k/v or gate/up group), both in x's dtype. The backend is the dispatcher's choice
     for (shape, M bucket, R) (`dispatch.choose(module, x, lora_rank=R)`): qerl's CUDA kernel with the expand in
     its epilogue (one launch, one rounding) or another backend followed by one in-place addmm."""
-
     if module.fmt not in FP4_FORMATS or INTERPRET or not x.is_cuda:
         y = module(x)
         return y.addmm_(lora_h, lora_b.t())

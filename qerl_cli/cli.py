@@ -537,8 +537,10 @@ def _usage_error_types() -> tuple[type[BaseException], ...]:
 def _usage_error(exc: BaseException) -> int:
     """Report a command-line usage error in one line and return its exit code (2 for usage errors)."""
     code = int(getattr(exc, "exit_code", 2) or 2)
-    if type(exc).__name__ == "NoArgsIsHelpError":
-        return code  # a bare `qerl` or `qerl bench`: the help was already printed, that is the message
+    if type(exc).__name__ == "NoArgsIsHelpError":  # a bare `qerl` or `qerl bench`: the help is the message
+        # click's plain help (rich_markup_mode=None) leaves printing it to the caller outside standalone mode
+        print(exc.format_message() if hasattr(exc, "format_message") else str(exc))
+        return code
     ctx = getattr(exc, "ctx", None)
     where = getattr(ctx, "command_path", None) or "qerl"
     message = exc.format_message() if hasattr(exc, "format_message") else str(exc)

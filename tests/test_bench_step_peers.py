@@ -12,7 +12,7 @@ import pytest
 from qerl_cli.bench.flops import phase_flops
 from qerl_cli.bench.step import bench_step, render_table
 from qerl_cli.errors import QerlError
-from qerl_cli.train.memory_plan import MemoryPlan
+from qerl_cli.train.memory_plan import ModelDims, plan_memory
 
 SMALL = {"batch_prompts": 2, "num_generations": 2, "max_completion_length": 8, "lora_rank": 4}
 
@@ -61,16 +61,21 @@ def test_trl_peer_without_trl_records_why(tmp_path) -> None:
 
 
 def test_resident_cache_rule() -> None:
-    gib = 2**30
-    plan = MemoryPlan(capacity=20 * gib, reserve=gib, weights=10 * gib, adapters=gib, activations=4 * gib,
-                      activations_no_gc=4 * gib, activations_gc=gib, logprobs=gib, kv_cache=2 * gib, rollout=gib,
-                      micro_batch_size=8, gradient_checkpointing=False, kv_slots=32, gpu_memory_utilization=None,
-                      sequences=32, seq_tokens=512)
-    assert plan.train_peak == 17 * gib and plan.resident_cache_fits  # 17 + 2 <= 20
-    plan.kv_cache = 4 * gib
-    assert not plan.resident_cache_fits  # 17 + 4 > 20: the engine releases its cache after each rollout
-    plan.capacity = None
-    assert plan.resident_cache_fits  # no known limit (CPU)
+    """The plan keeps the rollout's KV cache (and shadows, graphs) through the update only where every phase still
+    fits with it and memory is not short; the estimates then carry it in every phase; the flag overrides."""
+    dims = ModelDims(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064)
+    kw = {"weights": 6 * 2**30, "device_total": 80 * 2**30, "elem": 2, "sequences": 32, "prompt_tokens": 256,
+          "completion_tokens": 256, "lora_rank": 32, "lora_targets": ["q_proj", "v_proj"]}
+    roomy = plan_memory(dims, capacity=79 * 2**30, **kw)
+    assert roomy.resident_cache_fits and not roomy.gradient_checkpointing
+    est = roomy.phase_estimates()
+    held = roomy.kv_cache + roomy.shadows
+    assert est["checkpoint"] == roomy.weights + roomy.lora_params + roomy.optimizer_state + held
+    tight = plan_memory(dims, capacity=14 * 2**30, **kw)  # memory short: checkpointing, the cache released
+    assert tight.gradient_checkpointing and not tight.resident_cache_fits
+    assert tight.phase_estimates()["checkpoint"] == tight.weights + tight.lora_params + tight.optimizer_state
+    assert not plan_memory(dims, capacity=79 * 2**30, keep_rollout_cache=False, **kw).resident_cache_fits
+    assert plan_memory(dims, capacity=None, **kw).resident_cache_fits  # no known limit (CPU)
 
 
 def test_bad_peer_input(tmp_path) -> None:

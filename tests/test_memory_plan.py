@@ -307,7 +307,9 @@ def test_chunked_logprobs_and_plan_leave_cpu_training_unchanged(tmp_path) -> Non
     assert planned_t.cfg.micro_batch_size == 8 and planned_t.cfg.gradient_checkpointing is False
     assert planned_t.memory_plan.capacity is None  # CPU
     assert ref[0]["loss"] != 0 and ref[0]["grad_norm"] > 0 and ref[1]["entropy"] > 0
-    _same(ref, planned, ref_p, planned_p)
+    # to rounding: chunked and direct log-probs sum the same terms in another order, and AdamW's normalized step
+    # turns a gradient's last-bit difference into up to ~2e-6 on a parameter after 2 steps
+    _same(ref, planned, ref_p, planned_p, tol=5e-6)
     # packed training forwards (the default; train/packing.py): the same run to rounding (per-sequence attention)
     packed_t, packed, packed_p = _run(tmp_path, "packed", logprob_chunk_tokens=5)
     assert packed_t.cfg.pack_sequences

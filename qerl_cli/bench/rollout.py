@@ -493,7 +493,7 @@ def short_summary(res: dict[str, Any]) -> list[str]:
         v = "-" if val is None else (f"{val:.2f}" if isinstance(val, float) else str(val))
         state = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
         lines.append(f"target {t['target']}: {v} -> {state}")
-    lines.append(f"JSON: {res['files']['json']}  plot: {res['files']['plot']}")
+    lines += [f"JSON: {res['files']['json']}", f"plot: {res['files']['plot']}"]  # one path a line: 80 columns
     return lines
 
 

@@ -564,7 +564,7 @@ def render_table(res: dict[str, Any]) -> Any:
 
 def short_summary(res: dict[str, Any]) -> list[str]:
     f = res["files"]
-    return [f"JSON: {f['json']}  plot: {f['plot']}  subset: {f['subset']}"]
+    return [f"JSON: {f['json']}", f"plot: {f['plot']}", f"subset: {f['subset']}"]
 
 
 def plot(res: dict[str, Any], path: Path) -> None:

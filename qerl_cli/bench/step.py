@@ -717,7 +717,7 @@ def short_summary(res: dict[str, Any]) -> list[str]:
         state = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
         note = f" ({t['note']})" if t.get("note") else ""
         lines.append(f"target {t['target']}: {t['value']:.2f} -> {state}{note}")
-    lines.append(f"JSON: {res['files']['json']}  plot: {res['files']['plot']}")
+    lines += [f"JSON: {res['files']['json']}", f"plot: {res['files']['plot']}"]  # one path a line: 80 columns
     return lines
 
 

@@ -596,7 +596,7 @@ def model_dir_format(model_dir: Any) -> str:
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     if not config.get("quantization_config"):
-        return next(name for name, f in FORMATS.items() if not f.quantized)
+        return next((name for name, f in FORMATS.items() if not f.quantized), "bf16")
     return detect(config)[0].name
 
 
