@@ -119,7 +119,7 @@ def test_rendering(tiny_result):
     assert render_table(res).row_count == 4
     lines = short_summary(res)
     assert lines[0] == "copy bandwidth: not measured (no CUDA)"
-    assert str(out / "rollout.json") in lines[-1]
+    assert str(out / "rollout.json") in lines[-2] and str(out / "rollout.png") in lines[-1]
 
 
 @pytest.mark.parametrize(

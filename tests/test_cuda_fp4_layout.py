@@ -302,18 +302,17 @@ def test_lora_epilogue_support_and_argument_checks() -> None:
 
 def test_cuda_backend_is_refused_clearly_without_a_hopper_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from qerl_kernels import dispatch
-
-    from qerl_cli.errors import QerlError
+    from qerl_kernels._common import KernelSettingError
 
     monkeypatch.setenv(dispatch.ENV, "auto")
     if cuda_fp4.available():
         pytest.skip("a Hopper GPU with nvcc is present")
-    with pytest.raises(QerlError, match="needs a Hopper"):
+    with pytest.raises(KernelSettingError, match="needs a Hopper"):
         dispatch.set_backend("cuda")
     monkeypatch.setenv(dispatch.CANDIDATES_ENV, "triton,cuda")
     assert "cuda" not in dispatch.candidates()  # named but not buildable here: measured without it
     monkeypatch.setenv(dispatch.CANDIDATES_ENV, "triton,cuda,bogus")
-    with pytest.raises(QerlError, match="cuda"):
+    with pytest.raises(KernelSettingError, match="cuda"):
         dispatch.candidates()
 
 
