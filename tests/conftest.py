@@ -12,7 +12,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the dequantized embedded model is cached per session (models.py): the first load converts the GGUF file (~40 s),
 # every later one in this process and its subprocesses reads the cache (~1 s); set QERL_CACHE_DIR to keep one
-os.environ.setdefault("QERL_CACHE_DIR", tempfile.mkdtemp(prefix="qerl-test-cache-"))
+_run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # pytest -n N: the workers of one run share one cache
+os.environ.setdefault("QERL_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"qerl-test-cache-{_run_id}") if _run_id
+                      else tempfile.mkdtemp(prefix="qerl-test-cache-"))
 
 import pytest  # noqa: E402
 

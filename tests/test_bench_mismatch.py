@@ -20,7 +20,9 @@ ROW_FIELDS = ("k1", "k3", "max_abs_dprob", "seq_log_ratio_mean", "seq_log_ratio_
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     out = tmp_path_factory.mktemp("mismatch")
-    res = bench_mismatch(formats=("bf16", "nvfp4"), precisions=("bf16", "fp16", "fp32"), prompts=2, samples=2,
+    # the embedded model's NVFP4 run (16-bit compute on 2 CPU cores is the cost; the bf16 weight format's cells are
+    # checked on the tiny shape by test_shape_model_fixed_length)
+    res = bench_mismatch(formats=("nvfp4",), precisions=("bf16", "fp16", "fp32"), prompts=2, samples=2,
                          max_tokens=8, out_dir=out, log=lambda _msg: None)
     return res, out
 
@@ -28,9 +30,9 @@ def small(tmp_path_factory):
 def test_cells_fields_and_precision_ordering(small):
     res, out = small
     on_disk = json.loads((out / "mismatch.json").read_text())
-    assert on_disk["kind"] == "bench/mismatch" and on_disk["config"]["formats"] == ["bf16", "nvfp4"]
+    assert on_disk["kind"] == "bench/mismatch" and on_disk["config"]["formats"] == ["nvfp4"]
     cells = {(c["format"], c["precision"]): c for c in on_disk["results"]}
-    assert set(cells) == {(f, p) for f in ("bf16", "nvfp4") for p in ("bf16", "fp16", "fp32")}
+    assert set(cells) == {("nvfp4", p) for p in ("bf16", "fp16", "fp32")}
     for c in cells.values():
         assert set(ROW_FIELDS) <= set(c) and c["status"] == "ok"
         assert c["sequences"] == 4 and 4 <= c["tokens"] <= 32 and len(c["seq_points"]) == 4
@@ -39,13 +41,13 @@ def test_cells_fields_and_precision_ordering(small):
         # the per-sequence points sum to the reported mean
         mean = sum(s for _, s in c["seq_points"]) / len(c["seq_points"])
         assert math.isclose(mean, c["seq_log_ratio_mean"], rel_tol=1e-9, abs_tol=1e-12)
-    for fmt in ("bf16", "nvfp4"):
+    for fmt in ("nvfp4",):
         # fp32: the two engines differ only by fp32 reduction order
         assert cells[(fmt, "fp32")]["k3"] < 1e-6 and cells[(fmt, "fp32")]["max_abs_dprob"] < 1e-3
         # 10 mantissa bits instead of 7: fp16 mismatches less than bf16 (REFERENCE section 5)
         assert cells[(fmt, "fp16")]["k3"] < cells[(fmt, "bf16")]["k3"]
     ratios = {r["format"]: r for r in on_disk["k3_ratios"]}
-    assert set(ratios) == {"bf16", "nvfp4"}
+    assert set(ratios) == {"nvfp4"}
     for fmt, r in ratios.items():
         assert r["bf16_over_fp16"] == pytest.approx(cells[(fmt, "bf16")]["k3"] / cells[(fmt, "fp16")]["k3"])
         assert r["met"] == (r["bf16_over_fp16"] >= 10.0)
@@ -57,7 +59,7 @@ def test_files_written_atomically(small):
     for name in ("mismatch_scatter.png", "mismatch_seq.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
-    assert render_table(res).row_count == 6
+    assert render_table(res).row_count == 3
     assert any("k3 bf16/fp16" in line for line in short_summary(res))
 
 

@@ -81,7 +81,8 @@ def test_quick_run_raises_arith_reward_and_logs_aqn(run_dir: Path) -> None:
 
 
 def test_resume_after_sigkill_reproduces_metrics_exactly(run_dir: Path, tmp_path: Path) -> None:
-    args = ["--config", "quick_cpu", "--steps", "4", "--save-steps", "2", "--aqn-stages", "2", *SMALL]
+    args = ["--config", "quick_cpu", "--steps", "3", "--save-steps", "1", "--aqn-stages", "2", *SMALL,
+            "--batch-prompts", "2"]  # 8 sequences a step: the test is about state, not learning
     reference = tmp_path / "reference"
     shutil.copytree(run_dir, reference)
     res = qerl("train", "--run", str(reference), *args)
@@ -90,8 +91,8 @@ def test_resume_after_sigkill_reproduces_metrics_exactly(run_dir: Path, tmp_path
     proc = qerl("train", "--run", str(run_dir), *args, wait=False)
     metrics_file = run_dir / "train" / "metrics.jsonl"
     deadline = time.time() + 600
-    while time.time() < deadline:  # kill once step 3 is logged: mid-run, after the step_2 checkpoint
-        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3:
+    while time.time() < deadline:  # kill once step 2 is logged: mid-run, after the step_1 checkpoint
+        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2:
             break
         if proc.poll() is not None:
             pytest.fail(f"training ended early: {proc.stderr.read()[-2000:]}")
@@ -99,7 +100,9 @@ def test_resume_after_sigkill_reproduces_metrics_exactly(run_dir: Path, tmp_path
     proc.send_signal(signal.SIGKILL)
     proc.wait(60)
     assert json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]["status"] == "running"
-    assert (run_dir / "train" / "checkpoints" / "latest").read_text().strip() == "step_2"
+    # step_2's checkpoint is written in the background while step 3 runs: the kill may land before or after it
+    latest = (run_dir / "train" / "checkpoints" / "latest").read_text().strip()
+    assert latest in ("step_1", "step_2"), latest
 
     refused = qerl("train", "--run", str(run_dir), *args)
     assert refused.returncode == 2 and "--resume" in refused.stderr
@@ -107,7 +110,7 @@ def test_resume_after_sigkill_reproduces_metrics_exactly(run_dir: Path, tmp_path
     resumed = qerl("train", "--run", str(run_dir), *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     got, want = metrics(run_dir), metrics(reference)
-    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    assert [m["step"] for m in got] == [1, 2, 3]
     assert [comparable(m) for m in got] == [comparable(m) for m in want]
 
 
