@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,15 +132,21 @@ def _check_safetensors(directory: Path) -> None:
             ) from exc
 
 
+@functools.lru_cache(maxsize=8)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file, once per process for a given size and mtime (a load asks for it several times)."""
+    from qerl_cli.manifest import sha256_file
+
+    return sha256_file(Path(path))
+
+
 def gguf_cache_dir(gguf: Path) -> Path:
     """Where the dequantized copy of ``gguf`` lives (whether or not it exists yet)."""
     import transformers
 
-    digest = hashlib.sha256()
-    with open(gguf, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    key = hashlib.sha256(f"{digest.hexdigest()}|transformers {transformers.__version__}".encode()).hexdigest()[:24]
+    st = gguf.stat()
+    digest = _file_digest(str(gguf.resolve()), st.st_size, st.st_mtime_ns)
+    key = hashlib.sha256(f"{digest}|transformers {transformers.__version__}".encode()).hexdigest()[:24]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qerl")
     return root / "gguf" / f"{gguf.stem}-{key}"
 
@@ -155,20 +160,17 @@ def cached_gguf(src: ModelSource) -> Path | None:
 
 
 def _write_cache(src: ModelSource, model: torch.nn.Module, tok) -> None:  # noqa: ANN001 - a tokenizer
-    """Save an fp32 GGUF load as the source's cache: into a temporary folder, then one rename (a concurrent
-    writer's copy, if first, is kept). A failure only costs the next load its speed."""
+    """Save an fp32 GGUF load as the source's cache, staged and renamed into place in one step
+    (`manifest.staged_directory`). A failure only costs the next load its speed."""
+    from qerl_cli.manifest import staged_directory
+
     folder = gguf_cache_dir(Path(src.location) / src.gguf_file)
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
-        model.hf_quantizer = None  # the GGUF "quantizer" only described the file; the weights are plain fp32 now
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
-        (tmp / _CACHE_DONE).write_text(json.dumps({"gguf": src.gguf_file, "dtype": "float32"}) + "\n")
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process got there first
-            shutil.rmtree(tmp, ignore_errors=True)
+        with staged_directory(folder) as tmp:
+            model.hf_quantizer = None  # the GGUF "quantizer" only described the file; the weights are plain fp32
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            tok.save_pretrained(str(tmp))
+            (tmp / _CACHE_DONE).write_text(json.dumps({"gguf": src.gguf_file, "dtype": "float32"}) + "\n")
     except Exception as exc:  # noqa: BLE001 - a read-only home or a full disk must not stop the command
         log.warning("could not cache the dequantized GGUF model in %s (%s); the next load converts it again",
                     folder, exc)
