@@ -86,7 +86,7 @@ fi
 if has step7b; then
   L=$(left); stamp "step7b ($L s left; vllm $HAVE_VLLM, trl $HAVE_TRL)"
   FORMATS=${QERL_PEERS_FORMATS:-bf16,nvfp4}
-  [ "$HAVE_VLLM" = 1 ] && FORMATS="$FORMATS,nvfp4@vllm"
+  [ "$HAVE_VLLM" = 1 ] && [ "${QERL_PEERS_VLLM_CELL:-1}" = 1 ] && FORMATS="$FORMATS,nvfp4@vllm"
   PEERS=""; { [ "$HAVE_TRL" = 1 ] || [ "${QERL_PEERS_FORCE_TRL:-0}" = 1 ]; } && PEERS="--peers trl"
   qerl $(( L - 15 > 60 ? L - 15 : 60 )) bench step --shape "$SHAPE" --formats "$FORMATS" $PEERS $EOS_FLAG --profile \
     --set batch_prompts=$P --set num_generations=$G --set max_completion_length=$NEW --prompt-len "$PL" \

@@ -56,6 +56,9 @@ def test_trl_peer_without_trl_records_why(tmp_path) -> None:
     assert rows["trl"]["status"].startswith("TRL failed: ModuleNotFoundError"), rows["trl"]["status"]
     assert "trl" in rows["trl"]["status"] and (tmp_path / "trl_runner.log").is_file()
     assert rows["trl"]["trl_settings"]["loss_type"] == "grpo"
+    # the resolved config, not the raw one: TRL fails on lr / scale_rewards None (peft: lora_alpha None / r)
+    assert rows["trl"]["trl_settings"]["learning_rate"] == 1e-5
+    assert rows["trl"]["trl_settings"]["scale_rewards"] == "group"
     assert rows["trl"]["trl_settings"]["gradient_accumulation_steps"] * \
         rows["trl"]["trl_settings"]["per_device_train_batch_size"] == 4
 

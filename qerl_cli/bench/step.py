@@ -527,7 +527,7 @@ class _TrlStep:
         from qerl_cli.bench.flops import add_mfu
         from qerl_cli.bench.peers import run_trl
 
-        cfg = self.cfg
+        cfg = self.cfg.resolved()  # TRL gets the values qerl's cells ran with (lora_alpha, lr, scale_rewards)
         ref = next((s.row for name, s in self.steps.items() if name.startswith("bf16") and s.row.get("steps")), {})
         mb = ref.get("micro_batch_size") or cfg.micro_batch_size or 8
         gc = bool(ref.get("gradient_checkpointing") if ref else cfg.gradient_checkpointing)
