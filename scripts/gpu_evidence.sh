@@ -151,6 +151,16 @@ launch() {  # index: start that process in the background (CPU proof: and wait f
 }
 PIDS=()
 declare -A PID_OF
+if [ "$CPU" != 1 ]; then
+  # 20 processes share one GPU: sized for the 141 GB H200. On an 80 GB H100 (2026-11-26) most qerl cells ran out
+  # of memory; the monitor below records every process's memory so the next sizing is measured, not guessed
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  (( ${GPU_MIB:-0} < 100000 )) && stamp "warning: ${GPU_MIB} MiB of GPU memory: the study is sized for an H200"
+  (while sleep 5; do echo "$(( $(date +%s) - t0 )) $(nvidia-smi --query-compute-apps=used_memory \
+     --format=csv,noheader,nounits 2>/dev/null | sort -n | tr '\n' ' ')"; done > "$EV/gpu_mem.log" 2>&1) &
+  MON=$!
+fi
 
 declare -A FIRST
 for i in "${!PROCS[@]}"; do g=${PROCS[$i]%%|*}; [ -z "${FIRST[$g]:-}" ] && FIRST[$g]=$i; done
@@ -180,6 +190,17 @@ print(sys.argv[2] + ':', s.get('rule'))" "$EV/$g/perfectible.json" "$g")
 done
 (( ${#PIDS[@]} )) && wait "${PIDS[@]}"
 stamp "processes done ($(left)s left)"
+if [ -n "${MON:-}" ]; then
+  kill "$MON" 2>/dev/null
+  (cd /tmp && python3 -c "
+import sys
+peak_sum = peak_one = 0
+for line in open(sys.argv[1]):
+    mib = [int(x) for x in line.split()[1:] if x.isdigit()]
+    peak_sum, peak_one = max(peak_sum, sum(mib)), max(peak_one, max(mib, default=0))
+print(f'GPU memory of the study processes: peak sum {peak_sum} MiB, peak of one process {peak_one} MiB')
+" "$EV/gpu_mem.log")
+fi
 
 INPUTS=()
 while IFS= read -r f; do INPUTS+=(--input "${f%%/*}=$f"); done < <(cd "$EV" && ls -1 */*/sanity.json 2>/dev/null)
@@ -189,7 +210,7 @@ if (( ${#INPUTS[@]} )); then
   cp "$EV"/evidence/evidence.{json,md,png} "$OUT/" 2>/dev/null
   # at most 8 files come back: every raw file goes into one archive
   (cd "$EV" && tar czf "$OUT/evidence_raw.tgz" */*/sanity.json */perfectible.json */*/perfectible.json ./*/*.log \
-    ./*.log nv/manifest.json bf/manifest.json process_tails.txt 2>/dev/null)
+    ./*.log nv/manifest.json bf/manifest.json process_tails.txt gpu_mem.log 2>/dev/null)
   ls -l "$OUT"
   [ -f "$OUT/evidence.md" ] && cat "$OUT/evidence.md"
 else

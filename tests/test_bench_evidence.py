@@ -199,3 +199,19 @@ def test_rerun_on_the_raw_files_gives_the_same_table(tmp_path, monkeypatch):
                           "--out", "again"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "again" / "evidence.md").read_text() == md
+
+
+def test_out_of_memory_cells_are_no_seeds():
+    """The 2026-11-26 H100 study: cells that ran out of memory were counted as seeds in the cell table (8 where 2
+    gave an outcome). Only outcomes count; the failures are listed, and the table says how many."""
+    rows = _qerl_rows(4)
+    for r in rows:
+        if r["seed"] >= 1 and r["cell"] == {"format": "bf16", "aqn": False}:
+            r.update(status="OOM", accuracy=[], entropy=[], heldout=None)
+    ev = evidence.build_evidence({"qerl": [_sanity(rows)]}, n_boot=200)
+    cell = ev["groups"]["qerl"]["cells"]["format=bf16, aqn=False"]
+    assert cell["seeds"] == [0] and cell["failed"] == ["1: OOM", "2: OOM", "3: OOM"]
+    assert cell["metrics"]["heldout_gain"]["n"] == 1
+    assert "| format=bf16, aqn=False | 1 (+3 failed) |" in evidence.markdown(ev)
+    p = {q["name"]: q for q in ev["parts"]}["held-out gain: nvfp4 vs bf16 (AQN off)"]
+    assert p["n_b"] == 1 and not p["paired"]

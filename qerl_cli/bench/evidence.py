@@ -170,13 +170,11 @@ def merge_group(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _seed_values(rows: Sequence[dict[str, Any]], sel: dict[str, Any], metric: str) -> dict[Any, float]:
-    from qerl_cli.bench.sanity import cell_matches, seed_scalars
+    from qerl_cli.bench.sanity import cell_matches, is_outcome, seed_scalars
 
     out: dict[Any, float] = {}
     for r in rows:
-        status = str(r.get("status", "ok"))
-        # a non-finite loss is a collapse (data); an error is not a training outcome
-        if cell_matches(r["cell"], sel) and (status == "ok" or status.startswith("non-finite")):
+        if cell_matches(r["cell"], sel) and is_outcome(r):
             v = seed_scalars(r).get(metric)
             if v is not None:
                 out[r.get("seed")] = float(v)
@@ -380,8 +378,9 @@ def markdown(ev: dict[str, Any]) -> str:
                   "(mean [95% t interval] over seeds)", "",
                   "| cell | seeds | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
         for label, c in grp["cells"].items():
-            lines.append(f"| {label} | {len(c['seeds'])} | " + " | ".join(ci_text(c["metrics"].get(k)) for k in cols)
-                         + " |")
+            failed = c.get("failed") or []
+            seeds = f"{len(c['seeds'])}" + (f" (+{len(failed)} failed)" if failed else "")
+            lines.append(f"| {label} | {seeds} | " + " | ".join(ci_text(c["metrics"].get(k)) for k in cols) + " |")
         lines.append("")
     lines += ["| claim | comparison (A vs B) | A | B | A - B, oriented [95%] | method | pairs | sign-flip p | verdict "
               "| seeds needed |",

@@ -158,8 +158,16 @@ def seed_scalars(row: dict[str, Any], early: int = EARLY_STEPS) -> dict[str, flo
     }
 
 
+def is_outcome(row: dict[str, Any]) -> bool:
+    """Whether a cell's row is a training outcome: it ran ("ok"), or its loss went non-finite (a collapse is
+    data). A failure of the machine (out of memory, an error, skipped for time) says nothing about the method."""
+    status = str(row.get("status", "ok"))
+    return status == "ok" or status.startswith("non-finite")
+
+
 def summarize_cells(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per cell label: the seeds run and, per seed scalar, its mean and 95% interval over those seeds."""
+    """Per cell label: the seeds that gave an outcome and, per seed scalar, its mean and 95% interval over them;
+    ``failed`` lists the other seeds with their status (an OOM is no seed of evidence)."""
     from qerl_cli.bench.stats import mean_ci
 
     by: dict[str, list[dict[str, Any]]] = {}
@@ -167,9 +175,12 @@ def summarize_cells(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
         by.setdefault(r["label"], []).append(r)
     out: dict[str, dict[str, Any]] = {}
     for label, rs in by.items():
-        scal = [seed_scalars(r) for r in rs]
-        out[label] = {"cell": rs[0]["cell"], "seeds": [r.get("seed") for r in rs],
-                      "metrics": {k: mean_ci([s[k] for s in scal]) for k in scal[0]}}
+        ok = [r for r in rs if is_outcome(r)]
+        scal = [seed_scalars(r) for r in ok]
+        keys = seed_scalars(rs[0]).keys()
+        out[label] = {"cell": rs[0]["cell"], "seeds": [r.get("seed") for r in ok],
+                      "failed": [f"{r.get('seed')}: {r.get('status')}" for r in rs if not is_outcome(r)],
+                      "metrics": {k: mean_ci([s[k] for s in scal]) for k in keys}}
     return out
 
 
@@ -398,8 +409,8 @@ def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], 
     except Exception as exc:  # noqa: BLE001 - recorded per cell (with the steps it ran), the grid goes on
         if isinstance(exc, QerlError) and "run directory" in str(exc):
             raise
-        row["status"] = harness.failure_status(exc)
-        log(f"[{label}] {row['status']}")
+        row["status"], row["note"] = harness.failure_status(exc), harness.failure_note(exc)
+        log(f"[{label} seed {cfg.seed}] {row['status']}: {row['note']}")
     finally:
         if trainer is not None and getattr(trainer, "engine", None) is not None:
             trainer.engine.release()
