@@ -82,6 +82,16 @@ def tiny_source(tmp_path_factory):
 
 
 @pytest.fixture
+def text_hash_reward(tmp_path) -> str:
+    """``--reward`` for the tiny random model, which solves nothing: a fixed function of the completion's text in
+    [0, 1), so every group has unequal rewards (a non-zero gradient), the same on every rank and every rerun."""
+    path = tmp_path / "text_hash_reward.py"
+    path.write_text("import hashlib\n\n\ndef text_hash(prompts, completions, **kw):\n"
+                    "    return [int(hashlib.sha256(c.encode()).hexdigest()[:8], 16) / 16**8 for c in completions]\n")
+    return f"{path}:text_hash"
+
+
+@pytest.fixture
 def tiny_run(tiny_source, tmp_path):
     """A fresh run quantized (NVFP4) from the tiny model."""
     from qerl_cli.quantize import quantize_model

@@ -158,14 +158,18 @@ def adapter(run: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "train" / "checkpoints" / f"step_{step}" / "adapter" / "adapter_model.safetensors"))
 
 
-def test_two_gloo_ranks_train_like_one_and_resume_on_one(run_dir: Path, tmp_path: Path) -> None:
+def test_two_gloo_ranks_train_like_one_and_resume_on_one(tiny_run: Path, text_hash_reward: str,
+                                                          tmp_path: Path) -> None:
+    # the tiny model: the test is about what two ranks agree on, not about the model (the embedded one: 100 s)
+    run_dir = tiny_run
+    args = [*ARGS, "--reward", text_hash_reward]
     ref = tmp_path / "ref"
     shutil.copytree(run_dir, ref)
-    res = qerl("train", "--run", str(ref), *ARGS, "--steps", "2")  # 1 process, plain path
+    res = qerl("train", "--run", str(ref), *args, "--steps", "2")  # 1 process, plain path
     assert res.returncode == 0, res.stderr[-2000:]
     want = metrics(ref)
 
-    res = torchrun(2, "-m", "qerl_cli", "--", "train", "--run", str(run_dir), *ARGS, "--steps", "1")
+    res = torchrun(2, "-m", "qerl_cli", "--", "train", "--run", str(run_dir), *args, "--steps", "1")
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("qerl train ·") == 1  # only rank 0 prints the console
     got = metrics(run_dir)
@@ -197,7 +201,7 @@ def test_two_gloo_ranks_train_like_one_and_resume_on_one(run_dir: Path, tmp_path
     assert max((one[k] - want1[k]).abs().max().item() for k in one) < 1e-6
 
     # resume the 2-process checkpoint on 1 process: step 2 matches the uninterrupted 1-process run
-    res = qerl("train", "--run", str(run_dir), *ARGS, "--steps", "2", "--resume")
+    res = qerl("train", "--run", str(run_dir), *args, "--steps", "2", "--resume")
     assert res.returncode == 0, res.stderr[-2000:]
     got = metrics(run_dir)
     assert [m["step"] for m in got] == [1, 2] and "dist/world_size" not in got[1]
@@ -208,8 +212,8 @@ def test_two_gloo_ranks_train_like_one_and_resume_on_one(run_dir: Path, tmp_path
     assert max((two[k] - want2[k]).abs().max().item() for k in two) < 1e-5
 
 
-def test_setup_error_on_a_rank_stops_all_with_one_line(run_dir: Path) -> None:
-    res = torchrun(2, "-m", "qerl_cli", "--", "train", "--run", str(run_dir), *ARGS, "--steps", "1",
+def test_setup_error_on_a_rank_stops_all_with_one_line(tiny_run: Path) -> None:
+    res = torchrun(2, "-m", "qerl_cli", "--", "train", "--run", str(tiny_run), *ARGS, "--steps", "1",
                    "--task", "jsonl:/nonexistent.jsonl")
     assert res.returncode != 0
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
