@@ -337,10 +337,14 @@ def bench_step(
         step = _FormatStep(res, cell, fmt, backend, cell_cfg, **common)
         steps[cell] = step
         cells.append(harness.Cell({"format": cell, "backend": backend}, step.measure, cell))
+    # the TRL cells run before any FMT@vllm cell: an in-process vLLM engine leaves ~10 GiB behind in this process
+    # (its context and pools; measured on an H100, 2026-11-26), and TRL's own process then ran out of memory
+    first_vllm = next((i for i, c in enumerate(cells) if "@" in c.key["format"]), len(cells))
     for peer in peers:
         trl = _TrlStep(res, cfg, steps, vllm_memory=vllm_memory, budget=budget, **common)
-        cells.append(harness.Cell({"format": peer, "backend": "TRL GRPOTrainer, peft LoRA, vLLM colocate (bf16)"},
-                                  trl.measure, peer))
+        cells.insert(first_vllm, harness.Cell(
+            {"format": peer, "backend": "TRL GRPOTrainer, peft LoRA, vLLM colocate (bf16)"}, trl.measure, peer))
+        first_vllm += 1
     res["results"] = harness.run_cells(cells, budget=budget, log=log)
     unquantized = {name for name, f in FORMATS.items() if not f.quantized}  # the BF16-LoRA baseline cell
     base = next((r for r in res["results"] if r["format"] in unquantized and r["status"] == "ok"), None)
