@@ -2,10 +2,10 @@
 # Issue 26 on the GPU, in one call (<= ~9 minutes): the RL step against the stacks users run today.
 #   QERL_DEADLINE_S=540 bash scripts/gpu_step_peers.sh
 # Before it, on the same warm machine, the parts are stashed by earlier calls (docs/bench_step.md "How to run the
-# three-way table"): vLLM 0.26 (scripts/vllm_pack.sh: parts p0 p1 p2 + wheels dir) and TRL's set
-# (scripts/trl_pack.sh: parts p0 p1 + trl.sha256). Where they are ($QERL_VLLM_WHL: the vLLM wheels dir with
+# four-cell table"): vLLM 0.26 (scripts/vllm_pack.sh: parts p0 p1 p2 + wheels dir) and TRL's set
+# (scripts/trl_pack.sh: part p0 + trl.sha256). Where they are ($QERL_VLLM_WHL: the vLLM wheels dir with
 # vt.sha256, default .gpu_v15w; $QERL_VLLM_PARTS: ".gpu_v15p0 .gpu_v15p1 .gpu_v15p2"; $QERL_TRL_SHA: .gpu_trlw/trl.sha256;
-# $QERL_TRL_PARTS: ".gpu_trlp0 .gpu_trlp1"; a part name is looked up in /tmp/vllm_parts, a carried folder is
+# $QERL_TRL_PARTS: ".gpu_trlp0"; a part name is looked up in /tmp/vllm_parts, a carried folder is
 # stashed first). Without vLLM the vLLM cells and the train stage record why; without TRL the TRL cell does.
 # Stages ($QERL_PEERS_STAGES, default "info install step7b rollout liger train"), each skipped when too little
 # time is left (it says so):
@@ -59,7 +59,7 @@ if has install; then
   [ -d /tmp/vsite ] && export PYTHONPATH="$PYTHONPATH:/tmp/vsite"
   if [ -f "${QERL_TRL_SHA:-.gpu_trlw/trl.sha256}" ]; then
     # shellcheck source=gpu_trl_install.sh
-    source scripts/gpu_trl_install.sh "${QERL_TRL_SHA:-.gpu_trlw/trl.sha256}" ${QERL_TRL_PARTS:-.gpu_trlp0 .gpu_trlp1}
+    source scripts/gpu_trl_install.sh "${QERL_TRL_SHA:-.gpu_trlw/trl.sha256}" ${QERL_TRL_PARTS:-.gpu_trlp0}
   else
     echo "trl: no ${QERL_TRL_SHA:-.gpu_trlw/trl.sha256}: TRL comes from the image or nowhere"
   fi
