@@ -164,7 +164,8 @@ def test_task_file_with_missing_column(run_dir: Path, tmp_path: Path) -> None:
     assert res.returncode == 2 and "answer" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_ctrl_c_checkpoints_and_exits_cleanly(run_dir: Path) -> None:
+def test_ctrl_c_checkpoints_and_exits_cleanly(tiny_run: Path) -> None:
+    run_dir = tiny_run  # the tiny model: the test is about the signal path, not the model (embedded: 38 s)
     args = ["--config", "quick_cpu", "--steps", "50", "--save-steps", "50", *SMALL]
     proc = qerl("train", "--run", str(run_dir), *args, wait=False)
     metrics_file = run_dir / "train" / "metrics.jsonl"
