@@ -363,7 +363,7 @@ def _evidence_section(run: RunDir, stages: dict[str, Any], pngs: dict[str, bytes
     ev = _load_json(run.abs(rel)) if rel else None
     if not ev or not isinstance(ev.get("claims"), list):
         return None
-    from qerl_cli.bench.evidence import CELL_COLUMNS, ci_text, part_interval_text, plot_curves, verdict_text
+    from qerl_cli.bench.evidence import CELL_COLUMNS, ci_text, part_interval_text, plot_curves, seeds_text, verdict_text
 
     def cell(v: Any) -> str:
         return f"<td>{_esc(v)}</td>"
@@ -400,7 +400,7 @@ def _evidence_section(run: RunDir, stages: dict[str, Any], pngs: dict[str, bytes
     for g, grp in (ev.get("groups") or {}).items():
         cols = CELL_COLUMNS.get(g, CELL_COLUMNS["qerl"])
         head = "".join(f"<th>{_esc(c)}</th>" for c in cols)
-        rows = "".join(f"<tr>{cell(label)}<td class='num'>{len(c.get('seeds', []))}</td>"
+        rows = "".join(f"<tr>{cell(label)}<td class='num'>{_esc(seeds_text(c))}</td>"
                        + "".join(cell(ci_text((c.get('metrics') or {}).get(k))) for k in cols) + "</tr>"
                        for label, c in (grp.get("cells") or {}).items())
         rule = grp.get("selection_rule")

@@ -329,6 +329,12 @@ def build_evidence(groups: dict[str, Sequence[dict[str, Any]]], *, n_boot: int =
     }
 
 
+def seeds_text(cell: dict[str, Any]) -> str:
+    """A cell's seed count as the tables show it: the seeds that gave an outcome, then how many failed."""
+    failed = cell.get("failed") or []
+    return f"{len(cell.get('seeds') or [])}" + (f" (+{len(failed)} failed)" if failed else "")
+
+
 def ci_text(s: dict[str, Any] | None, spec: str = SIG) -> str:
     if not s or s.get("mean") is None:
         return "-"
@@ -378,9 +384,8 @@ def markdown(ev: dict[str, Any]) -> str:
                   "(mean [95% t interval] over seeds)", "",
                   "| cell | seeds | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
         for label, c in grp["cells"].items():
-            failed = c.get("failed") or []
-            seeds = f"{len(c['seeds'])}" + (f" (+{len(failed)} failed)" if failed else "")
-            lines.append(f"| {label} | {seeds} | " + " | ".join(ci_text(c["metrics"].get(k)) for k in cols) + " |")
+            lines.append(f"| {label} | {seeds_text(c)} | " + " | ".join(ci_text(c["metrics"].get(k)) for k in cols)
+                         + " |")
         lines.append("")
     lines += ["| claim | comparison (A vs B) | A | B | A - B, oriented [95%] | method | pairs | sign-flip p | verdict "
               "| seeds needed |",

@@ -177,7 +177,7 @@ def summarize_cells(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
     for label, rs in by.items():
         ok = [r for r in rs if is_outcome(r)]
         scal = [seed_scalars(r) for r in ok]
-        keys = seed_scalars(rs[0]).keys()
+        keys = (scal[0] if scal else seed_scalars(rs[0])).keys()  # every cell failed: still name its columns
         out[label] = {"cell": rs[0]["cell"], "seeds": [r.get("seed") for r in ok],
                       "failed": [f"{r.get('seed')}: {r.get('status')}" for r in rs if not is_outcome(r)],
                       "metrics": {k: mean_ci([s[k] for s in scal]) for k in keys}}
