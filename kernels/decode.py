@@ -30,6 +30,7 @@ form. ``LAUNCHES`` counts launches per kernel (op-count tests).
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 import triton
@@ -234,7 +235,8 @@ SHRINK_MAX_R = 256  # sum of the ranks a group's shrink may have (the [BM, R] ac
 def _lora_shrink_kernel(p0_ptr, p1_ptr, w_ptr, hout_ptr, xout_ptr, a_ptr, out_ptr, ws_ptr, cnt_ptr,
                         M, K, R, stride_p0, stride_p1, stride_ho, stride_xo, stride_a, stride_out, k_split, eps,
                         S: tl.constexpr, PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr,
-                        BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BKN: tl.constexpr, F32: tl.constexpr):
+                        BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BKN: tl.constexpr, NKN: tl.constexpr,
+                        F32: tl.constexpr):
     """out[M, R] = x @ A^T with x made here from the inputs (PROLOGUE): 0 x = p0; 1 (RMSNorm) x = w *
     rmsnorm(p0 + p1), also storing p0 + p1 (HAS_DELTA) and x; 2 (SiLU) x = silu(p0) * p1, also storing x.
     Program (m tile, K split): its slice of x is made, stored once, and multiplied into an fp32 [BM, R]
@@ -248,12 +250,12 @@ def _lora_shrink_kernel(p0_ptr, p1_ptr, w_ptr, hout_ptr, xout_ptr, a_ptr, out_pt
     dt = out_ptr.dtype.element_ty
     rstd = tl.zeros((BM,), dtype=tl.float32)
     if PROLOGUE == 1:
-        # the norm needs the whole row: every K split reads it once (L2-resident after the first)
-        # in wide BKN blocks: a loop of dependent L2 loads is latency-bound, few long iterations keep it short
+        # the norm needs the whole row: every K split reads it (L2-resident after the first). Unrolled, so the
+        # NKN block loads are independent and issued back to back (a loop of dependent loads is latency-bound)
         ss = tl.zeros((BM,), dtype=tl.float32)
         offs_n = tl.arange(0, BKN)
-        for k0 in range(0, K, BKN):
-            cols = k0 + offs_n
+        for i in tl.static_range(NKN):
+            cols = i * BKN + offs_n
             m2 = rmask[:, None] & (cols < K)[None, :]
             s = tl.load(p0_ptr + rows64[:, None] * stride_p0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
             if HAS_DELTA:
@@ -270,6 +272,7 @@ def _lora_shrink_kernel(p0_ptr, p1_ptr, w_ptr, hout_ptr, xout_ptr, a_ptr, out_pt
         cols = k0 + offs_k
         cmask = cols < k_end
         m2 = rmask[:, None] & cmask[None, :]
+        a = tl.load(a_ptr + rr[None, :] * stride_a + cols[:, None], mask=rrmask[None, :] & cmask[:, None], other=0.0)
         if PROLOGUE == 0:
             x = tl.load(p0_ptr + rows64[:, None] * stride_p0 + cols[None, :], mask=m2, other=0.0)
         elif PROLOGUE == 1:
@@ -289,7 +292,6 @@ def _lora_shrink_kernel(p0_ptr, p1_ptr, w_ptr, hout_ptr, xout_ptr, a_ptr, out_pt
             sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
             x = (sg * u).to(dt)
             tl.store(xout_ptr + rows64[:, None] * stride_xo + cols[None, :], x, mask=m2)
-        a = tl.load(a_ptr + rr[None, :] * stride_a + cols[:, None], mask=rrmask[None, :] & cmask[:, None], other=0.0)
         if F32:
             acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -310,33 +312,48 @@ def _lora_shrink_kernel(p0_ptr, p1_ptr, w_ptr, hout_ptr, xout_ptr, a_ptr, out_pt
         tl.store(out_ptr + rows64[:, None] * stride_out + rr[None, :], acc.to(dt), mask=omask)
 
 
-def shrink_plan(m: int, k: int, r: int, prologue: int, sms: int = 132) -> tuple[int, int, int, int]:
-    """(BM, BR, BK, K splits) of a fused shrink: a fixed rule (the summation order, and so the bits, follow it).
+class ShrinkPlan(NamedTuple):
+    """How a fused shrink is launched: rows per program, padded rank, K tile, K splits (programs per row tile),
+    the norm pass's block width, warps and pipeline stages. The summation order, so the bits, follow it."""
 
-    Rows per program 16 (the smallest ``tl.dot`` tile; the norm prologue always, since every K split
-    re-reads its rows' whole width for the norm), else 32 or 64 by M. K is split so that at decode sizes
-    enough programs stream A: up to 16 ways at M <= 16 for the norm (the re-read rows are few), 32 // m
-    tiles beyond; for the plain and SiLU forms ~2 programs per SM, at most 32, >= 2 K tiles each."""
+    bm: int
+    br: int
+    bk: int
+    splits: int
+    bkn: int = 256
+    warps: int = 4
+    stages: int = 1
+
+    def key(self) -> str:
+        return f"bm{self.bm}_bk{self.bk}_s{self.splits}_n{self.bkn}_w{self.warps}_st{self.stages}"
+
+
+# the last program of a row tile sums the S partials: at most this many bytes of them (one SM reads them)
+SHRINK_SUM_BYTES = 128 * 1024
+# rows up to which the RMSNorm form is one launch: every K split re-reads its rows' whole width for the norm, so
+# beyond this the engine runs the norm kernel and the plain shrink (two launches)
+NORM_SHRINK_MAX_ROWS = 16
+
+
+def shrink_plan(m: int, k: int, r: int, prologue: int, sms: int = 132) -> ShrinkPlan:
+    """The fused shrink's plan: a fixed rule (the summation order, and so the bits, follow from it).
+
+    A decode-size shrink moves ~0.3-2 MB of A and is bound by how many loads are in flight, not by bandwidth
+    (measured on an H100, 2026-11-26: plans of <= 8 K splits, each a loop of 5-27 dependent K tiles, took
+    20-40 us per launch). So: 16 rows per program (the smallest ``tl.dot`` tile), a K tile whose A slice is
+    ~32 KB, and as many K splits as there are K tiles (one tile per program, every SM streaming A), capped so
+    that the last program's fixed-order sum of the partials reads at most ``SHRINK_SUM_BYTES``."""
     br = max(16, triton.next_power_of_2(r))
-    bk = 128 if br <= 64 else 64
-    if prologue == SHRINK_NORM or m <= 16:
-        bm = 16
-    else:
-        bm = 32 if m <= 32 else 64
-    mt = triton.cdiv(m, bm)
+    bm = 16
+    bk = min(256, max(32, 16384 // br), triton.next_power_of_2(k))
     kt = triton.cdiv(k, bk)
-    # few splits: each is a chain of dependent loads, and the last program sums all S partials (measured on an
-    # H100, 2026-11-26: 16-32 splits made each shrink ~20 us, slower than norm + a separate cuBLAS shrink)
-    if prologue == SHRINK_NORM:
-        splits = min(kt, 8) if m <= 16 else max(1, min(kt, 8 // mt))
-    else:
-        splits = max(1, min(kt // 2, triton.cdiv(2 * sms, mt), 8))
-    return bm, br, bk, splits
+    cap = max(1, SHRINK_SUM_BYTES // (min(m, bm) * br * 4))
+    return ShrinkPlan(bm, br, bk, max(1, min(kt, cap)))
 
 
 def _shrink(prologue: int, p0: torch.Tensor, p1: torch.Tensor | None, weight: torch.Tensor | None, a: torch.Tensor,
             eps: float, h_out: torch.Tensor | None, x_out: torch.Tensor | None,
-            out: torch.Tensor | None) -> torch.Tensor:
+            out: torch.Tensor | None, plan: ShrinkPlan | None = None) -> torch.Tensor:
     """Launch one fused shrink over 2-D row views (see the public wrappers); returns out [M, R]."""
     m, k = p0.shape
     r = a.shape[0]
@@ -347,22 +364,24 @@ def _shrink(prologue: int, p0: torch.Tensor, p1: torch.Tensor | None, weight: to
     out = out if out is not None else torch.empty((m, r), dtype=p0.dtype, device=p0.device)
     if m == 0:
         return out
-    bm, br, bk, splits = shrink_plan(m, k, r, prologue, num_sms(p0.device))
-    k_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    plan = plan or shrink_plan(m, k, r, prologue, num_sms(p0.device))
+    bk = plan.bk
+    k_split = triton.cdiv(triton.cdiv(k, plan.splits), bk) * bk
     splits = triton.cdiv(k, k_split)
-    mt = triton.cdiv(m, bm)
+    mt = triton.cdiv(m, plan.bm)
     ws = torch.empty((splits, m, r), dtype=torch.float32, device=p0.device) if splits > 1 else out
     cnt = tile_counters(p0.device, mt) if splits > 1 else out
     p1_ = p1 if p1 is not None else p0
     w_ = weight if weight is not None else a
     ho = h_out if h_out is not None else p0
     xo = x_out if x_out is not None else p0
+    bkn = min(plan.bkn, triton.next_power_of_2(k))
     _lora_shrink_kernel[(mt, splits)](
         p0, p1_, w_, ho, xo, a, out, ws, cnt, m, k, r, p0.stride(0), p1_.stride(0), ho.stride(0), xo.stride(0),
         a.stride(0), out.stride(0), k_split, eps, splits, PROLOGUE=prologue, HAS_DELTA=p1 is not None and
-        prologue == SHRINK_NORM, SPLIT=splits > 1, BM=bm, BR=br, BK=bk,
-        BKN=min(triton.next_power_of_2(k), 1024 if bm <= 16 else 256), F32=INTERPRET or p0.dtype == torch.float32,
-        num_warps=8 if bm <= 16 else 4)
+        prologue == SHRINK_NORM, SPLIT=splits > 1, BM=plan.bm, BR=plan.br, BK=bk, BKN=bkn,
+        NKN=triton.cdiv(k, bkn) if prologue == SHRINK_NORM else 1, F32=INTERPRET or p0.dtype == torch.float32,
+        num_warps=plan.warps, num_stages=plan.stages)
     return out
 
 
@@ -370,16 +389,18 @@ def _rows2(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = None,
+                plan: ShrinkPlan | None = None) -> torch.Tensor:
     """h = x @ A^T [M, R] in x's dtype (fp32 accumulation), one launch: x [..., K] with packed rows, A [R, K]."""
-    h = _shrink(SHRINK_PLAIN, _rows2(x), None, None, a, 0.0, None, None, out)
+    h = _shrink(SHRINK_PLAIN, _rows2(x), None, None, a, 0.0, None, None, out, plan)
     LAUNCHES["lora_shrink"] += 1
     return h
 
 
 def rmsnorm_shrink(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, a: torch.Tensor,
                    h_out: torch.Tensor | None = None, x_out: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   out: torch.Tensor | None = None,
+                   plan: ShrinkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``add_rmsnorm`` and the LoRA shrink of the group reading its output, in one launch:
     (h + delta, x = rmsnorm(h + delta) * weight, x @ A^T [M, R]); ``delta=None``: (h, rmsnorm(h) * weight, ...).
     Contiguous inputs of one dtype; A [R, hidden]."""
@@ -388,18 +409,19 @@ def rmsnorm_shrink(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Te
     hout = h if delta is None else (h_out if h_out is not None else torch.empty(h.shape, dtype=h.dtype,
                                                                               device=h.device))
     hl = _shrink(SHRINK_NORM, h.reshape(-1, n), None if delta is None else delta.reshape(-1, n), weight, a, eps,
-                 hout.view(-1, n), x.view(-1, n), out)
+                 hout.view(-1, n), x.view(-1, n), out, plan)
     LAUNCHES["rmsnorm_shrink"] += 1
     return hout, x, hl
 
 
 def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, a: torch.Tensor,
-                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    out: torch.Tensor | None = None,
+                    plan: ShrinkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``silu_mul`` and the down projection's LoRA shrink in one launch: (act = silu(gate) * up, act @ A^T).
     gate/up: same shape and dtype, packed rows (e.g. the column halves of the fused gate/up output)."""
     act = out if out is not None else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.shape[-1]
-    hl = _shrink(SHRINK_SILU, gate.view(-1, n), up.view(-1, n), None, a, 0.0, None, act.view(-1, n), None)
+    hl = _shrink(SHRINK_SILU, gate.view(-1, n), up.view(-1, n), None, a, 0.0, None, act.view(-1, n), None, plan)
     LAUNCHES["silu_mul_shrink"] += 1
     return act, hl
 

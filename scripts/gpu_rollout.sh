@@ -46,6 +46,10 @@
 #   dattn     scripts/decode_attn_bench.py: SDPA backends vs FlashInfer decode (7B and 32B head layouts, batch
 #             8/64/256 x KV 512/2048/8192) and the samplers vs FlashInfer's at vocab 152064 (out: attn.json)
 #   fistash   (a short call of its own, carrying out/fi_whl_a) part A of the FlashInfer wheel to /tmp/qk_fi
+#   shrinks   python -m qerl_cli.bench.lora_shrinks: every fused LoRA shrink plan vs norm/SiLU + cuBLAS, 7B and 32B
+#             groups, M 8/32/64 ($QERL_SHRINKS_S, default 200 s) (out: shrinks.json)
+#   ncu       scripts/ncu_decode_step.py under Nsight Compute: counters of each category's kernels (7B layer,
+#             batch 8 and 64) (out: ncu_decode.{csv,md}, ncu_labels.json)
 #   Then the A/B table (scripts/decode_ab.py) and each bench's tables, the per-category byte floors last.
 #   FlashInfer is optional: scripts/flashinfer_wheels.sh here first; call 1 QERL_ROLLOUT_STAGES=fistash carrying
 #   out/fi_whl_a, call 2 (the one above) carrying out/fi_whl_b; without them dtests/dattn skip FlashInfer.
@@ -187,7 +191,7 @@ if has fistash; then
   stamp fistash
   mkdir -p /tmp/qk_fi && [ -f out/fi_whl_a/part_a ] && cp out/fi_whl_a/part_a /tmp/qk_fi/part_a && echo "FlashInfer part A stashed"
 fi
-if has dtests || has dattn || has d7 || has d32; then
+if has dtests || has dattn || has d7 || has d32 || has shrinks || has ncu; then
   flashinfer_install || echo "flashinfer: not installed (its tests and bench rows are skipped)"
   export QERL_KERNEL_CACHE=${QERL_KERNEL_CACHE:-/tmp/qerl_plans} FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp}
 fi
@@ -196,6 +200,21 @@ if has dtests; then
   stamp "dtests (${T}s)"
   # conftest sets TRITON_INTERPRET=1 only when unset: the GPU runs compiled kernels
   TRITON_INTERPRET=0 timeout $T python3 -P -m pytest -q -rfEs -p no:cacheprovider tests/test_rollout_cuda.py 2>&1 | tail -25
+fi
+if has shrinks; then  # issue 25: every fused-shrink plan vs the unfused launches (qerl_cli/bench/lora_shrinks.py)
+  T=${QERL_SHRINKS_S:-200}
+  stamp "shrinks (${T}s)"
+  timeout $(( T + 40 )) python3 -P -m qerl_cli.bench.lora_shrinks "$OUT/shrinks.json" "$T" 2>&1 | tail -30
+fi
+if has ncu; then  # issue 25: Nsight Compute counters of each decode-step category's kernels (7B, batch 8 and 64)
+  stamp ncu
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout "${QERL_NCU_TIMEOUT:-170}" "$NCU" --clock-control none --profile-from-start off --csv --page details \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --metrics "$(python3 -P scripts/ncu_decode_step.py metrics)" \
+    python3 -P scripts/ncu_decode_step.py run "$OUT/ncu_labels.json" > "$OUT/ncu_decode.csv" 2> "$OUT/ncu_decode.err"
+  echo "ncu rc $?; $(wc -l < "$OUT/ncu_decode.csv") csv lines"; tail -3 "$OUT/ncu_decode.err"
+  python3 -P scripts/ncu_decode_step.py table "$OUT/ncu_decode.csv" "$OUT/ncu_labels.json" | tee "$OUT/ncu_decode.md"
 fi
 if has d7; then
   B=$(left)

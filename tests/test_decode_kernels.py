@@ -231,6 +231,58 @@ def test_lora_shrink_kernels_match_reference(dtype: torch.dtype, rows: int, k: i
         assert shrink_plan(rows, k, r, 0)[3] > 1 and shrink_plan(rows, k, r, 1)[3] > 1
 
 
+def test_every_swept_shrink_plan_computes_the_same_product() -> None:
+    """The GPU sweep (qerl_cli.bench.lora_shrinks) times plan variants of K tile, K splits (one tile per program
+    up to several), rows per program and the norm pass's block width; each must compute the same x, h' and
+    x @ A^T (fp32, reduction order only), so the sweep's fastest plan is a valid rule."""
+    from qerl_kernels.decode import SHRINK_NORM, SHRINK_SILU, rmsnorm_shrink, silu_mul_shrink
+
+    from qerl_cli.bench.lora_shrinks import plan_variants
+
+    g = torch.Generator().manual_seed(5)
+    rows, k, r = 33, 600, 20
+    h, d = 2 * torch.randn(rows, k, generator=g), torch.randn(rows, k, generator=g)
+    w, a = 1 + 0.3 * torch.randn(k, generator=g), 0.1 * torch.randn(r, k, generator=g)
+    gu = torch.randn(rows, 2 * k, generator=g)
+    want_x = rms_norm_ref(h + d, w, 1e-6)
+    want_act = torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]
+    norm_plans = plan_variants(rows, k, r, SHRINK_NORM, 132)
+    silu_plans = plan_variants(rows, k, r, SHRINK_SILU, 132)
+    assert len(norm_plans) >= 10 and any(p.splits == -(-k // p.bk) for _, p in norm_plans)  # one tile each
+    assert any(p.bm == 64 for _, p in silu_plans)  # all rows in one program
+    for name, plan in norm_plans:
+        s, x, hl = rmsnorm_shrink(h, d, w, 1e-6, a, plan=plan)
+        assert torch.equal(s, h + d), name
+        _close(x, want_x, torch.float32)
+        _hl_close(hl, x.double() @ a.double().T, torch.float32)
+    for _name, plan in silu_plans:
+        act, hl = silu_mul_shrink(gu[:, :k], gu[:, k:], a, plan=plan)
+        _close(act, want_act, torch.float32)
+        _hl_close(hl, act.double() @ a.double().T, torch.float32)
+
+
+def test_norm_shrink_beyond_one_launch_rows_runs_norm_then_shrink() -> None:
+    """Above NORM_SHRINK_MAX_ROWS rows the RMSNorm form would re-read every row per K split: FusedOps runs the
+    norm kernel and the plain shrink kernel instead (two launches), same values."""
+    from qerl_kernels.decode import LAUNCHES, NORM_SHRINK_MAX_ROWS
+
+    ops = FusedOps(triton=True)
+    g = torch.Generator().manual_seed(11)
+    for rows in (NORM_SHRINK_MAX_ROWS, NORM_SHRINK_MAX_ROWS + 1):
+        h, d = torch.randn(rows, 1, 48, generator=g), torch.randn(rows, 1, 48, generator=g)
+        w, a = torch.rand(48, generator=g), torch.randn(6, 48, generator=g)
+        before = LAUNCHES.copy()
+        s, x, hl = ops.add_rms_norm_shrink(h, d, w, 1e-6, a)
+        launched = {n: LAUNCHES[n] - before[n] for n in ("rmsnorm_shrink", "add_rmsnorm", "lora_shrink")}
+        one = rows <= NORM_SHRINK_MAX_ROWS
+        # the first call of each kernel is checked against the torch path; the kernel launches count once
+        assert launched == ({"rmsnorm_shrink": 1, "add_rmsnorm": 0, "lora_shrink": 0} if one else
+                            {"rmsnorm_shrink": 0, "add_rmsnorm": 1, "lora_shrink": 1}), (rows, launched)
+        assert torch.equal(s, h + d)
+        _close(x, rms_norm_ref(h + d, w, 1e-6), torch.float32)
+        _hl_close(hl, x.reshape(rows, 48).double() @ a.double().T, torch.float32)
+
+
 def test_fused_shrink_ops_fall_back_once(caplog) -> None:
     """FusedOps' LoRA ops: the kernel result at first use, then on a wrong kernel one warning and the torch
     reference (norm + mm) from then on, the other kernels untouched."""

@@ -291,7 +291,7 @@ def bench_kernels(
                     record(model, name, n, k, m, method, calls, wb)
                     del calls
                 if out_json is not None:  # partial results survive a timeout
-                    _save(res, out_json)
+                    save_result(res, out_json)
                 if log:
                     done = [r for r in res["results"] if r["model"] == model and r["gemm"] == name and r["M"] == m]
                     log(f"{model} {name} M={m}: " + ", ".join(f"{r['method']} {r['ms'] * 1e3:.1f}us" for r in done))
@@ -307,7 +307,7 @@ def bench_kernels(
     res["dispatch"] = {"backend": dispatch.get_backend(), "candidates": dispatch.candidates(),
                        "plans": dispatch.plans()}
     if out_json is not None:
-        _save(res, out_json)
+        save_result(res, out_json)
     return res
 
 
@@ -316,7 +316,7 @@ def _failed(res: dict[str, Any], model: str, gemm: str, m: int, method: str, exc
     res["errors"].append({"model": model, "gemm": gemm, "M": m, "method": method, "error": repr(exc)[:300]})
 
 
-def _save(res: dict[str, Any], out_json: Path) -> None:
+def save_result(res: dict[str, Any], out_json: Path) -> None:
     from qerl_cli.manifest import atomic_write_json, jsonable
 
     Path(out_json).parent.mkdir(parents=True, exist_ok=True)
@@ -541,7 +541,7 @@ def sweep_decode(shapes: Sequence[str] = ("qwen2.5-7b", "qwen2.5-32b"), ms: Sequ
             for m in ms:
                 _sweep_one(res, record, model, gemm, n, k, m, fmt, sms, mods, st, wbytes, dense, hum, r, lb, device)
                 if out_json is not None:
-                    _save(res, out_json)
+                    save_result(res, out_json)
                 if log:
                     done = [x_ for x_ in res["results"] if x_["model"] == model and x_["gemm"] == gemm
                             and x_["M"] == m]
@@ -549,7 +549,7 @@ def sweep_decode(shapes: Sequence[str] = ("qwen2.5-7b", "qwen2.5-32b"), ms: Sequ
             del mods, st, dense, hum, w
             torch.cuda.empty_cache()
     if out_json is not None:
-        _save(res, out_json)
+        save_result(res, out_json)
     return res
 
 

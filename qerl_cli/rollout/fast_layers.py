@@ -489,13 +489,21 @@ class FusedOps:
             x = rms_norm_ref(s, weight, eps)
             return s, x, torch.mm(x.reshape(-1, x.shape[-1]), a.t())
 
-        if self._shrink_ok("rmsnorm_shrink", h, a) and _fusable(h, weight, delta):
+        rows = h.numel() // max(1, h.shape[-1])
+        if (rows <= self._k_norm_rows() and self._shrink_ok("rmsnorm_shrink", h, a)
+                and _fusable(h, weight, delta)):
             out = self._try("rmsnorm_shrink", lambda: self._k.rmsnorm_shrink(h, delta, weight, eps, a), ref)
             if out is not None:
                 return out
         s, x = self.add_rms_norm(h, delta, weight, eps) if delta is not None else (h, self.rms_norm(h, weight, eps))
         with region("lora"):
+            if self.enabled["rmsnorm_shrink"]:  # more rows than the one-launch form takes: norm, then shrink kernel
+                return s, x, self.lora_shrink(x, a)
             return s, x, torch.mm(x.reshape(-1, x.shape[-1]), a.t())
+
+    def _k_norm_rows(self) -> int:
+        """Rows up to which the RMSNorm + shrink form is one launch (the kernels' rule)."""
+        return self._k.NORM_SHRINK_MAX_ROWS if self._k is not None else 0
 
     def silu_mul_shrink(self, gate: torch.Tensor, up: torch.Tensor, act: nn.Module,
                         a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
