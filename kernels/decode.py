@@ -254,14 +254,14 @@ def _lora_shrink_kernel(p0_ptr, p1_ptr, w_ptr, hout_ptr, xout_ptr, a_ptr, out_pt
         # NKN block loads are independent and issued back to back (a loop of dependent loads is latency-bound)
         ss = tl.zeros((BM,), dtype=tl.float32)
         offs_n = tl.arange(0, BKN)
-        for i in tl.static_range(NKN):
-            cols = i * BKN + offs_n
-            m2 = rmask[:, None] & (cols < K)[None, :]
-            s = tl.load(p0_ptr + rows64[:, None] * stride_p0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        for i in tl.static_range(NKN):  # own names: the K loop below reuses none of these with another shape
+            ncols = i * BKN + offs_n
+            n2 = rmask[:, None] & (ncols < K)[None, :]
+            sn = tl.load(p0_ptr + rows64[:, None] * stride_p0 + ncols[None, :], mask=n2, other=0.0).to(tl.float32)
             if HAS_DELTA:
-                d = tl.load(p1_ptr + rows64[:, None] * stride_p1 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-                s = (s + d).to(dt).to(tl.float32)  # torch adds in the activation dtype
-            ss += tl.sum(s * s, axis=1)
+                dn = tl.load(p1_ptr + rows64[:, None] * stride_p1 + ncols[None, :], mask=n2, other=0.0)
+                sn = (sn + dn.to(tl.float32)).to(dt).to(tl.float32)  # torch adds in the activation dtype
+            ss += tl.sum(sn * sn, axis=1)
         rstd = 1.0 / tl.sqrt(ss / K + eps)
     rr = tl.arange(0, BR)
     rrmask = rr < R
@@ -330,9 +330,14 @@ class ShrinkPlan(NamedTuple):
 
 # the last program of a row tile sums the S partials: at most this many bytes of them (one SM reads them)
 SHRINK_SUM_BYTES = 128 * 1024
-# rows up to which the RMSNorm form is one launch: every K split re-reads its rows' whole width for the norm, so
-# beyond this the engine runs the norm kernel and the plain shrink (two launches)
-NORM_SHRINK_MAX_ROWS = 16
+# Rows up to which the engine runs the one-launch producer forms (RMSNorm + shrink, SiLU + shrink); beyond, the
+# producer kernel and then the shrink (two launches). Measured on an H100 (2026-11-26, `qerl_cli.bench.lora_shrinks`,
+# docs/benchmarks.md): at M = 8 and 64 on Qwen2.5-7B/32B layers, norm + the plain shrink kernel took 6.9-10.6 us and
+# every one-launch norm plan 7.2-13.6 us (each K split re-reads its rows' whole width for the norm); SiLU + a
+# cuBLAS shrink 9.1-10.9 us, every one-launch SiLU plan 9.3-16.2 us (the down shrink's K of 19-28k needs 54-108
+# partials, which the last program sums). So neither one-launch form is used; both stay for the bench and tests.
+NORM_SHRINK_MAX_ROWS = 0
+SILU_SHRINK_MAX_ROWS = 0
 
 
 def shrink_plan(m: int, k: int, r: int, prologue: int, sms: int = 132) -> ShrinkPlan:

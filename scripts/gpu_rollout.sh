@@ -221,7 +221,8 @@ if has d7; then
   if has d32; then B=$(( B - ${QERL_D32_RESERVE:-170} )); fi
   if has dattn; then B=$(( B - ${QERL_DATTN_RESERVE:-60} )); fi
   stamp "d7 (${B}s)"
-  timeout $(( B + 30 )) python3 -P /tmp/qk/run_many.py "$(d_runs "${QERL_D7_SHAPE:-qwen2.5-7b}" "$OUT/d7" "nvfp4:8,64,256 bf16:64")" "$B"
+  timeout $(( B + 30 )) python3 -P /tmp/qk/run_many.py \
+    "$(d_runs "${QERL_D7_SHAPE:-qwen2.5-7b}" "$OUT/d7" "${QERL_D7_SPECS:-nvfp4:8,64,256 bf16:64}")" "$B"
 fi
 if has d32; then
   B=$(left)

@@ -118,9 +118,9 @@ class BuiltinEngine:
         fast_lora: run LoRA layers through in-dtype shadows of A and B*scaling, refreshed in place at
             every ``generate`` (``fast_layers.py``); False calls the peft modules.
         fused_kernels: fused Triton kernels for norm/RoPE/KV-write/SiLU (default: on CUDA only).
-            ``QERL_FAST_DECODE=0`` in the environment turns both off. With them, LoRA shrinks run inside
-            the norm/SiLU kernels and the expands in the FP4 GEMM's epilogue where it has one
-            with ``QERL_FUSED_LORA=1`` (opt-in: slower on the GPU so far, docs/decode.md), and sampling is
+            ``QERL_FAST_DECODE=0`` in the environment turns both off. With them, LoRA shrinks are one-launch
+            Triton kernels and the expands ride in the FP4 GEMM's epilogue where it has one
+            (``QERL_FUSED_LORA=0``: cuBLAS shrinks and in-place expands, docs/decode.md), and sampling is
             one kernel captured in the decode graph
             (``QERL_FUSED_SAMPLING=0``: off); ``QERL_DECODE_ATTN=sdpa|flashinfer|auto`` picks the decode
             attention (docs/decode.md).

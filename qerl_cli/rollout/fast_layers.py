@@ -402,11 +402,15 @@ class FusedOps:
         self.checked: set[str] = set()
         self.fell_back: set[str] = set()  # kernels that failed to build or their first-use check
         self._k = None
+        self.one_launch_rows = {"rmsnorm_shrink": 0, "silu_mul_shrink": 0}
         if triton:
             try:
                 from qerl_kernels import decode as kernels
 
                 self._k = kernels
+                # up to how many rows the one-launch producer + shrink forms run (the kernels' measured rule)
+                self.one_launch_rows = {"rmsnorm_shrink": kernels.NORM_SHRINK_MAX_ROWS,
+                                        "silu_mul_shrink": kernels.SILU_SHRINK_MAX_ROWS}
             except Exception as exc:  # noqa: BLE001 - any import/build problem means: torch path
                 log.warning("qerl fused decode kernels unavailable (%s); using the torch path", exc)
                 self.fell_back = {n for n, on in self.enabled.items() if on}
@@ -490,7 +494,7 @@ class FusedOps:
             return s, x, torch.mm(x.reshape(-1, x.shape[-1]), a.t())
 
         rows = h.numel() // max(1, h.shape[-1])
-        if (rows <= self._k_norm_rows() and self._shrink_ok("rmsnorm_shrink", h, a)
+        if (rows <= self.one_launch_rows["rmsnorm_shrink"] and self._shrink_ok("rmsnorm_shrink", h, a)
                 and _fusable(h, weight, delta)):
             out = self._try("rmsnorm_shrink", lambda: self._k.rmsnorm_shrink(h, delta, weight, eps, a), ref)
             if out is not None:
@@ -501,10 +505,6 @@ class FusedOps:
                 return s, x, self.lora_shrink(x, a)
             return s, x, torch.mm(x.reshape(-1, x.shape[-1]), a.t())
 
-    def _k_norm_rows(self) -> int:
-        """Rows up to which the RMSNorm + shrink form is one launch (the kernels' rule)."""
-        return self._k.NORM_SHRINK_MAX_ROWS if self._k is not None else 0
-
     def silu_mul_shrink(self, gate: torch.Tensor, up: torch.Tensor, act: nn.Module,
                         a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(silu(gate) * up, that @ A^T as [rows, R])."""
@@ -513,8 +513,9 @@ class FusedOps:
             y = act(gate) * up
             return y, torch.mm(y.reshape(-1, y.shape[-1]), a.t())
 
-        if (self._shrink_ok("silu_mul_shrink", gate, a) and _rows_packed(gate) and _rows_packed(up)
-                and gate.shape == up.shape and gate.dtype == up.dtype):
+        rows = gate.numel() // max(1, gate.shape[-1])
+        if (rows <= self.one_launch_rows["silu_mul_shrink"] and self._shrink_ok("silu_mul_shrink", gate, a)
+                and _rows_packed(gate) and _rows_packed(up) and gate.shape == up.shape and gate.dtype == up.dtype):
             out = self._try("silu_mul_shrink", lambda: self._k.silu_mul_shrink(gate, up, a), ref)
             if out is not None:
                 return out

@@ -168,10 +168,11 @@ class ModelRunner:
         self.fast_lora = fast_lora and fast_env
         if fused_kernels is None:
             fused_kernels = self.device.type == "cuda"
-        # LoRA inside the step (docs/decode.md): shrinks in the norm/SiLU kernels, expands in the quantized GEMM's
-        # epilogue where its kernel has one. Opt-in (QERL_FUSED_LORA=1): on the GPU (32B, 2026-11-26) its shrink
-        # kernels made the step 1.4-1.6x slower than one shrink GEMM per group with in-place expands (the default).
-        self.fused_lora = os.environ.get("QERL_FUSED_LORA", "0") == "1"
+        # LoRA inside the step (docs/decode.md): one-launch Triton shrinks (after the norm kernel for q/k/v and
+        # gate/up, on the attention output for o; down's stays cuBLAS after the SiLU kernel) and the expands in the
+        # quantized GEMM's epilogue where its kernel has one. The default; QERL_FUSED_LORA=0 is issue 15's path (one
+        # cuBLAS shrink GEMM per group, in-place expands), the A/B switch.
+        self.fused_lora = os.environ.get("QERL_FUSED_LORA", "1") != "0"
         self.ops = FusedOps(triton=fused_kernels and fast_env, fused_lora=self.fused_lora)
         self.plan: FastPlan | None = None
 
