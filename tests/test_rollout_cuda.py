@@ -187,10 +187,10 @@ def _all_lora(model: nn.Module, rank: int = 8) -> nn.Module:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_lora_and_sampler_on_cuda(monkeypatch, dtype: torch.dtype) -> None:
-    """Issue 25's default decode path on the GPU: LoRA shrinks inside the norm/SiLU kernels (+ o's own), the
-    one-pass sampler captured in the decode graphs. Kernels build and pass their first-use checks; fp32 greedy
-    and sampled tokens equal the QERL_FUSED_LORA=0 / QERL_FUSED_SAMPLING=0 path (log-probs to 1e-4); bf16 runs
-    with no fallback."""
+    """Issue 25's default decode path on the GPU: one-launch Triton LoRA shrinks (q/k/v, gate/up after the norm
+    kernel, o's on the attention output), the one-pass sampler captured in the decode graphs. Kernels build and
+    pass their first-use checks; fp32 greedy and sampled tokens equal the QERL_FUSED_LORA=0 /
+    QERL_FUSED_SAMPLING=0 path (log-probs to 1e-4); bf16 runs with no fallback."""
     _default_switches(monkeypatch)
     monkeypatch.setenv("QERL_FUSED_LORA", "1")  # the default (Triton shrinks, expands in the FP4 epilogue)
     from qerl_kernels import decode as decode_kernels
@@ -205,7 +205,11 @@ def test_fused_lora_and_sampler_on_cuda(monkeypatch, dtype: torch.dtype) -> None
     f_sampled, f_sampled_lp = run(fused, sampled)
     assert all(fused.runner.ops.enabled.values()), fused.runner.ops.enabled
     assert fused.noise.fused_sampling and fused.runner.ops.fused_lora
-    assert all(decode_kernels.LAUNCHES[n] > before[n] for n in ("rmsnorm_shrink", "silu_mul_shrink", "lora_shrink"))
+    # the measured rule: Triton shrinks after the norm kernel and on the attention output (the one-launch
+    # norm/SiLU forms are off: decode_kernels.NORM/SILU_SHRINK_MAX_ROWS = 0)
+    assert decode_kernels.LAUNCHES["lora_shrink"] > before["lora_shrink"]
+    if decode_kernels.NORM_SHRINK_MAX_ROWS == 0:
+        assert decode_kernels.LAUNCHES["rmsnorm_shrink"] == before["rmsnorm_shrink"]
     # the sampler ran inside the decode graphs (graph keys carry the sampler's signature)
     assert any(key[-1] is not None for key in fused._graphs.graphs), list(fused._graphs.graphs)
     if dtype != torch.float32:
