@@ -120,8 +120,9 @@ def table(csv_path: Path, labels_path: Path) -> list[str]:
     cols = rows[head]
     ix = {c: cols.index(c) for c in ("Kernel Name", "Metric Name", "Metric Unit", "Metric Value")}
     ix["ID"] = cols.index("ID") if "ID" in cols else cols.index("Id")
+    need = max(ix.values()) + 1  # metric rows stop before the rule columns
     for r in rows[head + 1:]:
-        if len(r) < len(cols):
+        if len(r) < need:
             continue
         kid = r[ix["ID"]]
         if kid not in kernels:
