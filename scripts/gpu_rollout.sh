@@ -64,7 +64,9 @@ mkdir -p /tmp/qk_gguf
 STAGES=${QERL_ROLLOUT_STAGES:-"info bench7b bench32b train beos bench256"}
 job_start gpu_rollout out/gpu_rollout 570
 qerl_shim
-install_wheels "${QERL_WHL_DIR:-out/rollout_whl}"
+# QERL_EXTRA_WHL_DIR: more wheel folders (e.g. out/humming: humming as a dispatch candidate of the FP4 GEMMs)
+install_wheels "${QERL_WHL_DIR:-out/rollout_whl}" ${QERL_EXTRA_WHL_DIR:-}
+export HUMMING_CACHE_DIR=${HUMMING_CACHE_DIR:-/tmp/humming_cache}
 
 cat > /tmp/qk/run_rollout.py <<'EOF'
 import sys
