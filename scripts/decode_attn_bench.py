@@ -150,33 +150,42 @@ def sampling_rows(fi: object | None) -> list[dict]:
     return rows
 
 
+def print_attention(rows: list[dict]) -> None:
+    print(f"{'shape':5} {'batch':>5} {'kv':>5} {'backend':16} {'us/layer':>9} {'live GB/s':>9} {'bucket GB/s':>11} "
+          f"{'rel err':>8}")
+    for r in rows:
+        ms = "-" if r.get("ms") is None else f"{1000 * r['ms']:.1f}"
+        gb = "-" if r.get("GBps") is None else f"{r['GBps']:.0f}"
+        bb = "-" if r.get("bucket_GBps") is None else f"{r['bucket_GBps']:.0f}"
+        err = "-" if r.get("err") is None else f"{r['err']:.1e}"
+        print(f"{r['shape']:5} {r['batch']:>5} {r['kv_len']:>5} {r['backend']:16} {ms:>9} {gb:>9} {bb:>11} "
+              f"{err:>8} {r.get('error', '')}", flush=True)
+
+
+def print_sampling(rows: list[dict]) -> None:
+    print(f"{'batch':>5} {'sampler':42} {'us':>8} {'logits GB/s':>11}")
+    for r in rows:
+        us = "-" if r.get("ms") is None else f"{1000 * r['ms']:.1f}"
+        gb = "-" if r.get("GBps") is None else f"{r['GBps']:.0f}"
+        print(f"{r['batch']:>5} {r['sampler']:42} {us:>8} {gb:>11} {r.get('error', '')}", flush=True)
+
+
 def main() -> None:
     out = sys.argv[1]
     only = sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--only" else None
     fi, fi_info = flashinfer_or_reason()
-    print(f"flashinfer: {fi_info}")
+    print(f"flashinfer: {fi_info}", flush=True)
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "flashinfer": fi_info}
+    # each part is written and printed when it is done: FlashInfer's JIT build of its sampling modules can take
+    # minutes, and a deadline must not lose the attention rows
     if only in (None, "attn"):
         res["attention"] = attention_rows(fi)
+        json.dump(res, open(out, "w"), indent=1)
+        print_attention(res["attention"])
     if only in (None, "sampling"):
         res["sampling"] = sampling_rows(fi)
-    json.dump(res, open(out, "w"), indent=1)
-    if "attention" in res:
-        print(f"{'shape':5} {'batch':>5} {'kv':>5} {'backend':16} {'us/layer':>9} {'live GB/s':>9} {'bucket GB/s':>11} "
-              f"{'rel err':>8}")
-        for r in res["attention"]:
-            ms = "-" if r.get("ms") is None else f"{1000 * r['ms']:.1f}"
-            gb = "-" if r.get("GBps") is None else f"{r['GBps']:.0f}"
-            bb = "-" if r.get("bucket_GBps") is None else f"{r['bucket_GBps']:.0f}"
-            err = "-" if r.get("err") is None else f"{r['err']:.1e}"
-            print(f"{r['shape']:5} {r['batch']:>5} {r['kv_len']:>5} {r['backend']:16} {ms:>9} {gb:>9} {bb:>11} "
-                  f"{err:>8} {r.get('error', '')}")
-    if "sampling" in res:
-        print(f"{'batch':>5} {'sampler':42} {'us':>8} {'logits GB/s':>11}")
-        for r in res["sampling"]:
-            us = "-" if r.get("ms") is None else f"{1000 * r['ms']:.1f}"
-            gb = "-" if r.get("GBps") is None else f"{r['GBps']:.0f}"
-            print(f"{r['batch']:>5} {r['sampler']:42} {us:>8} {gb:>11} {r.get('error', '')}")
+        json.dump(res, open(out, "w"), indent=1)
+        print_sampling(res["sampling"])
 
 
 if __name__ == "__main__":
