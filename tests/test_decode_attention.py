@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qerl_cli.rollout.attention import PAGE_SIZE, cache_pages, paged_decode_reference, paged_layout, sdpa_decode
+from qerl_cli.rollout.attention import (
+    PAGE_SIZE,
+    cache_pages,
+    flashinfer_tensor_cores,
+    paged_decode_reference,
+    paged_layout,
+    sdpa_decode,
+)
 from qerl_cli.rollout.model_runner import decode_mask
 
 
@@ -62,3 +69,13 @@ def test_flashinfer_arguments_attend_what_sdpa_attends(heads: int, kv_heads: int
                                    torch.tensor([1, 16, 16, 9, 16]), scale)
     assert (short[2] - want[2]).abs().max().item() > 1e-3
     assert (short[[0, 1]] - want[[0, 1]]).abs().max().item() < 1e-5
+
+
+def test_flashinfer_path_by_group_and_head_dim() -> None:
+    """Tensor cores where FlashInfer's CUDA-core decode has no kernel (GQA groups 5-7: Qwen2.5-32B and -7B) or
+    advises them (groups 4 and 8 at head_dim >= 64); CUDA cores at head_dim 32, which the tensor-core path refused
+    on the GPU, and for groups 1-3."""
+    assert flashinfer_tensor_cores(7, 128) and flashinfer_tensor_cores(5, 128) and flashinfer_tensor_cores(4, 128)
+    assert flashinfer_tensor_cores(8, 64) and flashinfer_tensor_cores(6, 32)
+    assert not flashinfer_tensor_cores(4, 32) and not flashinfer_tensor_cores(8, 32)
+    assert not any(flashinfer_tensor_cores(g, 128) for g in (1, 2, 3))

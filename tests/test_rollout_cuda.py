@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPTS = [[5, 17, 3], [9, 9, 40, 2, 77, 13, 8], [60], list(range(1, 40)), [300, 301, 302, 303, 304]]
 
 
-def random_model(kind: str, dtype: torch.dtype) -> nn.Module:
+def random_model(kind: str, dtype: torch.dtype, head_dim: int | None = None) -> nn.Module:
     common = dict(
         vocab_size=1000,
         hidden_size=256,
@@ -36,7 +36,8 @@ def random_model(kind: str, dtype: torch.dtype) -> nn.Module:
     if kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, tie_word_embeddings=False, **common))
     else:
-        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
+        extra = {} if head_dim is None else {"head_dim": head_dim}
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **extra, **common))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -317,11 +318,12 @@ def test_flashinfer_decode_matches_sdpa_on_cuda() -> None:
         assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
 
 
-def test_flashinfer_engine_runs_on_cuda(monkeypatch) -> None:
+@pytest.mark.parametrize("head_dim", [32, 128])  # FlashInfer's CUDA-core decode (GQA 4 at d 32) and tensor cores
+def test_flashinfer_engine_runs_on_cuda(monkeypatch, head_dim: int) -> None:
     """QERL_DECODE_ATTN=flashinfer end to end (CUDA graphs, per-step plans): no fallback, and greedy tokens
     follow the SDPA engine's (bf16; a near-tie may part them late, so only the first 4 of each prompt)."""
     pytest.importorskip("flashinfer")
-    model = random_model("llama", torch.bfloat16)
+    model = random_model("llama", torch.bfloat16, head_dim=head_dim)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
     want = run(BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256), greedy)[0]
     monkeypatch.setenv("QERL_DECODE_ATTN", "flashinfer")

@@ -114,6 +114,16 @@ def sdpa_decode(q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, k
     return o.reshape(b, hq, d)
 
 
+def flashinfer_tensor_cores(group: int, head_dim: int) -> bool:
+    """Whether FlashInfer's decode runs on its tensor-core (prefill-kernel) path for this GQA group size: FlashInfer
+    advises it for groups >= 4, and its CUDA-core decode kernel takes groups 1-4 and 8 only; but the tensor-core path
+    refuses head_dim 32 ("Invalid configuration ... NUM_MMA_D_QK=2", FlashInfer 0.7.2 on an H100, 2026-11-26), so
+    a group of 4 or 8 with head_dim < 64 stays on CUDA cores."""
+    if group not in (1, 2, 3, 4, 8):
+        return True
+    return group >= 4 and head_dim >= 64
+
+
 class DecodeAttention:
     """The runner's decode attention: which backend runs each step, and FlashInfer's per-step plan."""
 
@@ -160,9 +170,9 @@ class DecodeAttention:
         if w is None:
             if self._workspace is None:
                 self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-            # FlashAttention-2-style kernels, JIT-built with nvcc ("auto" may pick other libraries' backends); tensor
-            # cores for GQA groups >= 4 (FlashInfer's advice; its CUDA-core decode kernel takes groups 1-4 and 8 only)
-            kw: dict[str, Any] = {"use_tensor_cores": self.num_heads // self.num_kv_heads >= 4, "backend": "fa2"}
+            # FlashAttention-2-style kernels, JIT-built with nvcc ("auto" may pick other libraries' backends)
+            kw: dict[str, Any] = {"use_tensor_cores": flashinfer_tensor_cores(self.num_heads // self.num_kv_heads,
+                                                                               self.head_dim), "backend": "fa2"}
             if bucket is not None:  # CUDA-graph mode: fixed batch and buffers the captured kernels read
                 pages = bucket * (self.max_len // PAGE_SIZE)
                 kw.update(use_cuda_graph=True,
