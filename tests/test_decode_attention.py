@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qerl_cli.rollout.attention import (
+    FLASHINFER_HEAD_DIMS,
     PAGE_SIZE,
     cache_pages,
     flashinfer_tensor_cores,
@@ -71,11 +72,17 @@ def test_flashinfer_arguments_attend_what_sdpa_attends(heads: int, kv_heads: int
     assert (short[[0, 1]] - want[[0, 1]]).abs().max().item() < 1e-5
 
 
-def test_flashinfer_path_by_group_and_head_dim() -> None:
-    """Tensor cores where FlashInfer's CUDA-core decode has no kernel (GQA groups 5-7: Qwen2.5-32B and -7B) or
-    advises them (groups 4 and 8 at head_dim >= 64); CUDA cores at head_dim 32, which the tensor-core path refused
-    on the GPU, and for groups 1-3."""
-    assert flashinfer_tensor_cores(7, 128) and flashinfer_tensor_cores(5, 128) and flashinfer_tensor_cores(4, 128)
-    assert flashinfer_tensor_cores(8, 64) and flashinfer_tensor_cores(6, 32)
-    assert not flashinfer_tensor_cores(4, 32) and not flashinfer_tensor_cores(8, 32)
-    assert not any(flashinfer_tensor_cores(g, 128) for g in (1, 2, 3))
+def test_flashinfer_is_asked_only_for_head_sizes_it_takes(caplog) -> None:
+    """head_dim 32 failed inside FlashInfer on the GPU (both decode paths): such a model gets SDPA with one line
+    that says why, before any import is tried; tensor cores from GQA group 4 (the 7B's 7, the 32B's 5)."""
+    from qerl_cli.rollout.attention import DecodeAttention
+
+    with caplog.at_level("WARNING", logger="qerl.rollout"):
+        att = DecodeAttention(num_heads=8, num_kv_heads=2, head_dim=32, scale=0.2, max_len=64, dtype=torch.float32,
+                              device=torch.device("cpu"), backend="flashinfer")
+    assert att.backend == "sdpa" and att.current == "sdpa"
+    assert [r.message for r in caplog.records if "head_dim" in r.message] == [
+        "FlashInfer decode takes head_dim 64/128/256 only, this model has 32; decode attention uses SDPA"]
+    assert 128 in FLASHINFER_HEAD_DIMS and 32 not in FLASHINFER_HEAD_DIMS
+    assert flashinfer_tensor_cores(7) and flashinfer_tensor_cores(5) and flashinfer_tensor_cores(4)
+    assert not any(flashinfer_tensor_cores(g) for g in (1, 2, 3))

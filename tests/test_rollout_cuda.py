@@ -318,7 +318,7 @@ def test_flashinfer_decode_matches_sdpa_on_cuda() -> None:
         assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
 
 
-@pytest.mark.parametrize("head_dim", [32, 128])  # FlashInfer's CUDA-core decode (GQA 4 at d 32) and tensor cores
+@pytest.mark.parametrize("head_dim", [128])  # the real models' size (FlashInfer refuses 32: SDPA, CPU-tested)
 def test_flashinfer_engine_runs_on_cuda(monkeypatch, head_dim: int) -> None:
     """QERL_DECODE_ATTN=flashinfer end to end (CUDA graphs, per-step plans): no fallback, and greedy tokens
     follow the SDPA engine's (bf16; a near-tie may part them late, so only the first 4 of each prompt)."""

@@ -114,14 +114,15 @@ def sdpa_decode(q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, k
     return o.reshape(b, hq, d)
 
 
-def flashinfer_tensor_cores(group: int, head_dim: int) -> bool:
+# head sizes FlashInfer's decode takes: on an H100 (FlashInfer 0.7.2, 2026-11-26) head_dim 32 failed in both its
+# tensor-core path ("Invalid configuration ... NUM_MMA_D_QK=2") and its split-KV merge ("Unsupported head_dim: 32")
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def flashinfer_tensor_cores(group: int) -> bool:
     """Whether FlashInfer's decode runs on its tensor-core (prefill-kernel) path for this GQA group size: FlashInfer
-    advises it for groups >= 4, and its CUDA-core decode kernel takes groups 1-4 and 8 only; but the tensor-core path
-    refuses head_dim 32 ("Invalid configuration ... NUM_MMA_D_QK=2", FlashInfer 0.7.2 on an H100, 2026-11-26), so
-    a group of 4 or 8 with head_dim < 64 stays on CUDA cores."""
-    if group not in (1, 2, 3, 4, 8):
-        return True
-    return group >= 4 and head_dim >= 64
+    advises it for groups >= 4, and its CUDA-core decode kernel takes groups 1-4 and 8 only."""
+    return group >= 4
 
 
 class DecodeAttention:
@@ -139,6 +140,10 @@ class DecodeAttention:
         self._wrappers: dict[int | None, Any] = {}  # batch bucket (graph mode) or None (eager) -> wrapper
         self._active: Any = None
         self._planned: torch.cuda.Event | None = None
+        if self.backend != "sdpa" and head_dim not in FLASHINFER_HEAD_DIMS:
+            log.warning("FlashInfer decode takes head_dim %s only, this model has %d; decode attention uses SDPA",
+                        "/".join(map(str, FLASHINFER_HEAD_DIMS)), head_dim)
+            self.backend = "sdpa"
         if self.backend != "sdpa" and not self._load():
             self.backend = "sdpa"
 
@@ -171,8 +176,8 @@ class DecodeAttention:
             if self._workspace is None:
                 self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
             # FlashAttention-2-style kernels, JIT-built with nvcc ("auto" may pick other libraries' backends)
-            kw: dict[str, Any] = {"use_tensor_cores": flashinfer_tensor_cores(self.num_heads // self.num_kv_heads,
-                                                                               self.head_dim), "backend": "fa2"}
+            kw: dict[str, Any] = {"use_tensor_cores": flashinfer_tensor_cores(self.num_heads // self.num_kv_heads),
+                                  "backend": "fa2"}
             if bucket is not None:  # CUDA-graph mode: fixed batch and buffers the captured kernels read
                 pages = bucket * (self.max_len // PAGE_SIZE)
                 kw.update(use_cuda_graph=True,
