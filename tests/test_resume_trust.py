@@ -77,8 +77,9 @@ def setup(tmp_path_factory) -> dict:
                  "reward": f"{root / 'slow_reward.py'}:reward"}
     args = ["--config", "quick_cpu"] + [a for k, v in overrides.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     reference = copy_run(base, root / "reference")
-    res = qerl("train", "--run", str(reference), *args)
-    assert res.returncode == 0, res.stderr[-3000:]
+    # in this process (a `qerl train` subprocess pays ~12 s of imports first); the SIGTERM test below runs the
+    # real process
+    assert run_cli("train", "--run", str(reference), *args) == 0
     assert [m["step"] for m in metrics(reference)] == [1, 2, 3, 4, 5]
     assert len({m["reward"] for m in metrics(reference)}) > 1 and metrics(reference)[-1]["grad_norm"] > 0
     return {"root": root, "base": base, "args": args, "overrides": overrides, "reference": reference}
@@ -98,19 +99,24 @@ def qerl(*args: str, env: dict | None = None, wait: bool = True):  # noqa: ANN20
     return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=900, cwd=tempfile.gettempdir())
 
 
-def cli(capsys, *args: str) -> tuple[int, str]:  # noqa: ANN001
-    """`qerl ARGS` in this process (for refusals, which happen before anything heavy): exit code and stderr."""
+def run_cli(*args: str) -> int:
+    """`qerl ARGS` in this process: its exit code (what it prints goes to the test's captured output)."""
     from qerl_cli import cli as qerl_cli
 
     argv, sys.argv = sys.argv, ["qerl", *args]
-    capsys.readouterr()
     try:
         qerl_cli.main()
-        code = 0
+        return 0
     except SystemExit as exc:
-        code = int(exc.code or 0)
+        return int(exc.code or 0)
     finally:
         sys.argv = argv
+
+
+def cli(capsys, *args: str) -> tuple[int, str]:  # noqa: ANN001
+    """`qerl ARGS` in this process (for refusals, which happen before anything heavy): exit code and stderr."""
+    capsys.readouterr()
+    code = run_cli(*args)
     return code, capsys.readouterr().err
 
 
