@@ -219,7 +219,6 @@ def test_a_truncated_adapter_is_named_with_the_newest_intact_checkpoint(setup: d
     assert code == 2 and "does not match the sha256 recorded" in err and "--checkpoint base" in err, err
 
 
-@pytest.mark.slow  # ~40 s on 2 quiet cores (the 5-step reference run it shares, and one resumed step)
 def test_resume_from_an_earlier_step_sets_later_work_aside_and_matches_the_uninterrupted_run(
         setup: dict, tmp_path: Path, capsys) -> None:
     from qerl_cli.manifest import RunDir
@@ -254,7 +253,6 @@ def test_resume_from_an_earlier_step_sets_later_work_aside_and_matches_the_unint
 
 
 # ---- preemption -----------------------------------------------------------------------------------------------
-@pytest.mark.slow  # ~40 s on 2 quiet cores
 def test_sigterm_checkpoints_the_step_in_flight_exits_143_and_resumes_exactly(setup: dict, tmp_path: Path) -> None:
     from qerl_cli.train.config import build_config
     from qerl_cli.train.trainer import train
@@ -288,7 +286,6 @@ def test_sigterm_checkpoints_the_step_in_flight_exits_143_and_resumes_exactly(se
     assert [comparable(m) for m in metrics(run)] == [comparable(m) for m in metrics(setup["reference"])]
 
 
-@pytest.mark.slow  # ~30 s on 2 quiet cores
 def test_sigterm_past_the_grace_period_abandons_the_step_and_resumes_exactly(setup: dict, tmp_path: Path,
                                                                             monkeypatch) -> None:
     from qerl_cli.errors import Preempted
