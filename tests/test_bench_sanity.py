@@ -45,7 +45,10 @@ def test_curve_summary():
     assert curve_summary([])["final"] is None
 
 
-def test_two_cell_grid(run_dir, tmp_path):
+def test_two_cell_grid(tiny_run, tmp_path):
+    # the tiny random model: the grid's files and records are the point (the embedded model, zero-shot, also scored
+    # 0 on every step and candidate here, in ~20 s instead of ~4 s)
+    run_dir = tiny_run
     out = tmp_path / "s"
     sets = {"steps": 2, "batch_prompts": 1, "num_generations": 2, "max_completion_length": 4, "task_level": "1",
             "lora_rank": 4, "shots": 0}
@@ -127,12 +130,13 @@ def test_cli_bad_input_is_one_line(tmp_path, args, needles):
         assert n in err, err
 
 
-def test_seeds_heldout_and_long_completions(run_dir, tmp_path):
+def test_seeds_heldout_and_long_completions(tiny_run, tmp_path):
     """--seeds 2 on one cell: two rows with their seeds, per-step entropy (clean and sampling)/k3, held-out accuracy
     before and after training on 2 problems x 3 samples, completions that run to max length with stop=False, and
     cells = mean over the two seeds."""
     from qerl_cli.bench.sanity import seed_scalars
 
+    run_dir = tiny_run  # the tiny random model (the embedded one scored 0 here too, in ~45 s instead of ~3 s)
     out = tmp_path / "s"
     sets = {"steps": 2, "batch_prompts": 1, "num_generations": 2, "max_completion_length": 5, "task_level": "1",
             "lora_rank": 4, "shots": 0}
@@ -202,8 +206,10 @@ def test_subset_is_fair_to_every_arm_and_skip_leaves_cells_out(run_dir, tmp_path
                      out_dir=out, log=lambda _m: None)
 
 
-def test_time_budget_skips_and_seed_scalars_censor(run_dir, tmp_path):
+def test_time_budget_skips_and_seed_scalars_censor(tiny_run, tmp_path):
     from qerl_cli.bench.sanity import seed_scalars
+
+    run_dir = tiny_run
 
     sets = {"steps": 1, "batch_prompts": 1, "num_generations": 2, "max_completion_length": 4, "task_level": "1",
             "lora_rank": 4, "shots": 0}

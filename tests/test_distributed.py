@@ -137,9 +137,23 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", "QERL_DIST_TIMEOUT_S": "300"}
 
 
-def qerl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qerl_cli", *args], capture_output=True, text=True, env=_env(),
-                          timeout=600, cwd=tempfile.gettempdir())
+def qerl_here(*args: str) -> int:
+    """`qerl ARGS` as one process, this one (a `qerl train` subprocess pays ~12 s of imports first), on one intra-op
+    thread as each torchrun rank runs (OMP_NUM_THREADS=1): its exit code; what it prints goes to the captured
+    output."""
+    from qerl_cli import cli
+
+    argv, sys.argv = sys.argv, ["qerl", *args]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cli.main()
+        return 0
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
@@ -165,8 +179,7 @@ def test_two_gloo_ranks_train_like_one_and_resume_on_one(tiny_run: Path, text_ha
     args = [*ARGS, "--reward", text_hash_reward]
     ref = tmp_path / "ref"
     shutil.copytree(run_dir, ref)
-    res = qerl("train", "--run", str(ref), *args, "--steps", "2")  # 1 process, plain path
-    assert res.returncode == 0, res.stderr[-2000:]
+    assert qerl_here("train", "--run", str(ref), *args, "--steps", "2") == 0  # 1 process, plain path
     want = metrics(ref)
 
     res = torchrun(2, "-m", "qerl_cli", "--", "train", "--run", str(run_dir), *args, "--steps", "1")
@@ -201,8 +214,7 @@ def test_two_gloo_ranks_train_like_one_and_resume_on_one(tiny_run: Path, text_ha
     assert max((one[k] - want1[k]).abs().max().item() for k in one) < 1e-6
 
     # resume the 2-process checkpoint on 1 process: step 2 matches the uninterrupted 1-process run
-    res = qerl("train", "--run", str(run_dir), *args, "--steps", "2", "--resume")
-    assert res.returncode == 0, res.stderr[-2000:]
+    assert qerl_here("train", "--run", str(run_dir), *args, "--steps", "2", "--resume") == 0
     got = metrics(run_dir)
     assert [m["step"] for m in got] == [1, 2] and "dist/world_size" not in got[1]
     for k in ("reward", "completions/mean_length", "timing/rollout_tokens"):
@@ -222,11 +234,13 @@ def test_setup_error_on_a_rank_stops_all_with_one_line(tiny_run: Path) -> None:
     assert not [line for line in res.stderr.splitlines() if line.lstrip().startswith("File") and "qerl_cli" in line]
 
 
-def test_gpus_option_refuses_on_cpu(run_dir: Path) -> None:
+def test_gpus_option_refuses_on_cpu(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
-    res = qerl("train", "--run", str(run_dir), "--gpus", "2", "--steps", "1")
-    assert res.returncode == 2 and "needs 2 CUDA GPUs" in res.stderr and "torchrun" in res.stderr
+    capsys.readouterr()
+    code = qerl_here("train", "--run", str(run_dir), "--gpus", "2", "--steps", "1")
+    err = capsys.readouterr().err
+    assert code == 2 and "needs 2 CUDA GPUs" in err and "torchrun" in err
 
 
 def test_scale_bench_runner_on_two_gloo_ranks(tmp_path: Path) -> None:

