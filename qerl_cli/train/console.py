@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from qerl_cli.train.config import TrainConfig
+from qerl_cli.train.presets import PresetChoice
 
 LEAD = (
     ("reward", "reward", "{:.3f}"),
@@ -84,8 +85,9 @@ def _fmt(metrics: dict[str, Any], key: str, fmt: str) -> str:
 
 class TrainConsole:
     def __init__(self, console: Console, cfg: TrainConfig, reference: MeasuredStep | None = None,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, preset: PresetChoice | None = None) -> None:
         self.console = console
+        self.preset = preset
         self.cfg = cfg
         self.live: Live | None = None
         self.progress = Progress(TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -112,13 +114,20 @@ class TrainConsole:
         return (f"{_steps(n)}, expected ~{duration(n * self.reference_s)} ({ref.seconds:.0f} s per step of "
                 f"{ref.sequences} sequences measured on {ref.where}; the ETA is re-estimated from each step)")
 
+    def preset_line(self) -> str:
+        """Which preset runs and why, when none was named (a default the user should see)."""
+        p = self.preset
+        if p is None:
+            return ""
+        return f"preset {p.name} ({p.reason}); " if p.chosen_by_default else f"preset {p.name}; "
+
     def __enter__(self) -> TrainConsole:
         parts = [self.cfg.algo, self.cfg.task, self.cfg.precision]
         parts += ["AQN"] if self.cfg.aqn else []
         parts += [self.cfg.correction] if self.cfg.correction != "none" else []
         title = "qerl train · " + " · ".join(parts)
-        self.console.print(f"[bold]{escape(title)}[/] · {escape(self.expected_line())}", highlight=False,
-                           soft_wrap=True)
+        self.console.print(f"[bold]{escape(title)}[/] · {escape(self.preset_line())}{escape(self.expected_line())}",
+                           highlight=False, soft_wrap=True)
         if self.console.is_terminal:
             self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
             self.live.__enter__()

@@ -957,9 +957,10 @@ def trainer_device() -> str | None:
 
 def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume_from: str | None = None,
           device: str | None = None, on_step: Callable[[dict[str, Any]], None] | None = None,
-          on_setup: Callable[[Trainer], None] | None = None) -> TrainResult:
+          on_setup: Callable[[Trainer], None] | None = None, preset: str | None = None) -> TrainResult:
     """Run `cfg.steps` RL steps on the run's quantized model; resumable with `resume=True` (from `latest`) or
-    ``resume_from="step_N"`` (an earlier checkpoint: what the run wrote after it is set aside, not deleted)."""
+    ``resume_from="step_N"`` (an earlier checkpoint: what the run wrote after it is set aside, not deleted).
+    ``preset``: the preset the configuration started from, recorded in the manifest."""
     from qerl_cli.train.distributed import follower_stage
 
     run = RunDir(run_dir, create=False)
@@ -1000,6 +1001,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
             start = (trainer.resume(*start_from) if start_from is not None else trainer.resume()) if resume else 0
         if ctx.is_main and trainer.memory_plan is not None:
             rec.extra["memory_plan"] = trainer.memory_plan.to_dict()
+        if ctx.is_main and preset is not None:
+            rec.extra["preset"] = preset
         if on_setup:
             on_setup(trainer)
         history: list[dict[str, Any]] = []
