@@ -44,12 +44,14 @@ class MeasuredStep:
     seconds: float
     sequences: int  # sequences per step it was measured with: the estimate scales by this
     where: str
+    on_cuda: bool  # measured on a GPU (applies to GPU runs only) or on CPU cores
 
 
-# The README's main job (quick_cpu on the embedded SmolLM2-135M NVFP4, 8 x 8 sequences), CPU only: the estimate
-# the first line gives before this run has timed a step of its own.
+# The default presets' measured steps on the embedded SmolLM2-135M NVFP4 (the README's main job): the estimate the
+# first line gives before this run has timed a step of its own.
 MEASURED_STEP_S = {
-    "quick_cpu": MeasuredStep(63.0, 64, "2 CPU cores, 2026-11-26: 8 steps in 503 s"),
+    "quick_cpu": MeasuredStep(63.0, 64, "2 CPU cores, 2026-11-26: 8 steps in 503 s", on_cuda=False),
+    "gpu_arith": MeasuredStep(3.7, 512, "one H100, 2026-11-27: 40 steps in 148 s", on_cuda=True),
 }
 # the phases a step reports on the console: rollout, then the update (recompute + forward/backward + optimizer)
 PHASE_LABELS = {"rollout": "rollout", "recompute": "update"}
@@ -57,7 +59,8 @@ PHASE_LABELS = {"rollout": "rollout", "recompute": "update"}
 
 def reference_step(preset: str | None, on_cuda: bool) -> MeasuredStep | None:
     """The measured step time that applies to this run before it has timed one (None: none applies)."""
-    return None if on_cuda or preset is None else MEASURED_STEP_S.get(preset)
+    ref = MEASURED_STEP_S.get(preset) if preset is not None else None
+    return ref if ref is not None and ref.on_cuda == on_cuda else None
 
 
 def _steps(n: int) -> str:
@@ -117,9 +120,7 @@ class TrainConsole:
     def preset_line(self) -> str:
         """Which preset runs and why, when none was named (a default the user should see)."""
         p = self.preset
-        if p is None:
-            return ""
-        return f"preset {p.name} ({p.reason}); " if p.chosen_by_default else f"preset {p.name}; "
+        return f"preset {p.name} ({p.reason}); " if p is not None and p.chosen_by_default else ""
 
     def __enter__(self) -> TrainConsole:
         parts = [self.cfg.algo, self.cfg.task, self.cfg.precision]
