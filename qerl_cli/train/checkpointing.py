@@ -204,15 +204,47 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def snapshot(obj: Any) -> Any:
-    """A host-memory copy of every tensor in a nested dict/list/tuple (other values kept as they are)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
-    return obj
+class HostSnapshot:
+    """Host copies of a checkpoint's tensors taken without stopping the device, for a background write.
+
+    A device tensor is copied into a pinned host buffer with a non-blocking copy queued on the current stream: the
+    copies run in stream order before the next step's kernels (which change the adapters and AdamW's moments in
+    place), and the writer thread waits for their event before it reads the buffers. The buffers are kept for the
+    next checkpoint (same names, shapes and dtypes), so the host allocates them once; the caller waits for the
+    previous write before it takes a new snapshot. Host tensors (offloaded moments) are cloned.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type != "cuda":
+            return t.to("cpu", copy=True)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._buffers[key] = buf
+        return buf.copy_(t, non_blocking=True)
+
+    def take(self, obj: Any, key: str = "") -> Any:
+        """``obj`` (nested dicts, lists, tuples of tensors and plain values) with every tensor copied to the host."""
+        if isinstance(obj, torch.Tensor):
+            return self._copy(key, obj)
+        if isinstance(obj, dict):
+            return {k: self.take(v, f"{key}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.take(v, f"{key}/{i}") for i, v in enumerate(obj))
+        return obj
+
+    @staticmethod
+    def ready() -> Callable[[], None]:
+        """A wait for the copies queued so far (called on the writer thread before it reads the buffers)."""
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return lambda: None
+        event = torch.cuda.Event()
+        event.record()
+        return event.synchronize
 
 
 def adapter_snapshot(peft_model: Any) -> dict[str, torch.Tensor]:

@@ -80,6 +80,7 @@ class TrainConfig:
     kernel_weight_copies: bool | None = None  # may FP4 kernels keep a second weight copy (humming)? None: the plan
     logprob_backend: str = "chunked"  # the update's log-probs: qerl's chunked path, or liger (fused linear + CE)
     pack_sequences: bool = True  # training forwards on the micro-batch's real tokens only (varlen attention)
+    recompute_logprobs: bool = False  # pi_old from its own no-grad pass instead of the update forward's log-probs
     keep_rollout_cache: bool | None = None  # builtin engine: keep KV cache + CUDA graphs between steps (None: plan)
     async_checkpoint: bool = True  # write checkpoints in a background thread while the next step runs
     save_steps: int = 10
@@ -252,6 +253,9 @@ FIELD_HELP: dict[str, str] = {
                             "(humming) is faster (default: only when the step fits with it).",
     "logprob_backend": "chunked (qerl's, default) | liger (Liger-Kernel fused linear + cross-entropy; CUDA).",
     "pack_sequences": "Pack each micro-batch's sequences (no compute on padding; varlen attention).",
+    "recompute_logprobs": "Compute pi_old in a no-grad pass of its own before the update. Off by default: with one "
+                          "optimizer step per batch pi_old is the update forward's own (detached) log-probs, the "
+                          "same numbers without the pass (LoRA dropout > 0 always recomputes).",
     "keep_rollout_cache": "Keep the builtin engine's KV cache and CUDA graphs between steps (default: when the "
                           "memory plan has room).",
     "log_sampling_entropy": "Log sampling/entropy, the entropy of the policy the rollouts sampled from (under AQN "
