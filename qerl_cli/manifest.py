@@ -216,7 +216,7 @@ class RunDir:
         joined = rel if rel.is_absolute() else self.path / rel
         try:
             real = joined.resolve()  # a link to a missing target still resolves to where it points
-        except (OSError, ValueError) as exc:  # a NUL byte, a loop of links
+        except (OSError, RuntimeError, ValueError) as exc:  # a NUL byte, a loop of links
             raise OutsideRunError(f"{named_by or joined} names {str(path)!r}, which is not a usable path in the run "
                                   f"directory {self.path} ({exc}): restore the run directory or use another "
                                   "--run directory") from exc
