@@ -86,9 +86,9 @@ def test_latest_naming_a_checkpoint_outside_is_refused_by_eval_and_resume(run: P
     (run / "train/checkpoints/latest").write_text(str(outside / "step_2") if form == "absolute"
                                                  else "../../../outside/step_2\n")
     before, outside_before = manifest(run), tree(outside)
-    refused(*run_cli(capsys, *eval_args(run)), "train/checkpoints/latest names", OUT)
+    refused(*run_cli(capsys, *eval_args(run)), "train/checkpoints/latest holds", OUT)
     refused(*run_cli(capsys, "train", "--run", str(run), *TRAIN_ARGS, "--steps", "3", "--resume"),
-            "train/checkpoints/latest names", OUT)
+            "train/checkpoints/latest holds", OUT)
     assert manifest(run) == before and tree(outside) == outside_before
 
 

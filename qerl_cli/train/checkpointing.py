@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import OutsideRunError, QerlError
 from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, now_iso, sha256_file, staged_directory
 from qerl_cli.runlayout import checkpoints_dir
 from qerl_cli.statefile import StateFileError, read_state, state_paths, write_state
@@ -180,10 +180,14 @@ def read_latest(run: RunDir) -> Path | None:
         return None
     text = pointer.read_text(errors="replace").strip()
     if checkpoint_step(Path(text)) is not None and Path(text).name == text:
-        return run.inside(pointer.parent / text, named_by=pointer)
-    run.inside(pointer.parent / text, named_by=pointer)  # a path leading out is named as such
-    raise QerlError(f"{pointer} holds {text!r}, not the name of a checkpoint beside it (step_N): write the newest "
-                    "step_N into it or delete it (qerl then takes the newest checkpoint)")
+        return run.inside(pointer.parent / text)  # a step_N that is a link out of the run is named as such
+    try:
+        run.inside(pointer.parent / text)
+        why = "not the name of a checkpoint beside it (step_N)"
+    except OutsideRunError:
+        why = f"a path that leads outside the run directory {run.path}"
+    raise OutsideRunError(f"{pointer} holds {text!r}, {why}: qerl writes a bare step_N there and follows nothing "
+                          "else; write the newest step_N into it or delete it (qerl then takes the newest checkpoint)")
 
 
 def latest_step(run: RunDir) -> int | None:
