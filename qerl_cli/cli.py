@@ -451,8 +451,9 @@ def bench_evidence(
     """The seed claims' verdicts from `bench sanity --seeds` results: intervals, tests, evidence.{json,md,png}."""
     from qerl_cli.bench.evidence import parse_inputs, write_evidence
     from qerl_cli.bench.harness import default_out
+    from qerl_cli.manifest import RunDir
 
-    dest = out or ((run / "bench" / "evidence") if run else default_out("evidence"))
+    dest = out or (RunDir(run).inside("bench/evidence") if run else default_out("evidence"))
     ev = write_evidence(inputs=parse_inputs(input_), out_dir=dest, run_dir=run, log=_progress)
     console.print(f"evidence: {escape(str(dest / 'evidence.json'))}  ({', '.join(c['verdict'] for c in ev['claims'])})")
 

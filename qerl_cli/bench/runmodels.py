@@ -48,7 +48,7 @@ def format_model_dir(run: RunDir, fmt: str, bench_dir: Path, log: Callable[[str]
         return quantized_model_dir(run)
     from qerl_cli.quantize import quantize_model
 
-    copy_dir = Path(bench_dir) / "models" / fmt
+    copy_dir = RunDir(bench_dir).inside(f"models/{fmt}")  # kept inside the bench's folder, links included
     src_hashes = rec.get("inputs", {}).get("model", {}).get("sha256")
     if (copy_dir / "manifest.json").is_file():
         copy = RunDir(copy_dir, create=False)

@@ -25,10 +25,18 @@ from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import Preempted, QerlError
 from qerl_cli.manifest import RunDir
 from qerl_cli.precision import dtype_of, uses_loss_scaling
-from qerl_cli.runlayout import base_fingerprint, checkpoints_dir, model_files, quantized_model_dir, train_dir
+from qerl_cli.runlayout import (
+    base_fingerprint,
+    checkpoints_dir,
+    metrics_path,
+    model_files,
+    quantized_model_dir,
+    rollouts_dir,
+    train_dir,
+)
 from qerl_cli.train import checkpointing
 from qerl_cli.train.batch import RolloutBatch, build_batch
-from qerl_cli.train.checkpointing import CheckpointWriter, resolve_checkpoint
+from qerl_cli.train.checkpointing import CheckpointWriter, NoCheckpointError, resolve_checkpoint
 from qerl_cli.train.config import TrainConfig
 from qerl_cli.train.logprobs import sampled_logprobs
 from qerl_cli.train.step_backend import LogProbs, StepBackend
@@ -206,8 +214,8 @@ class Trainer:
         self.on_phase: Callable[[str], None] | None = None
         self.keep_rollout_cache = False  # set by setup(): the builtin engine keeps its KV cache between steps
         self.backend: StepBackend  # set by setup()
-        self.metrics_path = train_dir(run) / "metrics.jsonl"
-        self.rollouts_dir = train_dir(run) / "rollouts"
+        self.metrics_path = metrics_path(run)
+        self.rollouts_dir = rollouts_dir(run)
         from qerl_cli.train.config import resolve_sharding
         from qerl_cli.train.distributed import DistributedAbort, current
 
@@ -438,7 +446,7 @@ class Trainer:
         if ckpt is None:
             try:
                 ckpt = resolve_checkpoint(self.run, "latest")
-            except QerlError:
+            except NoCheckpointError:
                 self._truncate_metrics(0)  # killed before the first checkpoint: start over cleanly
                 return 0
             assert ckpt is not None
@@ -963,7 +971,7 @@ def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resum
     else:
         try:
             ckpt = resolve_checkpoint(run, "latest")
-        except QerlError:
+        except NoCheckpointError:
             return None
         assert ckpt is not None
     if verify:
