@@ -260,9 +260,10 @@ def _jsonl_line(raw: bytes, where: str) -> Any:
     try:
         text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of the JSON
     except UnicodeDecodeError as exc:
-        raise QerlError(f"{where}: not UTF-8 text (byte {exc.start} of the line): save the file as UTF-8") from None
+        raise QerlError(f"{where}: not UTF-8 text (byte offset {exc.start} in the line): save the file as "
+                        "UTF-8") from None
     try:
-        return json.loads(text)
+        return json.loads(text.rstrip("\r\n"))  # without its newline, a cut line's error points into the line
     except json.JSONDecodeError as exc:
         raise QerlError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON "
                         'object like {"prompt": "...", "answer": "..."}') from None

@@ -579,7 +579,7 @@ def parse_yaml(raw: bytes, where: str) -> dict[Any, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
-        raise QerlError(f"{where} is not UTF-8 text (byte {exc.start}, line {line}): save it as UTF-8") from None
+        raise QerlError(f"{where} is not UTF-8 text (byte offset {exc.start}, line {line}): save it as UTF-8") from None
     try:
         data = yaml.load(text, Loader=ConfigLoader)  # a SafeLoader: plain data only
     except yaml.YAMLError as exc:
