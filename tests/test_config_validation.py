@@ -175,6 +175,15 @@ def test_jsonl_task_file_errors_name_file_and_line(tmp_path: Path) -> None:
     assert [(e.prompt, e.answer) for e in load_task(f"jsonl:{bom}").examples] == [("1 + 1 =", "2")]
 
 
+def test_reward_file_that_does_not_compile_is_named_with_its_line(tmp_path: Path) -> None:
+    from qerl_cli.tasks import get_reward
+
+    path = tmp_path / "my_reward.py"
+    path.write_text("def score(prompts, completions, **kw):\n    return [1.0 for c in completions\n")
+    with pytest.raises(QerlError, match=rf"^reward file {path}:2: '\[' was never closed; fix the file"):
+        get_reward(f"{path}:score")
+
+
 # ---- prompts longer than --max-prompt-length ----------------------------------------------------------------------
 def test_long_prompts_refused_or_cut_to_their_end(tiny_source: Path) -> None:
     from transformers import AutoTokenizer
@@ -230,3 +239,11 @@ def test_eval_refuses_a_prompt_its_context_cannot_hold(tiny_source: Path) -> Non
     with pytest.raises(QerlError, match=r"^prompt 1 \(0-based\) has 1000000 characters, over the 8048 that the "
                                         r"model's context of 512 tokens leaves after --max-tokens 8"):
         generate_texts(model, tok, ["1 + 1 =", "x" * 1_000_000], SamplingParams(max_tokens=8), 4)
+
+
+def test_every_numeric_option_has_a_range() -> None:
+    """A new count or rate gets a decided range, not none by omission."""
+    from qerl_cli.train.config import FIELD_RANGES, field_types, split_optional
+
+    numeric = {name for name, tp in field_types().items() if split_optional(tp)[0] in (int, float)}
+    assert numeric == set(FIELD_RANGES)
