@@ -387,8 +387,9 @@ def _type_problem(base: Any, value: Any) -> str | None:
     hint = ""
     if isinstance(value, str):
         try:
-            parse_text(base, value)
-            hint = " (write it without quotes)"
+            parsed = parse_text(base, value)
+            # unquoted, YAML reads `nan` and `inf` as text as well: no hint that leads back here
+            hint = "" if base is float and not math.isfinite(parsed) else " (write it without quotes)"
         except ValueError:
             pass
     elif base is str and number:
