@@ -122,9 +122,8 @@ def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool,
     """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN, TIS/MIS)."""
     import yaml
 
-    from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.train import distributed
-    from qerl_cli.train.config import build_config, flag_overrides
+    from qerl_cli.train.config import build_config, flag_overrides, parse_sets
     from qerl_cli.train.presets import choose_preset
 
     in_torchrun = "LOCAL_RANK" in os.environ
@@ -395,8 +394,8 @@ def bench_step(
     """One RL step of the trainer broken down by phase (rollout .. checkpoint) per format, vs BF16-LoRA.
 
     A format FMT@vllm uses the vLLM rollout engine (QeRL's architecture); --peers trl adds TRL's GRPOTrainer."""
-    from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.bench.step import bench_step as run_bench
+    from qerl_cli.train.config import parse_sets
 
     items = list(set_ or [])
     items += [f"finetune={finetune}"] if finetune is not None else []
@@ -430,9 +429,9 @@ def bench_sanity(
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench).")] = None,
 ) -> None:
     """Steps until training accuracy > 95% on the model's perfectible problems, per grid cell and seed."""
-    from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.bench.sanity import bench_sanity as run_bench
     from qerl_cli.bench.sanity import parse_axes, parse_skip
+    from qerl_cli.train.config import parse_sets
 
     res = run_bench(run_dir=run, grid=parse_axes(grid), overrides=parse_sets(set_), candidates=candidates,
                     samples=samples, lo=lo, hi=hi, seeds=seeds, seed_start=seed_start, heldout=heldout,

@@ -184,25 +184,20 @@ def summarize_cells(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
     return out
 
 
-def _encode(tok: Any, prompt: str, max_len: int, chat_template: bool) -> list[int]:
-    """As Trainer.encode_prompt: the training prompts, token for token."""
-    ids = tok(prompt, add_special_tokens=False).input_ids
-    bos = tok.bos_token_id
-    if bos is not None and not chat_template and (not ids or ids[0] != bos) and getattr(tok, "add_bos_token", False):
-        ids = [bos] + ids
-    return ids[-max_len:]
-
-
 def measure_pass_rates(model: Any, tok: Any, task: Any, *, samples: int, max_tokens: int, temperature: float,
                        seed: int, max_prompt_length: int, chat_template: bool, dtype: torch.dtype,
-                       reward: str | None = None) -> list[float]:
+                       reward: str | None = None, truncate_prompts: bool = False) -> list[float]:
     """Fraction of ``samples`` sampled completions per problem that ``reward`` (default: the task's) scores as
     correct."""
     from qerl_cli.rollout import BuiltinEngine, SamplingParams
     from qerl_cli.tasks import get_reward
+    from qerl_cli.tasks.prompt_ids import encode_prompt
     from qerl_cli.tasks.rewards import safe_rewards
 
-    prompt_ids = [_encode(tok, e.prompt, max_prompt_length, chat_template) for e in task.examples]
+    add_bos = not chat_template and bool(getattr(tok, "add_bos_token", False))  # as Trainer.encode_prompt
+    prompt_ids = [encode_prompt(tok, e.prompt, max_tokens=max_prompt_length, add_bos=add_bos,
+                                truncate=truncate_prompts, where=f"the prompt of task example {i} (0-based)")
+                  for i, e in enumerate(task.examples)]
     engine = BuiltinEngine(model, tok, max_batch_slots=min(256, len(prompt_ids) * samples),
                            max_model_len=max(len(p) for p in prompt_ids) + max_tokens + 1, dtype=dtype)
     try:
@@ -355,7 +350,7 @@ def build_subset(run: Any, cfg: Any, *, candidates: int, samples: int, lo: float
         rates[arm_label(arm)] = measure_pass_rates(
             model, tok, task, samples=samples, max_tokens=cfg.max_completion_length, temperature=temperature,
             seed=cfg.seed, max_prompt_length=cfg.max_prompt_length, chat_template=cfg.chat_template, dtype=dtype,
-            reward=reward)
+            reward=reward, truncate_prompts=cfg.truncate_prompts)
     selected = select_for_arms(rates, lo, hi)
     subset = {
         "schema": SCHEMA, "kind": "bench/sanity/perfectible", "key": key, "source_task": task.name,

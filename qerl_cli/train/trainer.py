@@ -310,7 +310,7 @@ class Trainer:
         self.reward_name = c.reward or self.task.reward
         self.reward_fn = reward_fn if reward_fn is not None else get_reward(self.reward_name)
         self.prompt_ids = ([list(p) for p in prompt_ids] if prompt_ids is not None
-                           else [self.encode_prompt(e.prompt) for e in self.task.examples])
+                           else [self.encode_prompt(e.prompt, i) for i, e in enumerate(self.task.examples)])
         if len(self.prompt_ids) != len(self.task.examples):
             raise QerlError(f"{len(self.prompt_ids)} prompt id lists for {len(self.task.examples)} task examples")
         self.stream = PromptStream(len(self.task.examples), c.seed)
@@ -429,13 +429,14 @@ class Trainer:
     def micro_batch_size(self) -> int:
         return int(self.cfg.micro_batch_size or 1)
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
-        bos = self.tokenizer.bos_token_id
-        if bos is not None and not self.cfg.chat_template and (not ids or ids[0] != bos) and \
-                getattr(self.tokenizer, "add_bos_token", False):
-            ids = [bos] + ids
-        return ids[-self.cfg.max_prompt_length:]
+    def encode_prompt(self, prompt: str, index: int | None = None) -> list[int]:
+        """Token ids of a prompt (``index``: its task example, for the message), within --max-prompt-length."""
+        from qerl_cli.tasks.prompt_ids import encode_prompt
+
+        add_bos = not self.cfg.chat_template and bool(getattr(self.tokenizer, "add_bos_token", False))
+        where = f"the prompt of task example {index} (0-based)" if index is not None else "a prompt"
+        return encode_prompt(self.tokenizer, prompt, max_tokens=self.cfg.max_prompt_length, add_bos=add_bos,
+                             truncate=self.cfg.truncate_prompts, where=where)
 
     # ---- resume ----------------------------------------------------------------------------------
     def resume(self, ckpt: Path | None = None, state: dict[str, Any] | None = None) -> int:
