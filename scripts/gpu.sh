@@ -208,7 +208,7 @@ stage_main() {
 
 stage_gputests() {  # tests/conftest.py interprets Triton only where TRITON_INTERPRET is unset: the GPU compiles
   local envs=() i pids=()
-  IFS=';' read -ra envs <<< "${QERL_GPU_TEST_ENVS:-}"
+  IFS=';' read -ra envs <<< "${QERL_GPU_TEST_ENVS//$'\n'/ }"
   [ ${#envs[@]} -gt 0 ] || envs=("")
   mkdir -p "$OUT/gputests"
   for i in "${!envs[@]}"; do
@@ -235,7 +235,7 @@ stage_selfcheck() {
 # defaults), EXTRA appended to each, into $OUT/NAME/<i>/
 bench_stage() {
   local i args sets=()
-  IFS=';' read -ra sets <<< "$2"
+  IFS=';' read -ra sets <<< "${2//$'\n'/ }"  # a set may span lines
   [ ${#sets[@]} -gt 0 ] || sets=("")
   for i in "${!sets[@]}"; do
     args="${sets[$i]} ${3:-}"
