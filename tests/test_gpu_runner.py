@@ -39,7 +39,7 @@ def _prose_files() -> list[Path]:
 
 def test_every_runner_command_in_the_docs_names_real_stages_and_no_old_script_is_cited() -> None:
     stages, seen = _stages(), 0
-    old = re.compile(r"scripts/gpu_\w+\.sh|gpu_common|vllm_pack\.sh|trl_pack\.sh|flashinfer_wheels\.sh")
+    old = re.compile(r"scripts/gpu_[\w*]+\.sh|gpu_common|vllm_pack\.sh|trl_pack\.sh|flashinfer_wheels\.sh")
     command = re.compile(r"scripts/gpu\.sh((?: [a-z][a-z0-9]*)+)(?=[`),;:]|\s*$|\s+#)", re.M)
     for path in _prose_files():
         if path == Path(__file__).resolve():
