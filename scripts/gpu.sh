@@ -333,6 +333,7 @@ ev_procs() {  # GROUP: one line per process, "name seed_start seeds --skip ..." 
 ev_group() {  # GROUP: its first process builds the training set; the others start once it is on disk, and reuse it
   local g=$1 run=$EV/bf pids=() first="" name s n skips d b
   [ "$g" = qerl ] && run=$EV/nv
+  export OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # ~20 processes share the machine
   while read -r name s n skips; do
     d=$EV/$g/$name; mkdir -p "$d"
     [ "$g" = qerl ] && ln -sfn "$EV/models_nv" "$d/models"
@@ -361,7 +362,6 @@ stage_evidence() {
   grep -qs '"status": "completed"' "$EV/nv/manifest.json" && grep -qs '"status": "completed"' "$EV/bf/manifest.json" \
     || { tail -n 5 "$EV"/q_*.log; return 1; }
   ln -sfn "$EV/bf" "$EV/models_nv/bf16"  # the qerl group's bf16 copy: same source, so no second quantization
-  export OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   # every process's GPU memory every 5 s: the study is sized for a 141 GB H200
   (while sleep 5; do echo "$(( $(date +%s) - T0 )) $(nvidia-smi --query-compute-apps=used_memory \
     --format=csv,noheader,nounits 2>/dev/null | tr '\n' ' ')"; done > "$EV/gpu_mem.log" 2>&1) & mon=$!

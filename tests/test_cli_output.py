@@ -14,16 +14,24 @@ from qerl_cli.models import conversion_notice, resolve_model
 
 
 def test_quantize_says_so_before_converting_a_gguf_file(tmp_path: Path, monkeypatch, capsys) -> None:
-    bad = tmp_path / "model.gguf"  # not a GGUF inside: the load refuses it at once, after the notice
-    bad.write_bytes(b"not a gguf file " * 64)
+    import gguf
+    import numpy as np
+
+    odd = tmp_path / "odd.gguf"  # a readable GGUF of an architecture transformers cannot convert: fails fast
+    writer = gguf.GGUFWriter(str(odd), "notanarch")
+    writer.add_tensor("blk.0.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(sys, "argv", ["qerl", "quantize", str(bad), "--run", str(tmp_path / "run")])
+    monkeypatch.setattr(sys, "argv", ["qerl", "quantize", str(odd), "--run", str(tmp_path / "run")])
     with pytest.raises(SystemExit) as exc:
         cli.main()
     err = capsys.readouterr().err
-    notice = f"converting the GGUF model {bad} (first load of this file only) ..."
+    notice = f"converting the GGUF model {odd} (first load of this file only) ..."
     assert exc.value.code == 2 and notice in err
-    assert err.index(notice) < err.index(f"error: GGUF file {bad} is unreadable")
+    assert err.index(notice) < err.index(f"error: could not load model {odd}: GGUF model with architecture notanarch")
 
 
 def test_the_embedded_model_is_announced_only_while_no_converted_copy_is_cached(embedded, tiny_source,
