@@ -10,7 +10,7 @@ Prompt formats:
   With split="train" those k rows are dropped from the examples: a prompt must not contain its answer.
 - math (MATH-500), shots=0: an instruction to put the answer in \\boxed{}, then
   "Problem:\\n...\\n\\nSolution:"; shots=1..4: lm-eval's minerva_math exemplars (Lewkowycz et al. 2022).
-- arith: the few-shot completion prompt of REFERENCE.md section 8 (see tasks/arith.py).
+- arith: a four-example few-shot completion prompt (see tasks/arith.py).
 - jsonl:PATH: the file's `prompt` column as is.
 chat_template=True wraps the whole text as one user message with the tokenizer's chat template (as
 lm-eval does without --fewshot_as_multiturn).
