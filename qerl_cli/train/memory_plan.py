@@ -60,6 +60,7 @@ from typing import Any
 from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import QerlError
 from qerl_cli.precision import dtype_of
+from qerl_cli.train.model_dims import PROJECTION_GROUPS, ModelDims
 
 GIB = 2**30
 MAX_DEFAULT_MICRO_BATCH = 8
@@ -71,64 +72,8 @@ GC_MIN_ROWS = 1024
 ENGINE_PREFILL_TOKENS = 8192  # the builtin engine's max_prefill_tokens
 CACHE_ALIGN = 64  # the builtin engine rounds the cache length up to this
 PHASES = ("setup", "aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")
-PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-
-
 class MemoryPlanError(QerlError):
     """Nothing fits: the message names the setting to change."""
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> ModelDims:
-        heads = int(cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        return cls(int(cfg.hidden_size), int(cfg.intermediate_size), int(cfg.num_hidden_layers), heads,
-                   int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim, int(cfg.vocab_size))
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each projection LoRA may target."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        h, i = self.hidden, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    def lora_params(self, rank: int, targets: list[str]) -> int:
-        shapes = self.linear_shapes()
-        return self.layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
-
-    def shadow_elems(self, rank: int, targets: list[str]) -> int:
-        """Elements of the rollout engine's in-dtype LoRA shadows (rollout/fast_layers.py): per projection group
-        the concatenated A [sum r, in] and, the group being one fused GEMM, the block-diagonal B [sum out, sum r]."""
-        shapes = self.linear_shapes()
-        per_layer = 0
-        for group in PROJECTION_GROUPS:
-            r = rank * sum(1 for t in group if t in targets)
-            if r:
-                per_layer += r * shapes[group[0]][0] + r * sum(shapes[t][1] for t in group)
-        return self.layers * per_layer
-
-    def kv_bytes_per_token(self, elem: int) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * elem
-
-    def act_bytes_per_token_layer(self, elem: int) -> int:
-        return (11 * self.hidden + 4 * self.intermediate) * elem
-
-    def grad_bytes_per_token_layer(self, elem: int) -> int:
-        """Gradients in flight inside one layer's backward (the MLP's three [I] ones, the residual's two [H])."""
-        return (3 * self.intermediate + 2 * self.hidden) * elem
-
-    def largest_linear(self) -> int:
-        return max(i * o for i, o in self.linear_shapes().values())
 
 
 # ---- the weights, from the config -----------------------------------------------------------------------------
