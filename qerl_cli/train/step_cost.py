@@ -59,7 +59,8 @@ def default_rates(gpu_name: str | None) -> DeviceRates:
         if gpu_name and key in gpu_name:
             return DeviceRates(tflops, gbps, key, "default")
     tflops, gbps = DEFAULT_RATES["H100"]
-    return DeviceRates(tflops, gbps, "H100", f"assumed ({gpu_name or 'no GPU'} is not in the table)")
+    why = f"{gpu_name} is not in the table" if gpu_name else "planned without a GPU"
+    return DeviceRates(tflops, gbps, "H100", f"assumed ({why})")
 
 
 @dataclass(frozen=True)
