@@ -221,6 +221,13 @@ class MemoryPlan:
         return self.lora_params + self.grads + self.optimizer_state + self.optimizer_host
 
     @property
+    def transient(self) -> int:
+        """What the update or the recompute allocates and frees beyond what stays resident (their activations, the
+        log-prob chunk or a layer's backward, a dequantized weight): the reserve's fragmentation share grows with it."""
+        train = self.activations + self.logprob_kept + max(self.logprob_chunk, self.layer_backward + self.dequant)
+        return max(train, self.logprob_kept + max(self.logprob_chunk, self.recompute + self.dequant))
+
+    @property
     def resident_cache_fits(self) -> bool:
         """Whether the builtin engine keeps its KV cache (and shadows, CUDA graphs) through the update: chosen
         by the plan when there is room and memory is not short (then every phase holds it)."""
@@ -459,9 +466,7 @@ def _build(req: PlanRequest, s: Setting) -> MemoryPlan:
         p.kv_cache = p.kv_slots * req.per_slot
         p.rollout = rollout_reserve(req.dims, req.elem, max(1, p.kv_slots), req.prefill)
         return p
-    train = p.activations + p.logprob_kept + max(p.logprob_chunk, p.layer_backward + p.dequant)
-    recompute = p.logprob_kept + max(p.logprob_chunk, p.recompute + p.dequant)
-    p.reserve = _reserve(req.capacity, max(train, recompute, p.rollout))
+    p.reserve = _reserve(req.capacity, p.transient)
     per_slot = max(1, req.per_slot)
     room = req.capacity - p.reserve - p.phase_estimates()["rollout"]
     if p.resident_cache:  # the cache (and shadows) also stay through every other phase
