@@ -348,6 +348,21 @@ def test_the_run_records_request_and_resolved_settings(tiny_run) -> None:
     assert res.metrics[0]["plan/est_step_s"] == pytest.approx(plan["est_step_s"])
 
 
+def test_dry_run_shows_the_time_estimate_and_why(tiny_run) -> None:
+    """`qerl train --dry-run` with --gpu-memory-gib on a machine without CUDA plans for a GPU of that size: the
+    per-phase time estimate, the device rates it assumed, why this setting, and the runner-ups."""
+    from qerl_cli.train.config import TrainConfig
+    from qerl_cli.train.memory_plan import dry_run_lines
+
+    lines = dry_run_lines(tiny_run, TrainConfig(gpu_memory_gib=8.0, batch_prompts=2, num_generations=2,
+                                                max_completion_length=8))
+    est = next(line for line in lines if line.startswith("  step time estimate (s): aqn "))
+    assert "rollout" in est and "fwd_bwd" in est and "H100 assumed (planned without a GPU)" in est
+    why = next(line for line in lines if line.startswith("  why: "))
+    assert "the fastest" in why and "s per step" in why
+    assert any(line.startswith("    fits: mb ") for line in lines)
+
+
 def test_72b_under_a_48_gib_cap_is_refused_naming_the_setting() -> None:
     with pytest.raises(MemoryPlanError) as exc:
         _plan_72b(48.0)

@@ -1,8 +1,9 @@
-"""The memory plan of an RL run: what each phase of a step holds on the GPU, and the settings that fit.
+"""The memory plan of an RL run: what each phase of a step holds on the GPU, and the fastest settings that fit.
 
 Made from the model's config (shapes only) BEFORE any weight is built, so a run that cannot fit is refused
-with one line naming the setting to change, and made again after loading with the resident bytes measured
-(the larger of estimate and measurement counts). All sizes are bytes; docs/memory.md explains every term.
+with one line naming the setting to change, and made again after loading with the resident bytes measured.
+All sizes are bytes; docs/memory.md explains every term. The plan's choices come back as
+:class:`ResolvedSettings` (:func:`resolve_settings`); the TrainConfig that asked is left as it was.
 
 Weights (:class:`WeightBytes`, :func:`weight_bytes`):
   stored          the base as loaded: the decoder linears in their format (bytes per layer from the format's
@@ -11,15 +12,17 @@ Weights (:class:`WeightBytes`, :func:`weight_bytes`):
   kernel_derived  what qerl's CUDA kernels derive and keep per quantized linear (the FP4 block scales as
                   16-bit factors: 0.125 byte per NVFP4 weight; ``qerl_kernels.dispatch.derived_bytes``)
   extra_copies    a peer kernel's own converted copy (humming, +0.5 byte per FP4 weight, the fused q/k/v and
-                  gate/up counted again), only when humming is importable; the plan allows it only if it fits
+                  gate/up counted again), only when humming is importable
+  measured        after loading (a 1-token forward): counts where larger; measured below stored + kernel_derived,
+                  the kernels had not built their layouts yet (the large-M path builds them), so they come on top
 
 Per phase (:meth:`MemoryPlan.phase_estimates`, allocated bytes as ``torch.cuda.max_memory_allocated`` counts
-them; the fit adds a reserve of 1 GiB + 5% of the capacity for the allocator and the CUDA context):
+them):
   static     weights + LoRA factors in fp32 + AdamW's moments when they stay on the GPU (8 B per parameter)
   setup      weights + LoRA factors
   aqn        static + the noisy norm weights
-  rollout    static + the engine's in-dtype LoRA shadows + KV cache (one slot per sequence that fits) + its
-             prefill/sampling activations (the engine's own formula at the real prefill size)
+  rollout    static + the engine's in-dtype LoRA shadows + KV cache (its slots) + its prefill/sampling
+             activations (the engine's own formula at the real prefill size)
   recompute  static + the larger of one layer's no-grad intermediates at the micro-batch with one dequantized
              weight (the large-M forward and every backward dequantize one layer transiently) and the log-prob
              chunk
@@ -29,26 +32,31 @@ them; the fit adds a reserve of 1 GiB + 5% of the capacity for the allocator and
   optimizer  static + gradients + the step's temporaries (AdamW's foreach square root, or the streamed buckets
              of :class:`~qerl_cli.train.host_offload.HostOffloadAdamW`)
   checkpoint static (the snapshot goes to host memory; gradients are freed after the optimizer step)
+A resident rollout cache (KV cache + shadows) is held in every phase. The fit adds a reserve: 1 GiB (the CUDA
+context, library workspaces) + 5% of the capacity + ``FRAGMENTATION_SHARE`` of the bytes the update or the
+recompute allocates and frees (:attr:`MemoryPlan.transient`): the allocator's fragmentation grows with them.
 
-Activation model per token and layer (bf16, LoRA on all seven projections, SDPA attention), what autograd
-keeps: each RMSNorm its fp32 input (2 H values) and the bf16 output the LoRA factors read (H); SDPA q, k and v
-(K/V repeated to every head under a padding mask) and its output (4 H); the o_proj input (H); gate, SiLU(gate),
-up and their product (4 I). RoPE keeps nothing (its factors need no gradient), nor do the frozen quantized GEMMs.
-So (11 H + 4 I) * dtype bytes, plus one layer's gradients in flight in the backward ((3 I + 2 H) * dtype); with
-checkpointing only the layer input (H) is kept per layer, plus one layer's full set during its recompute. The
-log-prob chunk's transient and a layer's backward do not overlap: the phase takes the larger.
+Activation model per token and layer (LoRA on all seven projections, SDPA attention), what autograd keeps:
+each RMSNorm its fp32 input (2 H values) and the output the LoRA factors read (H); SDPA q, k and v (K/V repeated
+to every head under a padding mask) and its output (4 H); the o_proj input (H); gate, SiLU(gate), up and their
+product (4 I). RoPE keeps nothing (its factors need no gradient), nor do the frozen GEMMs. So (11 H + 4 I) *
+dtype bytes, plus one layer's gradients in flight in the backward ((3 I + 2 H) * dtype); with checkpointing only
+the layer input (H) is kept per layer, plus one layer's full set during its recompute. An unquantized base runs
+peft's own LoRA layer, which casts each adapted projection's input to the fp32 adapters' dtype: autograd keeps
+those casts (q, k and v one each) instead of the shared input (``ModelDims.fp32_input_bytes_per_token_layer``,
++45% at 7B). The log-prob chunk's transient and a layer's backward do not overlap: the phase takes the larger.
 
-Choices, the first that fits (settings given explicitly are kept):
-  1. no gradient checkpointing, the largest micro-batch (<= 8) that still feeds the GEMMs >= 2048 rows; the
-     peer kernel's weight copies if they fit; AdamW's moments on the GPU, else in pinned host memory;
-  2. "memory short": gradient checkpointing with AdamW's moments in host memory and the smallest micro-batch
-     whose rows reach 1,024 (then smaller ones), the peer's copies only if they fit. Both savers cost little
-     time (one PCIe round trip of the moments per step, overlapped; a few more dequantize passes) and leave
-     headroom exactly where the estimate is least certain (activations);
-  3. no checkpointing with the remaining smaller micro-batches.
-The KV cache takes one slot per sequence, as many as fit beside the rollout phase. When nothing fits,
-:class:`MemoryPlanError` says which setting to change and to what.
+Choice (:func:`plan_memory`): every setting is built and estimated: micro-batch 1, 2, 4, ... up to the sequences
+per step (and the sequences themselves), with and without gradient checkpointing, the peer kernel's weight copies
+on and off (where there are any), AdamW's moments on the GPU or in host memory, a resident rollout cache or not;
+the KV cache gets as many slots as fit (one per sequence at most; a resident cache must also fit beside every
+other phase, and fewer slots decode in waves). Settings given explicitly stay fixed. Of the settings that fit,
+the one the step's cost model (train/step_cost.py) estimates fastest wins; settings within ``NEAR_TIE`` of it
+count as equally fast and the one needing least memory wins among them. The plan records its per-phase time
+estimate, why, and the runner-ups. When nothing fits, :class:`MemoryPlanError` says which setting to change
+and to what.
 """
+
 
 from __future__ import annotations
 

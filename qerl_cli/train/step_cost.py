@@ -5,10 +5,11 @@ rollout cache) changes where a step's time goes; this model puts a number on eac
 dimensions, the weight format, the workload and two rates of the device (docs/memory.md, "What the step costs"):
 
   rollout    waves x decode steps x one decode step + prefill + a fixed part. A decode step is a per-layer
-             floor (the graph's launches and the kernels' latency: the decode GEMMs at batch <= 64 run far from
-             the copy bandwidth) + the weights and the KV cache read at a share of the copy bandwidth + the
-             batch's GEMM FLOPs. Fewer KV slots than sequences decode in more waves; a cache that is not
-             resident is allocated and its graphs captured again every step.
+             floor (the graph's launches and the kernels' latency) + a low-bit weight at its dequantize-GEMM
+             kernel's throughput (far from the copy bandwidth at batch <= 64, and the same on an H100 and an
+             H200) or a 16-bit one, lm_head and the KV cache at the copy bandwidth + the batch's GEMM FLOPs.
+             Fewer KV slots than sequences decode in more waves; a cache that is not resident is allocated and
+             its graphs captured again every step.
   recompute  per micro-batch, one forward without autograd.
   fwd_bwd    per micro-batch, a forward and a backward (and under checkpointing one more forward): GEMM FLOPs
              (2 x weights x tokens forward, as much again for dx of the frozen base, the LoRA factors x 3,
@@ -29,7 +30,7 @@ measured them (``qerl bench step``), else per GPU name (:func:`default_rates`).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from qerl_cli.train.model_dims import ModelDims
 
@@ -94,11 +95,14 @@ class Calibration:
     other_s: float
 
 
-# Fitted (scripts-free: least squares on log time, by hand-checked starting points) on the measured phases of:
-# docs/results/2026-11-26/i26_step_peers_h100.json (7B bf16 + nvfp4, H100), 2026-11-27/i35_baseline_step7b_
-# profile_h100.json (7B bf16, H100; its kernel time per phase fixed the GPU side), 2026-11-26/i27_72b_step_cap79.json
-# (72B nvfp4 micro-batch 1 + checkpointing, H200) and the tracker's 2026-11-27 table of `qerl bench step` on one
-# H100 (7B, 14B, 32B, 72B; quoted in tests/test_step_cost.py). Refit when the kernels or the host path change.
+# Fitted by least squares on the log of the measured phase times (rollout, recompute, fwd_bwd, checkpoint), worst
+# cells weighted up, then rounded, on `qerl bench step` results of 2026-11-26/27: docs/results/2026-11-26/
+# i26_step_peers_h100.json (7B bf16 + nvfp4, H100), 2026-11-27/i35_baseline_step7b_profile_h100.json (7B bf16; its
+# profile's kernel time per phase pinned the GPU side: bf16 0.60 / 1.32 s, nvfp4 0.44 / 0.95 s of recompute /
+# fwd_bwd), 2026-11-26/i27_72b_step_cap79.json (72B micro-batch 1 + checkpointing, H200: training phases), and
+# the tracker's table of 2026-11-27 (H100: 7B, 14B, 32B with and without humming's copies, 72B; 32B micro-batch 8
+# on an H200). The cells and the residuals (<= 14%): tests/test_step_cost.py. The host terms are what a layer of
+# today's LoRA path costs in Python and launches; refit when that path or the kernels change.
 CALIBRATION = Calibration(
     gemm_share=0.9, gemm_half_rows=110.0, fp32_lora_share=0.028, elementwise_fwd=6.3, elementwise_bwd=5.0,
     host_nograd_s=3.2e-3, host_fwd_s=7.0e-3, host_bwd_s=3.0e-3, overlap=0.22, copies_train_penalty=2.4,
@@ -145,8 +149,9 @@ class Setting:
 
 @dataclass(frozen=True)
 class Base:
-    """What the cost depends on in the base model: its dims, activation bytes, the decoder linears' stored
-    bytes, whether they are dequantized per pass, and whether peft's fp32-input LoRA layer runs them."""
+    """What the cost depends on in the base model: its dims, activation dtype bytes, the decoder linears' stored
+    bytes and whether they are quantized (dequantized per training pass; an unquantized base runs peft's own
+    LoRA layer, which casts its inputs to the fp32 adapters' dtype)."""
 
     dims: ModelDims
     elem: int
@@ -217,9 +222,9 @@ def _rollout(base: Base, work: Workload, s: Setting, rates: DeviceRates, cal: Ca
     slots = max(1, min(work.sequences, s.kv_slots or work.sequences))
     waves = math.ceil(work.sequences / slots)
     bw, rate = rates.copy_gbps * 1e9, rates.matmul_tflops * 1e12
-    if not base.dequantizes:  # a 16-bit weight streams at a share of the copy bandwidth
+    if not base.dequantizes:
         weights = base.linear_bytes / (bw * cal.decode_dense_share)
-    else:  # a low-bit one is bound by its dequantize-GEMM kernel: the same on an H100 and an H200
+    else:
         weights = d.linear_weights() / (rate * (cal.decode_copies_share if s.kernel_weight_copies
                                                 else cal.decode_dequant_share))
     head = d.vocab * d.hidden * base.elem
@@ -257,10 +262,6 @@ def estimate_step(base: Base, work: Workload, setting: Setting, rates: DeviceRat
     }
     parts = {"train_gpu_s": n_mb * train_gpu, "train_host_s": n_mb * train_host, "micro_batches": n_mb}
     return StepEstimate(phases, parts)
-
-
-def rates_dict(rates: DeviceRates) -> dict[str, object]:
-    return asdict(rates)
 
 
 __all__ = ["CALIBRATION", "DEFAULT_RATES", "PHASES", "Base", "Calibration", "DeviceRates", "Setting",
