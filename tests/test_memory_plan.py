@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl_cli.bench.shapes import get_shape
 from qerl_cli.train.memory_plan import (
     FRAGMENTATION_SHARE,
     GIB,
@@ -169,7 +168,8 @@ def test_nothing_fits_says_what_to_change() -> None:
 # ---- Qwen2.5 14B / 32B / 72B on one 80 GB card ---------------------------------------------------------------
 H100_GIB = 79.19  # torch.cuda.get_device_properties(...).total_memory of an 80 GB H100
 # the published config.json values of the Qwen2.5 models (vocab 152064, untied embeddings, q/k/v biases)
-QWEN25 = {"14b": (5120, 13824, 48, 40, 8), "32b": (5120, 27648, 64, 40, 8), "72b": (8192, 29568, 80, 64, 8)}
+QWEN25 = {"7b": (3584, 18944, 28, 28, 4), "14b": (5120, 13824, 48, 40, 8), "32b": (5120, 27648, 64, 40, 8),
+          "72b": (8192, 29568, 80, 64, 8)}
 
 
 def qwen25(size: str):
@@ -184,8 +184,8 @@ def qwen25(size: str):
 def _plan_qwen(size: str, fmt: str, cap_gib: float, **kw):
     from qerl_cli.train.config import TrainConfig
 
-    shape = dict(batch_prompts=1, num_generations=8, max_completion_length=1024) if size != "14b" else \
-        dict(batch_prompts=8, num_generations=4, max_completion_length=256)
+    shape = dict(batch_prompts=1, num_generations=8, max_completion_length=1024) if size in ("32b", "72b") else \
+        dict(batch_prompts=8, num_generations=4, max_completion_length=256)  # the tracker's bench step cells
     # off CUDA a cap plans for a GPU of that size (the CUDA kernels' data counted), enforcing nothing
     return plan_before_build(TrainConfig(lora_rank=32, gpu_memory_gib=cap_gib, **shape, **kw), qwen25(size), fmt,
                              device="cpu", prompt_tokens=256)
@@ -226,6 +226,17 @@ def test_72b_default_settings_fit_an_80gb_card() -> None:
                       gpu_memory_gib=H100_GIB).resolved()
     p2 = plan_for_config(cfg, qwen25("72b"), weights=humming, device="cpu", prompt_tokens=256, elem=2)
     assert p2.extra_weight_copies is False and p2.phase_estimates() == est
+
+
+@pytest.mark.parametrize(("size", "fmt"), [("7b", "bf16"), ("7b", "nvfp4"), ("14b", "bf16"), ("14b", "nvfp4"),
+                                         ("32b", "bf16"), ("32b", "nvfp4"), ("72b", "nvfp4")])
+def test_every_bench_step_cell_fits_an_80gb_card(size: str, fmt: str) -> None:
+    """The default plan of every `qerl bench step` cell of the tracker (8 x 4 x (256 + 256) at 7B and 14B, 1 x 8 x
+    (256 + 1024) at 32B and 72B) fits 79.19 GiB with its reserve, at the longest completions."""
+    p = _plan_qwen(size, fmt, H100_GIB)
+    assert p.fits() and p.peak + p.reserve <= H100_GIB * GIB
+    assert p.reserve >= GIB + int(H100_GIB * GIB) // 20 + int(FRAGMENTATION_SHARE * p.transient)
+    assert p.est_step_s > 0 and p.kv_slots == p.sequences
 
 
 def test_32b_nvfp4_takes_a_large_micro_batch_with_checkpointing() -> None:
@@ -280,7 +291,7 @@ def _cell(name: str, fmt: str) -> dict:
 
 def _fixed_plan(size: str, fmt: str, cap_gib: float, *, measured: int | None = None, completion: int = 1024,
                 sequences: int = 8, prompts: int = 1, **settings):
-    cfg = qwen25(size) if size != "7b" else get_shape("qwen2.5-7b").config()
+    cfg = qwen25(size)
     wb = weight_bytes(cfg, fmt, 2, kernels=True)
     if measured is not None:
         wb = dataclasses.replace(wb, measured=measured)
