@@ -83,6 +83,32 @@ def test_resident_cache_rule() -> None:
     assert plan_memory(dims, capacity=None, **kw).resident_cache_fits  # no known limit (CPU)
 
 
+def test_rows_carry_resolved_settings_and_time_estimates(tmp_path) -> None:
+    """A cell planned for a GPU (a cap off CUDA plans for one of that size): its row records the settings it ran
+    with (`resolved`), the plan's own step estimate, and per phase the cost model's seconds at the cell's measured
+    tokens (`est_<phase>_s`), which the table shows beside the measured step."""
+    from rich.console import Console
+
+    from qerl_cli.train.step_cost import PHASES as COST_PHASES
+
+    res = bench_step(shape="tiny", formats=("bf16",), overrides=SMALL, prompt_len=8, warmup=0, measure=1,
+                     memory_cap_gib=4.0, out_dir=tmp_path, log=lambda _m: None)
+    (row,) = json.loads((tmp_path / "step.json").read_text())["results"]
+    assert row["status"] == "ok" and res["device_rates"] is None  # nothing measured on a CPU: the plan's rates
+    assert set(row["resolved"]) == {"micro_batch_size", "gradient_checkpointing", "optimizer_offload",
+                                    "kernel_weight_copies", "gpu_memory_utilization", "kv_slots",
+                                    "keep_rollout_cache"}
+    assert row["micro_batch_size"] == row["resolved"]["micro_batch_size"] == row["memory_plan"]["micro_batch_size"]
+    assert row["resolved"]["kv_slots"] == 4 and res["config"]["train"]["micro_batch_size"] is None  # the request
+    assert row["memory_plan"]["est_step_s"] > 0 and row["memory_plan"]["reason"]
+    assert all(row[f"est_{p}_s"] > 0 for p in ("rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint"))
+    assert row["est_step_s"] == pytest.approx(sum(row[f"est_{p}_s"] for p in COST_PHASES))
+    out = Console(width=400, record=True, file=open("/dev/null", "w"))  # noqa: SIM115 - closed with the test
+    out.print(render_table(res))
+    text = out.export_text()
+    assert "est step s" in text and f"{row['est_step_s']:.3f}" in text
+
+
 def test_bad_peer_input(tmp_path) -> None:
     kw = {"overrides": SMALL, "out_dir": tmp_path, "log": lambda _m: None}
     run_dir = tmp_path / "run"  # refused before the run is read
