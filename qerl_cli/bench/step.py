@@ -252,7 +252,7 @@ def time_estimates(trainer: Any, row: dict[str, Any], prompt_len: float, rates: 
     base = cost_base(ModelDims.from_config(trainer.model.config), plan.weight_parts, trainer.dtype.itemsize)
     work = Workload(n, prompt_len, c.max_completion_length, c.lora_rank, tuple(c.lora_targets),
                     mean_completion=(row.get("generated_tokens") or n * c.max_completion_length) / n,
-                    reference_pass=c.beta > 0, train_tokens=row.get("batch_tokens"),
+                    old_pass=trainer.needs_old_pass(), reference_pass=c.beta > 0, train_tokens=row.get("batch_tokens"),
                     attention_pairs=row.get("batch_attention_pairs"), loss_tokens=row.get("batch_loss_tokens"))
     setting = Setting(s.micro_batch_size, s.gradient_checkpointing, s.kernel_weight_copies, s.optimizer_offload,
                       s.kv_slots, s.keep_rollout_cache)

@@ -380,6 +380,7 @@ class PlanRequest:
     prompts: int | None
     gpu_memory_utilization: float | None
     rates: DeviceRates
+    old_pass: bool
     reference_pass: bool
     micro_batch_size: int | None
     gradient_checkpointing: bool | None
@@ -485,7 +486,7 @@ def _build(req: PlanRequest, s: Setting) -> MemoryPlan:
     p.rollout = rollout_reserve(req.dims, req.elem, max(1, slots), req.prefill)
     if slots >= 1:
         work = Workload(req.sequences, req.prompt_tokens, req.completion_tokens, req.lora_rank, req.lora_targets,
-                        reference_pass=req.reference_pass)
+                        old_pass=req.old_pass, reference_pass=req.reference_pass)
         setting = Setting(s.micro_batch_size, s.gradient_checkpointing, s.kernel_weight_copies,
                           s.optimizer_offload, slots, s.keep_rollout_cache)
         p.estimate = estimate_step(cost_base(req.dims, req.weights, req.elem), work, setting, req.rates).phases
@@ -539,18 +540,19 @@ def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | 
                 gradient_checkpointing: bool | None = None, logprob_chunk: int = 512,
                 gpu_memory_utilization: float | None = None, optimizer_offload: bool | None = None,
                 extra_weight_copies: bool | None = None, prompts: int | None = None,
-                keep_rollout_cache: bool | None = None, rates: DeviceRates | None = None,
+                keep_rollout_cache: bool | None = None, rates: DeviceRates | None = None, old_pass: bool = True,
                 reference_pass: bool = False, advise: bool = True) -> MemoryPlan:
     """The fastest setting (micro-batch, gradient checkpointing, kernel weight copies, where AdamW's moments live,
     KV slots, a resident rollout cache) whose step fits ``capacity`` bytes, by the step's cost model (module
-    docstring). ``rates``: the device's (default: an H100's).
+    docstring). ``rates``: the device's (default: an H100's); ``old_pass`` / ``reference_pass``: the no-grad
+    passes the step runs before the update (pi_old's own, the reference model's).
 
     Raises :class:`MemoryPlanError` when nothing fits (with the one-line advice unless ``advise`` is False).
     """
     wb = weights if isinstance(weights, WeightBytes) else WeightBytes(stored=int(weights))
     req = PlanRequest(dims, wb, capacity, device_total, elem, sequences, prompt_tokens, completion_tokens, lora_rank,
                       tuple(lora_targets), logprob_chunk, prompts, gpu_memory_utilization,
-                      rates or default_rates(None), reference_pass, micro_batch_size, gradient_checkpointing,
+                      rates or default_rates(None), old_pass, reference_pass, micro_batch_size, gradient_checkpointing,
                       optimizer_offload, extra_weight_copies, keep_rollout_cache)
     if capacity is None:  # CPU: nothing to fit; the defaults as they always were
         copies = extra_weight_copies if extra_weight_copies is not None else wb.extra_copies > 0
@@ -564,7 +566,8 @@ def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | 
         raise MemoryPlanError("memory plan: nothing fits")
     kw = dict(weights=wb, elem=elem, sequences=sequences, prompt_tokens=prompt_tokens,
               completion_tokens=completion_tokens, lora_rank=lora_rank, lora_targets=lora_targets,
-              logprob_chunk=logprob_chunk, prompts=prompts, rates=req.rates, reference_pass=reference_pass,
+              logprob_chunk=logprob_chunk, prompts=prompts, rates=req.rates, old_pass=old_pass,
+              reference_pass=reference_pass,
               keep_rollout_cache=False if keep_rollout_cache is False else None)
     last = min(plans, key=lambda p: p.peak + p.reserve)
     raise MemoryPlanError(_advice(dims, capacity=capacity, fixed_mb=micro_batch_size, fixed_gc=gradient_checkpointing,
@@ -692,7 +695,8 @@ def plan_for_config(cfg: Any, model_config: Any, *, weights: int | WeightBytes, 
         logprob_chunk=cfg.logprob_chunk_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization,
         optimizer_offload=cfg.optimizer_offload, extra_weight_copies=copies, prompts=cfg.batch_prompts,
         keep_rollout_cache=cfg.keep_rollout_cache if cfg.rollout_engine == "builtin" else False,
-        rates=rates or device_rates(device), reference_pass=cfg.beta > 0)
+        rates=rates or device_rates(device), old_pass=cfg.recompute_logprobs or cfg.lora_dropout > 0,
+        reference_pass=cfg.beta > 0)
 
 
 def plan_before_build(cfg: Any, model_config: Any, fmt: str, *, device: Any, prompt_tokens: int,

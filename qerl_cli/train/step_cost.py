@@ -10,7 +10,8 @@ dimensions, the weight format, the workload and two rates of the device (docs/me
              H200) or a 16-bit one, lm_head and the KV cache at the copy bandwidth + the batch's GEMM FLOPs.
              Fewer KV slots than sequences decode in more waves; a cache that is not resident is allocated and
              its graphs captured again every step.
-  recompute  per micro-batch, one forward without autograd.
+  recompute  per micro-batch, one forward without autograd for pi_old where it needs a pass of its own, and one
+             for the reference model (beta > 0); none when the update's forward supplies pi_old.
   fwd_bwd    per micro-batch, a forward and a backward (and under checkpointing one more forward): GEMM FLOPs
              (2 x weights x tokens forward, as much again for dx of the frozen base, the LoRA factors x 3,
              attention x 2, lm_head over the loss tokens) at a share of the matmul ceiling that grows with the
@@ -115,7 +116,9 @@ CALIBRATION = Calibration(
 @dataclass(frozen=True)
 class Workload:
     """One step's work. ``mean_completion``: the expected completion length (None: the most, the bound the
-    plan assumes); ``train_tokens``/``attention_pairs``/``loss_tokens``: measured counts, when known."""
+    plan assumes); ``old_pass``: pi_old gets a no-grad pass of its own (else the update's forward supplies it);
+    ``reference_pass``: the reference model's (beta > 0); ``train_tokens``/``attention_pairs``/``loss_tokens``:
+    measured counts, when known."""
 
     sequences: int
     prompt_tokens: float
@@ -123,6 +126,7 @@ class Workload:
     lora_rank: int = 32
     lora_targets: tuple[str, ...] = DEFAULT_TARGETS
     mean_completion: float | None = None
+    old_pass: bool = True
     reference_pass: bool = False
     train_tokens: float | None = None
     attention_pairs: float | None = None
@@ -244,7 +248,7 @@ def estimate_step(base: Base, work: Workload, setting: Setting, rates: DeviceRat
     """Seconds per phase of one steady-state step with ``setting`` (module docstring)."""
     c = _train_costs(base, work, setting, rates, cal)
     n_mb = c["micro_batches"]
-    recompute = n_mb * _combine(c["fwd"], c["host_nograd"], cal) * (2 if work.reference_pass else 1)
+    recompute = n_mb * _combine(c["fwd"], c["host_nograd"], cal) * (work.old_pass + work.reference_pass)
     gc = setting.gradient_checkpointing
     train_gpu = c["fwd"] + c["bwd"] + (c["gc"] if gc else 0.0)
     train_host = c["host_fwd"] * (2 if gc else 1) + c["host_bwd"]
