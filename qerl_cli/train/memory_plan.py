@@ -402,7 +402,6 @@ class PlanRequest:
         prompts = self.prompts or self.sequences
         return min(ENGINE_PREFILL_TOKENS, max(self.prompt_tokens, prompts * self.prompt_tokens))
 
-
     def candidates(self) -> list[Setting]:
         """Every setting the plan estimates: micro-batches of 1, 2, 4, ... up to the sequences (and the sequences
         themselves), with and without checkpointing, copies, offload and a resident cache; given ones stay."""
