@@ -101,7 +101,8 @@ def test_rows_carry_resolved_settings_and_time_estimates(tmp_path) -> None:
     assert row["micro_batch_size"] == row["resolved"]["micro_batch_size"] == row["memory_plan"]["micro_batch_size"]
     assert row["resolved"]["kv_slots"] == 4 and res["config"]["train"]["micro_batch_size"] is None  # the request
     assert row["memory_plan"]["est_step_s"] > 0 and row["memory_plan"]["reason"]
-    assert all(row[f"est_{p}_s"] > 0 for p in ("rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint"))
+    assert all(row[f"est_{p}_s"] > 0 for p in ("rollout", "fwd_bwd", "optimizer", "checkpoint"))
+    assert row["est_recompute_s"] == 0  # no pi_old pass of its own: the update's forward gives pi_old
     assert row["est_step_s"] == pytest.approx(sum(row[f"est_{p}_s"] for p in COST_PHASES))
     out = Console(width=400, record=True, file=open("/dev/null", "w"))  # noqa: SIM115 - closed with the test
     out.print(render_table(res))
