@@ -68,8 +68,10 @@ class QuantLoraLinear(FastLoraForward, nn.Module, LoraLayer):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         y = self.fast_lora_forward(x)
-        if y is not None:
-            return y
+        return y if y is not None else self.general_forward(x)
+
+    def general_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Any adapter state (several adapters, live dropout, disabled): the base, then each adapter in x's dtype."""
         result = self.base_layer(x)
         if self.disable_adapters:
             return result
@@ -100,7 +102,11 @@ class DenseLoraLinear(FastLoraForward, PeftLoraLinear):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         y = None if args or kwargs else self.fast_lora_forward(x)
-        return y if y is not None else super().forward(x, *args, **kwargs)
+        return y if y is not None else self.general_forward(x, *args, **kwargs)
+
+    def general_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """peft's own forward (every adapter state and variant peft supports)."""
+        return super().forward(x, *args, **kwargs)
 
 
 CUSTOM_LAYERS: dict[type, type] = {QuantLinear: QuantLoraLinear, PlainLinear: DenseLoraLinear}
