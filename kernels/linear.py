@@ -58,17 +58,16 @@ def __getattr__(name: str) -> Any:
 def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """y = x @ dequant(W)^T + b for 2-D contiguous-rows x [M, K] (no autograd)."""
     st = kernel_state(module)
-    t = st.tensors
-    m = x.shape[0]
-    bias = module.bias
-    sms = num_sms(x.device)
     if st.fmt in FP4_FORMATS:
         if INTERPRET:
             return fp4_fused(x, module)
         return forward_by(dispatch.choose(module, x), x, module)
+    t = st.tensors
+    bias = module.bias
     if use_fp8_activations(x, st):
         return fp8_scaled_matmul(x, t["weight"], st.fp8_scale_row, None if bias is None else bias.to(x.dtype))
-    return w8_matmul(x, t["weight"], t["weight_scale"], w8_config(m, st.n, st.k, sms), bias=bias)
+    return w8_matmul(x, t["weight"], t["weight_scale"], w8_config(x.shape[0], st.n, st.k, num_sms(x.device)),
+                     bias=bias)
 
 
 def forward_by(backend: str, x: torch.Tensor, module: nn.Module) -> torch.Tensor:

@@ -13,10 +13,13 @@ kept in the activation dtype (`AdapterShadows`):
   base's dx and four GEMM-class kernels. dA and dB are computed in the activation dtype on the tensor cores (as
   autocast would) and handed back as fp32, so autograd accumulates them straight into the masters' fp32 grads.
 
-The shadows are rebuilt only when a master changes (its ``_version`` or storage, an optimizer step, the dtype or
-the scaling), so no cast runs per call. Exactness: in fp32 this is peft's math up to GEMM order (and the rounding
-of s*A, s*B, exact for power-of-two s, the default alpha = 2r); in bf16/fp16 it differs from peft's fp32-adapter
-path by rounding only (the adapter product is formed from 16-bit operands with fp32 accumulation).
+The shadows are built on the first forward after a master changed (an optimizer step drops them; a version or
+storage change of a master, the dtype or the scaling rebuilds them), so no cast runs per call.
+
+Exactness: in fp32 this is peft's LoRA math up to GEMM order and the rounding of s*A, s*B and the 1/s factor (none
+for a power-of-two s, as the default alpha = 2r gives). In bf16/fp16 it differs from peft's fp32-adapter path by
+rounding only: the adapter products are formed from 16-bit operands (the shadows, x, dy) with fp32 accumulation,
+and h and g are rounded to the activation dtype, where peft multiplies fp32 copies.
 
 The base runs without autograd through `BaseOps`: an ``nn.Linear`` (F.linear; dx = dy @ W), a ``QuantLinear`` on
 qerl_kernels (``linear_forward`` / ``linear_backward_dx``, the same kernels ``QuantLinear.forward`` runs) or on
@@ -26,6 +29,7 @@ dropout while training, several active adapters, DoRA and other variants) keeps 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,15 +97,16 @@ def base_ops(base: nn.Module, x: torch.Tensor) -> BaseOps | None:
     return None
 
 
-# Optimizer steps taken in this process. A fused optimizer (AdamW(fused=True)) writes the masters without bumping
-# their version counter, so the shadows' key also carries this count, advanced by a global step hook.
-_steps = 0
+# Every shadow set alive, so an optimizer step can drop them all: a fused optimizer (AdamW(fused=True)) writes the
+# masters without bumping their version counter, and after a step every shadow is stale anyway, so between the
+# optimizer step and the next training forward (the rollout) they take no memory.
+_live: weakref.WeakSet[AdapterShadows] = weakref.WeakSet()
 _hook_registered = False
 
 
-def _count_step(*_args: object) -> None:
-    global _steps
-    _steps += 1
+def _drop_all_shadows(*_args: object) -> None:
+    for sh in list(_live):
+        sh.invalidate()
 
 
 def _watch_optimizer_steps() -> None:
@@ -109,15 +114,16 @@ def _watch_optimizer_steps() -> None:
     if not _hook_registered:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        register_optimizer_step_post_hook(_count_step)
+        register_optimizer_step_post_hook(_drop_all_shadows)
         _hook_registered = True
 
 
 class AdapterShadows:
-    """sA = s*A and sB = s*B of one adapter in the activation dtype, rebuilt when a master changes: its storage or
-    version counter (in-place updates under autograd's eye, `load_state_dict`, a foreach/for-loop optimizer), any
-    optimizer step (fused ones), the dtype or the scaling. A write through ``.data`` is invisible to all of these;
-    call `invalidate` after one."""
+    """sA = s*A and sB = s*B of one adapter in the activation dtype, built on the first forward after a master
+    changed: its storage or version counter (in-place updates under autograd's eye, `load_state_dict`, a foreach
+    or for-loop optimizer), the dtype or the scaling; and dropped by every optimizer step (any torch optimizer,
+    fused ones included). A write through ``.data`` is invisible to all of these: call `invalidate` after one.
+    While built they hold one 16-bit copy of the adapter, what peft's per-call casts held for backward."""
 
     def __init__(self) -> None:
         self.masters: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -129,7 +135,7 @@ class AdapterShadows:
         self.masters = self.key = self.sa = self.sb = None
 
     def get(self, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        key = (a._version, b._version, a.data_ptr(), b.data_ptr(), dtype, scale, _steps)
+        key = (a._version, b._version, a.data_ptr(), b.data_ptr(), dtype, scale)
         masters = self.masters
         if masters is None or masters[0] is not a or masters[1] is not b or key != self.key:
             _watch_optimizer_steps()
@@ -137,6 +143,7 @@ class AdapterShadows:
                 self.sa = (a.detach() * scale).to(dtype)
                 self.sb = (b.detach() * scale).to(dtype)
             self.masters, self.key = (a, b), key
+            _live.add(self)
         return self.sa, self.sb
 
 

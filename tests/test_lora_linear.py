@@ -213,7 +213,7 @@ def test_op_count_on_qerl_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("fused", [True, False])
 def test_shadows_follow_the_masters(fused: bool) -> None:
     """After an optimizer step (fused AdamW writes without a version bump), a load, or a new tensor behind a master,
-    the forward uses the new weights."""
+    the forward uses the new weights; the step frees the shadows."""
     layer = adapted(dense_base(), 32)
     base = layer.base_layer
     a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
@@ -226,7 +226,9 @@ def test_shadows_follow_the_masters(fused: bool) -> None:
 
     check()
     layer(x).square().sum().backward()
+    assert layer.shadows_of("default").sa is not None
     opt.step()
+    assert layer.shadows_of("default").sa is None  # dropped by the step: no memory until the next forward
     check()
     with torch.no_grad():
         b.copy_(torch.randn_like(b))  # what load_state_dict does
