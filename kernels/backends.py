@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import triton
-from qerl_kernels._common import INTERPRET, TileConfig, num_sms, split_k_for
+from qerl_kernels._common import INTERPRET, TileConfig, cdiv, num_sms, split_k_for
 from qerl_kernels.fp4 import (
     fp4_dequantize,
     fp4_dequantize_v2,
@@ -59,7 +59,7 @@ def fp4_config(m: int, n: int, k: int, sms: int = 132, repacked: bool = True) ->
             bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
         else:
             bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        tiles = cdiv(m, bm) * cdiv(n, bn)
         return TileConfig(bm, bn, bk, warps, stages, split_k_for(tiles, k, bk, sms))
     # repacked (tiled) kernel, from the sweep of one Qwen2.5-7B layer on an H200 (docs/benchmarks.md)
     waves, max_split = 2, 16
@@ -74,7 +74,7 @@ def fp4_config(m: int, n: int, k: int, sms: int = 132, repacked: bool = True) ->
         max_split = 8
     else:
         bm, bn, bk, warps, stages = 256, 128, 128, 8, 3
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     return TileConfig(bm, bn, bk, warps, stages, split_k_for(tiles, k, bk, sms, max_split, waves))
 
 
@@ -92,7 +92,7 @@ def w8_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
         bm, bn, bk, warps, stages = max(16, triton.next_power_of_2(m)), 128, 128, 4, 4
     else:
         bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     return TileConfig(bm, bn, bk, warps, stages, split_k_for(tiles, k, bk, sms))
 
 
