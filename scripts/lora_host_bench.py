@@ -7,7 +7,7 @@ Run from the repository root: ``TRITON_INTERPRET=1 python scripts/lora_host_benc
 - ``quant-kern``: the same layer on qerl_kernels, as on a GPU, with every Triton launch counted and skipped
   (`KernelStub`), so what is measured is the Python and dispatch work around the kernels, which a GPU step pays
   per linear on the host (Triton's own launch cost comes on top, the same before and after).
-For each: microseconds per forward + backward (best of 5 rounds; the machine may be shared) and the aten ops
+For each: CPU microseconds per forward + backward (best of 5 rounds; the machine may be shared) and the aten ops
 (views excluded) and Triton launches one call issues (gradient accumulation into existing .grad included).
 CPU-host timings, not GPU kernel times. fp32 by default: 16-bit GEMMs on a CPU are slow enough to hide the host
 cost being measured.
@@ -84,7 +84,8 @@ def layer(kind: str, n: int, k: int, rank: int, dtype: torch.dtype) -> nn.Module
 
 
 def measure(mod: nn.Module, x: torch.Tensor, dy: torch.Tensor, calls: int, rounds: int = 5) -> float:
-    """The best of `rounds` averages over `calls` calls (the machine is shared: the minimum is the least disturbed)."""
+    """The best of `rounds` averages over `calls` calls, in CPU time of this process (one thread): on a shared machine
+    wall time also counts the waits for a core; the minimum is the least disturbed round."""
     def step() -> None:
         mod(x).backward(dy)
 
@@ -92,10 +93,10 @@ def measure(mod: nn.Module, x: torch.Tensor, dy: torch.Tensor, calls: int, round
         step()
     best = float("inf")
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(calls):
             step()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        best = min(best, (time.process_time() - t0) / calls * 1e6)
     return best
 
 
