@@ -134,6 +134,15 @@ class AdapterShadows:
     def invalidate(self) -> None:
         self.masters = self.key = self.sa = self.sb = None
 
+    def __deepcopy__(self, memo: dict) -> AdapterShadows:
+        return AdapterShadows()  # a cache: a copied layer builds (and registers) its own on its first forward
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
     def get(self, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         key = (a._version, b._version, a.data_ptr(), b.data_ptr(), dtype, scale)
         masters = self.masters

@@ -210,31 +210,42 @@ def test_op_count_on_qerl_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sum(ops.values()) + launches["triton"] // 2 == FAST_OPS_KERNELS, ops
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_shadows_follow_the_masters(fused: bool) -> None:
-    """After an optimizer step (fused AdamW writes without a version bump), a load, or a new tensor behind a master,
-    the forward uses the new weights; the step frees the shadows."""
-    layer = adapted(dense_base(), 32)
-    base = layer.base_layer
+def step_and_check(layer: nn.Module, fused: bool, x: torch.Tensor) -> None:
+    """One optimizer step on the adapter, then the forward must use the new weights."""
     a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     opt = torch.optim.AdamW([a, b], lr=0.1, fused=fused, foreach=None if fused else False)
-    x = torch.randn(5, 32)
-
-    def check() -> None:
-        want = base(x) + F.linear(F.linear(x, a), b) * 2.0
-        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
-
-    check()
     layer(x).square().sum().backward()
     assert layer.shadows_of("default").sa is not None
     opt.step()
     assert layer.shadows_of("default").sa is None  # dropped by the step: no memory until the next forward
+    want = layer.base_layer(x) + F.linear(F.linear(x, a), b) * 2.0
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_shadows_follow_the_masters(fused: bool) -> None:
+    """After an optimizer step (fused AdamW writes without a version bump), a load, or a new tensor behind a master,
+    the forward uses the new weights; the step frees the shadows; a deep copy of the layer trains on its own."""
+    import copy
+
+    layer = adapted(dense_base(), 32)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    x = torch.randn(5, 32)
+
+    def check() -> None:
+        want = layer.base_layer(x) + F.linear(F.linear(x, a), b) * 2.0
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
     check()
+    step_and_check(layer, fused, x)
     with torch.no_grad():
         b.copy_(torch.randn_like(b))  # what load_state_dict does
     check()
     a.data = torch.randn_like(a)  # a new tensor behind the parameter
     check()
+    clone = copy.deepcopy(layer)
+    step_and_check(clone, fused, x)
+    check()  # the original is untouched
 
 
 def tiny_qwen() -> nn.Module:
