@@ -13,6 +13,9 @@ kept in the activation dtype (`AdapterShadows`):
   base's dx and four GEMM-class kernels. dA and dB are computed in the activation dtype on the tensor cores (as
   autocast would) and handed back as fp32, so autograd accumulates them straight into the masters' fp32 grads.
 
+The scaling rides in both shadows, with 1/s as cuBLAS's alpha where the two meet: then h and g already carry s,
+dA = g^T x and dB = dy^T h need no scale kernel, and one 16-bit copy of the adapter serves forward and backward.
+
 The shadows are built on the first forward after a master changed (an optimizer step drops them; a version or
 storage change of a master, the dtype or the scaling rebuilds them), so no cast runs per call.
 
@@ -189,7 +192,7 @@ class LoraLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
         x, h = ctx.saved_tensors
-        if dy.stride(-1) != 1:
+        if not dy.is_contiguous():  # the kernels' dx reads dense rows
             dy = dy.contiguous()
         need_x, need_a, need_b = ctx.needs_input_grad[:3]
         g = torch.mm(dy, ctx.sb) if need_x or need_a else None
