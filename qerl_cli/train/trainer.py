@@ -205,6 +205,7 @@ class Trainer:
         # resolved in setup() unless a model is injected (benches build theirs in memory)
         self.model_dir: Path | None = None
         self.last_checkpoint_s = 0.0
+        self.last_checkpoint_wait_s = 0.0  # of it, waiting for the previous background write
         self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
         self.snapshot = checkpointing.HostSnapshot()  # their pinned host copies, reused from one write to the next
         self.memory_plan: Any = None  # set by setup() (train/memory_plan.py)
@@ -648,6 +649,7 @@ class Trainer:
         valid = (torch.arange(batch.mask.shape[1], device=self.device)[None, :] < batch.lengths[:, None]).float()
         old = self.old_pass(batch)
         t_recompute = self.clock() - t1
+        metrics["timing/pi_old_pass"] = float(old.old is not None or old.ref is not None)
         self._phase_peak(metrics, "recompute")
 
         # -- policy update (forward+backward, then optimizer: timed apart inside _update)
@@ -870,6 +872,7 @@ class Trainer:
         background = background and self.full is None and not self.dist.enabled
         t0 = self.clock()
         self.writer.wait()  # the previous write, which may still read the snapshot buffers
+        self.last_checkpoint_wait_s = time.perf_counter() - t0
         state = {"optimizer": self.optimizer.state_dict(), **self._trainer_state()}
         if background:
             from qerl_cli.lora import lora_state_dict
