@@ -444,6 +444,7 @@ def run_eval(
                         "tokens_per_s": round(tokens / gen_s, 2) if gen_s > 0 else None},
             "files": files,
         }
+        rec.refusable = False  # the result files change from here: a failure is recorded as one
         res.run.inside(res.out_dir).mkdir(parents=True, exist_ok=True)  # checked again: it may have changed since
         atomic_write_text(res.run.inside(files["samples"]),
                           "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
