@@ -299,7 +299,10 @@ def save_checkpoint(run: RunDir, step: int, peft_model: Any, state: dict[str, An
     # the last line of defence against a NaN/inf update (the trainer stops at the step itself): never a checkpoint
     # that `latest`, --resume and `qerl eval` would take for a good one (sharded weights are checked per rank there)
     refuse_nonfinite(run, step, full_weights if full_weights is not None else adapter_state)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    from qerl_cli.manifest import write_errors
+
+    with write_errors(final.parent):
+        final.parent.mkdir(parents=True, exist_ok=True)
     with staged_directory(final) as tmp:
         if weights_writer is not None:
             weights_writer(tmp)
