@@ -218,10 +218,11 @@ def remove_stale_staging(root: Path) -> list[Path]:
             path = Path(parent) / name
             if name in dirs:
                 dirs.remove(name)  # not walked into: it goes whole
-                shutil.rmtree(path, ignore_errors=True)
-            else:
+            if name in files or path.is_symlink():  # a link goes, never what it points to
                 with contextlib.suppress(OSError):
                     path.unlink()
+            else:
+                shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
 
