@@ -78,7 +78,7 @@ class PromptStream:
         self._perm = self._permutation()
 
 
-def nonfinite_cause(cfg: Any) -> str:
+def nonfinite_cause(cfg: TrainConfig) -> str:
     """The likely cause of a non-finite step: an option set to a non-finite number, else the learning rate."""
     import dataclasses
     import math
@@ -90,7 +90,7 @@ def nonfinite_cause(cfg: Any) -> str:
     return f"--lr {cfg.lr:g} is too high for this run"
 
 
-def nonfinite_message(what: str, step: int, cfg: Any, newest: int | None) -> str:
+def nonfinite_message(what: str, step: int, cfg: TrainConfig, newest: int | None) -> str:
     """One line for a step stopped by a NaN/inf: what, the likely cause, and the checkpoint that stays the newest."""
     if newest is None:
         after = "no checkpoint was written yet: fix the cause and train again (`--resume` starts the run over)"
@@ -974,7 +974,7 @@ class OldPolicy:
 
 
 class NonFiniteLoss(QerlError):
-    """NaN/inf in the loss or gradients; the last good checkpoint stays the one to resume."""
+    """NaN/inf in the loss, the gradients or the updated parameters; the last good checkpoint stays the newest."""
 
 
 # what a resumed run must share with its checkpoint (other options may change between the two)
