@@ -44,22 +44,11 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Rows of metrics.jsonl, skipping a torn last line (a trainer killed mid-write)."""
-    rows = []
-    if not path.is_file():
-        return rows
-    for line in path.read_text(errors="replace").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
-            rows.append(row)
+    """Rows of metrics.jsonl by step (metricsfile.read_metrics: a torn last line is skipped, damage refused)."""
+    from qerl_cli.metricsfile import read_metrics
+
     # A resumed run may log a step twice; the later line is the one the run continued from.
-    by_step = {int(r["step"]): r for r in rows}
+    by_step = {int(r["step"]): r for r in read_metrics(path)}
     return [by_step[s] for s in sorted(by_step)]
 
 

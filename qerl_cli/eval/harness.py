@@ -37,7 +37,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.eval.adapters import EXTERNAL_HARNESSES, external_harness
 from qerl_cli.eval.generation import generate_texts, truncate_at_stop
 from qerl_cli.eval.metrics import breakdown, mean_and_ci95, pass_at_k
-from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, now_iso, sha256_file
+from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, now_iso, sha256_file, write_errors
 
 log = logging.getLogger(__name__)
 
@@ -444,7 +444,10 @@ def run_eval(
                         "tokens_per_s": round(tokens / gen_s, 2) if gen_s > 0 else None},
             "files": files,
         }
-        res.run.inside(res.out_dir).mkdir(parents=True, exist_ok=True)  # checked again: it may have changed since
+        rec.refusable = False  # the result files change from here: a failure is recorded as one
+        out_dir = res.run.inside(res.out_dir)  # checked again: it may have changed since
+        with write_errors(out_dir):
+            out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(res.run.inside(files["samples"]),
                           "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
         atomic_write_json(res.run.inside(files["result"]), result)

@@ -24,6 +24,7 @@ import torch
 from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import Preempted, QerlError
 from qerl_cli.manifest import RunDir
+from qerl_cli.metricsfile import append_metrics, read_metrics, write_metrics
 from qerl_cli.precision import dtype_of, uses_loss_scaling
 from qerl_cli.runlayout import (
     base_fingerprint,
@@ -77,9 +78,36 @@ class PromptStream:
         self._perm = self._permutation()
 
 
-# how a run stopped by a non-finite loss or gradient goes on
-NONFINITE_HINT = (": the checkpoints are intact; lower --lr and continue with --resume, or from an earlier one with "
-               "--resume-from step_N")
+def nonfinite_cause(cfg: TrainConfig) -> str:
+    """The likely cause of a non-finite step: an option set to a non-finite number, else the learning rate."""
+    import dataclasses
+    import math
+
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
+            return f"--{f.name.replace('_', '-')} is {value}"
+    return f"--lr {cfg.lr:g} is too high for this run"
+
+
+def nonfinite_message(what: str, step: int, cfg: TrainConfig, newest: int | None) -> str:
+    """One line for a step stopped by a NaN/inf: what, the likely cause, and the checkpoint that stays the newest."""
+    if newest is None:
+        after = "no checkpoint was written yet: fix the cause and train again (`--resume` starts the run over)"
+    else:
+        after = (f"step_{newest} stays the newest checkpoint: `--resume` continues from it, `--resume-from step_N` "
+                 "from an earlier one")
+    return f"{what} at step {step} (likely cause: {nonfinite_cause(cfg)}); nothing of step {step} was saved; {after}"
+
+
+def params_finite(params: list[torch.Tensor], dist: Any = None) -> bool:
+    """Whether every trainable value is finite: one fused max-abs per tensor, one device sync. ``dist``: the
+    context whose ranks hold different shards (they must agree, or one rank would stop alone)."""
+    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in params]
+    local = [t for t in local if t.numel()]
+    bad = bool(local) and not bool(torch.isfinite(torch.stack(
+        [n.float() for n in torch._foreach_norm(local, float("inf"))])).all())
+    return not (dist.any_true(bad) if dist is not None else bad)
 
 
 def sampling_entropy(samples: list[Any], mask: torch.Tensor) -> float | None:
@@ -458,17 +486,8 @@ class Trainer:
         if state is None:
             state = read_trainer_state(self.run, ckpt)
         saved = state.get("config", {})
-        for key in ("algo", "lora_rank", "lora_targets", "precision", "seed", "task", "aqn", "finetune",
-                    "rollout_quant", "requant_scales"):
-            if key in saved and saved[key] != getattr(self.cfg, key):
-                raise QerlError(f"--resume with a different {key} ({getattr(self.cfg, key)!r}, checkpoint has "
-                                f"{saved[key]!r}): use the original settings or a new --run directory")
+        check_resume_settings(self.cfg, ckpt, state)
         sharded = self.cfg.sharding == "fsdp2"
-        if self.full is not None and (checkpointing.checkpoint_kind(ckpt) == checkpointing.FULL_SHARDED) != sharded:
-            raise QerlError(f"checkpoint {ckpt} was written " + (
-                "without sharding: resume it with --sharding none on one process" if sharded else
-                "by --sharding fsdp2 (sharded weights and optimizer): resume it with --sharding fsdp2 on any "
-                "number of processes"))
         if sharded:  # every rank reads the rows of its own shard, whatever the world size that wrote them
             self.full.load(ckpt, self.optimizer)
         elif self.full is not None:
@@ -500,11 +519,7 @@ class Trainer:
         """Drop metric lines of steps after the checkpoint (they will be recomputed identically)."""
         if not self.dist.is_main or not self.metrics_path.is_file():
             return
-        keep = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        from qerl_cli.manifest import atomic_write_text
-
-        atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))
+        write_metrics(self.metrics_path, [r for r in read_metrics(self.metrics_path) if r["step"] <= step])
 
     # ---- one step --------------------------------------------------------------------------------
     def clock(self) -> float:
@@ -782,7 +797,7 @@ class Trainer:
                 ref_logp=None if old.ref is None else old.ref[sl], beta=c.beta, rollout_logp=part.rollout_logp,
                 loss_normalizer=normalizer)
             if not torch.isfinite(loss):
-                raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}{NONFINITE_HINT}")
+                raise self.nonfinite(f"the loss became {loss.item()}")
             if not micro.counts:  # a stand-in pass: it runs only so that the ranks' collectives match
                 loss = loss * 0.0
             self.scaler.scale(loss).backward()
@@ -799,27 +814,47 @@ class Trainer:
         t_opt = self.clock()
         agg["timing/fwd_bwd_s"] = t_opt - t_fb
         self._phase_peak(agg, "fwd_bwd")
+        agg.update(self._optimizer_step())
+        agg["timing/optimizer_s"] = self.clock() - t_opt
+        self._phase_peak(agg, "optimizer")
+        self.model.eval()
+        agg["loss"] = total_loss
+        return agg, (self.backend.gather_rows(own_parts, batch) if own else None)
+
+    def nonfinite(self, what: str) -> NonFiniteLoss:
+        """The error that stops a step with a NaN/inf, after the previous step's checkpoint write (if one is in
+        flight) has finished, so that the checkpoint it names is complete."""
+        self.writer.wait()
+        return NonFiniteLoss(nonfinite_message(what, self.step + 1, self.cfg, checkpointing.latest_step(self.run)))
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """Clip, step (skipped by the fp16 scaler when its gradients overflowed), schedule. A non-finite gradient
+        or update stops the run here, before anything of this step is logged or checkpointed."""
+        c = self.cfg
         self.enter_phase("optimizer")
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))
         if not finite and not uses_loss_scaling(c.precision):
-            raise NonFiniteLoss(f"the gradient norm became {grad_norm.item()} at step {self.step + 1}{NONFINITE_HINT}")
+            raise self.nonfinite(f"the gradient norm became {grad_norm.item()}")
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
-        self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
+        try:
+            self.scaler.step(self.optimizer)
+        except RuntimeError as exc:  # torch refuses a step size past float32's range ("... without overflow")
+            if "overflow" not in str(exc):
+                raise
+            raise self.nonfinite("the optimizer step overflowed float32") from exc
+        if not params_finite(self.params, self.dist if c.sharding == "fsdp2" else None):
+            raise self.nonfinite("the optimizer step made trainable parameters NaN or inf")
         self.scaler.update()
         self.scheduler.step()
         # nothing reads the gradients after the step: freed now, they stay out of the next rollout's memory
         self.optimizer.zero_grad(set_to_none=True)
-        agg["timing/optimizer_s"] = self.clock() - t_opt
-        self._phase_peak(agg, "optimizer")
-        self.model.eval()
-        agg["loss"] = total_loss
-        agg["grad_norm"] = grad_norm.item() if finite else float("nan")
+        out = {"grad_norm": grad_norm.item() if finite else float("nan")}
         if self.scaler.is_enabled():
-            agg["fp16/loss_scale"] = scale_before
-            agg["fp16/step_skipped"] = float(not finite)
-        return agg, (self.backend.gather_rows(own_parts, batch) if own else None)
+            out["fp16/loss_scale"] = scale_before
+            out["fp16/step_skipped"] = float(not finite)
+        return out
 
     def _log_rollouts(self, groups: list[Any], adv: torch.Tensor, step: int) -> None:
         if not self.cfg.log_rollouts or not self.dist.is_main:
@@ -844,14 +879,8 @@ class Trainer:
         atomic_write_text(self.rollouts_dir / f"step_{step:05d}.jsonl", "\n".join(lines) + "\n")
 
     def append_metrics(self, metrics: dict[str, Any]) -> None:
-        if not self.dist.is_main:
-            return
-        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        from qerl_cli.manifest import jsonable
-
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(jsonable(metrics)) + "\n")
-            f.flush()
+        if self.dist.is_main:
+            append_metrics(self.metrics_path, metrics)
 
     def wait_checkpoint(self) -> Path | None:
         """Wait for the background checkpoint write in flight; its path (None if none was in flight)."""
@@ -948,7 +977,28 @@ class OldPolicy:
 
 
 class NonFiniteLoss(QerlError):
-    """NaN/inf in the loss or gradients; the last good checkpoint stays the one to resume."""
+    """NaN/inf in the loss, the gradients or the updated parameters; the last good checkpoint stays the newest."""
+
+
+# what a resumed run must share with its checkpoint (other options may change between the two)
+RESUME_KEYS = ("algo", "lora_rank", "lora_targets", "precision", "seed", "task", "aqn", "finetune", "rollout_quant",
+               "requant_scales")
+
+
+def check_resume_settings(cfg: TrainConfig, ckpt: Path, state: dict[str, Any]) -> None:
+    """Refuse to continue a checkpoint with settings it was not trained with (``cfg`` resolved)."""
+    saved = state.get("config", {})
+    for key in RESUME_KEYS:
+        if key in saved and saved[key] != getattr(cfg, key):
+            raise QerlError(f"--resume with a different {key} ({getattr(cfg, key)!r}, checkpoint has "
+                            f"{saved[key]!r}): use the original settings or a new --run directory")
+    sharded = cfg.sharding == "fsdp2"
+    if (cfg.finetune == "full" or sharded) and \
+            (checkpointing.checkpoint_kind(ckpt) == checkpointing.FULL_SHARDED) != sharded:
+        raise QerlError(f"checkpoint {ckpt} was written " + (
+            "without sharding: resume it with --sharding none on one process" if sharded else
+            "by --sharding fsdp2 (sharded weights and optimizer): resume it with --sharding fsdp2 on any "
+            "number of processes"))
 
 
 def read_trainer_state(run: RunDir, ckpt: Path) -> dict[str, Any]:
@@ -968,9 +1018,11 @@ def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, 
 def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resume_from: str | None = None,
                      *, verify: bool = True) -> tuple[Path, dict[str, Any]] | None:
     """`--resume` / `--resume-from step_N` checks, before the stage starts (a refusal leaves the manifest's train
-    record as it was): the checkpoint to continue from, verified file by file (``verify``: rank 0 only, which
-    stops every rank when it refuses; N ranks hashing a sharded checkpoint N times would gain nothing), and its
-    trainer state; None when plain `--resume` finds no checkpoint (the run starts over)."""
+    record as it was): the metrics file, the checkpoint to continue from, verified file by file (``verify``: rank 0
+    only, which stops every rank when it refuses; N ranks hashing a sharded checkpoint N times would gain nothing),
+    its trainer state and settings (``cfg`` resolved); None when plain `--resume` finds no checkpoint (the run
+    starts over)."""
+    read_metrics(metrics_path(run))  # a damaged line is refused here, not after the stage began
     if resume_from is not None:
         ckpt = resolve_checkpoint(run, resume_from)
         if ckpt is None:
@@ -984,6 +1036,7 @@ def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resum
     if verify:
         checkpointing.require_intact(run, ckpt, "resume")
     state = read_trainer_state(run, ckpt)
+    check_resume_settings(cfg, ckpt, state)
     done = int(state["step"])
     trained_on = (run.record("train") or {}).get("inputs", {}).get("model")
     if trained_on and trained_on.get("files") and base_fingerprint(trained_on) != base_fingerprint(model):
@@ -999,25 +1052,14 @@ def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resum
 def set_aside_after(run: RunDir, step: int, metrics_path: Path, rollouts_dir: Path) -> dict[str, Any]:
     """`--resume-from step_N`: move what the run wrote after step N (later checkpoints, their rollouts and
     metrics lines) into ``train/checkpoints.abandoned-<time>/``, never deleting it; what the manifest records."""
-    from qerl_cli.manifest import atomic_write_text
-
     dest = checkpointing.abandoned_dir(run)
     moved = checkpointing.set_aside_checkpoints_after(run, step, dest)
-    later_lines: list[str] = []
-    if metrics_path.is_file():
-        keep = []
-        for line in metrics_path.read_text().splitlines():
-            if not line.strip():
-                continue
-            try:
-                later = json.loads(line).get("step", 0) > step
-            except (json.JSONDecodeError, AttributeError, TypeError):
-                later = True  # a torn last line (a killed trainer) goes aside too
-            (later_lines if later else keep).append(line)
-        if later_lines:
-            dest.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(dest / metrics_path.name, "".join(x + "\n" for x in later_lines))
-            atomic_write_text(metrics_path, "".join(x + "\n" for x in keep))
+    rows = read_metrics(metrics_path)  # a torn last line (a killed trainer) is dropped: its step was never saved
+    later_lines = [r for r in rows if r["step"] > step]
+    if later_lines:
+        dest.mkdir(parents=True, exist_ok=True)
+        write_metrics(dest / metrics_path.name, later_lines)
+        write_metrics(metrics_path, [r for r in rows if r["step"] <= step])
     rollouts = []
     for p in sorted(rollouts_dir.glob("step_*.jsonl")) if rollouts_dir.is_dir() else []:
         if p.stem[5:].isdigit() and int(p.stem[5:]) > step:
@@ -1027,6 +1069,32 @@ def set_aside_after(run: RunDir, step: int, metrics_path: Path, rollouts_dir: Pa
     return {"checkpoint": checkpointing.checkpoint_name(step),
             "set_aside": run.rel(dest) if dest.exists() else None, "checkpoints": moved,
             "metrics_lines": len(later_lines), "rollout_files": len(rollouts)}
+
+
+def _start(run: RunDir, trainer: Trainer, rec: Any, stop: GracefulStop,
+           start_from: tuple[Path, dict[str, Any]] | None, resume: bool, resume_from: str | None) -> int:
+    """Load the model, set aside what `--resume-from` abandons and restore the checkpoint; the step training
+    continues at. A refusal before anything in the run directory changes (a damaged base, a checkpoint that does
+    not fit) leaves the manifest as it was (``rec.refusable``)."""
+    ctx = trainer.dist
+    with ctx.agree("setup"):  # a failure on any rank stops every rank with one clear line
+        try:
+            trainer.setup()
+        except torch.cuda.OutOfMemoryError as exc:
+            raise QerlError("out of GPU memory while loading the model: lower --gpu-memory-utilization") from exc
+    if start_from is not None and ctx.is_main:
+        ckpt, state = start_from
+        if resume_from is not None:  # under the run lock: later checkpoints, rollouts, metrics lines set aside
+            rec.refusable = False
+            with stop.deferred():  # all of it or (before it starts) none of it
+                rec.extra["resume_from"] = set_aside_after(run, int(state["step"]), trainer.metrics_path,
+                                                           trainer.rollouts_dir)
+        rec.outputs = _checkpoint_outputs(run, trainer, ckpt)  # what the run stands on until its next save
+        run.save(rec)
+    with ctx.agree("setup"):
+        start = (trainer.resume(*start_from) if start_from is not None else trainer.resume()) if resume else 0
+    rec.refusable = False  # from here on the run writes: a failure is recorded as one
+    return start
 
 
 def trainer_device() -> str | None:
@@ -1058,7 +1126,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
                         "a new --run directory")
     # an earlier extension stays stated when the extended run is resumed again
     extended = (run.record("train") or {}).get("extra", {}).get("extended") if resume else None
-    start_from = _check_resumable(run, cfg, inputs["model"], resume_from, verify=ctx.is_main) if resume else None
+    start_from = _check_resumable(run, trainer.cfg, inputs["model"], resume_from, verify=ctx.is_main) if resume \
+        else None
     # the memory plan from the model's config: a run that cannot fit is refused here, before the stage starts and
     # before any weight is loaded (setup() plans again with the measured weights)
     trainer.plan_run_memory()
@@ -1066,20 +1135,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
     stage = run.stage("train", config=trainer.cfg.to_dict(), inputs=inputs, seeds={"seed": trainer.cfg.seed}) \
         if ctx.is_main else follower_stage("train")
     with stage as rec, GracefulStop(trainer.cfg.sigterm_grace_s, can_abandon=not ctx.enabled) as stop:
-        if start_from is not None and ctx.is_main:
-            ckpt, state = start_from
-            if resume_from is not None:  # under the run lock: later checkpoints, rollouts, metrics lines set aside
-                with stop.deferred():  # all of it or (before it starts) none of it
-                    rec.extra["resume_from"] = set_aside_after(run, int(state["step"]), trainer.metrics_path,
-                                                               trainer.rollouts_dir)
-            rec.outputs = _checkpoint_outputs(run, trainer, ckpt)  # what the run stands on until its next save
-            run.save(rec)
-        with ctx.agree("setup"):  # a failure on any rank stops every rank with one clear line
-            try:
-                trainer.setup()
-            except torch.cuda.OutOfMemoryError as exc:
-                raise QerlError("out of GPU memory while loading the model: lower --gpu-memory-utilization") from exc
-            start = (trainer.resume(*start_from) if start_from is not None else trainer.resume()) if resume else 0
+        start = _start(run, trainer, rec, stop, start_from, resume, resume_from)
         if ctx.is_main and trainer.memory_plan is not None:
             rec.extra.update(memory_plan=trainer.memory_plan.to_dict(), resolved=trainer.settings.to_dict())
         if ctx.is_main and preset is not None:
@@ -1124,6 +1180,11 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
                 # half-updated state is never written); the last checkpoint is what --resume continues from
                 stopped = abandoned = True
                 break
+            except NonFiniteLoss:  # the record names the checkpoint that stays the newest (the stop waited for it)
+                newest = checkpointing.latest_step(run)
+                if newest is not None and ctx.is_main:
+                    rec.outputs = _checkpoint_outputs(run, trainer, checkpointing.checkpoint_path(run, newest))
+                raise
             except torch.cuda.OutOfMemoryError as exc:
                 raise QerlError(
                     f"out of GPU memory at step {trainer.step + 1}: lower --batch-prompts, "
