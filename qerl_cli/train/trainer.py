@@ -233,7 +233,7 @@ class Trainer:
         # resolved in setup() unless a model is injected (benches build theirs in memory)
         self.model_dir: Path | None = None
         self.last_checkpoint_s = 0.0
-        self.last_checkpoint_wait_s = 0.0  # of it, waiting for the previous background write
+        self.last_checkpoint_parts: dict[str, float] = {}  # its seconds by part (background writes)
         self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
         self.snapshot = checkpointing.HostSnapshot()  # their pinned host copies, reused from one write to the next
         self.memory_plan: Any = None  # set by setup() (train/memory_plan.py)
@@ -901,16 +901,19 @@ class Trainer:
         background = background and self.full is None and not self.dist.enabled
         t0 = self.clock()
         self.writer.wait()  # the previous write, which may still read the snapshot buffers
-        self.last_checkpoint_wait_s = time.perf_counter() - t0
+        marks = {"wait": time.perf_counter()}
         state = {"optimizer": self.optimizer.state_dict(), **self._trainer_state()}
+        marks["state"] = time.perf_counter()
         if background:
             from qerl_cli.lora import lora_state_dict
 
             # queued on the device, never waited for here: the step's critical path pays for launching the copies
             state = self.snapshot.take(state, "state")
             adapter = self.snapshot.take(lora_state_dict(self.model), "adapter")
+            marks["snapshot"] = time.perf_counter()
             rng, ready = ck.rng_state(), self.snapshot.ready()
             step, config, keep = self.step, self.cfg.to_dict(), self.cfg.keep_checkpoints
+            marks["rng"] = time.perf_counter()
 
             def write() -> Path:
                 ready()
@@ -919,7 +922,10 @@ class Trainer:
 
             self.writer.submit(write)
             path = ck.checkpoint_path(self.run, step)
-            self.last_checkpoint_s = time.perf_counter() - t0
+            marks["submit"] = time.perf_counter()
+            self.last_checkpoint_s = marks["submit"] - t0
+            edges = [t0, *marks.values()]
+            self.last_checkpoint_parts = {k: b - a for k, a, b in zip(marks, edges, edges[1:], strict=True)}
             self.dist.barrier()
             return path
         path = ck.save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(),
