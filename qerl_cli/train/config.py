@@ -91,6 +91,14 @@ class TrainConfig:
     shots: int | None = None
     chat_template: bool = False
     task_level: str | None = None  # arith difficulty knob
+    # multi-turn episodes (docs/tools.md): a built-in tool or a user environment answers the model's turns
+    tools: str | None = None  # python | calculator
+    env: str | None = None  # module:Class or path/to/file.py:Class
+    max_turns: int = 4
+    max_episode_tokens: int | None = None  # after the prompt, model + observation tokens (None: max_completion_length)
+    tool_timeout_s: float = 10.0  # per Python call: wall clock, and CPU seconds rounded up
+    tool_memory_mb: int = 1024  # per Python call: address space
+    tool_workers: int = 8  # tool calls / environment steps run at once, beside decoding
     log_rollouts: bool = True
     log_sampling_entropy: bool = False  # sampling/entropy (rollouts then sample in torch, not the fused kernel)
     finetune: str = "lora"  # lora | full (all weights but embeddings/lm_head; see docs/flashrl.md)
@@ -110,6 +118,8 @@ class TrainConfig:
             c.scale_rewards = "none" if c.algo == "dr_grpo" else "group"
         if c.dynamic_sampling is None:
             c.dynamic_sampling = c.algo == "dapo"
+        if c.max_episode_tokens is None and (c.tools or c.env):
+            c.max_episode_tokens = c.max_completion_length
         if c.overlong_buffer is None:
             c.overlong_buffer = c.max_completion_length // 4 if c.algo == "dapo" else 0
         if c.rollout_quant != "none" and c.requant_scales is None:
@@ -194,6 +204,20 @@ class TrainConfig:
         choice("logprob_backend", self.logprob_backend, LOGPROB_BACKENDS)
         if self.aqn and not self.aqn_sigma_start > 0:
             raise QerlError("--aqn-sigma-start must be > 0")
+        self._validate_episodes()
+
+    def _validate_episodes(self) -> None:
+        from qerl_cli.tools import TOOL_NAMES
+
+        if self.tools is not None and self.tools not in TOOL_NAMES:
+            raise QerlError(f"--tools must be one of {', '.join(TOOL_NAMES)}, not {self.tools!r}")
+        if self.tools and self.env:
+            raise QerlError("--tools and --env both given: an episode has one tool or one environment")
+        for name in ("max_turns", "tool_memory_mb", "tool_workers", "max_episode_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise QerlError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.tool_timeout_s > 0:
+            raise QerlError(f"--tool-timeout-s must be > 0 seconds, got {self.tool_timeout_s}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -265,6 +289,15 @@ FIELD_HELP: dict[str, str] = {
     "shots": "Few-shot examples in the prompt (default per task).",
     "chat_template": "Wrap prompts in the model's chat template.",
     "task_level": "arith difficulty: 1-7, 'mixed' or 'd=0.5'.",
+    "tools": "python | calculator: multi-turn episodes, the model calls the tool mid-answer (docs/tools.md).",
+    "env": "module:Class or file.py:Class: multi-turn episodes with your environment (reset(prompt) -> str, "
+           "step(action) -> (observation, done, reward)).",
+    "max_turns": "Model turns per episode (--tools/--env).",
+    "max_episode_tokens": "Tokens after the prompt per episode, model and observations (default: "
+                          "--max-completion-length).",
+    "tool_timeout_s": "Per Python tool call: wall-clock limit, and the CPU-time limit rounded up.",
+    "tool_memory_mb": "Per Python tool call: address-space limit, MB.",
+    "tool_workers": "Tool calls or environment steps run at once, beside decoding.",
     "log_rollouts": "Write every step's rollouts to train/rollouts/.",
     "finetune": "lora | full (all weights but embeddings; needs a bf16 run dir).",
     "rollout_quant": "FlashRL rollouts: " + ", ".join(ROLLOUT_QUANTS) + " (on a bf16 run dir).",
