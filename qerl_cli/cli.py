@@ -254,6 +254,11 @@ def eval_(
     harness: Annotated[str, Opt(help="builtin | lm-eval | lighteval")] = "builtin",
     seed: int = 0,
     json_only: Annotated[bool, Opt("--json", help="Print the JSON result only.")] = False,
+    tools: Annotated[str | None, Opt(help="python | calculator: score episodes with the tool on (docs/tools.md).")]
+    = None,
+    env: Annotated[str | None, Opt(help="module:Class or file.py:Class: score episodes with your environment.")]
+    = None,
+    max_turns: Annotated[int, Opt(help="Model turns per episode (--tools/--env).")] = 4,
 ) -> None:
     """Evaluate the run's model (with its latest adapter) on GSM8K, MATH-500 or arith, scored exactly."""
     import json
@@ -264,7 +269,8 @@ def eval_(
     if notice:  # first, before the minutes of generation, so the user can stop and install what is missing
         err_console.print(f"[yellow]note:[/] {escape(notice)}", highlight=False, soft_wrap=True)
     res = run_eval(run, task, checkpoint=checkpoint, limit=limit, samples=samples, temperature=temperature,
-                   max_tokens=max_tokens, shots=shots, chat_template=chat_template, harness=harness, seed=seed)
+                   max_tokens=max_tokens, shots=shots, chat_template=chat_template, harness=harness, seed=seed,
+                   tools=tools, env=env, max_turns=max_turns)
     if json_only:
         print(json.dumps(res, indent=2, default=str))
         return

@@ -103,7 +103,7 @@ _SHOT_TEXTS = frozenset(f"{a} {op} {b}" for a, op, b in SHOTS)
 
 def shot_prefix(shots: int = len(SHOTS), tool: Any = None) -> str:
     """The first `shots` worked examples, one per line ("2 + 3 = 5\\n..."); with a ``tool`` (the calculator)
-    each is worked with a call first ("2 + 3 = <calc>2 + 3</calc><result>5</result> 5\\n")."""
+    each is worked with a call first ("2 + 3 = <calc>2 + 3</calc> <result>5</result> 5\\n")."""
     if not 0 <= shots <= len(SHOTS):
         raise QerlError(f"arith supports 0 to {len(SHOTS)} shots, got {shots}")
     if tool is None:

@@ -13,7 +13,7 @@ Prompt formats:
 - arith: the few-shot completion prompt of REFERENCE.md section 8 (see tasks/arith.py).
 - jsonl:PATH: the file's `prompt` column as is.
 With a tool (`tools="python"|"calculator"`, docs/tools.md): gsm8k and math open with a line saying how to call
-it; arith's shots show each sum worked with the calculator ("2 + 3 = <calc>2 + 3</calc><result>5</result> 5").
+it; arith's shots show each sum worked with the calculator ("2 + 3 = <calc>2 + 3</calc> <result>5</result> 5").
 Answers are scored as without the tool, on what the model wrote outside its calls.
 chat_template=True wraps the whole text as one user message with the tokenizer's chat template (as
 lm-eval does without --fewshot_as_multiturn).

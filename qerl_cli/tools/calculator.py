@@ -1,4 +1,8 @@
-"""The calculator tool: ``<calc>12 * (3 + 4)</calc>`` -> ``<result>84</result>``.
+"""The calculator tool: ``<calc>12 * (3 + 4)</calc>`` -> `` <result>84</result>``.
+
+The observation starts with a space: BPE tokenizers merge the punctuation of ``</calc><result>`` into one token,
+so a model shown that would end its call inside a token that already starts the next tag; after ``</calc>``
+followed by a space, the call ends on a token of its own.
 
 The expression is parsed with ``ast`` and evaluated over a whitelist (numbers, + - * / // % **, unary signs,
 parentheses); nothing is ever passed to ``eval``. Exponents and results are bounded, so a call cannot stall the
@@ -92,9 +96,8 @@ class Calculator:
         if start < 0:
             return None
         end = text.find(CLOSE, start)
-        if end < 0 or text[end + len(CLOSE):].strip():
-            return None
-        return text[start + len(OPEN):end]
+        # what follows the closer is the rest of the token that completed it: the stop string ended the turn there
+        return None if end < 0 else text[start + len(OPEN):end]
 
     def strip_calls(self, text: str) -> str:
         text = re.sub(re.escape(OPEN) + r".*?(" + re.escape(CLOSE) + r"|$)", "", text, flags=re.S)
@@ -108,10 +111,10 @@ class Calculator:
 
     @staticmethod
     def shot_result(result: str) -> str:
-        return f"{RESULT_OPEN}{result}{RESULT_CLOSE}"
+        return f" {RESULT_OPEN}{result}{RESULT_CLOSE}"
 
     def describe(self) -> str:
-        return (f"You may use a calculator: write {OPEN}expression{CLOSE} and its value appears as "
+        return (f"You may use a calculator: write {OPEN}expression{CLOSE} and its value appears after it as "
                 f"{RESULT_OPEN}value{RESULT_CLOSE}.")
 
     def shot(self, call: str, result: str) -> str:

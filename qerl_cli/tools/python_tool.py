@@ -43,8 +43,9 @@ class PythonTool:
         if not body[:1].isspace():  # ```pythonic is not an opener
             return None
         end = body.find(FENCE)
-        if end < 0 or body[end + len(FENCE):].strip():
+        if end < 0:
             return None
+        # what follows the closing fence is the rest of the token that completed the stop string
         code = body[:end].strip("\n")
         return code if code.strip() else None
 
