@@ -321,6 +321,10 @@ def bench_rollout(
     linear_backend: Annotated[str | None, Opt(help="Linear kernels: auto|qerl|triton|cuda|humming|cublas.")] = None,
     memory_cap_gib: Annotated[float | None, Opt("--memory-cap", help="Cap this process's GPU memory (GiB; 79.2 on "
                                                 "an H200 stands for an 80 GB card).")] = None,
+    episodes: Annotated[int, Opt(help="Synthetic multi-turn episodes of N turns (a sleeping tool between them) "
+                                      "against single-turn decoding of the same tokens (0: off).")] = 0,
+    tool_latency_ms: Annotated[float, Opt(help="--episodes: the synthetic tool's latency, ms.")] = 50.0,
+    observation_tokens: Annotated[int, Opt(help="--episodes: tokens of each observation.")] = 32,
 ) -> None:
     """Rollout tokens/s, TTFT and memory per format and batch, against the weight+KV roofline."""
     from qerl_cli.bench.rollout import bench_rollout as run_bench
@@ -333,7 +337,8 @@ def bench_rollout(
                     lora_rank=lora_rank, out_dir=out, eos_mode="eos" if eos else "fixed",
                     log=_progress, prompts=prompts, num_generations=num_generations,
                     lora_modes=("on", "off") if lora_off else ("on",), profile=profile, linear_backend=linear_backend,
-                    memory_cap_gib=memory_cap_gib)
+                    memory_cap_gib=memory_cap_gib, episodes=episodes, tool_latency_ms=tool_latency_ms,
+                    observation_tokens=observation_tokens)
     _show(res)
 
 

@@ -357,13 +357,14 @@ class BuiltinEngine:
         if episodes is None:
             return Scheduler
         tokenizer = self.tokenizer
-        if tokenizer is None:
-            raise QerlError("episodes need a tokenizer (turn texts, observations); pass one to BuiltinEngine")
 
         def encode(text: str) -> list[int]:
+            if tokenizer is None:
+                raise QerlError("an observation given as text needs a tokenizer; pass one to BuiltinEngine")
             return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
         def decode(ids: list[int]) -> str:
-            return tokenizer.decode(ids, skip_special_tokens=True)
+            # without a tokenizer (synthetic benches) turns are told apart by their token budget, not their text
+            return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
 
         return functools.partial(EpisodeScheduler, hooks=episodes, encode=encode, decode=decode)

@@ -130,18 +130,12 @@ class EpisodeScheduler(Scheduler):
             if self.hooks.wants_step(seq.prompt_index, seq.sample_index, turn, text):
                 # its slot is refilled by the compaction that follows: keep its K/V until then
                 self.to_park.append((seq, self.cache.read(slot, seq.cache_len)))
-                future = self.pool.submit(self._run_step, seq.prompt_index, seq.sample_index, turn, text)
+                future = self.pool.submit(timed_step, self.hooks, seq.prompt_index, seq.sample_index, turn, text)
                 self.inflight[future] = seq
                 self.stats["steps"] += 1
                 return
         seq.turn_end = None
         self.done.append(seq)
-
-    def _run_step(self, prompt_index: int, sample_index: int, turn: int, text: str) -> StepResult:
-        t0 = time.perf_counter()
-        result = self.hooks.step(prompt_index, sample_index, turn, text)
-        result.seconds = time.perf_counter() - t0
-        return result
 
     def _retire(self, finished: list[int]) -> None:
         super()._retire(finished)
@@ -168,31 +162,12 @@ class EpisodeScheduler(Scheduler):
         results: list[tuple[Sequence, StepResult]] = []
         for f in done:
             seq = self.inflight.pop(f)
-            try:
-                result = f.result()
-            except QerlError:
-                raise
-            except Exception as exc:  # a step that raises is a bug in the environment, not an observation
-                raise QerlError(f"an episode step raised {type(exc).__name__}: {exc}") from exc
+            result = step_result(f)
             seq.steps.append(result)
             results.append((seq, result))
         t1 = time.perf_counter()
         self._resume(results)
         self.resume_s += time.perf_counter() - t1
-
-    def _observation(self, seq: Sequence, result: StepResult) -> list[int] | None:
-        """The observation's tokens to append, or None when the episode ends here."""
-        if result.done or len(seq.steps) >= self.hooks.max_turns:
-            return None
-        ids = list(result.observation_ids) if result.observation_ids is not None else self.encode(result.observation)
-        room = seq.max_new - len(seq.tokens) - 1  # the model needs at least one token after it
-        if room < 1:
-            seq.finish_reason = "length"
-            return None
-        if len(ids) > room:
-            ids, result.truncated = ids[:room], True
-        result.observation_tokens = len(ids)
-        return ids
 
     def _unpark(self, leaving: list[Sequence]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Take ``leaving`` out of the parked slots (their K/V, position 0 restored, by uid) and close the gaps."""
@@ -213,7 +188,7 @@ class EpisodeScheduler(Scheduler):
         return out
 
     def _resume(self, results: list[tuple[Sequence, StepResult]]) -> None:
-        obs = {id(seq): self._observation(seq, r) for seq, r in results}
+        obs = {id(seq): next_observation(seq, r, self.hooks.max_turns, self.encode) for seq, r in results}
         kv = self._unpark([seq for seq, _ in results])
         back: list[tuple[Sequence, list[int]]] = []
         for seq, _ in results:
@@ -277,3 +252,83 @@ class EpisodeScheduler(Scheduler):
         finished = [b0 + j for j, seq in enumerate(seqs)
                     if self._append(seq, [host_tokens[j]], [host_lps[j]], [host_ents[j]] if host_ents else None)]
         self._retire(finished)
+
+
+# (prompt index, sample index, turn, prompt + episode token ids so far, max new tokens) -> one model turn
+TurnRequest = tuple[int, int, int, list[int], int]
+# a model turn: (token ids, their log-probs, finish reason "stop" | "length")
+TurnOutput = tuple[list[int], list[float], str]
+
+
+def run_turns(prompts: list[list[int]], n: int, budgets: list[int], hooks: EpisodeHooks,
+              encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+              generate_turn: Callable[[list[TurnRequest]], list[TurnOutput]]) -> list[Sequence]:
+    """Episodes turn by turn for an engine that generates whole turns (vLLM: one generate call per round, the
+    prompt and the episode so far as the prompt, its prefix cache keeping their K/V): every running episode's
+    next turn, then their steps in a thread pool, then the observations appended. Same bookkeeping as
+    :class:`EpisodeScheduler`: ``observation_spans``, ``steps``, log-prob 0.0 on observation tokens."""
+    seqs = [Sequence(p, s, 0, prompts[p], budgets[p]) for p in range(len(prompts)) for s in range(n)]
+    running = list(seqs)
+    with ThreadPoolExecutor(max(1, hooks.workers), thread_name_prefix="qerl-tool") as pool:
+        turn = 1
+        while running:
+            outs = generate_turn([(q.prompt_index, q.sample_index, turn, q.prompt + q.tokens,
+                                   q.max_new - len(q.tokens)) for q in running])
+            pending: list[tuple[Sequence, Future]] = []
+            for q, (tokens, lps, finish) in zip(running, outs, strict=True):
+                q.turn_start = len(q.tokens)
+                q.tokens.extend(tokens)
+                q.logprobs.extend(lps)
+                q.finish_reason = "length" if len(q.tokens) >= q.max_new else finish
+                text = decode(q.tokens[q.turn_start:])
+                if q.finish_reason == "stop" and turn <= hooks.max_turns and \
+                        hooks.wants_step(q.prompt_index, q.sample_index, turn, text):
+                    pending.append((q, pool.submit(timed_step, hooks, q.prompt_index, q.sample_index, turn, text)))
+            running = []
+            for q, future in pending:
+                q.steps.append(step_result(future))
+                ids = next_observation(q, q.steps[-1], hooks.max_turns, encode)
+                if ids is not None:
+                    q.observation_spans.append((len(q.tokens), len(q.tokens) + len(ids)))
+                    q.tokens.extend(ids)
+                    q.logprobs.extend([0.0] * len(ids))
+                    q.finish_reason = None
+                    running.append(q)
+            turn += 1
+    return seqs
+
+
+def timed_step(hooks: EpisodeHooks, prompt_index: int, sample_index: int, turn: int, text: str) -> StepResult:
+    """``hooks.step`` in a worker thread, its wall time recorded in the result."""
+    t0 = time.perf_counter()
+    result = hooks.step(prompt_index, sample_index, turn, text)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def step_result(future: Future) -> StepResult:
+    """A finished step's result; a step that raised is a bug in the environment (a QerlError), not an observation
+    (the built-in tools turn their own failures into observations)."""
+    try:
+        return future.result()
+    except QerlError:
+        raise
+    except Exception as exc:
+        raise QerlError(f"an episode step raised {type(exc).__name__}: {exc}") from exc
+
+
+def next_observation(seq: Sequence, result: StepResult, max_turns: int,
+                     encode: Callable[[str], list[int]]) -> list[int] | None:
+    """The tokens to append after a step (``seq.steps`` ends with its ``result``), cut to the episode's budget;
+    None when the episode ends there (done, ``max_turns`` turns, or no room left for another model token)."""
+    if result.done or len(seq.steps) >= max_turns:
+        return None
+    ids = list(result.observation_ids) if result.observation_ids is not None else encode(result.observation)
+    room = seq.max_new - len(seq.tokens) - 1  # the model needs at least one token after it
+    if room < 1:
+        seq.finish_reason = "length"
+        return None
+    if len(ids) > room:
+        ids, result.truncated = ids[:room], True
+    result.observation_tokens = len(ids)
+    return ids
