@@ -272,14 +272,18 @@ def run_turns(prompts: list[list[int]], n: int, budgets: list[int], hooks: Episo
     with ThreadPoolExecutor(max(1, hooks.workers), thread_name_prefix="qerl-tool") as pool:
         turn = 1
         while running:
-            outs = generate_turn([(q.prompt_index, q.sample_index, turn, q.prompt + q.tokens,
-                                   q.max_new - len(q.tokens)) for q in running])
+            budget = [q.max_new - len(q.tokens) if hooks.turn_tokens is None else
+                      min(q.max_new - len(q.tokens), hooks.turn_tokens) for q in running]
+            outs = generate_turn([(q.prompt_index, q.sample_index, turn, q.prompt + q.tokens, m)
+                                  for q, m in zip(running, budget, strict=True)])
             pending: list[tuple[Sequence, Future]] = []
             for q, (tokens, lps, finish) in zip(running, outs, strict=True):
                 q.turn_start = len(q.tokens)
                 q.tokens.extend(tokens)
                 q.logprobs.extend(lps)
-                q.finish_reason = "length" if len(q.tokens) >= q.max_new else finish
+                # a turn that used up its own token budget ended like a stop; the episode's budget ends it all
+                q.finish_reason = "length" if len(q.tokens) >= q.max_new else \
+                    "stop" if hooks.turn_tokens is not None and len(tokens) >= hooks.turn_tokens else finish
                 text = decode(q.tokens[q.turn_start:])
                 if q.finish_reason == "stop" and turn <= hooks.max_turns and \
                         hooks.wants_step(q.prompt_index, q.sample_index, turn, text):

@@ -4,6 +4,7 @@ One instance per episode, built with no arguments::
 
     class Env:
         stop = ("</answer>",)  # optional: strings that end a model turn (beside the task's stops and EOS)
+        turn_tokens = 16  # optional: a turn also ends after this many tokens
 
         def reset(self, prompt: str) -> str:
             ...  # text appended to the prompt before the first turn ("" for none)
@@ -70,6 +71,9 @@ def load_env(spec_text: str) -> type:
     stop = getattr(cls, "stop", ())
     if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
         raise QerlError(f"--env {spec_text}: {attr}.stop must be a tuple of non-empty strings")
+    turn_tokens = getattr(cls, "turn_tokens", None)
+    if turn_tokens is not None and (not isinstance(turn_tokens, int) or turn_tokens < 1):
+        raise QerlError(f"--env {spec_text}: {attr}.turn_tokens must be a positive int (or absent)")
     return cls
 
 

@@ -142,13 +142,13 @@ class EpisodeSession:
     """One generate call's episodes (rollout/episode.py's ``EpisodeHooks``): an environment instance per
     (prompt, sample) with its reset() done, or the run's tool."""
 
-    turn_tokens: int | None = None
-
     def __init__(self, episodes: Episodes, prompt_texts: list[str], n: int) -> None:
         self.episodes = episodes
         self.prompt_texts = prompt_texts
         self.n = n
         self.stop = episodes.stop
+        # an environment may end every turn after a fixed number of tokens (a game's fixed-size action)
+        self.turn_tokens: int | None = getattr(episodes.env_cls, "turn_tokens", None)
         self.max_turns = episodes.max_turns
         self.workers = episodes.workers
         self.per_sample = False  # the engine's prompts are one per (prompt, sample): its index is p * n + s
