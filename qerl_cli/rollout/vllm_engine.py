@@ -429,6 +429,8 @@ class VllmEngine:
         total = time.perf_counter() - t0
         if episodes is None:
             samples = []
+        else:
+            keys = []  # the episodes' samples are built; their generate calls' outputs are not kept
         first_ts, last_ts, ttfts = [], [], []
         for (pi, si), out in zip(keys, outputs, strict=True):
             o = out.outputs[0]
