@@ -352,7 +352,8 @@ def run_eval(
     tokenizer = load_tokenizer(resolve_model(str(res.model_dir)))
     from qerl_cli.tools.episodes import make_episodes
 
-    episodes = make_episodes(tools, env, max_turns=max_turns)  # None: single answers
+    episodes = make_episodes(tools, env, max_turns=max_turns,  # None: single answers
+                             chat_tokenizer=tokenizer if chat_template else None)
     task_obj = load_task(res.task_name, split="test", shots=shots, chat_template=bool(chat_template),
                          tokenizer=tokenizer, limit=limit, seed=DATA_SEED, tools=tools)
     if not task_obj.examples:

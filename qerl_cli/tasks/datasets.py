@@ -140,7 +140,7 @@ def _read_bundled_jsonl(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _wrap(text: str, chat_template: bool, tokenizer: Any, system_prompt: str | None) -> str:
+def _wrap(text: str, chat_template: bool, tokenizer: Any, system_prompt: str | None, tool: Any = None) -> str:
     if not chat_template:
         return text
     if tokenizer is None:
@@ -152,7 +152,9 @@ def _wrap(text: str, chat_template: bool, tokenizer: Any, system_prompt: str | N
         )
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": text})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # a template with tool calling shows the model the tool's schema; one without ignores it
+    extra = {"tools": [tool.schema()]} if tool is not None else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
 
 
 def gsm8k_shots_text(shots: int, train_rows: list[dict[str, Any]] | None = None) -> str:
@@ -351,15 +353,16 @@ def load_task(
     key, _, arg = name.partition(":")
     key = key.strip().lower()
 
+    tool = _prompt_tool(key, tools)
+
     def wrap(text: str) -> str:
-        return _wrap(text, chat_template, tokenizer, system_prompt)
+        return _wrap(text, chat_template, tokenizer, system_prompt, tool)
 
     if chat_template:
         wrap("")  # fail before loading anything if the tokenizer cannot do it
     if shots is not None and shots < 0:
         raise QerlError(f"shots must be >= 0, got {shots}")
 
-    tool = _prompt_tool(key, tools)
     tool_line = tool.describe() if tool is not None else ""
     if key == "gsm8k" and not arg:
         k = 0 if shots is None else shots

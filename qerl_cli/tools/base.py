@@ -13,6 +13,7 @@ class ToolOutput:
 
     observation: str
     error: str | None = None
+    text: str = ""  # the result alone, without the tool's own formatting (a chat template formats it instead)
 
 
 class Tool(Protocol):
@@ -33,3 +34,6 @@ class Tool(Protocol):
 
     def shot(self, call: str, result: str) -> str:
         """A worked call and its observation, as a prompt example."""
+
+    def schema(self) -> dict:
+        """The function schema a chat template shows the model (tools/chat.py)."""

@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from qerl_cli.tools import chat
 from qerl_cli.tools.base import ToolOutput
 
 OPEN, CLOSE = "<calc>", "</calc>"
@@ -89,9 +90,11 @@ class Calculator:
     """``<calc>EXPR</calc>`` ends a turn; the observation is ``<result>VALUE</result>``."""
 
     name = "calculator"
-    stop = (CLOSE,)
+    stop = (CLOSE, chat.CLOSE)
 
     def find_call(self, text: str) -> str | None:
+        if chat.CLOSE in text[-len(chat.CLOSE) - 8:]:
+            return chat.parse_call(text, self.name, "expression")
         start = text.rfind(OPEN)
         if start < 0:
             return None
@@ -100,14 +103,16 @@ class Calculator:
         return None if end < 0 else text[start + len(OPEN):end]
 
     def strip_calls(self, text: str) -> str:
+        text = chat.strip_tagged(text)
         text = re.sub(re.escape(OPEN) + r".*?(" + re.escape(CLOSE) + r"|$)", "", text, flags=re.S)
         return re.sub(re.escape(RESULT_OPEN) + r".*?(" + re.escape(RESULT_CLOSE) + r"|$)", "", text, flags=re.S)
 
     def run(self, call: str) -> ToolOutput:
         try:
-            return ToolOutput(self.shot_result(format_number(evaluate(call))))
+            value = format_number(evaluate(call))
+            return ToolOutput(self.shot_result(value), text=value)
         except CalcError as exc:
-            return ToolOutput(self.shot_result(f"error: {exc}"), error=str(exc))
+            return ToolOutput(self.shot_result(f"error: {exc}"), error=str(exc), text=f"error: {exc}")
 
     @staticmethod
     def shot_result(result: str) -> str:
@@ -119,3 +124,7 @@ class Calculator:
 
     def shot(self, call: str, result: str) -> str:
         return f"{OPEN}{call}{CLOSE}{self.shot_result(result)}"
+
+    def schema(self) -> dict:
+        return chat.schema(self.name, "Evaluate an arithmetic expression (numbers, + - * / // % **, parentheses).",
+                           "expression", "the expression, e.g. 12 * (3 + 4)")

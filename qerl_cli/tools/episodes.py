@@ -20,6 +20,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.rollout.episode import StepResult
 from qerl_cli.tools import make_tool
 from qerl_cli.tools.base import Tool
+from qerl_cli.tools.chat import chat_observation
 from qerl_cli.tools.environment import check_reset, check_step, load_env
 from qerl_cli.tools.sandbox import SandboxLimits
 
@@ -30,7 +31,7 @@ class Episodes:
     """A run's episodes: a built-in ``tool`` or a user environment class ``env_cls`` (one of the two)."""
 
     def __init__(self, tool: Tool | None = None, env_cls: type | None = None, *, env_name: str = "",
-                 max_turns: int = 4, workers: int = 8) -> None:
+                 max_turns: int = 4, workers: int = 8, render: Callable[[str], str] | None = None) -> None:
         if (tool is None) == (env_cls is None):
             raise QerlError("an episode needs a tool or an environment, not both: use --tools or --env")
         if max_turns < 1:
@@ -40,6 +41,7 @@ class Episodes:
         self.env_name = env_name or getattr(env_cls, "__name__", "")
         self.max_turns = max_turns
         self.workers = max(1, workers)
+        self.render = render  # a tool's output as the chat template's tool turn (tools/chat.py), or its own format
 
     @property
     def stop(self) -> tuple[str, ...]:
@@ -189,7 +191,9 @@ class EpisodeSession:
         if tool is not None:
             call = tool.find_call(text) or ""
             out = tool.run(call)
-            return StepResult(observation=out.observation, error=out.error, action=call)
+            render = self.episodes.render
+            return StepResult(observation=out.observation if render is None else render(out.text), error=out.error,
+                              action=call)
         env = self.envs[self._key(prompt_index, sample_index)]
         name = self.episodes.env_name
         try:
@@ -201,19 +205,23 @@ class EpisodeSession:
 
 
 def make_episodes(tools: str | None, env: str | None, *, max_turns: int = 4, workers: int = 8,
-                  limits: SandboxLimits | None = None) -> Episodes | None:
-    """A run's episodes from its options (``--tools``, ``--env``), or None for single-turn rollouts."""
+                  limits: SandboxLimits | None = None, chat_tokenizer: Any = None) -> Episodes | None:
+    """A run's episodes from its options (``--tools``, ``--env``), or None for single-turn rollouts;
+    ``chat_tokenizer`` (with ``--chat-template``): a tool's output comes back as that template's tool turn."""
     if tools and env:
         raise QerlError("--tools and --env both given: an episode has one tool or one environment")
     if tools:
-        return Episodes(make_tool(tools, limits), max_turns=max_turns, workers=workers)
+        render = None if chat_tokenizer is None else chat_observation(chat_tokenizer)
+        return Episodes(make_tool(tools, limits), max_turns=max_turns, workers=workers, render=render)
     if env:
         return Episodes(env_cls=load_env(env), env_name=env, max_turns=max_turns, workers=workers)
     return None
 
 
-def episodes_from_config(cfg: Any) -> Episodes | None:
-    """A run's episodes from its TrainConfig (``tools``, ``env``, ``max_turns``, the tool limits), or None."""
+def episodes_from_config(cfg: Any, tokenizer: Any = None) -> Episodes | None:
+    """A run's episodes from its TrainConfig (``tools``, ``env``, ``max_turns``, the tool limits, whether prompts
+    use the chat template), or None."""
     limits = SandboxLimits(cpu_s=math.ceil(cfg.tool_timeout_s), wall_s=cfg.tool_timeout_s,
                            memory_mb=cfg.tool_memory_mb)
-    return make_episodes(cfg.tools, cfg.env, max_turns=cfg.max_turns, workers=cfg.tool_workers, limits=limits)
+    return make_episodes(cfg.tools, cfg.env, max_turns=cfg.max_turns, workers=cfg.tool_workers, limits=limits,
+                         chat_tokenizer=tokenizer if cfg.chat_template else None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 
+from qerl_cli.tools import chat
 from qerl_cli.tools.base import ToolOutput
 from qerl_cli.tools.sandbox import SandboxLimits, run_python
 
@@ -29,13 +30,15 @@ class PythonTool:
     """Code in a ```python block, run in a fresh sandboxed process per call."""
 
     name = "python"
-    stop = ("```\n",)
+    stop = ("```\n", chat.CLOSE)
 
     def __init__(self, limits: SandboxLimits | None = None) -> None:
         self.limits = limits or SandboxLimits()
         self.limits.check()
 
     def find_call(self, text: str) -> str | None:
+        if chat.CLOSE in text[-len(chat.CLOSE) - 8:]:  # the closer, and at most the rest of its token
+            return chat.parse_call(text, self.name, "code")
         start = text.rfind(OPEN)
         if start < 0:
             return None
@@ -50,7 +53,7 @@ class PythonTool:
         return code if code.strip() else None
 
     def strip_calls(self, text: str) -> str:
-        return re.sub(re.escape(OPEN) + r"\s.*?(" + re.escape(FENCE) + r"|$)", "", text, flags=re.S)
+        return re.sub(re.escape(OPEN) + r"\s.*?(" + re.escape(FENCE) + r"|$)", "", chat.strip_tagged(text), flags=re.S)
 
     def run(self, call: str) -> ToolOutput:
         result = run_python(call, self.limits)
@@ -59,15 +62,18 @@ class PythonTool:
             text = f"{text}\n{result.error}" if text else result.error
         elif result.truncated:
             text += "\n(output truncated)"
-        return ToolOutput(self.shot_result(text or NO_OUTPUT), error=result.error)
+        return ToolOutput(self.shot_result(text or NO_OUTPUT), error=result.error, text=text or NO_OUTPUT)
 
     @staticmethod
     def shot_result(output: str) -> str:
         return f"```output\n{output}\n```\n"
 
     def describe(self) -> str:
-        return ("You may run Python code: write it in a ```python block, and what it prints is shown to you in an "
-                "```output block.")
+        return "You may run Python code: write it in a ```python block, and what it prints is shown to you."
 
     def shot(self, call: str, result: str) -> str:
         return f"{OPEN}\n{call}\n{FENCE}\n{self.shot_result(result)}"
+
+    def schema(self) -> dict:
+        return chat.schema(self.name, "Run Python code in a fresh sandboxed process; returns what it printed.",
+                           "code", "the Python program; print() what you want to see")

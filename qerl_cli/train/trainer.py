@@ -307,7 +307,8 @@ class Trainer:
         self.stream = PromptStream(len(self.task.examples), c.seed)
         from qerl_cli.tools.episodes import episodes_from_config
 
-        self.episodes = episodes_from_config(c)  # multi-turn episodes with --tools/--env (docs/tools.md), or None
+        # multi-turn episodes with --tools/--env (docs/tools.md), or None
+        self.episodes = episodes_from_config(c, self.tokenizer)
         max_len = max(len(p) for p in self.prompt_ids) + self.completion_tokens + 1
         self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
         rollout_model = self.model if self.rollout_quant is None else self.rollout_quant.model
