@@ -99,7 +99,9 @@ TRAIN_FIXED_OPTIONS: dict[str, tuple[Any, Any]] = {
     # name: (annotation, default); everything else is generated from TrainConfig (train_flags)
     "run": (RunOpt, Path("runs/default")),
     "config": (Annotated[str | None, Opt("--config", help="Preset name (quick_cpu, gpu_arith, gsm8k_grpo_paper, "
-                                         "gsm8k_dapo_paper) or a YAML path.")], None),
+                                         "gsm8k_dapo_paper) or a YAML path. Default: quick_cpu without CUDA; on a "
+                                         "GPU gpu_arith for the embedded model, else gsm8k_dapo_paper. A preset's "
+                                         "values replace the defaults shown below; flags and --set win.")], None),
     "set_": (Annotated[list[str] | None, Opt("--set", help="TrainConfig field KEY=VALUE (repeatable); flags win.")],
              None),
     "dry_run": (Annotated[bool, Opt("--dry-run", help="Print the resolved config and exit.")], False),
@@ -120,9 +122,9 @@ def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool,
     """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN, TIS/MIS)."""
     import yaml
 
-    from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.train import distributed
-    from qerl_cli.train.config import build_config, flag_overrides
+    from qerl_cli.train.config import build_config, flag_overrides, parse_sets
+    from qerl_cli.train.presets import choose_preset
 
     in_torchrun = "LOCAL_RANK" in os.environ
     if gpus is not None and not in_torchrun and not dry_run:
@@ -132,16 +134,15 @@ def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool,
         raise QerlError(f"--gpus {gpus} under torchrun with {os.environ['WORLD_SIZE']} processes: drop --gpus")
 
     overrides = {**parse_sets(set_), **flag_overrides(fields)}
-    if config is None and not _has_cuda():
-        config = "quick_cpu"  # the CPU-sized preset when nothing else is asked for
-    cfg = build_config(config, overrides)
+    preset = choose_preset(config, run, _has_cuda())
+    cfg = build_config(preset.name, overrides)
     if dry_run:
         console.print(yaml.safe_dump(cfg.resolved().to_dict(), sort_keys=False).rstrip(), soft_wrap=True)
         from qerl_cli.train.memory_plan import dry_run_lines
 
         # as YAML comments, so the output stays the loadable resolved config
-        console.print("\n".join(f"# {line}" for line in dry_run_lines(run, cfg)), markup=False, highlight=False,
-                      soft_wrap=True)
+        lines = [f"preset: {preset.name} ({preset.reason})", *dry_run_lines(run, cfg)]
+        console.print("\n".join(f"# {line}" for line in lines), markup=False, highlight=False, soft_wrap=True)
         return
     from qerl_cli.train.console import TrainConsole, reference_step
     from qerl_cli.train.trainer import train as run_train
@@ -149,13 +150,14 @@ def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool,
     ctx = distributed.init_from_env()
     try:
         if not ctx.is_main:  # only rank 0 prints the console panel
-            run_train(run, cfg, resume=resume, resume_from=resume_from)
+            run_train(run, cfg, resume=resume, resume_from=resume_from, preset=preset.name)
         else:
-            ui = TrainConsole(console, cfg.resolved(), reference_step(config, _has_cuda()),
-                              start_step=_resume_step(run, resume_from) if (resume or resume_from) else 0)
+            ui = TrainConsole(console, cfg.resolved(), reference_step(preset.name, _has_cuda()),
+                              start_step=_resume_step(run, resume_from) if (resume or resume_from) else 0,
+                              preset=preset)
             with ui:
                 res = run_train(run, cfg, resume=resume, resume_from=resume_from, on_step=ui.update,
-                                on_setup=ui.attach)
+                                on_setup=ui.attach, preset=preset.name)
             ui.summary(res)
     except Preempted as exc:  # SIGTERM: stopped cleanly; 143 is what schedulers expect of a terminated job
         if ctx.is_main:
@@ -392,8 +394,9 @@ def bench_step(
                                           "GRPOTrainer + peft LoRA + colocated vLLM, bf16).")] = None,
     eos: Annotated[bool, Opt("--eos", help="--shape: rollouts end at a stop set (RL-like lengths, real padding).")]
     = False,
-    profile: Annotated[bool, Opt("--profile", help="The step rollout's decode step by GPU-time category "
-                                                   "(CUDA).")] = False,
+    profile: Annotated[bool, Opt("--profile", help="The step rollout's decode step by GPU-time category, "
+                                                   "and one more step's training phases kernel by kernel (CUDA).")]
+    = False,
     vllm_memory: Annotated[float, Opt(help="vLLM's gpu_memory_utilization in FMT@vllm and TRL cells.")] = 0.35,
     seed: int = 0,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench, else ./qerl-bench/step-DATE-TIME).")]
@@ -402,8 +405,8 @@ def bench_step(
     """One RL step of the trainer broken down by phase (rollout .. checkpoint) per format, vs BF16-LoRA.
 
     A format FMT@vllm uses the vLLM rollout engine (QeRL's architecture); --peers trl adds TRL's GRPOTrainer."""
-    from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.bench.step import bench_step as run_bench
+    from qerl_cli.train.config import parse_sets
 
     items = list(set_ or [])
     items += [f"finetune={finetune}"] if finetune is not None else []
@@ -437,9 +440,9 @@ def bench_sanity(
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench).")] = None,
 ) -> None:
     """Steps until training accuracy > 95% on the model's perfectible problems, per grid cell and seed."""
-    from qerl_cli.bench.overrides import parse_sets
     from qerl_cli.bench.sanity import bench_sanity as run_bench
     from qerl_cli.bench.sanity import parse_axes, parse_skip
+    from qerl_cli.train.config import parse_sets
 
     res = run_bench(run_dir=run, grid=parse_axes(grid), overrides=parse_sets(set_), candidates=candidates,
                     samples=samples, lo=lo, hi=hi, seeds=seeds, seed_start=seed_start, heldout=heldout,
@@ -458,8 +461,9 @@ def bench_evidence(
     """The seed claims' verdicts from `bench sanity --seeds` results: intervals, tests, evidence.{json,md,png}."""
     from qerl_cli.bench.evidence import parse_inputs, write_evidence
     from qerl_cli.bench.harness import default_out
+    from qerl_cli.manifest import RunDir
 
-    dest = out or ((run / "bench" / "evidence") if run else default_out("evidence"))
+    dest = out or (RunDir(run).inside("bench/evidence") if run else default_out("evidence"))
     ev = write_evidence(inputs=parse_inputs(input_), out_dir=dest, run_dir=run, log=_progress)
     console.print(f"evidence: {escape(str(dest / 'evidence.json'))}  ({', '.join(c['verdict'] for c in ev['claims'])})")
 

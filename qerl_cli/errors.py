@@ -13,6 +13,10 @@ class RunLockedError(QerlError):
     """Another process is writing the same run directory."""
 
 
+class OutsideRunError(QerlError):
+    """A path read from a run directory (a manifest entry, `latest`, a symbolic link in it) that leads outside it."""
+
+
 class StageMissingError(QerlError):
     """A stage needs the output of an earlier stage that the run directory does not have."""
 

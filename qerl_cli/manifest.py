@@ -4,6 +4,10 @@
 sha256 of weight files), its config, seeds, environment, timings and status. Later stages find their
 inputs through it. Every write is atomic (temp file + fsync + rename), one process at a time holds
 the run's lock, and a manifest that is corrupted or from a newer schema is reported, never rewritten.
+
+A run directory is untrusted input (users copy, share and download them): every path qerl reads from it or
+writes into it goes through `RunDir.inside`, which refuses one that leads outside the run, symbolic links
+included, and nothing is written through a symbolic link.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.errors import QerlError, RunLockedError, StageMissingError
+from qerl_cli.errors import OutsideRunError, QerlError, RunLockedError, StageMissingError
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -73,7 +78,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a leftover (or a planted link) goes; the new file is created, never opened through a link
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -117,7 +125,9 @@ def staged_directory(final: Path) -> Iterator[Path]:
     """
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    if tmp.exists():
+    if tmp.is_symlink():
+        tmp.unlink()  # rmtree refuses a link, and the staging directory must be a real one
+    elif tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
@@ -176,6 +186,7 @@ class RunDir:
                 self.path.mkdir(parents=True)
             except OSError as exc:
                 raise QerlError(f"cannot create run directory {self.path}: {exc.strerror or exc}") from exc
+        self.root = self.path.resolve()  # the real directory; the --run path itself may be a link
         self._lock_fd: int | None = None
 
     @property
@@ -185,15 +196,83 @@ class RunDir:
     def rel(self, p: str | os.PathLike[str]) -> str:
         return os.path.relpath(Path(p), self.path)
 
-    def abs(self, rel: str) -> Path:
-        return self.path / rel
+    def abs(self, rel: Any, entry: str = "") -> Path:
+        """A path the manifest records (relative to the run), confined to the run (:meth:`inside`); ``entry``
+        names the manifest entry in a refusal."""
+        where = f"{self.manifest_path}" + (f" ({entry})" if entry else "")
+        if not isinstance(rel, str) or not rel:
+            raise OutsideRunError(f"{where} holds {rel!r} where a path inside the run belongs: restore the "
+                                  "manifest or use another --run directory")
+        return self.inside(rel, named_by=where)
+
+    # ---- confinement ------------------------------------------------------------------------------
+    def inside(self, path: str | os.PathLike[str], *, named_by: str | os.PathLike[str] | None = None) -> Path:
+        """``path`` (relative to the run, or a path under it) as a path in the run, refused with one line
+        (OutsideRunError) unless it resolves inside the run directory, every symbolic link on the way followed.
+
+        ``named_by``: the file whose content named ``path`` (a manifest entry, `latest`), for the message; without
+        it the refusal names the link that leads out. A link that stays inside the run is followed."""
+        rel = Path(path)
+        joined = rel if rel.is_absolute() else self.path / rel
+        try:
+            real = joined.resolve()  # a link to a missing target still resolves to where it points
+        except (OSError, RuntimeError, ValueError) as exc:  # a NUL byte, a loop of links
+            raise OutsideRunError(f"{named_by or joined} names {str(path)!r}, which is not a usable path in the run "
+                                  f"directory {self.path} ({exc}): restore the run directory or use another "
+                                  "--run directory") from exc
+        if real == self.root or self.root in real.parents:
+            # without "..", the OS follows the links just checked; with it, only the resolved path is the one checked
+            return self.path / real.relative_to(self.root) if ".." in rel.parts else joined
+        fix = "restore the run directory or use another --run directory"
+        if named_by is not None:
+            raise OutsideRunError(f"{named_by} names {str(path)!r}, which leads outside the run directory "
+                                  f"{self.path} (to {real}): qerl reads and writes only inside a run; {fix}")
+        link = self._link_out(joined)
+        if link is not None:
+            raise OutsideRunError(f"{link} is a symbolic link to {os.readlink(link)}, outside the run directory "
+                                  f"{self.path}: qerl reads and writes only inside a run; replace the link with "
+                                  f"what it points to, or {fix}")
+        raise OutsideRunError(f"{joined} leads outside the run directory {self.path} (to {real}): {fix}")
+
+    def _link_out(self, joined: Path) -> Path | None:
+        """The first symbolic link on ``joined`` (below the run) that resolves outside the run."""
+        try:
+            parts = joined.relative_to(self.path).parts
+        except ValueError:
+            return None
+        cur = self.path
+        for part in parts:
+            cur = cur / part
+            if cur.is_symlink():
+                real = cur.resolve()
+                if real != self.root and self.root not in real.parents:
+                    return cur
+        return None
+
+    def inside_tree(self, directory: str | os.PathLike[str], *, named_by: str | os.PathLike[str] | None = None
+                    ) -> Path:
+        """:meth:`inside` for a directory and everything below it (a model or checkpoint folder whose files a
+        library opens by name): every symbolic link in it must stay inside the run."""
+        top = self.inside(directory, named_by=named_by)
+        seen: set[Path] = set()
+        # top-down, each link is checked before os.walk enters it; a directory reached twice is walked once
+        for root, dirs, files in os.walk(top, followlinks=True):
+            real = Path(root).resolve()
+            if real in seen:
+                dirs[:] = []
+                continue
+            seen.add(real)
+            for name in (*dirs, *files):
+                if (Path(root) / name).is_symlink():
+                    self.inside(Path(root) / name)
+        return top
 
     # ---- manifest -------------------------------------------------------------------------------
     def read(self) -> dict[str, Any]:
         if not self.manifest_path.exists():
             return {"schema_version": SCHEMA_VERSION, "created": now_iso(), "stages": {}, "history": []}
         try:
-            data = json.loads(self.manifest_path.read_text())
+            data = json.loads(self.inside(MANIFEST_NAME).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise QerlError(
                 f"{self.manifest_path} is corrupted ({exc.__class__.__name__}: {exc}); qerl will not overwrite it: "
@@ -236,13 +315,30 @@ class RunDir:
         return rec
 
     # ---- lock -----------------------------------------------------------------------------------
+    def _open_lock(self, create: bool) -> int | None:
+        """The lock file's descriptor (None: absent and not ``create``d); a symbolic link or anything but a
+        regular file is refused, so the PID written into it never lands in a file the link points to."""
+        path = self.path / LOCK_NAME
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0), 0o644)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OutsideRunError(f"{path} is a symbolic link: qerl never writes through a link in a run "
+                                      "directory; delete it (qerl creates the lock file itself)") from None
+            raise QerlError(f"cannot open the run's lock file {path}: {exc.strerror or exc}") from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise QerlError(f"{path} is not a regular file: delete it (qerl creates the lock file itself)")
+        return fd
+
     def _is_locked_by_other(self) -> bool:
         if self._lock_fd is not None:
             return False
-        lock_path = self.path / LOCK_NAME
-        if not lock_path.exists():
+        fd = self._open_lock(create=False)
+        if fd is None:
             return False
-        fd = os.open(lock_path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -257,14 +353,15 @@ class RunDir:
         if self._lock_fd is not None:
             yield self
             return
-        fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open_lock(create=True)
+        assert fd is not None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
             holder = ""
             with contextlib.suppress(OSError, ValueError):
-                holder = f" (pid {int((self.path / LOCK_NAME).read_text().strip() or 0)})"
+                holder = f" (pid {int(os.pread(fd, 32, 0).decode().strip() or 0)})"
+            os.close(fd)
             raise RunLockedError(
                 f"another qerl process{holder} is writing {self.path}: wait for it or use another --run directory"
             ) from None

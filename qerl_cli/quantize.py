@@ -21,7 +21,7 @@ from qerl_cli.formats import WeightFormat, dequantize, get_format
 from qerl_cli.manifest import RunDir, sha256_file, staged_directory
 from qerl_cli.models import ModelSource, load_model, resolve_model
 from qerl_cli.precision import dtype_of
-from qerl_cli.runlayout import checkpoints_dir, train_dir
+from qerl_cli.runlayout import checkpoints_dir, model_dir, train_dir
 
 METHODS = ("rtn", "gptq", "awq")
 DTYPES = ("bf16", "fp16")  # precisions a checkpoint's unquantized tensors and 16-bit scales are stored in
@@ -118,6 +118,7 @@ def quantize_model(
         raise QerlError(f"{train_dir(run)} holds an adapter trained on this run's current base ({trained}); a new "
                         "base would not match it: quantize into a new --run directory, or pass --force to move "
                         "train/ aside")
+    model_out = model_dir(run)  # a model/ leading out of the run is refused before anything is loaded
     src = resolve_model(model)
     torch.manual_seed(seed)
     config = {"model": src.to_json(), "format": fmt, "ignore": ignore, "method": method, "dtype": dtype}
@@ -128,12 +129,12 @@ def quantize_model(
         if not targets:
             raise QerlError(f"no Linear layer left to quantize after --ignore {ignore}")
         _check_shapes(spec, targets)
-        result = QuantizeResult(run.path, run.path / "model", fmt, src, skipped=skipped)
+        result = QuantizeResult(run.path, model_out, fmt, src, skipped=skipped)
         result.bytes_before = sum(p.numel() * 2 for n, p in hf_model.state_dict().items()
                                   if not (n == "lm_head.weight" and hf_model.config.tie_word_embeddings))
         group_size = spec.common_group_size([m.in_features for m in targets.values()])
         if method != "rtn":
-            with staged_directory(run.path / "model") as tmp:
+            with staged_directory(model_out) as tmp:
                 result.layers, files = _llmcompressor_checkpoint(hf_model, tokenizer, targets, fmt, method,
                                                                  skipped, tmp)
                 _finish(rec, run, result, tmp, files, method, ignore)
@@ -163,7 +164,7 @@ def quantize_model(
             state[k] = v.to(out_dtype) if v.is_floating_point() else v
         result.group_size = group_size or spec.group_size
 
-        with staged_directory(run.path / "model") as tmp:
+        with staged_directory(model_out) as tmp:
             files = save_tensors(state, tmp)
             write_config(hf_model, tmp, fmt, skipped, group_size, out_dtype)
             tokenizer.save_pretrained(str(tmp))

@@ -21,6 +21,7 @@ from typing import Any
 
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import MANIFEST_NAME, RunDir, atomic_write_bytes, atomic_write_text, now_iso
+from qerl_cli.runlayout import eval_dir
 
 REPORT_DIRNAME = "report"
 INDEX_NAME = "index.html"
@@ -89,18 +90,19 @@ def _checkpoint_order(name: str) -> tuple[int, int, str]:
 
 def _read_evals(run: RunDir, manifest: dict[str, Any]) -> list[dict[str, Any]]:
     """Eval results: every parseable DIR/eval/*.json with scores, plus any a manifest record points at."""
-    paths: dict[Path, str] = {}
+    paths: dict[Path, Path] = {}  # resolved (one entry per file) -> the path in the run
     for key, rec in manifest["stages"].items():
         if key.startswith("eval/") and rec.get("status") == "completed":
             rel = (rec.get("outputs") or {}).get("result")
             if isinstance(rel, str):
-                paths[run.abs(rel).resolve()] = key
-    edir = run.path / "eval"
+                p = run.abs(rel, f"{key} outputs.result")
+                paths[p.resolve()] = p
+    edir = eval_dir(run)
     if edir.is_dir():
         for p in sorted(edir.glob("*.json")):
-            paths.setdefault(p.resolve(), "")
+            paths.setdefault(p.resolve(), run.inside(p))
     out = []
-    for p in sorted(paths):
+    for p in (paths[k] for k in sorted(paths)):
         data = _load_json(p)
         if not data or not isinstance(data.get("scores"), dict) or not data["scores"]:
             continue
@@ -376,7 +378,7 @@ def _evidence_section(run: RunDir, stages: dict[str, Any], pngs: dict[str, bytes
     if not rec or rec.get("status") != "completed":
         return None
     rel = ((rec.get("outputs") or {}).get("json") or {}).get("path")
-    ev = _load_json(run.abs(rel)) if rel else None
+    ev = _load_json(run.abs(rel, "bench/evidence outputs.json.path")) if rel else None
     if not ev or not isinstance(ev.get("claims"), list):
         return None
     from qerl_cli.bench.evidence import CELL_COLUMNS, ci_text, part_interval_text, plot_curves, seeds_text, verdict_text
@@ -452,7 +454,7 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     run = RunDir(run_path, create=False)
     manifest = run.read()
     stages = manifest["stages"]
-    out = Path(out_dir).expanduser() if out_dir is not None else run.path / REPORT_DIRNAME
+    out = Path(out_dir).expanduser() if out_dir is not None else run.inside(REPORT_DIRNAME)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -496,7 +498,7 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     # ---- train
     t = stages.get("train")
     metrics_rel = ((t or {}).get("outputs") or {}).get("metrics") or "train/metrics.jsonl"
-    rows = _read_metrics(run.abs(metrics_rel))
+    rows = _read_metrics(run.abs(metrics_rel, "train outputs.metrics"))
     from qerl_cli.train.checkpointing import verify_all
 
     checkpoints = verify_all(run)  # every file against its recorded sha256; a damaged one stops the report
@@ -564,7 +566,8 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     # ---- bench rollout
     b = stages.get("bench/rollout")
     bench_rel = (((b or {}).get("outputs") or {}).get("json") or {}).get("path") or "bench/rollout.json"
-    bench = _load_json(run.abs(bench_rel)) if (b is None or b.get("status") == "completed") else None
+    bench = _load_json(run.abs(bench_rel, "bench/rollout outputs.json.path")) \
+        if (b is None or b.get("status") == "completed") else None
     png = _bench_plot(bench) if bench else None
     if bench and png:
         trs = "".join(

@@ -1,6 +1,8 @@
 """Where each stage keeps its outputs inside a run directory (paths only; the manifest says what is valid).
 
 What is inside `train/checkpoints/` (kinds, files, `latest`, pruning) is qerl_cli/train/checkpointing.py's.
+Every path here is confined to the run (`RunDir.inside`): a folder that is a symbolic link leading out of the
+run is refused before anything is read from it or written into it.
 """
 
 from __future__ import annotations
@@ -13,13 +15,25 @@ from typing import Any
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import RunDir
 
+MODEL_DIRNAME = "model"
+
+
+def model_dir(run: RunDir) -> Path:
+    """Where `qerl quantize` writes the run's model."""
+    return run.inside(MODEL_DIRNAME)
+
 
 def quantized_model_dir(run: RunDir) -> Path:
-    """The model `qerl quantize` wrote, as the manifest records it."""
+    """The model `qerl quantize` wrote, as the manifest records it: inside the run, with every file in it and every
+    weight file the manifest names."""
     rec = run.require("quantize")
-    path = run.abs(rec["outputs"]["model"]["path"])
+    model = rec["outputs"]["model"]
+    path = run.abs(model.get("path"), "quantize outputs.model.path")
     if not (path / "config.json").is_file():
         raise QerlError(f"{path} is missing though the manifest lists it: run `qerl quantize --run {run.path}` again")
+    run.inside_tree(path)
+    for name in model.get("files") or {}:
+        run.inside(path / name, named_by=f"{run.manifest_path} (quantize outputs.model.files)")
     return path
 
 
@@ -54,12 +68,27 @@ def check_adapter_base(run: RunDir, checkpoint: Path) -> str:
 
 
 def train_dir(run: RunDir) -> Path:
-    return run.path / "train"
+    return run.inside("train")
 
 
 def checkpoints_dir(run: RunDir) -> Path:
-    return train_dir(run) / "checkpoints"
+    return run.inside("train/checkpoints")
+
+
+def metrics_path(run: RunDir) -> Path:
+    """The trainer's metrics.jsonl (appended to, so it must not be a link leading out)."""
+    return run.inside("train/metrics.jsonl")
+
+
+def rollouts_dir(run: RunDir) -> Path:
+    return run.inside("train/rollouts")
 
 
 def eval_dir(run: RunDir) -> Path:
-    return run.path / "eval"
+    return run.inside("eval")
+
+
+def bench_dir(run: RunDir) -> Path:
+    """Where the benches write unless --out says otherwise (and bench sanity keeps its perfectible subset)."""
+    return run.inside("bench")
+

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from qerl_cli.bench.overrides import grid_cells, parse_grid, parse_sets
+from qerl_cli.bench.overrides import grid_cells, parse_grid
 from qerl_cli.bench.step import PHASES, bench_step, render_table, short_summary
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import RunDir
+from qerl_cli.train.config import parse_sets
 
 SMALL = {"batch_prompts": 2, "num_generations": 2, "max_completion_length": 8, "lora_rank": 4}
 

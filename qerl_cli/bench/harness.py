@@ -254,11 +254,14 @@ def default_out(bench: str, now: datetime.datetime | None = None) -> Path:
 
 
 def out_dir(out: Path | None, run: Any, bench: str) -> Path:
-    """Where a bench writes: ``out``, else the run's ``bench/`` folder, else :func:`default_out`."""
+    """Where a bench writes: ``out``, else the run's ``bench/`` folder (confined to the run), else
+    :func:`default_out`."""
     if out is not None:
         return Path(out)
     if run is not None:
-        return run.path / "bench"
+        from qerl_cli.runlayout import bench_dir
+
+        return bench_dir(run)
     return default_out(bench)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.errors import QerlError
 from qerl_cli.manifest import RunDir
 from qerl_cli.runlayout import quantized_model_dir
 
@@ -48,7 +49,7 @@ def format_model_dir(run: RunDir, fmt: str, bench_dir: Path, log: Callable[[str]
         return quantized_model_dir(run)
     from qerl_cli.quantize import quantize_model
 
-    copy_dir = Path(bench_dir) / "models" / fmt
+    copy_dir = RunDir(bench_dir).inside(f"models/{fmt}")  # kept inside the bench's folder, links included
     src_hashes = rec.get("inputs", {}).get("model", {}).get("sha256")
     if (copy_dir / "manifest.json").is_file():
         copy = RunDir(copy_dir, create=False)
@@ -57,6 +58,12 @@ def format_model_dir(run: RunDir, fmt: str, bench_dir: Path, log: Callable[[str]
                 old.get("inputs", {}).get("model", {}).get("sha256") == src_hashes:
             return quantized_model_dir(copy)
     cfg = rec["config"]
+    kind = rec.get("inputs", {}).get("model", {}).get("kind")
+    if kind not in ("embedded", "hub"):
+        # a path read from the run directory is never followed out of it: the source must come from the user
+        raise QerlError(f"the bench needs the run's model in {fmt}, but {run.path} was quantized from a local "
+                        f"{kind or 'source'}; quantize it yourself (`qerl quantize SOURCE --run NEW_DIR --format "
+                        f"{fmt}`) and bench that run, or bench the run's own format ({rec['config']['format']})")
     log(f"quantizing the run's source to {fmt} into {copy_dir} ...")
     quantize_model(copy_dir, source_arg(cfg["model"]), fmt=fmt, ignore=cfg.get("ignore"),
                    dtype=cfg.get("dtype", "bf16"), seed=rec.get("seeds", {}).get("torch", 0))

@@ -184,23 +184,20 @@ def summarize_cells(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
     return out
 
 
-def _encode(tok: Any, prompt: str, max_len: int, chat_template: bool) -> list[int]:
-    """As Trainer.encode_prompt: the training prompts, token for token."""
-    ids = tok(prompt, add_special_tokens=False).input_ids
-    bos = tok.bos_token_id
-    if bos is not None and not chat_template and (not ids or ids[0] != bos) and getattr(tok, "add_bos_token", False):
-        ids = [bos] + ids
-    return ids[-max_len:]
-
-
 def measure_pass_rates(model: Any, tok: Any, task: Any, *, samples: int, max_tokens: int, temperature: float,
-                       seed: int, max_prompt_length: int, chat_template: bool, dtype: torch.dtype) -> list[float]:
-    """Fraction of ``samples`` sampled completions per problem that the task's reward scores as correct."""
+                       seed: int, max_prompt_length: int, chat_template: bool, dtype: torch.dtype,
+                       reward: str | None = None, truncate_prompts: bool = False) -> list[float]:
+    """Fraction of ``samples`` sampled completions per problem that ``reward`` (default: the task's) scores as
+    correct."""
     from qerl_cli.rollout import BuiltinEngine, SamplingParams
     from qerl_cli.tasks import get_reward
+    from qerl_cli.tasks.prompt_ids import encode_prompt
     from qerl_cli.tasks.rewards import safe_rewards
 
-    prompt_ids = [_encode(tok, e.prompt, max_prompt_length, chat_template) for e in task.examples]
+    add_bos = not chat_template and bool(getattr(tok, "add_bos_token", False))  # as Trainer.encode_prompt
+    prompt_ids = [encode_prompt(tok, e.prompt, max_tokens=max_prompt_length, add_bos=add_bos,
+                                truncate=truncate_prompts, where=f"the prompt of task example {i} (0-based)")
+                  for i, e in enumerate(task.examples)]
     engine = BuiltinEngine(model, tok, max_batch_slots=min(256, len(prompt_ids) * samples),
                            max_model_len=max(len(p) for p in prompt_ids) + max_tokens + 1, dtype=dtype)
     try:
@@ -209,7 +206,7 @@ def measure_pass_rates(model: Any, tok: Any, task: Any, *, samples: int, max_tok
     finally:
         engine.release()
     ex = task.examples
-    rewards = safe_rewards(get_reward(task.reward), [ex[s.prompt_index].prompt for s in res.samples],
+    rewards = safe_rewards(get_reward(reward or task.reward), [ex[s.prompt_index].prompt for s in res.samples],
                            [s.text or "" for s in res.samples], answer=[ex[s.prompt_index].answer for s in res.samples])
     hits = [0] * len(ex)
     for s, r in zip(res.samples, rewards, strict=True):
@@ -250,30 +247,88 @@ def subset_rule(subset: dict[str, Any]) -> str:
             f"{k['max_tokens']} tokens, measured before any training")
 
 
+def task_reward(cfg: Any) -> tuple[str, list[str]]:
+    """The reward the command scores with (``--set reward=...``, else the task's own) and the task's stop strings.
+
+    Both come from the command line and qerl's task code, never from a saved subset: a run directory is shared and
+    downloaded, and a reward named in a file there would be imported (run) by the next bench."""
+    from qerl_cli.tasks import load_task
+
+    # no chat template and one problem: the reward and stop strings depend on neither, and no tokenizer is needed
+    task = load_task(cfg.task, split="train", shots=cfg.shots, seed=cfg.seed, level=cfg.task_level, limit=1)
+    return cfg.reward or task.reward, list(task.stop)
+
+
+def subset_key(run: Any, cfg: Any, *, candidates: int, samples: int, lo: float, hi: float, temperature: float,
+               arms: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """Everything that decides a perfectible subset: a saved one is reused only when its key equals this."""
+    from qerl_cli.bench.runmodels import model_hash
+    from qerl_cli.manifest import sha256_file
+
+    _, _, data = cfg.task.partition(":")
+    data_file = Path(data).expanduser() if cfg.task.lower().startswith("jsonl:") else None
+    return {"task": cfg.task, "task_level": cfg.task_level, "shots": cfg.shots, "chat_template": cfg.chat_template,
+            "task_data_sha256": sha256_file(data_file) if data_file is not None and data_file.is_file() else None,
+            "reward": cfg.reward, "model_hash": model_hash(run), "candidates": candidates, "samples": samples,
+            "lo": lo, "hi": hi, "temperature": temperature, "max_tokens": cfg.max_completion_length,
+            "max_prompt_length": cfg.max_prompt_length, "seed": cfg.seed, "arms": [list(a) for a in arms]}
+
+
+def saved_subset(path: Path, key: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any] | None:
+    """A saved subset whose key equals ``key``, as data only: prompts, answers and pass rates (the selection is
+    recomputed from the rates); None (it is rebuilt) when it is absent, malformed or was built for other settings."""
+    if not path.is_file():
+        return None
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        old = None
+    if not isinstance(old, dict) or not isinstance(old.get("key"), dict):
+        log(f"{path} is not a perfectible subset: building a new one")
+        return None
+    if old["key"] != key:
+        differ = sorted(k for k in {*key, *old["key"]} if old["key"].get(k) != key.get(k))
+        log(f"{path} was built for other settings ({', '.join(differ)}): building a new one")
+        return None
+    arms = [arm_label(tuple(a)) for a in key["arms"]]
+    problems = old.get("problems")
+
+    def rate(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and 0.0 <= v <= 1.0
+
+    if not isinstance(problems, list) or not isinstance(old.get("source_task"), str) or not all(
+            isinstance(q, dict) and isinstance(q.get("prompt"), str) and isinstance(q.get("answer"), str)
+            and isinstance(q.get("pass_rates"), dict) and all(rate(q["pass_rates"].get(a)) for a in arms)
+            for q in problems):
+        log(f"{path} is not a complete perfectible subset: building a new one")
+        return None
+    rates = {a: [q["pass_rates"][a] for q in problems] for a in arms}
+    return {**old, "problems": [{"index": i, "prompt": q["prompt"], "answer": q["answer"],
+                                 "pass_rate": sum(q["pass_rates"][a] for a in arms) / len(arms),
+                                 "pass_rates": {a: q["pass_rates"][a] for a in arms}} for i, q in enumerate(problems)],
+            "selected": select_for_arms(rates, key["lo"], key["hi"])}
+
+
 def build_subset(run: Any, cfg: Any, *, candidates: int, samples: int, lo: float, hi: float, temperature: float,
                  out: Path, models: ModelCache, log: Callable[[str], None],
                  arms: Sequence[tuple[str, str]] | None = None) -> dict[str, Any]:
     """The perfectible subset: the candidates every arm (format, precision) solves in [lo, hi] of its samples
-    (reused from ``out/perfectible.json`` when it matches). ``arms`` defaults to the run's format in
-    ``cfg.precision``."""
-    from qerl_cli.bench.runmodels import model_hash, run_format
-    from qerl_cli.manifest import atomic_write_json
+    (reused from ``out/perfectible.json`` when its key matches; the reward and stop strings always come from this
+    command). ``arms`` defaults to the run's format in ``cfg.precision``."""
+    from qerl_cli.bench.runmodels import run_format
+    from qerl_cli.manifest import RunDir, atomic_write_json
     from qerl_cli.tasks import load_task
 
     arm_list = [tuple(a) for a in (arms or [(run_format(run), cfg.precision)])]
-    key = {"task": cfg.task, "task_level": cfg.task_level, "shots": cfg.shots, "chat_template": cfg.chat_template,
-           "model_hash": model_hash(run), "candidates": candidates, "samples": samples, "lo": lo, "hi": hi,
-           "temperature": temperature, "max_tokens": cfg.max_completion_length, "seed": cfg.seed,
-           "arms": [list(a) for a in arm_list]}
-    path = out / "perfectible.json"
-    if path.is_file():
-        try:
-            old = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            old = {}
-        if old.get("key") == key:
-            log(f"reusing the perfectible subset in {path} ({len(old['selected'])} of {candidates} problems)")
-            return old
+    key = subset_key(run, cfg, candidates=candidates, samples=samples, lo=lo, hi=hi, temperature=temperature,
+                     arms=arm_list)
+    reward, stop = task_reward(cfg)
+    path = RunDir(out).inside("perfectible.json")  # the bench's folder: a link leading out of it is refused
+    old = saved_subset(path, key, log)
+    if old is not None:
+        log(f"reusing the perfectible subset in {path} ({len(old['selected'])} of {candidates} problems)")
+        subset = {**old, "reward": reward, "stop": stop}
+        return {**subset, "rule": subset_rule(subset)}
     model, tok = models.get(*_arm_model(arm_list[0]))
     task = load_task(cfg.task, split="train", shots=cfg.shots, chat_template=cfg.chat_template, tokenizer=tok,
                      seed=cfg.seed, level=cfg.task_level, limit=candidates)
@@ -294,11 +349,12 @@ def build_subset(run: Any, cfg: Any, *, candidates: int, samples: int, lo: float
         model, tok = models.get(fmt, dtype)
         rates[arm_label(arm)] = measure_pass_rates(
             model, tok, task, samples=samples, max_tokens=cfg.max_completion_length, temperature=temperature,
-            seed=cfg.seed, max_prompt_length=cfg.max_prompt_length, chat_template=cfg.chat_template, dtype=dtype)
+            seed=cfg.seed, max_prompt_length=cfg.max_prompt_length, chat_template=cfg.chat_template, dtype=dtype,
+            reward=reward, truncate_prompts=cfg.truncate_prompts)
     selected = select_for_arms(rates, lo, hi)
     subset = {
         "schema": SCHEMA, "kind": "bench/sanity/perfectible", "key": key, "source_task": task.name,
-        "reward": task.reward, "stop": list(task.stop), "wall_s": time.perf_counter() - t0,
+        "reward": reward, "stop": stop, "wall_s": time.perf_counter() - t0,
         "problems": [{"index": i, "prompt": e.prompt, "answer": e.answer,
                       "pass_rate": sum(r[i] for r in rates.values()) / len(rates),
                       "pass_rates": {a: r[i] for a, r in rates.items()}} for i, e in enumerate(examples)],

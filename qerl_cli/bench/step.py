@@ -430,6 +430,7 @@ class _FormatStep:
                     int(getattr(mc, "head_dim", None) or mc.hidden_size // heads))
             if self.profile and self.device.type == "cuda":
                 row["rollout_profile"] = self._profile(trainer)
+                row["phase_profile"] = self._phase_profile(trainer)
             return row
         except Exception as exc:  # noqa: BLE001 - an OOM is explained here, anything else goes to the harness
             if not harness.is_oom(exc):
@@ -471,6 +472,20 @@ class _FormatStep:
         prof = profile_decode(engine, batch, context)
         self.log(f"{self.cell}: decode-step profile at batch {batch}, context {context}: "
                  f"{prof['kernel_ms_per_step']:.2f} ms of kernels, graph step {prof['graph_step_ms'] or 0:.2f} ms")
+        return prof
+
+    def _phase_profile(self, trainer: Any) -> dict[str, Any]:
+        """One more step with the training phases profiled kernel by kernel (bench/phase_profile.py)."""
+        from qerl_cli.bench.phase_profile import profile_train_phases
+
+        prof = profile_train_phases(trainer)
+        for name, p in prof.get("phases", {}).items():
+            by_time = sorted(p["by_category"].items(), key=lambda kv: -kv[1])
+            cats = ", ".join(f"{c} {us / 1000:.0f}" for c, us in by_time)
+            self.log(f"{self.cell}: {name} {p.get('wall_s', 0):.3f}s wall, kernels {p['kernel_us'] / 1000:.0f} ms "
+                     f"({p.get('gpu_busy_pct', 0):.0f}% busy; {p['kernels']} kernels): {cats}")
+            for k in p["top"][:8]:
+                self.log(f"    {k['us'] / 1000:8.1f} ms {k['calls']:6d}x  {k['category']:<22} {k['name'][:90]}")
         return prof
 
     def _setup(self, trainer: Any, row: dict[str, Any], scratch: Path) -> None:

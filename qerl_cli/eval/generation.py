@@ -22,6 +22,22 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
 
 
 
+def _refuse_unfittable(prompts: list[str], context: int, max_tokens: int) -> None:
+    """Refuse, before tokenizing it, a prompt with more characters than the context left after ``max_tokens`` can
+    hold (tasks/prompt_ids.py: a megabyte prompt would stall the tokenizer for minutes to be refused anyway)."""
+    from qerl_cli.tasks.prompt_ids import PROMPT_CHARS_PER_TOKEN, char_limit
+
+    room = context - max_tokens - 1
+    if room < 1:  # no prompt fits: the token check after says what to lower
+        return
+    cap = char_limit(room)
+    for i, p in enumerate(prompts):
+        if len(p) > cap:
+            raise QerlError(f"prompt {i} (0-based) has {len(p)} characters, over the {cap} that the model's context "
+                            f"of {context} tokens leaves after --max-tokens {max_tokens} ({PROMPT_CHARS_PER_TOKEN} "
+                            "per token): shorten it, or lower --max-tokens or --shots")
+
+
 def generate_texts(model: Any, tokenizer: Any, prompts: list[str], sampling: Any, batch_slots: int,
                    episodes: Any = None) -> list[dict]:
     """Generate with the builtin engine; one dict per sample (prompt_index, sample_index, text, ...).
@@ -33,9 +49,11 @@ def generate_texts(model: Any, tokenizer: Any, prompts: list[str], sampling: Any
     """
     from qerl_cli.rollout import BuiltinEngine
 
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is not None:
+        _refuse_unfittable(prompts, int(limit), sampling.max_tokens)
     ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
     longest = max(len(i) for i in ids)
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     need = longest + sampling.max_tokens + 1
     if limit is not None and need > int(limit):
         raise QerlError(f"the longest prompt has {longest} tokens; with --max-tokens {sampling.max_tokens} that "

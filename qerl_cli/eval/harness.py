@@ -163,6 +163,7 @@ class _Resolved:
     checkpoint_requested: str
     checkpoint_name: str
     checkpoint_dir: Path | None
+    out_dir: Path  # DIR/eval, confined to the run before anything runs
     data_files: dict[str, str] = field(default_factory=dict)
 
 
@@ -191,7 +192,7 @@ def _canonical_task(task: str) -> tuple[str, str]:
 
 
 def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _Resolved:
-    from qerl_cli.runlayout import check_adapter_base, quantized_model_dir
+    from qerl_cli.runlayout import check_adapter_base, eval_dir, quantized_model_dir
     from qerl_cli.train.checkpointing import require_intact, resolve_checkpoint
 
     if harness not in HARNESSES:
@@ -201,6 +202,7 @@ def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _
         raise QerlError(f"--harness {harness} runs {HARNESS_TASKS[harness]} only, not {task!r}: "
                         "use the builtin harness for other tasks")
     run = RunDir(run_dir, create=False)
+    out_dir = eval_dir(run)  # results are written there: an eval/ leading out of the run is refused now
     model_dir = quantized_model_dir(run)
     model_record = run.require("quantize")
     ckpt_dir = resolve_checkpoint(run, checkpoint)
@@ -214,7 +216,7 @@ def _resolve(run_dir: str | Path, task: str, checkpoint: str, harness: str) -> _
     slug = f"{slug}-{ckpt_name}" + ("" if harness == "builtin" else f"-{harness}")
     kind = "gsm8k" if name == "gsm8k" else "math" if name == "math500" else "arith" if name.startswith("arith") \
         else "jsonl"
-    return _Resolved(run, name, kind, slug, model_dir, model_record, checkpoint, ckpt_name, ckpt_dir)
+    return _Resolved(run, name, kind, slug, model_dir, model_record, checkpoint, ckpt_name, ckpt_dir, out_dir)
 
 
 def scoring_notice(task: str, harness: str = "builtin") -> str | None:
@@ -432,7 +434,7 @@ def run_eval(
         if kind == "math" and harness == "builtin" and not notices:
             notices += [n for n in (_fallback_notice(records),) if n]
         scores = aggregate(records, scorers, samples, _group_keys(res.task_name))
-        rel_dir = res.run.rel(_eval_dir(res.run))
+        rel_dir = res.run.rel(res.out_dir)
         files = {"result": f"{rel_dir}/{res.slug}.json", "samples": f"{rel_dir}/{res.slug}.samples.jsonl"}
         finish = Counter(r.get("finish_reason", "unknown") for r in records)
         tokens = sum(int(r.get("tokens", 0)) for r in records)
@@ -461,21 +463,14 @@ def run_eval(
         }
         if episodes is not None:
             result["episodes"] = _episode_counts(records)
-        out_dir = _eval_dir(res.run)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(res.run.abs(files["samples"]),
+        res.run.inside(res.out_dir).mkdir(parents=True, exist_ok=True)  # checked again: it may have changed since
+        atomic_write_text(res.run.inside(files["samples"]),
                           "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
-        atomic_write_json(res.run.abs(files["result"]), result)
+        atomic_write_json(res.run.inside(files["result"]), result)
         rec.outputs = files
         rec.metrics = {"primary": primary, **{s: scores[s]["accuracy"]["mean"] for s in scorers},
                        **{f"{primary}/pass@{samples}": scores[primary][f"pass@{samples}"]["mean"]}}
     return result
-
-
-def _eval_dir(run: RunDir) -> Path:
-    from qerl_cli.runlayout import eval_dir
-
-    return eval_dir(run)
 
 
 def _model_hashes(rec: dict[str, Any]) -> dict[str, Any]:

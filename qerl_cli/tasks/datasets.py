@@ -268,37 +268,52 @@ def _load_arith(
     return examples, build
 
 
+def _jsonl_line(raw: bytes, where: str) -> Any:
+    """One line of a task file as JSON: a QerlError naming ``where`` (file:line) if it is not UTF-8 or not JSON."""
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of the JSON
+    except UnicodeDecodeError as exc:
+        raise QerlError(f"{where}: not UTF-8 text (byte offset {exc.start} in the line): save the file as "
+                        "UTF-8") from None
+    try:
+        return json.loads(text.rstrip("\r\n"))  # without its newline, a cut line's error points into the line
+    except json.JSONDecodeError as exc:
+        raise QerlError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON "
+                        'object like {"prompt": "...", "answer": "..."}') from None
+    except (ValueError, RecursionError) as exc:  # an integer over Python's digit limit, nesting past the stack
+        raise QerlError(f"{where}: not a JSON object qerl can read ({type(exc).__name__}: "
+                        f"{(str(exc).splitlines() or [''])[0][:80]})") from None
+
+
+def _check_row(row: Any, where: str) -> dict[str, Any]:
+    """A task row with a non-empty string 'prompt' and a string or number 'answer'; else a QerlError at ``where``."""
+    if not isinstance(row, dict):
+        raise QerlError(f"{where}: expected a JSON object with 'prompt' and 'answer', got {type(row).__name__}")
+    for column in ("prompt", "answer"):
+        if column not in row or row[column] is None:
+            raise QerlError(f"{where}: missing column '{column}'; every line needs 'prompt' and 'answer'")
+    if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+        raise QerlError(f"{where}: 'prompt' must be a non-empty string")
+    if not isinstance(row["answer"], (str, int, float)) or isinstance(row["answer"], bool):
+        raise QerlError(f"{where}: 'answer' must be a string or a number, got {type(row['answer']).__name__}")
+    if not str(row["answer"]).strip():
+        raise QerlError(f"{where}: 'answer' is empty")
+    return row
+
+
 def load_jsonl_rows(path: Path) -> list[dict[str, Any]]:
     """Rows of a user task file; every problem raises a one-line QerlError naming file and line."""
     if not path.is_file():
         raise QerlError(f"task file {path} does not exist: give jsonl:PATH to a file with one JSON object "
                         "per line holding 'prompt' and 'answer'")
     rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise QerlError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                                "each line must be one JSON object like "
-                                '{"prompt": "...", "answer": "..."}') from None
-            if not isinstance(row, dict):
-                raise QerlError(f"{path}:{lineno}: expected a JSON object with 'prompt' and 'answer', "
-                                f"got {type(row).__name__}")
-            for column in ("prompt", "answer"):
-                if column not in row or row[column] is None:
-                    raise QerlError(f"{path}:{lineno}: missing column '{column}'; every line needs "
-                                    "'prompt' and 'answer'")
-            if not isinstance(row["prompt"], str) or not row["prompt"].strip():
-                raise QerlError(f"{path}:{lineno}: 'prompt' must be a non-empty string")
-            if not isinstance(row["answer"], (str, int, float)) or isinstance(row["answer"], bool):
-                raise QerlError(f"{path}:{lineno}: 'answer' must be a string or a number, "
-                                f"got {type(row['answer']).__name__}")
-            if not str(row["answer"]).strip():
-                raise QerlError(f"{path}:{lineno}: 'answer' is empty")
-            rows.append(row)
+    try:
+        with path.open("rb") as f:  # bytes: a line that is not UTF-8 is named, not a decode error mid-file
+            for lineno, raw in enumerate(f, start=1):
+                if raw.strip():
+                    rows.append(_check_row(_jsonl_line(raw, f"{path}:{lineno}"), f"{path}:{lineno}"))
+    except OSError as exc:
+        raise QerlError(f"task file {path} cannot be read: {exc.strerror or exc}") from None
     if not rows:
         raise QerlError(f"task file {path} is empty: add one JSON object per line with 'prompt' and 'answer'")
     return rows

@@ -122,7 +122,10 @@ def _load_module_from_file(path: Path) -> Any:
     if spec is None or spec.loader is None:
         raise QerlError(f"cannot load reward file {path}")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:  # also what Python raises for a source file that is not UTF-8
+        raise QerlError(f"reward file {path}:{exc.lineno}: {exc.msg}; fix the file or pass another --reward") from exc
     return module
 
 

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import OutsideRunError, QerlError
 from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, now_iso, sha256_file, staged_directory
 from qerl_cli.runlayout import checkpoints_dir
 from qerl_cli.statefile import StateFileError, read_state, state_paths, write_state
@@ -128,14 +128,21 @@ def write_latest(run: RunDir, step: int) -> None:
     atomic_write_text(checkpoints_dir(run) / LATEST_FILE, checkpoint_name(step) + "\n")
 
 
+class NoCheckpointError(QerlError):
+    """The run has no training checkpoint yet (`--resume` then starts over; `qerl eval` says how to get one)."""
+
+
 def list_checkpoints(run: RunDir, kind: str | None = None) -> dict[int, Path]:
-    """Complete checkpoints by step, ascending (only those of `kind` when given)."""
+    """Complete checkpoints by step, ascending (only those of `kind` when given); a step_N that is a symbolic
+    link leading out of the run is refused."""
     root = checkpoints_dir(run)
     if not root.is_dir():
         return {}
     out = {}
     for p in root.iterdir():
         step = checkpoint_step(p)
+        if step is not None:
+            p = run.inside(p)
         found = checkpoint_kind(p) if step is not None and p.is_dir() else None
         if found is not None and (kind is None or found == kind):
             out[step] = p
@@ -143,34 +150,51 @@ def list_checkpoints(run: RunDir, kind: str | None = None) -> dict[int, Path]:
 
 
 def resolve_checkpoint(run: RunDir, name: str) -> Path | None:
-    """`latest`, `step_N` or `base` (None: the base model alone). Raises a clear error for a missing one."""
+    """`latest`, `step_N` or `base` (None: the base model alone), confined to the run with every file in it.
+    Raises a clear error for a missing one (NoCheckpointError: the run has none)."""
     if name == "base":
         return None
     ckpts = list_checkpoints(run)
     if name == "latest":
-        pointer = checkpoints_dir(run) / LATEST_FILE
-        if pointer.is_file():
-            target = checkpoints_dir(run) / pointer.read_text().strip()
-            if checkpoint_kind(target) is not None:
-                return target
+        target = read_latest(run)
+        if target is not None and checkpoint_kind(target) is not None:
+            return run.inside_tree(target)
         if ckpts:
-            return ckpts[max(ckpts)]
-        raise QerlError(f"run {run.path} has no training checkpoint: run `qerl train --run {run.path}` first "
-                        "or pass --checkpoint base")
+            return run.inside_tree(ckpts[max(ckpts)])
+        raise NoCheckpointError(f"run {run.path} has no training checkpoint: run `qerl train --run {run.path}` first "
+                                "or pass --checkpoint base")
     step = checkpoint_step(Path(name))
     if step is None:
         raise QerlError(f"--checkpoint must be latest, base or step_N, not {name!r}")
     if step not in ckpts:
         have = ", ".join(checkpoint_name(s) for s in ckpts) or "none"
         raise QerlError(f"checkpoint {name} does not exist in {checkpoints_dir(run)} (have: {have})")
-    return ckpts[step]
+    return run.inside_tree(ckpts[step])
+
+
+def read_latest(run: RunDir) -> Path | None:
+    """The checkpoint folder `latest` names (None: no `latest` file). qerl writes a bare ``step_N`` there; anything
+    else (an absolute path, ``..``) is refused with one line, never followed."""
+    pointer = run.inside(checkpoints_dir(run) / LATEST_FILE)
+    if not pointer.is_file():
+        return None
+    text = pointer.read_text(errors="replace").strip()
+    if checkpoint_step(Path(text)) is not None and Path(text).name == text:
+        return run.inside(pointer.parent / text)  # a step_N that is a link out of the run is named as such
+    try:
+        run.inside(pointer.parent / text)
+        why = "not the name of a checkpoint beside it (step_N)"
+    except OutsideRunError:
+        why = f"a path that leads outside the run directory {run.path}"
+    raise OutsideRunError(f"{pointer} holds {text!r}, {why}: qerl writes a bare step_N there and follows nothing "
+                          "else; write the newest step_N into it or delete it (qerl then takes the newest checkpoint)")
 
 
 def latest_step(run: RunDir) -> int | None:
     """The step of the checkpoint `--resume` continues from (None: no checkpoint yet)."""
     try:
         ckpt = resolve_checkpoint(run, "latest")
-    except QerlError:
+    except NoCheckpointError:
         return None
     return checkpoint_step(ckpt) if ckpt is not None else None
 
@@ -204,15 +228,47 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def snapshot(obj: Any) -> Any:
-    """A host-memory copy of every tensor in a nested dict/list/tuple (other values kept as they are)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
-    return obj
+class HostSnapshot:
+    """Host copies of a checkpoint's tensors taken without stopping the device, for a background write.
+
+    A device tensor is copied into a pinned host buffer with a non-blocking copy queued on the current stream: the
+    copies run in stream order before the next step's kernels (which change the adapters and AdamW's moments in
+    place), and the writer thread waits for their event before it reads the buffers. The buffers are kept for the
+    next checkpoint (same names, shapes and dtypes), so the host allocates them once; the caller waits for the
+    previous write before it takes a new snapshot. Host tensors (offloaded moments) are cloned.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type != "cuda":
+            return t.to("cpu", copy=True)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._buffers[key] = buf
+        return buf.copy_(t, non_blocking=True)
+
+    def take(self, obj: Any, key: str = "") -> Any:
+        """``obj`` (nested dicts, lists, tuples of tensors and plain values) with every tensor copied to the host."""
+        if isinstance(obj, torch.Tensor):
+            return self._copy(key, obj)
+        if isinstance(obj, dict):
+            return {k: self.take(v, f"{key}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.take(v, f"{key}/{i}") for i, v in enumerate(obj))
+        return obj
+
+    @staticmethod
+    def ready() -> Callable[[], None]:
+        """A wait for the copies queued so far (called on the writer thread before it reads the buffers)."""
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return lambda: None
+        event = torch.cuda.Event()
+        event.record()
+        return event.synchronize
 
 
 def adapter_snapshot(peft_model: Any) -> dict[str, torch.Tensor]:
@@ -363,6 +419,7 @@ def verify_checkpoint(run: RunDir, ckpt: Path) -> dict[str, Any] | None:
     (None for an older checkpoint without one: its weights are then checked against the manifest's sha256
     where it has one, and opened to see that they are whole). Raises CheckpointDamaged naming the first bad
     file."""
+    run.inside_tree(ckpt)
     record = read_record(ckpt)
     if record is not None:
         files = record["files"]

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import re
+import types
+import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -13,6 +19,7 @@ import yaml
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import FORMATS, rollout_formats
 from qerl_cli.precision import PRECISIONS
+from qerl_cli.tools import TOOL_NAMES
 from qerl_cli.train.losses import ALGOS
 
 if TYPE_CHECKING:
@@ -42,6 +49,7 @@ class TrainConfig:
     num_generations: int = 8
     max_completion_length: int = 256
     max_prompt_length: int = 1024
+    truncate_prompts: bool = False  # a prompt over max_prompt_length: refused, or cut to its last tokens when set
     temperature: float = 1.0
     top_p: float = 1.0
     lr: float | None = None  # default per precision/paper: 1e-5 (QeRL used 1e-5..3e-5 for NVFP4 LoRA)
@@ -80,6 +88,7 @@ class TrainConfig:
     kernel_weight_copies: bool | None = None  # may FP4 kernels keep a second weight copy (humming)? None: the plan
     logprob_backend: str = "chunked"  # the update's log-probs: qerl's chunked path, or liger (fused linear + CE)
     pack_sequences: bool = True  # training forwards on the micro-batch's real tokens only (varlen attention)
+    recompute_logprobs: bool = False  # pi_old from its own no-grad pass instead of the update forward's log-probs
     keep_rollout_cache: bool | None = None  # builtin engine: keep KV cache + CUDA graphs between steps (None: plan)
     async_checkpoint: bool = True  # write checkpoints in a background thread while the next step runs
     save_steps: int = 10
@@ -141,17 +150,10 @@ class TrainConfig:
         return c
 
     def validate(self) -> None:
-        def choice(name: str, value: Any, options: tuple[str, ...]) -> None:
-            if value not in options:
-                raise QerlError(f"--{name.replace('_', '-')} must be one of {', '.join(options)}, not {value!r}")
-
-        choice("algo", self.algo, ALGOS)
-        if self.correction is not None:
-            choice("correction", self.correction, CORRECTIONS)
-        choice("finetune", self.finetune, FINETUNES)
-        choice("rollout_quant", self.rollout_quant, ROLLOUT_QUANTS)
+        """Every field on its own (check_value), then the rules between fields; a QerlError names the flag."""
+        for name in field_types():
+            check_value(name, getattr(self, name))
         if self.requant_scales is not None:
-            choice("requant_scales", self.requant_scales, REQUANT_SCALES)
             if self.rollout_quant == "none":
                 raise QerlError(f"--requant-scales only applies with --rollout-quant {'|'.join(rollout_formats())}")
             fixed = [n for n in ROLLOUT_QUANTS if n in FORMATS and FORMATS[n].fixed_scales]
@@ -164,7 +166,6 @@ class TrainConfig:
                             "use --beta 0 or --finetune lora")
         if self.rollout_quant != "none" and self.rollout_engine != "builtin":
             raise QerlError("--rollout-quant needs the builtin rollout engine (--rollout-engine builtin)")
-        choice("sharding", self.sharding, SHARDINGS)
         if self.sharding == "fsdp2":
             if self.finetune != "full":
                 raise QerlError("--sharding fsdp2 shards full fine-tuning (--finetune full); LoRA adapters are "
@@ -177,47 +178,13 @@ class TrainConfig:
                                 "--precision bf16")
         if self.fsdp_offload and self.sharding not in ("fsdp2", "auto"):
             raise QerlError("--fsdp-offload offloads FSDP2's sharded state: use it with --sharding fsdp2")
-        choice("precision", self.precision, PRECISIONS)
-        choice("rollout_engine", self.rollout_engine, ("builtin", "vllm"))
-        if self.scale_rewards is not None:
-            choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        for name in ("steps", "batch_prompts", "num_generations", "max_completion_length", "lora_rank",
-                     "micro_batch_size", "save_steps", "aqn_stages"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise QerlError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.num_generations < 2 and self.algo != "pg_seq_is":
             raise QerlError("--num-generations must be >= 2: group-relative advantages need a group")
-        if self.temperature <= 0:
-            raise QerlError("--temperature must be > 0 for RL rollouts (log-probs of a sampled distribution)")
-        if self.lr is not None and not self.lr > 0:
-            raise QerlError(f"--lr must be > 0, got {self.lr}")
-        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise QerlError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
-            raise QerlError(f"--gpu-memory-gib must be > 0 (GiB), got {self.gpu_memory_gib}")
-        if not self.sigterm_grace_s >= 0:
-            raise QerlError(f"--sigterm-grace-s must be >= 0 seconds, got {self.sigterm_grace_s}")
-        if self.logprob_chunk_tokens < 0:
-            raise QerlError(f"--logprob-chunk-tokens must be >= 0 (0: unchunked), got {self.logprob_chunk_tokens}")
-        from qerl_cli.train.logprobs import LOGPROB_BACKENDS
-
-        choice("logprob_backend", self.logprob_backend, LOGPROB_BACKENDS)
-        if self.aqn and not self.aqn_sigma_start > 0:
-            raise QerlError("--aqn-sigma-start must be > 0")
-        self._validate_episodes()
-
-    def _validate_episodes(self) -> None:
-        from qerl_cli.tools import TOOL_NAMES
-
-        if self.tools is not None and self.tools not in TOOL_NAMES:
-            raise QerlError(f"--tools must be one of {', '.join(TOOL_NAMES)}, not {self.tools!r}")
+        if self.overlong_buffer is not None and self.overlong_buffer > self.max_completion_length:
+            raise QerlError(f"--overlong-buffer ({self.overlong_buffer}) must be <= --max-completion-length "
+                            f"({self.max_completion_length}): the penalty ramps over the last tokens of a completion")
         if self.tools and self.env:
             raise QerlError("--tools and --env both given: an episode has one tool or one environment")
-        for name in ("max_turns", "tool_memory_mb", "tool_workers", "max_episode_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise QerlError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not self.tool_timeout_s > 0:
-            raise QerlError(f"--tool-timeout-s must be > 0 seconds, got {self.tool_timeout_s}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -237,7 +204,9 @@ FIELD_HELP: dict[str, str] = {
     "batch_prompts": "Prompts per step.",
     "num_generations": "Completions per prompt (the group).",
     "max_completion_length": "Max new tokens per completion.",
-    "max_prompt_length": "Prompts longer than this are left-truncated.",
+    "max_prompt_length": "Prompt tokens at most: a longer prompt is refused (see --truncate-prompts).",
+    "truncate_prompts": "Cut a prompt over --max-prompt-length to its last tokens (after its BOS) instead of "
+                        "refusing it; one over 16 characters per token is cut to its tail before tokenizing.",
     "temperature": "Rollout sampling temperature.",
     "top_p": "Rollout nucleus sampling.",
     "lr": "Learning rate (default 1e-5).",
@@ -276,13 +245,16 @@ FIELD_HELP: dict[str, str] = {
                             "(humming) is faster (default: only when the step fits with it).",
     "logprob_backend": "chunked (qerl's, default) | liger (Liger-Kernel fused linear + cross-entropy; CUDA).",
     "pack_sequences": "Pack each micro-batch's sequences (no compute on padding; varlen attention).",
+    "recompute_logprobs": "Compute pi_old in a no-grad pass of its own before the update. Off by default: with one "
+                          "optimizer step per batch pi_old is the update forward's own (detached) log-probs, the "
+                          "same numbers without the pass (LoRA dropout > 0 always recomputes).",
     "keep_rollout_cache": "Keep the builtin engine's KV cache and CUDA graphs between steps (default: when the "
                           "memory plan has room).",
     "log_sampling_entropy": "Log sampling/entropy, the entropy of the policy the rollouts sampled from (under AQN "
                             "the noisy one); rollouts then sample in torch instead of the fused CUDA kernel.",
     "async_checkpoint": "Write checkpoints in a background thread while the next step runs.",
     "save_steps": "Checkpoint every N steps.",
-    "keep_checkpoints": "Checkpoints kept (older ones are deleted).",
+    "keep_checkpoints": "Checkpoints kept (older ones are deleted; 0: all).",
     "sigterm_grace_s": "After SIGTERM (SLURM, Kubernetes, spot preemption) the step in flight may finish and be "
                        "checkpointed within this many seconds, else it is abandoned; exit 143 (docs/checkpoints.md).",
     "seed": "Seed of data order, sampling, AQN and LoRA init.",
@@ -342,20 +314,168 @@ class TrainFlag:
     help: str
 
 
-def _field_types() -> dict[str, Any]:
-    import typing
-
+@functools.cache
+def field_types() -> dict[str, Any]:
+    """TrainConfig field name -> resolved type annotation, in field order."""
     hints = typing.get_type_hints(TrainConfig)
     return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
 
 
+def split_optional(tp: Any) -> tuple[Any, bool]:
+    """``int | None`` -> (int, True); ``int`` -> (int, False)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+# ---- one value of one field: its type, finite, in its range, one of its choices ---------------------------------
+INT_LIMIT = 2**31  # far above any count, length or step of a real run: a larger number is a typo
+
+# The range of each numeric field: "[lo, hi]" ("(" or ")" for an open end), ">= x" or "> x". An integer field
+# without an upper end is capped at INT_LIMIT; a float field must be finite. Fields not listed have no range.
+FIELD_RANGES: dict[str, str] = {
+    "steps": ">= 1", "batch_prompts": ">= 1", "num_generations": ">= 1", "max_completion_length": ">= 1",
+    "max_prompt_length": ">= 1", "temperature": "> 0", "top_p": "(0, 1]", "lr": "> 0", "warmup_steps": ">= 0",
+    "weight_decay": ">= 0", "max_grad_norm": "> 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
+    "lora_dropout": "[0, 1)", "beta": ">= 0", "epsilon": "[0, 1)", "epsilon_high": ">= 0", "overlong_buffer": ">= 0",
+    "max_refill_rounds": ">= 0", "correction_cap": "> 0", "aqn_sigma_start": "> 0", "aqn_sigma_end": "> 0",
+    "aqn_stages": ">= 1", "gpu_memory_utilization": "(0, 1]", "max_batch_slots": ">= 1", "micro_batch_size": ">= 1",
+    "gpu_memory_gib": "> 0", "logprob_chunk_tokens": ">= 0", "save_steps": ">= 1", "keep_checkpoints": ">= 0",
+    "sigterm_grace_s": ">= 0", "seed": "[0, 4294967295]", "shots": ">= 0",
+    "max_turns": ">= 1", "max_episode_tokens": ">= 1", "tool_timeout_s": "> 0", "tool_memory_mb": ">= 1",
+    "tool_workers": ">= 1",
+}
+# logprob_backend's choices live with the torch code that runs them (field_choices)
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {
+    "algo": ALGOS, "correction": CORRECTIONS, "finetune": FINETUNES, "rollout_quant": ROLLOUT_QUANTS,
+    "requant_scales": REQUANT_SCALES, "sharding": SHARDINGS, "precision": PRECISIONS,
+    "rollout_engine": ("builtin", "vllm"), "scale_rewards": SCALE_REWARDS, "tools": TOOL_NAMES,
+}
+_INTERVAL = re.compile(r"([\[(])(\S+), (\S+)([\])])")
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def flag_name(name: str) -> str:
+    """The `qerl train` flag of a TrainConfig field: lora_rank -> --lora-rank."""
+    return "--" + name.replace("_", "-")
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, so a message stays one short line whatever the input."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+def field_choices(name: str) -> tuple[str, ...] | None:
+    if name == "logprob_backend":
+        from qerl_cli.train.logprobs import LOGPROB_BACKENDS
+
+        return LOGPROB_BACKENDS
+    return FIELD_CHOICES.get(name)
+
+
+def in_range(value: float, spec: str) -> bool:
+    """Whether ``value`` lies in a FIELD_RANGES ``spec`` (False for NaN)."""
+    m = _INTERVAL.fullmatch(spec)
+    if m:
+        lo, hi = float(m[2]), float(m[3])
+        return (lo < value if m[1] == "(" else lo <= value) and (value < hi if m[4] == ")" else value <= hi)
+    op, _, bound = spec.partition(" ")
+    return value > float(bound) if op == ">" else value >= float(bound)
+
+
+def parse_text(base: Any, text: str) -> Any:
+    """Command-line text -> a value of ``base`` (bool, int, float, str or a comma-separated list); ValueError."""
+    t = text.strip()
+    if base is bool:
+        if t.lower() in _TRUE + _FALSE:
+            return t.lower() in _TRUE
+        raise ValueError(t)
+    if base in (int, float, str):
+        return base(t)
+    if typing.get_origin(base) is list:
+        return [x.strip() for x in t.split(",") if x.strip()]
+    raise ValueError(t)
+
+
+def _type_problem(base: Any, value: Any) -> str | None:
+    """Why ``value`` is not a ``base`` (bool, int, float, str or list[str]; never bool for a number), or None."""
+    if typing.get_origin(base) is list:
+        ok = isinstance(value, list) and bool(value) and all(isinstance(v, str) and v.strip() for v in value)
+        return None if ok else f"must be a non-empty list of names, got {shown(value)}"
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    ok = {bool: isinstance(value, bool), int: number and isinstance(value, int), float: number,
+          str: isinstance(value, str)}[base]
+    if ok:
+        return None
+    hint = ""
+    if isinstance(value, str):
+        try:
+            parsed = parse_text(base, value)
+            # unquoted, YAML reads `nan` and `inf` as text as well: no hint that leads back here
+            hint = "" if base is float and not math.isfinite(parsed) else " (write it without quotes)"
+        except ValueError:
+            pass
+    elif base is str and number:
+        hint = " (quote it to give text)"
+    return f"must be {_KINDS[base]}, got {shown(value)}{hint}"
+
+
+def check_value(name: str, value: Any) -> Any:
+    """``value`` for TrainConfig field ``name``, checked: its type (None only where the field is optional), a finite
+    number, in FIELD_RANGES, one of its choices. An int for a float field comes back a float. A QerlError names the
+    field as its flag (`--top-p must be in (0, 1], got 2.0`)."""
+    base, optional = split_optional(field_types()[name])
+    flag = flag_name(name)
+    if value is None:
+        if optional:
+            return None
+        raise QerlError(f"{flag} needs a value: only options whose default is automatic take null")
+    problem = _type_problem(base, value)
+    if problem:
+        raise QerlError(f"{flag} {problem}")
+    if base is float:
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond any float
+            value = math.inf
+        if not math.isfinite(value):
+            raise QerlError(f"{flag} must be a finite number, got {value}")
+    spec = FIELD_RANGES.get(name)
+    if spec is not None and not in_range(value, spec):
+        raise QerlError(f"{flag} must be {'in ' if _INTERVAL.fullmatch(spec) else ''}{spec}, got {shown(value)}")
+    if base is int and not (spec and _INTERVAL.fullmatch(spec)) and value > INT_LIMIT:
+        raise QerlError(f"{flag} must be <= {INT_LIMIT}, got {shown(value)}")
+    choices = field_choices(name)
+    if choices is not None and value not in choices:
+        raise QerlError(f"{flag} must be one of {', '.join(choices)}, not {shown(value)}")
+    return value
+
+
+def check_fields(data: dict[str, Any], where: str | None = None) -> dict[str, Any]:
+    """TrainConfig fields from one source, each through check_value; ``where`` (a config file) starts a message."""
+    prefix = f"{where}: " if where else ""
+    unknown = sorted(set(data) - FIELD_NAMES)
+    if unknown:
+        raise QerlError(f"{prefix}unknown train option(s) {', '.join(shown(k) for k in unknown)}; see "
+                        "`qerl train --help`")
+    out: dict[str, Any] = {}
+    for name, value in data.items():
+        try:
+            out[name] = check_value(name, value)
+        except QerlError as exc:
+            raise QerlError(f"{prefix}{exc}") from None
+    return out
+
+
 def train_flags() -> list[TrainFlag]:
     """The `qerl train` options, one per TrainConfig field, in field order."""
-    import types
-    import typing
-
     flags = []
-    for name, tp in _field_types().items():
+    for name, tp in field_types().items():
         if typing.get_origin(tp) in (typing.Union, types.UnionType):
             args = [a for a in typing.get_args(tp) if a is not type(None)]
             tp = args[0] if len(args) == 1 else str
@@ -378,32 +498,146 @@ def flag_overrides(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def parse_value(key: str, text: str, flag: str = "--set") -> Any:
+    """``text`` parsed to the type of TrainConfig field ``key`` and checked (check_value); ``null`` means None for
+    optional fields, and so does ``none`` for optional non-string ones (string fields keep ``"none"``: a real value
+    of ``correction`` and ``scale_rewards``). A QerlError names ``flag`` and the pair."""
+    types_ = field_types()
+    if key not in types_:
+        raise QerlError(f"unknown train option {key!r}; valid options: {', '.join(sorted(types_))}")
+    base, optional = split_optional(types_[key])
+    t = text.strip()
+    if optional and (t.lower() == "null" or (t.lower() == "none" and base is not str)):
+        return None
+    try:
+        value = parse_text(base, t)
+    except ValueError:
+        raise QerlError(f"{flag} {key}={shown(text)}: expected {getattr(base, '__name__', base)}") from None
+    try:
+        return check_value(key, value)
+    except QerlError as exc:
+        raise QerlError(f"{flag} {key}={shown(text)}: {exc}") from None
+
+
+def split_pair(item: str, flag: str) -> tuple[str, str]:
+    """``"lora-rank=8"`` -> ``("lora_rank", "8")``; a QerlError naming ``flag`` when there is no KEY=."""
+    key, sep, value = item.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key:
+        raise QerlError(f"{flag} {shown(item)}: expected KEY=VALUE")
+    return key, value
+
+
+def parse_sets(items: Iterable[str] | None) -> dict[str, Any]:
+    """``--set`` items: ``["lr=1e-4", "aqn=true"]`` -> ``{"lr": 1e-4, "aqn": True}`` (types from TrainConfig)."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, value = split_pair(item, "--set")
+        out[key] = parse_value(key, value)
+    return out
+
+
 def _presets_dir() -> Traversable:
     """The presets ship inside the package (`qerl_cli/templates/*.yaml`), so a wheel install has them."""
     return resources.files("qerl_cli") / "templates"
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """A preset name (`quick_cpu`, `quick_cpu.yaml`) or a YAML file path -> TrainConfig fields."""
+# ---- YAML config files: read safely, every value checked -------------------------------------------------------
+CONFIG_MAX_BYTES = 1 << 20  # a config is a few hundred bytes; a file this large is not one
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader for config files, with three differences. Aliases (``*name``) are refused: an alias
+    re-uses a node, and nested ones expand exponentially in whatever copies the value. A key given twice is
+    refused (YAML keeps the last one silently). ``1e-5`` is a float, as in YAML 1.2 and to every user (YAML 1.1
+    reads it as a string unless written ``1.0e-5``)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"found the alias *{event.anchor} (config files may not "
+                                              "use aliases: write the value out)", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[str] = set()
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                if key.value in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"{key.value!r} is given twice",
+                                                            key.start_mark)
+                seen.add(key.value)
+        return super().construct_mapping(node, deep=deep)
+
+
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                   re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                   list("-+0123456789"))
+
+
+def _config_bytes(path: str | Path) -> tuple[bytes, str]:
+    """The bytes of a config file or preset (at most CONFIG_MAX_BYTES) and how a message names it."""
     p = Path(path)
     if p.is_file():
-        text, where = p.read_text(), str(p)
-    else:
-        preset = _presets_dir() / (p.name if p.suffix else f"{p.name}.yaml")
-        if not preset.is_file():
-            raise QerlError(f"config {path} does not exist (presets: {', '.join(list_presets())})")
-        text, where = preset.read_text(), f"preset {p.stem}"
+        try:
+            with p.open("rb") as f:
+                raw = f.read(CONFIG_MAX_BYTES + 1)
+        except OSError as exc:
+            raise QerlError(f"config {p} cannot be read: {exc.strerror or exc}") from None
+        if len(raw) > CONFIG_MAX_BYTES:
+            raise QerlError(f"config {p} is over {CONFIG_MAX_BYTES} bytes, too large for a config file: "
+                            "give the YAML file of `option: value` lines")
+        return raw, f"config {p}"
+    preset = _presets_dir() / (p.name if p.suffix else f"{p.name}.yaml")
+    if not preset.is_file():
+        raise QerlError(f"config {path} does not exist (presets: {', '.join(list_presets())})")
+    return preset.read_bytes(), f"preset {p.stem}"
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error as one line: the problem and where it is."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    text = f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if problem and mark else str(exc)
+    return " ".join(text.split())
+
+
+def parse_yaml(raw: bytes, where: str) -> dict[Any, Any]:
+    """The mapping a config file holds (empty for an empty file); one-line QerlErrors naming ``where``."""
     try:
-        data = yaml.safe_load(text) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise QerlError(f"{where} is not UTF-8 text (byte offset {exc.start}, line {line}): save it as UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=ConfigLoader)  # a SafeLoader: plain data only
     except yaml.YAMLError as exc:
-        raise QerlError(f"config {where} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+        raise QerlError(f"{where} is not valid YAML: {_yaml_problem(exc)}") from None
+    except Exception as exc:  # PyYAML's constructors fail in their own ways on hostile input: nesting deeper
+        # than Python's stack, `!!float abc`, an integer over Python's digit limit
+        first = (str(exc).splitlines() or [""])[0][:120]
+        raise QerlError(f"{where} is not a config qerl can read ({type(exc).__name__}: {first})") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise QerlError(f"config {where} must be a mapping of option: value")
-    data = {k.replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(data) - FIELD_NAMES)
-    if unknown:
-        raise QerlError(f"config {where} has unknown options {unknown}; see `qerl train --help`")
+        raise QerlError(f"{where} must be a mapping of `option: value` lines, not a {type(data).__name__}")
     return data
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A preset name (`quick_cpu`, `quick_cpu.yaml`) or a YAML file path -> TrainConfig fields, each one checked
+    (check_fields); every problem is one line naming the file."""
+    raw, where = _config_bytes(path)
+    out: dict[str, Any] = {}
+    for key, value in parse_yaml(raw, where).items():
+        if not isinstance(key, str):
+            raise QerlError(f"{where}: option names are text, got {shown(key)} ({type(key).__name__}); "
+                            "see `qerl train --help`")
+        name = key.replace("-", "_")
+        if name in out:
+            raise QerlError(f"{where}: {name} is given twice (as {key!r} and with the other spelling)")
+        out[name] = value
+    return check_fields(out, where)
 
 
 def list_presets() -> list[str]:
@@ -411,12 +645,10 @@ def list_presets() -> list[str]:
 
 
 def build_config(yaml_path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
-    """YAML preset first, then explicit flags (only those the user gave) on top."""
+    """YAML preset first, then explicit flags (only those the user gave) on top. Each value is checked against its
+    field where it came from (a file's problems name the file), then the whole config (validate)."""
     data: dict[str, Any] = load_yaml(yaml_path) if yaml_path else {}
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        cfg = TrainConfig(**data)
-    except TypeError as exc:
-        raise QerlError(f"bad train option: {exc}") from exc
+    data.update(check_fields({k: v for k, v in overrides.items() if v is not None}))
+    cfg = TrainConfig(**data)
     cfg.validate()
     return cfg

@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from qerl_cli.train.config import TrainConfig
+from qerl_cli.train.presets import PresetChoice
 
 LEAD = (
     ("reward", "reward", "{:.3f}"),
@@ -43,12 +44,14 @@ class MeasuredStep:
     seconds: float
     sequences: int  # sequences per step it was measured with: the estimate scales by this
     where: str
+    on_cuda: bool  # measured on a GPU (applies to GPU runs only) or on CPU cores
 
 
-# The README's main job (quick_cpu on the embedded SmolLM2-135M NVFP4, 8 x 8 sequences), CPU only: the estimate
-# the first line gives before this run has timed a step of its own.
+# The default presets' measured steps on the embedded SmolLM2-135M NVFP4 (the README's main job): the estimate the
+# first line gives before this run has timed a step of its own.
 MEASURED_STEP_S = {
-    "quick_cpu": MeasuredStep(63.0, 64, "2 CPU cores, 2026-11-26: 8 steps in 503 s"),
+    "quick_cpu": MeasuredStep(63.0, 64, "2 CPU cores, 2026-11-26: 8 steps in 503 s", on_cuda=False),
+    "gpu_arith": MeasuredStep(3.7, 512, "one H100, 2026-11-27: 40 steps in 148 s", on_cuda=True),
 }
 # the phases a step reports on the console: rollout, then the update (recompute + forward/backward + optimizer)
 PHASE_LABELS = {"rollout": "rollout", "recompute": "update"}
@@ -56,7 +59,8 @@ PHASE_LABELS = {"rollout": "rollout", "recompute": "update"}
 
 def reference_step(preset: str | None, on_cuda: bool) -> MeasuredStep | None:
     """The measured step time that applies to this run before it has timed one (None: none applies)."""
-    return None if on_cuda or preset is None else MEASURED_STEP_S.get(preset)
+    ref = MEASURED_STEP_S.get(preset) if preset is not None else None
+    return ref if ref is not None and ref.on_cuda == on_cuda else None
 
 
 def _steps(n: int) -> str:
@@ -84,8 +88,9 @@ def _fmt(metrics: dict[str, Any], key: str, fmt: str) -> str:
 
 class TrainConsole:
     def __init__(self, console: Console, cfg: TrainConfig, reference: MeasuredStep | None = None,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, preset: PresetChoice | None = None) -> None:
         self.console = console
+        self.preset = preset
         self.cfg = cfg
         self.live: Live | None = None
         self.progress = Progress(TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -112,13 +117,18 @@ class TrainConsole:
         return (f"{_steps(n)}, expected ~{duration(n * self.reference_s)} ({ref.seconds:.0f} s per step of "
                 f"{ref.sequences} sequences measured on {ref.where}; the ETA is re-estimated from each step)")
 
+    def preset_line(self) -> str:
+        """Which preset runs and why, when none was named (a default the user should see)."""
+        p = self.preset
+        return f"preset {p.name} ({p.reason}); " if p is not None and p.chosen_by_default else ""
+
     def __enter__(self) -> TrainConsole:
         parts = [self.cfg.algo, self.cfg.task, self.cfg.precision]
         parts += ["AQN"] if self.cfg.aqn else []
         parts += [self.cfg.correction] if self.cfg.correction != "none" else []
         title = "qerl train · " + " · ".join(parts)
-        self.console.print(f"[bold]{escape(title)}[/] · {escape(self.expected_line())}", highlight=False,
-                           soft_wrap=True)
+        self.console.print(f"[bold]{escape(title)}[/] · {escape(self.preset_line())}{escape(self.expected_line())}",
+                           highlight=False, soft_wrap=True)
         if self.console.is_terminal:
             self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
             self.live.__enter__()

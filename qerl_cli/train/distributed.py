@@ -307,7 +307,7 @@ def rollout_metrics(world_size: int, busy_s: list[float]) -> dict[str, float]:
 
 # ---- training ---------------------------------------------------------------------------------------
 def forward_no_grad_sharded(worker: StepWorker, ctx: DistContext, batch: RolloutBatch, with_ref: bool,
-                            lockstep: bool = False) -> LogProbs:
+                            lockstep: bool = False, with_old: bool = True) -> LogProbs:
     """pi_old (and ref) log-probs and entropies of the whole batch: each rank computes its row shard, then
     all ranks gather every shard (the IS weights and mismatch metrics need the whole batch). ``lockstep``
     (a sharded model): one pass per micro-batch, padded with stand-in passes to the same count on every rank."""
@@ -320,14 +320,15 @@ def forward_no_grad_sharded(worker: StepWorker, ctx: DistContext, batch: Rollout
         passes = micro_batches(rows, max(1, rows.stop - rows.start))
     outs = []
     for mb in passes:
-        res = worker.forward_no_grad(batch.rows(mb.rows), with_ref)
+        res = worker.forward_no_grad(batch.rows(mb.rows), with_ref, with_old)
         if mb.counts:
             outs.append(res)
     if outs:
         old, ref, ent = (None if outs[0][i] is None else torch.cat([o[i] for o in outs]) for i in range(3))
     else:
         z = torch.zeros(0, t, device=batch.input_ids.device)
-        old, ref, ent = z, (z if with_ref else None), z
+        none = torch.zeros(0, t if with_old else 0, device=batch.input_ids.device)
+        old, ref, ent = none, (z if with_ref else None), none
     parts = ctx.gather_objects(tuple(None if x is None else x.cpu() for x in (old, ref, ent)))
     dev = batch.input_ids.device
 
@@ -386,8 +387,17 @@ class DistributedBackend:
     def rollout_round(self, indices: list[int], round_: int, overrides: Any) -> RolloutRound:
         return rollout_round(self.worker, self.ctx, indices, round_, overrides, self.session)
 
-    def old_logprobs(self, batch: RolloutBatch, with_ref: bool) -> LogProbs:
-        return forward_no_grad_sharded(self.worker, self.ctx, batch, with_ref, lockstep=self.sharded_model)
+    def old_logprobs(self, batch: RolloutBatch, with_ref: bool, with_old: bool = True) -> LogProbs:
+        return forward_no_grad_sharded(self.worker, self.ctx, batch, with_ref, lockstep=self.sharded_model,
+                                       with_old=with_old)
+
+    def gather_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]],
+                    batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        t = batch.completion_ids.shape[1]
+        mine = tuple(torch.cat([p[i] for p in parts]) if parts else batch.mask.new_zeros(0, t) for i in range(2))
+        gathered = self.ctx.gather_objects(tuple(x.detach().cpu() for x in mine))
+        dev = batch.input_ids.device
+        return tuple(torch.cat([g[i] for g in gathered]).to(dev) for i in range(2))  # type: ignore[return-value]
 
     def update_micro_batches(self, n: int, size: int) -> list[MicroBatch]:
         rows = shard_rows(n, self.ctx.rank, self.ctx.world_size)

@@ -10,6 +10,7 @@ What differs between the two, and nothing else:
 
 * a rollout round: generate + score the round's prompts here, or split them over the ranks and gather;
 * the pi_old / reference forward: the whole batch here, or each rank's row shard then gathered;
+* pi_old and entropies from the update's own forward (no pi_old pass): kept here, or gathered from the ranks;
 * the policy update's micro-batches: all rows here, or this rank's contiguous shard (with a sharded model,
   padded with stand-in micro-batches so that every rank runs the same number of forward/backward passes);
 * after backward: nothing here, or the sum of every rank's gradients and loss metrics;
@@ -71,7 +72,7 @@ class StepWorker(Protocol):
 
     def score(self, indices: list[int], samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def forward_no_grad(self, batch: RolloutBatch, with_ref: bool) -> LogProbs: ...
+    def forward_no_grad(self, batch: RolloutBatch, with_ref: bool, with_old: bool = True) -> LogProbs: ...
 
 
 class StepBackend(Protocol):
@@ -80,8 +81,12 @@ class StepBackend(Protocol):
     def rollout_round(self, indices: list[int], round_: int, overrides: Any) -> RolloutRound:
         """Generate and score one round of one step; every caller gets all of it, in prompt order."""
 
-    def old_logprobs(self, batch: RolloutBatch, with_ref: bool) -> LogProbs:
+    def old_logprobs(self, batch: RolloutBatch, with_ref: bool, with_old: bool = True) -> LogProbs:
         """pi_old (and reference) log-probs and entropies of the whole batch."""
+
+    def gather_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]],
+                    batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's micro-batches' (log-probs, entropies), in row order -> the whole batch's."""
 
     def update_micro_batches(self, n: int, size: int) -> list[MicroBatch]:
         """The forward/backward passes this process runs over a batch of ``n`` rows, in order."""
@@ -110,8 +115,12 @@ class LocalBackend:
         timings = {**res.timings, "decode_steps": float(res.stats.get("decode_steps", 0))}
         return RolloutRound(res.samples, raw, shaped, timings, busy_s=[0.0])
 
-    def old_logprobs(self, batch: RolloutBatch, with_ref: bool) -> LogProbs:
-        return self.worker.forward_no_grad(batch, with_ref)
+    def old_logprobs(self, batch: RolloutBatch, with_ref: bool, with_old: bool = True) -> LogProbs:
+        return self.worker.forward_no_grad(batch, with_ref, with_old)
+
+    def gather_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]],
+                    batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def update_micro_batches(self, n: int, size: int) -> list[MicroBatch]:
         return micro_batches(slice(0, n), size)

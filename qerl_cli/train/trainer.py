@@ -25,10 +25,18 @@ from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import Preempted, QerlError
 from qerl_cli.manifest import RunDir
 from qerl_cli.precision import dtype_of, uses_loss_scaling
-from qerl_cli.runlayout import base_fingerprint, checkpoints_dir, model_files, quantized_model_dir, train_dir
+from qerl_cli.runlayout import (
+    base_fingerprint,
+    checkpoints_dir,
+    metrics_path,
+    model_files,
+    quantized_model_dir,
+    rollouts_dir,
+    train_dir,
+)
 from qerl_cli.train import checkpointing
 from qerl_cli.train.batch import RolloutBatch, build_batch
-from qerl_cli.train.checkpointing import CheckpointWriter, resolve_checkpoint
+from qerl_cli.train.checkpointing import CheckpointWriter, NoCheckpointError, resolve_checkpoint
 from qerl_cli.train.config import TrainConfig
 from qerl_cli.train.logprobs import sampled_logprobs
 from qerl_cli.train.step_backend import LogProbs, StepBackend
@@ -198,6 +206,7 @@ class Trainer:
         self.model_dir: Path | None = None
         self.last_checkpoint_s = 0.0
         self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
+        self.snapshot = checkpointing.HostSnapshot()  # their pinned host copies, reused from one write to the next
         self.memory_plan: Any = None  # set by setup() (train/memory_plan.py)
         # the phase running now (`qerl bench step` names it when a step runs out of memory) and a callback as each
         # phase starts (the console's progress lines)
@@ -205,8 +214,8 @@ class Trainer:
         self.on_phase: Callable[[str], None] | None = None
         self.keep_rollout_cache = False  # set by setup(): the builtin engine keeps its KV cache between steps
         self.backend: StepBackend  # set by setup()
-        self.metrics_path = train_dir(run) / "metrics.jsonl"
-        self.rollouts_dir = train_dir(run) / "rollouts"
+        self.metrics_path = metrics_path(run)
+        self.rollouts_dir = rollouts_dir(run)
         from qerl_cli.train.config import resolve_sharding
         from qerl_cli.train.distributed import DistributedAbort, current
 
@@ -301,7 +310,7 @@ class Trainer:
         self.reward_name = c.reward or self.task.reward
         self.reward_fn = reward_fn if reward_fn is not None else get_reward(self.reward_name)
         self.prompt_ids = ([list(p) for p in prompt_ids] if prompt_ids is not None
-                           else [self.encode_prompt(e.prompt) for e in self.task.examples])
+                           else [self.encode_prompt(e.prompt, i) for i, e in enumerate(self.task.examples)])
         if len(self.prompt_ids) != len(self.task.examples):
             raise QerlError(f"{len(self.prompt_ids)} prompt id lists for {len(self.task.examples)} task examples")
         self.stream = PromptStream(len(self.task.examples), c.seed)
@@ -429,13 +438,14 @@ class Trainer:
         """Tokens a rollout may add after its prompt: an episode's (model and observations), else a completion's."""
         return int(self.cfg.max_episode_tokens or self.cfg.max_completion_length)
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
-        bos = self.tokenizer.bos_token_id
-        if bos is not None and not self.cfg.chat_template and (not ids or ids[0] != bos) and \
-                getattr(self.tokenizer, "add_bos_token", False):
-            ids = [bos] + ids
-        return ids[-self.cfg.max_prompt_length:]
+    def encode_prompt(self, prompt: str, index: int | None = None) -> list[int]:
+        """Token ids of a prompt (``index``: its task example, for the message), within --max-prompt-length."""
+        from qerl_cli.tasks.prompt_ids import encode_prompt
+
+        add_bos = not self.cfg.chat_template and bool(getattr(self.tokenizer, "add_bos_token", False))
+        where = f"the prompt of task example {index} (0-based)" if index is not None else "a prompt"
+        return encode_prompt(self.tokenizer, prompt, max_tokens=self.cfg.max_prompt_length, add_bos=add_bos,
+                             truncate=self.cfg.truncate_prompts, where=where)
 
     # ---- resume ----------------------------------------------------------------------------------
     def resume(self, ckpt: Path | None = None, state: dict[str, Any] | None = None) -> int:
@@ -446,7 +456,7 @@ class Trainer:
         if ckpt is None:
             try:
                 ckpt = resolve_checkpoint(self.run, "latest")
-            except QerlError:
+            except NoCheckpointError:
                 self._truncate_metrics(0)  # killed before the first checkpoint: start over cleanly
                 return 0
             assert ckpt is not None
@@ -572,7 +582,6 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         from qerl_cli.train.advantages import DynamicSampler, group_advantages
-        from qerl_cli.train.corrections import is_weights, mismatch_metrics
 
         c = self.cfg
         g = c.num_generations
@@ -655,28 +664,22 @@ class Trainer:
         metrics["completions/clipped_ratio"] = batch.truncated.float().mean().item()
         metrics.update(batch_token_metrics(batch))
 
-        # -- recompute pi_old with the training forward (clean norms), mismatch vs the rollout's mu
+        # -- pi_old: the update forward's own log-probs (one optimizer step per batch, so pi_old is the policy the
+        # update starts from); a separate no-grad pass only where it is needed (reference model, LoRA dropout, asked)
         self.enter_phase("recompute")
         t1 = self.clock()
         valid = batch.sampled  # the model's tokens: an episode's observations are no policy's samples
-        old_logp, ref_logp, entropies = self.backend.old_logprobs(batch, c.beta > 0)
-        metrics.update(mismatch_metrics(old_logp, batch.rollout_logp, valid))
-        isw = None
-        if c.correction != "none":
-            isw, is_metrics = is_weights(c.correction, old_logp, batch.rollout_logp, valid, cap=c.correction_cap)
-            metrics.update(is_metrics)
-        metrics["entropy"] = ((entropies * batch.mask).sum() / batch.mask.sum().clamp(min=1)).item()
-        s_ent = sampling_entropy(samples, batch.mask)
-        if s_ent is not None:
-            metrics["sampling/entropy"] = s_ent
+        old = self.old_pass(batch)
         t_recompute = self.clock() - t1
         self._phase_peak(metrics, "recompute")
 
         # -- policy update (forward+backward, then optimizer: timed apart inside _update)
         self.enter_phase("fwd_bwd")
         t2 = self.clock()
-        loss_metrics = self._update(batch, old_logp, ref_logp, adv.to(self.device), isw)
+        loss_metrics, own = self._update(batch, old, adv.to(self.device), valid)
         metrics.update(loss_metrics)
+        old_logp, entropies = (old.old, old.entropies) if old.old is not None else own
+        metrics.update(self.sampling_metrics(batch, samples, old_logp, entropies, valid))
         if self.full is not None:
             self.full.sync_()
         if self.rollout_quant is not None:
@@ -706,48 +709,98 @@ class Trainer:
         self._log_rollouts(groups, adv, metrics["step"])
         return metrics
 
-    def forward_no_grad(self, batch: RolloutBatch, with_ref: bool) -> LogProbs:
-        """pi_old (and reference, adapters off) log-probs and entropies of `batch`, without gradients."""
-        mb = self.cfg.micro_batch_size
+    def forward_no_grad(self, batch: RolloutBatch, with_ref: bool, with_old: bool = True) -> LogProbs:
+        """pi_old (and reference, adapters off) log-probs and entropies of `batch`, without gradients; without
+        ``with_old`` only the reference (pi_old and entropies come back empty, [B, 0])."""
+        mb = self.micro_batch_size
         old, ref, ent = [], [], []
         with torch.no_grad():
             for i in range(0, batch.input_ids.shape[0], mb):
                 part = batch.rows(slice(i, i + mb))
-                lp, e = sampled_logprobs(self.model, part, self.cfg.temperature, with_entropy=True,
-                                         chunk_tokens=self.cfg.logprob_chunk_tokens, packed=self.cfg.pack_sequences)
-                old.append(lp)
-                ent.append(e)
+                if with_old:
+                    lp, e = sampled_logprobs(self.model, part, self.cfg.temperature, with_entropy=True,
+                                             chunk_tokens=self.cfg.logprob_chunk_tokens,
+                                             packed=self.cfg.pack_sequences)
+                    old.append(lp)
+                    ent.append(e)
                 if with_ref:
                     with self.model.disable_adapter():
                         ref.append(sampled_logprobs(self.model, part, self.cfg.temperature,
                                                     chunk_tokens=self.cfg.logprob_chunk_tokens,
                                                     packed=self.cfg.pack_sequences)[0])
-        return torch.cat(old), (torch.cat(ref) if with_ref else None), torch.cat(ent)
+        empty = batch.mask.new_zeros(batch.mask.shape[0], 0)
+        return (torch.cat(old) if with_old else empty, (torch.cat(ref) if with_ref else None),
+                torch.cat(ent) if with_old else empty)
 
-    def _update(self, batch: RolloutBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
-                adv: torch.Tensor, isw: torch.Tensor | None) -> dict[str, float]:
+    def needs_old_pass(self) -> bool:
+        """Whether pi_old needs a no-grad pass of its own: asked for (--recompute-logprobs), or the update's forward
+        is not the policy pi_old stands for (LoRA dropout samples a different network in train mode)."""
+        return self.cfg.recompute_logprobs or self.cfg.lora_dropout > 0
+
+    def old_pass(self, batch: RolloutBatch) -> OldPolicy:
+        """The no-grad passes before the update: pi_old where :meth:`needs_old_pass`, the reference for beta > 0,
+        and the IS weights from that pi_old; nothing at all otherwise (the update supplies pi_old itself)."""
+        with_old, with_ref = self.needs_old_pass(), self.cfg.beta > 0
+        if not (with_old or with_ref):
+            return OldPolicy()
+        old, ref, ent = self.backend.old_logprobs(batch, with_ref, with_old)
+        if not with_old:
+            return OldPolicy(ref=ref)
+        return OldPolicy(old=old, ref=ref, entropies=ent)
+
+    def sampling_metrics(self, batch: RolloutBatch, samples: list[Any], old_logp: torch.Tensor,
+                         entropies: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+        """Mismatch between the rollout's mu and pi_old, the IS-weight statistics, and the entropies."""
+        from qerl_cli.train.corrections import is_weights, mismatch_metrics
+
+        c = self.cfg
+        metrics = mismatch_metrics(old_logp, batch.rollout_logp, valid)
+        if c.correction != "none":
+            metrics.update(is_weights(c.correction, old_logp, batch.rollout_logp, valid, cap=c.correction_cap)[1])
+        metrics["entropy"] = ((entropies * batch.mask).sum() / batch.mask.sum().clamp(min=1)).item()
+        s_ent = sampling_entropy(samples, batch.mask)
+        if s_ent is not None:
+            metrics["sampling/entropy"] = s_ent
+        return metrics
+
+    def _update(self, batch: RolloutBatch, old: OldPolicy, adv: torch.Tensor,
+                valid: torch.Tensor) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor] | None]:
         """One optimizer step over this process's micro-batches (the backend's; normalisers stay the whole
-        batch's, so the ranks' summed gradients are the 1-process gradient)."""
+        batch's, so the ranks' summed gradients are the 1-process gradient). Without a pi_old pass (``old.old``
+        None) each micro-batch's own detached log-probs are pi_old and give its IS weights; they come back with
+        the entropies, gathered over the whole batch, for the step's metrics."""
+        from qerl_cli.train.corrections import is_weights
         from qerl_cli.train.losses import policy_loss
 
         c = self.cfg
         bsz = batch.input_ids.shape[0]
         normalizer = {"dapo": batch.mask.sum().clamp(min=1).item(),
                       "dr_grpo": float(bsz * self.completion_tokens)}.get(c.algo, float(bsz))
+        own = old.old is None
+        isw = None
+        if not own and c.correction != "none":
+            isw = is_weights(c.correction, old.old, batch.rollout_logp, valid, cap=c.correction_cap)[0]
         self.model.train()
         t_fb = self.clock()
         self.optimizer.zero_grad(set_to_none=True)
         agg: dict[str, float] = {}
         total_loss = 0.0
+        own_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         for micro in self.backend.update_micro_batches(bsz, self.micro_batch_size):
             sl = micro.rows
             part = batch.rows(sl)
-            logp, _ = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens,
-                                       packed=c.pack_sequences, backend=c.logprob_backend)
+            logp, ent = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens,
+                                         packed=c.pack_sequences, backend=c.logprob_backend, with_entropy=own)
+            if own:
+                old_part = logp.detach()
+                isw_part = None if c.correction == "none" else is_weights(
+                    c.correction, old_part, part.rollout_logp, valid[sl], cap=c.correction_cap)[0]
+            else:
+                old_part, isw_part = old.old[sl], None if isw is None else isw[sl]
             loss, m = policy_loss(
-                c.algo, logp, old_logp[sl], adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
-                max_completion_length=self.completion_tokens, is_weights=None if isw is None else isw[sl],
-                ref_logp=None if ref_logp is None else ref_logp[sl], beta=c.beta, rollout_logp=part.rollout_logp,
+                c.algo, logp, old_part, adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
+                max_completion_length=self.completion_tokens, is_weights=isw_part,
+                ref_logp=None if old.ref is None else old.ref[sl], beta=c.beta, rollout_logp=part.rollout_logp,
                 loss_normalizer=normalizer)
             if not torch.isfinite(loss):
                 raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}{NONFINITE_HINT}")
@@ -756,6 +809,8 @@ class Trainer:
             self.scaler.scale(loss).backward()
             if not micro.counts:
                 continue
+            if own:
+                own_parts.append((old_part, ent))
             total_loss += loss.item()
             w = sl.stop - sl.start
             for k, v in m.items():
@@ -785,7 +840,7 @@ class Trainer:
         if self.scaler.is_enabled():
             agg["fp16/loss_scale"] = scale_before
             agg["fp16/step_skipped"] = float(not finite)
-        return agg
+        return agg, (self.backend.gather_rows(own_parts, batch) if own else None)
 
     def _log_rollouts(self, groups: list[Any], adv: torch.Tensor, step: int) -> None:
         if not self.cfg.log_rollouts or not self.dist.is_main:
@@ -838,20 +893,30 @@ class Trainer:
             background = self.cfg.async_checkpoint
         background = background and self.full is None and not self.dist.enabled
         t0 = self.clock()
-        if not background:
-            self.writer.wait()
-
+        self.writer.wait()  # the previous write, which may still read the snapshot buffers
         state = {"optimizer": self.optimizer.state_dict(), **self._trainer_state()}
         if background:
-            state, adapter, rng = ck.snapshot(state), ck.adapter_snapshot(self.model), ck.rng_state()
+            from qerl_cli.lora import lora_state_dict
+
+            # queued on the device, never waited for here: the step's critical path pays for launching the copies
+            state = self.snapshot.take(state, "state")
+            adapter = self.snapshot.take(lora_state_dict(self.model), "adapter")
+            rng, ready = ck.rng_state(), self.snapshot.ready()
             step, config, keep = self.step, self.cfg.to_dict(), self.cfg.keep_checkpoints
-            self.writer.submit(lambda: ck.save_checkpoint(self.run, step, self.model, state, config, keep,
-                                                          adapter_state=adapter, rng=rng))
+
+            def write() -> Path:
+                ready()
+                return ck.save_checkpoint(self.run, step, self.model, state, config, keep, adapter_state=adapter,
+                                          rng=rng)
+
+            self.writer.submit(write)
             path = ck.checkpoint_path(self.run, step)
-        else:
-            path = ck.save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(),
-                                      self.cfg.keep_checkpoints,
-                                      full_weights=self.full.weights() if self.full is not None else None)
+            self.last_checkpoint_s = time.perf_counter() - t0
+            self.dist.barrier()
+            return path
+        path = ck.save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(),
+                                  self.cfg.keep_checkpoints,
+                                  full_weights=self.full.weights() if self.full is not None else None)
         self.last_checkpoint_s = self.clock() - t0
         self.dist.barrier()
         return path
@@ -893,6 +958,16 @@ def batch_token_metrics(batch: RolloutBatch) -> dict[str, float]:
             "batch/loss_tokens": float((batch.mask > 0).sum())}
 
 
+@dataclass
+class OldPolicy:
+    """What the no-grad passes before the update computed: pi_old and its entropies (None: the update's own forward
+    supplies them) and the reference log-probs (beta > 0)."""
+
+    old: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
+
+
 class NonFiniteLoss(QerlError):
     """NaN/inf in the loss or gradients; the last good checkpoint stays the one to resume."""
 
@@ -924,7 +999,7 @@ def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resum
     else:
         try:
             ckpt = resolve_checkpoint(run, "latest")
-        except QerlError:
+        except NoCheckpointError:
             return None
         assert ckpt is not None
     if verify:
@@ -984,9 +1059,10 @@ def trainer_device() -> str | None:
 
 def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume_from: str | None = None,
           device: str | None = None, on_step: Callable[[dict[str, Any]], None] | None = None,
-          on_setup: Callable[[Trainer], None] | None = None) -> TrainResult:
+          on_setup: Callable[[Trainer], None] | None = None, preset: str | None = None) -> TrainResult:
     """Run `cfg.steps` RL steps on the run's quantized model; resumable with `resume=True` (from `latest`) or
-    ``resume_from="step_N"`` (an earlier checkpoint: what the run wrote after it is set aside, not deleted)."""
+    ``resume_from="step_N"`` (an earlier checkpoint: what the run wrote after it is set aside, not deleted).
+    ``preset``: the preset the configuration started from, recorded in the manifest."""
     from qerl_cli.train.distributed import follower_stage
 
     run = RunDir(run_dir, create=False)
@@ -1027,6 +1103,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
             start = (trainer.resume(*start_from) if start_from is not None else trainer.resume()) if resume else 0
         if ctx.is_main and trainer.memory_plan is not None:
             rec.extra["memory_plan"] = trainer.memory_plan.to_dict()
+        if ctx.is_main and preset is not None:
+            rec.extra["preset"] = preset
         if on_setup:
             on_setup(trainer)
         history: list[dict[str, Any]] = []
