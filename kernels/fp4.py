@@ -1,6 +1,6 @@
 """NVFP4 / MXFP4 W4A16 kernels: fused dequantize-GEMM, its transpose for backward, and a dequantizer.
 
-Inputs are the compressed-tensors tensors (REFERENCE.md sections 1-2): `weight_packed` uint8 [N, K/2]
+Inputs are the compressed-tensors tensors: `weight_packed` uint8 [N, K/2]
 with element 2j in the low nibble, `weight_scale` [N, K/G] (E4M3 for NVFP4, G = 16; E8M0 for MXFP4,
 G = 32) and, for NVFP4, `weight_global_scale` float32 [1]. `fp4_matmul`, `fp4_matmul_t` and
 `fp4_dequantize` read that layout directly (a K-tile of bytes decodes into a low-nibble and a

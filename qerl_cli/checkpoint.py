@@ -1,7 +1,7 @@
 """Write and read quantized checkpoints in the formats vLLM and transformers load unchanged.
 
-compressed-tensors formats (nvfp4, mxfp4, int4, int8, fp8): tensors named as REFERENCE.md section 2
-specifies, `quantization_config` written by compressed-tensors' own `ModelCompressor.update_config`.
+compressed-tensors formats (nvfp4, mxfp4, int4, int8, fp8): tensors named as compressed-tensors names them,
+`quantization_config` written by compressed-tensors' own `ModelCompressor.update_config`.
 nf4: bitsandbytes' serialisation (weight, weight.absmax, weight.quant_map, weight.quant_state...).
 bf16: a plain checkpoint. `qerl_quant.json` beside them records qerl's own metadata.
 """

@@ -28,8 +28,20 @@ bench_app = typer.Typer(help="Benchmarks: kernels, rollout, mismatch, step, sani
                         rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
 
-console = Console()
-err_console = Console(stderr=True)
+# rich wraps at 80 columns wherever the output is not a terminal (a log file, a pipe, a CI log): there, lines stay
+# whole up to this width unless COLUMNS says otherwise
+LOG_WIDTH = 250
+
+
+def make_console(stderr: bool = False, file: Any = None) -> Console:
+    out = Console(stderr=stderr, file=file)
+    if out.is_terminal or os.environ.get("COLUMNS"):
+        return out
+    return Console(stderr=stderr, file=file, width=LOG_WIDTH)
+
+
+console = make_console()
+err_console = make_console(stderr=True)
 _state = {"debug": False}
 
 RunOpt = Annotated[Path, typer.Option("--run", help="Run directory shared by all stages.")]
@@ -48,12 +60,13 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-@app.command()
+@app.command(short_help="Quantize a model into RUN/model (compressed-tensors).")
 def quantize(
     model: Annotated[str | None, typer.Argument(help="HF id, local dir or .gguf; default: embedded SmolLM2.")] = None,
     run: RunOpt = Path("runs/default"),
     format: Annotated[str, typer.Option("--format", "-f", help="nvfp4|mxfp4|int4|int8|fp8|nf4|bf16")] = "nvfp4",
-    ignore: Annotated[list[str] | None, typer.Option("--ignore", help="Layer patterns left unquantized.")] = None,
+    ignore: Annotated[list[str] | None, typer.Option("--ignore", metavar="PATTERN",
+                                                     help="Layer patterns left unquantized (repeatable).")] = None,
     method: Annotated[str, typer.Option(help="rtn (data-free) | gptq | awq (need qerl[llmcompressor]).")] = "rtn",
     dtype: Annotated[str, typer.Option(help="Dtype of unquantized tensors and scales: bf16|fp16.")] = "bf16",
     seed: int = 0,
@@ -72,8 +85,11 @@ def quantize(
         def progress(name: str, i: int, n: int) -> None:
             bar.update(task, total=n, completed=i, description=name)
 
+        def notice(line: str) -> None:  # e.g. the first run's ~40 s GGUF conversion, which shows nothing else
+            bar.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
         res = quantize_model(run, model, fmt=format, ignore=ignore, method=method, dtype=dtype, seed=seed,
-                             progress=progress, force=force)
+                             progress=progress, force=force, notice=notice)
     s = res.summary()
     table = Table(title=f"{res.fmt} per-layer error (worst {min(show_layers, len(res.layers))} of {len(res.layers)})")
     for col in ("layer", "shape", "rel. Frobenius err", "max |err|"):
@@ -102,8 +118,8 @@ TRAIN_FIXED_OPTIONS: dict[str, tuple[Any, Any]] = {
                                          "gsm8k_dapo_paper) or a YAML path. Default: quick_cpu without CUDA; on a "
                                          "GPU gpu_arith for the embedded model, else gsm8k_dapo_paper. A preset's "
                                          "values replace the defaults shown below; flags and --set win.")], None),
-    "set_": (Annotated[list[str] | None, Opt("--set", help="TrainConfig field KEY=VALUE (repeatable); flags win.")],
-             None),
+    "set_": (Annotated[list[str] | None, Opt("--set", metavar="KEY=VALUE", help="TrainConfig field KEY=VALUE "
+                                             "(repeatable); flags win.")], None),
     "dry_run": (Annotated[bool, Opt("--dry-run", help="Print the resolved config and exit.")], False),
     "resume": (Annotated[bool, Opt("--resume", help="Continue from the run's latest checkpoint; with --steps "
                                    "larger than the run's, extend a finished run.")], False),
@@ -111,15 +127,18 @@ TRAIN_FIXED_OPTIONS: dict[str, tuple[Any, Any]] = {
                                               "(e.g. when a later one is damaged); what the run wrote after it "
                                               "(checkpoints, rollouts, metrics lines) is moved to "
                                               "train/checkpoints.abandoned-<time>/, never deleted.")], None),
-    "gpus": (Annotated[int | None, Opt("--gpus", help="Data-parallel on N GPUs: launches torchrun, one process "
-                                       "per GPU (NCCL). On CPU use `torchrun --nproc-per-node N -m qerl_cli train` "
-                                       "(gloo).")], None),
+    "gpus": (Annotated[int | None, Opt("--gpus", metavar="N", help="Data-parallel on N GPUs: launches torchrun, "
+                                       "one process per GPU (NCCL). On CPU use `torchrun --nproc-per-node N -m "
+                                       "qerl_cli -- train --run DIR ...` (gloo).")], None),
 }
 
 
 def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool, resume: bool,
            resume_from: str | None, gpus: int | None, **fields: Any) -> None:
-    """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN, TIS/MIS)."""
+    """RL on the run's quantized model with LoRA (GRPO/DAPO/Dr.GRPO/GSPO/PG-seq-IS, AQN, TIS/MIS).
+
+    The values come from the preset (--config) first, then --set, then the flags: a default named in a flag's
+    help below applies only where the preset leaves that field unset (--dry-run prints the resolved values)."""
     import yaml
 
     from qerl_cli.train import distributed
@@ -175,7 +194,8 @@ def _train_command() -> Any:
     params = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=default)
               for name, (ann, default) in TRAIN_FIXED_OPTIONS.items()]
     for flag in train_flags():
-        ann = Annotated[flag.type | None, Opt(flag.decl, help=flag.help, rich_help_panel="Train config (TrainConfig)")]
+        ann = Annotated[flag.type | None, Opt(flag.decl, help=flag.help, metavar="NAMES" if flag.is_list else None,
+                                              rich_help_panel="Train config (TrainConfig)")]
         params.append(inspect.Parameter(flag.field, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=None))
 
     def train(**kwargs: Any) -> None:
@@ -187,7 +207,7 @@ def _train_command() -> Any:
     return train
 
 
-app.command(name="train")(_train_command())
+app.command(name="train", short_help="RL with LoRA on the run's quantized model.")(_train_command())
 
 
 def _resume_step(run: Path, resume_from: str | None = None) -> int:
@@ -215,7 +235,7 @@ def _launch_gpus(n: int) -> bool:
     have = cuda_count()
     if n < 1 or n > have:
         raise QerlError(f"--gpus {n} needs {n} CUDA GPUs but {have} are visible; on CPU run "
-                        "`torchrun --nproc-per-node N -m qerl_cli train ...` (gloo) instead")
+                        "`torchrun --nproc-per-node N -m qerl_cli -- train ...` (gloo) instead")
     if n == 1:
         return False
     rc = launch(n, strip_option(sys.argv[1:], "--gpus"), debug=_state["debug"])
@@ -242,7 +262,7 @@ def _has_cuda() -> bool:
     return cuda_available()
 
 
-@app.command(name="eval")
+@app.command(name="eval", short_help="Score the run's model on GSM8K, MATH-500 or arith.")
 def eval_(
     task: Annotated[str, typer.Argument(help="gsm8k | math500 | arith")],
     run: RunOpt = Path("runs/default"),
@@ -279,7 +299,7 @@ def eval_(
     console.print(render_eval_table(res))
 
 
-@bench_app.command("kernels")
+@bench_app.command("kernels", short_help="Time the quantized GEMM kernels against BF16 cuBLAS.")
 def bench_kernels(
     shapes: Annotated[str, Opt(help="Comma-separated: qwen2.5-7b,qwen2.5-32b")] = "qwen2.5-7b,qwen2.5-32b",
     ms: Annotated[str, Opt("--m", help="Comma-separated rows M.")] = "1,16,64,128,256,512,2048",
@@ -302,7 +322,7 @@ def bench_kernels(
     console.print(f"JSON: {escape(str(out))}")
 
 
-@bench_app.command("rollout")
+@bench_app.command("rollout", short_help="Rollout tokens/s, TTFT and memory per format and batch.")
 def bench_rollout(
     run: Annotated[Path | None, Opt("--run", help="Use the run's quantized model.")] = None,
     shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|qwen2.5-14b|qwen2.5-32b")] = None,
@@ -344,7 +364,7 @@ def bench_rollout(
     _show(res)
 
 
-@bench_app.command("mismatch")
+@bench_app.command("mismatch", short_help="Training-inference mismatch per precision and format.")
 def bench_mismatch(
     run: Annotated[Path | None, Opt("--run", help="Use the run's quantized model (else the embedded model).")] = None,
     precisions: Annotated[str, Opt(help="Comma-separated: bf16,fp16,fp32")] = "bf16,fp16,fp32",
@@ -371,10 +391,11 @@ def bench_mismatch(
     _show(res)
 
 
-SetOpt = Annotated[list[str] | None, Opt("--set", help="TrainConfig override KEY=VALUE (repeatable).")]
+SetOpt = Annotated[list[str] | None, Opt("--set", metavar="KEY=VALUE", help="TrainConfig override KEY=VALUE "
+                                                                      "(repeatable).")]
 
 
-@bench_app.command("step")
+@bench_app.command("step", short_help="One RL step, phase by phase, per format vs BF16-LoRA.")
 def bench_step(
     run: Annotated[Path | None, Opt("--run", help="Use the run's model, task and reward.")] = None,
     shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|14b|32b|72b")] = None,
@@ -419,11 +440,11 @@ def bench_step(
     _show(res)
 
 
-@bench_app.command("sanity")
+@bench_app.command("sanity", short_help="Steps to 95% training accuracy per grid cell and seed.")
 def bench_sanity(
     run: RunOpt = Path("runs/default"),
-    grid: Annotated[list[str] | None, Opt("--grid", help="Axis KEY=V1,V2 (format or a train option; repeatable).")]
-    = None,
+    grid: Annotated[list[str] | None, Opt("--grid", metavar="KEY=V1,V2", help="Axis KEY=V1,V2 (format or a train "
+                                          "option; repeatable).")] = None,
     set_: SetOpt = None,
     candidates: Annotated[int, Opt(help="Problems sampled to find the perfectible ones.")] = 64,
     samples: Annotated[int, Opt(help="Samples per candidate problem.")] = 40,
@@ -434,8 +455,8 @@ def bench_sanity(
     heldout: Annotated[int, Opt(help="Held-out test problems scored before and after training (0: none).")] = 0,
     heldout_samples: Annotated[int, Opt(help="Samples per held-out problem.")] = 32,
     stop: Annotated[bool, Opt("--stop/--no-stop", help="--no-stop: completions run to max length.")] = True,
-    skip: Annotated[list[str] | None, Opt("--skip", help="Leave out the grid cells with KEY=V[,KEY=V] (repeatable).")]
-    = None,
+    skip: Annotated[list[str] | None, Opt("--skip", metavar="KEY=V[,KEY=V]", help="Leave out the grid cells with "
+                                          "KEY=V[,KEY=V] (repeatable).")] = None,
     time_budget: Annotated[float | None, Opt(help="Seconds after which no further (seed, cell) run starts.")] = None,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench).")] = None,
 ) -> None:
@@ -451,9 +472,10 @@ def bench_sanity(
     _show(res)
 
 
-@bench_app.command("evidence")
+@bench_app.command("evidence", short_help="The seed claims' verdicts from bench sanity results.")
 def bench_evidence(
-    input_: Annotated[list[str], Opt("--input", help="GROUP=SANITY_JSON (qerl|flashrl|fp16; repeatable).")],
+    input_: Annotated[list[str], Opt("--input", metavar="GROUP=FILE", help="GROUP=SANITY_JSON (qerl|flashrl|fp16; "
+                                     "repeatable).")],
     run: Annotated[Path | None, Opt("--run", help="Run directory to record it in (for qerl report).")] = None,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench/evidence, else "
                                          "./qerl-bench/evidence-DATE-TIME).")] = None,
@@ -468,7 +490,7 @@ def bench_evidence(
     console.print(f"evidence: {escape(str(dest / 'evidence.json'))}  ({', '.join(c['verdict'] for c in ev['claims'])})")
 
 
-@app.command()
+@app.command(short_help="Write RUN/report/index.html from every stage.")
 def report(
     run: RunOpt = Path("runs/default"),
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/report).")] = None,

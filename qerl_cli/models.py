@@ -159,6 +159,18 @@ def cached_gguf(src: ModelSource) -> Path | None:
     return folder if (folder / _CACHE_DONE).is_file() else None
 
 
+def conversion_notice(src: ModelSource) -> str | None:
+    """What to tell the user before a load converts a GGUF file (the embedded model's first load takes ~40 s and
+    shows nothing while it runs); None where the converted copy is cached or the source is no GGUF file. A file
+    the load would refuse at once (truncated, not GGUF) raises that refusal here: its one line is all there is."""
+    if not src.gguf_file or cached_gguf(src) is not None:
+        return None
+    _check_gguf(Path(src.location) / src.gguf_file)
+    if src.kind == "embedded":
+        return "converting the embedded GGUF model (first run only, ~40 s) ..."
+    return f"converting the GGUF model {src.display} (first load of this file only) ..."
+
+
 def _write_cache(src: ModelSource, model: torch.nn.Module, tok) -> None:  # noqa: ANN001 - a tokenizer
     """Save an fp32 GGUF load as the source's cache, staged and renamed into place in one step
     (`manifest.staged_directory`). A failure only costs the next load its speed."""

@@ -19,7 +19,7 @@ from qerl_cli.checkpoint import QERL_META, fused_global_scales, save_tensors, ta
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import WeightFormat, dequantize, get_format
 from qerl_cli.manifest import RunDir, sha256_file, staged_directory
-from qerl_cli.models import ModelSource, load_model, resolve_model
+from qerl_cli.models import ModelSource, conversion_notice, load_model, resolve_model
 from qerl_cli.precision import dtype_of
 from qerl_cli.runlayout import checkpoints_dir, model_dir, train_dir
 
@@ -92,12 +92,14 @@ def quantize_model(
     progress: Callable[[str, int, int], None] | None = None,
     loaded: tuple[Any, Any] | None = None,
     force: bool = False,
+    notice: Callable[[str], None] | None = None,
 ) -> QuantizeResult:
     """Quantize `model` (default: the embedded SmolLM2) into `run_dir/model` and record the stage.
 
     `loaded` passes an already loaded fp32 (model, tokenizer) of that same source (tests, notebooks);
     its weights are read, never modified. A run that already holds a trained adapter is refused (the new base
-    would not match it) unless `force`, which moves `train/` aside once the new model is in place.
+    would not match it) unless `force`, which moves `train/` aside once the new model is in place. `notice` hears
+    one line before a long wait that shows no progress of its own (a GGUF file's first conversion).
     """
     spec = get_format(fmt)
     if method not in METHODS:
@@ -124,6 +126,8 @@ def quantize_model(
     config = {"model": src.to_json(), "format": fmt, "ignore": ignore, "method": method, "dtype": dtype}
     with run.stage("quantize", config=config, inputs={"model": {**src.to_json(), "sha256": _source_hashes(src)}},
                    seeds={"torch": seed}) as rec:
+        if loaded is None and notice is not None and (line := conversion_notice(src)):
+            notice(line)
         hf_model, tokenizer = loaded if loaded is not None else load_model(src, dtype=torch.float32)
         targets, skipped = target_linears(hf_model, ignore)
         if not targets:

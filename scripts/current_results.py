@@ -100,9 +100,9 @@ def render(index: dict[str, Any], results: Path = RESULTS) -> str:
              "Where qerl stands now, one table per bench: every number is read from the raw JSON a bench wrote "
              "(`docs/results/`, named with its command and target in `docs/results/index.json`) by "
              "`python scripts/current_results.py`, and `tests/test_current_results.py` fails when this block and "
-             "the raw files disagree. The dated logs below it are the history: how each number was reached, "
-             "what limits it, what was tried. The targets were set for an H100; where none was lent the GPU "
-             "column says what ran instead.", ""]
+             "the raw files disagree. The method below says what each number means; the dated logs in "
+             "`docs/history/` say how each was reached, what limits it and what was tried. The targets were set "
+             "for an H100; where none was lent the GPU column says what ran instead.", ""]
     for bench in index["benches"]:
         lines += [f"### {bench['bench']} — {bench['title']}", "",
                   "| result | measured | target | | GPU | date | run |", "|---|---:|---|---|---|---|---|"]

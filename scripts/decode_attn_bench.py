@@ -1,4 +1,4 @@
-"""Decode attention and sampling on the GPU: qerl's paths against each other and FlashInfer (issue 25).
+"""Decode attention and sampling on the GPU: qerl's paths against each other and FlashInfer.
 
 Attention, on the builtin engine's decode layout: one query token per slot over the slot's cache
 ``[slots, kv_len, kv_heads, d]``; rows at random positions in [kv_len / 2, kv_len). Timed per call (one

@@ -1,9 +1,11 @@
-"""Nsight Compute counters of the decode step's kernels, one category at a time (issue 25).
+"""Nsight Compute counters of the decode step's kernels, one category at a time.
 
     ncu --profile-from-start off --csv --page details --section SpeedOfLight --section Occupancy \
         --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
         --metrics "$(python3 scripts/ncu_decode_step.py metrics)" python3 scripts/ncu_decode_step.py run labels.json
     python3 scripts/ncu_decode_step.py table ncu.csv labels.json     # the per-kernel table
+
+(``bash scripts/gpu.sh ncu`` runs both on a GPU machine.)
 
 ``run`` builds one Qwen2.5-7B decoder layer's pieces at decode sizes (batch 8 and 64, context 384 in a 512
 bucket) the way the rollout engine runs them: NVFP4 ``QuantLinear`` GEMMs through qerl's dispatcher (its

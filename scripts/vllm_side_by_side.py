@@ -9,7 +9,7 @@ One process: a random model of ``--shape`` is built on the GPU with its decoder 
 already uses the checkpoint's tensor names) with a word-level tokenizer over the whole vocabulary, and a
 LoRA of ``--lora-rank`` is attached to all seven decoder linears with non-zero B. The builtin engine
 generates from that peft model; vLLM serves the written checkpoint (Marlin W4A16 NVFP4 on Hopper) with the
-same adapter pushed as tensors. Cells (issue 25), in this order: ``fixed`` (``--new-tokens`` always) at each
+same adapter pushed as tensors. Cells, in this order: ``fixed`` (``--new-tokens`` always) at each
 batch, ``eos`` (the bench's stop set of vocab/(new_tokens/2) ids, geometric lengths on a near-uniform random
 model) at each batch, ``long`` (``--long-tokens`` always, at ``--long-batches``), ``queue`` (``--queue-prompts``
 x ``--generations`` sequences, EOS, through the largest batch's slots). Both engines get the same prompts;

@@ -1,6 +1,6 @@
 """`qerl bench kernels`' bookkeeping on CPU: layer sums and speed-ups, errors, weight copies, tables, summary lines.
 
-The timing itself needs a CUDA GPU (scripts/gpu_kernels.sh); here the result dict is made by hand."""
+The timing itself needs a CUDA GPU (`scripts/gpu.sh kernels`); here the result dict is made by hand."""
 
 from __future__ import annotations
 

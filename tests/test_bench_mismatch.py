@@ -44,7 +44,7 @@ def test_cells_fields_and_precision_ordering(small):
     for fmt in ("nvfp4",):
         # fp32: the two engines differ only by fp32 reduction order
         assert cells[(fmt, "fp32")]["k3"] < 1e-6 and cells[(fmt, "fp32")]["max_abs_dprob"] < 1e-3
-        # 10 mantissa bits instead of 7: fp16 mismatches less than bf16 (REFERENCE section 5)
+        # 10 mantissa bits instead of 7: fp16 mismatches less than bf16
         assert cells[(fmt, "fp16")]["k3"] < cells[(fmt, "bf16")]["k3"]
     ratios = {r["format"]: r for r in on_disk["k3_ratios"]}
     assert set(ratios) == {"nvfp4"}

@@ -23,6 +23,7 @@ NOT_BEHAVIOUR = {
     "RANK": "this process's rank under torchrun: differs per process by design; the train record's dist entry "
             "holds the world size and every rank's pid",
     "LOCAL_RANK": "as RANK (picks cuda:LOCAL_RANK; the rank's device)",
+    "COLUMNS": "the console's line width where the output is not a terminal: how the output is laid out, no result",
 }
 
 # Functions that touch the environment generically, by variable (no read of a named switch).

@@ -293,12 +293,13 @@ def test_two_gloo_ranks_train_like_one_and_resume_on_one_and_two(fp_run: Path, c
 
 
 def test_scale_bench_runs_fsdp2_full_finetuning_with_int8_rollouts(tmp_path: Path) -> None:
-    """The runner scripts/gpu_fsdp.sh drives, on 1 CPU process (sharding degree 1) and the tiny shape."""
+    """The runner `scripts/gpu.sh fsdp` drives, on 1 CPU process (sharding degree 1) and the tiny shape, and the
+    table it prints from the result files."""
     import torch.distributed as dist
 
-    from qerl_cli.bench.scale import run
+    from qerl_cli.bench.scale import run, write_table
 
-    out = tmp_path / "scale.json"
+    out = tmp_path / "fsdp_w1.json"
     try:
         res = run("tiny", "bf16", steps=1, warmup=0, batch_prompts=2, num_generations=2, prompt_len=8, new_tokens=4,
                   micro_batch_size=4, out=out, train={"finetune": "full", "rollout_quant": "int8", "sharding": "fsdp2",
@@ -312,6 +313,12 @@ def test_scale_bench_runs_fsdp2_full_finetuning_with_int8_rollouts(tmp_path: Pat
     step = saved["steps_detail"][0]
     assert step["grad_norm"] > 0 and step["timing/requant_s"] > 0
     assert res["phase_s"]["fwd_bwd"] > 0 and set(res["peak_gb"]) >= {"rollout", "fwd_bwd", "requant"}
+    lines = write_table(tmp_path)
+    assert "offload" in lines[1] and "fwd_bwd s" in lines[1]
+    row = lines[2].split()
+    assert row[:2] == ["1", f"{res['step_s_median']:.2f}"] and row[4:7] == ["100.0%", "0.0%", "no"]
+    assert f"{res['phase_s']['fwd_bwd']:.2f}" in row and row[-1] == "-"  # no CUDA peaks on a CPU
+    assert json.loads((tmp_path / "fsdp.json").read_text())["table"][0]["efficiency"] == 1.0
 
 
 def test_bf16_compute_on_fp32_shards_and_the_rollout_copy_follows_them() -> None:

@@ -139,8 +139,8 @@ def test_graphs_follow_lora_toggles_and_bf16() -> None:
 
 
 def _default_switches(monkeypatch) -> None:
-    """The default decode path, whatever switches the process was started with (scripts/gpu_cudatests.sh runs
-    this file under each issue-25 switch; tests of the defaults test the defaults)."""
+    """The default decode path, whatever switches the process was started with (`scripts/gpu.sh gputests` runs
+    this file under each decode switch in QERL_GPU_TEST_ENVS; tests of the defaults test the defaults)."""
     for name in ("QERL_FUSED_LORA", "QERL_FUSED_SAMPLING", "QERL_CUDA_FP4_PLANS", "QERL_CUDA_PDL", "QERL_FAST_DECODE",
                  "QERL_DECODE_ATTN"):
         monkeypatch.delenv(name, raising=False)

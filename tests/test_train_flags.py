@@ -66,4 +66,4 @@ def test_generated_flags_yaml_and_set_combine(tmp_path: Path) -> None:
     assert cfg["aqn"] is False and cfg["log_rollouts"] is False  # gpu_arith has aqn: true
     assert cfg["lora_targets"] == ["q_proj", "v_proj"]
     assert cfg["lr"] == 5e-4 and cfg["warmup_steps"] == 2
-    assert cfg["algo"] == "grpo" and cfg["task"] == "arith"  # from the preset
+    assert cfg["algo"] == "dapo" and cfg["task"] == "arith"  # from the preset (the mission's recipe: DAPO + AQN)

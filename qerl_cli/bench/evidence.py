@@ -2,7 +2,7 @@
 
 Inputs are ``qerl bench sanity --seeds ...`` results (``sanity.json``), grouped by the study that produced
 them (several files per group when the seeds ran as parallel processes; they must share one perfectible
-subset). Groups and their grids (scripts/gpu_evidence.sh runs them; docs/evidence.md states the hypotheses
+subset). Groups and their grids (`scripts/gpu.sh evidence` runs them; docs/evidence.md states the hypotheses
 and the rules):
 
 - ``qerl``:    format = bf16, nvfp4  x  aqn = false, true                      (claims 1 and 2)

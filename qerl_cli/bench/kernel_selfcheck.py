@@ -1,7 +1,7 @@
 """GPU correctness check of every kernel path against the torch reference (`python -m qerl_cli.bench.kernel_selfcheck`).
 
 Each check draws fresh random weights and activations, NaN-poisons what it can, and compares with
-float64 `x @ dequantize(W)^T` by relative Frobenius error. Run by scripts/gpu_kernels.sh before timing.
+float64 `x @ dequantize(W)^T` by relative Frobenius error. `bash scripts/gpu.sh selfcheck` runs it on a GPU.
 """
 
 from __future__ import annotations

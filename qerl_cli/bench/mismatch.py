@@ -1,6 +1,6 @@
 """`qerl bench mismatch`: offline training-inference mismatch per precision and weight format.
 
-REFERENCE.md section 5. For every weight format (``bf16`` = unquantized) and every precision
+After the FP16-vs-BF16 mismatch study. For every weight format (``bf16`` = unquantized) and every precision
 (bf16 / fp16 / fp32) the same model is put in that precision, completions are sampled with the builtin
 rollout engine (mu: the log-probs of the processed distribution it sampled from), and the sampled
 tokens are scored again with the training forward (pi: the HF model, teacher-forced, as the trainer

@@ -1,4 +1,4 @@
-"""Data-parallel scaling of one RL step (issue 9): run under torchrun at 1, 2, 4 ranks and compare.
+"""Data-parallel scaling of one RL step: run under torchrun at 1, 2, 4 ranks and compare.
 
 Each rank builds the same random model of a shape (qerl_cli/bench/shapes.py) on its device with LoRA and
 runs the REAL trainer step (Trainer.train_step: store-counter rollout share, all-gather of the batch,
@@ -6,13 +6,14 @@ advantages, row-sharded backward, summed gradients, optimizer) on synthetic toke
 fixed-length generation (EOS disabled) and random rewards seeded per (prompt, sample), so advantages are
 non-zero. Rank 0 writes a JSON with per-step seconds and global tokens/s (prompt + generated tokens of
 the whole batch per step second); tokens/s per GPU at N ranks over tokens/s at 1 rank is the scaling
-efficiency. ``python -m qerl_cli.bench.scale --help`` for the options; scripts/gpu_scale.sh drives it.
+efficiency. ``python -m qerl_cli.bench.scale --help`` for the options; ``bash scripts/gpu.sh scale`` runs it at
+1, 2 and 4 GPUs and ``python -m qerl_cli.bench.scale --table DIR`` prints the table of the results in DIR.
 
 ``--finetune full --rollout-quant int8 --sharding fsdp2`` (format bf16: the trained weights are full precision)
 is FlashRL mode on FSDP2 (train/fsdp.py): every weight trains, sharded over the ranks, rollouts from an INT8
 copy re-quantized from the sharded masters after each step; ``--fsdp-offload`` keeps the sharded state in
 host memory. The result then also holds each phase's peak GPU memory per rank (``memory/*_peak_gb`` of every
-rank's step metrics: the max over ranks is the per-GPU peak). scripts/gpu_fsdp.sh drives that mode.
+rank's step metrics: the max over ranks is the per-GPU peak). ``bash scripts/gpu.sh fsdp`` runs that mode.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from qerl_cli.errors import QerlError
 from qerl_cli.manifest import atomic_write_json
 from qerl_cli.precision import dtype_of
 
@@ -158,8 +160,62 @@ def scaling_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def table_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The scaling table as text: per world size the step, tokens/s in all and per GPU, the efficiency and the
+    ranks' idle share of the rollout; where the results hold them (full fine-tuning), whether the state was
+    offloaded, each phase's seconds and each phase's per-GPU peak GiB."""
+    r0, c = results[0], results[0]["config"]
+    by_n = {r["world_size"]: r for r in results}
+    phases = all(r.get("phase_s") and r.get("peak_gb") for r in results)
+    lines = [f"== {r0['shape']} {r0['format']} on {r0.get('gpu') or r0.get('device')}: "
+             f"{c['batch_prompts'] // r0['world_size']} prompts per GPU x {c['num_generations']} generations, "
+             f"{c['prompt_len']}+{c['new_tokens']} tokens, median of {c['steps']} steps"]
+    head = f"{'GPUs':>4} {'step_s':>8} {'tok/s':>9} {'tok/s/GPU':>9} {'eff':>6} {'idle':>6}"
+    if phases:
+        head += f" {'offload':>7} " + " ".join(f"{p[:7] + ' s':>9}" for p in PHASE_TIMES[:-1])
+        head += " " + " ".join(f"{p[:7] + ' GiB':>11}" for p in PEAK_PHASES)
+    lines.append(head)
+    for t in scaling_table(results):
+        r = by_n[t["world_size"]]
+        eff = "-" if t["efficiency"] is None else f"{t['efficiency']:.1%}"
+        row = (f"{t['world_size']:>4} {t['step_s']:>8.2f} {t['tokens_per_s']:>9.0f} {t['tokens_per_s_per_gpu']:>9.0f} "
+               f"{eff:>6} {t['idle_frac']:>6.1%}")
+        if phases:
+            row += f" {'yes' if r['mode']['fsdp_offload'] else 'no':>7} "
+            row += " ".join(f"{_num(r['phase_s'].get(p)):>9}" for p in PHASE_TIMES[:-1])
+            row += " " + " ".join(f"{_num(r['peak_gb'].get(p)):>11}" for p in PEAK_PHASES)
+        lines.append(row)
+    return lines
+
+
+def write_table(folder: Path) -> list[str]:
+    """Every ``<name>_w<N>.json`` in ``folder`` (one run per world size) into ``<name>.json`` (results + table),
+    and the table's lines."""
+    files = sorted(folder.glob("*_w*.json"))
+    if not files:
+        raise QerlError(f"no <name>_w<N>.json results in {folder}: run the bench at some world size first")
+    results = [json.loads(f.read_text()) for f in files]
+    name = files[0].stem.rsplit("_w", 1)[0]
+    atomic_write_json(folder / f"{name}.json", {"results": results, "table": scaling_table(results)})
+    return table_lines(results)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--table":  # no torchrun: the summary of earlier runs
+        try:
+            print("\n".join(write_table(Path(sys.argv[2]))))
+        except QerlError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="--table DIR: the table of the "
+                                 "<name>_w<N>.json results in DIR, written to DIR/<name>.json")
     ap.add_argument("--shape", default="tiny")
     ap.add_argument("--format", default="nvfp4")
     ap.add_argument("--steps", type=int, default=3)

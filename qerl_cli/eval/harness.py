@@ -3,7 +3,7 @@
 Protocol, and why:
 - The model is the run's quantized checkpoint (`DIR/model`) with the adapter of the chosen training
   checkpoint applied (`latest` by default, `base` for none), so one command pair shows the RL gain.
-  QeRL's released eval never applied the LoRA (REFERENCE.md section 3); here the adapter's sha256 is in
+  QeRL's released eval never applied the LoRA; here the adapter's sha256 is in
   every result, and a base evaluation has none.
 - Prompts, shots and stop strings come from `qerl_cli.tasks`, the same module the trainer uses, so a
   model is evaluated on the format it was trained on. Completions are cut at the first stop string

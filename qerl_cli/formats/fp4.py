@@ -1,4 +1,4 @@
-"""FP4 E2M1 codes, their packing, and the FP8 E4M3 / E8M0 scale encodings (REFERENCE.md section 1).
+"""FP4 E2M1 codes, their packing, and the FP8 E4M3 / E8M0 scale encodings (docs/formats.md).
 
 Code bits are `s e e m`; magnitudes by code 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6. Rounding is
 round-to-nearest-even with saturation at +-6; the boundaries below are exactly those of

@@ -3,7 +3,7 @@
 Log-probabilities
 -----------------
 Every sampled token comes with its log-probability under the PROCESSED distribution that was actually
-sampled (REFERENCE.md section 5): ``logits / temperature`` in float32, then top-k, then top-p filtering
+sampled (what importance weights need): ``logits / temperature`` in float32, then top-k, then top-p filtering
 (filtered tokens get -inf), renormalised by ``log_softmax``. The order and the tie rules are those of
 transformers' ``TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper`` (top-k keeps every
 token whose logit is >= the k-th largest; top-p keeps the smallest top set whose mass reaches top_p).

@@ -17,8 +17,8 @@ computed with stale weights. This needs the engine core in this process
 the tensors are handed over by reference, not pickled.
 
 Log-probs: ``logprobs_mode="processed_logprobs"`` makes vLLM report the log-prob of each sampled token
-under the distribution it sampled from (temperature, top-k, top-p applied), as REFERENCE.md section 5
-asks. Samples: each of the ``n`` samples of a prompt is its own request with seed
+under the distribution it sampled from (temperature, top-k, top-p applied), as the mismatch corrections
+need. Samples: each of the ``n`` samples of a prompt is its own request with seed
 ``hash(seed, prompt_index, sample_index)``, so a sample does not depend on batching or on ``n``.
 
 AQN: vLLM has no per-call norm override, so ``norm_overrides`` are copied into vLLM's norm weights for

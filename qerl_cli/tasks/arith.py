@@ -1,6 +1,6 @@
 """`arith`: integer arithmetic problems for sanity runs of the RL loop on a tiny model.
 
-REFERENCE.md section 8: the embedded SmolLM2-135M only answers arithmetic reliably enough to learn
+As measured (CPU, fp32), the embedded SmolLM2-135M only answers arithmetic reliably enough to learn
 from with a few-shot COMPLETION prompt ("2 + 3 = 5\\n14 + 5 = 19\\n7 * 6 = 42\\n31 + 22 = 53\\na + b ="),
 not with its chat template (at most 9% accuracy). The completion after "=" is scored on its first
 number and generation stops at a newline.
@@ -33,7 +33,7 @@ from qerl_cli.tasks.answers import extract_first_number, numbers_equal
 STOP = "\n"
 STOP_STRINGS: tuple[str, ...] = (STOP,)
 
-# (a, op, b) of the few-shot prefix measured in REFERENCE.md section 8, in that order.
+# (a, op, b) of the few-shot prefix that measurement used, in that order.
 SHOTS: tuple[tuple[int, str, int], ...] = ((2, "+", 3), (14, "+", 5), (7, "*", 6), (31, "+", 22))
 
 _DIGITS = {1: (1, 9), 2: (10, 99), 3: (100, 999)}
@@ -62,7 +62,7 @@ LEVELS: dict[int, Level] = {
     7: Level("*", 2, 2, "two-digit * two-digit"),
 }
 MEASURED_LEVELS: tuple[int, ...] = (1, 2, 3, 4)
-# Easiest to hardest by accuracy measured on SmolLM2-135M (REFERENCE.md section 8).
+# Easiest to hardest by accuracy measured on SmolLM2-135M (the figures in the module's docstring).
 DIFFICULTY_ORDER: tuple[int, ...] = (1, 4, 2, 3)
 TEST_FRACTION_MOD = 5  # one problem in five (by hash) belongs to the test split
 

@@ -10,7 +10,7 @@ Prompt formats:
   With split="train" those k rows are dropped from the examples: a prompt must not contain its answer.
 - math (MATH-500), shots=0: an instruction to put the answer in \\boxed{}, then
   "Problem:\\n...\\n\\nSolution:"; shots=1..4: lm-eval's minerva_math exemplars (Lewkowycz et al. 2022).
-- arith: the few-shot completion prompt of REFERENCE.md section 8 (see tasks/arith.py).
+- arith: a four-example few-shot completion prompt (see tasks/arith.py).
 - jsonl:PATH: the file's `prompt` column as is.
 With a tool (`tools="python"|"calculator"`, docs/tools.md): gsm8k and math open with a line saying how to call
 it; arith's shots show each sum worked with the calculator ("2 + 3 = <calc>2 + 3</calc> <result>5</result> 5").

@@ -1,4 +1,4 @@
-"""Adaptive quantization noise (AQN, QeRL; REFERENCE section 3).
+"""Adaptive quantization noise (AQN, from QeRL, arXiv 2510.11696).
 
 A channel-wise Gaussian vector Z ~ N(0, sigma^2) of the hidden size is added to each RMSNorm weight
 that feeds a quantized projection: ``input_layernorm`` (feeds q/k/v) and the norm that feeds the MLP

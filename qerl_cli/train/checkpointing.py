@@ -239,16 +239,16 @@ class HostSnapshot:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._pinned: dict[str, torch.Tensor] = {}
 
     def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
         if t.device.type != "cuda":
             return t.to("cpu", copy=True)
-        buf = self._buffers.get(key)
+        buf = self._pinned.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self._buffers[key] = buf
+            self._pinned[key] = buf
         return buf.copy_(t, non_blocking=True)
 
     def take(self, obj: Any, key: str = "") -> Any:

@@ -1,4 +1,4 @@
-"""Training-inference mismatch: metrics and importance-sampling corrections (REFERENCE section 5).
+"""Training-inference mismatch: metrics and importance-sampling corrections (the FP16-vs-BF16 study's).
 
 pi = the training engine's policy (its log-probs of the sampled tokens, ``train_logp``: normally the
 trainer's recompute pi_old at rollout time), mu = the rollout engine's policy (``rollout_logp``, the

@@ -13,7 +13,7 @@ Exactness: the update of each bucket is torch's own functional AdamW (``torch.op
 copies of the moments, and it picks its implementation (foreach or per-tensor) from the parameters' device as
 AdamW does. Every operation is elementwise per tensor, so splitting a group into buckets changes nothing: the
 parameters and moments are bit-identical to ``torch.optim.AdamW``'s (tests/test_host_offload.py checks several
-steps, weight decay, a changing learning rate and a resume, on CPU; scripts/gpu_72b.sh on the GPU).
+steps, weight decay, a changing learning rate and a resume, on CPU; on the GPU it matched AdamW bit for bit).
 
 State: the class is an ``AdamW`` subclass with AdamW's per-parameter state keys (``step``, ``exp_avg``,
 ``exp_avg_sq``), so ``state_dict()`` / ``load_state_dict()`` are the normal ones and a checkpoint moves freely
