@@ -1,4 +1,4 @@
-"""The arith-with-a-calculator target (docs/tools.md) from the runs scripts/gpu_tools.sh trains: held-out arith
+"""The arith-with-a-calculator target (docs/tools.md) from the runs `scripts/gpu.sh tools` trains: held-out arith
 accuracy with the calculator vs the same training without it, mean and 95% interval over seeds.
 
     python3 scripts/tools_target.py DIR [--out target.json]

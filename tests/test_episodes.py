@@ -231,7 +231,7 @@ def test_train_and_eval_arith_with_the_calculator(tiny_run: Path) -> None:
 
 def test_train_gsm8k_with_the_python_tool(tiny_run: Path) -> None:
     assert run_cli("train", "--run", str(tiny_run), "--task", "gsm8k", "--tools", "python",
-                   "--max-completion-length", "8", "--max-prompt-length", "256", *TINY) == 0
+                   "--max-completion-length", "8", "--max-prompt-length", "400", *TINY) == 0
     line = rollouts(tiny_run)[0]
     assert "```python block" in line["prompt"] and line["turns"][0]["text"]
 

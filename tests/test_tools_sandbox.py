@@ -110,9 +110,10 @@ def test_python_tool_turns_a_crash_into_an_observation() -> None:
     assert tool.strip_calls(turn + "So #### 42") == "Let me compute.\n\nSo #### 42"
 
 
-def test_chat_template_tool_calls_and_tool_turns() -> None:
+def test_chat_template_tool_calls_and_tool_turns(tiny_source: Path) -> None:
     """With --chat-template a call may be the template's tagged JSON, and the output comes back as its tool turn."""
-    from qerl_cli.models import load_tokenizer, resolve_model
+    from transformers import AutoTokenizer
+
     from qerl_cli.tools.chat import chat_observation
 
     tool = PythonTool(LIMITS)
@@ -125,7 +126,7 @@ def test_chat_template_tool_calls_and_tool_turns() -> None:
     assert Calculator().find_call('<tool_call>{"name": "calculator", "arguments": {"expression": "5 + 8"}}'
                                   '</tool_call>') == "5 + 8"
     # SmolLM2's template renders any role the same way: the assistant turn closed, a tool turn, the next one opened
-    render = chat_observation(load_tokenizer(resolve_model(None)))
+    render = chat_observation(AutoTokenizer.from_pretrained(str(tiny_source)))
     want = "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
     assert render(tool.run("print(6 * 7)").text) == want
 
