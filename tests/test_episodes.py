@@ -214,6 +214,12 @@ def test_train_with_a_user_environment_end_to_end(tiny_run: Path, tmp_path: Path
         want = (len(first["action"]) % 5) / 4 + (len(second["action"]) % 5) / 4
         assert line["reward"] == pytest.approx(want)  # the sum of the environment's step rewards
     assert (tiny_run / "train/checkpoints/step_1").is_dir()
+    from qerl_cli.report import build_report
+
+    report = build_report(tiny_run)  # the report shows turns per episode and tool errors, and plots them
+    numbers = report["numbers"]
+    assert numbers["train/episodes/turns_mean"] == 2.0 and numbers["train/episodes/tool_errors"] == 0
+    assert "train_episodes" in report["plots"] and "last turns per episode" in report["html"].read_text()
 
 
 def test_train_and_eval_arith_with_the_calculator(tiny_run: Path) -> None:
