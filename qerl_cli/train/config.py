@@ -130,7 +130,8 @@ class TrainConfig:
         if c.max_episode_tokens is None and (c.tools or c.env):
             c.max_episode_tokens = c.max_completion_length
         if c.overlong_buffer is None:
-            c.overlong_buffer = c.max_completion_length // 4 if c.algo == "dapo" else 0
+            # an episode's length is all of it, observations included (--max-episode-tokens)
+            c.overlong_buffer = (c.max_episode_tokens or c.max_completion_length) // 4 if c.algo == "dapo" else 0
         if c.rollout_quant != "none" and c.requant_scales is None:
             spec = FORMATS.get(c.rollout_quant)  # validated below; an unknown name gets validate()'s message
             c.requant_scales = "fixed" if spec is not None and spec.fixed_scales else "dynamic"
@@ -180,9 +181,11 @@ class TrainConfig:
             raise QerlError("--fsdp-offload offloads FSDP2's sharded state: use it with --sharding fsdp2")
         if self.num_generations < 2 and self.algo != "pg_seq_is":
             raise QerlError("--num-generations must be >= 2: group-relative advantages need a group")
-        if self.overlong_buffer is not None and self.overlong_buffer > self.max_completion_length:
-            raise QerlError(f"--overlong-buffer ({self.overlong_buffer}) must be <= --max-completion-length "
-                            f"({self.max_completion_length}): the penalty ramps over the last tokens of a completion")
+        length, length_flag = ((self.max_episode_tokens, "--max-episode-tokens") if self.max_episode_tokens else
+                               (self.max_completion_length, "--max-completion-length"))
+        if self.overlong_buffer is not None and self.overlong_buffer > length:
+            raise QerlError(f"--overlong-buffer ({self.overlong_buffer}) must be <= {length_flag} ({length}): the "
+                            "penalty ramps over the last tokens of a completion")
         if self.tools and self.env:
             raise QerlError("--tools and --env both given: an episode has one tool or one environment")
 
