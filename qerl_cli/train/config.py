@@ -19,6 +19,7 @@ import yaml
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import FORMATS, rollout_formats
 from qerl_cli.precision import PRECISIONS
+from qerl_cli.tools import TOOL_NAMES
 from qerl_cli.train.losses import ALGOS
 
 if TYPE_CHECKING:
@@ -99,6 +100,14 @@ class TrainConfig:
     shots: int | None = None
     chat_template: bool = False
     task_level: str | None = None  # arith difficulty knob
+    # multi-turn episodes (docs/tools.md): a built-in tool or a user environment answers the model's turns
+    tools: str | None = None  # python | calculator
+    env: str | None = None  # module:Class or path/to/file.py:Class
+    max_turns: int = 4
+    max_episode_tokens: int | None = None  # after the prompt, model + observation tokens (None: max_completion_length)
+    tool_timeout_s: float = 10.0  # per Python call: wall clock, and CPU seconds rounded up
+    tool_memory_mb: int = 1024  # per Python call: address space
+    tool_workers: int = 8  # tool calls / environment steps run at once, beside decoding
     log_rollouts: bool = True
     log_sampling_entropy: bool = False  # sampling/entropy (rollouts then sample in torch, not the fused kernel)
     finetune: str = "lora"  # lora | full (all weights but embeddings/lm_head; see docs/flashrl.md)
@@ -118,8 +127,11 @@ class TrainConfig:
             c.scale_rewards = "none" if c.algo == "dr_grpo" else "group"
         if c.dynamic_sampling is None:
             c.dynamic_sampling = c.algo == "dapo"
+        if c.max_episode_tokens is None and (c.tools or c.env):
+            c.max_episode_tokens = c.max_completion_length
         if c.overlong_buffer is None:
-            c.overlong_buffer = c.max_completion_length // 4 if c.algo == "dapo" else 0
+            # an episode's length is all of it, observations included (--max-episode-tokens)
+            c.overlong_buffer = (c.max_episode_tokens or c.max_completion_length) // 4 if c.algo == "dapo" else 0
         if c.rollout_quant != "none" and c.requant_scales is None:
             spec = FORMATS.get(c.rollout_quant)  # validated below; an unknown name gets validate()'s message
             c.requant_scales = "fixed" if spec is not None and spec.fixed_scales else "dynamic"
@@ -169,9 +181,13 @@ class TrainConfig:
             raise QerlError("--fsdp-offload offloads FSDP2's sharded state: use it with --sharding fsdp2")
         if self.num_generations < 2 and self.algo != "pg_seq_is":
             raise QerlError("--num-generations must be >= 2: group-relative advantages need a group")
-        if self.overlong_buffer is not None and self.overlong_buffer > self.max_completion_length:
-            raise QerlError(f"--overlong-buffer ({self.overlong_buffer}) must be <= --max-completion-length "
-                            f"({self.max_completion_length}): the penalty ramps over the last tokens of a completion")
+        length, length_flag = ((self.max_episode_tokens, "--max-episode-tokens") if self.max_episode_tokens else
+                               (self.max_completion_length, "--max-completion-length"))
+        if self.overlong_buffer is not None and self.overlong_buffer > length:
+            raise QerlError(f"--overlong-buffer ({self.overlong_buffer}) must be <= {length_flag} ({length}): the "
+                            "penalty ramps over the last tokens of a completion")
+        if self.tools and self.env:
+            raise QerlError("--tools and --env both given: an episode has one tool or one environment")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -249,6 +265,15 @@ FIELD_HELP: dict[str, str] = {
     "shots": "Few-shot examples in the prompt (default per task).",
     "chat_template": "Wrap prompts in the model's chat template.",
     "task_level": "arith difficulty: 1-7, 'mixed' or 'd=0.5'.",
+    "tools": "python | calculator: multi-turn episodes, the model calls the tool mid-answer (docs/tools.md).",
+    "env": "module:Class or file.py:Class: multi-turn episodes with your environment (reset(prompt) -> str, "
+           "step(action) -> (observation, done, reward)).",
+    "max_turns": "Model turns per episode (--tools/--env).",
+    "max_episode_tokens": "Tokens after the prompt per episode, model and observations (default: "
+                          "--max-completion-length).",
+    "tool_timeout_s": "Per Python tool call: wall-clock limit, and the CPU-time limit rounded up.",
+    "tool_memory_mb": "Per Python tool call: address-space limit, MB.",
+    "tool_workers": "Tool calls or environment steps run at once, beside decoding.",
     "log_rollouts": "Write every step's rollouts to train/rollouts/.",
     "finetune": "lora | full (all weights but embeddings; needs a bf16 run dir).",
     "rollout_quant": "FlashRL rollouts: " + ", ".join(ROLLOUT_QUANTS) + " (on a bf16 run dir).",
@@ -323,12 +348,14 @@ FIELD_RANGES: dict[str, str] = {
     "aqn_stages": ">= 1", "gpu_memory_utilization": "(0, 1]", "max_batch_slots": ">= 1", "micro_batch_size": ">= 1",
     "gpu_memory_gib": "> 0", "logprob_chunk_tokens": ">= 0", "save_steps": ">= 1", "keep_checkpoints": ">= 0",
     "sigterm_grace_s": ">= 0", "seed": "[0, 4294967295]", "shots": ">= 0",
+    "max_turns": ">= 1", "max_episode_tokens": ">= 1", "tool_timeout_s": "> 0", "tool_memory_mb": ">= 1",
+    "tool_workers": ">= 1",
 }
 # logprob_backend's choices live with the torch code that runs them (field_choices)
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "algo": ALGOS, "correction": CORRECTIONS, "finetune": FINETUNES, "rollout_quant": ROLLOUT_QUANTS,
     "requant_scales": REQUANT_SCALES, "sharding": SHARDINGS, "precision": PRECISIONS,
-    "rollout_engine": ("builtin", "vllm"), "scale_rewards": SCALE_REWARDS,
+    "rollout_engine": ("builtin", "vllm"), "scale_rewards": SCALE_REWARDS, "tools": TOOL_NAMES,
 }
 _INTERVAL = re.compile(r"([\[(])(\S+), (\S+)([\])])")
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}

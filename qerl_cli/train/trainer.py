@@ -337,7 +337,7 @@ class Trainer:
         level = c.task_level
         self.task = task if task is not None else load_task(
             c.task, split="train", shots=c.shots, chat_template=c.chat_template, tokenizer=self.tokenizer,
-            seed=c.seed, level=level)
+            seed=c.seed, level=level, tools=c.tools)
         if not self.task.examples:
             raise QerlError(f"task {self.task.name} has no training examples")
         self.reward_name = c.reward or self.task.reward
@@ -347,7 +347,11 @@ class Trainer:
         if len(self.prompt_ids) != len(self.task.examples):
             raise QerlError(f"{len(self.prompt_ids)} prompt id lists for {len(self.task.examples)} task examples")
         self.stream = PromptStream(len(self.task.examples), c.seed)
-        max_len = max(len(p) for p in self.prompt_ids) + c.max_completion_length + 1
+        from qerl_cli.tools.episodes import episodes_from_config
+
+        # multi-turn episodes with --tools/--env (docs/tools.md), or None
+        self.episodes = episodes_from_config(c, self.tokenizer)
+        max_len = max(len(p) for p in self.prompt_ids) + self.completion_tokens + 1
         self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
         rollout_model = self.model if self.rollout_quant is None else self.rollout_quant.model
         # the builtin engine keeps its KV cache, LoRA shadows and CUDA graphs across steps when the plan says so:
@@ -460,6 +464,11 @@ class Trainer:
     def micro_batch_size(self) -> int:
         return self.settings.micro_batch_size
 
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens a rollout may add after its prompt: an episode's (model and observations), else a completion's."""
+        return int(self.cfg.max_episode_tokens or self.cfg.max_completion_length)
+
     def encode_prompt(self, prompt: str, index: int | None = None) -> list[int]:
         """Token ids of a prompt (``index``: its task example, for the message), within --max-prompt-length."""
         from qerl_cli.tasks.prompt_ids import encode_prompt
@@ -549,14 +558,23 @@ class Trainer:
         # prompt_offset: these prompts start at that position of the round (noise keyed by global position)
         stop_ids = getattr(self.task, "stop_token_ids", None)
         sp = SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p, top_k=-1,
-                            max_tokens=c.max_completion_length, stop=list(self.task.stop),
+                            max_tokens=self.completion_tokens, stop=list(self.task.stop),
                             stop_token_ids=None if stop_ids is None else list(stop_ids),
                             seed=rollout_seed(c.seed, self.step, round_), prompt_offset=prompt_offset,
                             # sampling/entropy: the rollout policy's own (AQN-noised) entropy; the torch sampler
                             # computes it, so it is asked for only when logged (the fused kernel is faster)
                             entropy=c.log_sampling_entropy)
-        res = self.engine.generate([self.prompt_ids[i] for i in indices], sp, norm_overrides=norm_overrides)
-        return res
+        prompts = [self.prompt_ids[i] for i in indices]
+        if self.episodes is not None:
+            return self.episodes.generate(self.engine, prompts, [self.task.examples[i].prompt for i in indices], sp,
+                                          self.encode_text, norm_overrides=norm_overrides)
+        return self.engine.generate(prompts, sp, norm_overrides=norm_overrides)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def score(self, indices: list[int], samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw and shaped (DAPO overlong penalty) rewards of `samples`, in sample order."""
@@ -564,17 +582,20 @@ class Trainer:
 
         g = self.cfg.num_generations
         prompts = [self.task.examples[indices[s.prompt_index]].prompt for s in samples]
-        completions = [s.text or "" for s in samples]
         answers = [self.task.examples[indices[s.prompt_index]].answer for s in samples]
-        raw = torch.tensor(safe_rewards(self.reward_fn, prompts, completions, answer=answers),
-                           dtype=torch.float32)
+        if self.episodes is None:
+            raw = torch.tensor(safe_rewards(self.reward_fn, prompts, [s.text or "" for s in samples], answer=answers),
+                               dtype=torch.float32)
+        else:  # graded on what the model wrote (its tool calls left out); an environment's own rewards added
+            raw = self.episodes.rewards(samples, prompts, answers, self.reward_fn, self.decode,
+                                        graded=self.cfg.env is None or self.cfg.reward is not None)
         assert raw.numel() == len(indices) * g
         shaped = raw.clone()
         if self.cfg.algo == "dapo" and self.cfg.overlong_buffer:
             from qerl_cli.train.advantages import dapo_overlong_penalty
 
             lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
-            shaped = shaped + dapo_overlong_penalty(lengths, self.cfg.max_completion_length, self.cfg.overlong_buffer)
+            shaped = shaped + dapo_overlong_penalty(lengths, self.completion_tokens, self.cfg.overlong_buffer)
         return raw, shaped
 
     def train_step(self) -> dict[str, Any]:
@@ -644,12 +665,17 @@ class Trainer:
         metrics["accuracy"] = (raw >= 1.0 - 1e-6).float().mean().item()
         metrics["reward/raw_mean"] = raw.mean().item()
 
-        prompt_ids = [self.prompt_ids[idx] for idx, ss, _, _ in groups for _ in ss]
+        # an environment's reset() text makes an episode's prompt its own (tools/episodes.py)
+        prompt_ids = [s.prompt_token_ids or self.prompt_ids[idx] for idx, ss, _, _ in groups for s in ss]
         truncated = [s.finish_reason == "length" for s in samples]
         pad = getattr(self.tokenizer, "pad_token_id", None)
         pad = 0 if pad is None else pad
         batch = build_batch(prompt_ids, [s.token_ids for s in samples], [s.logprobs for s in samples], truncated,
-                            pad, mask_truncated=c.mask_truncated_completions).to(self.device)
+                            pad, mask_truncated=c.mask_truncated_completions,
+                            model_masks=None if self.episodes is None else [s.model_mask() for s in samples],
+                            ).to(self.device)
+        if self.episodes is not None:
+            metrics.update(self.episodes.metrics(samples))
         lengths = batch.lengths.float()
         metrics["completions/mean_length"] = lengths.mean().item()
         metrics["completions/min_length"] = lengths.min().item()
@@ -661,7 +687,7 @@ class Trainer:
         # update starts from); a separate no-grad pass only where it is needed (reference model, LoRA dropout, asked)
         self.enter_phase("recompute")
         t1 = self.clock()
-        valid = (torch.arange(batch.mask.shape[1], device=self.device)[None, :] < batch.lengths[:, None]).float()
+        valid = batch.sampled  # the model's tokens: an episode's observations are no policy's samples
         old = self.old_pass(batch)
         t_recompute = self.clock() - t1
         metrics["timing/pi_old_pass"] = float(old.old is not None or old.ref is not None)
@@ -769,7 +795,7 @@ class Trainer:
         c = self.cfg
         bsz = batch.input_ids.shape[0]
         normalizer = {"dapo": batch.mask.sum().clamp(min=1).item(),
-                      "dr_grpo": float(bsz * c.max_completion_length)}.get(c.algo, float(bsz))
+                      "dr_grpo": float(bsz * self.completion_tokens)}.get(c.algo, float(bsz))
         own = old.old is None
         isw = None
         if not own and c.correction != "none":
@@ -793,7 +819,7 @@ class Trainer:
                 old_part, isw_part = old.old[sl], None if isw is None else isw[sl]
             loss, m = policy_loss(
                 c.algo, logp, old_part, adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
-                max_completion_length=c.max_completion_length, is_weights=isw_part,
+                max_completion_length=self.completion_tokens, is_weights=isw_part,
                 ref_logp=None if old.ref is None else old.ref[sl], beta=c.beta, rollout_logp=part.rollout_logp,
                 loss_normalizer=normalizer)
             if not torch.isfinite(loss):
@@ -872,6 +898,7 @@ class Trainer:
                     "advantage": adv[k].item(), "length": len(s.token_ids), "finish_reason": s.finish_reason,
                     "logprob_sum": float(lp.sum()) if lp.numel() else 0.0,
                     "logprob_min": float(lp.min()) if lp.numel() else 0.0,
+                    **({} if self.episodes is None else {"turns": self.episodes.record(s, self.decode)}),
                 }))
                 k += 1
         from qerl_cli.manifest import atomic_write_text
