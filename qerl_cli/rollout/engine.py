@@ -268,6 +268,12 @@ class BuiltinEngine:
             self._graphs.fingerprint = fingerprint
         return self._graphs
 
+    def snapshot_adapters(self) -> None:
+        """Copy the trainer's LoRA factors into the engine's shadows now, for a ``concurrent`` generate that starts
+        while the factors are being updated."""
+        with torch.no_grad():
+            self.runner.prepare()
+
     def generate(
         self,
         prompts: list[list[int]] | list[str],
@@ -275,6 +281,7 @@ class BuiltinEngine:
         *,
         norm_overrides: dict[str, torch.Tensor] | None = None,
         episodes: EpisodeHooks | None = None,
+        concurrent: bool = False,
     ) -> RolloutResult:
         """Generate ``sampling.n`` completions per prompt.
 
@@ -282,7 +289,9 @@ class BuiltinEngine:
         ``.weight`` suffix or peft ``base_model.model.`` prefix) to replacement weights for this call
         only (AQN without touching the model). ``episodes``: multi-turn episodes whose turns end in tool
         calls or environment steps (rollout/episode.py); ``sampling.max_tokens`` then bounds the whole
-        episode (model and observation tokens).
+        episode (model and observation tokens). ``concurrent``: the model trains in another thread meanwhile (the
+        trainer's --async-rollout): the LoRA shadows keep what :meth:`snapshot_adapters` copied and no module's
+        training flag is touched.
         """
         if self.runner.embed_tokens.weight.device != self.device:
             raise QerlError("the model moved to another device after the engine was built; build a new one")
@@ -293,14 +302,16 @@ class BuiltinEngine:
         seed = sampling.resolved_seed()
         max_new = [min(sampling.max_tokens, self.max_model_len - len(p)) for p in ids]
         stops = list(dict.fromkeys([*sampling.stop, *(episodes.stop if episodes is not None else ())]))
-        flags = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()
+        flags = [] if concurrent else [(m, m.training) for m in self.model.modules()]
+        if not concurrent:
+            self.model.eval()
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
                 # LoRA shadows <- the trainer's current factors (in place); before the cache is sized, so
                 # the budget sees them
-                self.runner.prepare()
+                if not concurrent:
+                    self.runner.prepare()
                 cache = self._ensure_cache()
                 self.runner.bind_norms(norm_overrides, static=self.use_graphs)
                 scheduler = self._scheduler(episodes, sampling)(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -536,7 +537,10 @@ class CudaGraphDecoder:
                 self._run(bs, kv_len, sampler)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # captured in a rollout thread while another trains (--async-rollout): only this thread's calls may not
+        # disturb the capture; the training thread's launches and allocations go on
+        mode = "global" if threading.current_thread() is threading.main_thread() else "thread_local"
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
             out = self._run(bs, kv_len, sampler)
         return graph, out
 

@@ -89,6 +89,7 @@ class TrainConfig:
     logprob_backend: str = "chunked"  # the update's log-probs: qerl's chunked path, or liger (fused linear + CE)
     pack_sequences: bool = True  # training forwards on the micro-batch's real tokens only (varlen attention)
     recompute_logprobs: bool = False  # pi_old from its own no-grad pass instead of the update forward's log-probs
+    async_rollout: bool = False  # the next step's rollouts generated during this step's update (one step stale)
     keep_rollout_cache: bool | None = None  # builtin engine: keep KV cache + CUDA graphs between steps (None: plan)
     async_checkpoint: bool = True  # write checkpoints in a background thread while the next step runs
     save_steps: int = 10
@@ -137,7 +138,8 @@ class TrainConfig:
             c.requant_scales = "fixed" if spec is not None and spec.fixed_scales else "dynamic"
         if c.correction is None:
             # FlashRL corrects its quantized rollouts with token TIS, C = 2, unless told otherwise
-            c.correction = "token_tis" if c.rollout_quant != "none" else "none"
+            # --async-rollout samples with the policy one update old: the same correction
+            c.correction = "token_tis" if c.rollout_quant != "none" or c.async_rollout else "none"
             if c.correction == "token_tis" and c.correction_cap is None:
                 c.correction_cap = FLASHRL_IS_CAP
         if c.correction_cap is None and c.correction != "none":
@@ -188,6 +190,21 @@ class TrainConfig:
                             "penalty ramps over the last tokens of a completion")
         if self.tools and self.env:
             raise QerlError("--tools and --env both given: an episode has one tool or one environment")
+        if self.async_rollout:
+            self.check_async_rollout()
+
+    def check_async_rollout(self) -> None:
+        """--async-rollout needs a correction for its stale policy and a rollout that nothing else writes to."""
+        if self.correction == "none":
+            raise QerlError("--async-rollout samples with the policy one update old: keep an importance correction "
+                            "(--correction token_tis, the default with it)")
+        blockers = {"--rollout-engine vllm": self.rollout_engine != "builtin", "--finetune full": self.finetune
+                    != "lora", "--rollout-quant": self.rollout_quant != "none", "--tools/--env": bool(
+                        self.tools or self.env), "--lora-dropout > 0": self.lora_dropout > 0}
+        bad = [k for k, v in blockers.items() if v]
+        if bad:
+            raise QerlError(f"--async-rollout runs the builtin engine on LoRA adapters it can snapshot; it does not "
+                            f"combine with {', '.join(bad)}: drop one of them")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -249,6 +266,9 @@ FIELD_HELP: dict[str, str] = {
                             "(humming) is faster (default: only when the step fits with it).",
     "logprob_backend": "chunked (qerl's, default) | liger (Liger-Kernel fused linear + cross-entropy; CUDA).",
     "pack_sequences": "Pack each micro-batch's sequences (no compute on padding; varlen attention).",
+    "async_rollout": "Generate the next step's rollouts on a second CUDA stream while this step trains: the rollout "
+                     "policy is one update stale, corrected by --correction (default token_tis, C = 2; builtin "
+                     "engine, LoRA, one process).",
     "recompute_logprobs": "Compute pi_old in a no-grad pass of its own before the update. Off by default: with one "
                           "optimizer step per batch pi_old is the update forward's own (detached) log-probs, the "
                           "same numbers without the pass (LoRA dropout > 0 always recomputes).",

@@ -233,6 +233,9 @@ class Trainer:
         # resolved in setup() unless a model is injected (benches build theirs in memory)
         self.model_dir: Path | None = None
         self.last_checkpoint_s = 0.0
+        self.pending: Any = None  # --async-rollout: the next step's rollouts in flight (train/async_rollout.py)
+        self.rollout_step, self.rollout_concurrent = 0, False  # the step the engine is generating for, and how
+        self.noise_metrics: dict[str, Any] = {}  # the AQN draw of the rollouts being collected
         self.last_checkpoint_parts: dict[str, float] = {}  # its seconds by part (background writes)
         self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
         self.snapshot = checkpointing.HostSnapshot()  # their pinned host copies, reused from one write to the next
@@ -358,6 +361,12 @@ class Trainer:
         # re-allocating and re-capturing them every step costs the step's rollout its bench speed
         run = self.settings
         self.keep_rollout_cache = run.keep_rollout_cache
+        if c.async_rollout and self.device.type == "cuda" and not run.keep_rollout_cache:
+            raise QerlError("--async-rollout keeps the rollout's KV cache beside the training step, and the memory "
+                            "plan found no room for it: drop --async-rollout or lower --batch-prompts")
+        if c.async_rollout and self.dist.enabled:
+            raise QerlError("--async-rollout runs on one process (its rollout thread would interleave the ranks' "
+                            "collectives): drop it or run without torchrun")
         self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer, max_batch_slots=run.kv_slots,
                                   max_model_len=max_len, gpu_memory_utilization=run.gpu_memory_utilization,
                                   dtype=self.dtype, model_dir=self.model_dir)
@@ -560,7 +569,7 @@ class Trainer:
         sp = SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p, top_k=-1,
                             max_tokens=self.completion_tokens, stop=list(self.task.stop),
                             stop_token_ids=None if stop_ids is None else list(stop_ids),
-                            seed=rollout_seed(c.seed, self.step, round_), prompt_offset=prompt_offset,
+                            seed=rollout_seed(c.seed, self.rollout_step, round_), prompt_offset=prompt_offset,
                             # sampling/entropy: the rollout policy's own (AQN-noised) entropy; the torch sampler
                             # computes it, so it is asked for only when logged (the fused kernel is faster)
                             entropy=c.log_sampling_entropy)
@@ -568,6 +577,8 @@ class Trainer:
         if self.episodes is not None:
             return self.episodes.generate(self.engine, prompts, [self.task.examples[i].prompt for i in indices], sp,
                                           self.encode_text, norm_overrides=norm_overrides)
+        if self.rollout_concurrent:
+            return self.engine.generate(prompts, sp, norm_overrides=norm_overrides, concurrent=True)
         return self.engine.generate(prompts, sp, norm_overrides=norm_overrides)
 
     def encode_text(self, text: str) -> list[int]:
@@ -599,29 +610,48 @@ class Trainer:
         return raw, shaped
 
     def train_step(self) -> dict[str, Any]:
-        from qerl_cli.train.advantages import DynamicSampler, group_advantages
-
-        c = self.cfg
-        g = c.num_generations
-        metrics: dict[str, Any] = {"step": self.step + 1}
-        metrics.update(self.plan_metrics)
-        on_cuda = self.device.type == "cuda"
-        if on_cuda:
+        """One RL step: this step's rollouts (collected now, or with --async-rollout during the previous update),
+        then the update on them."""
+        if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        if self.pending is not None:
+            rollouts, self.pending = self.pending.take(), None
+        else:
+            rollouts = self.collect_rollouts(self.step, self.rollout_noise(self.step))
+        if self.cfg.async_rollout and self.step + 1 < self.cfg.steps:
+            from qerl_cli.train.async_rollout import BackgroundRollouts
 
-        # -- AQN: this step's noisy norm weights (timed on their own; they feed the rollout policy only)
+            self.pending = BackgroundRollouts(self, self.step + 1)
+        return self.update_on(rollouts)
+
+    def rollout_noise(self, step: int) -> dict[str, torch.Tensor] | None:
+        """AQN's noisy norm weights for ``step``'s rollout policy (None without AQN); its metrics kept for the step."""
         self.enter_phase("aqn")
         ta = self.clock()
         overrides = None
+        self.noise_metrics = {}
         if self.aqn is not None:
-            overrides = self.aqn.noisy_norm_weights(self.step)
-            metrics.update(self.aqn.last_metrics)
-        t_aqn = self.clock() - ta
-        self._phase_peak(metrics, "aqn")
+            overrides = self.aqn.noisy_norm_weights(step)
+            self.noise_metrics = dict(self.aqn.last_metrics)
+        self.noise_metrics["timing/aqn_s"] = self.clock() - ta
+        self._phase_peak(self.noise_metrics, "aqn")
+        return overrides
 
-        # -- rollout
-        self.enter_phase("rollout")
+    def collect_rollouts(self, step: int, overrides: dict[str, torch.Tensor] | None, *,
+                         concurrent: bool = False, policy: int | None = None) -> Rollouts:
+        """``step``'s rollout rounds (dynamic sampling refills), scored: the groups an update trains on.
+        ``concurrent``: in --async-rollout's thread, while the model trains (no phase callbacks or peaks);
+        ``policy``: the updates the sampling adapters had seen (default: this trainer's step)."""
+        policy = self.step if policy is None else policy
+        from qerl_cli.train.advantages import DynamicSampler
+
+        c = self.cfg
+        g = c.num_generations
+        metrics: dict[str, Any] = dict(self.noise_metrics)
+        if not concurrent:
+            self.enter_phase("rollout")
         t0 = time.perf_counter()
+        self.rollout_step, self.rollout_concurrent = step, concurrent
         groups: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]] = []
         rollout_timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0.0}
         sampler = DynamicSampler(c.batch_prompts, g, max_refill_rounds=c.max_refill_rounds) if c.dynamic_sampling \
@@ -648,15 +678,35 @@ class Trainer:
                 groups, ds_stats = sampler.result()
                 metrics.update(ds_stats)
                 break
-        if on_cuda and not self.keep_rollout_cache:
+        if self.device.type == "cuda" and not self.keep_rollout_cache:
             self.engine.release()
-        t_rollout = self.clock() - t0
-        self._phase_peak(metrics, "rollout")
+        t_rollout = (self.clock() if not concurrent else time.perf_counter()) - t0
+        if not concurrent:
+            self._phase_peak(metrics, "rollout")
         metrics.update(self.backend.step_metrics(busy))
         if not groups:
             raise QerlError("dynamic sampling kept no group (every group had equal rewards); raise "
                             "--max-refill-rounds or lower the task difficulty")
+        metrics["timing/rollout_s"] = t_rollout
+        metrics["timing/rollout_tokens_per_s"] = rollout_timing["tokens"] / max(t_rollout, 1e-9)
+        metrics["timing/rollout_tokens"] = rollout_timing["tokens"]
+        # the engine's own split: prefill (with the first token) and decode; decode steps = token steps of the batch
+        metrics["timing/rollout_prefill_s"] = rollout_timing["prefill_s"]
+        metrics["timing/rollout_decode_s"] = rollout_timing["decode_s"]
+        metrics["rollout/decode_steps"] = rollout_timing["decode_steps"]
+        return Rollouts(step, policy, groups, metrics)
 
+    def update_on(self, rollouts: Rollouts) -> dict[str, Any]:
+        """The update on one step's rollouts: advantages, the batch, pi_old, forward/backward, optimizer; the step's
+        metrics."""
+        from qerl_cli.train.advantages import group_advantages
+
+        c = self.cfg
+        g = c.num_generations
+        on_cuda = self.device.type == "cuda"
+        groups = rollouts.groups
+        metrics: dict[str, Any] = {"step": self.step + 1, **self.plan_metrics, **rollouts.metrics}
+        metrics["rollout/policy_lag"] = float(self.step - rollouts.policy)  # 1 with --async-rollout (after step 1)
         samples = [s for _, ss, _, _ in groups for s in ss]
         raw = torch.cat([r for _, _, r, _ in groups])
         shaped = torch.cat([s for _, _, _, s in groups])
@@ -713,16 +763,8 @@ class Trainer:
 
         self.step += 1
         metrics["lr"] = self.scheduler.get_last_lr()[0]
-        metrics["timing/rollout_s"] = t_rollout
         metrics["timing/recompute_s"] = t_recompute
         metrics["timing/train_s"] = t_train
-        metrics["timing/aqn_s"] = t_aqn
-        metrics["timing/rollout_tokens_per_s"] = rollout_timing["tokens"] / max(t_rollout, 1e-9)
-        metrics["timing/rollout_tokens"] = rollout_timing["tokens"]
-        # the engine's own split: prefill (with the first token) and decode; decode steps = token steps of the batch
-        metrics["timing/rollout_prefill_s"] = rollout_timing["prefill_s"]
-        metrics["timing/rollout_decode_s"] = rollout_timing["decode_s"]
-        metrics["rollout/decode_steps"] = rollout_timing["decode_steps"]
         if on_cuda:
             metrics["memory/peak_gb"] = max(v for k, v in metrics.items()
                                             if k.startswith("memory/") and k.endswith("_peak_gb"))
@@ -952,7 +994,7 @@ class Trainer:
             marks["submit"] = time.perf_counter()
             self.last_checkpoint_s = marks["submit"] - t0
             edges = [t0, *marks.values()]
-            self.last_checkpoint_parts = {k: b - a for k, a, b in zip(marks, edges, edges[1:], strict=True)}
+            self.last_checkpoint_parts = {k: b - a for k, a, b in zip(marks, edges[:-1], edges[1:], strict=True)}
             self.dist.barrier()
             return path
         path = ck.save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(),
@@ -967,8 +1009,10 @@ class Trainer:
         return {
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "data": self.stream.state(),
-            "aqn": self.aqn.state_dict() if self.aqn is not None else None,
+            # --async-rollout: where the data and AQN stood before the next step's rollouts began
+            "data": self.pending.resume_state["data"] if self.pending is not None else self.stream.state(),
+            "aqn": self.pending.resume_state["aqn"] if self.pending is not None else
+            (self.aqn.state_dict() if self.aqn is not None else None),
             "config": self.cfg.to_dict(),
             checkpointing.ROLLOUT_QUANT_KEY: self.rollout_quant.state_dict() if self.rollout_quant is not None
             else None,
@@ -997,6 +1041,17 @@ def batch_token_metrics(batch: RolloutBatch) -> dict[str, float]:
     return {"batch/tokens": float(n.sum()), "batch/padded_tokens": float(batch.attention_mask.numel()),
             "batch/attention_pairs": float((n * (n + 1) / 2).sum()),
             "batch/loss_tokens": float((batch.mask > 0).sum())}
+
+
+@dataclass
+class Rollouts:
+    """One step's scored rollouts, as groups (prompt index, samples, raw and shaped rewards), and what collecting them
+    measured; ``step``: the step they were generated for."""
+
+    step: int
+    policy: int  # the updates the adapters that sampled them had seen
+    groups: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]]
+    metrics: dict[str, Any]
 
 
 @dataclass
