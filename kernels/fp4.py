@@ -24,6 +24,8 @@ instead; `DECODE_LUT` reads a 16-entry table.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -645,6 +647,9 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
 # Elementwise, so every configuration writes the same bytes: tuned per shape by timing (once per process).
 _DEQUANT_V2_CONFIGS = [triton.Config({"UN": un}, num_warps=w) for un in (1, 2, 4) for w in (2, 4, 8)]
 _fp4_dequant_v2_tuned = triton.autotune(_DEQUANT_V2_CONFIGS, key=["N", "K", "NVFP4", "TILED"])(_fp4_dequant_v2_kernel)
+# Triton's autotuner keeps a launch's arguments on the shared kernel object while it runs: two threads launching it
+# at once (a rollout thread's prefill beside a training forward, --async-rollout) would read each other's
+_TUNED_LAUNCH = threading.Lock()
 
 
 def fp4_dequantize_v2(repacked: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None, fmt: str,
@@ -659,8 +664,9 @@ def fp4_dequantize_v2(repacked: torch.Tensor, scale: torch.Tensor, global_scale:
     out = torch.empty((n, k), dtype=dtype, device=repacked.device)
     args = (repacked, scale.view(torch.uint8), gs, out, n, k)
     if units is None and not INTERPRET:
-        _fp4_dequant_v2_tuned[lambda meta: (cdiv(n, 64), cdiv(k, meta["UN"] * 128))](
-            *args, NVFP4=fmt == "nvfp4", BN=64, TILED=tiled)
+        with _TUNED_LAUNCH:
+            _fp4_dequant_v2_tuned[lambda meta: (cdiv(n, 64), cdiv(k, meta["UN"] * 128))](
+                *args, NVFP4=fmt == "nvfp4", BN=64, TILED=tiled)
         return out
     units = units or 2  # a power of two; the last program of a row masks columns past K
     _fp4_dequant_v2_kernel[(cdiv(n, 64), cdiv(k, units * 128))](

@@ -161,6 +161,20 @@ def failure_note(exc: BaseException) -> str:
     return f"{type(exc).__name__} raised without a message at {where}:{f.lineno} ({f.name})"
 
 
+def raised_at(exc: BaseException) -> str:
+    """`` (raised at FILE:LINE in FUNC)`` for an internal error (neither a QerlError nor an out-of-memory): where
+    to look, in one line."""
+    import traceback
+
+    from qerl_cli.errors import QerlError
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if isinstance(exc, QerlError) or is_oom(exc) or not frames:
+        return ""
+    f = frames[-1]
+    return f" (raised at {'/'.join(Path(f.filename).parts[-2:])}:{f.lineno} in {f.name})"
+
+
 def row_label(row: dict[str, Any]) -> str:
     """A row's key fields (those before ``status``) as ``name=value`` words."""
     words = []
@@ -200,7 +214,7 @@ def run_cell(cell: Cell, *, oom: str = "OOM", fatal: Callable[[Exception], bool]
             raise
         row = {**cell.key, "status": failure_status(exc, oom), "note": failure_note(exc)}
         if log is not None:
-            log(f"{cell.label or cell.key}: {row['status']}: {row['note']}")
+            log(f"{cell.label or cell.key}: {row['status']}: {row['note']}{raised_at(exc)}")
         free_memory()
     cell.seconds = time.perf_counter() - t0
     return row
