@@ -264,11 +264,14 @@ def test_the_step_has_no_process_layout_branch() -> None:
 
     from qerl_cli.train.trainer import Trainer
 
-    for method in (Trainer.train_step, Trainer._update):
-        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
-        touched = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-        imports = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert "dist" not in touched and "enabled" not in touched, method.__name__
-        assert "qerl_cli.train.distributed" not in imports, method.__name__
-        assert "backend" in touched, method.__name__
+    # the step is train_step and its phases: the rollouts it collects and the update on them
+    for methods in ((Trainer.train_step, Trainer.collect_rollouts), (Trainer.update_on, Trainer._update)):
+        touched: set[str] = set()
+        for method in methods:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+            touched |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+            imports = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+            assert "dist" not in touched and "enabled" not in touched, method.__name__
+            assert "qerl_cli.train.distributed" not in imports, method.__name__
+        assert "backend" in touched, methods[0].__name__
 

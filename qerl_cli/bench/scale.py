@@ -127,7 +127,7 @@ def run(shape: str = "tiny", fmt: str = "nvfp4", steps: int = 3, warmup: int = 1
 
     c = trainer.cfg
     res = {"shape": shape, "format": fmt, "world_size": ctx.world_size, "backend": ctx.backend,
-           "mode": {"finetune": c.finetune, "sharding": c.sharding, "rollout_quant": c.rollout_quant,
+           "mode": {"finetune": c.finetune, "sharding": trainer.sharding, "rollout_quant": c.rollout_quant,
                     "fsdp_offload": c.fsdp_offload, "precision": c.precision,
                     "gradient_checkpointing": trainer.settings.gradient_checkpointing},
            "phase_s": {p: statistics.median(r.get(f"timing/{p}_s") or 0.0 for r in rows) if rows else None

@@ -40,6 +40,7 @@ from qerl_cli.train.batch import RolloutBatch, build_batch
 from qerl_cli.train.checkpointing import CheckpointWriter, NoCheckpointError, resolve_checkpoint
 from qerl_cli.train.config import TrainConfig
 from qerl_cli.train.logprobs import sampled_logprobs
+from qerl_cli.train.modes import TrainingMode
 from qerl_cli.train.step_backend import LogProbs, StepBackend
 
 
@@ -256,12 +257,15 @@ class Trainer:
         from qerl_cli.train.distributed import DistributedAbort, current
 
         self.dist = current()  # world_size 1 unless launched by torchrun (train/distributed.py)
-        try:  # recorded resolved: the manifest says which engine ran
-            self.cfg.sharding = resolve_sharding(self.cfg, self.dist.world_size)
+        try:  # the engine that runs; recorded beside the request (the manifest's extra.resolved)
+            self.sharding = resolve_sharding(self.cfg, self.dist.world_size)
         except QerlError as exc:
             if not self.dist.is_main:  # every rank refuses the same way; rank 0 says why
                 raise DistributedAbort(str(exc)) from exc
             raise
+        from qerl_cli.train.modes import make_mode
+
+        self.mode = make_mode(self, self.sharding)  # LoRA, full or sharded full (train/modes.py)
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self, *, model: torch.nn.Module | None = None, tokenizer: Any = None, task: Any = None,
@@ -300,43 +304,11 @@ class Trainer:
             if self.memory_plan is None and fmt is not None and prompt_ids is not None:
                 self.plan_memory(base.config, fmt, prompt_tokens=max(len(p) for p in prompt_ids))
         weights = self._resident_weights(base)
-        self.full = self.rollout_quant = None  # FlashRL modes (qerl_cli/train/full_finetune.py, rollout_quant.py)
         if c.finetune == "full" or c.rollout_quant != "none":
             from qerl_cli.train.rollout_quant import check_full_precision_base
 
             check_full_precision_base(base, "--finetune full" if c.finetune == "full" else "--rollout-quant")
-        sharded = c.sharding == "fsdp2"
-        if sharded:
-            from qerl_cli.train.fsdp import ShardedFullFinetune, rollout_private_names
-            from qerl_cli.train.rollout_quant import RolloutQuant
-
-            self.model = base
-            # the rollout copy first, from the whole weights: once sharded they are only ever gathered per layer
-            self.rollout_quant = RolloutQuant(base, c.rollout_quant, scales=c.requant_scales or "dynamic",
-                                              dtype=self.dtype, private=rollout_private_names(base))
-            self.full = ShardedFullFinetune(base, self.device, compute_dtype=self.dtype, offload=c.fsdp_offload,
-                                            ctx=self.dist)
-            self.rollout_quant.bind_gather(self.full.gather_units())
-            self.params = self.full.params
-        elif c.finetune == "full":
-            from qerl_cli.train.full_finetune import FullFinetune
-
-            self.model = base
-            self.full = FullFinetune(base)
-            self.params = self.full.params
-        else:
-            from qerl_cli.lora import attach_lora, make_lora_config  # peft: imported only when LoRA trains
-
-            self.model = attach_lora(base, make_lora_config(c.lora_rank, c.lora_alpha, c.lora_targets,
-                                                            c.lora_dropout), seed=c.seed)
-            self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
-            if not self.params or any("lora_" not in n for n, p in self.model.named_parameters() if p.requires_grad):
-                raise QerlError("only LoRA adapters may be trainable; check --lora-targets")
-        if c.rollout_quant != "none" and self.rollout_quant is None:
-            from qerl_cli.train.rollout_quant import RolloutQuant
-
-            self.rollout_quant = RolloutQuant(self.model, c.rollout_quant, scales=c.requant_scales or "dynamic",
-                                              dtype=self.dtype)
+        self.model, self.params = self.mode.build(base)
         level = c.task_level
         self.task = task if task is not None else load_task(
             c.task, split="train", shots=c.shots, chat_template=c.chat_template, tokenizer=self.tokenizer,
@@ -356,7 +328,7 @@ class Trainer:
         self.episodes = episodes_from_config(c, self.tokenizer)
         max_len = max(len(p) for p in self.prompt_ids) + self.completion_tokens + 1
         self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
-        rollout_model = self.model if self.rollout_quant is None else self.rollout_quant.model
+        rollout_model = self.mode.rollout_model()
         # the builtin engine keeps its KV cache, LoRA shadows and CUDA graphs across steps when the plan says so:
         # re-allocating and re-capturing them every step costs the step's rollout its bench speed
         run = self.settings
@@ -370,11 +342,9 @@ class Trainer:
         self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer, max_batch_slots=run.kv_slots,
                                   max_model_len=max_len, gpu_memory_utilization=run.gpu_memory_utilization,
                                   dtype=self.dtype, model_dir=self.model_dir)
-        # sharded: AQN reads (and the engine overrides) the rollout copy's own norms; otherwise the model's
-        aqn_model = self.rollout_quant.model if sharded else self.model
-        self.aqn = (AQN(aqn_model, c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
+        self.aqn = (AQN(self.mode.aqn_model(), c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
                         stages=c.aqn_stages, seed=c.seed) if c.aqn else None)
-        self.optimizer = self._make_optimizer(**(self.full.optimizer_options if sharded else {}))
+        self.optimizer = self._make_optimizer(**self.mode.optimizer_options())
         warm = max(0, c.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
@@ -383,7 +353,7 @@ class Trainer:
         # local or data-parallel: chosen once here, so train_step has no branch on it (train/step_backend.py)
         from qerl_cli.train.distributed import make_backend
 
-        self.backend = make_backend(self, self.dist, sharded_model=sharded)
+        self.backend = make_backend(self, self.dist, sharded_model=self.mode.sharded)
         self.extended_from: int | None = None  # a finished run's steps, when --resume --steps extends it
 
     # ---- the memory plan (train/memory_plan.py) and what it decides ----------------------------------------
@@ -464,6 +434,16 @@ class Trainer:
             base.enable_input_require_grads()
 
     @property
+    def full(self) -> Any:
+        """The full-weight trainer of --finetune full (None with LoRA)."""
+        return self.mode.full
+
+    @property
+    def rollout_quant(self) -> Any:
+        """FlashRL's quantized rollout copy (None without --rollout-quant)."""
+        return self.mode.rollout_quant
+
+    @property
     def plan_metrics(self) -> dict[str, float]:
         """The plan's estimate of a step (seconds), logged beside the measured phases; empty without one (CPU)."""
         est = None if self.memory_plan is None else self.memory_plan.est_step_s
@@ -504,19 +484,8 @@ class Trainer:
         if state is None:
             state = read_trainer_state(self.run, ckpt)
         saved = state.get("config", {})
-        check_resume_settings(self.cfg, ckpt, state)
-        sharded = self.cfg.sharding == "fsdp2"
-        if sharded:  # every rank reads the rows of its own shard, whatever the world size that wrote them
-            self.full.load(ckpt, self.optimizer)
-        elif self.full is not None:
-            self.full.load(ckpt)
-        else:
-            checkpointing.load_adapter_weights(self.model, ckpt)
-        if self.rollout_quant is not None:  # the rollout copy follows the restored weights (and INT8 scales)
-            self.rollout_quant.load_state_dict(checkpointing.rollout_quant_state(state))
-            self.rollout_quant.requantize_()
-        if not sharded:
-            self.optimizer.load_state_dict(state["optimizer"])
+        check_resume_settings(self.cfg, ckpt, state, self.mode)
+        self.mode.load(ckpt, state)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.stream.load(state["data"])
@@ -551,7 +520,7 @@ class Trainer:
         if self.on_phase is not None:
             self.on_phase(phase)
 
-    def _phase_peak(self, metrics: dict[str, Any], phase: str) -> None:
+    def record_phase_peak(self, metrics: dict[str, Any], phase: str) -> None:
         """Record this phase's CUDA peak (and what stays allocated after it) and restart the count for the next."""
         if self.device.type == "cuda":
             metrics[f"memory/{phase}_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -634,7 +603,7 @@ class Trainer:
             overrides = self.aqn.noisy_norm_weights(step)
             self.noise_metrics = dict(self.aqn.last_metrics)
         self.noise_metrics["timing/aqn_s"] = self.clock() - ta
-        self._phase_peak(self.noise_metrics, "aqn")
+        self.record_phase_peak(self.noise_metrics, "aqn")
         return overrides
 
     def collect_rollouts(self, step: int, overrides: dict[str, torch.Tensor] | None, *,
@@ -682,7 +651,7 @@ class Trainer:
             self.engine.release()
         t_rollout = (self.clock() if not concurrent else time.perf_counter()) - t0
         if not concurrent:
-            self._phase_peak(metrics, "rollout")
+            self.record_phase_peak(metrics, "rollout")
         metrics.update(self.backend.step_metrics(busy))
         if not groups:
             raise QerlError("dynamic sampling kept no group (every group had equal rewards); raise "
@@ -741,7 +710,7 @@ class Trainer:
         old = self.old_pass(batch)
         t_recompute = self.clock() - t1
         metrics["timing/pi_old_pass"] = float(old.old is not None or old.ref is not None)
-        self._phase_peak(metrics, "recompute")
+        self.record_phase_peak(metrics, "recompute")
 
         # -- policy update (forward+backward, then optimizer: timed apart inside _update)
         self.enter_phase("fwd_bwd")
@@ -750,12 +719,7 @@ class Trainer:
         metrics.update(loss_metrics)
         old_logp, entropies = (old.old, old.entropies) if old.old is not None else own
         metrics.update(self.sampling_metrics(batch, samples, old_logp, entropies, valid))
-        if self.full is not None:
-            self.full.sync_()
-        if self.rollout_quant is not None:
-            self.enter_phase("requant")
-            metrics.update(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
-            self._phase_peak(metrics, "requant")  # sharded: one gathered layer at a time on top of the rest
+        metrics.update(self.mode.after_update())
         t_train = self.clock() - t2
         if on_cuda:
             metrics["memory/train_peak_gb"] = max(metrics.get(f"memory/{p}_peak_gb", 0.0)
@@ -881,10 +845,10 @@ class Trainer:
         total_loss, agg = self.backend.reduce_loss_metrics(total_loss, agg)
         t_opt = self.clock()
         agg["timing/fwd_bwd_s"] = t_opt - t_fb
-        self._phase_peak(agg, "fwd_bwd")
+        self.record_phase_peak(agg, "fwd_bwd")
         agg.update(self._optimizer_step())
         agg["timing/optimizer_s"] = self.clock() - t_opt
-        self._phase_peak(agg, "optimizer")
+        self.record_phase_peak(agg, "optimizer")
         self.model.eval()
         agg["loss"] = total_loss
         return agg, (self.backend.gather_rows(own_parts, batch) if own else None)
@@ -912,7 +876,7 @@ class Trainer:
             if "overflow" not in str(exc):
                 raise
             raise self.nonfinite("the optimizer step overflowed float32") from exc
-        if not params_finite(self.params, self.dist if c.sharding == "fsdp2" else None):
+        if not params_finite(self.params, self.mode.finite_ctx()):
             raise self.nonfinite("the optimizer step made trainable parameters NaN or inf")
         self.scaler.update()
         self.scheduler.step()
@@ -956,55 +920,12 @@ class Trainer:
         return self.writer.wait()
 
     def save(self, *, background: bool | None = None) -> Path:
-        """Checkpoint this step; ``background`` (default: ``cfg.async_checkpoint`` on one process, LoRA) copies
-        the state to host memory now and writes it in a thread while the caller goes on."""
-        ck = checkpointing
+        """Checkpoint this step (the mode writes it); ``background`` (default: ``cfg.async_checkpoint``, where the
+        mode allows it) copies the state to host memory now and writes it in a thread while the caller goes on."""
         self.enter_phase("checkpoint")
-        if self.cfg.sharding == "fsdp2":
-            return self._save_sharded()
-        if not self.dist.is_main:  # rank 0 writes; wait until the checkpoint is complete
-            self.dist.barrier()
-            return ck.checkpoint_path(self.run, self.step)
-        if background is None:
-            background = self.cfg.async_checkpoint
-        background = background and self.full is None and not self.dist.enabled
-        t0 = self.clock()
-        self.writer.wait()  # the previous write, which may still read the snapshot buffers
-        marks = {"wait": time.perf_counter()}
-        state = {"optimizer": self.optimizer.state_dict(), **self._trainer_state()}
-        marks["state"] = time.perf_counter()
-        if background:
-            from qerl_cli.lora import lora_state_dict
+        return self.mode.save(self.cfg.async_checkpoint if background is None else background)
 
-            # queued on the device, never waited for here: the step's critical path pays for launching the copies
-            state = self.snapshot.take(state, "state")
-            adapter = self.snapshot.take(lora_state_dict(self.model), "adapter")
-            marks["snapshot"] = time.perf_counter()
-            rng, ready = ck.rng_state(), self.snapshot.ready()
-            step, config, keep = self.step, self.cfg.to_dict(), self.cfg.keep_checkpoints
-            marks["rng"] = time.perf_counter()
-
-            def write() -> Path:
-                ready()
-                return ck.save_checkpoint(self.run, step, self.model, state, config, keep, adapter_state=adapter,
-                                          rng=rng)
-
-            self.writer.submit(write)
-            path = ck.checkpoint_path(self.run, step)
-            marks["submit"] = time.perf_counter()
-            self.last_checkpoint_s = marks["submit"] - t0
-            edges = [t0, *marks.values()]
-            self.last_checkpoint_parts = {k: b - a for k, a, b in zip(marks, edges[:-1], edges[1:], strict=True)}
-            self.dist.barrier()
-            return path
-        path = ck.save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(),
-                                  self.cfg.keep_checkpoints,
-                                  full_weights=self.full.weights() if self.full is not None else None)
-        self.last_checkpoint_s = self.clock() - t0
-        self.dist.barrier()
-        return path
-
-    def _trainer_state(self) -> dict[str, Any]:
+    def trainer_state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the weights (and, without sharding, the optimizer)."""
         return {
             "scheduler": self.scheduler.state_dict(),
@@ -1018,21 +939,6 @@ class Trainer:
             else None,
         }
 
-    def _save_sharded(self) -> Path:
-        """--sharding fsdp2: every rank writes its rows of the weights and AdamW state into rank 0's staging
-        directory (train/fsdp.py), rank 0 the rest; `latest` moves when all of it is there. Synchronous."""
-        ck = checkpointing
-        t0 = self.clock()
-        if self.dist.is_main:
-            path = ck.save_checkpoint(self.run, self.step, self.model, self._trainer_state(), self.cfg.to_dict(),
-                                      self.cfg.keep_checkpoints,
-                                      weights_writer=lambda tmp: self.full.write_checkpoint(tmp, self.optimizer))
-        else:
-            self.full.write_checkpoint(None, self.optimizer)
-            path = ck.checkpoint_path(self.run, self.step)
-        self.last_checkpoint_s = self.clock() - t0
-        self.dist.barrier()
-        return path
 
 
 def batch_token_metrics(batch: RolloutBatch) -> dict[str, float]:
@@ -1073,20 +979,15 @@ RESUME_KEYS = ("algo", "lora_rank", "lora_targets", "precision", "seed", "task",
                "requant_scales")
 
 
-def check_resume_settings(cfg: TrainConfig, ckpt: Path, state: dict[str, Any]) -> None:
-    """Refuse to continue a checkpoint with settings it was not trained with (``cfg`` resolved)."""
+def check_resume_settings(cfg: TrainConfig, ckpt: Path, state: dict[str, Any], mode: TrainingMode) -> None:
+    """Refuse to continue a checkpoint with settings it was not trained with (``cfg`` resolved), or one another
+    training mode wrote."""
     saved = state.get("config", {})
     for key in RESUME_KEYS:
         if key in saved and saved[key] != getattr(cfg, key):
             raise QerlError(f"--resume with a different {key} ({getattr(cfg, key)!r}, checkpoint has "
                             f"{saved[key]!r}): use the original settings or a new --run directory")
-    sharded = cfg.sharding == "fsdp2"
-    if (cfg.finetune == "full" or sharded) and \
-            (checkpointing.checkpoint_kind(ckpt) == checkpointing.FULL_SHARDED) != sharded:
-        raise QerlError(f"checkpoint {ckpt} was written " + (
-            "without sharding: resume it with --sharding none on one process" if sharded else
-            "by --sharding fsdp2 (sharded weights and optimizer): resume it with --sharding fsdp2 on any "
-            "number of processes"))
+    mode.check_checkpoint(ckpt)
 
 
 def read_trainer_state(run: RunDir, ckpt: Path) -> dict[str, Any]:
@@ -1103,7 +1004,7 @@ def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, 
             "steps_done": step if step is not None else trainer.step}
 
 
-def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resume_from: str | None = None,
+def _check_resumable(run: RunDir, trainer: Trainer, model: dict[str, Any], resume_from: str | None = None,
                      *, verify: bool = True) -> tuple[Path, dict[str, Any]] | None:
     """`--resume` / `--resume-from step_N` checks, before the stage starts (a refusal leaves the manifest's train
     record as it was): the metrics file, the checkpoint to continue from, verified file by file (``verify``: rank 0
@@ -1124,7 +1025,8 @@ def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resum
     if verify:
         checkpointing.require_intact(run, ckpt, "resume")
     state = read_trainer_state(run, ckpt)
-    check_resume_settings(cfg, ckpt, state)
+    cfg = trainer.cfg
+    check_resume_settings(cfg, ckpt, state, trainer.mode)
     done = int(state["step"])
     trained_on = (run.record("train") or {}).get("inputs", {}).get("model")
     if trained_on and trained_on.get("files") and base_fingerprint(trained_on) != base_fingerprint(model):
@@ -1214,7 +1116,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
                         "a new --run directory")
     # an earlier extension stays stated when the extended run is resumed again
     extended = (run.record("train") or {}).get("extra", {}).get("extended") if resume else None
-    start_from = _check_resumable(run, trainer.cfg, inputs["model"], resume_from, verify=ctx.is_main) if resume \
+    start_from = _check_resumable(run, trainer, inputs["model"], resume_from, verify=ctx.is_main) if resume \
         else None
     # the memory plan from the model's config: a run that cannot fit is refused here, before the stage starts and
     # before any weight is loaded (setup() plans again with the measured weights)
@@ -1225,7 +1127,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
     with stage as rec, GracefulStop(trainer.cfg.sigterm_grace_s, can_abandon=not ctx.enabled) as stop:
         start = _start(run, trainer, rec, stop, start_from, resume, resume_from)
         if ctx.is_main and trainer.memory_plan is not None:
-            rec.extra.update(memory_plan=trainer.memory_plan.to_dict(), resolved=trainer.settings.to_dict())
+            rec.extra.update(memory_plan=trainer.memory_plan.to_dict(),
+                             resolved={**trainer.settings.to_dict(), "sharding": trainer.sharding})
         if ctx.is_main and preset is not None:
             rec.extra["preset"] = preset
         if on_setup:
@@ -1246,8 +1149,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
                 from qerl_cli.train.distributed import replica_digests
 
                 rec.extra["dist"] = {"world_size": ctx.world_size, "backend": ctx.backend,
-                                     "sharding": trainer.cfg.sharding, "pids": ctx.gather_objects(os.getpid())}
-                if trainer.cfg.sharding != "fsdp2":  # replicas must stay bitwise equal; shards differ
+                                     "sharding": trainer.sharding, "pids": ctx.gather_objects(os.getpid())}
+                if not trainer.mode.sharded:  # replicas must stay bitwise equal; shards differ
                     rec.extra["dist"]["adapter_digests"] = replica_digests(trainer.params, ctx, trainer.step)
             if ctx.is_main and not trainer.writer.busy:
                 rec.outputs = _checkpoint_outputs(run, trainer, path)

@@ -1,0 +1,256 @@
+"""The training mode: what trains, and how it is built, restored, saved and handed to the rollout engine.
+
+One object per mode, chosen once from the resolved configuration (:func:`make_mode`), so the trainer never asks
+which mode it runs:
+
+* :class:`LoraMode`: peft adapters on the frozen (quantized) base; checkpoints may be written in the background;
+* :class:`FullMode`: every weight but the embeddings trains, fp32 masters on one process (train/full_finetune.py);
+* :class:`ShardedFullMode`: the same sharded with FSDP2 over the ranks (train/fsdp.py): sharded masters, gradients
+  and AdamW state, sharded checkpoints every rank writes, the optimizer restored by the shards.
+
+FlashRL's quantized rollout copy (``--rollout-quant``, train/rollout_quant.py) is a part any mode may have: built
+beside the trained weights, re-quantized after every update, restored with them. The mode works on the trainer it
+belongs to through its attributes (model, params, optimizer, run, ...), as the step backends do.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from qerl_cli.errors import QerlError
+from qerl_cli.train import checkpointing as ck
+
+
+class TrainingMode:
+    """LoRA, full or sharded-full fine-tuning behind one interface (module docstring). The base class is what the
+    unsharded modes share."""
+
+    sharded = False  # the weights and AdamW state live in shards; every rank writes its part of a checkpoint
+
+    def __init__(self, trainer: Any) -> None:
+        self.t = trainer
+        self.full: Any = None  # the full-weight trainer (FullFinetune / ShardedFullFinetune), if the mode has one
+        self.rollout_quant: Any = None  # the FlashRL rollout copy, if any
+
+    # ---- build ----------------------------------------------------------------------------------
+    def build(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
+        """The trained model and its trainable parameters, from the loaded base."""
+        raise NotImplementedError
+
+    def attach_rollout_copy(self, model: nn.Module) -> None:
+        """FlashRL: the quantized copy the rollout generates with (``--rollout-quant``)."""
+        c = self.t.cfg
+        if c.rollout_quant == "none" or self.rollout_quant is not None:
+            return
+        from qerl_cli.train.rollout_quant import RolloutQuant
+
+        self.rollout_quant = RolloutQuant(model, c.rollout_quant, scales=c.requant_scales or "dynamic",
+                                          dtype=self.t.dtype)
+
+    def rollout_model(self) -> nn.Module:
+        """What the rollout engine generates with: the trained model, or its quantized copy."""
+        return self.t.model if self.rollout_quant is None else self.rollout_quant.model
+
+    def aqn_model(self) -> nn.Module:
+        """Whose norms AQN reads (the engine overrides the same ones)."""
+        return self.t.model
+
+    def optimizer_options(self) -> dict[str, Any]:
+        return {}
+
+    def finite_ctx(self) -> Any:
+        """The process group that must agree on a finite update (None: this process decides alone)."""
+        return None
+
+    # ---- resume ---------------------------------------------------------------------------------
+    def check_checkpoint(self, ckpt: Path) -> None:
+        """Refuse a checkpoint another mode wrote (before anything is loaded)."""
+
+    def load(self, ckpt: Path, state: dict[str, Any]) -> None:
+        """The trained weights (and the optimizer, the rollout copy) from a verified checkpoint."""
+        self.load_weights(ckpt)
+        if self.rollout_quant is not None:  # the rollout copy follows the restored weights (and INT8 scales)
+            self.rollout_quant.load_state_dict(ck.rollout_quant_state(state))
+            self.rollout_quant.requantize_()
+        self.load_optimizer(state)
+
+    def load_weights(self, ckpt: Path) -> None:
+        raise NotImplementedError
+
+    def load_optimizer(self, state: dict[str, Any]) -> None:
+        self.t.optimizer.load_state_dict(state["optimizer"])
+
+    # ---- step -----------------------------------------------------------------------------------
+    def after_update(self) -> dict[str, float]:
+        """Bring what the rollout reads up to the updated weights; the requant metrics when there is a copy."""
+        if self.full is not None:
+            self.full.sync_()
+        if self.rollout_quant is None:
+            return {}
+        self.t.enter_phase("requant")
+        metrics = dict(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
+        self.t.record_phase_peak(metrics, "requant")  # sharded: one gathered layer at a time on top of the rest
+        return metrics
+
+    # ---- save -----------------------------------------------------------------------------------
+    def can_write_in_background(self) -> bool:
+        return False
+
+    def save(self, background: bool) -> Path:
+        """Checkpoint the trainer's step on rank 0 (the others wait for it), in the background where allowed."""
+        t = self.t
+        if not t.dist.is_main:
+            t.dist.barrier()
+            return ck.checkpoint_path(t.run, t.step)
+        t0 = t.clock()
+        t.writer.wait()  # the previous write, which may still read the snapshot buffers
+        marks = {"wait": time.perf_counter()}
+        state = {"optimizer": t.optimizer.state_dict(), **t.trainer_state()}
+        marks["state"] = time.perf_counter()
+        if background and self.can_write_in_background() and not t.dist.enabled:
+            path = self.save_in_background(state, marks)
+        else:
+            path = ck.save_checkpoint(t.run, t.step, t.model, state, t.cfg.to_dict(), t.cfg.keep_checkpoints,
+                                      full_weights=self.full.weights() if self.full is not None else None)
+            marks["write"] = t.clock()
+        t.last_checkpoint_s = list(marks.values())[-1] - t0
+        edges = [t0, *marks.values()]
+        t.last_checkpoint_parts = {k: b - a for k, a, b in zip(marks, edges[:-1], edges[1:], strict=True)}
+        t.dist.barrier()
+        return path
+
+    def save_in_background(self, state: dict[str, Any], marks: dict[str, float]) -> Path:
+        raise NotImplementedError
+
+
+class LoraMode(TrainingMode):
+    """peft adapters on the frozen base (qerl_cli/lora.py); only they train and only they are saved."""
+
+    def build(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
+        from qerl_cli.lora import attach_lora, make_lora_config  # peft: imported only when LoRA trains
+
+        c = self.t.cfg
+        model = attach_lora(base, make_lora_config(c.lora_rank, c.lora_alpha, c.lora_targets, c.lora_dropout),
+                            seed=c.seed)
+        params = [p for n, p in model.named_parameters() if p.requires_grad]
+        if not params or any("lora_" not in n for n, p in model.named_parameters() if p.requires_grad):
+            raise QerlError("only LoRA adapters may be trainable; check --lora-targets")
+        self.attach_rollout_copy(model)
+        return model, params
+
+    def load_weights(self, ckpt: Path) -> None:
+        ck.load_adapter_weights(self.t.model, ckpt)
+
+    def can_write_in_background(self) -> bool:
+        return True
+
+    def save_in_background(self, state: dict[str, Any], marks: dict[str, float]) -> Path:
+        """Host copies queued on the device (never waited for here: the step's critical path pays for launching
+        them), written by the writer thread once they have landed."""
+        from qerl_cli.lora import lora_state_dict
+
+        t = self.t
+        state = t.snapshot.take(state, "state")
+        adapter = t.snapshot.take(lora_state_dict(t.model), "adapter")
+        marks["snapshot"] = time.perf_counter()
+        rng, ready = ck.rng_state(), t.snapshot.ready()
+        run, model, step, config, keep = t.run, t.model, t.step, t.cfg.to_dict(), t.cfg.keep_checkpoints
+        marks["rng"] = time.perf_counter()
+
+        def write() -> Path:
+            ready()
+            return ck.save_checkpoint(run, step, model, state, config, keep, adapter_state=adapter, rng=rng)
+
+        t.writer.submit(write)
+        marks["submit"] = time.perf_counter()
+        return ck.checkpoint_path(run, step)
+
+
+class FullMode(TrainingMode):
+    """Every weight but the embeddings trains in fp32 masters on one process (train/full_finetune.py)."""
+
+    def build(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
+        from qerl_cli.train.full_finetune import FullFinetune
+
+        self.full = FullFinetune(base)
+        self.attach_rollout_copy(base)
+        return base, self.full.params
+
+    def check_checkpoint(self, ckpt: Path) -> None:
+        if ck.checkpoint_kind(ckpt) == ck.FULL_SHARDED:
+            raise QerlError(f"checkpoint {ckpt} was written by --sharding fsdp2 (sharded weights and optimizer): "
+                            "resume it with --sharding fsdp2 on any number of processes")
+
+    def load_weights(self, ckpt: Path) -> None:
+        self.full.load(ckpt)
+
+
+class ShardedFullMode(TrainingMode):
+    """Full fine-tuning sharded with FSDP2 (train/fsdp.py): the rollout copy is built first from the whole weights,
+    which once sharded are only ever gathered one layer at a time."""
+
+    sharded = True
+
+    def build(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
+        from qerl_cli.train.fsdp import ShardedFullFinetune, rollout_private_names
+        from qerl_cli.train.rollout_quant import RolloutQuant
+
+        t, c = self.t, self.t.cfg
+        self.rollout_quant = RolloutQuant(base, c.rollout_quant, scales=c.requant_scales or "dynamic",
+                                          dtype=t.dtype, private=rollout_private_names(base))
+        self.full = ShardedFullFinetune(base, t.device, compute_dtype=t.dtype, offload=c.fsdp_offload, ctx=t.dist)
+        self.rollout_quant.bind_gather(self.full.gather_units())
+        return base, self.full.params
+
+    def aqn_model(self) -> nn.Module:
+        return self.rollout_quant.model  # the engine overrides the rollout copy's own norms
+
+    def optimizer_options(self) -> dict[str, Any]:
+        return self.full.optimizer_options
+
+    def finite_ctx(self) -> Any:
+        return self.t.dist
+
+    def check_checkpoint(self, ckpt: Path) -> None:
+        if ck.checkpoint_kind(ckpt) != ck.FULL_SHARDED:
+            raise QerlError(f"checkpoint {ckpt} was written without sharding: resume it with --sharding none on one "
+                            "process")
+
+    def load_weights(self, ckpt: Path) -> None:
+        # with the optimizer: every rank reads the rows of its own shard, whatever world size wrote them
+        self.full.load(ckpt, self.t.optimizer)
+
+    def load_optimizer(self, state: dict[str, Any]) -> None:
+        pass  # restored with the weights' shards
+
+    def save(self, background: bool) -> Path:
+        """Every rank writes its rows of the weights and AdamW state into rank 0's staging directory, rank 0 the
+        rest; `latest` moves when all of it is there. Synchronous."""
+        t = self.t
+        t0 = t.clock()
+        if t.dist.is_main:
+            path = ck.save_checkpoint(t.run, t.step, t.model, t.trainer_state(), t.cfg.to_dict(),
+                                      t.cfg.keep_checkpoints,
+                                      weights_writer=lambda tmp: self.full.write_checkpoint(tmp, t.optimizer))
+        else:
+            self.full.write_checkpoint(None, t.optimizer)
+            path = ck.checkpoint_path(t.run, t.step)
+        t.last_checkpoint_s = t.clock() - t0
+        t.dist.barrier()
+        return path
+
+
+def make_mode(trainer: Any, sharding: str) -> TrainingMode:
+    """The mode of this run's resolved configuration and sharding engine (``resolve_sharding``)."""
+    if sharding == "fsdp2":
+        return ShardedFullMode(trainer)
+    if trainer.cfg.finetune == "full":
+        return FullMode(trainer)
+    return LoraMode(trainer)
+
+
+__all__ = ["FullMode", "LoraMode", "ShardedFullMode", "TrainingMode", "make_mode"]
