@@ -56,7 +56,7 @@ def align_blocks(expert_ids: torch.Tensor, num_experts: int,
 
 
 @triton.jit
-def _grouped_kernel(x_ptr, rows_ptr, bexp_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, h_ptr, b_ptr, y_ptr,
+def _moe_grouped_kernel(x_ptr, rows_ptr, bexp_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, h_ptr, b_ptr, y_ptr,
                     M, N, K, R, E, x_div, stride_xm, stride_we, stride_se, stride_ym, stride_hm, alpha, F,
                     KIND: tl.constexpr, HAS_LORA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, BR: tl.constexpr, DECODE: tl.constexpr, F32: tl.constexpr,
@@ -148,5 +148,5 @@ def grouped_linear(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tens
     meta = dict(KIND=code, HAS_LORA=has_lora, BM=BLOCK_M, BN=bn, BK=bk, BR=max(16, triton.next_power_of_2(max(r, 1))),
                 F32=f32, F16=x.dtype == torch.float16, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, num_warps=4,
                 num_stages=1 if INTERPRET else 3)
-    launch_fp4(_grouped_kernel, grid, args, None, **meta)
+    launch_fp4(_moe_grouped_kernel, grid, args, None, **meta)
     return y
