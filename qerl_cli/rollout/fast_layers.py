@@ -297,6 +297,7 @@ class MoePlan:
         from qerl_cli.moe import LoraFactors
 
         self.gate = block.gate
+        self.top_k = int(block.top_k)
         experts = block.experts
         factors = getattr(experts, "factors", None)
         self.masters = factors() if callable(factors) else {}  # peft's qerl_cli.lora.ParamWrapper, or none

@@ -81,19 +81,41 @@ class MemoryPlanError(QerlError):
 @dataclass(frozen=True)
 class ModelDims:
     hidden: int
-    intermediate: int
+    intermediate: int  # one MLP's (one expert's, in a mixture of experts)
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
     vocab: int
+    experts: int = 0  # mixture of experts: experts per layer, all resident (0: a dense MLP)
+    top_k: int = 0  # ... and experts per token
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelDims:
+        from qerl_cli.moe import MoeDims
+
         heads = int(cfg.num_attention_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        return cls(int(cfg.hidden_size), int(cfg.intermediate_size), int(cfg.num_hidden_layers), heads,
-                   int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim, int(cfg.vocab_size))
+        moe = MoeDims.from_config(cfg)
+        inter = moe.intermediate if moe is not None else int(cfg.intermediate_size)
+        return cls(int(cfg.hidden_size), inter, int(cfg.num_hidden_layers), heads,
+                   int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim, int(cfg.vocab_size),
+                   moe.experts if moe else 0, moe.top_k if moe else 0)
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP width one token runs through: the top-k experts' together in a mixture of experts."""
+        return self.intermediate * (self.top_k or 1)
+
+    @property
+    def moe_token_extra(self) -> int:
+        """Per token and sparse layer, besides the MLP's width: the k expert outputs before they are summed and the
+        router's logits and fp32 probabilities (in dtype elements, counted as 3 per expert)."""
+        return self.top_k * self.hidden + 3 * self.experts if self.experts else 0
+
+    def mlp_copies(self, target: str) -> int:
+        """How many of a projection each layer holds: every expert's MLP projection, one of anything else."""
+        return self.experts if self.experts and target in PROJECTION_GROUPS[2] + PROJECTION_GROUPS[3] else 1
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each projection LoRA may target."""
@@ -104,6 +126,13 @@ class ModelDims:
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
         shapes = self.linear_shapes()
+        if self.experts:  # peft's LoRA on the stacked experts: gate and up are one fused projection
+            mlp = PROJECTION_GROUPS[2] + PROJECTION_GROUPS[3]
+            attn = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes and t not in mlp)
+            gate_up = any(t in targets for t in PROJECTION_GROUPS[2])
+            h, i = self.hidden, self.intermediate
+            experts = self.experts * rank * ((h + 2 * i if gate_up else 0) + (i + h if "down_proj" in targets else 0))
+            return self.layers * (attn + experts)
         return self.layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
 
     def shadow_elems(self, rank: int, targets: list[str]) -> int:
@@ -111,7 +140,11 @@ class ModelDims:
         the concatenated A [sum r, in] and, the group being one fused GEMM, the block-diagonal B [sum out, sum r]."""
         shapes = self.linear_shapes()
         per_layer = 0
+        if self.experts:  # the experts' copies are their factors in dtype, [E, r, K] and [E, N, r]
+            per_layer = self.lora_params(rank, [t for t in targets if self.mlp_copies(t) > 1]) // self.layers
         for group in PROJECTION_GROUPS:
+            if self.experts and self.mlp_copies(group[0]) > 1:
+                continue
             r = rank * sum(1 for t in group if t in targets)
             if r:
                 per_layer += r * shapes[group[0]][0] + r * sum(shapes[t][1] for t in group)
@@ -121,11 +154,11 @@ class ModelDims:
         return 2 * self.layers * self.kv_heads * self.head_dim * elem
 
     def act_bytes_per_token_layer(self, elem: int) -> int:
-        return (11 * self.hidden + 4 * self.intermediate) * elem
+        return (11 * self.hidden + 4 * self.active_intermediate + self.moe_token_extra) * elem
 
     def grad_bytes_per_token_layer(self, elem: int) -> int:
         """Gradients in flight inside one layer's backward (the MLP's three [I] ones, the residual's two [H])."""
-        return (3 * self.intermediate + 2 * self.hidden) * elem
+        return (3 * self.active_intermediate + 2 * self.hidden + self.moe_token_extra) * elem
 
     def largest_linear(self) -> int:
         return max(i * o for i, o in self.linear_shapes().values())
@@ -189,16 +222,19 @@ def weight_bytes(model_config: Any, fmt: str, elem: int, *, kernels: bool, store
     shapes = d.linear_shapes()
     linears = derived = extra = 0
     for name, (k, n) in shapes.items():
-        linears += linear_bytes(fmt, n, k, elem)
-        if kernels:
+        copies = d.mlp_copies(name)
+        linears += copies * linear_bytes(fmt, n, k, elem)
+        if kernels and copies == 1:  # the experts' grouped kernel reads the stored tensors as they are
             has_bias = bias and name in PROJECTION_GROUPS[0]
             derived += kernel_dispatch.derived_bytes(fmt, n, k, elem, has_bias)
             extra += kernel_dispatch.extra_copy_bytes(fmt, n, k)
     if kernels:  # the rollout's fused q/k/v and gate/up may get a peer copy of their own
-        for group in (PROJECTION_GROUPS[0], PROJECTION_GROUPS[2]):
+        for group in (PROJECTION_GROUPS[0], PROJECTION_GROUPS[2])[:1 if d.experts else 2]:
             extra += kernel_dispatch.extra_copy_bytes(fmt, sum(shapes[t][1] for t in group), shapes[group[0]][0])
+    linears += d.experts * d.hidden * elem  # the routers, kept in the model dtype
     biases = sum(shapes[t][1] for t in PROJECTION_GROUPS[0]) * elem if bias else 0
-    norms = (2 * d.hidden + (2 * d.head_dim if getattr(model_config, "model_type", "") == "qwen3" else 0)) * elem
+    qk_norms = getattr(model_config, "model_type", "") in ("qwen3", "qwen3_moe")
+    norms = (2 * d.hidden + (2 * d.head_dim if qk_norms else 0)) * elem
     embed = d.vocab * d.hidden * elem
     head = 0 if getattr(model_config, "tie_word_embeddings", False) else embed
     rotary = d.head_dim * 4  # the rotary embedding's fp32 inv_freq and original_inv_freq buffers
@@ -341,7 +377,7 @@ def _activations(dims: ModelDims, elem: int, tokens: int, gc: bool) -> tuple[int
 def _recompute(dims: ModelDims, elem: int, tokens: int) -> int:
     """No-grad forward of one micro-batch: one layer's live intermediates (the MLP's gate/up/SiLU/product with
     a LoRA sum in flight, the residual stream, the norms' fp32 copies)."""
-    return tokens * (4 * dims.intermediate + 10 * dims.hidden) * elem
+    return tokens * (4 * dims.active_intermediate + 10 * dims.hidden + dims.moe_token_extra) * elem
 
 
 def _logprobs(dims: ModelDims, elem: int, tokens: int, completion_tokens: int, chunk: int) -> tuple[int, int]:
@@ -356,7 +392,7 @@ def rollout_reserve(dims: ModelDims, elem: int, slots: int, prefill_tokens: int 
     """The builtin engine's activation reserve for ``slots`` sequences, in bytes (its own formula)."""
     from qerl_cli.rollout.kv_cache import activation_reserve
 
-    return activation_reserve(hidden=dims.hidden, intermediate=dims.intermediate, heads=dims.heads,
+    return activation_reserve(hidden=dims.hidden, intermediate=dims.active_intermediate, heads=dims.heads,
                               kv_heads=dims.kv_heads, head_dim=dims.head_dim, layers=dims.layers, vocab=dims.vocab,
                               elem=elem, prefill_tokens=prefill_tokens, slots=slots)
 
