@@ -100,6 +100,8 @@ class MoeExperts(nn.Module):
             for name in self.tensor_names[proj][1:]:
                 self.register_buffer(f"{proj}_{name}", tensors[proj][name])
         self.cache_dequantized = False  # CPU: dequantize each stack once (QuantLinear's switch, same reason)
+        # the grouped kernels: None = on CUDA; True also runs them elsewhere (the CPU tests, under the interpreter)
+        self.use_kernels: bool | None = None
         self.dequantized_cache: dict[str, torch.Tensor] = {}
         self.mxfp4_shift: dict[str, int] = {}
 
@@ -182,7 +184,7 @@ class MoeExperts(nn.Module):
     def kernel_kind(self, x: torch.Tensor) -> str | None:
         """What ``qerl_kernels.moe.grouped_linear`` runs this format as on x's device ("dense" for the plain
         format and for the formats without a grouped kernel, from a dequantized copy), None: the per-expert loop."""
-        if not x.is_cuda:
+        if self.use_kernels is False or (self.use_kernels is None and not x.is_cuda):
             return None
         try:
             import qerl_kernels.moe  # noqa: F401
