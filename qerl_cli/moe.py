@@ -327,7 +327,7 @@ def _project_grouped(experts: MoeExperts, proj: str, x: torch.Tensor, routing: R
         from qerl_kernels.fp4 import mxfp4_shift
 
         shift = experts.mxfp4_shift[proj] = mxfp4_shift(t["weight_scale"])
-    return grouped_linear(x, routing.rows, routing.block_expert, kind=kind, weight=t["weight_packed"],
+    return grouped_linear(xb, routing.rows, routing.block_expert, kind=kind, weight=t["weight_packed"],
                           scale=t["weight_scale"], global_scale=t.get("weight_global_scale"), shift=shift or 0,
                           lora_h=h, lora_b=bs, **common)
 
