@@ -147,6 +147,34 @@ def expert_parameters(model: nn.Module, targets: list[str] | tuple[str, ...]) ->
     return [f"mlp.experts.{p}" for p in PROJECTIONS if any(t in EXPERT_TARGETS[p] for t in targets)]
 
 
+def per_expert_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """An adapter's stacked expert factors (peft-named ``tensors`` of ``model``) as one LoRA per expert and checkpoint
+    linear, ``<layer>.mlp.experts.<e>.{gate,up,down}_proj.lora_A|B.weight``: the layout of adapters trained on
+    per-expert modules, which vLLM's fused-MoE LoRA reads. Exact: expert e's gate and up share its A, each takes its
+    rows of B, same rank and scaling. Returns (tensors, the module names now targeted)."""
+    out = dict(tensors)
+    targets: set[str] = set()
+    from qerl_cli.moe import CHECKPOINT_PARTS
+
+    for name, m in model.named_modules():
+        if not isinstance(m, ParamWrapper) or f"{name}.lora_A.weight" not in out:
+            continue
+        a, b = out.pop(f"{name}.lora_A.weight"), out.pop(f"{name}.lora_B.weight")
+        e = m.num_experts
+        a, b = a.view(e, -1, a.shape[1]), b.view(b.shape[0], -1, e).permute(2, 0, 1)
+        prefix = name
+        while prefix.endswith(".base_layer"):
+            prefix = prefix.removesuffix(".base_layer")
+        parts = CHECKPOINT_PARTS[m.parameter_name]
+        rows = b.shape[1] // len(parts)
+        for i in range(e):
+            for j, part in enumerate(parts):
+                out[f"{prefix}.{i}.{part}.lora_A.weight"] = a[i].clone()
+                out[f"{prefix}.{i}.{part}.lora_B.weight"] = b[i, j * rows:(j + 1) * rows].clone()
+        targets.update(parts)
+    return out, targets
+
+
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's tensors under their ``model.state_dict()`` names, without calling ``state_dict()``.
 

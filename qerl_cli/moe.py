@@ -160,7 +160,8 @@ class MoeExperts(nn.Module):
             for e in range(self.num_experts):
                 full = self.expert_tensors(proj, e).tensors
                 for i, part in enumerate(parts):
-                    t = {name: (v[i * rows:(i + 1) * rows] if _row_split(name, v, n) else v)
+                    # a shared tensor (the global scale) is copied per part: safetensors refuses aliased entries
+                    t = {name: (v[i * rows:(i + 1) * rows] if _row_split(name, v, n) else v.clone())
                          for name, v in full.items()}
                     if self.shape_tensor:
                         t[_SHAPE] = torch.tensor([rows, k], dtype=torch.int64)
