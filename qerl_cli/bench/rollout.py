@@ -133,13 +133,14 @@ def _check_args(shape: str | None, run_dir: Path | None, formats: Iterable[str],
 
 
 # ---- model ---------------------------------------------------------------------------------------
-def attach_bench_lora(model: nn.Module, rank: int, seed: int) -> nn.Module:
-    """LoRA on every decoder linear with B ~ N(0, 1e-3): nonzero, so both adapter GEMMs really run."""
+def attach_bench_lora(model: nn.Module, rank: int, seed: int, targets: list[str] | None = None) -> nn.Module:
+    """LoRA on every decoder linear (or ``targets``) with B ~ N(0, 1e-3): nonzero, so both adapter GEMMs really
+    run (a mixture of experts: on every expert's projections too)."""
     if rank == 0:
         return model
     from qerl_cli.lora import attach_lora, make_lora_config
 
-    peft_model = attach_lora(model, make_lora_config(rank=rank), seed=seed)
+    peft_model = attach_lora(model, make_lora_config(rank=rank, targets=targets), seed=seed)
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
