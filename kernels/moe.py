@@ -2,8 +2,8 @@
 
 A token routed to k experts makes k assignments; assignment ``a`` is token ``a // k`` and its expert is
 ``expert_ids[a]``. ``align_blocks`` sorts the assignments by expert and pads each expert's run to a multiple of
-``BLOCK_M`` rows, all in fixed-size device tensors (no host sync, so a CUDA graph can hold it): ``rows`` names the
-assignment in each padded slot (``M`` for padding) and ``block_expert`` the expert of each block of ``BLOCK_M``
+``block_rows(M)`` rows, all in fixed-size device tensors (no host sync, so a CUDA graph can hold it): ``rows`` names
+the assignment in each padded slot (``M`` for padding) and ``block_expert`` the expert of each block of those
 slots (``num_experts`` for the unused blocks at the end, which return at once). ``grouped_linear`` runs one program
 per (block, N tile): it reads the block's activation rows by index (``rows // x_div``: the token for the first
 projection, the assignment itself for the second), streams that expert's weight tile (dense, or NVFP4/MXFP4 in the
@@ -26,7 +26,14 @@ from qerl_kernels.fp4 import NVFP4_F, e2m1_lut, fp4_tile, launch_fp4
 
 DENSE, NVFP4, MXFP4 = 0, 1, 2
 BLOCK_M = 16
+LARGE_BLOCK_M = 64  # from LARGE_M assignments on: an expert's weight tile is read once per block of rows
+LARGE_M = 4096
 KINDS = {"dense": DENSE, "nvfp4": NVFP4, "mxfp4": MXFP4}
+
+
+def block_rows(assignments: int) -> int:
+    """Rows per block: 16 at decode sizes (a few rows per expert, little padding), 64 for prefill and training."""
+    return LARGE_BLOCK_M if assignments >= LARGE_M else BLOCK_M
 
 
 def num_blocks(assignments: int, num_experts: int, block_m: int = BLOCK_M) -> int:
@@ -36,10 +43,12 @@ def num_blocks(assignments: int, num_experts: int, block_m: int = BLOCK_M) -> in
 
 
 def align_blocks(expert_ids: torch.Tensor, num_experts: int,
-                 block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows int32 [blocks * block_m], block_expert int32 [blocks]) for assignments routed to ``expert_ids``."""
+                 block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows int32 [blocks * block_m], block_expert int32 [blocks]) for assignments routed to ``expert_ids``;
+    ``block_m`` default: ``block_rows``."""
     flat = expert_ids.reshape(-1).to(torch.int64)
     m, dev = flat.numel(), flat.device
+    block_m = block_m or block_rows(m)
     blocks = num_blocks(m, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -141,11 +150,12 @@ def grouped_linear(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tens
     s = scale.view(torch.uint8) if scale is not None else weight
     gs = global_scale.reshape(-1).float() if global_scale is not None else s
     f = NVFP4_F if code == NVFP4 else shift
+    bm = rows.numel() // block_expert.numel()
     grid = (block_expert.numel(), triton.cdiv(n, bn))
     args = (x, rows, block_expert, weight, s, gs, e2m1_lut(x.device), h, b, y, out_rows, n, k, r, e, x_div,
             x.stride(0), weight.stride(0), s.stride(0) if scale is not None else 0, y.stride(0),
             h.stride(0), 2.0 ** (-f), f)
-    meta = dict(KIND=code, HAS_LORA=has_lora, BM=BLOCK_M, BN=bn, BK=bk, BR=max(16, triton.next_power_of_2(max(r, 1))),
+    meta = dict(KIND=code, HAS_LORA=has_lora, BM=bm, BN=bn, BK=bk, BR=max(16, triton.next_power_of_2(max(r, 1))),
                 F32=f32, F16=x.dtype == torch.float16, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, num_warps=4,
                 num_stages=1 if INTERPRET else 3)
     launch_fp4(_moe_grouped_kernel, grid, args, None, **meta)
