@@ -142,13 +142,13 @@ class MoeExperts(nn.Module):
             self.dequantized_cache[proj] = cached
         return cached
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
+        self.dequantized_cache = {}  # made from the tensors as they were (device, dtype)
+        return super()._apply(fn, recurse)
+
     @property
     def weight_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for p in PROJECTIONS for t in self.tensors(p).values())
-
-    def expert_nbytes(self) -> float:
-        """Bytes of one expert (all projections), what a decode step reads per expert it routes to."""
-        return self.weight_nbytes / self.num_experts
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:  # noqa: ANN001
         # the checkpoint layout: one linear per expert and part, gate/up split back out of the fused rows
@@ -438,8 +438,14 @@ def fuse_parts(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 def experts_from_checkpoint(state: dict[str, torch.Tensor], prefix: str, config: Any, fmt: str, dtype: torch.dtype,
                             group_size: int | None, act_quant: str | None) -> MoeExperts:
-    """Take one layer's per-expert tensors (``<prefix>.<e>.<part>.*``) out of ``state`` into a :class:`MoeExperts`."""
+    """Take one layer's per-expert tensors (``<prefix>.<e>.<part>.*``) out of ``state`` into a :class:`MoeExperts`
+    (unquantized experts, which ``--ignore`` leaves so, in the plain format whatever the checkpoint's)."""
+    from qerl_cli.formats import FORMATS
+
     spec = get_format(fmt)
+    if spec.quantized and f"{prefix}.0.gate_proj.weight" in state:
+        spec = next(f for f in FORMATS.values() if not f.quantized)
+        fmt, group_size, act_quant = spec.name, None, None
     e_count, inter, hidden = int(config.num_experts), int(config.moe_intermediate_size), int(config.hidden_size)
     tensors: dict[str, dict[str, list[torch.Tensor]]] = {p: {} for p in PROJECTIONS}
     shape_tensor = False

@@ -129,10 +129,7 @@ def quantize_model(
         if loaded is None and notice is not None and (line := conversion_notice(src)):
             notice(line)
         hf_model, tokenizer = loaded if loaded is not None else load_model(src, dtype=torch.float32)
-        targets, skipped = target_linears(hf_model, ignore)
-        experts = expert_linears(hf_model, ignore, spec, method)
-        targets.update(experts.targets)
-        skipped += experts.skipped
+        targets, skipped, experts = quantize_targets(hf_model, ignore, spec, method)
         if not targets:
             raise QerlError(f"no Linear layer left to quantize after --ignore {ignore}")
         _check_shapes(spec, targets)
@@ -194,6 +191,15 @@ class ExpertLinears:
     prefixes: tuple[str, ...] = ()  # the experts modules, whose own state-dict entries are replaced by these
 
 
+def quantize_targets(model: torch.nn.Module, ignore: list[str], spec: WeightFormat,
+                     method: str) -> tuple[dict[str, torch.nn.Module], list[str], ExpertLinears]:
+    """The linears to quantize (a MoE model's experts as per-expert linears among them), the names left
+    unquantized, and the experts' part of both."""
+    targets, skipped = target_linears(model, ignore)
+    experts = expert_linears(model, ignore, spec, method)
+    return {**targets, **experts.targets}, skipped + experts.skipped, experts
+
+
 def expert_linears(model: torch.nn.Module, ignore: list[str], spec: WeightFormat, method: str) -> ExpertLinears:
     """Every expert projection of a MoE model as `<layer>.mlp.experts.<e>.{gate,up,down}_proj` (the names
     llm-compressor writes and vLLM loads); the routers (`mlp.gate`) stay in the model dtype. Empty for a dense model."""
@@ -213,17 +219,20 @@ def expert_linears(model: torch.nn.Module, ignore: list[str], spec: WeightFormat
         out.skipped.append(f"{layer}.gate")
         out.prefixes += (f"{layer}.experts.",)
         stacks = dense_experts(block.experts)
-        for proj, parts in CHECKPOINT_PARTS.items():
-            for e, w in enumerate(stacks[proj]):
-                for part, view in zip(parts, w.chunk(len(parts)), strict=True):
-                    name = f"{layer}.experts.{e}.{part}"
-                    if matches(name, ignore):
-                        out.skipped.append(name)
-                        out.plain[f"{name}.weight"] = view
-                        continue
-                    lin = torch.nn.Linear(view.shape[1], view.shape[0], bias=False, device="meta")
-                    lin.weight = torch.nn.Parameter(view, requires_grad=False)
-                    out.targets[name] = lin
+        linears = {f"{layer}.experts.{e}.{part}": view for proj, parts in CHECKPOINT_PARTS.items()
+                   for e, w in enumerate(stacks[proj]) for part, view in zip(parts, w.chunk(len(parts)), strict=True)}
+        ignored = [n for n in linears if matches(n, ignore)]
+        if ignored and len(ignored) < len(linears):  # one layer's experts are one stack in one format
+            raise QerlError(f"--ignore leaves {ignored[0]} unquantized but not all of {layer}'s experts: ignore all "
+                            r"experts (--ignore 're:.*mlp\.experts\..*') or none")
+        for name, view in linears.items():
+            if ignored:
+                out.skipped.append(name)
+                out.plain[f"{name}.weight"] = view
+                continue
+            lin = torch.nn.Linear(view.shape[1], view.shape[0], bias=False, device="meta")
+            lin.weight = torch.nn.Parameter(view, requires_grad=False)
+            out.targets[name] = lin
     return out
 
 

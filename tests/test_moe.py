@@ -364,3 +364,20 @@ def test_refusals_are_one_line(source, tmp_path) -> None:
                     {"weight_packed": torch.zeros(2, 4), "weight_global_scale": torch.full((1,), 2.0)}])
     with pytest.raises(QerlError, match="every layer is sparse"):
         check_moe_config(tiny_config(source[1], mlp_only_layers=[1]))
+    with pytest.raises(QerlError, match="or none"):
+        quantize_model(tmp_path / "some", None, fmt="nvfp4", ignore=["lm_head", r"re:.*experts\.3\..*"],
+                       loaded=source)
+
+
+def test_ignoring_every_expert_keeps_them_plain(source, tmp_path) -> None:
+    from qerl_cli.models import load_model
+    from qerl_cli.quantize import quantize_model
+
+    res = quantize_model(tmp_path / "run", None, fmt="nvfp4", ignore=["lm_head", r"re:.*mlp\.experts\..*"],
+                         loaded=source)
+    assert res.summary()["layers_quantized"] == 2 * 4  # attention only
+    model, _ = load_model(str(res.model_dir), dtype=torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    assert not experts.format.quantized and experts.gate_up_proj.dtype == torch.float32
+    want = source[0].model.layers[0].mlp.experts.gate_up_proj[4].bfloat16().float()
+    assert torch.equal(experts.expert_weight("gate_up_proj", 4, torch.float32), want)
