@@ -640,7 +640,11 @@ def _moe_graph_rel(experts: torch.nn.Module, x0: torch.Tensor, index: torch.Tens
 
 
 def main() -> int:
-    res = run_selfcheck() + check_moe_kernels()
+    """``python -m qerl_cli.bench.kernel_selfcheck [--moe] [OUT.json]``: every check (``--moe``: the grouped expert
+    GEMMs only)."""
+    moe_only = "--moe" in sys.argv[1:]
+    paths = [a for a in sys.argv[1:] if a != "--moe"]
+    res = check_moe_kernels() if moe_only else run_selfcheck() + check_moe_kernels()
     bad = [r for r in res if not r["ok"]]
     for r in bad:
         print("FAIL", json.dumps(r))
@@ -652,8 +656,8 @@ def main() -> int:
     for k, v in sorted(worst.items()):
         print(f"  {k:48s} worst rel err {v:.2e}")
     print(f"selfcheck: {len(res) - len(bad)}/{len(res)} passed")
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
+    if paths:
+        with open(paths[0], "w") as f:
             json.dump(res, f, indent=1)
     return 1 if bad else 0
 
