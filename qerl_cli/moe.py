@@ -334,21 +334,36 @@ def _project_grouped(experts: MoeExperts, proj: str, x: torch.Tensor, routing: R
 
 
 # ---- the sparse block --------------------------------------------------------------------------------------------
-class MoeBlock(nn.Module):
-    """A sparse MLP: transformers' router (``gate``) and qerl's experts. In training mode it records the routing
-    (per-expert assignment counts and mean router probabilities, on the device) for :func:`router_metrics`."""
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int,
+          norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE's routing of tokens x [T, H] by the router weight [E, H]: (logits [T, E], weights [T, k] in the
+    logits' dtype, expert index [T, k]). Softmax in fp32, top-k, renormalised over the k when ``norm_topk_prob``,
+    exactly as transformers' router computes it."""
+    logits = F.linear(x, weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, index = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), index
 
-    def __init__(self, gate: nn.Module, experts: nn.Module, top_k: int) -> None:
+
+class MoeBlock(nn.Module):
+    """A sparse MLP: transformers' router module (``gate``, whose weight :func:`route` reads) and qerl's experts. In
+    training mode it records the routing (per-expert assignment counts and mean router probabilities, on the device)
+    for :func:`router_metrics`."""
+
+    def __init__(self, gate: nn.Module, experts: nn.Module, top_k: int, norm_topk_prob: bool = True) -> None:
         super().__init__()
         self.gate = gate
         self.experts = experts
         self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
         self.stats: dict[str, torch.Tensor] | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        logits, weights, index = self.gate(x)
+        logits, weights, index = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
         if self.training:
             self.record(logits, index)
         return self.experts(x, index, weights).reshape(shape)
@@ -486,7 +501,8 @@ def adopt(model: nn.Module, make_experts: Any) -> list[str]:
             continue
         parent, _, leaf = name.rpartition(".")
         experts = make_experts(name, block)
-        setattr(model.get_submodule(parent), leaf, MoeBlock(block.gate, experts, int(model.config.num_experts_per_tok)))
+        setattr(model.get_submodule(parent), leaf, MoeBlock(block.gate, experts, int(model.config.num_experts_per_tok),
+                                                            bool(getattr(model.config, "norm_topk_prob", True))))
         names.append(f"{name}.experts")
     return names
 

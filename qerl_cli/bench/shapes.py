@@ -197,7 +197,7 @@ def _random_experts(model: nn.Module, prefix: str, spec: ModelShape, fmt: str, d
     experts = quantize_experts(gate_up, down, fmt, dtype=dtype)
     experts.cache_dequantized = device.type == "cpu"  # as QuantLinear on CPU
     del gate_up, down
-    set_module(model, f"{prefix}.mlp", MoeBlock(gate, experts, spec.top_k))
+    set_module(model, f"{prefix}.mlp", MoeBlock(gate, experts, spec.top_k, bool(model.config.norm_topk_prob)))
 
 
 def build_random_model(shape: str | ModelShape, fmt: str, device: str | torch.device, *,

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.moe import MoeBlock
+from qerl_cli.moe import MoeBlock, route
 from qerl_cli.rollout.regions import region
 
 log = logging.getLogger("qerl.rollout")
@@ -297,7 +297,7 @@ class MoePlan:
         from qerl_cli.moe import LoraFactors
 
         self.gate = block.gate
-        self.top_k = int(block.top_k)
+        self.top_k, self.norm_topk_prob = int(block.top_k), bool(block.norm_topk_prob)
         experts = block.experts
         factors = getattr(experts, "factors", None)
         self.masters = factors() if callable(factors) else {}  # peft's qerl_cli.lora.ParamWrapper, or none
@@ -320,7 +320,7 @@ class MoePlan:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.hidden)
         with region("dense"):
-            _, weights, index = self.gate(x2)
+            _, weights, index = route(x2, self.gate.weight, self.top_k, self.norm_topk_prob)
         with region("qgemm"):
             return self.base(x2, index, weights, lora=self.lora).view(x.shape)
 
