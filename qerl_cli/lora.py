@@ -25,7 +25,7 @@ from peft.tuners.lora.layer import ParamWrapper as PeftParamWrapper
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.moe import PROJECTIONS, LoraFactors, MoeExperts
+from qerl_cli.moe import CHECKPOINT_PARTS, PROJECTIONS, LoraFactors, MoeExperts
 from qerl_cli.qlinear import QuantLinear
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -154,8 +154,6 @@ def per_expert_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> tu
     rows of B, same rank and scaling. Returns (tensors, the module names now targeted)."""
     out = dict(tensors)
     targets: set[str] = set()
-    from qerl_cli.moe import CHECKPOINT_PARTS
-
     for name, m in model.named_modules():
         if not isinstance(m, ParamWrapper) or f"{name}.lora_A.weight" not in out:
             continue
@@ -288,4 +286,4 @@ def adapter_hash(adapter_dir: Path) -> str:
 def adapter_summary(adapter_dir: Path) -> dict[str, Any]:
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     return {"r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "target_modules": cfg.get("target_modules"),
-            "sha256": adapter_hash(adapter_dir)}
+            "target_parameters": cfg.get("target_parameters"), "sha256": adapter_hash(adapter_dir)}
