@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import triton
-from qerl_kernels._common import INTERPRET, TileConfig, num_sms, split_k_for
+from qerl_kernels._common import INTERPRET, TileConfig, cdiv, num_sms, split_k_for
 from qerl_kernels.fp4 import (
     fp4_dequantize,
     fp4_dequantize_v2,
@@ -59,7 +59,7 @@ def fp4_config(m: int, n: int, k: int, sms: int = 132, repacked: bool = True) ->
             bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
         else:
             bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        tiles = cdiv(m, bm) * cdiv(n, bn)
         return TileConfig(bm, bn, bk, warps, stages, split_k_for(tiles, k, bk, sms))
     # repacked (tiled) kernel, from the sweep of one Qwen2.5-7B layer on an H200 (docs/benchmarks.md)
     waves, max_split = 2, 16
@@ -74,7 +74,7 @@ def fp4_config(m: int, n: int, k: int, sms: int = 132, repacked: bool = True) ->
         max_split = 8
     else:
         bm, bn, bk, warps, stages = 256, 128, 128, 8, 3
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     return TileConfig(bm, bn, bk, warps, stages, split_k_for(tiles, k, bk, sms, max_split, waves))
 
 
@@ -92,7 +92,7 @@ def w8_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
         bm, bn, bk, warps, stages = max(16, triton.next_power_of_2(m)), 128, 128, 4, 4
     else:
         bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     return TileConfig(bm, bn, bk, warps, stages, split_k_for(tiles, k, bk, sms))
 
 
@@ -103,7 +103,7 @@ def w8_t_config(m: int, n: int, k: int) -> TileConfig:
 # ---- per-module state (load-time, cached in module.kernel_layout_state) ----------------------------------
 @dataclass
 class KernelState:
-    key: tuple
+    key: tuple  # ((name, tensor, data_ptr), ...) of the buffers it was derived from (`kernel_state` checks them)
     fmt: str
     n: int
     k: int
@@ -113,24 +113,39 @@ class KernelState:
     kscales: dict = field(default_factory=dict)  # activation dtype -> fp4.kernel_scales(...) (`block_scales`)
     fp8_scale_row: torch.Tensor | None = None  # FP8 weight scale as fp32 [1, N] for torch._scaled_mm
     extra: dict = field(default_factory=dict)
+    tensors: dict = field(default_factory=dict)  # module_tensors(module) as built: the same objects while valid
 
 
 def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: getattr(module, name) for name in module.tensor_names}
 
 
-def _key(module: nn.Module) -> tuple:
-    return tuple((name, t.data_ptr(), t.device, t.dtype) for name, t in module_tensors(module).items())
+def _current(module: nn.Module, name: str) -> torch.Tensor:
+    # a registered buffer straight from the module's dict: nn.Module.__getattr__ costs ~1 us per name per call
+    bufs = getattr(module, "_buffers", None)
+    t = bufs.get(name) if bufs is not None else None
+    return t if t is not None else getattr(module, name)
+
+
+def _still_valid(st: KernelState, module: nn.Module) -> bool:
+    """The state was derived from the buffers the module holds now (same tensors at the same addresses: a
+    `.to()`, a fuse or a reassignment replaces them, an in-place update keeps them)."""
+    for name, t, ptr in st.key:
+        cur = _current(module, name)
+        if cur is not t or cur.data_ptr() != ptr:
+            return False
+    return True
 
 
 def kernel_state(module: nn.Module) -> KernelState:
-    """Derived, load-time data for `module` (rebuilt when its buffers move or change)."""
-    key = _key(module)
+    """Derived, load-time data for `module` (rebuilt when its buffers move or change). Checked on every kernel
+    call, so the check is a few identity and address compares; `st.tensors` saves the callers a dict per call."""
     st = getattr(module, "kernel_layout_state", None)
-    if isinstance(st, KernelState) and st.key == key:
+    if isinstance(st, KernelState) and _still_valid(st, module):
         return st
-    t = module_tensors(module)
-    st = KernelState(key, module.fmt, module.out_features, module.in_features)
+    t = {name: _current(module, name) for name in module.tensor_names}
+    key = tuple((name, v, v.data_ptr()) for name, v in t.items())
+    st = KernelState(key, module.fmt, module.out_features, module.in_features, tensors=t)
     if module.fmt == "mxfp4":
         st.shift = mxfp4_shift(t["weight_scale"])
     layout = getattr(module, "_layout", None)
@@ -161,7 +176,7 @@ def block_scales(module: nn.Module, st: KernelState, dtype: torch.dtype) -> torc
         if fst.repacked is not None and (fst.tiled, fst.shift) == (st.tiled, st.shift) and aligned:
             ks = block_scales(fused, fst, dtype)[row:row + st.n]
     if ks is None:
-        ks = kernel_scales(module_tensors(module)["weight_scale"], st.fmt, dtype, st.shift, tiled=st.tiled)
+        ks = kernel_scales(st.tensors["weight_scale"], st.fmt, dtype, st.shift, tiled=st.tiled)
     st.kscales[dtype] = ks
     return ks
 
@@ -179,7 +194,7 @@ def use_fp8_activations(x: torch.Tensor, st: KernelState) -> bool:
 def fp4_fused(x: torch.Tensor, module: nn.Module, cfg: TileConfig | None = None) -> torch.Tensor:
     """The fused FP4 kernel (repacked layout when the state has it), bias included."""
     st = kernel_state(module)
-    t = module_tensors(module)
+    t = st.tensors
     gs = t.get("weight_global_scale")
     m = x.shape[0]
     if st.repacked is not None:
@@ -212,7 +227,7 @@ def cuda_fused(x: torch.Tensor, module: nn.Module, lora_h: torch.Tensor | None =
     st = kernel_state(module)
     if st.repacked is None:
         raise ValueError("the CUDA FP4 kernel reads the repacked layout (K % 128 == 0, QERL_FP4_REPACK=1)")
-    t = module_tensors(module)
+    t = st.tensors
     bias = None
     if module.bias is not None:
         bias = st.extra.get("bias_f32")
@@ -235,7 +250,7 @@ def cuda_lora_supported(module: nn.Module, x: torch.Tensor, rank: int) -> bool:
 def dequantized(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """dequant(W) [N, K] from whichever byte order the module holds (transient; exact)."""
     st = kernel_state(module)
-    t = module_tensors(module)
+    t = st.tensors
     gs = t.get("weight_global_scale")
     if st.repacked is not None:
         return fp4_dequantize_v2(st.repacked, t["weight_scale"], gs, st.fmt, dtype, tiled=st.tiled)
@@ -251,7 +266,7 @@ def dequant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 def linear_backward_dx(dy: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """dx = dy @ dequant(W) for 2-D dy [M, N]."""
     st = kernel_state(module)
-    t = module_tensors(module)
+    t = st.tensors
     m = dy.shape[0]
     if st.fmt in FP4_FORMATS:
         gs = t.get("weight_global_scale")

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,9 @@ ENV = "QERL_LINEAR_BACKEND"
 CACHE_ENV = "QERL_KERNEL_CACHE"
 CANDIDATES_ENV = "QERL_DISPATCH_CANDIDATES"
 _plans: dict[tuple, dict[int, str]] = {}  # shape key -> {bucket: backend}
+# module -> {(dtype, rank, candidates setting, extra copies, epoch): plan}, a shortcut past `shape_key`
+_module_plans: weakref.WeakKeyDictionary[nn.Module, dict[tuple, dict[int, str]]] = weakref.WeakKeyDictionary()
+_epoch = 0  # bumped by `reset`, so no module keeps a forgotten plan
 _extra_copies = True  # may `auto` measure (and so choose) backends that keep their own copy of a weight?
 _disk: dict[str, Any] | None = None
 last_timings: dict[int, dict[str, float]] = {}  # the latest measure_plan's {bucket: {candidate: us}}
@@ -106,17 +110,35 @@ def choose(module: nn.Module, x: torch.Tensor, lora_rank: int | None = None) -> 
         return backend
     if backend == "qerl":
         return _threshold_choice(m)
-    key = shape_key(module, x.dtype, lora_rank)
+    plan = module_plan(module, x.dtype, lora_rank)
+    if plan is None:
+        return _threshold_choice(m)  # cannot time inside a graph capture; qerl's threshold meanwhile
+    choice = plan.get(bucket(m))
+    return choice if choice is not None else _threshold_choice(m)
+
+
+def module_plan(module: nn.Module, dtype: torch.dtype, lora_rank: int | None = None) -> dict[int, str] | None:
+    """`auto`'s {bucket: backend} for `module` (loaded, or measured now), or None inside a graph capture when it
+    is not known yet. Remembered per module: the shape key alone (format, shape, candidate list) costs ~15 us of
+    Python per call, and a training step calls this for every linear, forward and backward."""
+    memo_key = (dtype, lora_rank, os.environ.get(CANDIDATES_ENV), _extra_copies, _epoch)
+    per_module = _module_plans.get(module)
+    if per_module is not None:
+        plan = per_module.get(memo_key)
+        if plan is not None:
+            return plan
+    key = shape_key(module, dtype, lora_rank)
     plan = _plans.get(key)
     if plan is None:
         plan = _load_cached(key)
         if plan is None:
             if torch.cuda.is_current_stream_capturing():
-                return _threshold_choice(m)  # cannot time inside a graph capture; qerl's threshold meanwhile
-            plan = measure_plan(module, x.dtype, lora_rank=lora_rank)
+                return None
+            plan = measure_plan(module, dtype, lora_rank=lora_rank)
             _store_cached(key, plan)
         _plans[key] = plan
-    return plan.get(bucket(m), _threshold_choice(m))
+    _module_plans.setdefault(module, {})[memo_key] = plan
+    return plan
 
 
 def prepare(model: nn.Module | Iterable[nn.Module], dtype: torch.dtype = torch.bfloat16,
@@ -385,6 +407,8 @@ def plans() -> dict[str, dict[str, str]]:
 
 def reset() -> None:
     """Forget the in-memory plans (tests; after changing GPUs)."""
-    global _disk
+    global _disk, _epoch
     _plans.clear()
+    _module_plans.clear()
+    _epoch += 1
     _disk = None

@@ -27,7 +27,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from qerl_kernels._common import DECODE_ARITH, DECODE_ASM, DECODE_LUT, INTERPRET, TileConfig, interpreter_config
+from qerl_kernels._common import (
+    DECODE_ARITH,
+    DECODE_ASM,
+    DECODE_LUT,
+    INTERPRET,
+    TileConfig,
+    cdiv,
+    interpreter_config,
+)
 
 NVFP4_F = -8
 _P118 = tl.constexpr(2.0**118)
@@ -581,12 +589,12 @@ def fp4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
         cfg = interpreter_config(cfg)
     packed, s, gs, F, alpha = _launch_args(fmt, packed, scale, global_scale, shift)
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
-    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.bk)))
-    k_split = triton.cdiv(triton.cdiv(k, split), cfg.bk) * cfg.bk
-    split = triton.cdiv(k, k_split)
+    split = max(1, min(cfg.split_k, cdiv(k, cfg.bk)))
+    k_split = cdiv(cdiv(k, split), cfg.bk) * cfg.bk
+    split = cdiv(k, k_split)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     bias_arg = bias if bias is not None else y
-    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), split)
+    grid = (cdiv(m, cfg.bm) * cdiv(n, cfg.bn), split)
     _launch(
         _fp4_mm_kernel, grid,
         (x, packed, s, gs, e2m1_lut(x.device), bias_arg, y, ws, m, n, k, x.stride(0), y.stride(0), k_split, alpha, F),
@@ -598,7 +606,7 @@ def fp4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
     )
     if split > 1:
         block = 1024
-        splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+        splitk_reduce_kernel[(m, cdiv(n, block))](
             ws, bias_arg, y, m, n, y.stride(0), split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y
 
@@ -613,7 +621,7 @@ def fp4_matmul_t(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gl
         cfg = interpreter_config(cfg)
     packed, s, gs, F, alpha = _launch_args(fmt, packed, scale, global_scale, shift)
     dx = torch.empty((m, k), dtype=dy.dtype, device=dy.device)
-    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(k, cfg.bk),)
+    grid = (cdiv(m, cfg.bm) * cdiv(k, cfg.bk),)
     _launch(
         _fp4_mm_t_kernel, grid,
         (dy, packed, s, gs, e2m1_lut(dy.device), dx, m, n, k, dy.stride(0), dx.stride(0), alpha, F), decode,
@@ -632,7 +640,7 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
     out = torch.empty((n, k), dtype=dtype, device=packed.device)
     bk = min(bk, triton.next_power_of_2(k))
     dec = DECODE_LUT if decode == DECODE_LUT else DECODE_ARITH
-    _fp4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+    _fp4_dequant_kernel[(cdiv(n, bn), cdiv(k, bk))](
         packed, s, gs, e2m1_lut(packed.device), out, n, k, 0,
         NVFP4=fmt == "nvfp4", BN=bn, BK=bk, DECODE=dec, F32=True, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0,
         num_warps=4, num_stages=1 if INTERPRET else 2,
@@ -657,11 +665,11 @@ def fp4_dequantize_v2(repacked: torch.Tensor, scale: torch.Tensor, global_scale:
     out = torch.empty((n, k), dtype=dtype, device=repacked.device)
     args = (repacked, scale.view(torch.uint8), gs, out, n, k)
     if units is None and not INTERPRET:
-        _fp4_dequant_v2_tuned[lambda meta: (triton.cdiv(n, 64), triton.cdiv(k, meta["UN"] * 128))](
+        _fp4_dequant_v2_tuned[lambda meta: (cdiv(n, 64), cdiv(k, meta["UN"] * 128))](
             *args, NVFP4=fmt == "nvfp4", BN=64, TILED=tiled)
         return out
     units = units or 2  # a power of two; the last program of a row masks columns past K
-    _fp4_dequant_v2_kernel[(triton.cdiv(n, 64), triton.cdiv(k, units * 128))](
+    _fp4_dequant_v2_kernel[(cdiv(n, 64), cdiv(k, units * 128))](
         *args, NVFP4=fmt == "nvfp4", BN=64, UN=units, TILED=tiled, num_warps=4)
     return out
 
@@ -736,13 +744,13 @@ def fp4_matmul_v2(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor
     nv = fmt == "nvfp4"
     F = NVFP4_F if nv else shift
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
-    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.bk)))
-    k_split = triton.cdiv(triton.cdiv(k, split), cfg.bk) * cfg.bk
-    split = triton.cdiv(k, k_split)
+    split = max(1, min(cfg.split_k, cdiv(k, cfg.bk)))
+    k_split = cdiv(cdiv(k, split), cfg.bk) * cfg.bk
+    split = cdiv(k, k_split)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     bias_arg = bias if bias is not None else y
     gs = global_scale if nv else kscales
-    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
     serial = split > 1 and (m <= 16 if serial is None else serial)
     cnt = tile_counters(x.device, tiles) if serial else ws
     _fp4_mm_v2_kernel[(tiles, split)](
@@ -754,7 +762,7 @@ def fp4_matmul_v2(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor
     )
     if split > 1 and not serial:
         block = 1024
-        splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+        splitk_reduce_kernel[(m, cdiv(n, block))](
             ws, bias_arg, y, m, n, y.stride(0), split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y
 

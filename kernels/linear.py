@@ -42,7 +42,6 @@ from qerl_kernels.backends import (
     fp4_fused,
     kernel_state,
     linear_backward_dx,
-    module_tensors,
     use_fp8_activations,
     w8_config,
 )
@@ -59,17 +58,16 @@ def __getattr__(name: str) -> Any:
 def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """y = x @ dequant(W)^T + b for 2-D contiguous-rows x [M, K] (no autograd)."""
     st = kernel_state(module)
-    t = module_tensors(module)
-    m = x.shape[0]
-    bias = module.bias
-    sms = num_sms(x.device)
     if st.fmt in FP4_FORMATS:
         if INTERPRET:
             return fp4_fused(x, module)
         return forward_by(dispatch.choose(module, x), x, module)
+    t = st.tensors
+    bias = module.bias
     if use_fp8_activations(x, st):
         return fp8_scaled_matmul(x, t["weight"], st.fp8_scale_row, None if bias is None else bias.to(x.dtype))
-    return w8_matmul(x, t["weight"], t["weight_scale"], w8_config(m, st.n, st.k, sms), bias=bias)
+    return w8_matmul(x, t["weight"], t["weight_scale"], w8_config(x.shape[0], st.n, st.k, num_sms(x.device)),
+                     bias=bias)
 
 
 def forward_by(backend: str, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -116,16 +114,23 @@ class QuantLinearFunction(torch.autograd.Function):
         return linear_backward_dx(dy.contiguous(), ctx.module), None
 
 
+_ALLOWED = (torch.bfloat16, torch.float16, torch.float32) if INTERPRET else (torch.bfloat16, torch.float16)
+
+
+def covers(x: torch.Tensor, module: nn.Module) -> bool:
+    """Whether qerl's kernels run `module` for activations `x`: a supported format, CUDA (or the interpreter),
+    16-bit activations (fp32 too under the interpreter) and a frozen bias. Then `linear_forward` and
+    `linear_backward_dx` are its forward and dx."""
+    if module.fmt not in SUPPORTED or x.shape[-1] != module.in_features:
+        return False
+    if not (x.is_cuda or INTERPRET) or x.dtype not in _ALLOWED:
+        return False
+    return module.bias is None or not module.bias.requires_grad
+
+
 def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor | None:
     """`QuantLinear.forward` on qerl's kernels, or None when no kernel covers the case (caller falls back)."""
-    if module.fmt not in SUPPORTED or x.shape[-1] != module.in_features:
-        return None
-    if not (x.is_cuda or INTERPRET):
-        return None
-    allowed = (torch.bfloat16, torch.float16, torch.float32) if INTERPRET else (torch.bfloat16, torch.float16)
-    if x.dtype not in allowed:
-        return None
-    if module.bias is not None and module.bias.requires_grad:
+    if not covers(x, module):
         return None
     lead = x.shape[:-1]
     x2 = x.reshape(-1, module.in_features)

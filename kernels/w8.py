@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from qerl_kernels._common import INTERPRET, TileConfig, interpreter_config
+from qerl_kernels._common import INTERPRET, TileConfig, cdiv, interpreter_config
 from qerl_kernels.fp4 import grouped_pid, splitk_reduce_kernel
 
 E4M3_MAX = 448.0
@@ -140,12 +140,12 @@ def w8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg: T
     is_fp8 = weight.dtype == torch.float8_e4m3fn
     w = weight.view(torch.uint8) if is_fp8 else weight
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.bk)))
-    k_split = triton.cdiv(triton.cdiv(k, split), cfg.bk) * cfg.bk
-    split = triton.cdiv(k, k_split)
+    split = max(1, min(cfg.split_k, cdiv(k, cfg.bk)))
+    k_split = cdiv(cdiv(k, split), cfg.bk) * cfg.bk
+    split = cdiv(k, k_split)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     bias_arg = bias if bias is not None else y
-    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), split)
+    grid = (cdiv(m, cfg.bm) * cdiv(n, cfg.bn), split)
     _w8_mm_kernel[grid](
         x, w, scale, bias_arg, y, ws, m, n, k, x.stride(0), y.stride(0), k_split,
         IS_FP8=is_fp8, HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
@@ -154,7 +154,7 @@ def w8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg: T
     )
     if split > 1:
         block = 1024
-        splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+        splitk_reduce_kernel[(m, cdiv(n, block))](
             ws, bias_arg, y, m, n, y.stride(0), split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y
 
@@ -168,7 +168,7 @@ def w8_matmul_t(dy: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg
     is_fp8 = weight.dtype == torch.float8_e4m3fn
     w = weight.view(torch.uint8) if is_fp8 else weight
     dx = torch.empty((m, k), dtype=dy.dtype, device=dy.device)
-    grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(k, cfg.bk),)
+    grid = (cdiv(m, cfg.bm) * cdiv(k, cfg.bk),)
     _w8_mm_t_kernel[grid](
         dy, w, scale, dx, m, n, k, dy.stride(0), dx.stride(0), IS_FP8=is_fp8, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
         GROUP_M=8, F32=_f32(dy), F16=dy.dtype == torch.float16, EVEN_N=n % cfg.bn == 0, EVEN_K=k % cfg.bk == 0,

@@ -38,6 +38,31 @@ def quant_linear(x: torch.Tensor, module: QuantModule) -> torch.Tensor | None:
     return k.quant_linear(x, module)
 
 
+def kernels_cover(x: torch.Tensor, module: QuantModule) -> bool:
+    """Whether ``QuantLinear.forward`` runs `module` for `x` on qerl_kernels (CUDA, a format they cover, not
+    bitsandbytes' NF4): then `kernel_forward` and `kernel_backward_dx` are its forward and dx without autograd
+    (the training LoRA path calls them inside its own autograd function)."""
+    if not x.is_cuda or module.format.kernel_backend(x.device) == BITSANDBYTES:
+        return False
+    k = _kernels()
+    return k is not None and hasattr(k, "covers") and k.covers(x, module)
+
+
+def uses_bitsandbytes(x: torch.Tensor, module: QuantModule) -> bool:
+    """Whether ``QuantLinear.forward`` runs `module` for `x` through bitsandbytes (NF4 on CUDA)."""
+    return module.format.kernel_backend(x.device) == BITSANDBYTES
+
+
+def kernel_forward(x: torch.Tensor, module: QuantModule) -> torch.Tensor:
+    """y = x @ dequant(W)^T + b on qerl_kernels for 2-D contiguous-rows x (no autograd; `kernels_cover` first)."""
+    return _kernels().linear_forward(x, module)
+
+
+def kernel_backward_dx(dy: torch.Tensor, module: QuantModule) -> torch.Tensor:
+    """dx = dy @ dequant(W) on qerl_kernels for 2-D contiguous dy (no autograd; `kernels_cover` first)."""
+    return _kernels().linear_backward_dx(dy, module)
+
+
 def lora_epilogue_linear(x: torch.Tensor, module: QuantModule, lora_h: torch.Tensor,
                          lora_b: torch.Tensor) -> torch.Tensor | None:
     """``x W^T (+ b) + lora_h @ lora_b^T`` in ONE kernel (the LoRA expand in qerl's CUDA FP4 GEMM's epilogue)

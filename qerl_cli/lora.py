@@ -1,9 +1,12 @@
-"""LoRA on qerl's quantized layers through peft, with a registered custom LoRA layer.
+"""LoRA through peft, with qerl's own layer classes registered for its bases.
 
-`QuantLoraLinear` wraps a `QuantLinear`: y = base(x) + scale * B(A(dropout(x))). The adapter weights stay
-in fp32 (the master copy) and are cast to the activation dtype in the forward, so bf16/fp16 training
-updates fp32 parameters. Merging into packed 4-bit bytes is refused. Adapters save and load in the
-standard peft format (loadable by peft and by vLLM's LoRA loader).
+`QuantLoraLinear` wraps a `QuantLinear` (never merged into the packed 4-bit bytes: merging is refused) and
+`DenseLoraLinear` a plain ``nn.Linear`` (peft's own LoRA Linear otherwise: merging, DoRA and the other variants
+stay peft's). Both run the common case (one active adapter, no live dropout) through the training LoRA path of
+`qerl_cli.lora_linear` (one autograd node, 16-bit tensor-core GEMMs, cached 16-bit shadows of the adapter); the
+rest through the general forward. The adapter weights stay in fp32 (the master copy), so bf16/fp16 training
+updates fp32 parameters. Parameter names are peft's, so adapters save and load in the standard peft format
+(loadable by peft and by vLLM's LoRA loader).
 
 Mixture-of-experts layers (`qerl_cli.moe.MoeExperts`): the MLP targets (gate/up/down) become peft's parameter
 targets `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, and `ParamWrapper` (peft's own class for LoRA on a
@@ -20,21 +23,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.lora.layer import LoraLayer
 from peft.tuners.lora.layer import ParamWrapper as PeftParamWrapper
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.lora_linear import FastLoraForward
 from qerl_cli.moe import CHECKPOINT_PARTS, PROJECTIONS, LoraFactors, MoeExperts
 from qerl_cli.qlinear import QuantLinear
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # the module targets that put a LoRA on a stacked expert projection (gate and up are one fused projection)
 EXPERT_TARGETS = {"gate_up_proj": ("gate_proj", "up_proj", "gate_up_proj"), "down_proj": ("down_proj",)}
-CUSTOM_MODULES: dict[type[nn.Module], type[nn.Module]] = {}  # filled below the classes
 
 
-class QuantLoraLinear(nn.Module, LoraLayer):
+class QuantLoraLinear(FastLoraForward, nn.Module, LoraLayer):
     """peft LoRA layer over a `QuantLinear` (never merged into the packed weights)."""
 
     adapter_layer_names = ("lora_A", "lora_B")
@@ -72,6 +76,11 @@ class QuantLoraLinear(nn.Module, LoraLayer):
         return None
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        y = self.fast_lora_forward(x)
+        return y if y is not None else self.general_forward(x)
+
+    def general_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Any adapter state (several adapters, live dropout, disabled): the base, then each adapter in x's dtype."""
         result = self.base_layer(x)
         if self.disable_adapters:
             return result
@@ -85,6 +94,31 @@ class QuantLoraLinear(nn.Module, LoraLayer):
 
     def __repr__(self) -> str:
         return "lora." + super().__repr__()
+
+
+class _ExactLinearType(type):
+    def __instancecheck__(cls, obj: object) -> bool:
+        return type(obj) is nn.Linear
+
+
+class PlainLinear(metaclass=_ExactLinearType):
+    """peft's custom-module key for an ``nn.Linear`` itself: ``isinstance(m, PlainLinear)`` is false for its
+    subclasses (bitsandbytes' Linear4bit/Linear8bitLt and other quantized linears), which keep peft's own layers."""
+
+
+class DenseLoraLinear(FastLoraForward, PeftLoraLinear):
+    """peft's LoRA Linear over a plain ``nn.Linear``, with the training LoRA path for the common case."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        y = None if args or kwargs else self.fast_lora_forward(x)
+        return y if y is not None else self.general_forward(x, *args, **kwargs)
+
+    def general_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """peft's own forward (every adapter state and variant peft supports)."""
+        return super().forward(x, *args, **kwargs)
+
+
+CUSTOM_LAYERS: dict[type, type] = {QuantLinear: QuantLoraLinear, PlainLinear: DenseLoraLinear}
 
 
 class ParamWrapper(PeftParamWrapper):
@@ -137,7 +171,7 @@ class ParamWrapper(PeftParamWrapper):
         return self.get_base_layer()(hidden, top_k_index, top_k_weights, lora=self.factors())
 
 
-CUSTOM_MODULES.update({QuantLinear: QuantLoraLinear, MoeExperts: ParamWrapper})
+CUSTOM_LAYERS[MoeExperts] = ParamWrapper
 
 
 def expert_parameters(model: nn.Module, targets: list[str] | tuple[str, ...]) -> list[str]:
@@ -187,7 +221,7 @@ def make_lora_config(rank: int = 32, alpha: float | None = None, targets: list[s
     cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
                      target_modules=list(targets or DEFAULT_TARGETS), lora_dropout=dropout, bias="none",
                      task_type="CAUSAL_LM")
-    cfg._register_custom_module(CUSTOM_MODULES)
+    cfg._register_custom_module(CUSTOM_LAYERS)
     return cfg
 
 
@@ -227,7 +261,7 @@ def load_adapter(model: nn.Module, adapter_dir: Path, trainable: bool = False) -
     if not cfg_path.is_file():
         raise QerlError(f"{adapter_dir} has no adapter_config.json: not a LoRA checkpoint")
     cfg = LoraConfig.from_pretrained(str(adapter_dir))
-    cfg._register_custom_module(CUSTOM_MODULES)
+    cfg._register_custom_module(CUSTOM_LAYERS)
     check_adapter_matches(model, adapter_dir)
     try:
         peft_model = PeftModel.from_pretrained(model, str(adapter_dir), config=cfg, is_trainable=trainable)

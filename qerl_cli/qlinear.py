@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qerl_cli import kernel_dispatch
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import (
     QuantizedWeight,
@@ -154,8 +155,6 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from qerl_cli import kernel_dispatch
-
             y = kernel_dispatch.quant_linear(x, self)
             if y is not None:
                 return y

@@ -64,8 +64,9 @@ def test_trl_peer_without_trl_records_why(tmp_path) -> None:
 
 
 def test_resident_cache_rule() -> None:
-    """The plan keeps the rollout's KV cache (and shadows, graphs) through the update only where every phase still
-    fits with it and memory is not short; the estimates then carry it in every phase; the flag overrides."""
+    """The plan keeps the rollout's KV cache (and shadows, graphs) through the update where the cost model says it
+    pays (no graphs captured again each step) and every phase still fits with it; the estimates then carry it in
+    every phase; the flag overrides."""
     dims = ModelDims(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064)
     kw = {"weights": 6 * 2**30, "device_total": 80 * 2**30, "elem": 2, "sequences": 32, "prompt_tokens": 256,
           "completion_tokens": 256, "lora_rank": 32, "lora_targets": ["q_proj", "v_proj"]}
@@ -74,11 +75,39 @@ def test_resident_cache_rule() -> None:
     est = roomy.phase_estimates()
     held = roomy.kv_cache + roomy.shadows
     assert est["checkpoint"] == roomy.weights + roomy.lora_params + roomy.optimizer_state + held
-    tight = plan_memory(dims, capacity=14 * 2**30, **kw)  # memory short: checkpointing, the cache released
-    assert tight.gradient_checkpointing and not tight.resident_cache_fits
-    assert tight.phase_estimates()["checkpoint"] == tight.weights + tight.lora_params + tight.optimizer_state
-    assert not plan_memory(dims, capacity=79 * 2**30, keep_rollout_cache=False, **kw).resident_cache_fits
+    released = plan_memory(dims, capacity=79 * 2**30, keep_rollout_cache=False, **kw)
+    assert not released.resident_cache_fits
+    assert released.phase_estimates()["checkpoint"] == released.weights + released.lora_params + \
+        released.optimizer_state
+    assert released.estimate["rollout"] > roomy.estimate["rollout"]  # its graphs are captured again every step
     assert plan_memory(dims, capacity=None, **kw).resident_cache_fits  # no known limit (CPU)
+
+
+def test_rows_carry_resolved_settings_and_time_estimates(tmp_path) -> None:
+    """A cell planned for a GPU (a cap off CUDA plans for one of that size): its row records the settings it ran
+    with (`resolved`), the plan's own step estimate, and per phase the cost model's seconds at the cell's measured
+    tokens (`est_<phase>_s`), which the table shows beside the measured step."""
+    from rich.console import Console
+
+    from qerl_cli.train.step_cost import PHASES as COST_PHASES
+
+    res = bench_step(shape="tiny", formats=("bf16",), overrides=SMALL, prompt_len=8, warmup=0, measure=1,
+                     memory_cap_gib=4.0, out_dir=tmp_path, log=lambda _m: None)
+    (row,) = json.loads((tmp_path / "step.json").read_text())["results"]
+    assert row["status"] == "ok" and res["device_rates"] is None  # nothing measured on a CPU: the plan's rates
+    assert set(row["resolved"]) == {"micro_batch_size", "gradient_checkpointing", "optimizer_offload",
+                                    "kernel_weight_copies", "gpu_memory_utilization", "kv_slots",
+                                    "keep_rollout_cache"}
+    assert row["micro_batch_size"] == row["resolved"]["micro_batch_size"] == row["memory_plan"]["micro_batch_size"]
+    assert row["resolved"]["kv_slots"] == 4 and res["config"]["train"]["micro_batch_size"] is None  # the request
+    assert row["memory_plan"]["est_step_s"] > 0 and row["memory_plan"]["reason"]
+    assert all(row[f"est_{p}_s"] > 0 for p in ("rollout", "fwd_bwd", "optimizer", "checkpoint"))
+    assert row["est_recompute_s"] == 0  # no pi_old pass of its own: the update's forward gives pi_old
+    assert row["est_step_s"] == pytest.approx(sum(row[f"est_{p}_s"] for p in COST_PHASES))
+    out = Console(width=400, record=True, file=open("/dev/null", "w"))  # noqa: SIM115 - closed with the test
+    out.print(render_table(res))
+    text = out.export_text()
+    assert "est step s" in text and f"{row['est_step_s']:.3f}" in text
 
 
 def test_bad_peer_input(tmp_path) -> None:

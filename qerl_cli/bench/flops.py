@@ -46,29 +46,17 @@ def matmul_ceiling_tflops(device: torch.device, n: int = 8192, reps: int = 20) -
     return 2.0 * n**3 / times[len(times) // 2] / 1e12
 
 
-def layer_dims(config: Any) -> dict[str, int]:
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return {"hidden": int(config.hidden_size), "intermediate": int(config.intermediate_size),
-            "layers": int(config.num_hidden_layers), "heads": heads,
-            "kv_heads": int(getattr(config, "num_key_value_heads", None) or heads), "head_dim": head_dim,
-            "vocab": int(config.vocab_size)}
-
-
 def phase_flops(config: Any, *, tokens: float, attention_pairs: float, loss_tokens: float, lora_rank: int,
                 lora_targets: list[str]) -> dict[str, float]:
-    """FLOPs of the recompute forward and of forward + backward (see the module docstring)."""
-    d = layer_dims(config)
-    h, i, q, kv = d["hidden"], d["intermediate"], d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-    linear = d["layers"] * sum(a * b for a, b in shapes.values())
-    lora = d["layers"] * sum(lora_rank * (a + b) for t, (a, b) in shapes.items() if t in lora_targets)
-    attention = d["layers"] * 4.0 * q * attention_pairs
-    head = 2.0 * h * d["vocab"] * loss_tokens
-    forward = 2.0 * linear * tokens + 2.0 * lora * tokens + attention + head
-    backward = 2.0 * linear * tokens + 2.0 * attention + 6.0 * lora * tokens
-    return {"recompute": forward, "fwd_bwd": forward + head + backward}
+    """FLOPs of the recompute forward and of forward + backward (see the module docstring; the counts are
+    ``ModelDims.forward_flops`` / ``backward_flops``, which the memory plan's cost model uses too)."""
+    from qerl_cli.train.model_dims import ModelDims
+
+    dims = ModelDims.from_config(config)
+    fwd = dims.forward_flops(tokens=tokens, attention_pairs=attention_pairs, loss_tokens=loss_tokens,
+                             lora_rank=lora_rank, lora_targets=lora_targets)
+    forward = sum(fwd.values())
+    return {"recompute": forward, "fwd_bwd": forward + sum(dims.backward_flops(fwd).values())}
 
 
 def add_mfu(row: dict[str, Any], config: Any, ceiling_tflops: float | None, *, lora_rank: int,

@@ -129,7 +129,7 @@ def run(shape: str = "tiny", fmt: str = "nvfp4", steps: int = 3, warmup: int = 1
     res = {"shape": shape, "format": fmt, "world_size": ctx.world_size, "backend": ctx.backend,
            "mode": {"finetune": c.finetune, "sharding": c.sharding, "rollout_quant": c.rollout_quant,
                     "fsdp_offload": c.fsdp_offload, "precision": c.precision,
-                    "gradient_checkpointing": c.gradient_checkpointing},
+                    "gradient_checkpointing": trainer.settings.gradient_checkpointing},
            "phase_s": {p: statistics.median(r.get(f"timing/{p}_s") or 0.0 for r in rows) if rows else None
                        for p in PHASE_TIMES},
            "peak_gb": {p: peak(p) for p in PEAK_PHASES}, "build_peak_gb": max(ctx.gather_objects(build_peak))

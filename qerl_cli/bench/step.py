@@ -40,6 +40,7 @@ Outputs (written last, each atomically): ``step.json`` and ``step.png`` (stacked
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 import shutil
@@ -121,6 +122,18 @@ def stop_set(vocab: int, completion_len: int, eos: bool) -> list[int]:
     return (bench_stop_ids("eos", vocab, completion_len, None, True) or []) if eos else []
 
 
+def measured_rates(device: torch.device, ceiling: float | None) -> Any:
+    """The device's rates for the memory plan's cost model (train/step_cost.py), measured here: the BF16 matmul
+    ceiling and the copy bandwidth; None off CUDA."""
+    if device.type != "cuda" or ceiling is None:
+        return None
+    from qerl_cli.train.step_cost import DeviceRates, default_rates
+
+    known = default_rates(torch.cuda.get_device_name(device))
+    copy = harness.copy_bandwidth_gbps(device)
+    return DeviceRates(ceiling, copy or known.copy_gbps, known.gpu, "measured")
+
+
 def _synthetic_task(n: int, prompt_len: int, completion_len: int, stop_ids: list[int] | None = None) -> Any:
     from qerl_cli.tasks.datasets import Example, Task
 
@@ -154,6 +167,7 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
     for i in range(warmup + measure):
         t0 = trainer.clock()
         m = trainer.train_step()
+        reserved = torch.cuda.max_memory_reserved(trainer.device) / 2**30 if on_cuda else None
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(trainer.device)
         trainer.save()
@@ -181,6 +195,9 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
             row["mem_checkpoint_gb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
             row["end_checkpoint_gb"] = torch.cuda.memory_allocated(trainer.device) / 2**30
             row["peak_gb"] = max(v for k, v in row.items() if k.startswith("mem_") and v is not None)
+            # what the allocator held at its most during the step (train_step to before the checkpoint): the
+            # difference to peak_gb is what fragmentation cost (the plan's reserve is sized for it)
+            row["reserved_peak_gb"] = reserved
         row["warmup"] = i < warmup
         rows.append(row)
         log(f"{label} step {i + 1}{' (warm-up)' if i < warmup else ''}: {step_s:.2f}s = rollout "
@@ -218,8 +235,31 @@ def _summarize(rows: list[dict[str, Any]], prompt_len: float) -> dict[str, Any]:
         for p in MEM_PHASES:
             out[f"mem_{p}_gb"] = max((r.get(f"mem_{p}_gb") or 0.0) for r in rows)
         out["peak_gb"] = max(r["peak_gb"] for r in rows)
+        out["reserved_peak_gb"] = max(r["reserved_peak_gb"] for r in rows)
     out["steps"] = rows
     return out
+
+
+def time_estimates(trainer: Any, row: dict[str, Any], prompt_len: float, rates: Any) -> dict[str, float]:
+    """The cost model's seconds per phase (train/step_cost.py) for the work this cell measured (its tokens,
+    completion lengths, attention pairs) with the settings it ran with: ``est_<phase>_s`` beside ``<phase>_s``.
+    Empty without a GPU plan."""
+    plan = trainer.memory_plan
+    if plan is None or plan.estimate is None or not row.get("sequences"):
+        return {}
+    from qerl_cli.train.memory_plan import ModelDims, cost_base
+    from qerl_cli.train.step_cost import DeviceRates, Setting, Workload, estimate_step
+
+    c, s, n = trainer.cfg, trainer.settings, row["sequences"]
+    base = cost_base(ModelDims.from_config(trainer.model.config), plan.weight_parts, trainer.dtype.itemsize)
+    work = Workload(n, prompt_len, c.max_completion_length, c.lora_rank, tuple(c.lora_targets),
+                    mean_completion=(row.get("generated_tokens") or n * c.max_completion_length) / n,
+                    old_pass=trainer.needs_old_pass(), reference_pass=c.beta > 0, train_tokens=row.get("batch_tokens"),
+                    attention_pairs=row.get("batch_attention_pairs"), loss_tokens=row.get("batch_loss_tokens"))
+    setting = Setting(s.micro_batch_size, s.gradient_checkpointing, s.kernel_weight_copies, s.optimizer_offload,
+                      s.kv_slots, s.keep_rollout_cache)
+    est = estimate_step(base, work, setting, rates or DeviceRates(**plan.rates))
+    return {**{f"est_{p}_s": v for p, v in est.phases.items()}, "est_step_s": est.step_s}
 
 
 # ---- the bench ----------------------------------------------------------------------------------
@@ -314,11 +354,14 @@ def bench_step(
     from qerl_cli.bench.flops import matmul_ceiling_tflops
 
     res["matmul_ceiling_tflops"] = ceiling = matmul_ceiling_tflops(device)
-    if ceiling is not None:
-        log(f"BF16 matmul ceiling (8192^3): {ceiling:.0f} TFLOP/s")
+    rates = measured_rates(device, ceiling)
+    res["device_rates"] = None if rates is None else dataclasses.asdict(rates)
+    if rates is not None:
+        log(f"BF16 matmul ceiling (8192^3): {rates.matmul_tflops:.0f} TFLOP/s, copy {rates.copy_gbps:.0f} GB/s")
     stop_ids = stop_set(spec.vocab, cfg.max_completion_length, eos) if spec is not None else None
     common = dict(device=device, dtype=dtype, warmup=warmup, measure=measure, prompt_len=prompt_len, seed=seed,
-                  spec=spec, run=run, out=out, log=log, stop_ids=stop_ids, profile=profile, ceiling=ceiling)
+                  spec=spec, run=run, out=out, log=log, stop_ids=stop_ids, profile=profile, ceiling=ceiling,
+                  rates=rates)
     cells = []
     steps: dict[str, _FormatStep] = {}
     for cell in fmts:
@@ -375,11 +418,11 @@ class _FormatStep:
     def __init__(self, res: dict[str, Any], cell: str, fmt: str, backend: str, cfg: Any, *, device: torch.device,
                  dtype: torch.dtype, warmup: int, measure: int, prompt_len: int, seed: int, spec: Any, run: Any,
                  out: Path, log: Callable[[str], None], stop_ids: list[int] | None = None, profile: bool = False,
-                 ceiling: float | None = None) -> None:
+                 ceiling: float | None = None, rates: Any = None) -> None:
         self.res, self.cell, self.fmt, self.backend, self.cfg = res, cell, fmt, backend, cfg
         self.device, self.dtype, self.warmup, self.measure_steps = device, dtype, warmup, measure
         self.prompt_len, self.seed, self.spec, self.run, self.out, self.log = prompt_len, seed, spec, run, out, log
-        self.stop_ids, self.profile, self.ceiling = stop_ids, profile, ceiling
+        self.stop_ids, self.profile, self.ceiling, self.rates = stop_ids, profile, ceiling, rates
         self.row: dict[str, Any] = {}  # what the cell measured (the TRL cell reads the plan's choices from it)
 
     def measure(self) -> dict[str, Any]:
@@ -401,15 +444,15 @@ class _FormatStep:
             self._setup(trainer, row, scratch)
             row["build_s"] = time.perf_counter() - t0
             plan = trainer.memory_plan
-            if plan is not None:  # what the plan chose (train/memory_plan.py) and what it predicted
+            if plan is not None:  # what the plan predicted (train/memory_plan.py)
                 row["memory_plan"] = plan.to_dict()
-                row["micro_batch_size"] = plan.micro_batch_size
-                row["gradient_checkpointing"] = plan.gradient_checkpointing
-                row["optimizer_offload"] = plan.optimizer_offload
-                row["kernel_weight_copies"] = plan.extra_weight_copies
                 # next to the measured mem_<phase>_gb: the plan's estimate of the same peak (allocated bytes)
                 row.update({f"est_{p}_gb": b / 2**30 for p, b in plan.phase_estimates().items()})
-            row["keep_rollout_cache"] = trainer.keep_rollout_cache
+            # the settings the cell ran with (the plan's choices where the configuration left them open)
+            row["resolved"] = trainer.settings.to_dict()
+            row.update({k: row["resolved"][k] for k in ("micro_batch_size", "gradient_checkpointing",
+                                                        "optimizer_offload", "kernel_weight_copies",
+                                                        "keep_rollout_cache")})
             row["pack_sequences"] = trainer.cfg.pack_sequences
             row["logprob_backend"] = trainer.cfg.logprob_backend
             if self.device.type == "cuda":
@@ -418,6 +461,7 @@ class _FormatStep:
             p_len = self.prompt_len if self.spec is not None else statistics.mean(len(p) for p in trainer.prompt_ids)
             rows = _measure(trainer, self.warmup, self.measure_steps, self.log, self.cell)
             row.update(_summarize(rows, p_len))
+            row.update(time_estimates(trainer, row, p_len, self.rates))
             from qerl_cli.bench.flops import add_mfu
 
             add_mfu(row, trainer.model.config, self.ceiling, lora_rank=trainer.cfg.lora_rank,
@@ -497,7 +541,7 @@ class _FormatStep:
         if self.spec is not None:
             n_prompts = cfg.batch_prompts * (self.warmup + self.measure_steps)
             # the memory plan from the shape's config: a step that cannot fit is refused here, before any weight
-            trainer.plan_memory(self.spec.config(), self.fmt, prompt_tokens=self.prompt_len)
+            trainer.plan_memory(self.spec.config(), self.fmt, prompt_tokens=self.prompt_len, rates=self.rates)
             stops = list(self.stop_ids or [])
             t0 = time.perf_counter()
             model = build_shape_model(self.spec, self.fmt, self.device, self.dtype, self.seed)
@@ -524,7 +568,7 @@ class _FormatStep:
 
         model_dir = format_model_dir(self.run, self.fmt, self.out, self.log)
         trainer.plan_memory(AutoConfig.from_pretrained(str(model_dir)), model_dir_format(model_dir),
-                            prompt_tokens=cfg.max_prompt_length, stored=stored_bytes(model_dir))
+                            prompt_tokens=cfg.max_prompt_length, stored=stored_bytes(model_dir), rates=self.rates)
         model, tok = load_model(str(model_dir), dtype=self.dtype, device=self.device)
         trainer.setup(model=model, tokenizer=tok, model_dir=model_dir if vllm else None)
         row["model_dir"] = str(model_dir)
@@ -549,9 +593,8 @@ class _TrlStep:
         from qerl_cli.bench.peers import run_trl
 
         cfg = self.cfg.resolved()  # TRL gets the values qerl's cells ran with (lora_alpha, lr, scale_rewards)
-        ref = next((s.row for name, s in self.steps.items() if name.startswith("bf16") and s.row.get("steps")), {})
-        mb = ref.get("micro_batch_size") or cfg.micro_batch_size or 8
-        gc = bool(ref.get("gradient_checkpointing") if ref else cfg.gradient_checkpointing)
+        settings = self._bf16_settings(cfg)
+        mb, gc = settings["micro_batch_size"], settings["gradient_checkpointing"]
         n_prompts = cfg.batch_prompts * (self.warmup + self.measure_steps)
         stops = list(self.stop_ids or [])
         prompts = synthetic_prompts(n_prompts, self.prompt_len, self.spec.vocab, self.seed,
@@ -585,6 +628,17 @@ class _TrlStep:
         add_mfu(row, config, self.ceiling, lora_rank=cfg.lora_rank, lora_targets=list(cfg.lora_targets))
         return row
 
+    def _bf16_settings(self, cfg: Any) -> dict[str, Any]:
+        """The settings qerl's bf16 cell ran with, or, when it did not run, those its plan resolves to."""
+        ref = next((s.row for name, s in self.steps.items() if name.startswith("bf16") and s.row.get("resolved")),
+                   None)
+        if ref is not None:
+            return ref["resolved"]
+        from qerl_cli.train.memory_plan import plan_before_build, resolve_settings
+
+        plan = plan_before_build(cfg, self.spec.config(), "bf16", device=self.device, prompt_tokens=self.prompt_len)
+        return resolve_settings(cfg, plan).to_dict()
+
 
 def _drop(model: Any) -> None:
     """Free a model's GPU memory before another process needs it (its parameters become empty)."""
@@ -599,9 +653,10 @@ PHASE_PEAK = {"setup": "weights", "aqn": "rollout_peak", "rollout": "rollout_pea
 
 
 def _setting_for(phase: str, plan: Any, cfg: Any) -> str:
-    """The one setting to change first when ``phase`` ran out of memory (the plan's choice as the start)."""
-    mb = getattr(plan, "micro_batch_size", None) or cfg.micro_batch_size or 1
-    gc = bool(getattr(plan, "gradient_checkpointing", cfg.gradient_checkpointing))
+    """The one setting to change first when ``phase`` ran out of memory (the plan's choice as the start; the
+    request's when no plan was made)."""
+    mb = plan.micro_batch_size if plan is not None else (cfg.micro_batch_size or 1)
+    gc = plan.gradient_checkpointing if plan is not None else bool(cfg.gradient_checkpointing)
     seqs = cfg.batch_prompts * cfg.num_generations
     if phase == "setup":
         return "the base alone does not fit: a 4-bit format (--formats nvfp4) or a larger GPU"
@@ -701,7 +756,8 @@ def render_table(res: dict[str, Any]) -> Any:
                         f"AQN {'on' if c['aqn'] else 'off'}, {gpu}; median of {res['config']['measure']} steps")
     cols = ("format", "linears", "rollout s", "rollout tok/s", "ms/token-step", "decode ms/step", "recompute s",
             "fwd+bwd s", "recompute TF/s (MFU)", "fwd+bwd TF/s (MFU)", "pad %", "optimizer s", "AQN s",
-            "requant s", "checkpoint s", "other s", "step s", "speed-up", *(f"{p} GiB" for p in PEAK_COLUMNS),
+            "requant s", "checkpoint s", "other s", "step s", "est step s", "speed-up",
+            *(f"{p} GiB" for p in PEAK_COLUMNS),
             "peak GiB", "plan GiB", "mb / gc", "status")
     for col in cols:
         table.add_column(col, justify="left" if col in ("format", "linears", "status") else "right")
@@ -715,7 +771,8 @@ def render_table(res: dict[str, Any]) -> Any:
                       num(r.get("padding_pct"), "{:.0f}"), num(r.get("optimizer_s")),
                       num(r.get("aqn_s")),
                       num(r.get("requant_s")), num(r.get("checkpoint_s")), num(r.get("other_s")), num(r.get("step_s")),
-                      num(r.get("speedup_vs_bf16"), "{:.2f}x"), *peaks, num(r.get("peak_gb"), "{:.1f}"),
+                      num(r.get("est_step_s")), num(r.get("speedup_vs_bf16"), "{:.2f}x"), *peaks,
+                      num(r.get("peak_gb"), "{:.1f}"),
                       num((r.get("memory_plan") or {}).get("peak", 0) / 2**30 or None, "{:.1f}"), choice,
                       r["status"])
     return table

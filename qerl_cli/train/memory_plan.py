@@ -1,8 +1,9 @@
-"""The memory plan of an RL run: what each phase of a step holds on the GPU, and the settings that fit.
+"""The memory plan of an RL run: what each phase of a step holds on the GPU, and the fastest settings that fit.
 
 Made from the model's config (shapes only) BEFORE any weight is built, so a run that cannot fit is refused
-with one line naming the setting to change, and made again after loading with the resident bytes measured
-(the larger of estimate and measurement counts). All sizes are bytes; docs/memory.md explains every term.
+with one line naming the setting to change, and made again after loading with the resident bytes measured.
+All sizes are bytes; docs/memory.md explains every term. The plan's choices come back as
+:class:`ResolvedSettings` (:func:`resolve_settings`); the TrainConfig that asked is left as it was.
 
 Weights (:class:`WeightBytes`, :func:`weight_bytes`):
   stored          the base as loaded: the decoder linears in their format (bytes per layer from the format's
@@ -11,15 +12,17 @@ Weights (:class:`WeightBytes`, :func:`weight_bytes`):
   kernel_derived  what qerl's CUDA kernels derive and keep per quantized linear (the FP4 block scales as
                   16-bit factors: 0.125 byte per NVFP4 weight; ``qerl_kernels.dispatch.derived_bytes``)
   extra_copies    a peer kernel's own converted copy (humming, +0.5 byte per FP4 weight, the fused q/k/v and
-                  gate/up counted again), only when humming is importable; the plan allows it only if it fits
+                  gate/up counted again), only when humming is importable
+  measured        after loading (a 1-token forward): counts where larger; measured below stored + kernel_derived,
+                  the kernels had not built their layouts yet (the large-M path builds them), so they come on top
 
 Per phase (:meth:`MemoryPlan.phase_estimates`, allocated bytes as ``torch.cuda.max_memory_allocated`` counts
-them; the fit adds a reserve of 1 GiB + 5% of the capacity for the allocator and the CUDA context):
+them):
   static     weights + LoRA factors in fp32 + AdamW's moments when they stay on the GPU (8 B per parameter)
   setup      weights + LoRA factors
   aqn        static + the noisy norm weights
-  rollout    static + the engine's in-dtype LoRA shadows + KV cache (one slot per sequence that fits) + its
-             prefill/sampling activations (the engine's own formula at the real prefill size)
+  rollout    static + the engine's in-dtype LoRA shadows + KV cache (its slots) + its prefill/sampling
+             activations (the engine's own formula at the real prefill size)
   recompute  static + the larger of one layer's no-grad intermediates at the micro-batch with one dequantized
              weight (the large-M forward and every backward dequantize one layer transiently) and the log-prob
              chunk
@@ -29,26 +32,31 @@ them; the fit adds a reserve of 1 GiB + 5% of the capacity for the allocator and
   optimizer  static + gradients + the step's temporaries (AdamW's foreach square root, or the streamed buckets
              of :class:`~qerl_cli.train.host_offload.HostOffloadAdamW`)
   checkpoint static (the snapshot goes to host memory; gradients are freed after the optimizer step)
+A resident rollout cache (KV cache + shadows) is held in every phase. The fit adds a reserve: 1 GiB (the CUDA
+context, library workspaces) + 5% of the capacity + ``FRAGMENTATION_SHARE`` of the bytes the update or the
+recompute allocates and frees (:attr:`MemoryPlan.transient`): the allocator's fragmentation grows with them.
 
-Activation model per token and layer (bf16, LoRA on all seven projections, SDPA attention), what autograd
-keeps: each RMSNorm its fp32 input (2 H values) and the bf16 output the LoRA factors read (H); SDPA q, k and v
-(K/V repeated to every head under a padding mask) and its output (4 H); the o_proj input (H); gate, SiLU(gate),
-up and their product (4 I). RoPE keeps nothing (its factors need no gradient), nor do the frozen quantized GEMMs.
-So (11 H + 4 I) * dtype bytes, plus one layer's gradients in flight in the backward ((3 I + 2 H) * dtype); with
-checkpointing only the layer input (H) is kept per layer, plus one layer's full set during its recompute. The
-log-prob chunk's transient and a layer's backward do not overlap: the phase takes the larger.
+Activation model per token and layer (LoRA on all seven projections, SDPA attention), what autograd keeps:
+each RMSNorm its fp32 input (2 H values) and the output the LoRA factors read (H); SDPA q, k and v (K/V repeated
+to every head under a padding mask) and its output (4 H); the o_proj input (H); gate, SiLU(gate), up and their
+product (4 I). RoPE keeps nothing (its factors need no gradient), nor do the frozen GEMMs. So (11 H + 4 I) *
+dtype bytes, plus one layer's gradients in flight in the backward ((3 I + 2 H) * dtype); with checkpointing only
+the layer input (H) is kept per layer, plus one layer's full set during its recompute. An unquantized base runs
+peft's own LoRA layer, which casts each adapted projection's input to the fp32 adapters' dtype: autograd keeps
+those casts (q, k and v one each) instead of the shared input (``ModelDims.fp32_input_bytes_per_token_layer``,
++45% at 7B). The log-prob chunk's transient and a layer's backward do not overlap: the phase takes the larger.
 
-Choices, the first that fits (settings given explicitly are kept):
-  1. no gradient checkpointing, the largest micro-batch (<= 8) that still feeds the GEMMs >= 2048 rows; the
-     peer kernel's weight copies if they fit; AdamW's moments on the GPU, else in pinned host memory;
-  2. "memory short": gradient checkpointing with AdamW's moments in host memory and the smallest micro-batch
-     whose rows reach 1,024 (then smaller ones), the peer's copies only if they fit. Both savers cost little
-     time (one PCIe round trip of the moments per step, overlapped; a few more dequantize passes) and leave
-     headroom exactly where the estimate is least certain (activations);
-  3. no checkpointing with the remaining smaller micro-batches.
-The KV cache takes one slot per sequence, as many as fit beside the rollout phase. When nothing fits,
-:class:`MemoryPlanError` says which setting to change and to what.
+Choice (:func:`plan_memory`): every setting is built and estimated: micro-batch 1, 2, 4, ... up to the sequences
+per step (and the sequences themselves), with and without gradient checkpointing, the peer kernel's weight copies
+on and off (where there are any), AdamW's moments on the GPU or in host memory, a resident rollout cache or not;
+the KV cache gets as many slots as fit (one per sequence at most; a resident cache must also fit beside every
+other phase, and fewer slots decode in waves). Settings given explicitly stay fixed. Of the settings that fit,
+the one the step's cost model (train/step_cost.py) estimates fastest wins; settings within ``NEAR_TIE`` of it
+count as equally fast and the one needing least memory wins among them. The plan records its per-phase time
+estimate, why, and the runner-ups. When nothing fits, :class:`MemoryPlanError` says which setting to change
+and to what.
 """
+
 
 from __future__ import annotations
 
@@ -60,108 +68,24 @@ from typing import Any
 from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import QerlError
 from qerl_cli.precision import dtype_of
+from qerl_cli.train.model_dims import PROJECTION_GROUPS, ModelDims
+from qerl_cli.train.step_cost import Base, DeviceRates, Setting, Workload, default_rates, estimate_step
 
 GIB = 2**30
-MAX_DEFAULT_MICRO_BATCH = 8
-MIN_GEMM_TOKENS = 2048  # below this many rows per micro-batch the base GEMMs run far under their rate
-# with checkpointing the micro-batch only needs this many rows: the forward and backward GEMMs run through
-# dequantize + cuBLAS from 512 rows, near its rate at 1,024, and the extra dequantize passes of more micro-batches
-# cost ~0.1 s per micro-batch at 72B; every further row costs checkpointed activations
-GC_MIN_ROWS = 1024
+MAX_DEFAULT_MICRO_BATCH = 8  # without a GPU to fit (CPU) the micro-batch is min(this, the sequences)
+NEAR_TIE = 0.03  # settings estimated within this share of the fastest count as equally fast: the smallest wins
+RUNNER_UPS = 5  # the plan records this many of the next fastest settings that fit
+# the allocator's fragmentation, as a share of the bytes a step allocates and frees beyond what stays resident
+# (activations, log-prob chunks, dequantized weights, the prefill): packed micro-batches differ in length, so
+# their activations come in new sizes every micro-batch
+FRAGMENTATION_SHARE = 0.10
 ENGINE_PREFILL_TOKENS = 8192  # the builtin engine's max_prefill_tokens
 CACHE_ALIGN = 64  # the builtin engine rounds the cache length up to this
 PHASES = ("setup", "aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")
-PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
 class MemoryPlanError(QerlError):
     """Nothing fits: the message names the setting to change."""
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    hidden: int
-    intermediate: int  # one MLP's (one expert's, in a mixture of experts)
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    experts: int = 0  # mixture of experts: experts per layer, all resident (0: a dense MLP)
-    top_k: int = 0  # ... and experts per token
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> ModelDims:
-        from qerl_cli.moe import MoeDims
-
-        heads = int(cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        moe = MoeDims.from_config(cfg)
-        inter = moe.intermediate if moe is not None else int(cfg.intermediate_size)
-        return cls(int(cfg.hidden_size), inter, int(cfg.num_hidden_layers), heads,
-                   int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim, int(cfg.vocab_size),
-                   moe.experts if moe else 0, moe.top_k if moe else 0)
-
-    @property
-    def active_intermediate(self) -> int:
-        """The MLP width one token runs through: the top-k experts' together in a mixture of experts."""
-        return self.intermediate * (self.top_k or 1)
-
-    @property
-    def moe_token_extra(self) -> int:
-        """Per token and sparse layer, besides the MLP's width: the k expert outputs before they are summed and the
-        router's logits and fp32 probabilities (in dtype elements, counted as 3 per expert)."""
-        return self.top_k * self.hidden + 3 * self.experts if self.experts else 0
-
-    def mlp_copies(self, target: str) -> int:
-        """How many of a projection each layer holds: every expert's MLP projection, one of anything else."""
-        return self.experts if self.experts and target in PROJECTION_GROUPS[2] + PROJECTION_GROUPS[3] else 1
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each projection LoRA may target."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        h, i = self.hidden, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    def lora_params(self, rank: int, targets: list[str]) -> int:
-        shapes = self.linear_shapes()
-        if self.experts:  # peft's LoRA on the stacked experts: gate and up are one fused projection
-            mlp = PROJECTION_GROUPS[2] + PROJECTION_GROUPS[3]
-            attn = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes and t not in mlp)
-            gate_up = any(t in targets for t in PROJECTION_GROUPS[2])
-            h, i = self.hidden, self.intermediate
-            experts = self.experts * rank * ((h + 2 * i if gate_up else 0) + (i + h if "down_proj" in targets else 0))
-            return self.layers * (attn + experts)
-        return self.layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
-
-    def shadow_elems(self, rank: int, targets: list[str]) -> int:
-        """Elements of the rollout engine's in-dtype LoRA shadows (rollout/fast_layers.py): per projection group
-        the concatenated A [sum r, in] and, the group being one fused GEMM, the block-diagonal B [sum out, sum r]."""
-        shapes = self.linear_shapes()
-        per_layer = 0
-        if self.experts:  # the experts' copies are their factors in dtype, [E, r, K] and [E, N, r]
-            per_layer = self.lora_params(rank, [t for t in targets if self.mlp_copies(t) > 1]) // self.layers
-        for group in PROJECTION_GROUPS:
-            if self.experts and self.mlp_copies(group[0]) > 1:
-                continue
-            r = rank * sum(1 for t in group if t in targets)
-            if r:
-                per_layer += r * shapes[group[0]][0] + r * sum(shapes[t][1] for t in group)
-        return self.layers * per_layer
-
-    def kv_bytes_per_token(self, elem: int) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * elem
-
-    def act_bytes_per_token_layer(self, elem: int) -> int:
-        return (11 * self.hidden + 4 * self.active_intermediate + self.moe_token_extra) * elem
-
-    def grad_bytes_per_token_layer(self, elem: int) -> int:
-        """Gradients in flight inside one layer's backward (the MLP's three [I] ones, the residual's two [H])."""
-        return (3 * self.active_intermediate + 2 * self.hidden + self.moe_token_extra) * elem
-
-    def largest_linear(self) -> int:
-        return max(i * o for i, o in self.linear_shapes().values())
 
 
 # ---- the weights, from the config -----------------------------------------------------------------------------
@@ -175,10 +99,16 @@ class WeightBytes:
     measured: int | None = None
     low_bit: bool = True  # decoder linears stored at <= 4.5 bits per weight (the advice differs)
     dequantizes: bool = True  # quantized linears: the large-M forward and the backward dequantize one at a time
+    linear: int = 0  # of ``stored``: the decoder linears (what every forward reads); 0: not known
 
     def resident(self, copies: bool) -> int:
         est = self.stored + self.kernel_derived + (self.extra_copies if copies else 0)
-        return max(est, self.measured or 0)
+        if self.measured is None:
+            return est
+        # measured below the stored tensors + the kernels' layouts: the layouts were not built yet (the large-M
+        # path builds them) and come on top of what was measured
+        later = self.kernel_derived if self.measured < self.stored + self.kernel_derived else 0
+        return max(est, self.measured + later)
 
 
 def linear_bytes(fmt: str, out_features: int, in_features: int, elem: int) -> int:
@@ -240,7 +170,8 @@ def weight_bytes(model_config: Any, fmt: str, elem: int, *, kernels: bool, store
     rotary = d.head_dim * 4  # the rotary embedding's fp32 inv_freq and original_inv_freq buffers
     total = d.layers * (linears + biases + norms) + d.hidden * elem + embed + head + rotary
     return WeightBytes(stored=max(total, stored or 0), kernel_derived=d.layers * derived, extra_copies=d.layers * extra,
-                       low_bit=get_format(fmt).bits <= 4.5, dequantizes=get_format(fmt).quantized)
+                       low_bit=get_format(fmt).bits <= 4.5, dequantizes=get_format(fmt).quantized,
+                       linear=d.layers * linears)
 
 
 # ---- the plan -------------------------------------------------------------------------------------------------
@@ -278,12 +209,34 @@ class MemoryPlan:
     seq_tokens: int
     aqn: int = 0
     resident_cache: bool = True  # the KV cache stays through the update (see resident_cache_fits)
-    tried: list[str] = field(default_factory=list)
+    estimate: dict[str, float] | None = None  # seconds per phase of a step (train/step_cost.py); None: no GPU
+    rates: dict[str, Any] | None = None  # the device rates the estimate used
+    reason: str = ""  # why this setting (the choice rule's words)
+    candidates: list[dict[str, Any]] = field(default_factory=list)  # runner-ups: the fastest that fit, then not
+    considered: int = 0  # settings estimated, and how many of them fit
+    fitting: int = 0
+
+    @property
+    def est_step_s(self) -> float | None:
+        return None if self.estimate is None else sum(self.estimate.values())
+
+    def setting(self) -> dict[str, Any]:
+        """The settings this plan stands for (what the candidates' lists show)."""
+        return {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing,
+                "kernel_weight_copies": self.extra_weight_copies, "optimizer_offload": self.optimizer_offload,
+                "kv_slots": self.kv_slots, "keep_rollout_cache": self.resident_cache}
 
     @property
     def adapters(self) -> int:
         """LoRA factors + gradients + AdamW moments wherever they live (the old single figure)."""
         return self.lora_params + self.grads + self.optimizer_state + self.optimizer_host
+
+    @property
+    def transient(self) -> int:
+        """What the update or the recompute allocates and frees beyond what stays resident (their activations, the
+        log-prob chunk or a layer's backward, a dequantized weight): the reserve's fragmentation share grows with it."""
+        train = self.activations + self.logprob_kept + max(self.logprob_chunk, self.layer_backward + self.dequant)
+        return max(train, self.logprob_kept + max(self.logprob_chunk, self.recompute + self.dequant))
 
     @property
     def resident_cache_fits(self) -> bool:
@@ -330,7 +283,8 @@ class MemoryPlan:
         d = asdict(self)
         # "peak" includes the reserve (what the fit compares with the capacity); "peak_allocated" does not
         d.update(adapters=self.adapters, train_peak=self.train_peak, rollout_peak=self.rollout_peak,
-                 peak=self.peak + self.reserve, peak_allocated=self.peak, phase_estimates=self.phase_estimates())
+                 peak=self.peak + self.reserve, peak_allocated=self.peak, phase_estimates=self.phase_estimates(),
+                 est_step_s=self.est_step_s)
         return d
 
     def lines(self) -> list[str]:
@@ -363,12 +317,26 @@ class MemoryPlan:
             f"{str(self.resident_cache).lower()}, gpu_memory_utilization "
             f"{'-' if self.gpu_memory_utilization is None else f'{self.gpu_memory_utilization:.3f}'}",
         ]
+        return out + self.time_lines()
+
+    def time_lines(self) -> list[str]:
+        """The step's time estimate per phase, why this setting, and the runner-ups (GPU plans only)."""
+        if self.estimate is None:
+            return []
+        r = self.rates or {}
+        out = ["  step time estimate (s): " + ", ".join(f"{p} {v:.2f}" for p, v in self.estimate.items())
+               + f" = {self.est_step_s:.2f} ({r.get('gpu')} {r.get('source')}: {r.get('matmul_tflops', 0):.0f} "
+               f"TFLOP/s, {r.get('copy_gbps', 0):.0f} GB/s)", f"  why: {self.reason}"]
+        for c in self.candidates:
+            out.append(f"    {'fits' if c['fits'] else 'no fit'}: {setting_text(c['setting'])}: "
+                       f"{c['est_step_s']:.2f} s, {c['peak_gib']:.1f} GiB")
         return out
 
 
-def _activations(dims: ModelDims, elem: int, tokens: int, gc: bool) -> tuple[int, int]:
-    """(kept through the forward, one layer's backward on top) for ``tokens`` rows."""
-    per_layer = dims.act_bytes_per_token_layer(elem)
+def _activations(dims: ModelDims, elem: int, tokens: int, gc: bool, fp32_inputs: int = 0) -> tuple[int, int]:
+    """(kept through the forward, one layer's backward on top) for ``tokens`` rows; ``fp32_inputs``: the bytes per
+    token and layer peft's fp32-input LoRA layer keeps on top (an unquantized base)."""
+    per_layer = dims.act_bytes_per_token_layer(elem) + fp32_inputs
     if gc:  # every layer's input; in the backward one layer's recomputed set (+ its gradient in flight)
         return tokens * dims.layers * dims.hidden * elem, tokens * (per_layer + 2 * dims.hidden * elem)
     return tokens * dims.layers * per_layer, tokens * dims.grad_bytes_per_token_layer(elem)
@@ -397,106 +365,215 @@ def rollout_reserve(dims: ModelDims, elem: int, slots: int, prefill_tokens: int 
                               elem=elem, prefill_tokens=prefill_tokens, slots=slots)
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a plan is made for: the model, the workload, the device, and the settings given (None: planned)."""
+
+    dims: ModelDims
+    weights: WeightBytes
+    capacity: int | None
+    device_total: int | None
+    elem: int
+    sequences: int
+    prompt_tokens: int
+    completion_tokens: int
+    lora_rank: int
+    lora_targets: tuple[str, ...]
+    logprob_chunk: int
+    prompts: int | None
+    gpu_memory_utilization: float | None
+    rates: DeviceRates
+    old_pass: bool
+    reference_pass: bool
+    micro_batch_size: int | None
+    gradient_checkpointing: bool | None
+    optimizer_offload: bool | None
+    extra_weight_copies: bool | None
+    keep_rollout_cache: bool | None
+
+    @property
+    def seq_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def per_slot(self) -> int:
+        cache_len = -(-(self.seq_tokens + 1) // CACHE_ALIGN) * CACHE_ALIGN
+        return cache_len * self.dims.kv_bytes_per_token(self.elem)
+
+    @property
+    def prefill(self) -> int:
+        prompts = self.prompts or self.sequences
+        return min(ENGINE_PREFILL_TOKENS, max(self.prompt_tokens, prompts * self.prompt_tokens))
+
+    def candidates(self) -> list[Setting]:
+        """Every setting the plan estimates: micro-batches of 1, 2, 4, ... up to the sequences (and the sequences
+        themselves), with and without checkpointing, copies, offload and a resident cache; given ones stay."""
+        n = self.sequences
+        sizes = sorted({min(self.micro_batch_size, n)} if self.micro_batch_size is not None else
+                       {1 << k for k in range(n.bit_length()) if 1 << k <= n} | {n}, reverse=True)
+
+        def options(given: bool | None, free: tuple[bool, ...] = (False, True)) -> tuple[bool, ...]:
+            return (given,) if given is not None else free
+
+        copies = options(self.extra_weight_copies, (True, False) if self.weights.extra_copies > 0 else (False,))
+        return [Setting(mb, gc, c, o, None, keep) for mb in sizes for gc in options(self.gradient_checkpointing)
+                for c in copies for o in options(self.optimizer_offload) for keep in options(self.keep_rollout_cache)]
+
+
+def cost_base(dims: ModelDims, weights: WeightBytes, elem: int) -> Base:
+    """The model as the step's cost model sees it: the decoder linears' bytes (from the format, else the stored
+    bytes less the embeddings and lm_head), dequantized per pass or not."""
+    linear = weights.linear or max(0, weights.stored - 2 * dims.vocab * dims.hidden * elem)
+    return Base(dims, elem, linear, weights.dequantizes)
+
+
+def _reserve(capacity: int, transient: int) -> int:
+    """Room the fit leaves beside the estimate: the CUDA context and library workspaces (1 GiB), 5% of the card,
+    and the allocator's fragmentation, which grows with the bytes a step allocates and frees (module docstring)."""
+    return GIB + capacity // 20 + int(FRAGMENTATION_SHARE * transient)
+
+
+def _parts(req: PlanRequest, s: Setting) -> MemoryPlan:
+    """The plan's bytes for setting ``s``, without its KV cache (``_build`` sizes that)."""
+    from qerl_cli.train.host_offload import DEFAULT_BUCKET_BYTES
+
+    dims, elem, wb = req.dims, req.elem, req.weights
+    mb = s.micro_batch_size
+    tokens = mb * req.seq_tokens
+    util = req.gpu_memory_utilization
+    if util is None and req.capacity is not None and req.device_total:
+        util = min(1.0, req.capacity / req.device_total)
+    n_lora = dims.lora_params(req.lora_rank, list(req.lora_targets))
+    moments = 8 * n_lora
+    fp32 = 0 if wb.dequantizes else dims.fp32_input_bytes_per_token_layer(req.lora_rank, list(req.lora_targets),
+                                                                          elem)
+    kept, backward = _activations(dims, elem, tokens, s.gradient_checkpointing, fp32)
+    chunk, lp_kept = _logprobs(dims, elem, tokens, mb * req.completion_tokens, req.logprob_chunk)
+    return MemoryPlan(
+        capacity=req.capacity, reserve=0, weights=wb.resident(s.kernel_weight_copies), weight_parts=wb,
+        lora_params=4 * n_lora, grads=4 * n_lora, optimizer_state=0 if s.optimizer_offload else moments,
+        optimizer_host=moments if s.optimizer_offload else 0,
+        # offloaded: the moments of <= 3 buckets on the GPU + AdamW's square root of one; else the foreach root
+        optimizer_step=min(7 * DEFAULT_BUCKET_BYTES, 2 * moments) if s.optimizer_offload else 4 * n_lora,
+        shadows=dims.shadow_elems(req.lora_rank, list(req.lora_targets)) * elem,
+        activations=kept, layer_backward=backward,
+        activations_no_gc=sum(_activations(dims, elem, tokens, False, fp32)),
+        activations_gc=sum(_activations(dims, elem, tokens, True, fp32)),
+        recompute=_recompute(dims, elem, tokens), logprob_chunk=chunk, logprob_kept=lp_kept,
+        dequant=dims.largest_linear() * elem if wb.dequantizes else 0,
+        kv_cache=0, rollout=rollout_reserve(dims, elem, req.sequences, req.prefill), micro_batch_size=mb,
+        gradient_checkpointing=s.gradient_checkpointing, optimizer_offload=s.optimizer_offload,
+        extra_weight_copies=s.kernel_weight_copies, kv_slots=0, gpu_memory_utilization=util,
+        sequences=req.sequences, seq_tokens=req.seq_tokens, aqn=2 * (2 * dims.layers + 1) * dims.hidden * elem,
+        resident_cache=s.keep_rollout_cache)
+
+
+def _build(req: PlanRequest, s: Setting) -> MemoryPlan:
+    """The plan for setting ``s``: its bytes, the reserve, as many KV slots as fit (one per sequence at most; a
+    resident cache must also fit beside the update), and, on a GPU, the step's time estimate."""
+    p = _parts(req, s)
+    if req.capacity is None:  # CPU: nothing to fit
+        p.kv_slots = s.kv_slots or req.sequences
+        p.kv_cache = p.kv_slots * req.per_slot
+        p.rollout = rollout_reserve(req.dims, req.elem, max(1, p.kv_slots), req.prefill)
+        return p
+    p.reserve = _reserve(req.capacity, p.transient)
+    per_slot = max(1, req.per_slot)
+    room = req.capacity - p.reserve - p.phase_estimates()["rollout"]
+    if p.resident_cache:  # the cache (and shadows) also stay through every other phase
+        others = {k: v for k, v in p.phase_estimates().items() if k != "rollout"}
+        room = min(room, req.capacity - p.reserve - max(others.values()) - p.shadows)
+    slots = s.kv_slots if s.kv_slots is not None else max(0, min(req.sequences, room // per_slot))
+    p.kv_slots, p.kv_cache = slots, slots * req.per_slot
+    p.rollout = rollout_reserve(req.dims, req.elem, max(1, slots), req.prefill)
+    if slots >= 1:
+        work = Workload(req.sequences, req.prompt_tokens, req.completion_tokens, req.lora_rank, req.lora_targets,
+                        old_pass=req.old_pass, reference_pass=req.reference_pass)
+        setting = Setting(s.micro_batch_size, s.gradient_checkpointing, s.kernel_weight_copies,
+                          s.optimizer_offload, slots, s.keep_rollout_cache)
+        p.estimate = estimate_step(cost_base(req.dims, req.weights, req.elem), work, setting, req.rates).phases
+        p.rates = asdict(req.rates)
+    return p
+
+
+def setting_text(s: dict[str, Any]) -> str:
+    """One setting in a line: 'mb 8, gc on, copies off, offload off, 32 slots, cache kept'."""
+    def on(v: Any) -> str:
+        return "on" if v else "off"
+
+    return (f"mb {s['micro_batch_size']}, gc {on(s['gradient_checkpointing'])}, copies "
+            f"{on(s['kernel_weight_copies'])}, offload {on(s['optimizer_offload'])}, {s['kv_slots']} slots, cache "
+            f"{'kept' if s['keep_rollout_cache'] else 'released'}")
+
+
+def _summary(p: MemoryPlan) -> dict[str, Any]:
+    return {"setting": p.setting(), "est_step_s": p.est_step_s or 0.0, "peak_gib": (p.peak + p.reserve) / GIB,
+            "fits": p.fits()}
+
+
+def _choose(plans: list[MemoryPlan]) -> MemoryPlan:
+    """The fastest plan that fits by the cost model; within ``NEAR_TIE`` of it, the one needing least memory.
+    Records why, and the runner-ups (the fastest others that fit, and the fastest that did not)."""
+    fitting = sorted((p for p in plans if p.fits()), key=lambda p: (p.est_step_s or 0.0, p.peak + p.reserve))
+    best = fitting[0]
+    near = [p for p in fitting if (p.est_step_s or 0.0) <= (best.est_step_s or 0.0) * (1 + NEAR_TIE)]
+    chosen = min(near, key=lambda p: (p.peak + p.reserve, p.est_step_s or 0.0))
+    est = chosen.est_step_s or 0.0
+    if chosen is best:
+        chosen.reason = (f"the fastest of the {len(fitting)} settings that fit (of {len(plans)} estimated): "
+                         f"{est:.2f} s per step")
+    else:
+        chosen.reason = (f"within {NEAR_TIE:.0%} of the fastest that fits ({setting_text(best.setting())}: "
+                         f"{best.est_step_s:.2f} s, {(best.peak + best.reserve) / GIB:.1f} GiB) and "
+                         f"{(best.peak + best.reserve - chosen.peak - chosen.reserve) / GIB:.1f} GiB smaller: "
+                         f"{est:.2f} s per step")
+    others = [p for p in fitting if p is not chosen][:RUNNER_UPS]
+    faster = [p for p in plans if not p.fits() and p.estimate is not None and (p.est_step_s or 0.0) < est]
+    if faster:
+        others.append(min(faster, key=lambda p: p.est_step_s or 0.0))
+    chosen.candidates = [_summary(p) for p in others]
+    chosen.considered, chosen.fitting = len(plans), len(fitting)
+    return chosen
+
+
 def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | None, device_total: int | None,
                 elem: int, sequences: int, prompt_tokens: int, completion_tokens: int, lora_rank: int,
                 lora_targets: list[str], micro_batch_size: int | None = None,
                 gradient_checkpointing: bool | None = None, logprob_chunk: int = 512,
                 gpu_memory_utilization: float | None = None, optimizer_offload: bool | None = None,
                 extra_weight_copies: bool | None = None, prompts: int | None = None,
-                keep_rollout_cache: bool | None = None, advise: bool = True) -> MemoryPlan:
-    """Choose micro-batch, gradient checkpointing, where AdamW's moments live and whether kernels may keep a
-    second weight copy, so the step fits ``capacity`` bytes (module docstring).
+                keep_rollout_cache: bool | None = None, rates: DeviceRates | None = None, old_pass: bool = True,
+                reference_pass: bool = False, advise: bool = True) -> MemoryPlan:
+    """The fastest setting (micro-batch, gradient checkpointing, kernel weight copies, where AdamW's moments live,
+    KV slots, a resident rollout cache) whose step fits ``capacity`` bytes, by the step's cost model (module
+    docstring). ``rates``: the device's (default: an H100's); ``old_pass`` / ``reference_pass``: the no-grad
+    passes the step runs before the update (pi_old's own, the reference model's).
 
     Raises :class:`MemoryPlanError` when nothing fits (with the one-line advice unless ``advise`` is False).
     """
-    from qerl_cli.train.host_offload import DEFAULT_BUCKET_BYTES
-
     wb = weights if isinstance(weights, WeightBytes) else WeightBytes(stored=int(weights))
-    seq_tokens = prompt_tokens + completion_tokens
-    n_lora = dims.lora_params(lora_rank, lora_targets)
-    reserve = (GIB + capacity // 20) if capacity is not None else 0
-    cache_len = -(-(seq_tokens + 1) // CACHE_ALIGN) * CACHE_ALIGN
-    per_slot = cache_len * dims.kv_bytes_per_token(elem)
-    prefill = min(ENGINE_PREFILL_TOKENS, max(prompt_tokens, (prompts or sequences) * prompt_tokens))
-    mb_max = min(micro_batch_size or MAX_DEFAULT_MICRO_BATCH, sequences)
-    sizes = sorted({max(1, mb_max >> k) for k in range(mb_max.bit_length() + 1)}, reverse=True)
-    if micro_batch_size is not None:
-        sizes = [mb_max]
-    big = [m for m in sizes if m * seq_tokens >= MIN_GEMM_TOKENS or m == sizes[0]]
-    # memory short: the smallest micro-batch that still feeds the GEMMs, then smaller ones
-    gc_first = min([m for m in sizes if m * seq_tokens >= GC_MIN_ROWS] or sizes[:1])
-    gc_sizes = [m for m in sizes if m <= gc_first]
-    copies_opts = [extra_weight_copies] if extra_weight_copies is not None else \
-        ([True, False] if wb.extra_copies > 0 else [False])
-    free_offload = [optimizer_offload] if optimizer_offload is not None else [False, True]
-    short_offload = optimizer_offload if optimizer_offload is not None else True
-    order: list[tuple[bool, int, bool, bool]] = []
-    if gradient_checkpointing is not True:
-        order += [(False, m, c, o) for m in big for c in copies_opts for o in free_offload]
-    if gradient_checkpointing is not False:
-        order += [(True, m, c, short_offload) for m in gc_sizes for c in copies_opts]
-    if gradient_checkpointing is not True:
-        order += [(False, m, c, short_offload) for m in sizes if m not in big for c in copies_opts]
-
-    def build(gc: bool, mb: int, copies: bool, offload: bool, slots: int | None) -> MemoryPlan:
-        tokens = mb * seq_tokens
-        util = gpu_memory_utilization
-        if util is None and capacity is not None and device_total:
-            util = min(1.0, capacity / device_total)
-        moments = 8 * n_lora
-        kept, backward = _activations(dims, elem, tokens, gc)
-        chunk, lp_kept = _logprobs(dims, elem, tokens, mb * completion_tokens, logprob_chunk)
-        p = MemoryPlan(
-            capacity=capacity, reserve=reserve, weights=wb.resident(copies), weight_parts=wb,
-            lora_params=4 * n_lora, grads=4 * n_lora, optimizer_state=0 if offload else moments,
-            optimizer_host=moments if offload else 0,
-            # offloaded: the moments of <= 3 buckets on the GPU + AdamW's square root of one; else the foreach root
-            optimizer_step=min(7 * DEFAULT_BUCKET_BYTES, 2 * moments) if offload else 4 * n_lora,
-            shadows=dims.shadow_elems(lora_rank, lora_targets) * elem,
-            activations=kept, layer_backward=backward,
-            activations_no_gc=sum(_activations(dims, elem, tokens, False)),
-            activations_gc=sum(_activations(dims, elem, tokens, True)),
-            recompute=_recompute(dims, elem, tokens), logprob_chunk=chunk, logprob_kept=lp_kept,
-            dequant=dims.largest_linear() * elem if wb.dequantizes else 0,
-            kv_cache=0, rollout=0, micro_batch_size=mb, gradient_checkpointing=gc, optimizer_offload=offload,
-            extra_weight_copies=copies, kv_slots=0, gpu_memory_utilization=util, sequences=sequences,
-            seq_tokens=seq_tokens, aqn=2 * (2 * dims.layers + 1) * dims.hidden * elem)
-        if slots is None:  # as many slots as fit beside the rollout phase, one per sequence at most
-            p.rollout = rollout_reserve(dims, elem, sequences, prefill)
-            room = capacity - reserve - p.phase_estimates()["rollout"]
-            slots = max(0, min(sequences, room // per_slot if per_slot else sequences))
-        p.kv_slots = slots
-        p.kv_cache = slots * per_slot
-        p.rollout = rollout_reserve(dims, elem, max(1, slots), prefill)
-        if keep_rollout_cache is not None or capacity is None:
-            p.resident_cache = keep_rollout_cache is not False
-        else:  # kept between steps when there is room for it in every phase, and memory is not short
-            p.resident_cache = not gc
-            p.resident_cache = p.resident_cache and p.fits()
-        return p
-
+    req = PlanRequest(dims, wb, capacity, device_total, elem, sequences, prompt_tokens, completion_tokens, lora_rank,
+                      tuple(lora_targets), logprob_chunk, prompts, gpu_memory_utilization,
+                      rates or default_rates(None), old_pass, reference_pass, micro_batch_size, gradient_checkpointing,
+                      optimizer_offload, extra_weight_copies, keep_rollout_cache)
     if capacity is None:  # CPU: nothing to fit; the defaults as they always were
-        gc, mb = bool(gradient_checkpointing), sizes[0]
         copies = extra_weight_copies if extra_weight_copies is not None else wb.extra_copies > 0
-        return build(gc, mb, copies, bool(optimizer_offload), sequences)
-    tried = []
-    p = None
-    for gc, mb, copies, offload in order:
-        p = build(gc, mb, copies, offload, None)
-        tried.append(f"gc={str(gc).lower()} mb={mb} copies={str(copies).lower()} offload={str(offload).lower()}: "
-                     f"{(p.peak + p.reserve) / GIB:.1f} GiB")
-        if p.fits():
-            p.tried = tried
-            return p
-    assert p is not None
+        return _build(req, Setting(min(micro_batch_size or MAX_DEFAULT_MICRO_BATCH, sequences),
+                                   bool(gradient_checkpointing), copies, bool(optimizer_offload), sequences,
+                                   keep_rollout_cache is not False))
+    plans = [_build(req, s) for s in req.candidates()]
+    if any(p.fits() for p in plans):
+        return _choose(plans)
     if not advise:
         raise MemoryPlanError("memory plan: nothing fits")
     kw = dict(weights=wb, elem=elem, sequences=sequences, prompt_tokens=prompt_tokens,
               completion_tokens=completion_tokens, lora_rank=lora_rank, lora_targets=lora_targets,
-              logprob_chunk=logprob_chunk, prompts=prompts, keep_rollout_cache=False if keep_rollout_cache is False
-              else None)
+              logprob_chunk=logprob_chunk, prompts=prompts, rates=req.rates, old_pass=old_pass,
+              reference_pass=reference_pass,
+              keep_rollout_cache=False if keep_rollout_cache is False else None)
+    last = min(plans, key=lambda p: p.peak + p.reserve)
     raise MemoryPlanError(_advice(dims, capacity=capacity, fixed_mb=micro_batch_size, fixed_gc=gradient_checkpointing,
-                                  fixed_offload=optimizer_offload, fixed_copies=extra_weight_copies, last=p, kw=kw))
+                                  fixed_offload=optimizer_offload, fixed_copies=extra_weight_copies, last=last, kw=kw))
 
 
 def _fits(dims: ModelDims, **kw: Any) -> MemoryPlan | None:
@@ -595,10 +672,19 @@ def module_bytes(model: Any) -> int:
     return n
 
 
+def device_rates(device: Any) -> DeviceRates:
+    """The rates the cost model assumes for ``device`` before anything ran: per GPU name (step_cost.py)."""
+    import torch
+
+    name = torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else None
+    return default_rates(name)
+
+
 def plan_for_config(cfg: Any, model_config: Any, *, weights: int | WeightBytes, device: Any, prompt_tokens: int,
-                    elem: int, extra_weight_copies: bool | None = None) -> MemoryPlan:
+                    elem: int, extra_weight_copies: bool | None = None, rates: DeviceRates | None = None) -> MemoryPlan:
     """The plan for a resolved TrainConfig on ``device``; modes the plan does not model keep their settings.
-    ``extra_weight_copies`` fixes that decision (taken before the weights were built)."""
+    ``extra_weight_copies`` fixes that decision (taken before the weights were built); ``rates``: the device's
+    measured rates (default: its name's)."""
     capacity, total = device_capacity(device, cfg.gpu_memory_gib)
     if cfg.finetune != "lora" or cfg.rollout_quant != "none":
         capacity = None  # full fine-tuning / a second quantized copy: not modelled, settings as given
@@ -610,17 +696,51 @@ def plan_for_config(cfg: Any, model_config: Any, *, weights: int | WeightBytes, 
         micro_batch_size=cfg.micro_batch_size, gradient_checkpointing=cfg.gradient_checkpointing,
         logprob_chunk=cfg.logprob_chunk_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization,
         optimizer_offload=cfg.optimizer_offload, extra_weight_copies=copies, prompts=cfg.batch_prompts,
-        keep_rollout_cache=cfg.keep_rollout_cache if cfg.rollout_engine == "builtin" else False)
+        keep_rollout_cache=cfg.keep_rollout_cache if cfg.rollout_engine == "builtin" else False,
+        rates=rates or device_rates(device), old_pass=cfg.recompute_logprobs or cfg.lora_dropout > 0,
+        reference_pass=cfg.beta > 0)
 
 
 def plan_before_build(cfg: Any, model_config: Any, fmt: str, *, device: Any, prompt_tokens: int,
-                      stored: int | None = None) -> MemoryPlan:
+                      stored: int | None = None, rates: DeviceRates | None = None) -> MemoryPlan:
     """The plan from the model's config and format alone (nothing built yet): raises MemoryPlanError when the
     run cannot fit. ``stored``: the checkpoint's file sizes, when there is one."""
     c = cfg.resolved() if hasattr(cfg, "resolved") else cfg
     elem = dtype_of(c.precision).itemsize
     wb = weight_bytes(model_config, fmt, elem, kernels=plans_for_gpu(device, c.gpu_memory_gib), stored=stored)
-    return plan_for_config(c, model_config, weights=wb, device=device, prompt_tokens=prompt_tokens, elem=elem)
+    return plan_for_config(c, model_config, weights=wb, device=device, prompt_tokens=prompt_tokens, elem=elem,
+                           rates=rates)
+
+
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """The settings a run takes: the plan's choices where the TrainConfig left them to it (None), the user's
+    otherwise. The trainer, its metrics and the benches read these; the TrainConfig stays what was asked."""
+
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    optimizer_offload: bool
+    kernel_weight_copies: bool
+    gpu_memory_utilization: float  # the builtin engine's KV-cache share (vLLM: its own share)
+    kv_slots: int  # sequences the rollout engine decodes at once
+    keep_rollout_cache: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_settings(cfg: Any, plan: MemoryPlan) -> ResolvedSettings:
+    """The settings of ``cfg`` (a resolved TrainConfig) with ``plan``'s choices: the builtin engine gets the plan's
+    KV slots and cache share and may keep its cache; vLLM keeps an unset share at 0.5 (its own meaning)."""
+    builtin = cfg.rollout_engine == "builtin"
+    util = cfg.gpu_memory_utilization
+    if util is None:
+        util = (plan.gpu_memory_utilization if builtin else None) or 0.5
+    slots = min(cfg.max_batch_slots, cfg.batch_prompts * cfg.num_generations)
+    if plan.capacity is not None and builtin:
+        slots = min(slots, max(1, plan.kv_slots))
+    return ResolvedSettings(plan.micro_batch_size, plan.gradient_checkpointing, plan.optimizer_offload,
+                            plan.extra_weight_copies, float(util), int(slots), bool(plan.resident_cache) and builtin)
 
 
 def model_dir_format(model_dir: Any) -> str:
@@ -670,6 +790,7 @@ def dry_run_lines(run_dir: Any, cfg: Any) -> list[str]:
                            "with the real ones and the measured weights)"]
 
 
-__all__ = ["GIB", "PHASES", "MemoryPlan", "MemoryPlanError", "ModelDims", "WeightBytes", "device_capacity",
-           "dry_run_lines", "linear_bytes", "min_capacity", "model_dir_format", "plan_before_build",
-           "plan_for_config", "plan_memory", "rollout_reserve", "stored_bytes", "weight_bytes"]
+__all__ = ["GIB", "PHASES", "MemoryPlan", "MemoryPlanError", "ModelDims", "PlanRequest", "ResolvedSettings",
+           "WeightBytes", "cost_base", "device_capacity", "device_rates", "dry_run_lines", "linear_bytes",
+           "min_capacity", "model_dir_format", "plan_before_build", "plan_for_config", "plan_memory",
+           "resolve_settings", "rollout_reserve", "setting_text", "stored_bytes", "weight_bytes"]

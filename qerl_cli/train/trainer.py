@@ -209,6 +209,10 @@ class Trainer:
         self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
         self.snapshot = checkpointing.HostSnapshot()  # their pinned host copies, reused from one write to the next
         self.memory_plan: Any = None  # set by setup() (train/memory_plan.py)
+        # what the run takes where the TrainConfig left it to the plan (memory_plan.ResolvedSettings); the
+        # TrainConfig itself stays the request
+        self.settings: Any = None
+        self.rates: Any = None  # the device's rates for the plan's cost model (a bench passes measured ones)
         # the phase running now (`qerl bench step` names it when a step runs out of memory) and a callback as each
         # phase starts (the console's progress lines)
         self.phase = "setup"
@@ -318,17 +322,12 @@ class Trainer:
         max_len = max(len(p) for p in self.prompt_ids) + c.max_completion_length + 1
         self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
         rollout_model = self.model if self.rollout_quant is None else self.rollout_quant.model
-        # the builtin engine keeps its KV cache, LoRA shadows and CUDA graphs across steps when they fit beside
-        # training (the plan decides: not when memory is short): re-allocating and re-capturing them every step
-        # cost the step's rollout its bench speed
-        keep = c.keep_rollout_cache if c.keep_rollout_cache is not None else (
-            self.memory_plan is not None and self.memory_plan.resident_cache_fits)
-        self.keep_rollout_cache = bool(keep) and c.rollout_engine == "builtin"
-        slots = min(c.max_batch_slots, c.batch_prompts * c.num_generations)
-        if self.memory_plan is not None and self.memory_plan.capacity is not None and c.rollout_engine == "builtin":
-            slots = min(slots, max(1, self.memory_plan.kv_slots))  # the KV-cache share the plan fitted
-        self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer, max_batch_slots=slots,
-                                  max_model_len=max_len, gpu_memory_utilization=c.gpu_memory_utilization,
+        # the builtin engine keeps its KV cache, LoRA shadows and CUDA graphs across steps when the plan says so:
+        # re-allocating and re-capturing them every step costs the step's rollout its bench speed
+        run = self.settings
+        self.keep_rollout_cache = run.keep_rollout_cache
+        self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer, max_batch_slots=run.kv_slots,
+                                  max_model_len=max_len, gpu_memory_utilization=run.gpu_memory_utilization,
                                   dtype=self.dtype, model_dir=self.model_dir)
         # sharded: AQN reads (and the engine overrides) the rollout copy's own norms; otherwise the model's
         aqn_model = self.rollout_quant.model if sharded else self.model
@@ -347,17 +346,20 @@ class Trainer:
         self.extended_from: int | None = None  # a finished run's steps, when --resume --steps extends it
 
     # ---- the memory plan (train/memory_plan.py) and what it decides ----------------------------------------
-    def plan_memory(self, model_config: Any, fmt: str, *, prompt_tokens: int, stored: int | None = None) -> Any:
+    def plan_memory(self, model_config: Any, fmt: str, *, prompt_tokens: int, stored: int | None = None,
+                    rates: Any = None) -> Any:
         """The plan from the model's config and format, before any weight is built: raises MemoryPlanError (one
         line naming the setting to change) when the run cannot fit. Sets whether FP4 kernels may keep a second
-        weight copy before the first forward could make one; ``setup()`` plans again with what it measures."""
+        weight copy before the first forward could make one; ``setup()`` plans again with what it measures.
+        ``rates``: the device's measured rates for the cost model (step_cost.DeviceRates; default: its name's)."""
         from qerl_cli import kernel_dispatch
         from qerl_cli.train.memory_plan import plan_before_build, stored_bytes
 
         if stored is None and self.model_dir is not None:
             stored = stored_bytes(self.model_dir)
+        self.rates = rates if rates is not None else self.rates
         plan = plan_before_build(self.cfg, model_config, fmt, device=self.device, prompt_tokens=prompt_tokens,
-                                 stored=stored)
+                                 stored=stored, rates=self.rates)
         self.memory_plan = plan
         if self.device.type == "cuda" and plan.capacity is not None:
             kernel_dispatch.allow_extra_copies(plan.extra_weight_copies)
@@ -381,7 +383,7 @@ class Trainer:
         if self.cfg.optimizer_offload and options:
             raise QerlError("--optimizer-offload moves replicated AdamW state to the host; FSDP2's sharded state "
                             "goes there with --fsdp-offload")
-        if self.cfg.optimizer_offload:
+        if self.settings.optimizer_offload:
             from qerl_cli.train.host_offload import HostOffloadAdamW
 
             return HostOffloadAdamW(self.params, **kw)
@@ -402,33 +404,33 @@ class Trainer:
 
     def _apply_memory_plan(self, base: torch.nn.Module, weights: int, prompt_tokens: int) -> None:
         """Plan the step's memory again with the measured weights and the real prompts (train/memory_plan.py) and
-        take its micro-batch, checkpointing, optimizer placement and KV-cache share."""
+        resolve the settings the run takes (``self.settings``); the TrainConfig is left as asked."""
         import dataclasses
 
-        from qerl_cli.train.memory_plan import plan_for_config
+        from qerl_cli.train.memory_plan import plan_for_config, resolve_settings
 
-        c = self.cfg
         elem = torch.empty((), dtype=self.dtype).element_size()
         before = self.memory_plan  # made from the config before the weights existed, if it was
         measured: Any = weights
         if before is not None:  # the larger of estimate and measurement counts; the copies decision stands
             measured = dataclasses.replace(before.weight_parts, measured=weights)
-        plan = plan_for_config(c, base.config, weights=measured, device=self.device, prompt_tokens=prompt_tokens,
-                               elem=elem, extra_weight_copies=None if before is None else before.extra_weight_copies)
-        self.memory_plan = plan
-        c.micro_batch_size = plan.micro_batch_size
-        c.gradient_checkpointing = plan.gradient_checkpointing
-        c.optimizer_offload = plan.optimizer_offload
-        if c.gpu_memory_utilization is None:
-            # builtin engine: the cache gets what is free within the cap; vLLM keeps its usual share
-            c.gpu_memory_utilization = (plan.gpu_memory_utilization if c.rollout_engine == "builtin" else None) or 0.5
-        if c.gradient_checkpointing:
+        self.memory_plan = plan_for_config(
+            self.cfg, base.config, weights=measured, device=self.device, prompt_tokens=prompt_tokens, elem=elem,
+            extra_weight_copies=None if before is None else before.extra_weight_copies, rates=self.rates)
+        self.settings = resolve_settings(self.cfg, self.memory_plan)
+        if self.settings.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
 
     @property
+    def plan_metrics(self) -> dict[str, float]:
+        """The plan's estimate of a step (seconds), logged beside the measured phases; empty without one (CPU)."""
+        est = None if self.memory_plan is None else self.memory_plan.est_step_s
+        return {} if est is None else {"plan/est_step_s": est}
+
+    @property
     def micro_batch_size(self) -> int:
-        return int(self.cfg.micro_batch_size or 1)
+        return self.settings.micro_batch_size
 
     def encode_prompt(self, prompt: str, index: int | None = None) -> list[int]:
         """Token ids of a prompt (``index``: its task example, for the message), within --max-prompt-length."""
@@ -566,6 +568,7 @@ class Trainer:
         c = self.cfg
         g = c.num_generations
         metrics: dict[str, Any] = {"step": self.step + 1}
+        metrics.update(self.plan_metrics)
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -1077,7 +1080,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
                 raise QerlError("out of GPU memory while loading the model: lower --gpu-memory-utilization") from exc
             start = (trainer.resume(*start_from) if start_from is not None else trainer.resume()) if resume else 0
         if ctx.is_main and trainer.memory_plan is not None:
-            rec.extra["memory_plan"] = trainer.memory_plan.to_dict()
+            rec.extra.update(memory_plan=trainer.memory_plan.to_dict(), resolved=trainer.settings.to_dict())
         if ctx.is_main and preset is not None:
             rec.extra["preset"] = preset
         if on_setup:

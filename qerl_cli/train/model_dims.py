@@ -1,0 +1,141 @@
+"""A decoder's dimensions, from its config: what the memory plan and the step's cost model are computed from.
+
+Shapes only (no weight is built): the seven projections LoRA may target, their adapter and shadow sizes, the KV
+bytes per token, what autograd keeps per token and layer, and the FLOPs of a forward and a backward
+(multiply-add = 2 FLOPs). Lower than both ``memory_plan.py`` and ``step_cost.py``, which import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    hidden: int
+    intermediate: int  # one MLP's (one expert's, in a mixture of experts)
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int = 0  # mixture of experts: experts per layer, all resident (0: a dense MLP)
+    top_k: int = 0  # ... and experts per token
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ModelDims:
+        from qerl_cli.moe import MoeDims
+
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        moe = MoeDims.from_config(cfg)
+        inter = moe.intermediate if moe is not None else int(cfg.intermediate_size)
+        return cls(int(cfg.hidden_size), inter, int(cfg.num_hidden_layers), heads,
+                   int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim, int(cfg.vocab_size),
+                   moe.experts if moe else 0, moe.top_k if moe else 0)
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP width one token runs through: the top-k experts' together in a mixture of experts."""
+        return self.intermediate * (self.top_k or 1)
+
+    @property
+    def moe_token_extra(self) -> int:
+        """Per token and sparse layer, besides the MLP's width: the k expert outputs before they are summed and the
+        router's logits and fp32 probabilities (in dtype elements, counted as 3 per expert)."""
+        return self.top_k * self.hidden + 3 * self.experts if self.experts else 0
+
+    def mlp_copies(self, target: str) -> int:
+        """How many of a projection each layer holds: every expert's MLP projection, one of anything else."""
+        return self.experts if self.experts and target in PROJECTION_GROUPS[2] + PROJECTION_GROUPS[3] else 1
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each projection LoRA may target."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def linear_weights(self) -> int:
+        """Weights of every decoder linear a token runs through (the frozen GEMMs of a forward: of a mixture of
+        experts, its k experts' and the router)."""
+        active = {t: self.top_k if self.mlp_copies(t) > 1 else 1 for t in self.linear_shapes()}
+        router = self.experts * self.hidden
+        return self.layers * (sum(active[t] * i * o for t, (i, o) in self.linear_shapes().items()) + router)
+
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        shapes = self.linear_shapes()
+        if self.experts:  # peft's LoRA on the stacked experts: gate and up are one fused projection
+            mlp = PROJECTION_GROUPS[2] + PROJECTION_GROUPS[3]
+            attn = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes and t not in mlp)
+            gate_up = any(t in targets for t in PROJECTION_GROUPS[2])
+            h, i = self.hidden, self.intermediate
+            experts = self.experts * rank * ((h + 2 * i if gate_up else 0) + (i + h if "down_proj" in targets else 0))
+            return self.layers * (attn + experts)
+        return self.layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
+
+    def shadow_elems(self, rank: int, targets: list[str]) -> int:
+        """Elements of the rollout engine's in-dtype LoRA shadows (rollout/fast_layers.py): per projection group
+        the concatenated A [sum r, in] and, the group being one fused GEMM, the block-diagonal B [sum out, sum r]."""
+        shapes = self.linear_shapes()
+        per_layer = 0
+        if self.experts:  # the experts' copies are their factors in dtype, [E, r, K] and [E, N, r]
+            per_layer = self.lora_params(rank, [t for t in targets if self.mlp_copies(t) > 1]) // self.layers
+        for group in PROJECTION_GROUPS:
+            if self.experts and self.mlp_copies(group[0]) > 1:
+                continue
+            r = rank * sum(1 for t in group if t in targets)
+            if r:
+                per_layer += r * shapes[group[0]][0] + r * sum(shapes[t][1] for t in group)
+        return self.layers * per_layer
+
+    def kv_bytes_per_token(self, elem: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * elem
+
+    def act_bytes_per_token_layer(self, elem: int) -> int:
+        return (11 * self.hidden + 4 * self.active_intermediate + self.moe_token_extra) * elem
+
+    def fp32_input_bytes_per_token_layer(self, rank: int, targets: list[str], elem: int) -> int:
+        """What autograd keeps beyond :meth:`act_bytes_per_token_layer` when peft's own LoRA layer runs an
+        unquantized ``nn.Linear`` with fp32 adapters: it casts the input to fp32 once per adapted projection
+        (q, k and v each keep their own copy), and the fp32 product feeds B. The in-dtype input a group shares
+        is then kept by nobody. 0 in fp32, where the cast is the input itself."""
+        if elem >= 4:
+            return 0
+        if self.experts:  # the experts' LoRA runs in qerl's grouped computation, not peft's nn.Linear layer
+            targets = [t for t in targets if self.mlp_copies(t) == 1]
+        shapes = self.linear_shapes()
+        per_target = sum((4 * shapes[t][0] + 4 * rank) for t in targets if t in shapes)
+        shared = sum(elem * shapes[g[0]][0] + elem * rank * sum(1 for t in g if t in targets)
+                     for g in PROJECTION_GROUPS if any(t in targets for t in g))
+        return max(0, per_target - shared)
+
+    def grad_bytes_per_token_layer(self, elem: int) -> int:
+        """Gradients in flight inside one layer's backward (the MLP's three [I] ones, the residual's two [H])."""
+        return (3 * self.active_intermediate + 2 * self.hidden + self.moe_token_extra) * elem
+
+    def largest_linear(self) -> int:
+        return max(i * o for i, o in self.linear_shapes().values())
+
+    def forward_flops(self, *, tokens: float, attention_pairs: float, loss_tokens: float, lora_rank: int,
+                      lora_targets: list[str]) -> dict[str, float]:
+        """FLOPs of one forward over ``tokens`` (``attention_pairs`` = sum of n_i (n_i + 1) / 2, causal), split by
+        what runs them: the frozen linears, the LoRA factors, attention, and lm_head over the loss tokens (the
+        chunked log-probs project only those)."""
+        lora = self.lora_params(lora_rank, lora_targets)
+        return {"linear": 2.0 * self.linear_weights() * tokens, "lora": 2.0 * lora * tokens,
+                "attention": self.layers * 4.0 * self.heads * self.head_dim * attention_pairs,
+                "head": 2.0 * self.hidden * self.vocab * loss_tokens}
+
+    def backward_flops(self, forward: dict[str, float]) -> dict[str, float]:
+        """The backward of a forward's FLOPs: dx through every frozen linear (no weight gradient), dA, dB and dx
+        of the LoRA factors, twice the attention forward, and the log-prob Jacobian rows (another lm_head pass
+        over the loss tokens, made in the forward's chunk)."""
+        return {"linear": forward["linear"], "lora": 3.0 * forward["lora"], "attention": 2.0 * forward["attention"],
+                "head": forward["head"]}
+
+
+__all__ = ["PROJECTION_GROUPS", "ModelDims"]
