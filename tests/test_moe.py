@@ -329,7 +329,8 @@ def test_bench_rollout_on_the_tiny_moe_shape_and_its_routed_roofline(tmp_path) -
 # ---- the memory plan ----------------------------------------------------------------------------------------------
 def test_memory_plan_of_qwen3_30b_a3b() -> None:
     from qerl_cli.bench.shapes import SHAPES
-    from qerl_cli.train.memory_plan import GIB, ModelDims, weight_bytes
+    from qerl_cli.train.memory_plan import GIB, weight_bytes
+    from qerl_cli.train.model_dims import ModelDims
 
     cfg = SHAPES["qwen3-30b-a3b"].config()
     dims = ModelDims.from_config(cfg)
