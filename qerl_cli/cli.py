@@ -276,6 +276,11 @@ def eval_(
     harness: Annotated[str, Opt(help="builtin | lm-eval | lighteval")] = "builtin",
     seed: int = 0,
     json_only: Annotated[bool, Opt("--json", help="Print the JSON result only.")] = False,
+    tools: Annotated[str | None, Opt(help="python | calculator: score episodes with the tool on (docs/tools.md).")]
+    = None,
+    env: Annotated[str | None, Opt(help="module:Class or file.py:Class: score episodes with your environment.")]
+    = None,
+    max_turns: Annotated[int, Opt(help="Model turns per episode (--tools/--env).")] = 4,
 ) -> None:
     """Evaluate the run's model (with its latest adapter) on GSM8K, MATH-500 or arith, scored exactly."""
     import json
@@ -286,7 +291,8 @@ def eval_(
     if notice:  # first, before the minutes of generation, so the user can stop and install what is missing
         err_console.print(f"[yellow]note:[/] {escape(notice)}", highlight=False, soft_wrap=True)
     res = run_eval(run, task, checkpoint=checkpoint, limit=limit, samples=samples, temperature=temperature,
-                   max_tokens=max_tokens, shots=shots, chat_template=chat_template, harness=harness, seed=seed)
+                   max_tokens=max_tokens, shots=shots, chat_template=chat_template, harness=harness, seed=seed,
+                   tools=tools, env=env, max_turns=max_turns)
     if json_only:
         print(json.dumps(res, indent=2, default=str))
         return
@@ -338,6 +344,10 @@ def bench_rollout(
     linear_backend: Annotated[str | None, Opt(help="Linear kernels: auto|qerl|triton|cuda|humming|cublas.")] = None,
     memory_cap_gib: Annotated[float | None, Opt("--memory-cap", help="Cap this process's GPU memory (GiB; 79.2 on "
                                                 "an H200 stands for an 80 GB card).")] = None,
+    episodes: Annotated[int, Opt(help="Synthetic multi-turn episodes of N turns (a sleeping tool between them) "
+                                      "against single-turn decoding of the same tokens (0: off).")] = 0,
+    tool_latency_ms: Annotated[float, Opt(help="--episodes: the synthetic tool's latency, ms.")] = 50.0,
+    observation_tokens: Annotated[int, Opt(help="--episodes: tokens of each observation.")] = 32,
 ) -> None:
     """Rollout tokens/s, TTFT and memory per format and batch, against the weight+KV roofline."""
     from qerl_cli.bench.rollout import bench_rollout as run_bench
@@ -350,7 +360,8 @@ def bench_rollout(
                     lora_rank=lora_rank, out_dir=out, eos_mode="eos" if eos else "fixed",
                     log=_progress, prompts=prompts, num_generations=num_generations,
                     lora_modes=("on", "off") if lora_off else ("on",), profile=profile, linear_backend=linear_backend,
-                    memory_cap_gib=memory_cap_gib)
+                    memory_cap_gib=memory_cap_gib, episodes=episodes, tool_latency_ms=tool_latency_ms,
+                    observation_tokens=observation_tokens)
     _show(res)
 
 

@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import stat
 import time
@@ -57,9 +58,50 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _disk_error(path: Path, exc: OSError) -> QerlError:
-    if exc.errno == errno.ENOSPC:
-        return QerlError(f"out of disk space while writing {path}: free some space and run the command again")
+    where = Path(path).parent
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        full = "out of disk space" if exc.errno == errno.ENOSPC else "over the disk quota"
+        return QerlError(f"{full} while writing {path}: free space on {where} and run the command again")
+    if exc.errno == errno.EFBIG:
+        return QerlError(f"{path} grew past the largest file this process may write (`ulimit -f` or the file "
+                         f"system's limit): raise the limit or use another file system, and run the command again")
+    if exc.errno == errno.EROFS:
+        return QerlError(f"{where} is on a read-only file system, so {path} could not be written: make it writable "
+                         "or use another --run directory")
+    if exc.errno == errno.EIO:
+        return QerlError(f"I/O error while writing {path}: check the disk (or network file system) under {where} "
+                         "and run the command again")
     return QerlError(f"could not write {path}: {exc.strerror or exc}")
+
+
+_OS_ERROR_RE = re.compile(r"os error (\d+)")
+
+
+def write_error(path: Path, exc: BaseException) -> QerlError | None:
+    """The one line for a failed write of ``path``: an OSError, or a library error that wraps one (safetensors'
+    SafetensorError says "... (os error 28)"); None for anything else (a bug, not the disk)."""
+    if isinstance(exc, QerlError):
+        return None
+    if isinstance(exc, OSError):
+        return _disk_error(path, exc)
+    found = _OS_ERROR_RE.search(str(exc)) if type(exc).__name__ == "SafetensorError" else None
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return _disk_error(path, OSError(code, os.strerror(code)))
+
+
+@contextlib.contextmanager
+def write_errors(path: Path) -> Iterator[None]:
+    """Around a write of ``path``: a full disk, a quota, a read-only or failing file system is one QerlError line
+    naming the path and what to do, never a traceback."""
+    try:
+        yield
+    except Exception as exc:
+        err = write_error(path, exc)
+        if err is None:
+            raise
+        raise err from exc
 
 
 def jsonable(obj: Any) -> Any:
@@ -142,9 +184,47 @@ def staged_directory(final: Path) -> Iterator[Path]:
         _fsync_dir(final.parent)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and not isinstance(exc, QerlError):
-            raise _disk_error(final, exc) from exc
+        err = write_error(final, exc)
+        if err is not None:
+            raise err from exc
         raise
+
+
+_STAGING_RE = re.compile(r"^\..+\.(?:tmp|old)-(\d+)$")  # atomic_write_bytes' and staged_directory's names
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_staging(root: Path) -> list[Path]:
+    """Remove the staging files and directories (``.NAME.tmp-PID``, ``.NAME.old-PID``) under ``root`` that a killed
+    writer left: a SIGKILL skips the cleanup of :func:`atomic_write_bytes` and :func:`staged_directory`. Those of a
+    live process (this one's included) are left alone, since it may still be writing them. The removed paths."""
+    removed = []
+    for parent, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            found = _STAGING_RE.match(name)
+            if found is None or int(found.group(1)) == os.getpid() or _pid_alive(int(found.group(1))):
+                continue
+            path = Path(parent) / name
+            if name in dirs:
+                dirs.remove(name)  # not walked into: it goes whole
+            if name in files or path.is_symlink():  # a link goes, never what it points to
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 @dataclass
@@ -167,9 +247,12 @@ class StageRecord:
     pid: int = field(default_factory=os.getpid)
     error: str | None = None
     attempt: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # not written to the manifest: while True, a QerlError that ends the stage is a refusal, and the manifest gets
+    # back exactly what it held before the stage began; a stage sets it False once it starts changing its outputs
+    refusable: bool = field(default=True, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "refusable"}
 
 
 class RunDir:
@@ -388,12 +471,16 @@ class RunDir:
         """Record a stage: 'running' on entry, then 'completed', 'interrupted' (Ctrl-C) or 'failed'.
 
         The manifest stays valid at every point; on SIGKILL the record stays 'running' and readers
-        report it as interrupted once the lock is free.
+        report it as interrupted once the lock is free. A refusal (a QerlError while ``rec.refusable``) leaves
+        the manifest as it was before the stage: its earlier bytes are written back (or it is removed again).
+        On entry, under the lock, what killed writers left staged in the run directory is removed.
         """
         from qerl_cli.env_info import environment
 
         with self.lock():
             data = self.read()  # refuses corrupted/newer manifests before anything is written
+            before = self.manifest_path.read_bytes() if self.manifest_path.exists() else None
+            remove_stale_staging(self.path)
             rec = StageRecord(
                 stage=stage,
                 key=key or stage,
@@ -404,21 +491,34 @@ class RunDir:
             )
             self._commit(data, rec)
             t0 = time.perf_counter()
+            refused = False
             try:
                 yield rec
             except KeyboardInterrupt:
                 rec.status = "interrupted"
                 raise
             except BaseException as exc:
+                refused = rec.refusable and isinstance(exc, QerlError)
                 rec.status = "failed"
                 rec.error = str(exc).splitlines()[0][:500] if str(exc) else exc.__class__.__name__
                 raise
             else:
                 rec.status = "completed"
             finally:
-                rec.finished = now_iso()
-                rec.duration_s = round(time.perf_counter() - t0, 3)
-                self._commit(self.read(), rec)
+                if refused:
+                    self._restore(before)
+                else:
+                    rec.finished = now_iso()
+                    rec.duration_s = round(time.perf_counter() - t0, 3)
+                    self._commit(self.read(), rec)
+
+    def _restore(self, before: bytes | None) -> None:
+        """The manifest as a refused stage found it (nothing else writes it while the stage holds the lock)."""
+        if before is not None:
+            atomic_write_bytes(self.manifest_path, before)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                self.manifest_path.unlink()
 
     def _commit(self, data: dict[str, Any], rec: StageRecord) -> None:
         entry = rec.to_dict()

@@ -348,9 +348,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int,
 
 
 class MoeBlock(nn.Module):
-    """A sparse MLP: transformers' router module (``gate``, whose weight :func:`route` reads) and qerl's experts. In
-    training mode it records the routing (per-expert assignment counts and mean router probabilities, on the device)
-    for :func:`router_metrics`."""
+    """A sparse MLP: transformers' router module (``gate``, whose weight :func:`route` reads) and qerl's experts. In a
+    training forward (training mode, gradients on) it records the routing (per-expert assignment counts and mean router
+    probabilities, on the device) for :func:`router_metrics`."""
 
     def __init__(self, gate: nn.Module, experts: nn.Module, top_k: int, norm_topk_prob: bool = True) -> None:
         super().__init__()
@@ -364,7 +364,7 @@ class MoeBlock(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         logits, weights, index = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
-        if self.training:
+        if self.training and torch.is_grad_enabled():  # the update's forwards, never a rollout running beside them
             self.record(logits, index)
         return self.experts(x, index, weights).reshape(shape)
 

@@ -6,9 +6,11 @@ Records a per-layer error table and sizes in the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import torch
 from qerl_cli.checkpoint import QERL_META, fused_global_scales, save_tensors, target_linears, write_config
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import WeightFormat, dequantize, get_format
-from qerl_cli.manifest import RunDir, sha256_file, staged_directory
+from qerl_cli.manifest import LOCK_NAME, RunDir, sha256_file, staged_directory
 from qerl_cli.models import ModelSource, conversion_notice, load_model, resolve_model
 from qerl_cli.precision import dtype_of
 from qerl_cli.runlayout import checkpoints_dir, model_dir, train_dir
@@ -114,6 +116,8 @@ def quantize_model(
         raise QerlError(f"--dtype must be bf16 or fp16, not {dtype}")
     ignore = list(ignore) if ignore is not None else ["lm_head"]
     out_dtype = dtype_of(dtype)
+    src = resolve_model(model)  # a missing model is refused before the run directory exists
+    created = not Path(run_dir).expanduser().exists()
     run = RunDir(run_dir)
     trained = trained_steps(run)
     if trained is not None and not force:  # refused before the stage record: the manifest stays as it was
@@ -121,11 +125,11 @@ def quantize_model(
                         "base would not match it: quantize into a new --run directory, or pass --force to move "
                         "train/ aside")
     model_out = model_dir(run)  # a model/ leading out of the run is refused before anything is loaded
-    src = resolve_model(model)
     torch.manual_seed(seed)
     config = {"model": src.to_json(), "format": fmt, "ignore": ignore, "method": method, "dtype": dtype}
-    with run.stage("quantize", config=config, inputs={"model": {**src.to_json(), "sha256": _source_hashes(src)}},
-                   seeds={"torch": seed}) as rec:
+    with removed_when_refused(run, created), \
+            run.stage("quantize", config=config, inputs={"model": {**src.to_json(), "sha256": _source_hashes(src)}},
+                      seeds={"torch": seed}) as rec:
         if loaded is None and notice is not None and (line := conversion_notice(src)):
             notice(line)
         hf_model, tokenizer = loaded if loaded is not None else load_model(src, dtype=torch.float32)
@@ -236,10 +240,24 @@ def expert_linears(model: torch.nn.Module, ignore: list[str], spec: WeightFormat
     return out
 
 
+@contextlib.contextmanager
+def removed_when_refused(run: RunDir, created: bool) -> Iterator[None]:
+    """A run directory this call created goes again when the stage is refused and left nothing in it (the stage
+    has restored the manifest, i.e. removed it): a bad model or format leaves no empty run behind."""
+    try:
+        yield
+    except QerlError:
+        if created and all(p.name == LOCK_NAME for p in run.path.iterdir()):
+            shutil.rmtree(run.path, ignore_errors=True)
+        raise
+
+
 def trained_steps(run: RunDir) -> str | None:
     """What `train/` holds that a re-quantized base would orphan ("checkpoints step_4, step_8"), None if nothing."""
     ckpts = checkpoints_dir(run)
-    names = sorted(p.name for p in ckpts.iterdir() if p.is_dir()) if ckpts.is_dir() else []
+    # not the staging directory a killed trainer left (`.step_N.tmp-PID`): the next stage removes it
+    names = sorted(p.name for p in ckpts.iterdir() if p.is_dir() and not p.name.startswith(".")) if ckpts.is_dir() \
+        else []
     return f"checkpoints {', '.join(names)}" if names else None
 
 

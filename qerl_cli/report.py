@@ -44,22 +44,11 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Rows of metrics.jsonl, skipping a torn last line (a trainer killed mid-write)."""
-    rows = []
-    if not path.is_file():
-        return rows
-    for line in path.read_text(errors="replace").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
-            rows.append(row)
+    """Rows of metrics.jsonl by step (metricsfile.read_metrics: a torn last line is skipped, damage refused)."""
+    from qerl_cli.metricsfile import read_metrics
+
     # A resumed run may log a step twice; the later line is the one the run continued from.
-    by_step = {int(r["step"]): r for r in rows}
+    by_step = {int(r["step"]): r for r in read_metrics(path)}
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -210,8 +199,24 @@ def _train_plots(rows: list[dict[str, Any]]) -> dict[str, tuple[str, Callable[[]
                                 "tokens", "Completion length")),
         "train_mismatch": (k3_caption, simple([("sampling/k3", "k3")], "k3 (log)", "Mismatch k3", log=True)),
         "train_aqn": ("AQN sigma and noise norm vs step", aqn),
+        "train_episodes": ("Episodes with a tool or environment: model turns per episode and the share of tool calls "
+                           "that failed, vs step",
+                           simple([("episodes/turns_mean", "turns per episode"),
+                                   ("episodes/tool_error_rate", "tool error rate")], "per episode / fraction",
+                                  "Turns and tool errors")),
         "train_throughput": ("Rollout tokens/s (and peak memory) vs step", throughput),
     }
+
+
+def _episode_pairs(rows: list[dict[str, Any]], numbers: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Turns per episode (last step) and tool errors (all steps) of a run that used a tool or an environment."""
+    turns = [r["episodes/turns_mean"] for r in rows if isinstance(r.get("episodes/turns_mean"), (int, float))]
+    if not turns:
+        return []
+    errors = sum(float(r.get("episodes/tool_errors", 0.0)) for r in rows)
+    numbers["train/episodes/turns_mean"] = turns[-1]
+    numbers["train/episodes/tool_errors"] = errors
+    return [("last turns per episode", turns[-1]), ("tool errors (all steps)", int(errors))]
 
 
 def _eval_plot(evals: list[dict[str, Any]]) -> bytes:
@@ -491,6 +496,8 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
         pairs = [(k, cfg[k]) for k in ("algo", "task", "steps", "batch_prompts", "num_generations",
                                        "max_completion_length", "lr", "lora_rank", "precision", "correction")
                  if k in cfg]
+        pairs += [(k, cfg[k]) for k in ("tools", "env", "max_turns", "max_episode_tokens") if cfg.get(k) and
+                  (cfg.get("tools") or cfg.get("env"))]
         if rows:
             last = rows[-1]
             pairs += [("steps logged", len(rows))]
@@ -499,6 +506,7 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
                     pairs.append((f"last {k}", last[k]))
                     numbers[f"train/{k}"] = last[k]
             numbers["train/steps"] = len(rows)
+            pairs += _episode_pairs(rows, numbers)
         body = _kv_table(pairs)
         if rows:
             for name, (caption, draw) in _train_plots(rows).items():

@@ -41,6 +41,12 @@
 #               the 1-GPU run offloads to host memory on a card under 120 GiB (QERL_FSDP_OFFLOAD1=auto|0|1)
 #   evidence    the evidence study (docs/evidence.md): many `qerl bench sanity` processes on the one GPU, then
 #               `qerl bench evidence` (QERL_EV_QERL_SEEDS 8, QERL_EV_FLASHRL_SEEDS 8, QERL_EV_FP16_SEEDS 3)
+#   tools       the learning target of multi-turn episodes (docs/tools.md; needs `embedded`): per seed
+#               (QERL_TOOLS_SEEDS, 4) the gpu_arith preset for QERL_TOOLS_STEPS (30) steps with the calculator and
+#               without, all side by side on the GPU, each scored on QERL_TOOLS_HELDOUT (100) held-out arith problems
+#               x QERL_TOOLS_SAMPLES (8) samples before and after training; then scripts/tools_target.py (intervals
+#               over seeds). QERL_TOOLS_TRAIN_ARGS adds train flags (a CPU proof: "--batch-prompts 2
+#               --num-generations 2 --precision fp32 --no-aqn" with 1 seed, 1 step, 2 held-out problems, 2 samples)
 #   cmd         any command in QERL_CMD, run from /tmp with the shim in place ($REPO, $OUT and $T exported)
 # Every stage is bounded by what is left of QERL_DEADLINE_S (default 570 s, under the tool's 600 s per call).
 set -uo pipefail
@@ -375,6 +381,38 @@ stage_evidence() {
   (cd "$EV" && tar czf "$OUT/evidence/evidence_raw.tgz" */*/sanity.json */*/perfectible.json ./*/*.log ./*.log \
     nv/manifest.json bf/manifest.json gpu_mem.log 2>/dev/null)
   cat "$OUT/evidence/evidence.md" 2>/dev/null
+}
+
+tools_arm() {  # DIR ARM SEED: one run, base scored, trained, trained scored (the tool arm with the tool on)
+  local run=$1/$2_s$3 steps=${QERL_TOOLS_STEPS:-30} n=${QERL_TOOLS_SAMPLES:-8} b train=() ev=()
+  if [ "$2" = tool ]; then
+    train=(--tools calculator --max-turns 2 --max-episode-tokens 32); ev=(--tools calculator --max-turns 2 --max-tokens 32)
+  fi
+  cp -r "$1/q" "$run"
+  b=$(budget)
+  {
+    qerl "$b" eval arith --run "$run" --checkpoint base --limit "${QERL_TOOLS_HELDOUT:-100}" --samples "$n" \
+      --temperature 1.0 --json "${ev[@]}" > /dev/null
+    # shellcheck disable=SC2086
+    qerl "$b" train --run "$run" --config gpu_arith --steps "$steps" --save-steps "$steps" --seed "$3" \
+      --no-log-rollouts --gpu-memory-utilization 0.08 "${train[@]}" ${QERL_TOOLS_TRAIN_ARGS:-}
+    qerl "$b" eval arith --run "$run" --limit "${QERL_TOOLS_HELDOUT:-100}" --samples "$n" --temperature 1.0 --json \
+      "${ev[@]}" > /dev/null
+  } > "$1/$2_s$3.log" 2>&1
+}
+
+stage_tools() {
+  local d=$T/tools s a pids=()
+  rm -rf "$d"; mkdir -p "$d" "$OUT/tools"
+  qerl 300 quantize --run "$d/q" --format nvfp4 --show-layers 0 > "$d/quantize.log" 2>&1 \
+    || { tail -n 5 "$d/quantize.log"; return 1; }
+  for ((s = 0; s < ${QERL_TOOLS_SEEDS:-4}; s++)); do
+    for a in tool plain; do tools_arm "$d" "$a" "$s" & pids+=($!); done
+  done
+  wait "${pids[@]}"
+  for f in "$d"/*_s*.log; do echo "== $(basename "$f")"; grep -v "^step" "$f" | tail -n 3; done
+  (cd "$T" && python3 "$REPO/scripts/tools_target.py" "$d" --out "$OUT/tools/tools_target.json")
+  (cd "$d" && tar czf "$OUT/tools/tools_runs.tgz" ./*.log ./*_s*/train/metrics.jsonl ./*_s*/eval/*.json 2>/dev/null)
 }
 
 stage_cmd() { (cd "$T" && timeout "$(budget)" bash -c "$QERL_CMD"); }

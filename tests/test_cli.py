@@ -66,9 +66,7 @@ def test_truncated_gguf(tmp_path: Path) -> None:
         bad.write_bytes(f.read(src.stat().st_size // 2))
     res = qerl("quantize", str(bad), "--run", str(tmp_path / "r"))
     assert_one_line_error(res, "truncated")
-    assert not (tmp_path / "r" / "model").exists()
-    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
-    assert manifest["stages"]["quantize"]["status"] == "failed"
+    assert not (tmp_path / "r").exists()  # a refusal leaves no run directory behind (nor a record in one)
 
 
 def test_truncated_safetensors(tmp_path: Path) -> None:

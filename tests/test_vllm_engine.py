@@ -113,3 +113,40 @@ def test_version_branches_on_installed_vllm() -> None:
         with pytest.raises(QerlError, match="rank_pattern"):
             _check_patterns_supported(patterned)
     _check_patterns_supported({"rank_pattern": {}, "alpha_pattern": {}})
+
+
+class _TwoTurns:
+    """Turns of 3 tokens, two per episode, a fixed observation between them (the episode bookkeeping under test)."""
+
+    stop: tuple[str, ...] = ()
+    max_turns = 2
+    turn_tokens = 3
+    workers = 2
+
+    def wants_step(self, prompt_index: int, sample_index: int, turn: int, text: str) -> bool:
+        return turn < self.max_turns
+
+    def step(self, prompt_index: int, sample_index: int, turn: int, text: str):  # noqa: ANN201
+        from qerl_cli.rollout.episode import StepResult
+
+        return StepResult(observation=" [tool says 7]", action=text)
+
+
+def test_episodes_as_rounds_of_generate_calls(served) -> None:
+    """vLLM runs an episode as one generate call per turn on the episode so far; the model tokens after the
+    observation carry the log-probs the training forward gives them, the observation none."""
+    peft, tok, engine, ids = served
+    res = engine.generate(ids, SamplingParams(n=1, temperature=0.7, max_tokens=20, stop_token_ids=[], seed=9),
+                          episodes=_TwoTurns())
+    obs = tok(" [tool says 7]", add_special_tokens=False)["input_ids"]
+    for s in res.samples:
+        (start, end), = s.observation_spans
+        assert start == 3 and s.token_ids[start:end] == obs and len(s.token_ids) == 6 + len(obs)
+        mask = s.model_mask()
+        batch = build_batch([s.prompt_token_ids], [s.token_ids], [s.logprobs], [False], pad_id=0, model_masks=[mask])
+        with torch.no_grad():
+            pi = sampled_logprobs(peft, batch, 0.7)[0][0]
+        keep = mask.bool()
+        assert torch.allclose(s.logprobs[keep], pi[keep], atol=LOGP_TOL, rtol=0), (s.logprobs, pi)
+        assert s.logprobs[~keep].abs().sum() == 0 and len(s.steps) == 1
+    assert res.timings["tokens"] == 6.0 * len(ids)

@@ -68,6 +68,8 @@ def add_mfu(row: dict[str, Any], config: Any, ceiling_tflops: float | None, *, l
                      loss_tokens=row.get("batch_loss_tokens") or 0.0, lora_rank=lora_rank, lora_targets=lora_targets)
     for phase, flops in fl.items():
         secs = row.get(f"{phase}_s")
+        if phase == "recompute" and not row.get("pi_old_pass", 1.0):
+            secs = None  # no pass ran: the update's forward gave pi_old
         tf = flops / secs / 1e12 if secs else None
         row[f"{phase}_tflops"] = tf
         row[f"{phase}_mfu"] = tf / ceiling_tflops if tf is not None and ceiling_tflops else None

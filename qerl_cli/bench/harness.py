@@ -290,10 +290,11 @@ def write_results(res: dict[str, Any], out: Path, json_name: str,
                   extra_files: dict[str, Path] | None = None) -> dict[str, Path]:
     """Write ``res`` as ``out/json_name`` after its plots (``{files key: (file name, draw(path))}``); the paths
     go into ``res["files"]`` (``json`` first, then the plots, then ``extra_files``) and are returned."""
-    from qerl_cli.manifest import atomic_write_json, jsonable
+    from qerl_cli.manifest import atomic_write_json, jsonable, write_errors
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with write_errors(out):
+        out.mkdir(parents=True, exist_ok=True)
     plots = plots or {}
     paths = {"json": out / json_name, **{k: out / name for k, (name, _) in plots.items()}, **(extra_files or {})}
     res["files"] = {k: str(p) for k, p in paths.items()}

@@ -26,6 +26,10 @@ Realistic workloads (``prompts``/``num_generations``): ``prompts`` random prompt
 samples each run through ``batch`` KV-cache slots, so with more sequences than slots the engine's queue
 refills every slot a finished sequence frees (combine with ``eos_mode="eos"`` for RL-like lengths).
 
+``episodes=TURNS`` measures multi-turn episodes instead (qerl_cli/bench/episodes.py): each cell runs ``TURNS``
+turns of ``new_tokens / TURNS`` tokens with a synthetic tool of ``tool_latency_ms`` between them, against
+single-turn decoding of the same tokens.
+
 ``lora_modes=("on", "off")`` runs every cell with the adapters active and again with them disabled
 (peft's ``disable_adapter``), the measured cost of LoRA. ``profile=True`` adds, per cell, the GPU time of
 one decode step by category (quantized GEMM, dense GEMM, LoRA, attention, norm/RoPE/activation,
@@ -509,6 +513,10 @@ def short_summary(res: dict[str, Any]) -> list[str]:
         lines.append(f"LoRA share {sh['format']} batch {sh['batch']}: {num(sh['share_pct'], '{:.1f}')}% of the step "
                      f"({sh['source']}: {num(sh['ms_on'], '{:.2f}')} ms on, {num(sh['ms_off'], '{:.2f}')} ms off; "
                      f"profile LoRA kernels {num(sh['profile_lora_pct'], '{:.1f}')}%)")
+    if res["config"].get("episodes"):
+        from qerl_cli.bench.episodes import summary_lines
+
+        lines += summary_lines(res)
     for t in res.get("targets", []):
         val = t["value"]
         v = "-" if val is None else (f"{val:.2f}" if isinstance(val, float) else str(val))
@@ -569,6 +577,9 @@ class _Workload:
     gmu: float
     copy_GBps: float | None
     from_shape: bool
+    episodes: int = 0  # turns per synthetic episode (0: single-turn cells)
+    tool_latency_ms: float = 50.0
+    observation_tokens: int = 32
 
     def lora_label(self, lora: str) -> str:
         return lora if self.lora_rank else "none"
@@ -633,6 +644,9 @@ def bench_rollout(
     lora_modes: Iterable[str] = ("on",),
     profile: bool = False,
     linear_backend: str | None = None,
+    episodes: int = 0,
+    tool_latency_ms: float = 50.0,
+    observation_tokens: int = 32,
 ) -> dict[str, Any]:
     """Benchmark the builtin rollout engine; returns the result dict (also written as JSON + PNG).
 
@@ -644,6 +658,7 @@ def bench_rollout(
     ``prompts``/``num_generations``: the realistic workload (more sequences than ``batch`` slots);
     ``lora_modes``: ("on",), ("off",) or both; ``profile``: per-category decode-step GPU time (CUDA);
     ``linear_backend``: force qerl_kernels' linear backend (``set_backend``) for the whole run.
+    ``episodes``: turns per synthetic episode, each cell against single-turn decoding (bench/episodes.py).
     """
     fmts, bs = _check_args(shape, run_dir, formats, batches, prompt_len, new_tokens, lora_rank, eos_mode)
     lmodes = _check_workload(prompts, num_generations, lora_modes) if lora_rank else ["on"]
@@ -661,6 +676,11 @@ def bench_rollout(
         fmts = [run_fmt]
     out = harness.out_dir(out_dir, run, "rollout")
     max_len = prompt_len + new_tokens
+    if episodes:
+        from qerl_cli.bench.episodes import check_episode_args, episode_len
+
+        check_episode_args(episodes, new_tokens, observation_tokens, tool_latency_ms)
+        max_len = episode_len(prompt_len, new_tokens, episodes, observation_tokens)
     if spec is not None and max_len > spec.max_positions:
         raise QerlError(f"prompt_len + new_tokens = {max_len} exceeds the {shape} shape's "
                         f"{spec.max_positions} positions")
@@ -676,6 +696,8 @@ def bench_rollout(
                 "gpu_memory_utilization": gmu, "memory_cap_gib": memory_cap_gib,
                 "time_budget_s": time_budget_s, "prompts": prompts, "num_generations": num_generations,
                 "lora_modes": lmodes, "profile": profile, "linear_backend": linear_backend,
+                "episodes": episodes, "tool_latency_ms": tool_latency_ms if episodes else None,
+                "observation_tokens": observation_tokens if episodes else None,
                 "qerl_env": _qerl_env(),
                 "sampling": f"temperature 1.0, top_p 1, top_k off, n={num_generations}"})
     bw = harness.copy_bandwidth_gbps(device)
@@ -683,7 +705,8 @@ def bench_rollout(
     if bw:
         log(f"copy bandwidth {bw:,.0f} GB/s (read + write)")
     work = _Workload(device, prompt_len, new_tokens, lora_rank, ["fixed", "eos"] if eos_mode == "both" else [eos_mode],
-                     lmodes, seed, warmup, prompts, num_generations, profile, gmu, bw, spec is not None)
+                     lmodes, seed, warmup, prompts, num_generations, profile, gmu, bw, spec is not None, episodes,
+                     tool_latency_ms, observation_tokens)
     cell_times: dict[tuple[int, str, str], float] = {}  # a cell's time in the last format: the next one's guess
     for fmt in fmts:
         cap = (memory_cap_gib or total_gib) if spec is not None and device.type == "cuda" else None
@@ -781,6 +804,18 @@ def _build(fmt: str, backend: str, work: _Workload, *, spec: Any, model_dir: Pat
 
 def _measure(m: _Model, work: _Workload, batch: int, mode: str, lora: str) -> dict[str, Any]:
     """One (format, batch, mode, adapters) cell's numbers; a status when fewer slots than ``batch`` fit."""
+    if work.episodes:
+        from qerl_cli.bench.episodes import measure_episodes
+
+        prompts = random_prompts(work.prompts or batch, work.prompt_len, m.vocab, set(), work.seed)
+        with _adapters(m.model, lora):
+            cell = measure_episodes(
+                m.model, m.tokenizer, batch=batch, prompts=prompts, prompt_len=work.prompt_len,
+                new_tokens=work.new_tokens, turns=work.episodes, observation_tokens=work.observation_tokens,
+                latency_ms=work.tool_latency_ms, vocab=m.vocab, device=work.device, gpu_memory_utilization=work.gmu,
+                seed=work.seed, warmup=work.warmup, precapture=precapture_graphs)
+        return {"status": "ok" if cell["num_slots"] >= batch else f"ok ({cell['num_slots']} of {batch} slots fit)",
+                **cell}
     stop_ids = bench_stop_ids(mode, m.vocab, work.new_tokens, m.eos, from_shape=work.from_shape)
     cell = _run_cell(m.model, m.tokenizer, batch=batch, prompt_len=work.prompt_len, new_tokens=work.new_tokens,
                      vocab=m.vocab, stop_ids=stop_ids, device=work.device, gpu_memory_utilization=work.gmu,
@@ -814,6 +849,10 @@ def _finish(res: dict[str, Any], fmts: list[str], budget: harness.Budget) -> Non
         c.setdefault("pct_roofline", None)
     res["lora_shares"] = lora_shares(res)
     res["targets"] = _evaluate_targets(res)
+    if res["config"].get("episodes"):
+        from qerl_cli.bench.episodes import episode_targets
+
+        res["targets"] += episode_targets(res)
     res["wall_s"] = budget.elapsed()
 
 

@@ -175,6 +175,8 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
         n_seq = trainer.cfg.batch_prompts * trainer.cfg.num_generations
         row = {f"{p}_s": float(m.get(f"timing/{p}_s", 0.0)) for p in PHASES if p != "checkpoint"}
         row["checkpoint_s"] = trainer.last_checkpoint_s
+        for part, secs in trainer.last_checkpoint_parts.items():  # the background checkpoint's critical path
+            row[f"checkpoint_{part}_s"] = secs
         row["step_s"] = step_s
         row["other_s"] = step_s - sum(row[f"{p}_s"] for p in PHASES)
         row["rollout_tokens"] = int(m["timing/rollout_tokens"])
@@ -186,6 +188,7 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
         for k in ("tokens", "padded_tokens", "attention_pairs", "loss_tokens"):
             row[f"batch_{k}"] = m.get(f"batch/{k}")
         row["decode_steps"] = m.get("rollout/decode_steps")
+        row["pi_old_pass"] = m.get("timing/pi_old_pass", 1.0)  # 0: pi_old came from the update's own forward
         row["rollout_decode_s"] = m.get("timing/rollout_decode_s")
         row["rollout_prefill_s"] = m.get("timing/rollout_prefill_s")
         if on_cuda:
@@ -214,7 +217,10 @@ def _summarize(rows: list[dict[str, Any]], prompt_len: float) -> dict[str, Any]:
                            [f"{p}_s" for p in PHASES] + ["other_s", "step_s", "rollout_tokens", "generated_tokens",
                                                          "batch_tokens", "batch_padded_tokens",
                                                          "batch_attention_pairs", "batch_loss_tokens", "decode_steps",
-                                                         "rollout_decode_s", "rollout_prefill_s"]}
+                                                         "pi_old_pass", "checkpoint_wait_s", "checkpoint_state_s",
+                                                         "checkpoint_snapshot_s", "checkpoint_rng_s",
+                                                         "checkpoint_submit_s", "rollout_decode_s",
+                                                         "rollout_prefill_s"]}
     out["sequences"] = meas[0]["sequences"]
     gen = out["generated_tokens"]
     train_tokens = out["sequences"] * prompt_len + gen  # tokens each training forward processes

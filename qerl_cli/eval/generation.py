@@ -38,11 +38,14 @@ def _refuse_unfittable(prompts: list[str], context: int, max_tokens: int) -> Non
                             "per token): shorten it, or lower --max-tokens or --shots")
 
 
-def generate_texts(model: Any, tokenizer: Any, prompts: list[str], sampling: Any, batch_slots: int) -> list[dict]:
+def generate_texts(model: Any, tokenizer: Any, prompts: list[str], sampling: Any, batch_slots: int,
+                   episodes: Any = None) -> list[dict]:
     """Generate with the builtin engine; one dict per sample (prompt_index, sample_index, text, ...).
 
     The engine keeps the token that completed a stop string, so `text` may run past it; callers cut it
-    with `truncate_at_stop`.
+    with `truncate_at_stop`. With ``episodes`` (tools/episodes.py: a tool or an environment answers the turns)
+    each dict also has ``answer`` (what the model wrote outside its calls: what is scored), ``turns`` (the
+    episode's record) and ``env_reward``.
     """
     from qerl_cli.rollout import BuiltinEngine
 
@@ -57,12 +60,27 @@ def generate_texts(model: Any, tokenizer: Any, prompts: list[str], sampling: Any
                         f"exceeds the model's context of {limit}: lower --max-tokens or --shots")
     engine = BuiltinEngine(model, tokenizer, max_batch_slots=batch_slots, max_model_len=need)
     try:
-        result = engine.generate(ids, sampling)
+        if episodes is None:
+            result = engine.generate(ids, sampling)
+        else:
+            result = episodes.generate(engine, ids, prompts, sampling,
+                                       lambda t: list(tokenizer(t, add_special_tokens=False)["input_ids"]) if t else [])
     finally:
         engine.release()
-    return [{"prompt_index": s.prompt_index, "sample_index": s.sample_index,
-             "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
-             "finish_reason": s.finish_reason, "tokens": len(s.token_ids)} for s in result.samples]
+    out = []
+    for s in result.samples:
+        row = {"prompt_index": s.prompt_index, "sample_index": s.sample_index,
+               "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
+               "finish_reason": s.finish_reason, "tokens": len(s.token_ids)}
+        if episodes is not None:
+            def decode(t: list[int]) -> str:
+                return tokenizer.decode(t, skip_special_tokens=True)
+
+            row.update(answer=episodes.answer_text(s, decode), turns=episodes.record(s, decode),
+                       env_reward=episodes.env_reward(s), steps=len(s.steps),
+                       tool_errors=sum(1 for st in s.steps if st.error is not None))
+        out.append(row)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- table

@@ -37,7 +37,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.eval.adapters import EXTERNAL_HARNESSES, external_harness
 from qerl_cli.eval.generation import generate_texts, truncate_at_stop
 from qerl_cli.eval.metrics import breakdown, mean_and_ci95, pass_at_k
-from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, now_iso, sha256_file
+from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, now_iso, sha256_file, write_errors
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +300,9 @@ def run_eval(
     seed: int = 0,
     device: str | None = None,
     batch_slots: int = 64,
+    tools: str | None = None,
+    env: str | None = None,
+    max_turns: int = 4,
 ) -> dict[str, Any]:
     """Evaluate the run's quantized model with a checkpoint's adapter; write results; return the result dict.
 
@@ -310,6 +313,9 @@ def run_eval(
     chat_template=None means a plain completion prompt (the task default).
     harness: "builtin" (qerl's rollout engine and scorers), "lm-eval" (lm-eval-harness' gsm8k task and
     filters on this model, offline) or "lighteval" (lighteval's math_500 metric on this model, offline).
+    tools ("python", "calculator") or env ("module:Class", "file.py:Class"): score multi-turn episodes with up to
+    ``max_turns`` model turns, the tool on (docs/tools.md); max_tokens then bounds a whole episode (default: the
+    task's per-answer default times max_turns), and what the model wrote outside its calls is scored.
     """
     t_start = time.perf_counter()
     # ---- validate everything cheap before loading anything
@@ -328,10 +334,14 @@ def run_eval(
         raise QerlError(f"--max-tokens must be >= 1, got {max_tokens}")
     if batch_slots < 1:
         raise QerlError(f"batch_slots must be >= 1, got {batch_slots}")
+    if harness != "builtin" and (tools or env):
+        raise QerlError(f"--harness {harness} scores single answers: use the builtin harness with --tools/--env")
     if harness in EXTERNAL_HARNESSES and samples != 1:
         raise QerlError(f"--harness {harness} runs one sample per problem: use --samples 1 (or the builtin harness "
                         "for pass@k)")
     res = _resolve(run_dir, task, checkpoint, harness)
+    if tools or env:  # its own result file: scores with a tool are not the model's single answers
+        res.slug += f"-{tools or 'env'}"
     if harness != "builtin":
         external_harness(harness).require()
 
@@ -342,14 +352,18 @@ def run_eval(
 
     # Tokenizer first: the task (and its data file) is checked before the model is loaded.
     tokenizer = load_tokenizer(resolve_model(str(res.model_dir)))
+    from qerl_cli.tools.episodes import make_episodes
+
+    episodes = make_episodes(tools, env, max_turns=max_turns,  # None: single answers
+                             chat_tokenizer=tokenizer if chat_template else None)
     task_obj = load_task(res.task_name, split="test", shots=shots, chat_template=bool(chat_template),
-                         tokenizer=tokenizer, limit=limit, seed=DATA_SEED)
+                         tokenizer=tokenizer, limit=limit, seed=DATA_SEED, tools=tools)
     if not task_obj.examples:
         raise QerlError(f"task {res.task_name} has no examples to evaluate (limit={limit})")
     kind = task_obj.reward if res.task_kind == "jsonl" else res.task_kind
     if kind not in PRIMARY:
         raise QerlError(f"task {res.task_name} uses reward {kind!r}, which qerl eval cannot score")
-    max_new = max_tokens if max_tokens is not None else task_obj.max_new_tokens
+    max_new = max_tokens if max_tokens is not None else task_obj.max_new_tokens * (max_turns if episodes else 1)
     res.data_files = _data_files(res.task_name, task_obj.shots)
 
     device = _pick_device(device)
@@ -385,10 +399,13 @@ def run_eval(
         "dtype": str(dtype).removeprefix("torch."),
         "device": device,
         "engine": "qerl builtin rollout engine",
+        "episodes": None if episodes is None else {"kind": episodes.kind, "max_turns": max_turns,
+                                                   "stop": list(episodes.stop), "scored": "model text outside calls"},
     }
     config = {"task": res.task_name, "harness": harness, "checkpoint": checkpoint, "limit": limit, "samples": samples,
               "temperature": temperature, "max_tokens": max_new, "shots": task_obj.shots,
-              "chat_template": task_obj.chat_template, "batch_slots": batch_slots, "device": device}
+              "chat_template": task_obj.chat_template, "batch_slots": batch_slots, "device": device,
+              "tools": tools, "env": env, "max_turns": max_turns if episodes else None}
     inputs = {"model": {"path": res.run.rel(res.model_dir), **_model_hashes(res.model_record)},
               "adapter": adapter_info, "weights": weights_info, "data": res.data_files}
 
@@ -397,7 +414,7 @@ def run_eval(
         t_gen = time.perf_counter()
         if harness == "builtin":
             records, extra, scorers = _run_builtin(model, tokenizer, task_obj, kind, samples, temperature, max_new,
-                                                   seed, batch_slots)
+                                                   seed, batch_slots, episodes)
         else:
             external = external_harness(harness)
             records, extra = external.run(model, tokenizer, task_obj, max_tokens=max_new, temperature=temperature,
@@ -444,7 +461,12 @@ def run_eval(
                         "tokens_per_s": round(tokens / gen_s, 2) if gen_s > 0 else None},
             "files": files,
         }
-        res.run.inside(res.out_dir).mkdir(parents=True, exist_ok=True)  # checked again: it may have changed since
+        if episodes is not None:
+            result["episodes"] = _episode_counts(records)
+        rec.refusable = False  # the result files change from here: a failure is recorded as one
+        out_dir = res.run.inside(res.out_dir)  # checked again: it may have changed since
+        with write_errors(out_dir):
+            out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(res.run.inside(files["samples"]),
                           "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
         atomic_write_json(res.run.inside(files["result"]), result)
@@ -462,16 +484,26 @@ def _model_hashes(rec: dict[str, Any]) -> dict[str, Any]:
             "source": rec.get("config", {}).get("model")}
 
 
+def _episode_counts(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Turns per episode, tool calls and tool errors of an evaluation with a tool or an environment."""
+    n = max(1, len(records))
+    return {"turns_mean": sum(len(r["turns"]) for r in records) / n,
+            "steps": sum(r["steps"] for r in records), "tool_errors": sum(r["tool_errors"] for r in records),
+            "env_reward_mean": sum(r["env_reward"] for r in records) / n}
+
+
 def _run_builtin(model: Any, tokenizer: Any, task: Any, kind: str, samples: int, temperature: float,
-                 max_new: int, seed: int, batch_slots: int) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+                 max_new: int, seed: int, batch_slots: int,
+                 episodes: Any = None) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
     from qerl_cli.rollout import SamplingParams
 
     prompts = task.prompts
     sampling = SamplingParams(n=samples, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=max_new,
                               stop=list(task.stop), seed=seed)
-    outputs = generate_texts(model, tokenizer, prompts, sampling, batch_slots)
+    outputs = generate_texts(model, tokenizer, prompts, sampling, batch_slots, episodes)
     golds = [task.examples[s["prompt_index"]].answer for s in outputs]
-    completions = [truncate_at_stop(s["text"], task.stop) for s in outputs]
+    # an episode is scored on what the model wrote outside its tool calls, cut at the task's stop as a single answer
+    completions = [truncate_at_stop(s.get("answer", s["text"]), task.stop) for s in outputs]
     scorer: Callable[[Sequence[str], Sequence[str]], list[dict[str, Any]]] = {
         "gsm8k": score_gsm8k, "math": score_math, "arith": score_arith}[kind]
     scored = scorer(completions, golds)
@@ -489,6 +521,7 @@ def _run_builtin(model: Any, tokenizer: Any, task: Any, kind: str, samples: int,
             "tokens": s["tokens"],
             **sc,
             "meta": {k: v for k, v in ex.meta.items() if k in ("subject", "level", "op")},
+            **({k: s[k] for k in ("text", "turns", "steps", "tool_errors", "env_reward")} if episodes else {}),
         })
     scorers = list(scored[0]["correct"]) if scored else []
     return records, {}, scorers
@@ -531,6 +564,10 @@ def render_eval_table(result: dict[str, Any]):  # noqa: ANN201 - rich.table.Tabl
                      f"T={result['protocol']['sampling']['temperature']} · max_tokens "
                      f"{result['protocol']['max_tokens']} · shots {result['protocol']['shots']} · "
                      f"{result['files']['result']}")
+    ep = result.get("episodes")
+    if ep:
+        table.caption += (f"\nepisodes: {result['protocol']['episodes']['kind']}, {ep['turns_mean']:.2f} turns per "
+                          f"episode, {ep['steps']} tool calls, {ep['tool_errors']} tool errors")
     for notice in result.get("notices") or ():
         table.caption += f"\nnote: {escape(notice)}"  # escaped: rich would drop the [math] of qerl[math]
     return table

@@ -17,6 +17,7 @@ kernels per layer (norm, RoPE, cache write), not by the GEMMs; fusing them is th
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.rollout.episode import EpisodeHooks, EpisodeScheduler
 from qerl_cli.rollout.kv_cache import CacheShape, KVBudget, KVCache, activation_reserve, kv_budget, plan_num_slots
 from qerl_cli.rollout.model_runner import (
     CudaGraphDecoder,
@@ -53,6 +55,17 @@ class Sample:
     finish_reason: str  # "stop" | "length"
     text: str | None = None
     entropies: torch.Tensor | None = None  # float32 per token: the sampled distribution's entropy (entropy=True)
+    # episodes (rollout/episode.py): [start, end) of each observation in token_ids (log-prob 0.0 there, masked
+    # from the loss) and what each step returned; empty for a single-turn completion
+    observation_spans: list[tuple[int, int]] = field(default_factory=list)
+    steps: list[Any] = field(default_factory=list)
+
+    def model_mask(self) -> torch.Tensor:
+        """float32 [len(token_ids)]: 1 on the tokens the model sampled, 0 on observation tokens."""
+        mask = torch.ones(len(self.token_ids), dtype=torch.float32)
+        for start, end in self.observation_spans:
+            mask[start:end] = 0.0
+        return mask
 
 
 @dataclass
@@ -60,10 +73,12 @@ class RolloutResult:
     """Samples ordered by (prompt_index, sample_index); ``timings`` in seconds; ``stats`` counters.
 
     timings: prefill_s, decode_s, total_s, tokens (generated, kept), tokens_per_s (tokens / total_s),
-    decode_tokens_per_s, ttft (start of generate -> first tokens on the host).
+    decode_tokens_per_s, ttft (start of generate -> first tokens on the host); with episodes also tool_wait_s
+    (the decode loop idle, every sequence waiting for a step) and resume_s (observations prefilled).
     stats: seed, num_slots, prefill_prompts (prefills run: once per prompt, not per sample),
     prefill_batches, prefill_tokens, prefill_padded_tokens, decode_steps, decode_row_steps, syncs,
-    discarded_tokens (computed past a stop before the host saw it).
+    discarded_tokens (computed past a stop before the host saw it); with episodes also steps, resumes,
+    resume_batches, observation_tokens, parked_max.
     """
 
     samples: list[Sample]
@@ -231,11 +246,13 @@ class BuiltinEngine:
         def check(seq: Sequence, checked: int) -> int | None:
             # Only tokens added since the last check can complete a stop string; decode a tail that
             # reaches `overlap` tokens back (a token carries at least one character) to find out cheaply.
-            tail = tokenizer.decode(seq.tokens[max(0, checked - overlap) :])
+            # Only the current model turn counts: an episode's earlier observations may hold a stop string.
+            base = seq.turn_start
+            tail = tokenizer.decode(seq.tokens[max(base, checked - overlap) :])
             if not any(s in tail for s in stops):
                 return None
-            for cut in range(max(1, checked), len(seq.tokens) + 1):
-                text = tokenizer.decode(seq.tokens[:cut])
+            for cut in range(max(base + 1, checked), len(seq.tokens) + 1):
+                text = tokenizer.decode(seq.tokens[base:cut])
                 if any(s in text for s in stops):
                     return cut
             return None
@@ -251,18 +268,30 @@ class BuiltinEngine:
             self._graphs.fingerprint = fingerprint
         return self._graphs
 
+    def snapshot_adapters(self) -> None:
+        """Copy the trainer's LoRA factors into the engine's shadows now, for a ``concurrent`` generate that starts
+        while the factors are being updated."""
+        with torch.no_grad():
+            self.runner.prepare()
+
     def generate(
         self,
         prompts: list[list[int]] | list[str],
         sampling: SamplingParams,
         *,
         norm_overrides: dict[str, torch.Tensor] | None = None,
+        episodes: EpisodeHooks | None = None,
+        concurrent: bool = False,
     ) -> RolloutResult:
         """Generate ``sampling.n`` completions per prompt.
 
         ``norm_overrides`` maps norm module names (``model.layers.3.input_layernorm``, optional
         ``.weight`` suffix or peft ``base_model.model.`` prefix) to replacement weights for this call
-        only (AQN without touching the model).
+        only (AQN without touching the model). ``episodes``: multi-turn episodes whose turns end in tool
+        calls or environment steps (rollout/episode.py); ``sampling.max_tokens`` then bounds the whole
+        episode (model and observation tokens). ``concurrent``: the model trains in another thread meanwhile (the
+        trainer's --async-rollout): the LoRA shadows keep what :meth:`snapshot_adapters` copied and no module's
+        training flag is touched.
         """
         if self.runner.embed_tokens.weight.device != self.device:
             raise QerlError("the model moved to another device after the engine was built; build a new one")
@@ -272,17 +301,20 @@ class BuiltinEngine:
         )
         seed = sampling.resolved_seed()
         max_new = [min(sampling.max_tokens, self.max_model_len - len(p)) for p in ids]
-        flags = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()
+        stops = list(dict.fromkeys([*sampling.stop, *(episodes.stop if episodes is not None else ())]))
+        flags = [] if concurrent else [(m, m.training) for m in self.model.modules()]
+        if not concurrent:
+            self.model.eval()
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
                 # LoRA shadows <- the trainer's current factors (in place); before the cache is sized, so
                 # the budget sees them
-                self.runner.prepare()
+                if not concurrent:
+                    self.runner.prepare()
                 cache = self._ensure_cache()
                 self.runner.bind_norms(norm_overrides, static=self.use_graphs)
-                scheduler = Scheduler(
+                scheduler = self._scheduler(episodes, sampling)(
                     runner=self.runner,
                     cache=cache,
                     decode_fn=self._decode_fn(),
@@ -290,7 +322,7 @@ class BuiltinEngine:
                     seed=seed,
                     noise=self.noise,
                     stop_token_ids=stop_ids,
-                    stop_check=self._stop_checker(sampling.stop) if sampling.stop else None,
+                    stop_check=self._stop_checker(stops) if stops else None,
                     sync_every=self.sync_every,
                     max_prefill_tokens=self.max_prefill_tokens,
                     kv_buckets=self.kv_buckets,
@@ -310,10 +342,13 @@ class BuiltinEngine:
                 finish_reason=s.finish_reason or "length",
                 text=self.tokenizer.decode(s.tokens, skip_special_tokens=True) if self.tokenizer else None,
                 entropies=torch.tensor(s.entropies, dtype=torch.float32) if sampling.entropy else None,
+                observation_spans=s.observation_spans,
+                steps=s.steps,
             )
             for s in seqs
         ]
-        tokens = sum(len(s.token_ids) for s in samples)
+        # generated tokens: an episode's observations were prefilled, not sampled
+        tokens = sum(len(s.token_ids) - sum(e - b for b, e in s.observation_spans) for s in samples)
         timings = {
             "prefill_s": scheduler.prefill_s,
             "decode_s": scheduler.decode_s,
@@ -324,4 +359,23 @@ class BuiltinEngine:
             "ttft": scheduler.ttft or 0.0,
         }
         stats = dict(scheduler.stats, seed=seed, num_slots=cache.num_slots)
+        if isinstance(scheduler, EpisodeScheduler):
+            timings.update(tool_wait_s=scheduler.tool_wait_s, resume_s=scheduler.resume_s)
         return RolloutResult(samples=samples, timings=timings, stats=stats)
+
+    def _scheduler(self, episodes: EpisodeHooks | None, sampling: SamplingParams) -> Callable[..., Scheduler]:
+        """The scheduler class for this call (bound to the episode hooks when there are any)."""
+        if episodes is None:
+            return Scheduler
+        tokenizer = self.tokenizer
+
+        def encode(text: str) -> list[int]:
+            if tokenizer is None:
+                raise QerlError("an observation given as text needs a tokenizer; pass one to BuiltinEngine")
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+        def decode(ids: list[int]) -> str:
+            # without a tokenizer (synthetic benches) turns are told apart by their token budget, not their text
+            return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+
+        return functools.partial(EpisodeScheduler, hooks=episodes, encode=encode, decode=decode)

@@ -137,6 +137,11 @@ class KVCache:
         self.k[:, slot, :length].copy_(k)
         self.v[:, slot, :length].copy_(v)
 
+    def read(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of positions 0..length-1 of one slot, each ``[layers, length, kv_heads, head_dim]``."""
+        assert self.k is not None and self.v is not None
+        return self.k[:, slot, :length].clone(), self.v[:, slot, :length].clone()
+
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of every layer from slot ``src`` to slot ``dst``."""
         assert self.k is not None and self.v is not None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -367,6 +368,45 @@ class ModelRunner:
         last = x[torch.arange(p, device=self.device), lengths - 1]
         return self._logits(last), k_out, v_out
 
+    # ----- extend: tokens appended to sequences already in the cache ----------------------------------
+
+    def extend(self, ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, first_slot: int,
+               kv_len: int) -> torch.Tensor:
+        """Append the right-padded ``ids`` [R, M] (true ``lengths`` [R]) to the sequences in slots
+        ``first_slot .. first_slot + R - 1``, row r at positions ``starts[r] ..``; returns each row's last-token
+        logits [R, V]. Every new token attends to its slot's cached keys before ``starts[r]`` and causally to the
+        new ones (a tool's observation resumes an episode this way). Padding positions are neither written nor
+        read; ``kv_len`` must cover ``starts + lengths``."""
+        assert self.cache is not None and self.cache.k is not None and self.cache.v is not None
+        cache_k, cache_v = self.cache.k, self.cache.v
+        r, m = ids.shape
+        cols = torch.arange(m, device=self.device)
+        pos = starts[:, None] + cols[None, :]  # [R, M]
+        valid = cols[None, :] < lengths[:, None]
+        rope_pos = torch.where(valid, pos, torch.zeros_like(pos))
+        cos = self.cos[rope_pos][:, :, None, :]
+        sin = self.sin[rope_pos][:, :, None, :]
+        keys = torch.arange(kv_len, device=self.device)
+        visible = keys[None, None, :] <= pos[:, :, None]  # [R, M, kv_len]: a padding query sees keys, unused
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        slot_of = (first_slot + torch.arange(r, device=self.device))[:, None].expand(r, m)[valid]
+        pos_of = pos[valid]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            layer_k, layer_v = cache_k[i], cache_v[i]
+            layer_k[slot_of, pos_of] = k[valid]
+            layer_v[slot_of, pos_of] = v[valid]
+            kk = layer_k[first_slot:first_slot + r, :kv_len]
+            vv = layer_v[first_slot:first_slot + r, :kv_len]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+                                               attn_mask=mask[:, None], scale=self.scale,
+                                               enable_gqa=self.groups > 1)
+            return o.transpose(1, 2).reshape(r, m, self.num_heads * self.head_dim)
+
+        x = self._layers(self._embed(ids), cos, sin, attend)
+        last = x[torch.arange(r, device=self.device), lengths - 1]
+        return self._logits(last)
+
     # ----- decode -------------------------------------------------------------------------------------
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
@@ -499,7 +539,10 @@ class CudaGraphDecoder:
                 self._run(bs, kv_len, sampler)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # captured in a rollout thread while another trains (--async-rollout): only this thread's calls may not
+        # disturb the capture; the training thread's launches and allocations go on
+        mode = "global" if threading.current_thread() is threading.main_thread() else "thread_local"
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
             out = self._run(bs, kv_len, sampler)
         return graph, out
 

@@ -44,11 +44,23 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)  # with SamplingParams.entropy
     finish_reason: str | None = None
+    # Episodes (rollout/episode.py): where the current model turn starts in ``tokens`` (stop strings are looked
+    # for in this turn only: an observation may contain one), the token count that ends the turn (None: a stop
+    # ends it), the observation spans [start, end) of ``tokens`` and what each tool step returned.
+    turn_start: int = 0
+    turn_end: int | None = None
+    observation_spans: list[tuple[int, int]] = field(default_factory=list)
+    steps: list[Any] = field(default_factory=list)
 
     @property
     def cache_len(self) -> int:
         """Positions already in the KV cache (the last sampled token is not yet)."""
         return len(self.prompt) + len(self.tokens) - 1
+
+    @property
+    def limit(self) -> int:
+        """The token count at which the sequence stops decoding now: its budget, or the end of its turn."""
+        return self.max_new if self.turn_end is None else min(self.max_new, self.turn_end)
 
 
 @dataclass
@@ -120,8 +132,9 @@ class Scheduler:
         self.prompts, self.max_new = prompts, max_new
         self.waiting = deque(range(len(prompts)))
         self._t0 = time.perf_counter()
-        while self.waiting or self.stash is not None or self.rows:
-            if len(self.rows) < self.num_slots and (self.waiting or self.stash is not None):
+        while self._busy():
+            self._poll()
+            if self._free_slots() > 0 and (self.waiting or self.stash is not None):
                 t = time.perf_counter()
                 self._admit()
                 self.prefill_s += time.perf_counter() - t
@@ -131,6 +144,15 @@ class Scheduler:
                 self.decode_s += time.perf_counter() - t
         self.done.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return self.done
+
+    def _busy(self) -> bool:
+        return bool(self.waiting or self.stash is not None or self.rows)
+
+    def _poll(self) -> None:
+        """Between decode windows: nothing here (the episode scheduler resumes sequences whose tool returned)."""
+
+    def _free_slots(self) -> int:
+        return self.num_slots - len(self.rows)
 
     # ----- admission: prefill and first token ---------------------------------------------------------
 
@@ -173,7 +195,7 @@ class Scheduler:
         return batch
 
     def _admit(self) -> None:
-        free = self.num_slots - len(self.rows)
+        free = self._free_slots()
         new: list[Sequence] = []
         logit_rows: list[torch.Tensor] = []
         if self.stash is not None:
@@ -242,7 +264,7 @@ class Scheduler:
 
     def _decode_window(self) -> None:
         b = len(self.rows)
-        k = min(self.sync_every, min(s.max_new - len(s.tokens) for s in self.rows))
+        k = min(self.sync_every, min(s.limit - len(s.tokens) for s in self.rows))
         # The last step of the window processes the token at position cache_len + k - 1.
         kv_len = self._kv_bucket(max(s.cache_len for s in self.rows) + k)
         tok, pos, uid, step = self.tok[:b], self.pos[:b], self.uid[:b], self.step[:b]
@@ -296,6 +318,8 @@ class Scheduler:
                 seq.finish_reason = "stop"
             elif len(seq.tokens) >= seq.max_new:
                 seq.finish_reason = "length"
+            elif seq.turn_end is not None and len(seq.tokens) >= seq.turn_end:
+                seq.finish_reason = "stop"  # a turn with a fixed token budget (synthetic episodes)
             if seq.finish_reason is not None:
                 self.stats["discarded_tokens"] += len(tokens) - j - 1
                 break
@@ -318,7 +342,7 @@ class Scheduler:
         holes = [i for i in range(keep_b) if i in gone]
         movers = [i for i in range(keep_b, len(self.rows)) if i not in gone]
         for i in sorted(gone):
-            self.done.append(self.rows[i])
+            self._finished(i, self.rows[i])
         for dst, src in zip(holes, movers, strict=True):
             seq = self.rows[src]
             self.cache.copy_slot(src, dst, seq.cache_len)
@@ -330,3 +354,7 @@ class Scheduler:
             for state in (self.tok, self.pos, self.uid, self.step):
                 state[dst_t] = state[src_t]
         del self.rows[keep_b:]
+
+    def _finished(self, slot: int, seq: Sequence) -> None:
+        """A sequence in ``slot`` stopped; its slot is reused right after this returns."""
+        self.done.append(seq)

@@ -27,6 +27,7 @@ the call and the saved originals are copied back afterwards (norm vectors are ti
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
@@ -46,6 +47,15 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 _PEFT_PREFIX = "base_model.model."
 # vLLM's LoRAConfig accepts only these max_lora_rank values (vllm/config/lora.py MaxLoRARanks).
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _turn_output(o: Any) -> tuple[list[int], list[float], str]:
+    """A vLLM completion's token ids, their processed log-probs and its finish reason (stop | length)."""
+    token_ids = [int(t) for t in o.token_ids]
+    if o.logprobs is None or len(o.logprobs) != len(token_ids):
+        raise QerlError("vLLM returned no log-prob for some sampled tokens")
+    lps = [step[t].logprob for step, t in zip(o.logprobs, token_ids, strict=True)]
+    return token_ids, lps, o.finish_reason if o.finish_reason in ("stop", "length") else "length"
 
 
 def vllm_available() -> bool:
@@ -313,6 +323,37 @@ class VllmEngine:
 
     # ----- generation ---------------------------------------------------------------------------------
 
+    def _episode_samples(self, ids: list[list[int]], sampling: SamplingParams, seed: int, episodes: Any,
+                         lora_request: Any) -> list[Sample]:
+        """Multi-turn episodes as rounds of generate calls (rollout/episode.py's ``run_turns``)."""
+        from vllm.inputs import TokensPrompt
+
+        from qerl_cli.rollout.episode import run_turns
+
+        tok = self.tokenizer if self.tokenizer is not None else self.llm.get_tokenizer()
+        turn_sampling = dataclasses.replace(sampling, stop=list(dict.fromkeys([*sampling.stop, *episodes.stop])))
+
+        def decode(t: list[int]) -> str:
+            return tok.decode(t, skip_special_tokens=True)
+
+        def encode(text: str) -> list[int]:
+            return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
+
+        def generate_turn(reqs: list[tuple[int, int, int, list[int], int]]) -> list[tuple[list[int], list[float], str]]:
+            # turn 1 draws as a single-turn call would; later turns from their own seeds
+            params = [self._vllm_params(turn_sampling, sample_seed(seed if t == 1 else seed + 1_000_003 * t, p, s), m)
+                      for p, s, t, _, m in reqs]
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=r[3]) for r in reqs], params,
+                                     lora_request=lora_request, use_tqdm=False)
+            return [_turn_output(o.outputs[0]) for o in outs]
+
+        budgets = [min(sampling.max_tokens, self.max_model_len - len(p)) for p in ids]
+        seqs = run_turns(ids, sampling.n, budgets, episodes, encode, decode, generate_turn)
+        return [Sample(prompt_index=q.prompt_index, sample_index=q.sample_index, prompt_token_ids=ids[q.prompt_index],
+                       token_ids=q.tokens, logprobs=torch.tensor(q.logprobs, dtype=torch.float32),
+                       finish_reason=q.finish_reason or "length", text=decode(q.tokens),
+                       observation_spans=q.observation_spans, steps=q.steps) for q in seqs]
+
     def _tokenize(self, prompts: list[list[int]] | list[str]) -> list[list[int]]:
         def tokenizer() -> Any:
             return self.tokenizer if self.tokenizer is not None else self.llm.get_tokenizer()
@@ -346,11 +387,14 @@ class VllmEngine:
         sampling: SamplingParams,
         *,
         norm_overrides: dict[str, torch.Tensor] | None = None,
+        episodes: Any = None,
     ) -> RolloutResult:
         """Generate ``sampling.n`` completions per prompt with the model's current LoRA weights.
 
         ``norm_overrides`` (AQN) map norm module names (optional ``.weight`` suffix or peft prefix) to
-        weights used for this call only.
+        weights used for this call only. ``episodes`` (rollout/episode.py's ``EpisodeHooks``): multi-turn
+        episodes, one generate call per round of turns (``run_turns``; vLLM's prefix cache keeps the K/V of the
+        episode so far); ``sampling.max_tokens`` then bounds the whole episode.
         """
         from vllm.inputs import TokensPrompt
 
@@ -377,22 +421,25 @@ class VllmEngine:
                 raise QerlError(f"cannot apply norm overrides in vLLM: {exc}") from exc
         t_gen = time.perf_counter()
         try:
-            outputs = self.llm.generate(requests, params, lora_request=lora_request, use_tqdm=False)
+            if episodes is not None:
+                samples = self._episode_samples(ids, sampling, seed, episodes, lora_request)
+                outputs = []
+            else:
+                outputs = self.llm.generate(requests, params, lora_request=lora_request, use_tqdm=False)
         finally:
             if saved is not None:
                 restore = saved
                 self.llm.apply_model(lambda m: _swap_norms(m, restore))
         gen_s = time.perf_counter() - t_gen
         total = time.perf_counter() - t0
-        samples: list[Sample] = []
+        if episodes is None:
+            samples = []
+        else:
+            keys = []  # the episodes' samples are built; their generate calls' outputs are not kept
         first_ts, last_ts, ttfts = [], [], []
         for (pi, si), out in zip(keys, outputs, strict=True):
             o = out.outputs[0]
-            token_ids = [int(t) for t in o.token_ids]
-            if o.logprobs is None or len(o.logprobs) != len(token_ids):
-                raise QerlError("vLLM returned no log-prob for some sampled tokens")
-            lps = [step[t].logprob for step, t in zip(o.logprobs, token_ids, strict=True)]
-            finish = o.finish_reason if o.finish_reason in ("stop", "length") else "length"
+            token_ids, lps, finish = _turn_output(o)
             text = (self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None
                     else o.text)
             samples.append(Sample(prompt_index=pi, sample_index=si, prompt_token_ids=ids[pi], token_ids=token_ids,
@@ -402,7 +449,7 @@ class VllmEngine:
                 first_ts.append(m.first_token_ts)
                 last_ts.append(m.last_token_ts)
                 ttfts.append(m.first_token_latency)
-        tokens = sum(len(s.token_ids) for s in samples)
+        tokens = sum(len(s.token_ids) - sum(e - b for b, e in s.observation_spans) for s in samples)
         # vLLM interleaves prefill and decode; decode_s spans first to last token across requests. vLLM 0.26's
         # LLM returned no request timestamps on the GPU: there ttft is 0 and decode_s the whole generate.
         decode_s = (max(last_ts) - min(first_ts)) if first_ts else gen_s

@@ -25,6 +25,7 @@ import random
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from qerl_cli.errors import QerlError
 from qerl_cli.tasks.answers import extract_first_number, numbers_equal
@@ -100,17 +101,21 @@ def problem_split(text: str) -> str:
 _SHOT_TEXTS = frozenset(f"{a} {op} {b}" for a, op, b in SHOTS)
 
 
-def shot_prefix(shots: int = len(SHOTS)) -> str:
-    """The first `shots` worked examples, one per line ("2 + 3 = 5\\n...")."""
+def shot_prefix(shots: int = len(SHOTS), tool: Any = None) -> str:
+    """The first `shots` worked examples, one per line ("2 + 3 = 5\\n..."); with a ``tool`` (the calculator)
+    each is worked with a call first ("2 + 3 = <calc>2 + 3</calc> <result>5</result> 5\\n")."""
     if not 0 <= shots <= len(SHOTS):
         raise QerlError(f"arith supports 0 to {len(SHOTS)} shots, got {shots}")
-    return "".join(f"{a} {op} {b} = {_apply(a, op, b)}\n" for a, op, b in SHOTS[:shots])
+    if tool is None:
+        return "".join(f"{a} {op} {b} = {_apply(a, op, b)}\n" for a, op, b in SHOTS[:shots])
+    return "".join(f"{a} {op} {b} = {tool.shot(f'{a} {op} {b}', str(_apply(a, op, b)))} {_apply(a, op, b)}\n"
+                   for a, op, b in SHOTS[:shots])
 
 
-def arith_prompt(problem: ArithProblem | str, shots: int = len(SHOTS)) -> str:
+def arith_prompt(problem: ArithProblem | str, shots: int = len(SHOTS), tool: Any = None) -> str:
     """Few-shot completion prompt ending in "a op b =" (no trailing space: the model writes " 5")."""
     text = problem.text if isinstance(problem, ArithProblem) else problem.strip()
-    return f"{shot_prefix(shots)}{text} ="
+    return f"{shot_prefix(shots, tool)}{text} ="
 
 
 def score_arith(completion: str, answer: str | int) -> bool:

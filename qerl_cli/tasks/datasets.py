@@ -12,6 +12,9 @@ Prompt formats:
   "Problem:\\n...\\n\\nSolution:"; shots=1..4: lm-eval's minerva_math exemplars (Lewkowycz et al. 2022).
 - arith: a four-example few-shot completion prompt (see tasks/arith.py).
 - jsonl:PATH: the file's `prompt` column as is.
+With a tool (`tools="python"|"calculator"`, docs/tools.md): gsm8k and math open with a line saying how to call
+it; arith's shots show each sum worked with the calculator ("2 + 3 = <calc>2 + 3</calc> <result>5</result> 5").
+Answers are scored as without the tool, on what the model wrote outside its calls.
 chat_template=True wraps the whole text as one user message with the tokenizer's chat template (as
 lm-eval does without --fewshot_as_multiturn).
 """
@@ -137,7 +140,7 @@ def _read_bundled_jsonl(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _wrap(text: str, chat_template: bool, tokenizer: Any, system_prompt: str | None) -> str:
+def _wrap(text: str, chat_template: bool, tokenizer: Any, system_prompt: str | None, tool: Any = None) -> str:
     if not chat_template:
         return text
     if tokenizer is None:
@@ -149,7 +152,9 @@ def _wrap(text: str, chat_template: bool, tokenizer: Any, system_prompt: str | N
         )
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": text})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # a template with tool calling shows the model the tool's schema; one without ignores it
+    extra = {"tools": [tool.schema()]} if tool is not None else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
 
 
 def gsm8k_shots_text(shots: int, train_rows: list[dict[str, Any]] | None = None) -> str:
@@ -162,19 +167,24 @@ def gsm8k_shots_text(shots: int, train_rows: list[dict[str, Any]] | None = None)
     return "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[:shots])
 
 
-def gsm8k_prompt_text(question: str, shots_text: str) -> str:
-    """Prompt text (before any chat wrapping) for one GSM8K question."""
+def gsm8k_prompt_text(question: str, shots_text: str, tool_line: str = "") -> str:
+    """Prompt text (before any chat wrapping) for one GSM8K question; ``tool_line`` says how to call a tool."""
     if shots_text:
-        return f"{shots_text}Question: {question}\nAnswer:"
-    return f"{GSM8K_INSTRUCTION}\n\nQuestion: {question}\nAnswer:"
+        return f"{tool_line}\n\n{shots_text}Question: {question}\nAnswer:" if tool_line else \
+            f"{shots_text}Question: {question}\nAnswer:"
+    head = f"{GSM8K_INSTRUCTION} {tool_line}" if tool_line else GSM8K_INSTRUCTION
+    return f"{head}\n\nQuestion: {question}\nAnswer:"
 
 
-def math_prompt_text(problem: str, shots: int) -> str:
-    """Prompt text (before any chat wrapping) for one MATH problem, minerva_math style."""
+def math_prompt_text(problem: str, shots: int, tool_line: str = "") -> str:
+    """Prompt text (before any chat wrapping) for one MATH problem, minerva_math style; ``tool_line`` says how to
+    call a tool."""
     if shots == 0:
-        return f"{MATH_INSTRUCTION}\n\nProblem:\n{problem}\n\nSolution:"
+        head = f"{MATH_INSTRUCTION} {tool_line}" if tool_line else MATH_INSTRUCTION
+        return f"{head}\n\nProblem:\n{problem}\n\nSolution:"
     block = "".join(f"Problem:\n{p}\n\nSolution: {s}\n\n" for p, s in MATH_SHOTS[:shots])
-    return f"{block}Problem:\n{problem}\n\nSolution:"
+    return f"{tool_line}\n\n{block}Problem:\n{problem}\n\nSolution:" if tool_line else \
+        f"{block}Problem:\n{problem}\n\nSolution:"
 
 
 def _finish(
@@ -190,7 +200,8 @@ def _finish(
     return examples
 
 
-def _load_gsm8k(split: str, shots: int, wrap: Callable[[str], str]) -> tuple[list[Example], Callable]:
+def _load_gsm8k(split: str, shots: int, wrap: Callable[[str], str],
+                tool_line: str = "") -> tuple[list[Example], Callable]:
     if split not in ("train", "test"):
         raise QerlError(f"gsm8k has splits 'train' and 'test', not {split!r}")
     train_rows = _read_bundled_jsonl(DATA_DIR / "gsm8k" / "train.jsonl")
@@ -198,7 +209,7 @@ def _load_gsm8k(split: str, shots: int, wrap: Callable[[str], str]) -> tuple[lis
     shots_text = gsm8k_shots_text(shots, train_rows)
 
     def build(question: str) -> str:
-        return wrap(gsm8k_prompt_text(question, shots_text))
+        return wrap(gsm8k_prompt_text(question, shots_text, tool_line))
 
     first = shots if split == "train" else 0
     examples = [
@@ -210,7 +221,8 @@ def _load_gsm8k(split: str, shots: int, wrap: Callable[[str], str]) -> tuple[lis
     return examples, build
 
 
-def _load_math500(split: str, shots: int, wrap: Callable[[str], str]) -> tuple[list[Example], Callable]:
+def _load_math500(split: str, shots: int, wrap: Callable[[str], str],
+                  tool_line: str = "") -> tuple[list[Example], Callable]:
     if split != "test":
         raise QerlError(f"MATH-500 has only a 'test' split, not {split!r}: use --split test")
     if not 0 <= shots <= len(MATH_SHOTS):
@@ -218,7 +230,7 @@ def _load_math500(split: str, shots: int, wrap: Callable[[str], str]) -> tuple[l
     rows = _read_bundled_jsonl(DATA_DIR / "math500" / "test.jsonl")
 
     def build(problem: str) -> str:
-        return wrap(math_prompt_text(problem, shots))
+        return wrap(math_prompt_text(problem, shots, tool_line))
 
     examples = [
         Example(
@@ -233,7 +245,8 @@ def _load_math500(split: str, shots: int, wrap: Callable[[str], str]) -> tuple[l
 
 
 def _load_arith(
-    split: str, shots: int, wrap: Callable[[str], str], level: Any, limit: int | None, seed: int
+    split: str, shots: int, wrap: Callable[[str], str], level: Any, limit: int | None, seed: int,
+    tool: Any = None,
 ) -> tuple[list[Example], Callable]:
     if split not in ("train", "test"):
         raise QerlError(f"arith has splits 'train' and 'test', not {split!r}")
@@ -245,7 +258,7 @@ def _load_arith(
         n = min(ARITH_TEST_SIZE, arith_mod.max_unique(level, "test"))
 
     def build(problem: str) -> str:
-        return wrap(arith_mod.arith_prompt(problem, shots))
+        return wrap(arith_mod.arith_prompt(problem, shots, tool))
 
     problems = arith_mod.generate_arith(n, level, split, seed)
     examples = [
@@ -320,6 +333,17 @@ def _load_jsonl(path_text: str, wrap: Callable[[str], str]) -> tuple[list[Exampl
     return examples, wrap, ("gsm8k" if numeric else "math")
 
 
+def _prompt_tool(key: str, tools: str | None) -> Any:
+    """The tool whose calls the prompts show (None without one); arith's shots exist for the calculator only."""
+    if not tools:
+        return None
+    from qerl_cli.tools import make_tool
+
+    if key == "arith" and tools != "calculator":
+        raise QerlError(f"arith prompts show the calculator, not {tools!r}: use --tools calculator")
+    return make_tool(tools)
+
+
 def load_task(
     name: str,
     split: str = "train",
@@ -332,38 +356,43 @@ def load_task(
     shuffle: bool = False,
     level: int | str | list[int] | None = None,
     system_prompt: str | None = None,
+    tools: str | None = None,
 ) -> Task:
     """Load a task by name: "gsm8k", "math"/"math500", "arith" (or "arith:<level>"), "jsonl:PATH".
 
     shots=None takes the task's default (gsm8k 0, math 0, arith 4, jsonl 0). limit keeps the first
     `limit` examples (after a seeded shuffle if shuffle=True); for arith it is the number generated.
-    level is arith's difficulty knob (see tasks/arith.py); "arith:3" sets it from the name.
+    level is arith's difficulty knob (see tasks/arith.py); "arith:3" sets it from the name. ``tools``
+    ("python", "calculator") writes the prompts for episodes with that tool (docs/tools.md).
     """
     key, _, arg = name.partition(":")
     key = key.strip().lower()
 
+    tool = _prompt_tool(key, tools)
+
     def wrap(text: str) -> str:
-        return _wrap(text, chat_template, tokenizer, system_prompt)
+        return _wrap(text, chat_template, tokenizer, system_prompt, tool)
 
     if chat_template:
         wrap("")  # fail before loading anything if the tokenizer cannot do it
     if shots is not None and shots < 0:
         raise QerlError(f"shots must be >= 0, got {shots}")
 
+    tool_line = tool.describe() if tool is not None else ""
     if key == "gsm8k" and not arg:
         k = 0 if shots is None else shots
-        examples, build = _load_gsm8k(split, k, wrap)
+        examples, build = _load_gsm8k(split, k, wrap, tool_line)
         task = Task("gsm8k", split, examples, "gsm8k", GSM8K_STOP, build, k, chat_template, 256)
     elif key in MATH_ALIASES and not arg:
         k = 0 if shots is None else shots
-        examples, build = _load_math500(split, k, wrap)
+        examples, build = _load_math500(split, k, wrap, tool_line)
         task = Task("math500", split, examples, "math", MATH_STOP, build, k, chat_template, 1024)
     elif key == "arith":
         k = len(arith_mod.SHOTS) if shots is None else shots
         if arg and level is not None:
             raise QerlError(f"arith level given twice ({name!r} and level={level!r}): use one")
         lv = arg or level or "mixed"
-        examples, build = _load_arith(split, k, wrap, lv, limit, seed)
+        examples, build = _load_arith(split, k, wrap, lv, limit, seed, tool)
         task = Task("arith", split, examples, "arith", arith_mod.STOP_STRINGS, build, k, chat_template, 8)
         task.examples = _finish(task.examples, None, shuffle, seed)
         return task

@@ -15,7 +15,9 @@ class RolloutBatch:
     """Right-padded prompt+completion rows; completion positions are where `mask` is 1.
 
     `rollout_logp` [B, T] holds the engine's log-probs of the sampled tokens (mu), aligned with the
-    completion tokens; T = longest completion.
+    completion tokens; T = longest completion. In an episode the completion holds the model's turns and the
+    observations between them: `sampled` is 1 on the model's tokens only (0 on observations and padding), and
+    `mask` is 0 on observations, so the loss, the log-probs and the mismatch statistics skip them.
     """
 
     input_ids: torch.Tensor  # [B, L] prompt + completion, right padded
@@ -26,6 +28,7 @@ class RolloutBatch:
     rollout_logp: torch.Tensor  # [B, T]
     lengths: torch.Tensor  # [B] completion lengths
     truncated: torch.Tensor  # [B] bool, hit max length without a stop
+    sampled: torch.Tensor  # [B, T] float, 1 on the tokens the model sampled (not observations, not padding)
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         return RolloutBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
@@ -35,7 +38,10 @@ class RolloutBatch:
 
 
 def build_batch(prompts: list[list[int]], completions: list[list[int]], rollout_logps: list[torch.Tensor],
-                truncated: list[bool], pad_id: int, mask_truncated: bool = False) -> RolloutBatch:
+                truncated: list[bool], pad_id: int, mask_truncated: bool = False,
+                model_masks: list[torch.Tensor] | None = None) -> RolloutBatch:
+    """The padded batch; ``model_masks[i]`` (1 on model tokens, 0 on observation tokens: ``Sample.model_mask``)
+    for episodes, None for single-turn completions (every completion token is the model's)."""
     b = len(prompts)
     t = max(1, max(len(c) for c in completions))
     lmax = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
@@ -44,16 +50,18 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], rollout_
     comp = torch.full((b, t), pad_id, dtype=torch.long)
     mask = torch.zeros((b, t), dtype=torch.float32)
     mu = torch.zeros((b, t), dtype=torch.float32)
+    sampled = torch.zeros((b, t), dtype=torch.float32)
     for i, (p, c, lp) in enumerate(zip(prompts, completions, rollout_logps, strict=True)):
         n = len(p) + len(c)
         input_ids[i, :n] = torch.tensor(p + c)
         attn[i, :n] = 1
         if c:
             comp[i, : len(c)] = torch.tensor(c)
-            mask[i, : len(c)] = 0.0 if (mask_truncated and truncated[i]) else 1.0
-            mu[i, : len(c)] = lp[: len(c)].float()
+            sampled[i, : len(c)] = 1.0 if model_masks is None else model_masks[i][: len(c)].float()
+            mask[i, : len(c)] = 0.0 if (mask_truncated and truncated[i]) else sampled[i, : len(c)]
+            mu[i, : len(c)] = lp[: len(c)].float() * sampled[i, : len(c)]
     return RolloutBatch(input_ids, attn, torch.tensor([len(p) for p in prompts]), comp, mask, mu,
-                        torch.tensor([len(c) for c in completions]), torch.tensor(truncated))
+                        torch.tensor([len(c) for c in completions]), torch.tensor(truncated), sampled)
 
 
 def sampled_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float,

@@ -294,22 +294,44 @@ def save_checkpoint(run: RunDir, step: int, peft_model: Any, state: dict[str, An
     optimizer state) into the staging directory, together with the other ranks (train/fsdp.py).
     """
     final = checkpoint_path(run, step)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    if weights_writer is None and full_weights is None and adapter_state is None:
+        adapter_state = adapter_snapshot(peft_model)
+    # the last line of defence against a NaN/inf update (the trainer stops at the step itself): never a checkpoint
+    # that `latest`, --resume and `qerl eval` would take for a good one (sharded weights are checked per rank there)
+    refuse_nonfinite(run, step, full_weights if full_weights is not None else adapter_state)
+    from qerl_cli.manifest import write_errors
+
+    with write_errors(final.parent):
+        final.parent.mkdir(parents=True, exist_ok=True)
     with staged_directory(final) as tmp:
         if weights_writer is not None:
             weights_writer(tmp)
         elif full_weights is not None:
             write_full_weights(tmp, full_weights)
         else:
-            peft_model.save_pretrained(str(tmp / ADAPTER_DIR),
-                                       state_dict=adapter_state if adapter_state is not None
-                                       else adapter_snapshot(peft_model))
+            peft_model.save_pretrained(str(tmp / ADAPTER_DIR), state_dict=adapter_state)
         write_state(tmp, TRAINER_STATE, {**state, "rng": rng if rng is not None else rng_state(), "step": step})
         atomic_write_json(tmp / CONFIG_FILE, config)
         write_record(tmp, step)  # last: it hashes what was written above (in this thread, for a background write)
     write_latest(run, step)
     prune_checkpoints(run, keep)
     return final
+
+
+def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or inf, or None."""
+    return next((name for name, t in tensors.items() if not _finite(t)), None)
+
+
+def refuse_nonfinite(run: RunDir, step: int, weights: Mapping[str, torch.Tensor] | None) -> None:
+    """Refuse to write checkpoint ``step`` from weights holding NaN or inf; `latest` stays where it is."""
+    bad = first_nonfinite(weights) if weights is not None else None
+    if bad is None:
+        return
+    newest = latest_step(run)
+    kept = f"{checkpoint_name(newest)} stays the newest checkpoint" if newest is not None else "no checkpoint exists"
+    raise QerlError(f"{checkpoint_name(step)} was not written: its weights hold NaN or inf ({bad}), the sign of a "
+                    f"diverged update (check --lr and any non-finite option); {kept}")
 
 
 def write_record(ckpt: Path, step: int) -> dict[str, Any]:
@@ -446,6 +468,7 @@ def verify_checkpoint(run: RunDir, ckpt: Path) -> dict[str, Any] | None:
                 outputs.get(weights_key(ckpt)) not in (None, files.get(weights, {}).get("sha256"))):
             raise CheckpointDamaged(ckpt, ckpt / RECORD_FILE, "does not match the copy in the manifest's train record "
                                                               "(replaced)")
+        check_weights(ckpt)
         return record
     if state_paths(ckpt, TRAINER_STATE)[1].exists():  # written by this qerl, which always writes the record
         raise CheckpointDamaged(ckpt, ckpt / RECORD_FILE, "is missing")
@@ -457,7 +480,7 @@ def verify_checkpoint(run: RunDir, ckpt: Path) -> dict[str, Any] | None:
     if recorded and sha256_file(path) != recorded:
         raise CheckpointDamaged(ckpt, path, "does not match the sha256 the manifest recorded for it (corrupted or "
                                             "replaced)")
-    _check_safetensors(ckpt, path)
+    check_weights(ckpt)
     return None
 
 
@@ -466,14 +489,32 @@ def _manifest_outputs_for(run: RunDir, ckpt: Path) -> dict[str, Any]:
     return outputs if outputs.get("checkpoint") == run.rel(ckpt) else {}
 
 
-def _check_safetensors(ckpt: Path, path: Path) -> None:
+def weight_files(ckpt: Path) -> list[Path]:
+    """The safetensors files holding a checkpoint's trained weights (a sharded one: every rank's rows)."""
+    if checkpoint_kind(ckpt) == FULL_SHARDED:
+        return sorted(ckpt.glob(f"{SHARDED_WEIGHTS_STEM}-r*.safetensors"))
+    return [weights_path(ckpt)]
+
+
+def check_weights(ckpt: Path) -> None:
+    """Open every weights file and look at every value: a header that does not parse (a file crafted or damaged
+    with its hash updated to match) or a NaN/inf from a diverged update is CheckpointDamaged, so every reader
+    refuses it and points to the newest checkpoint that passes."""
     from safetensors import SafetensorError, safe_open
 
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            f.keys()
-    except (OSError, SafetensorError, ValueError) as exc:
-        raise CheckpointDamaged(ckpt, path, f"is unreadable ({exc})") from exc
+    for path in weight_files(ckpt):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                bad = next((k for k in f.keys() if not _finite(f.get_tensor(k))), None)
+        except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise CheckpointDamaged(ckpt, path, f"is unreadable ({why})") from exc
+        if bad is not None:
+            raise CheckpointDamaged(ckpt, path, f"holds NaN or inf ({bad}): the update that wrote it diverged")
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() or bool(torch.isfinite(t).all())
 
 
 def newest_intact(run: RunDir, *, skip: Path | None = None) -> Path | None:

@@ -19,6 +19,7 @@ import yaml
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import FORMATS, rollout_formats
 from qerl_cli.precision import PRECISIONS
+from qerl_cli.tools import TOOL_NAMES
 from qerl_cli.train.losses import ALGOS
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class TrainConfig:
     logprob_backend: str = "chunked"  # the update's log-probs: qerl's chunked path, or liger (fused linear + CE)
     pack_sequences: bool = True  # training forwards on the micro-batch's real tokens only (varlen attention)
     recompute_logprobs: bool = False  # pi_old from its own no-grad pass instead of the update forward's log-probs
+    async_rollout: bool = False  # the next step's rollouts generated during this step's update (one step stale)
     keep_rollout_cache: bool | None = None  # builtin engine: keep KV cache + CUDA graphs between steps (None: plan)
     async_checkpoint: bool = True  # write checkpoints in a background thread while the next step runs
     save_steps: int = 10
@@ -99,6 +101,14 @@ class TrainConfig:
     shots: int | None = None
     chat_template: bool = False
     task_level: str | None = None  # arith difficulty knob
+    # multi-turn episodes (docs/tools.md): a built-in tool or a user environment answers the model's turns
+    tools: str | None = None  # python | calculator
+    env: str | None = None  # module:Class or path/to/file.py:Class
+    max_turns: int = 4
+    max_episode_tokens: int | None = None  # after the prompt, model + observation tokens (None: max_completion_length)
+    tool_timeout_s: float = 10.0  # per Python call: wall clock, and CPU seconds rounded up
+    tool_memory_mb: int = 1024  # per Python call: address space
+    tool_workers: int = 8  # tool calls / environment steps run at once, beside decoding
     log_rollouts: bool = True
     log_sampling_entropy: bool = False  # sampling/entropy (rollouts then sample in torch, not the fused kernel)
     finetune: str = "lora"  # lora | full (all weights but embeddings/lm_head; see docs/flashrl.md)
@@ -118,14 +128,18 @@ class TrainConfig:
             c.scale_rewards = "none" if c.algo == "dr_grpo" else "group"
         if c.dynamic_sampling is None:
             c.dynamic_sampling = c.algo == "dapo"
+        if c.max_episode_tokens is None and (c.tools or c.env):
+            c.max_episode_tokens = c.max_completion_length
         if c.overlong_buffer is None:
-            c.overlong_buffer = c.max_completion_length // 4 if c.algo == "dapo" else 0
+            # an episode's length is all of it, observations included (--max-episode-tokens)
+            c.overlong_buffer = (c.max_episode_tokens or c.max_completion_length) // 4 if c.algo == "dapo" else 0
         if c.rollout_quant != "none" and c.requant_scales is None:
             spec = FORMATS.get(c.rollout_quant)  # validated below; an unknown name gets validate()'s message
             c.requant_scales = "fixed" if spec is not None and spec.fixed_scales else "dynamic"
         if c.correction is None:
             # FlashRL corrects its quantized rollouts with token TIS, C = 2, unless told otherwise
-            c.correction = "token_tis" if c.rollout_quant != "none" else "none"
+            # --async-rollout samples with the policy one update old: the same correction
+            c.correction = "token_tis" if c.rollout_quant != "none" or c.async_rollout else "none"
             if c.correction == "token_tis" and c.correction_cap is None:
                 c.correction_cap = FLASHRL_IS_CAP
         if c.correction_cap is None and c.correction != "none":
@@ -169,9 +183,28 @@ class TrainConfig:
             raise QerlError("--fsdp-offload offloads FSDP2's sharded state: use it with --sharding fsdp2")
         if self.num_generations < 2 and self.algo != "pg_seq_is":
             raise QerlError("--num-generations must be >= 2: group-relative advantages need a group")
-        if self.overlong_buffer is not None and self.overlong_buffer > self.max_completion_length:
-            raise QerlError(f"--overlong-buffer ({self.overlong_buffer}) must be <= --max-completion-length "
-                            f"({self.max_completion_length}): the penalty ramps over the last tokens of a completion")
+        length, length_flag = ((self.max_episode_tokens, "--max-episode-tokens") if self.max_episode_tokens else
+                               (self.max_completion_length, "--max-completion-length"))
+        if self.overlong_buffer is not None and self.overlong_buffer > length:
+            raise QerlError(f"--overlong-buffer ({self.overlong_buffer}) must be <= {length_flag} ({length}): the "
+                            "penalty ramps over the last tokens of a completion")
+        if self.tools and self.env:
+            raise QerlError("--tools and --env both given: an episode has one tool or one environment")
+        if self.async_rollout:
+            self.check_async_rollout()
+
+    def check_async_rollout(self) -> None:
+        """--async-rollout needs a correction for its stale policy and a rollout that nothing else writes to."""
+        if self.correction == "none":
+            raise QerlError("--async-rollout samples with the policy one update old: keep an importance correction "
+                            "(--correction token_tis, the default with it)")
+        blockers = {"--rollout-engine vllm": self.rollout_engine != "builtin", "--finetune full": self.finetune
+                    != "lora", "--rollout-quant": self.rollout_quant != "none", "--tools/--env": bool(
+                        self.tools or self.env), "--lora-dropout > 0": self.lora_dropout > 0}
+        bad = [k for k, v in blockers.items() if v]
+        if bad:
+            raise QerlError(f"--async-rollout runs the builtin engine on LoRA adapters it can snapshot; it does not "
+                            f"combine with {', '.join(bad)}: drop one of them")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -233,6 +266,9 @@ FIELD_HELP: dict[str, str] = {
                             "(humming) is faster (default: only when the step fits with it).",
     "logprob_backend": "chunked (qerl's, default) | liger (Liger-Kernel fused linear + cross-entropy; CUDA).",
     "pack_sequences": "Pack each micro-batch's sequences (no compute on padding; varlen attention).",
+    "async_rollout": "Generate the next step's rollouts on a second CUDA stream while this step trains: the rollout "
+                     "policy is one update stale, corrected by --correction (default token_tis, C = 2; builtin "
+                     "engine, LoRA, one process).",
     "recompute_logprobs": "Compute pi_old in a no-grad pass of its own before the update. Off by default: with one "
                           "optimizer step per batch pi_old is the update forward's own (detached) log-probs, the "
                           "same numbers without the pass (LoRA dropout > 0 always recomputes).",
@@ -249,6 +285,15 @@ FIELD_HELP: dict[str, str] = {
     "shots": "Few-shot examples in the prompt (default per task).",
     "chat_template": "Wrap prompts in the model's chat template.",
     "task_level": "arith difficulty: 1-7, 'mixed' or 'd=0.5'.",
+    "tools": "python | calculator: multi-turn episodes, the model calls the tool mid-answer (docs/tools.md).",
+    "env": "module:Class or file.py:Class: multi-turn episodes with your environment (reset(prompt) -> str, "
+           "step(action) -> (observation, done, reward)).",
+    "max_turns": "Model turns per episode (--tools/--env).",
+    "max_episode_tokens": "Tokens after the prompt per episode, model and observations (default: "
+                          "--max-completion-length).",
+    "tool_timeout_s": "Per Python tool call: wall-clock limit, and the CPU-time limit rounded up.",
+    "tool_memory_mb": "Per Python tool call: address-space limit, MB.",
+    "tool_workers": "Tool calls or environment steps run at once, beside decoding.",
     "log_rollouts": "Write every step's rollouts to train/rollouts/.",
     "finetune": "lora | full (all weights but embeddings; needs a bf16 run dir).",
     "rollout_quant": "FlashRL rollouts: " + ", ".join(ROLLOUT_QUANTS) + " (on a bf16 run dir).",
@@ -323,12 +368,14 @@ FIELD_RANGES: dict[str, str] = {
     "aqn_stages": ">= 1", "gpu_memory_utilization": "(0, 1]", "max_batch_slots": ">= 1", "micro_batch_size": ">= 1",
     "gpu_memory_gib": "> 0", "logprob_chunk_tokens": ">= 0", "save_steps": ">= 1", "keep_checkpoints": ">= 0",
     "sigterm_grace_s": ">= 0", "seed": "[0, 4294967295]", "shots": ">= 0",
+    "max_turns": ">= 1", "max_episode_tokens": ">= 1", "tool_timeout_s": "> 0", "tool_memory_mb": ">= 1",
+    "tool_workers": ">= 1",
 }
 # logprob_backend's choices live with the torch code that runs them (field_choices)
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "algo": ALGOS, "correction": CORRECTIONS, "finetune": FINETUNES, "rollout_quant": ROLLOUT_QUANTS,
     "requant_scales": REQUANT_SCALES, "sharding": SHARDINGS, "precision": PRECISIONS,
-    "rollout_engine": ("builtin", "vllm"), "scale_rewards": SCALE_REWARDS,
+    "rollout_engine": ("builtin", "vllm"), "scale_rewards": SCALE_REWARDS, "tools": TOOL_NAMES,
 }
 _INTERVAL = re.compile(r"([\[(])(\S+), (\S+)([\])])")
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}

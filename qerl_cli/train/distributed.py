@@ -278,14 +278,16 @@ def rollout_round(worker: StepWorker, ctx: DistContext, indices: list[int], roun
         part = indices[start:end]
         res = worker.generate(part, round_, overrides, prompt_offset=start)
         raw, shaped = worker.score(part, res.samples)
-        # prompt tokens are known to every rank: do not ship them
-        mine.append(_Chunk(start, end, [replace(s, prompt_token_ids=[]) for s in res.samples], raw, shaped,
+        # prompt tokens are known to every rank: do not ship them (an episode's own prompt, with its environment's
+        # reset() text, is shipped)
+        mine.append(_Chunk(start, end, [replace(s, prompt_token_ids=[]) if s.prompt_token_ids == worker.prompt_ids[
+            part[s.prompt_index]] else s for s in res.samples], raw, shaped,
                            {k: float(v) for k, v in res.timings.items()}))
         busy += time.perf_counter() - t
     gathered = ctx.gather_objects((mine, busy))
     chunks, owners = merge_chunks([g[0] for g in gathered], len(indices))
     samples = [replace(s, prompt_index=c.start + s.prompt_index,
-                       prompt_token_ids=worker.prompt_ids[indices[c.start + s.prompt_index]])
+                       prompt_token_ids=s.prompt_token_ids or worker.prompt_ids[indices[c.start + s.prompt_index]])
                for c in chunks for s in c.samples]
     timings: dict[str, float] = {}
     for c in chunks:

@@ -235,6 +235,14 @@ def packed_hidden(decoder: nn.Module, input_ids: torch.Tensor,
     if not enable_varlen_attention(decoder):
         raise RuntimeError("this transformers has no attention interface for packed sequences")
     p = pack(input_ids, attention_mask)
+    if p.input_ids.is_cuda:
+        # decide the kernel here, outside the layers: its probe runs a backward of its own, which must not happen
+        # inside a checkpointed layer (the recompute would probe again and save other tensors than the forward)
+        cfg = decoder.config
+        heads = int(cfg.num_attention_heads)
+        varlen_kernel(p.input_ids.device, decoder.embed_tokens.weight.dtype, heads,
+                      int(getattr(cfg, "num_key_value_heads", None) or heads),
+                      int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads))
     out = decoder(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False,
                   cu_seq_lens_q=p.cu_seqlens, cu_seq_lens_k=p.cu_seqlens, max_length_q=p.max_len,
                   max_length_k=p.max_len)

@@ -109,7 +109,7 @@ CALIBRATION = Calibration(
     host_nograd_s=3.2e-3, host_fwd_s=7.0e-3, host_bwd_s=3.0e-3, overlap=0.22, copies_train_penalty=2.4,
     decode_layer_s=6.0e-5, decode_dequant_share=0.0038, decode_dense_share=1.0, decode_copies_share=0.0040,
     decode_flops_share=0.7, prefill_share=0.5, rollout_fixed_s=0.0, recapture_s=0.3, optimizer_fixed_s=0.015,
-    optimizer_param_s=1e-10, offload_gbps=40.0, checkpoint_fixed_s=0.55, checkpoint_gbps=6.4, aqn_layer_s=3e-3,
+    optimizer_param_s=1e-10, offload_gbps=40.0, checkpoint_fixed_s=0.15, checkpoint_gbps=6.4, aqn_layer_s=3e-3,
     other_s=0.04)
 
 

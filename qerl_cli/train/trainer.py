@@ -24,6 +24,7 @@ import torch
 from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import Preempted, QerlError
 from qerl_cli.manifest import RunDir
+from qerl_cli.metricsfile import append_metrics, read_metrics, write_metrics
 from qerl_cli.moe import router_metrics
 from qerl_cli.precision import dtype_of, uses_loss_scaling
 from qerl_cli.runlayout import (
@@ -78,9 +79,36 @@ class PromptStream:
         self._perm = self._permutation()
 
 
-# how a run stopped by a non-finite loss or gradient goes on
-NONFINITE_HINT = (": the checkpoints are intact; lower --lr and continue with --resume, or from an earlier one with "
-               "--resume-from step_N")
+def nonfinite_cause(cfg: TrainConfig) -> str:
+    """The likely cause of a non-finite step: an option set to a non-finite number, else the learning rate."""
+    import dataclasses
+    import math
+
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
+            return f"--{f.name.replace('_', '-')} is {value}"
+    return f"--lr {cfg.lr:g} is too high for this run"
+
+
+def nonfinite_message(what: str, step: int, cfg: TrainConfig, newest: int | None) -> str:
+    """One line for a step stopped by a NaN/inf: what, the likely cause, and the checkpoint that stays the newest."""
+    if newest is None:
+        after = "no checkpoint was written yet: fix the cause and train again (`--resume` starts the run over)"
+    else:
+        after = (f"step_{newest} stays the newest checkpoint: `--resume` continues from it, `--resume-from step_N` "
+                 "from an earlier one")
+    return f"{what} at step {step} (likely cause: {nonfinite_cause(cfg)}); nothing of step {step} was saved; {after}"
+
+
+def params_finite(params: list[torch.Tensor], dist: Any = None) -> bool:
+    """Whether every trainable value is finite: one fused max-abs per tensor, one device sync. ``dist``: the
+    context whose ranks hold different shards (they must agree, or one rank would stop alone)."""
+    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in params]
+    local = [t for t in local if t.numel()]
+    bad = bool(local) and not bool(torch.isfinite(torch.stack(
+        [n.float() for n in torch._foreach_norm(local, float("inf"))])).all())
+    return not (dist.any_true(bad) if dist is not None else bad)
 
 
 def sampling_entropy(samples: list[Any], mask: torch.Tensor) -> float | None:
@@ -206,6 +234,10 @@ class Trainer:
         # resolved in setup() unless a model is injected (benches build theirs in memory)
         self.model_dir: Path | None = None
         self.last_checkpoint_s = 0.0
+        self.pending: Any = None  # --async-rollout: the next step's rollouts in flight (train/async_rollout.py)
+        self.rollout_step, self.rollout_concurrent = 0, False  # the step the engine is generating for, and how
+        self.noise_metrics: dict[str, Any] = {}  # the AQN draw of the rollouts being collected
+        self.last_checkpoint_parts: dict[str, float] = {}  # its seconds by part (background writes)
         self.writer = CheckpointWriter()  # background checkpoint writes (train/checkpointing.py)
         self.snapshot = checkpointing.HostSnapshot()  # their pinned host copies, reused from one write to the next
         self.memory_plan: Any = None  # set by setup() (train/memory_plan.py)
@@ -309,7 +341,7 @@ class Trainer:
         level = c.task_level
         self.task = task if task is not None else load_task(
             c.task, split="train", shots=c.shots, chat_template=c.chat_template, tokenizer=self.tokenizer,
-            seed=c.seed, level=level)
+            seed=c.seed, level=level, tools=c.tools)
         if not self.task.examples:
             raise QerlError(f"task {self.task.name} has no training examples")
         self.reward_name = c.reward or self.task.reward
@@ -319,13 +351,23 @@ class Trainer:
         if len(self.prompt_ids) != len(self.task.examples):
             raise QerlError(f"{len(self.prompt_ids)} prompt id lists for {len(self.task.examples)} task examples")
         self.stream = PromptStream(len(self.task.examples), c.seed)
-        max_len = max(len(p) for p in self.prompt_ids) + c.max_completion_length + 1
+        from qerl_cli.tools.episodes import episodes_from_config
+
+        # multi-turn episodes with --tools/--env (docs/tools.md), or None
+        self.episodes = episodes_from_config(c, self.tokenizer)
+        max_len = max(len(p) for p in self.prompt_ids) + self.completion_tokens + 1
         self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
         rollout_model = self.model if self.rollout_quant is None else self.rollout_quant.model
         # the builtin engine keeps its KV cache, LoRA shadows and CUDA graphs across steps when the plan says so:
         # re-allocating and re-capturing them every step costs the step's rollout its bench speed
         run = self.settings
         self.keep_rollout_cache = run.keep_rollout_cache
+        if c.async_rollout and self.device.type == "cuda" and not run.keep_rollout_cache:
+            raise QerlError("--async-rollout keeps the rollout's KV cache beside the training step, and the memory "
+                            "plan found no room for it: drop --async-rollout or lower --batch-prompts")
+        if c.async_rollout and self.dist.enabled:
+            raise QerlError("--async-rollout runs on one process (its rollout thread would interleave the ranks' "
+                            "collectives): drop it or run without torchrun")
         self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer, max_batch_slots=run.kv_slots,
                                   max_model_len=max_len, gpu_memory_utilization=run.gpu_memory_utilization,
                                   dtype=self.dtype, model_dir=self.model_dir)
@@ -432,6 +474,11 @@ class Trainer:
     def micro_batch_size(self) -> int:
         return self.settings.micro_batch_size
 
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens a rollout may add after its prompt: an episode's (model and observations), else a completion's."""
+        return int(self.cfg.max_episode_tokens or self.cfg.max_completion_length)
+
     def encode_prompt(self, prompt: str, index: int | None = None) -> list[int]:
         """Token ids of a prompt (``index``: its task example, for the message), within --max-prompt-length."""
         from qerl_cli.tasks.prompt_ids import encode_prompt
@@ -458,17 +505,8 @@ class Trainer:
         if state is None:
             state = read_trainer_state(self.run, ckpt)
         saved = state.get("config", {})
-        for key in ("algo", "lora_rank", "lora_targets", "precision", "seed", "task", "aqn", "finetune",
-                    "rollout_quant", "requant_scales"):
-            if key in saved and saved[key] != getattr(self.cfg, key):
-                raise QerlError(f"--resume with a different {key} ({getattr(self.cfg, key)!r}, checkpoint has "
-                                f"{saved[key]!r}): use the original settings or a new --run directory")
+        check_resume_settings(self.cfg, ckpt, state)
         sharded = self.cfg.sharding == "fsdp2"
-        if self.full is not None and (checkpointing.checkpoint_kind(ckpt) == checkpointing.FULL_SHARDED) != sharded:
-            raise QerlError(f"checkpoint {ckpt} was written " + (
-                "without sharding: resume it with --sharding none on one process" if sharded else
-                "by --sharding fsdp2 (sharded weights and optimizer): resume it with --sharding fsdp2 on any "
-                "number of processes"))
         if sharded:  # every rank reads the rows of its own shard, whatever the world size that wrote them
             self.full.load(ckpt, self.optimizer)
         elif self.full is not None:
@@ -500,11 +538,7 @@ class Trainer:
         """Drop metric lines of steps after the checkpoint (they will be recomputed identically)."""
         if not self.dist.is_main or not self.metrics_path.is_file():
             return
-        keep = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        from qerl_cli.manifest import atomic_write_text
-
-        atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))
+        write_metrics(self.metrics_path, [r for r in read_metrics(self.metrics_path) if r["step"] <= step])
 
     # ---- one step --------------------------------------------------------------------------------
     def clock(self) -> float:
@@ -534,14 +568,25 @@ class Trainer:
         # prompt_offset: these prompts start at that position of the round (noise keyed by global position)
         stop_ids = getattr(self.task, "stop_token_ids", None)
         sp = SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p, top_k=-1,
-                            max_tokens=c.max_completion_length, stop=list(self.task.stop),
+                            max_tokens=self.completion_tokens, stop=list(self.task.stop),
                             stop_token_ids=None if stop_ids is None else list(stop_ids),
-                            seed=rollout_seed(c.seed, self.step, round_), prompt_offset=prompt_offset,
+                            seed=rollout_seed(c.seed, self.rollout_step, round_), prompt_offset=prompt_offset,
                             # sampling/entropy: the rollout policy's own (AQN-noised) entropy; the torch sampler
                             # computes it, so it is asked for only when logged (the fused kernel is faster)
                             entropy=c.log_sampling_entropy)
-        res = self.engine.generate([self.prompt_ids[i] for i in indices], sp, norm_overrides=norm_overrides)
-        return res
+        prompts = [self.prompt_ids[i] for i in indices]
+        if self.episodes is not None:
+            return self.episodes.generate(self.engine, prompts, [self.task.examples[i].prompt for i in indices], sp,
+                                          self.encode_text, norm_overrides=norm_overrides)
+        if self.rollout_concurrent:
+            return self.engine.generate(prompts, sp, norm_overrides=norm_overrides, concurrent=True)
+        return self.engine.generate(prompts, sp, norm_overrides=norm_overrides)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def score(self, indices: list[int], samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw and shaped (DAPO overlong penalty) rewards of `samples`, in sample order."""
@@ -549,43 +594,65 @@ class Trainer:
 
         g = self.cfg.num_generations
         prompts = [self.task.examples[indices[s.prompt_index]].prompt for s in samples]
-        completions = [s.text or "" for s in samples]
         answers = [self.task.examples[indices[s.prompt_index]].answer for s in samples]
-        raw = torch.tensor(safe_rewards(self.reward_fn, prompts, completions, answer=answers),
-                           dtype=torch.float32)
+        if self.episodes is None:
+            raw = torch.tensor(safe_rewards(self.reward_fn, prompts, [s.text or "" for s in samples], answer=answers),
+                               dtype=torch.float32)
+        else:  # graded on what the model wrote (its tool calls left out); an environment's own rewards added
+            raw = self.episodes.rewards(samples, prompts, answers, self.reward_fn, self.decode,
+                                        graded=self.cfg.env is None or self.cfg.reward is not None)
         assert raw.numel() == len(indices) * g
         shaped = raw.clone()
         if self.cfg.algo == "dapo" and self.cfg.overlong_buffer:
             from qerl_cli.train.advantages import dapo_overlong_penalty
 
             lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
-            shaped = shaped + dapo_overlong_penalty(lengths, self.cfg.max_completion_length, self.cfg.overlong_buffer)
+            shaped = shaped + dapo_overlong_penalty(lengths, self.completion_tokens, self.cfg.overlong_buffer)
         return raw, shaped
 
     def train_step(self) -> dict[str, Any]:
-        from qerl_cli.train.advantages import DynamicSampler, group_advantages
-
-        c = self.cfg
-        g = c.num_generations
-        metrics: dict[str, Any] = {"step": self.step + 1}
-        metrics.update(self.plan_metrics)
-        on_cuda = self.device.type == "cuda"
-        if on_cuda:
+        """One RL step: this step's rollouts (collected now, or with --async-rollout during the previous update),
+        then the update on them."""
+        if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        if self.pending is not None:
+            rollouts, self.pending = self.pending.take(), None
+        else:
+            rollouts = self.collect_rollouts(self.step, self.rollout_noise(self.step))
+        if self.cfg.async_rollout and self.step + 1 < self.cfg.steps:
+            from qerl_cli.train.async_rollout import BackgroundRollouts
 
-        # -- AQN: this step's noisy norm weights (timed on their own; they feed the rollout policy only)
+            self.pending = BackgroundRollouts(self, self.step + 1)
+        return self.update_on(rollouts)
+
+    def rollout_noise(self, step: int) -> dict[str, torch.Tensor] | None:
+        """AQN's noisy norm weights for ``step``'s rollout policy (None without AQN); its metrics kept for the step."""
         self.enter_phase("aqn")
         ta = self.clock()
         overrides = None
+        self.noise_metrics = {}
         if self.aqn is not None:
-            overrides = self.aqn.noisy_norm_weights(self.step)
-            metrics.update(self.aqn.last_metrics)
-        t_aqn = self.clock() - ta
-        self._phase_peak(metrics, "aqn")
+            overrides = self.aqn.noisy_norm_weights(step)
+            self.noise_metrics = dict(self.aqn.last_metrics)
+        self.noise_metrics["timing/aqn_s"] = self.clock() - ta
+        self._phase_peak(self.noise_metrics, "aqn")
+        return overrides
 
-        # -- rollout
-        self.enter_phase("rollout")
+    def collect_rollouts(self, step: int, overrides: dict[str, torch.Tensor] | None, *,
+                         concurrent: bool = False, policy: int | None = None) -> Rollouts:
+        """``step``'s rollout rounds (dynamic sampling refills), scored: the groups an update trains on.
+        ``concurrent``: in --async-rollout's thread, while the model trains (no phase callbacks or peaks);
+        ``policy``: the updates the sampling adapters had seen (default: this trainer's step)."""
+        policy = self.step if policy is None else policy
+        from qerl_cli.train.advantages import DynamicSampler
+
+        c = self.cfg
+        g = c.num_generations
+        metrics: dict[str, Any] = dict(self.noise_metrics)
+        if not concurrent:
+            self.enter_phase("rollout")
         t0 = time.perf_counter()
+        self.rollout_step, self.rollout_concurrent = step, concurrent
         groups: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]] = []
         rollout_timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0.0}
         sampler = DynamicSampler(c.batch_prompts, g, max_refill_rounds=c.max_refill_rounds) if c.dynamic_sampling \
@@ -612,15 +679,35 @@ class Trainer:
                 groups, ds_stats = sampler.result()
                 metrics.update(ds_stats)
                 break
-        if on_cuda and not self.keep_rollout_cache:
+        if self.device.type == "cuda" and not self.keep_rollout_cache:
             self.engine.release()
-        t_rollout = self.clock() - t0
-        self._phase_peak(metrics, "rollout")
+        t_rollout = (self.clock() if not concurrent else time.perf_counter()) - t0
+        if not concurrent:
+            self._phase_peak(metrics, "rollout")
         metrics.update(self.backend.step_metrics(busy))
         if not groups:
             raise QerlError("dynamic sampling kept no group (every group had equal rewards); raise "
                             "--max-refill-rounds or lower the task difficulty")
+        metrics["timing/rollout_s"] = t_rollout
+        metrics["timing/rollout_tokens_per_s"] = rollout_timing["tokens"] / max(t_rollout, 1e-9)
+        metrics["timing/rollout_tokens"] = rollout_timing["tokens"]
+        # the engine's own split: prefill (with the first token) and decode; decode steps = token steps of the batch
+        metrics["timing/rollout_prefill_s"] = rollout_timing["prefill_s"]
+        metrics["timing/rollout_decode_s"] = rollout_timing["decode_s"]
+        metrics["rollout/decode_steps"] = rollout_timing["decode_steps"]
+        return Rollouts(step, policy, groups, metrics)
 
+    def update_on(self, rollouts: Rollouts) -> dict[str, Any]:
+        """The update on one step's rollouts: advantages, the batch, pi_old, forward/backward, optimizer; the step's
+        metrics."""
+        from qerl_cli.train.advantages import group_advantages
+
+        c = self.cfg
+        g = c.num_generations
+        on_cuda = self.device.type == "cuda"
+        groups = rollouts.groups
+        metrics: dict[str, Any] = {"step": self.step + 1, **self.plan_metrics, **rollouts.metrics}
+        metrics["rollout/policy_lag"] = float(self.step - rollouts.policy)  # 1 with --async-rollout (after step 1)
         samples = [s for _, ss, _, _ in groups for s in ss]
         raw = torch.cat([r for _, _, r, _ in groups])
         shaped = torch.cat([s for _, _, _, s in groups])
@@ -629,12 +716,17 @@ class Trainer:
         metrics["accuracy"] = (raw >= 1.0 - 1e-6).float().mean().item()
         metrics["reward/raw_mean"] = raw.mean().item()
 
-        prompt_ids = [self.prompt_ids[idx] for idx, ss, _, _ in groups for _ in ss]
+        # an environment's reset() text makes an episode's prompt its own (tools/episodes.py)
+        prompt_ids = [s.prompt_token_ids or self.prompt_ids[idx] for idx, ss, _, _ in groups for s in ss]
         truncated = [s.finish_reason == "length" for s in samples]
         pad = getattr(self.tokenizer, "pad_token_id", None)
         pad = 0 if pad is None else pad
         batch = build_batch(prompt_ids, [s.token_ids for s in samples], [s.logprobs for s in samples], truncated,
-                            pad, mask_truncated=c.mask_truncated_completions).to(self.device)
+                            pad, mask_truncated=c.mask_truncated_completions,
+                            model_masks=None if self.episodes is None else [s.model_mask() for s in samples],
+                            ).to(self.device)
+        if self.episodes is not None:
+            metrics.update(self.episodes.metrics(samples))
         lengths = batch.lengths.float()
         metrics["completions/mean_length"] = lengths.mean().item()
         metrics["completions/min_length"] = lengths.min().item()
@@ -646,9 +738,10 @@ class Trainer:
         # update starts from); a separate no-grad pass only where it is needed (reference model, LoRA dropout, asked)
         self.enter_phase("recompute")
         t1 = self.clock()
-        valid = (torch.arange(batch.mask.shape[1], device=self.device)[None, :] < batch.lengths[:, None]).float()
+        valid = batch.sampled  # the model's tokens: an episode's observations are no policy's samples
         old = self.old_pass(batch)
         t_recompute = self.clock() - t1
+        metrics["timing/pi_old_pass"] = float(old.old is not None or old.ref is not None)
         self._phase_peak(metrics, "recompute")
 
         # -- policy update (forward+backward, then optimizer: timed apart inside _update)
@@ -672,16 +765,8 @@ class Trainer:
 
         self.step += 1
         metrics["lr"] = self.scheduler.get_last_lr()[0]
-        metrics["timing/rollout_s"] = t_rollout
         metrics["timing/recompute_s"] = t_recompute
         metrics["timing/train_s"] = t_train
-        metrics["timing/aqn_s"] = t_aqn
-        metrics["timing/rollout_tokens_per_s"] = rollout_timing["tokens"] / max(t_rollout, 1e-9)
-        metrics["timing/rollout_tokens"] = rollout_timing["tokens"]
-        # the engine's own split: prefill (with the first token) and decode; decode steps = token steps of the batch
-        metrics["timing/rollout_prefill_s"] = rollout_timing["prefill_s"]
-        metrics["timing/rollout_decode_s"] = rollout_timing["decode_s"]
-        metrics["rollout/decode_steps"] = rollout_timing["decode_steps"]
         if on_cuda:
             metrics["memory/peak_gb"] = max(v for k, v in metrics.items()
                                             if k.startswith("memory/") and k.endswith("_peak_gb"))
@@ -754,7 +839,7 @@ class Trainer:
         c = self.cfg
         bsz = batch.input_ids.shape[0]
         normalizer = {"dapo": batch.mask.sum().clamp(min=1).item(),
-                      "dr_grpo": float(bsz * c.max_completion_length)}.get(c.algo, float(bsz))
+                      "dr_grpo": float(bsz * self.completion_tokens)}.get(c.algo, float(bsz))
         own = old.old is None
         isw = None
         if not own and c.correction != "none":
@@ -778,11 +863,11 @@ class Trainer:
                 old_part, isw_part = old.old[sl], None if isw is None else isw[sl]
             loss, m = policy_loss(
                 c.algo, logp, old_part, adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
-                max_completion_length=c.max_completion_length, is_weights=isw_part,
+                max_completion_length=self.completion_tokens, is_weights=isw_part,
                 ref_logp=None if old.ref is None else old.ref[sl], beta=c.beta, rollout_logp=part.rollout_logp,
                 loss_normalizer=normalizer)
             if not torch.isfinite(loss):
-                raise NonFiniteLoss(f"the loss became {loss.item()} at step {self.step + 1}{NONFINITE_HINT}")
+                raise self.nonfinite(f"the loss became {loss.item()}")
             if not micro.counts:  # a stand-in pass: it runs only so that the ranks' collectives match
                 loss = loss * 0.0
             self.scaler.scale(loss).backward()
@@ -799,27 +884,47 @@ class Trainer:
         t_opt = self.clock()
         agg["timing/fwd_bwd_s"] = t_opt - t_fb
         self._phase_peak(agg, "fwd_bwd")
+        agg.update(self._optimizer_step())
+        agg["timing/optimizer_s"] = self.clock() - t_opt
+        self._phase_peak(agg, "optimizer")
+        self.model.eval()
+        agg["loss"] = total_loss
+        return agg, (self.backend.gather_rows(own_parts, batch) if own else None)
+
+    def nonfinite(self, what: str) -> NonFiniteLoss:
+        """The error that stops a step with a NaN/inf, after the previous step's checkpoint write (if one is in
+        flight) has finished, so that the checkpoint it names is complete."""
+        self.writer.wait()
+        return NonFiniteLoss(nonfinite_message(what, self.step + 1, self.cfg, checkpointing.latest_step(self.run)))
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """Clip, step (skipped by the fp16 scaler when its gradients overflowed), schedule. A non-finite gradient
+        or update stops the run here, before anything of this step is logged or checkpointed."""
+        c = self.cfg
         self.enter_phase("optimizer")
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))
         if not finite and not uses_loss_scaling(c.precision):
-            raise NonFiniteLoss(f"the gradient norm became {grad_norm.item()} at step {self.step + 1}{NONFINITE_HINT}")
+            raise self.nonfinite(f"the gradient norm became {grad_norm.item()}")
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
-        self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
+        try:
+            self.scaler.step(self.optimizer)
+        except RuntimeError as exc:  # torch refuses a step size past float32's range ("... without overflow")
+            if "overflow" not in str(exc):
+                raise
+            raise self.nonfinite("the optimizer step overflowed float32") from exc
+        if not params_finite(self.params, self.dist if c.sharding == "fsdp2" else None):
+            raise self.nonfinite("the optimizer step made trainable parameters NaN or inf")
         self.scaler.update()
         self.scheduler.step()
         # nothing reads the gradients after the step: freed now, they stay out of the next rollout's memory
         self.optimizer.zero_grad(set_to_none=True)
-        agg["timing/optimizer_s"] = self.clock() - t_opt
-        self._phase_peak(agg, "optimizer")
-        self.model.eval()
-        agg["loss"] = total_loss
-        agg["grad_norm"] = grad_norm.item() if finite else float("nan")
+        out = {"grad_norm": grad_norm.item() if finite else float("nan")}
         if self.scaler.is_enabled():
-            agg["fp16/loss_scale"] = scale_before
-            agg["fp16/step_skipped"] = float(not finite)
-        return agg, (self.backend.gather_rows(own_parts, batch) if own else None)
+            out["fp16/loss_scale"] = scale_before
+            out["fp16/step_skipped"] = float(not finite)
+        return out
 
     def _log_rollouts(self, groups: list[Any], adv: torch.Tensor, step: int) -> None:
         if not self.cfg.log_rollouts or not self.dist.is_main:
@@ -837,6 +942,7 @@ class Trainer:
                     "advantage": adv[k].item(), "length": len(s.token_ids), "finish_reason": s.finish_reason,
                     "logprob_sum": float(lp.sum()) if lp.numel() else 0.0,
                     "logprob_min": float(lp.min()) if lp.numel() else 0.0,
+                    **({} if self.episodes is None else {"turns": self.episodes.record(s, self.decode)}),
                 }))
                 k += 1
         from qerl_cli.manifest import atomic_write_text
@@ -844,14 +950,8 @@ class Trainer:
         atomic_write_text(self.rollouts_dir / f"step_{step:05d}.jsonl", "\n".join(lines) + "\n")
 
     def append_metrics(self, metrics: dict[str, Any]) -> None:
-        if not self.dist.is_main:
-            return
-        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        from qerl_cli.manifest import jsonable
-
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(jsonable(metrics)) + "\n")
-            f.flush()
+        if self.dist.is_main:
+            append_metrics(self.metrics_path, metrics)
 
     def wait_checkpoint(self) -> Path | None:
         """Wait for the background checkpoint write in flight; its path (None if none was in flight)."""
@@ -872,15 +972,19 @@ class Trainer:
         background = background and self.full is None and not self.dist.enabled
         t0 = self.clock()
         self.writer.wait()  # the previous write, which may still read the snapshot buffers
+        marks = {"wait": time.perf_counter()}
         state = {"optimizer": self.optimizer.state_dict(), **self._trainer_state()}
+        marks["state"] = time.perf_counter()
         if background:
             from qerl_cli.lora import lora_state_dict
 
             # queued on the device, never waited for here: the step's critical path pays for launching the copies
             state = self.snapshot.take(state, "state")
             adapter = self.snapshot.take(lora_state_dict(self.model), "adapter")
+            marks["snapshot"] = time.perf_counter()
             rng, ready = ck.rng_state(), self.snapshot.ready()
             step, config, keep = self.step, self.cfg.to_dict(), self.cfg.keep_checkpoints
+            marks["rng"] = time.perf_counter()
 
             def write() -> Path:
                 ready()
@@ -889,7 +993,10 @@ class Trainer:
 
             self.writer.submit(write)
             path = ck.checkpoint_path(self.run, step)
-            self.last_checkpoint_s = time.perf_counter() - t0
+            marks["submit"] = time.perf_counter()
+            self.last_checkpoint_s = marks["submit"] - t0
+            edges = [t0, *marks.values()]
+            self.last_checkpoint_parts = {k: b - a for k, a, b in zip(marks, edges[:-1], edges[1:], strict=True)}
             self.dist.barrier()
             return path
         path = ck.save_checkpoint(self.run, self.step, self.model, state, self.cfg.to_dict(),
@@ -904,8 +1011,10 @@ class Trainer:
         return {
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "data": self.stream.state(),
-            "aqn": self.aqn.state_dict() if self.aqn is not None else None,
+            # --async-rollout: where the data and AQN stood before the next step's rollouts began
+            "data": self.pending.resume_state["data"] if self.pending is not None else self.stream.state(),
+            "aqn": self.pending.resume_state["aqn"] if self.pending is not None else
+            (self.aqn.state_dict() if self.aqn is not None else None),
             "config": self.cfg.to_dict(),
             checkpointing.ROLLOUT_QUANT_KEY: self.rollout_quant.state_dict() if self.rollout_quant is not None
             else None,
@@ -937,6 +1046,17 @@ def batch_token_metrics(batch: RolloutBatch) -> dict[str, float]:
 
 
 @dataclass
+class Rollouts:
+    """One step's scored rollouts, as groups (prompt index, samples, raw and shaped rewards), and what collecting them
+    measured; ``step``: the step they were generated for."""
+
+    step: int
+    policy: int  # the updates the adapters that sampled them had seen
+    groups: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]]
+    metrics: dict[str, Any]
+
+
+@dataclass
 class OldPolicy:
     """What the no-grad passes before the update computed: pi_old and its entropies (None: the update's own forward
     supplies them) and the reference log-probs (beta > 0)."""
@@ -947,7 +1067,28 @@ class OldPolicy:
 
 
 class NonFiniteLoss(QerlError):
-    """NaN/inf in the loss or gradients; the last good checkpoint stays the one to resume."""
+    """NaN/inf in the loss, the gradients or the updated parameters; the last good checkpoint stays the newest."""
+
+
+# what a resumed run must share with its checkpoint (other options may change between the two)
+RESUME_KEYS = ("algo", "lora_rank", "lora_targets", "precision", "seed", "task", "aqn", "finetune", "rollout_quant",
+               "requant_scales")
+
+
+def check_resume_settings(cfg: TrainConfig, ckpt: Path, state: dict[str, Any]) -> None:
+    """Refuse to continue a checkpoint with settings it was not trained with (``cfg`` resolved)."""
+    saved = state.get("config", {})
+    for key in RESUME_KEYS:
+        if key in saved and saved[key] != getattr(cfg, key):
+            raise QerlError(f"--resume with a different {key} ({getattr(cfg, key)!r}, checkpoint has "
+                            f"{saved[key]!r}): use the original settings or a new --run directory")
+    sharded = cfg.sharding == "fsdp2"
+    if (cfg.finetune == "full" or sharded) and \
+            (checkpointing.checkpoint_kind(ckpt) == checkpointing.FULL_SHARDED) != sharded:
+        raise QerlError(f"checkpoint {ckpt} was written " + (
+            "without sharding: resume it with --sharding none on one process" if sharded else
+            "by --sharding fsdp2 (sharded weights and optimizer): resume it with --sharding fsdp2 on any "
+            "number of processes"))
 
 
 def read_trainer_state(run: RunDir, ckpt: Path) -> dict[str, Any]:
@@ -967,9 +1108,11 @@ def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, 
 def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resume_from: str | None = None,
                      *, verify: bool = True) -> tuple[Path, dict[str, Any]] | None:
     """`--resume` / `--resume-from step_N` checks, before the stage starts (a refusal leaves the manifest's train
-    record as it was): the checkpoint to continue from, verified file by file (``verify``: rank 0 only, which
-    stops every rank when it refuses; N ranks hashing a sharded checkpoint N times would gain nothing), and its
-    trainer state; None when plain `--resume` finds no checkpoint (the run starts over)."""
+    record as it was): the metrics file, the checkpoint to continue from, verified file by file (``verify``: rank 0
+    only, which stops every rank when it refuses; N ranks hashing a sharded checkpoint N times would gain nothing),
+    its trainer state and settings (``cfg`` resolved); None when plain `--resume` finds no checkpoint (the run
+    starts over)."""
+    read_metrics(metrics_path(run))  # a damaged line is refused here, not after the stage began
     if resume_from is not None:
         ckpt = resolve_checkpoint(run, resume_from)
         if ckpt is None:
@@ -983,6 +1126,7 @@ def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resum
     if verify:
         checkpointing.require_intact(run, ckpt, "resume")
     state = read_trainer_state(run, ckpt)
+    check_resume_settings(cfg, ckpt, state)
     done = int(state["step"])
     trained_on = (run.record("train") or {}).get("inputs", {}).get("model")
     if trained_on and trained_on.get("files") and base_fingerprint(trained_on) != base_fingerprint(model):
@@ -998,25 +1142,14 @@ def _check_resumable(run: RunDir, cfg: TrainConfig, model: dict[str, Any], resum
 def set_aside_after(run: RunDir, step: int, metrics_path: Path, rollouts_dir: Path) -> dict[str, Any]:
     """`--resume-from step_N`: move what the run wrote after step N (later checkpoints, their rollouts and
     metrics lines) into ``train/checkpoints.abandoned-<time>/``, never deleting it; what the manifest records."""
-    from qerl_cli.manifest import atomic_write_text
-
     dest = checkpointing.abandoned_dir(run)
     moved = checkpointing.set_aside_checkpoints_after(run, step, dest)
-    later_lines: list[str] = []
-    if metrics_path.is_file():
-        keep = []
-        for line in metrics_path.read_text().splitlines():
-            if not line.strip():
-                continue
-            try:
-                later = json.loads(line).get("step", 0) > step
-            except (json.JSONDecodeError, AttributeError, TypeError):
-                later = True  # a torn last line (a killed trainer) goes aside too
-            (later_lines if later else keep).append(line)
-        if later_lines:
-            dest.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(dest / metrics_path.name, "".join(x + "\n" for x in later_lines))
-            atomic_write_text(metrics_path, "".join(x + "\n" for x in keep))
+    rows = read_metrics(metrics_path)  # a torn last line (a killed trainer) is dropped: its step was never saved
+    later_lines = [r for r in rows if r["step"] > step]
+    if later_lines:
+        dest.mkdir(parents=True, exist_ok=True)
+        write_metrics(dest / metrics_path.name, later_lines)
+        write_metrics(metrics_path, [r for r in rows if r["step"] <= step])
     rollouts = []
     for p in sorted(rollouts_dir.glob("step_*.jsonl")) if rollouts_dir.is_dir() else []:
         if p.stem[5:].isdigit() and int(p.stem[5:]) > step:
@@ -1026,6 +1159,32 @@ def set_aside_after(run: RunDir, step: int, metrics_path: Path, rollouts_dir: Pa
     return {"checkpoint": checkpointing.checkpoint_name(step),
             "set_aside": run.rel(dest) if dest.exists() else None, "checkpoints": moved,
             "metrics_lines": len(later_lines), "rollout_files": len(rollouts)}
+
+
+def _start(run: RunDir, trainer: Trainer, rec: Any, stop: GracefulStop,
+           start_from: tuple[Path, dict[str, Any]] | None, resume: bool, resume_from: str | None) -> int:
+    """Load the model, set aside what `--resume-from` abandons and restore the checkpoint; the step training
+    continues at. A refusal before anything in the run directory changes (a damaged base, a checkpoint that does
+    not fit) leaves the manifest as it was (``rec.refusable``)."""
+    ctx = trainer.dist
+    with ctx.agree("setup"):  # a failure on any rank stops every rank with one clear line
+        try:
+            trainer.setup()
+        except torch.cuda.OutOfMemoryError as exc:
+            raise QerlError("out of GPU memory while loading the model: lower --gpu-memory-utilization") from exc
+    if start_from is not None and ctx.is_main:
+        ckpt, state = start_from
+        if resume_from is not None:  # under the run lock: later checkpoints, rollouts, metrics lines set aside
+            rec.refusable = False
+            with stop.deferred():  # all of it or (before it starts) none of it
+                rec.extra["resume_from"] = set_aside_after(run, int(state["step"]), trainer.metrics_path,
+                                                           trainer.rollouts_dir)
+        rec.outputs = _checkpoint_outputs(run, trainer, ckpt)  # what the run stands on until its next save
+        run.save(rec)
+    with ctx.agree("setup"):
+        start = (trainer.resume(*start_from) if start_from is not None else trainer.resume()) if resume else 0
+    rec.refusable = False  # from here on the run writes: a failure is recorded as one
+    return start
 
 
 def trainer_device() -> str | None:
@@ -1057,7 +1216,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
                         "a new --run directory")
     # an earlier extension stays stated when the extended run is resumed again
     extended = (run.record("train") or {}).get("extra", {}).get("extended") if resume else None
-    start_from = _check_resumable(run, cfg, inputs["model"], resume_from, verify=ctx.is_main) if resume else None
+    start_from = _check_resumable(run, trainer.cfg, inputs["model"], resume_from, verify=ctx.is_main) if resume \
+        else None
     # the memory plan from the model's config: a run that cannot fit is refused here, before the stage starts and
     # before any weight is loaded (setup() plans again with the measured weights)
     trainer.plan_run_memory()
@@ -1065,20 +1225,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
     stage = run.stage("train", config=trainer.cfg.to_dict(), inputs=inputs, seeds={"seed": trainer.cfg.seed}) \
         if ctx.is_main else follower_stage("train")
     with stage as rec, GracefulStop(trainer.cfg.sigterm_grace_s, can_abandon=not ctx.enabled) as stop:
-        if start_from is not None and ctx.is_main:
-            ckpt, state = start_from
-            if resume_from is not None:  # under the run lock: later checkpoints, rollouts, metrics lines set aside
-                with stop.deferred():  # all of it or (before it starts) none of it
-                    rec.extra["resume_from"] = set_aside_after(run, int(state["step"]), trainer.metrics_path,
-                                                               trainer.rollouts_dir)
-            rec.outputs = _checkpoint_outputs(run, trainer, ckpt)  # what the run stands on until its next save
-            run.save(rec)
-        with ctx.agree("setup"):  # a failure on any rank stops every rank with one clear line
-            try:
-                trainer.setup()
-            except torch.cuda.OutOfMemoryError as exc:
-                raise QerlError("out of GPU memory while loading the model: lower --gpu-memory-utilization") from exc
-            start = (trainer.resume(*start_from) if start_from is not None else trainer.resume()) if resume else 0
+        start = _start(run, trainer, rec, stop, start_from, resume, resume_from)
         if ctx.is_main and trainer.memory_plan is not None:
             rec.extra.update(memory_plan=trainer.memory_plan.to_dict(), resolved=trainer.settings.to_dict())
         if ctx.is_main and preset is not None:
@@ -1123,6 +1270,11 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
                 # half-updated state is never written); the last checkpoint is what --resume continues from
                 stopped = abandoned = True
                 break
+            except NonFiniteLoss:  # the record names the checkpoint that stays the newest (the stop waited for it)
+                newest = checkpointing.latest_step(run)
+                if newest is not None and ctx.is_main:
+                    rec.outputs = _checkpoint_outputs(run, trainer, checkpointing.checkpoint_path(run, newest))
+                raise
             except torch.cuda.OutOfMemoryError as exc:
                 raise QerlError(
                     f"out of GPU memory at step {trainer.step + 1}: lower --batch-prompts, "

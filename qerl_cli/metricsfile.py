@@ -1,0 +1,64 @@
+"""`train/metrics.jsonl`: one JSON object per training step, appended as each step ends. The one writer and the one
+reader, shared by the trainer (`--resume` drops the lines after its checkpoint, `--resume-from` sets them aside)
+and `qerl report` (the curves).
+
+A process killed while appending leaves a torn last line (no newline, not JSON): the reader skips it, since the
+step it belonged to was never checkpointed and is recomputed on resume. Any other line that is not a metrics
+record is damage nothing should silently drop or rewrite: it is refused in one line naming the file and the line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.errors import QerlError
+from qerl_cli.manifest import atomic_write_text, jsonable, write_errors
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return row if isinstance(step, int | float) and not isinstance(step, bool) else None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file in file order ([] when there is none); a torn last line is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise QerlError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    lines = text.splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        row = _record(line)
+        if row is not None:
+            rows.append(row)
+        elif i < len(lines) - 1 or text.endswith("\n"):  # a whole line, so not the torn end of an append
+            raise QerlError(f"{path} line {i + 1} is not a metrics record (a JSON object with a step): remove or "
+                            "repair that line, or move the file aside, and run the command again")
+    return rows
+
+
+def append_metrics(path: Path, metrics: dict[str, Any]) -> None:
+    """Append one step's record (NaN/inf written as null: strict JSON has neither)."""
+    path = Path(path)
+    with write_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(jsonable(metrics)) + "\n")
+            f.flush()
+
+
+def write_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace the file with ``rows`` (atomically: a reader sees the old file or the whole new one)."""
+    atomic_write_text(Path(path), "".join(json.dumps(jsonable(r)) + "\n" for r in rows))
