@@ -558,6 +558,12 @@ def _launch(kernel, grid, args: tuple, decode: int | None, **meta) -> None:  # n
         kernel[grid](*args, DECODE=DECODE_ARITH, **meta)
 
 
+# What the grouped expert GEMM (moe.py) shares with these kernels: the checkpoint-order tile decoder and the launch
+# with its inline-asm fallback.
+fp4_tile = _fp4_tile
+launch_fp4 = _launch
+
+
 def _launch_args(fmt: str, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
                  shift: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, float]:
     nv = fmt == "nvfp4"

@@ -171,6 +171,7 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
 
+    experts = _adopt_experts(model, config, state, fmt, dtype, device, group_size, act_quant)
     quantized = spec.quantized_layers(state)
     for name in sorted(quantized):
         linear = model.get_submodule(name)
@@ -186,7 +187,8 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
     missing, unexpected = model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
                                                  for k, v in state.items()}, strict=False, assign=True)
     tied = getattr(config, "tie_word_embeddings", False)
-    missing = [m for m in missing if not (tied and m == "lm_head.weight") and m.rsplit(".", 1)[0] not in quantized]
+    missing = [m for m in missing if not (tied and m == "lm_head.weight") and m.rsplit(".", 1)[0] not in quantized
+               and m.rsplit(".", 1)[0] not in experts]
     if unexpected or missing:
         raise QerlError(
             f"checkpoint {directory} does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]}): "
@@ -199,6 +201,23 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
     model.eval()
     model.qerl_format = fmt
     return model
+
+
+def _adopt_experts(model: nn.Module, config: Any, state: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype,
+                   device: str | torch.device, group_size: int | None, act_quant: str | None) -> set[str]:
+    """A MoE model's sparse layers become qerl's (``moe.MoeBlock``), their experts taken out of ``state``; the
+    names of the experts modules (their tensors are in place, not missing)."""
+    from qerl_cli import moe
+
+    if not moe.is_moe_config(config):
+        return set()
+
+    def make(name: str, block: nn.Module) -> nn.Module:
+        experts = moe.experts_from_checkpoint(state, f"{name}.experts", config, fmt, dtype, group_size, act_quant)
+        experts.cache_dequantized = torch.device(device).type == "cpu"  # as QuantLinear on CPU
+        return experts
+
+    return set(moe.adopt(model, make))
 
 
 def _materialize_meta_buffers(model: nn.Module, config: Any, device: str | torch.device) -> None:

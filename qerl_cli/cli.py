@@ -325,7 +325,8 @@ def bench_kernels(
 @bench_app.command("rollout", short_help="Rollout tokens/s, TTFT and memory per format and batch.")
 def bench_rollout(
     run: Annotated[Path | None, Opt("--run", help="Use the run's quantized model.")] = None,
-    shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|qwen2.5-14b|qwen2.5-32b")] = None,
+    shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|qwen2.5-14b|qwen2.5-32b; "
+                                                  "MoE: tiny-moe|qwen3-30b-a3b")] = None,
     formats: Annotated[str, Opt(help="Comma-separated formats (with --shape).")] = "bf16,nvfp4,mxfp4,int8,fp8,nf4",
     batches: Annotated[str | None, Opt(help="Comma-separated batch sizes (default 1,8,64,256; 1,8 on CPU).")] = None,
     prompt_len: int = 256,
@@ -398,7 +399,8 @@ SetOpt = Annotated[list[str] | None, Opt("--set", metavar="KEY=VALUE", help="Tra
 @bench_app.command("step", short_help="One RL step, phase by phase, per format vs BF16-LoRA.")
 def bench_step(
     run: Annotated[Path | None, Opt("--run", help="Use the run's model, task and reward.")] = None,
-    shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|14b|32b|72b")] = None,
+    shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|14b|32b|72b; MoE: "
+                                                  "tiny-moe|qwen3-30b-a3b")] = None,
     formats: Annotated[str | None, Opt(help="Comma-separated: bf16,nvfp4,nf4 (mxfp4,int8,fp8 too); "
                                              "default bf16,nvfp4,nf4 with --shape, the run's with --run.")] = None,
     set_: SetOpt = None,

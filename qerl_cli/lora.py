@@ -7,6 +7,11 @@ stay peft's). Both run the common case (one active adapter, no live dropout) thr
 rest through the general forward. The adapter weights stay in fp32 (the master copy), so bf16/fp16 training
 updates fp32 parameters. Parameter names are peft's, so adapters save and load in the standard peft format
 (loadable by peft and by vLLM's LoRA loader).
+
+Mixture-of-experts layers (`qerl_cli.moe.MoeExperts`): the MLP targets (gate/up/down) become peft's parameter
+targets `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, and `ParamWrapper` (peft's own class for LoRA on a
+stacked expert parameter, computing inside qerl's grouped experts instead of on a dense weight) holds the factors
+exactly as peft lays them out on transformers' fused experts, so the saved adapter is the one peft makes there.
 """
 
 from __future__ import annotations
@@ -20,13 +25,17 @@ import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.lora.layer import LoraLayer
+from peft.tuners.lora.layer import ParamWrapper as PeftParamWrapper
 from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.lora_linear import FastLoraForward
+from qerl_cli.moe import CHECKPOINT_PARTS, PROJECTIONS, LoraFactors, MoeExperts
 from qerl_cli.qlinear import QuantLinear
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the module targets that put a LoRA on a stacked expert projection (gate and up are one fused projection)
+EXPERT_TARGETS = {"gate_up_proj": ("gate_proj", "up_proj", "gate_up_proj"), "down_proj": ("down_proj",)}
 
 
 class QuantLoraLinear(FastLoraForward, nn.Module, LoraLayer):
@@ -112,6 +121,92 @@ class DenseLoraLinear(FastLoraForward, PeftLoraLinear):
 CUSTOM_LAYERS: dict[type, type] = {QuantLinear: QuantLoraLinear, PlainLinear: DenseLoraLinear}
 
 
+class ParamWrapper(PeftParamWrapper):
+    """peft's LoRA on one stacked projection of qerl's `MoeExperts` (``gate_up_proj`` or ``down_proj``).
+
+    The factors are peft's for a 3-D expert parameter: ``lora_A`` [r*E, K] (expert e's rows e*r..e*r+r-1) and
+    ``lora_B`` [N, r*E] (expert e's columns e, E+e, 2E+e, ...), kept in fp32; the forward hands them, as views
+    [E, r, K] and [E, N, r], to the experts' grouped computation instead of adding B@A to a dense weight (there is
+    none). The class keeps peft's name: peft recognises the wrappers it nests around one module (one per targeted
+    parameter, the first-registered innermost) by that name."""
+
+    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+        experts = self.get_base_layer()
+        e, n, k = experts.projection_shape(self.parameter_name)
+        self.num_experts = e
+        self._param_ndim = 3
+        return n, k  # peft reads a 3-D parameter as (experts, dim 1, dim 2) and swaps them into (in K, out N)
+
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: torch.device | None = None) -> None:
+        target = device or self.get_param().device  # the fp32 master copy moves, never to the packed dtype
+        for layer_name in self.adapter_layer_names:
+            layer = getattr(self, layer_name)
+            if adapter_name in layer:
+                layer[adapter_name].to(target)
+
+    def merge(self, *args: Any, **kwargs: Any) -> None:
+        raise QerlError("LoRA cannot be merged into packed quantized experts; keep the adapter separate")
+
+    def unmerge(self) -> None:
+        return None
+
+    def factors(self) -> dict[str, LoraFactors]:
+        """The active adapter of this wrapper and of the wrappers it nests, per projection."""
+        out: dict[str, LoraFactors] = {}
+        m: nn.Module = self
+        while isinstance(m, ParamWrapper):
+            names = [] if m.disable_adapters else [a for a in m.active_adapters if a in m.lora_A]
+            if len(names) > 1:
+                raise QerlError("qerl's experts run one active LoRA adapter at a time")
+            if names:
+                a, b, e = m.lora_A[names[0]].weight, m.lora_B[names[0]].weight, m.num_experts
+                out[m.parameter_name] = LoraFactors(a.view(e, -1, a.shape[1]),
+                                                    b.view(b.shape[0], -1, e).permute(2, 0, 1),
+                                                    float(m.scaling[names[0]]))
+            m = m.base_layer
+        return out
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.get_base_layer()(hidden, top_k_index, top_k_weights, lora=self.factors())
+
+
+CUSTOM_LAYERS[MoeExperts] = ParamWrapper
+
+
+def expert_parameters(model: nn.Module, targets: list[str] | tuple[str, ...]) -> list[str]:
+    """peft ``target_parameters`` for the MLP ``targets`` of a model with qerl experts (empty for a dense model)."""
+    if not any(isinstance(m, MoeExperts) for m in model.modules()):
+        return []
+    return [f"mlp.experts.{p}" for p in PROJECTIONS if any(t in EXPERT_TARGETS[p] for t in targets)]
+
+
+def per_expert_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """An adapter's stacked expert factors (peft-named ``tensors`` of ``model``) as one LoRA per expert and checkpoint
+    linear, ``<layer>.mlp.experts.<e>.{gate,up,down}_proj.lora_A|B.weight``: the layout of adapters trained on
+    per-expert modules, which vLLM's fused-MoE LoRA reads. Exact: expert e's gate and up share its A, each takes its
+    rows of B, same rank and scaling. Returns (tensors, the module names now targeted)."""
+    out = dict(tensors)
+    targets: set[str] = set()
+    for name, m in model.named_modules():
+        if not isinstance(m, ParamWrapper) or f"{name}.lora_A.weight" not in out:
+            continue
+        a, b = out.pop(f"{name}.lora_A.weight"), out.pop(f"{name}.lora_B.weight")
+        e = m.num_experts
+        a, b = a.view(e, -1, a.shape[1]), b.view(b.shape[0], -1, e).permute(2, 0, 1)
+        prefix = name
+        while prefix.endswith(".base_layer"):
+            prefix = prefix.removesuffix(".base_layer")
+        parts = CHECKPOINT_PARTS[m.parameter_name]
+        rows = b.shape[1] // len(parts)
+        for i in range(e):
+            for j, part in enumerate(parts):
+                out[f"{prefix}.{i}.{part}.lora_A.weight"] = a[i].clone()
+                out[f"{prefix}.{i}.{part}.lora_B.weight"] = b[i, j * rows:(j + 1) * rows].clone()
+        targets.update(parts)
+    return out, targets
+
+
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's tensors under their ``model.state_dict()`` names, without calling ``state_dict()``.
 
@@ -134,6 +229,17 @@ def attach_lora(model: nn.Module, config: LoraConfig, seed: int | None = None) -
     """Wrap `model` with fresh adapters; only the adapters are trainable afterwards."""
     for p in model.parameters():
         p.requires_grad_(False)
+    targets = list(config.target_modules or ())
+    experts = expert_parameters(model, targets)
+    if experts:
+        if config.lora_dropout:
+            raise QerlError("LoRA on mixture-of-experts layers takes no dropout (peft's parameter LoRA cannot apply "
+                            "it): use --lora-dropout 0")
+        # named as parameters, the MLP targets keep the rank asked for (peft would otherwise map gate and up to the
+        # fused parameter at twice the rank, its conversion of transformers v4 adapters)
+        mlp = {t for names in EXPERT_TARGETS.values() for t in names}
+        config.target_modules = [t for t in targets if t not in mlp] or None
+        config.target_parameters = experts
     if seed is not None:
         torch.manual_seed(seed)
     try:
@@ -175,19 +281,34 @@ def check_adapter_matches(model: nn.Module, adapter_dir: Path) -> None:
     if not files:
         raise QerlError(f"{adapter_dir} has no adapter_model.safetensors")
     modules = dict(model.named_modules())
+    params = json.loads((adapter_dir / "adapter_config.json").read_text()).get("target_parameters") or []
     with safe_open(str(files[0]), framework="pt") as f:
         for key in f.keys():
-            # base_model.model.<module>.lora_A.weight
+            # base_model.model.<module>.lora_A.weight (a parameter target: <module>[.base_layer...].lora_A.weight)
             name = key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+            depth = 0
+            while name.endswith(".base_layer") and name not in modules:
+                name, depth = name.removesuffix(".base_layer"), depth + 1
             mod = modules.get(name)
             if mod is None:
                 raise QerlError(f"adapter {adapter_dir} targets {name}, which this base model does not have")
             shape = f.get_slice(key).get_shape()
-            in_f = getattr(mod, "in_features", None)
-            out_f = getattr(mod, "out_features", None)
+            in_f, out_f = _features(mod, params, depth)
             if (".lora_A." in key and shape[1] != in_f) or (".lora_B." in key and shape[0] != out_f):
                 raise QerlError(f"adapter {adapter_dir} was made for another base model: {key} has shape {shape}, "
                                 f"the base layer is {in_f}->{out_f}")
+
+
+def _features(mod: nn.Module, target_parameters: list[str], depth: int) -> tuple[int | None, int | None]:
+    """(in, out) features of a module an adapter key names; for experts, of the projection of the wrapper ``depth``
+    levels in (peft nests one wrapper per targeted parameter, the first-registered innermost)."""
+    if not isinstance(mod, MoeExperts):
+        return getattr(mod, "in_features", None), getattr(mod, "out_features", None)
+    targeted = [p for p in PROJECTIONS if any(t.endswith(p) for t in target_parameters)]
+    if depth >= len(targeted):
+        return None, None
+    _, n, k = mod.projection_shape(targeted[len(targeted) - 1 - depth])
+    return k, n
 
 
 def adapter_hash(adapter_dir: Path) -> str:
@@ -199,4 +320,4 @@ def adapter_hash(adapter_dir: Path) -> str:
 def adapter_summary(adapter_dir: Path) -> dict[str, Any]:
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     return {"r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "target_modules": cfg.get("target_modules"),
-            "sha256": adapter_hash(adapter_dir)}
+            "target_parameters": cfg.get("target_parameters"), "sha256": adapter_hash(adapter_dir)}

@@ -133,7 +133,7 @@ def quantize_model(
         if loaded is None and notice is not None and (line := conversion_notice(src)):
             notice(line)
         hf_model, tokenizer = loaded if loaded is not None else load_model(src, dtype=torch.float32)
-        targets, skipped = target_linears(hf_model, ignore)
+        targets, skipped, experts = quantize_targets(hf_model, ignore, spec, method)
         if not targets:
             raise QerlError(f"no Linear layer left to quantize after --ignore {ignore}")
         _check_shapes(spec, targets)
@@ -164,8 +164,9 @@ def quantize_model(
             if linear.bias is not None:
                 state[f"{name}.bias"] = linear.bias.detach().to(out_dtype)
         quantized_weights = {f"{n}.weight" for n in targets}
+        state.update({k: v.to(out_dtype) for k, v in experts.plain.items()})
         for k, v in hf_model.state_dict().items():
-            if k in quantized_weights or k in state:
+            if k in quantized_weights or k in state or k.startswith(experts.prefixes):
                 continue
             if k == "lm_head.weight" and hf_model.config.tie_word_embeddings:
                 continue
@@ -182,6 +183,61 @@ def quantize_model(
         if trained is not None:
             rec.extra["replaced_train"] = result.replaced_train = move_train_aside(run, trained)
     return result
+
+
+@dataclass
+class ExpertLinears:
+    """A MoE model's experts as the per-expert linears of its checkpoint (views of the stacked weights)."""
+
+    targets: dict[str, torch.nn.Linear] = field(default_factory=dict)  # to quantize
+    plain: dict[str, torch.Tensor] = field(default_factory=dict)  # ignored experts, written unquantized
+    skipped: list[str] = field(default_factory=list)  # left unquantized: the routers, ignored experts
+    prefixes: tuple[str, ...] = ()  # the experts modules, whose own state-dict entries are replaced by these
+
+
+def quantize_targets(model: torch.nn.Module, ignore: list[str], spec: WeightFormat,
+                     method: str) -> tuple[dict[str, torch.nn.Module], list[str], ExpertLinears]:
+    """The linears to quantize (a MoE model's experts as per-expert linears among them), the names left
+    unquantized, and the experts' part of both."""
+    targets, skipped = target_linears(model, ignore)
+    experts = expert_linears(model, ignore, spec, method)
+    return {**targets, **experts.targets}, skipped + experts.skipped, experts
+
+
+def expert_linears(model: torch.nn.Module, ignore: list[str], spec: WeightFormat, method: str) -> ExpertLinears:
+    """Every expert projection of a MoE model as `<layer>.mlp.experts.<e>.{gate,up,down}_proj` (the names
+    llm-compressor writes and vLLM loads); the routers (`mlp.gate`) stay in the model dtype. Empty for a dense model."""
+    from qerl_cli.checkpoint import matches
+    from qerl_cli.moe import CHECKPOINT_PARTS, check_moe_config, dense_experts, is_moe_config, sparse_layers
+
+    out = ExpertLinears()
+    if not is_moe_config(getattr(model, "config", None)):
+        return out
+    check_moe_config(model.config)
+    if method != "rtn":
+        raise QerlError(f"--method {method} does not quantize mixture-of-experts models here: use --method rtn")
+    if spec.quantized and spec.ct_format is None:
+        raise QerlError(f"{spec.name} has no mixture-of-experts layout that vLLM or transformers reads: choose a "
+                        "compressed-tensors format (nvfp4, mxfp4, int4, int8, fp8) or bf16")
+    for layer, block in sparse_layers(model):
+        out.skipped.append(f"{layer}.gate")
+        out.prefixes += (f"{layer}.experts.",)
+        stacks = dense_experts(block.experts)
+        linears = {f"{layer}.experts.{e}.{part}": view for proj, parts in CHECKPOINT_PARTS.items()
+                   for e, w in enumerate(stacks[proj]) for part, view in zip(parts, w.chunk(len(parts)), strict=True)}
+        ignored = [n for n in linears if matches(n, ignore)]
+        if ignored and len(ignored) < len(linears):  # one layer's experts are one stack in one format
+            raise QerlError(f"--ignore leaves {ignored[0]} unquantized but not all of {layer}'s experts: ignore all "
+                            r"experts (--ignore 're:.*mlp\.experts\..*') or none")
+        for name, view in linears.items():
+            if ignored:
+                out.skipped.append(name)
+                out.plain[f"{name}.weight"] = view
+                continue
+            lin = torch.nn.Linear(view.shape[1], view.shape[0], bias=False, device="meta")
+            lin.weight = torch.nn.Parameter(view, requires_grad=False)
+            out.targets[name] = lin
+    return out
 
 
 @contextlib.contextmanager

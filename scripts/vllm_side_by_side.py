@@ -25,6 +25,12 @@ its fingerprint matches). Time: builtin cells start only while the rest of the d
 start-up (``--vllm-startup-s``) and vLLM's turn at the cells run so far; vLLM runs the cells the builtin
 engine ran, so every cell that ran is a pair.
 
+A mixture-of-experts shape (``--shape qwen3-30b-a3b``) is written the way ``qerl quantize`` writes MoE checkpoints
+(per-expert tensors, routers unquantized) and served by vLLM's compressed-tensors MoE method; the adapter on the
+experts reaches vLLM as one LoRA per expert and projection (``qerl_cli.lora.per_expert_adapter``), the layout its
+fused-MoE LoRA reads. ``--lora-targets q_proj,k_proj,v_proj,o_proj`` keeps the LoRA off the experts (for a vLLM that
+serves no LoRA on them).
+
 Writes OUT_DIR/side_by_side.json (after every cell, so a deadline keeps what ran) and prints a table last.
 """
 
@@ -84,8 +90,8 @@ def write_checkpoint(model: torch.nn.Module, out: Path, key: dict[str, Any]) -> 
 
 
 def builtin_memory_fraction(model: torch.nn.Module, batch: int, max_len: int, lora_rank: int,
-                            total: int | None = None, in_use: int | None = None,
-                            allocated: int | None = None) -> tuple[float, dict[str, Any]]:
+                            total: int | None = None, in_use: int | None = None, allocated: int | None = None,
+                            targets: list[str] | None = None) -> tuple[float, dict[str, Any]]:
     """``gpu_memory_utilization`` for one builtin cell's engine, and the numbers it came from (bytes).
 
     The builtin engine sizes its cache as ``utilization x total - in use - activation reserve`` (``kv_budget``),
@@ -123,7 +129,7 @@ def builtin_memory_fraction(model: torch.nn.Module, batch: int, max_len: int, lo
     plan = {
         "total": total, "in_use": in_use,
         "kernel_derived_pending": max(0, derived - made),
-        "lora_shadows": dims.shadow_elems(lora_rank, TARGETS) * elem if lora_rank else 0,
+        "lora_shadows": dims.shadow_elems(lora_rank, targets or TARGETS) * elem if lora_rank else 0,
         "activation_reserve": rollout_reserve(dims, elem, batch, ENGINE_PREFILL_TOKENS),
         "kv_cache": batch * cache_len * dims.kv_bytes_per_token(elem),
         "slack": GIB + total // 20,  # memory_plan.plan_memory's reserve
@@ -224,6 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256, help="new tokens of the fixed and eos cells")
     ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--lora-targets", default=",".join(TARGETS), help="comma-separated projections the LoRA adapts")
     ap.add_argument("--modes", nargs="+", default=["fixed", "eos", "long"], choices=["fixed", "eos", "long", "queue"],
                     help="long: --long-tokens new tokens, fixed length, at --long-batches; queue: --queue-prompts x "
                          "--generations sequences, EOS, through the largest batch's slots")
@@ -244,6 +251,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=540.0)
     a = ap.parse_args(argv)
     a.long_batches = a.long_batches or [min(a.batches)]
+    a.lora_targets = [t for t in a.lora_targets.split(",") if t]
     a.ckpt = a.ckpt or f"/tmp/qerl_sbs_{a.shape}"
     return a
 
@@ -279,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res["build_s"] = time.perf_counter() - t
     res["write_ckpt_s"], res["ckpt_reused"] = write_checkpoint(
         base, Path(a.ckpt), {"shape": a.shape, "format": "nvfp4", "seed": 0})
-    model = attach_bench_lora(base, a.lora_rank, seed=0)
+    model = attach_bench_lora(base, a.lora_rank, seed=0, targets=a.lora_targets)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():  # larger B than the bench's 1e-3, so the log-prob check can see the adapter
         for name, p in model.named_parameters():
@@ -321,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row: dict[str, Any] = {"engine": "builtin", "batch": b, "mode": mode, "new_tokens": new_tokens[mode]}
             gmu, plan = 0.5, None  # CPU: the engine ignores the fraction
             if dev == "cuda":
-                gmu, plan = builtin_memory_fraction(model, b, cell_len, a.lora_rank)
+                gmu, plan = builtin_memory_fraction(model, b, cell_len, a.lora_rank, targets=a.lora_targets)
                 row.update(gpu_memory_utilization=gmu, memory={k: (v / GIB if isinstance(v, int) and
                                                                   not isinstance(v, bool) else v)
                                                                for k, v in plan.items()})

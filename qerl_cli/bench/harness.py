@@ -28,7 +28,7 @@ from qerl_cli.errors import QerlError
 SCHEMA = 1
 SKIPPED_BUDGET = "skipped (time budget)"
 # Shapes small enough to build and run on a CPU (the others need a CUDA GPU).
-CPU_SHAPES = ("tiny", "qwen2.5-0.5b")
+CPU_SHAPES = ("tiny", "tiny-moe", "qwen2.5-0.5b")
 
 Log = Callable[[str], None]
 

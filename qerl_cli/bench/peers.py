@@ -68,6 +68,9 @@ def write_shape_checkpoint(model: nn.Module, out: Path, fmt: str) -> float:
         state.pop("lm_head.weight", None)
     save_tensors(state, out)
     _, skipped = target_linears(model, ["lm_head"])
+    from qerl_cli.moe import sparse_layers
+
+    skipped += [f"{name}.gate" for name, _ in sparse_layers(model)]  # the routers stay in the model dtype
     write_config(model, out, fmt, skipped or ["lm_head"], None, torch.bfloat16)
     eos = getattr(model.config, "eos_token_id", None)
     word_tokenizer(int(model.config.vocab_size), out, eos if isinstance(eos, int) else None)

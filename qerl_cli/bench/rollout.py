@@ -66,6 +66,8 @@ TARGETS = (
     ("nvfp4", 64, 50.0, 1.8),
     ("nvfp4", 256, None, 1.3),
 )
+# a shape with targets of its own (the mixture of experts' decode at batch 64; its vLLM target is the side by side's)
+SHAPE_TARGETS = {"qwen3-30b-a3b": (("nvfp4", 64, None, 1.5),)}
 # LoRA's share of the decode step (adapters on vs off, same format and batch) must stay under this
 LORA_MAX_SHARE = 10.0
 LORA_TARGET_BATCHES = (8, 64)
@@ -135,13 +137,14 @@ def _check_args(shape: str | None, run_dir: Path | None, formats: Iterable[str],
 
 
 # ---- model ---------------------------------------------------------------------------------------
-def attach_bench_lora(model: nn.Module, rank: int, seed: int) -> nn.Module:
-    """LoRA on every decoder linear with B ~ N(0, 1e-3): nonzero, so both adapter GEMMs really run."""
+def attach_bench_lora(model: nn.Module, rank: int, seed: int, targets: list[str] | None = None) -> nn.Module:
+    """LoRA on every decoder linear (or ``targets``) with B ~ N(0, 1e-3): nonzero, so both adapter GEMMs really
+    run (a mixture of experts: on every expert's projections too)."""
     if rank == 0:
         return model
     from qerl_cli.lora import attach_lora, make_lora_config
 
-    peft_model = attach_lora(model, make_lora_config(rank=rank), seed=seed)
+    peft_model = attach_lora(model, make_lora_config(rank=rank, targets=targets), seed=seed)
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -155,13 +158,17 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
     a step gathers B rows of it) and LoRA factors; plus what is resident now (parameters, buffers and any
     repacked FP4 copies the kernels have made: those appear at the first CUDA forward, so a model
     measured right after it is built shows none of them)."""
+    from qerl_cli.moe import MoeExperts
     from qerl_cli.qlinear import QuantLinear
 
-    weights = lora = lora_numel = 0
+    weights = lora = lora_numel = experts = expert_lora_numel = 0
     seen: set[int] = set()
     for name, m in model.named_modules():
-        if isinstance(m, QuantLinear):
-            weights += m.weight_nbytes + (0 if m.bias is None else m.bias.numel() * m.bias.element_size())
+        if isinstance(m, QuantLinear | MoeExperts):
+            weights += m.weight_nbytes if isinstance(m, QuantLinear) else 0
+            experts += m.weight_nbytes if isinstance(m, MoeExperts) else 0
+            if getattr(m, "bias", None) is not None:
+                weights += m.bias.numel() * m.bias.element_size()
             continue
         if isinstance(m, nn.Embedding):
             continue
@@ -172,6 +179,7 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
             if "lora_" in name:
                 lora += p.numel() * p.element_size()
                 lora_numel += p.numel()
+                expert_lora_numel += p.numel() if ".experts." in f".{name}." else 0
             else:
                 weights += p.numel() * p.element_size()
     resident = 0
@@ -185,8 +193,19 @@ def model_bytes(model: nn.Module) -> dict[str, int]:
         # the FP4 repack is made in place (qerl_kernels): count it only if it is a separate copy
         if isinstance(rep, torch.Tensor) and rep.untyped_storage().data_ptr() not in storages:
             resident += rep.numel() * rep.element_size()
-    # the decode step reads the adapters from model-dtype (bf16) shadows, not the fp32 masters
-    return {"weights": weights, "lora": lora, "lora_step": lora_numel * 2, "resident": resident}
+    # the decode step reads the adapters from model-dtype (bf16) shadows, not the fp32 masters; of a mixture of experts
+    # the experts (and their adapters' copies) are apart: a step reads those of the experts its tokens are routed to
+    return {"weights": weights, "lora": lora, "lora_step": (lora_numel - expert_lora_numel) * 2, "resident": resident,
+            "experts": experts, "expert_lora_step": expert_lora_numel * 2}
+
+
+def active_expert_share(config: Any, tokens: int) -> float:
+    """The share of a layer's experts one decode step over ``tokens`` sequences reads, routing uniform at random
+    (``moe.MoeDims.active_experts``); 1.0 for a dense model."""
+    from qerl_cli.moe import MoeDims
+
+    dims = MoeDims.from_config(config)
+    return 1.0 if dims is None else dims.active_experts(tokens) / dims.experts
 
 
 def _estimate_gib(spec: Any, fmt: str, batch: int, max_len: int, lora_rank: int) -> float:
@@ -194,7 +213,7 @@ def _estimate_gib(spec: Any, fmt: str, batch: int, max_len: int, lora_rank: int)
     f = get_format(fmt)  # stored bytes + what the kernels keep resident besides them
     per_w = f.bytes_per_weight + f.resident_extra_bytes
     emb = spec.vocab * spec.hidden * 2 * (1 if spec.tie_embeddings else 2)
-    lora = spec.layers * sum(n + k for _, n, k in spec.linear_shapes()) * lora_rank * 4
+    lora = spec.layers * sum(c * (n + k) for _, n, k, c in spec.linear_counts()) * lora_rank * 4
     kv = batch * max_len * spec.kv_bytes_per_token()
     return (spec.linear_params() * per_w + emb + lora + kv) / 2**30
 
@@ -326,15 +345,17 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
 
 
 def _roofline(cell: dict[str, Any], *, batch: int, bytes_: dict[str, int], kv_per_token: int, prompt_len: int,
-              bw_gbps: float | None) -> None:
-    """Fill roofline fields for a fixed-length cell (None off CUDA or for EOS-terminated cells)."""
+              bw_gbps: float | None, expert_share: float = 1.0) -> None:
+    """Fill roofline fields for a fixed-length cell (None off CUDA or for EOS-terminated cells). ``expert_share``:
+    the share of the experts (and their adapters) a step reads (``active_expert_share``)."""
     cell["roofline_tok_s"] = cell["pct_roofline"] = cell["step_bytes"] = None
     if bw_gbps is None or cell.get("status") != "ok" or cell.get("mode") != "fixed" or cell.get("sequences",
                                                                                             batch) != batch:
         return
     mean_ctx = prompt_len + cell["mean_new_tokens"] / 2
     lora = 0 if cell.get("lora") == "off" else bytes_.get("lora_step", bytes_["lora"])
-    step_bytes = bytes_["weights"] + lora + batch * kv_per_token * mean_ctx
+    lora += 0 if cell.get("lora") == "off" else bytes_.get("expert_lora_step", 0) * expert_share
+    step_bytes = bytes_["weights"] + bytes_.get("experts", 0) * expert_share + lora + batch * kv_per_token * mean_ctx
     roof = batch * bw_gbps * 1e9 / step_bytes
     cell["step_bytes"] = step_bytes
     cell["roofline_tok_s"] = roof
@@ -346,7 +367,7 @@ def _evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     rows = {(c["format"], c["batch"]): c for c in res["results"]
             if c["mode"] == "fixed" and c.get("lora", "on") != "off" and c.get("sequences", c["batch"]) == c["batch"]}
     out: list[dict[str, Any]] = []
-    for fmt, batch, min_pct, min_speedup in TARGETS:
+    for fmt, batch, min_pct, min_speedup in SHAPE_TARGETS.get(res.get("shape") or "", TARGETS):
         c = rows.get((fmt, batch))
         if c is None or c["status"] != "ok":
             continue
@@ -593,6 +614,7 @@ class _Model:
             "backend": self.backend,
             "build_s": self.build_s,
             "weight_bytes": self.nbytes["weights"],
+            "expert_bytes": self.nbytes["experts"],
             "lora_bytes": self.nbytes["lora"],
             "resident_gib": self.nbytes["resident"] / 2**30,
             "kv_bytes_per_token": self.kv_per_token,
@@ -730,14 +752,16 @@ def _bench_format(res: dict[str, Any], fmt: str, batches: list[int], work: _Work
         log(f"{fmt}: model build failed: {status}")
         return rows + _rows(fmt, backend, fitting, work, status)
     res["models"][fmt] = loaded.info(work.device)
+    experts = loaded.nbytes["experts"]
+    routed = f" + the routed share of {experts / 2**30:.2f} GiB of experts" if experts else ""
     log(f"{fmt}: model ready in {loaded.build_s:.1f}s ({backend}; step reads "
-        f"{loaded.nbytes['weights'] / 2**30:.2f} GiB weights + {loaded.nbytes['lora'] / 2**30:.2f} GiB LoRA)")
+        f"{loaded.nbytes['weights'] / 2**30:.2f} GiB weights + {loaded.nbytes['lora'] / 2**30:.2f} GiB LoRA{routed})")
     cells = [harness.Cell({"format": fmt, "backend": backend, "batch": b, "mode": mode, "lora": work.lora_label(lora)},
                           partial(_measure, loaded, work, b, mode, lora),
                           f"{fmt} batch {b} {mode} LoRA {work.lora_label(lora)}")
              for b in fitting for mode in work.modes for lora in work.lora_modes]
 
-    nbytes, kv_per_token = loaded.nbytes, loaded.kv_per_token
+    nbytes, kv_per_token, model_config = loaded.nbytes, loaded.kv_per_token, loaded.model.config
 
     def key(cell: harness.Cell) -> tuple[int, str, str]:
         return cell.key["batch"], cell.key["mode"], cell.key["lora"]
@@ -748,7 +772,8 @@ def _bench_format(res: dict[str, Any], fmt: str, batches: list[int], work: _Work
             return
         cell_times[key(cell)] = cell.seconds or 0.0
         _roofline(row, batch=row["batch"], bytes_=nbytes, kv_per_token=kv_per_token,
-                  prompt_len=work.prompt_len, bw_gbps=work.copy_GBps)
+                  prompt_len=work.prompt_len, bw_gbps=work.copy_GBps,
+                  expert_share=active_expert_share(model_config, row["batch"]))
         _log_cell(log, cell, row)
 
     rows += harness.run_cells(cells, budget=budget, oom="OOM/skipped", guess=lambda c: cell_times.get(key(c), 0.0),

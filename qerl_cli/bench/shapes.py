@@ -7,8 +7,10 @@ before the next layer. The whole model never exists in bf16 unless bf16 is the f
 32B model in NVFP4 can be built on one 80 GB GPU without a download.
 
 What stays bf16, as ``qerl quantize`` leaves it: embeddings, ``lm_head`` (ignored by default), norms,
-biases. Weights are N(0, 0.02) (the usual initializer range of these configs), norms 1; q/k/v and
-gate/up share one NVFP4 global scale, as vLLM's fused GEMMs need and ``qerl quantize`` writes.
+biases, the routers of a mixture of experts. Weights are N(0, 0.02) (the usual initializer range of these
+configs), norms 1; q/k/v and gate/up share one NVFP4 global scale, as vLLM's fused GEMMs need and ``qerl quantize``
+writes. A mixture-of-experts shape (``experts`` > 0, family ``qwen3_moe``) draws each layer's experts as two stacks
+``[E, 2I, H]`` and ``[E, H, I]`` and quantizes them expert by expert into qerl's ``moe.MoeExperts``.
 """
 
 from __future__ import annotations
@@ -39,38 +41,48 @@ class ModelShape:
     tie_embeddings: bool
     max_positions: int = 32768
     rope_theta: float = 1_000_000.0
+    experts: int = 0  # a mixture of experts: experts per layer (``intermediate`` is one expert's), 0: dense MLP
+    top_k: int = 0  # experts per token
+    head_size: int | None = None  # where it is not hidden / heads
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     def linear_shapes(self) -> list[tuple[str, int, int]]:
-        """(name, out N, in K) of one decoder layer's linears, as the model holds them (unfused)."""
+        """(name, out N, in K) of one decoder layer's linears, as the model holds them (unfused); of a mixture of
+        experts, one expert's projections (``linear_counts`` says how many)."""
         d, kv = self.head_dim, self.kv_heads * self.head_dim
+        mlp = "mlp.experts" if self.experts else "mlp"
         return [
             ("self_attn.q_proj", self.heads * d, self.hidden),
             ("self_attn.k_proj", kv, self.hidden),
             ("self_attn.v_proj", kv, self.hidden),
             ("self_attn.o_proj", self.hidden, self.heads * d),
-            ("mlp.gate_proj", self.intermediate, self.hidden),
-            ("mlp.up_proj", self.intermediate, self.hidden),
-            ("mlp.down_proj", self.hidden, self.intermediate),
+            (f"{mlp}.gate_proj", self.intermediate, self.hidden),
+            (f"{mlp}.up_proj", self.intermediate, self.hidden),
+            (f"{mlp}.down_proj", self.hidden, self.intermediate),
         ]
+
+    def linear_counts(self) -> list[tuple[str, int, int, int]]:
+        """(name, N, K, copies per layer): every expert holds its own MLP projections."""
+        return [(name, n, k, self.experts if self.experts and name.startswith("mlp.") else 1)
+                for name, n, k in self.linear_shapes()]
 
     def linear_params(self) -> int:
         """Weights of every decoder-layer linear (what gets quantized)."""
-        return self.layers * sum(n * k for _, n, k in self.linear_shapes())
+        return self.layers * sum(c * n * k for _, n, k, c in self.linear_counts())
 
     def kv_bytes_per_token(self, elem: int = 2) -> int:
         """K and V of one token over all layers."""
         return 2 * self.layers * self.kv_heads * self.head_dim * elem
 
     def config(self) -> Any:
-        from transformers import LlamaConfig, Qwen2Config
+        from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
         common = dict(
             hidden_size=self.hidden,
-            intermediate_size=self.intermediate,
+            intermediate_size=self.intermediate * (self.top_k or 1),
             num_hidden_layers=self.layers,
             num_attention_heads=self.heads,
             num_key_value_heads=self.kv_heads,
@@ -84,6 +96,10 @@ class ModelShape:
             cfg = Qwen2Config(**common, rope_theta=self.rope_theta, use_sliding_window=False)
         elif self.family == "llama":
             cfg = LlamaConfig(**common, rope_theta=self.rope_theta, head_dim=self.head_dim)
+        elif self.family == "qwen3_moe":
+            cfg = Qwen3MoeConfig(**common, rope_theta=self.rope_theta, head_dim=self.head_dim, num_experts=self.experts,
+                                 num_experts_per_tok=self.top_k, moe_intermediate_size=self.intermediate,
+                                 norm_topk_prob=True)
         else:
             raise QerlError(f"unknown model family {self.family!r}")
         cfg.eos_token_id = self.vocab - 1
@@ -98,6 +114,11 @@ SHAPES: dict[str, ModelShape] = {
     "qwen2.5-14b": ModelShape("qwen2.5-14b", "qwen2", 5120, 13824, 48, 40, 8, 152064, False),
     "qwen2.5-32b": ModelShape("qwen2.5-32b", "qwen2", 5120, 27648, 64, 40, 8, 152064, False),
     "qwen2.5-72b": ModelShape("qwen2.5-72b", "qwen2", 8192, 29568, 80, 64, 8, 152064, False),
+    # mixtures of experts: intermediate is one expert's (moe_intermediate_size)
+    "tiny-moe": ModelShape("tiny-moe", "qwen3_moe", 64, 32, 2, 4, 2, 256, False, max_positions=4096,
+                           rope_theta=10000.0, experts=8, top_k=2, head_size=16),
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", "qwen3_moe", 2048, 768, 48, 32, 4, 151936, False,
+                                max_positions=40960, experts=128, top_k=8, head_size=128),
 }
 
 
@@ -161,6 +182,24 @@ def _materialize_rest(model: nn.Module, config: Any, device: torch.device, dtype
         raise QerlError(f"random model left tensors on the meta device: {left[:3]}")
 
 
+def _random_experts(model: nn.Module, prefix: str, spec: ModelShape, fmt: str, device: torch.device,
+                    dtype: torch.dtype, gen: torch.Generator) -> None:
+    """Layer ``prefix``'s sparse MLP as qerl's: a random router and random experts quantized to ``fmt``."""
+    from qerl_cli.moe import MoeBlock, quantize_experts
+
+    block = model.get_submodule(f"{prefix}.mlp")
+    e, i, h = spec.experts, spec.intermediate, spec.hidden
+    gate = block.gate
+    gate.weight = nn.Parameter(torch.empty((e, h), dtype=dtype, device=device).normal_(0.0, WEIGHT_STD, generator=gen),
+                               requires_grad=False)
+    gate_up = torch.empty((e, 2 * i, h), dtype=dtype, device=device).normal_(0.0, WEIGHT_STD, generator=gen)
+    down = torch.empty((e, h, i), dtype=dtype, device=device).normal_(0.0, WEIGHT_STD, generator=gen)
+    experts = quantize_experts(gate_up, down, fmt, dtype=dtype)
+    experts.cache_dequantized = device.type == "cpu"  # as QuantLinear on CPU
+    del gate_up, down
+    set_module(model, f"{prefix}.mlp", MoeBlock(gate, experts, spec.top_k, bool(model.config.norm_topk_prob)))
+
+
 def build_random_model(shape: str | ModelShape, fmt: str, device: str | torch.device, *,
                        dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
     """A randomly initialised ``*ForCausalLM`` of ``shape`` on ``device`` with its decoder linears in ``fmt``.
@@ -195,6 +234,8 @@ def build_random_model(shape: str | ModelShape, fmt: str, device: str | torch.de
         for name, module in _quantized(fresh, fmt, dtype).items():
             set_module(model, name, module)
         del fresh  # the bf16 draws of this layer are garbage now (unless the format is bf16)
+        if spec.experts:
+            _random_experts(model, prefix, spec, fmt, device, dtype, gen)
     _materialize_rest(model, config, device, dtype, gen)
     model.eval()
     model.qerl_format = fmt

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.moe import MoeBlock, route
 from qerl_cli.rollout.regions import region
 
 log = logging.getLogger("qerl.rollout")
@@ -287,12 +288,50 @@ def _out_features(m: nn.Module) -> int | None:
     return int(n) if isinstance(n, int) else None
 
 
+class MoePlan:
+    """A sparse MLP (``qerl_cli.moe.MoeBlock``) in the decode step: the model's router, then qerl's grouped experts
+    with every expert's LoRA read from in-dtype copies of peft's stacked factors (A as [E, r, K], scaling * B as
+    [E, N, r]), refreshed in place by ``refresh()`` like the projection shadows. No host sync: a CUDA graph holds it."""
+
+    def __init__(self, block: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        from qerl_cli.moe import LoraFactors
+
+        self.gate = block.gate
+        self.top_k, self.norm_topk_prob = int(block.top_k), bool(block.norm_topk_prob)
+        experts = block.experts
+        factors = getattr(experts, "factors", None)
+        self.masters = factors() if callable(factors) else {}  # peft's qerl_cli.lora.ParamWrapper, or none
+        self.base = experts.get_base_layer() if self.masters else experts
+        self.hidden = int(self.base.hidden)
+        self.lora = {p: LoraFactors(torch.empty(f.a.shape, dtype=dtype, device=device),
+                                    torch.empty(f.b.shape, dtype=dtype, device=device))
+                     for p, f in self.masters.items()}
+        self.refresh()
+
+    def refresh(self) -> None:
+        with torch.no_grad():
+            for p, f in self.masters.items():
+                self.lora[p].a.copy_(f.a)
+                self.lora[p].b.copy_(f.b * f.scaling)  # scaled in the fp32 master, rounded once into the copy
+
+    def shadows(self) -> list[torch.Tensor]:
+        return [t for f in self.lora.values() for t in (f.a, f.b)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.hidden)
+        with region("dense"):
+            _, weights, index = route(x2, self.gate.weight, self.top_k, self.norm_topk_prob)
+        with region("qgemm"):
+            return self.base(x2, index, weights, lora=self.lora).view(x.shape)
+
+
 @dataclass
 class LayerPlan:
     qkv: ProjGroup
     o: ProjGroup
-    gate_up: ProjGroup | None  # None: the MLP is not gate/up/down with SiLU; call layer.mlp
+    gate_up: ProjGroup | None  # None: the MLP is not gate/up/down with SiLU; call layer.mlp (or moe)
     down: ProjGroup | None
+    moe: MoePlan | None = None  # a sparse MLP
 
 
 # transformers' MLPs whose forward is exactly down(act(gate(x)) * up(x))
@@ -320,7 +359,8 @@ class FastPlan:
                 down = ProjGroup([mlp.down_proj], dtype, device, epilogue=epilogue)
             else:
                 gate_up = down = None
-            self.layers.append(LayerPlan(qkv, o, gate_up, down))
+            moe = MoePlan(mlp, dtype, device) if isinstance(mlp, MoeBlock) else None
+            self.layers.append(LayerPlan(qkv, o, gate_up, down, moe))
         self.signature = signature(layers)
 
     def groups(self) -> list[ProjGroup]:
@@ -329,13 +369,19 @@ class FastPlan:
             out += [g for g in (lp.qkv, lp.o, lp.gate_up, lp.down) if g is not None]
         return out
 
+    def moe_plans(self) -> list[MoePlan]:
+        return [lp.moe for lp in self.layers if lp.moe is not None]
+
     def refresh(self) -> None:
         for g in self.groups():
             g.refresh()
+        for m in self.moe_plans():
+            m.refresh()
 
     def fingerprint(self) -> tuple:
         """Addresses of the shadows (a captured graph reads them)."""
-        return tuple(t.data_ptr() for g in self.groups() for t in g.shadows())
+        shadows = [t for g in self.groups() for t in g.shadows()] + [t for m in self.moe_plans() for t in m.shadows()]
+        return tuple(t.data_ptr() for t in shadows)
 
 
 def signature(layers: list[nn.Module]) -> tuple:

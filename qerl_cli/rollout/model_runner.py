@@ -53,7 +53,7 @@ from qerl_cli.rollout.kv_cache import KVCache, bucket_for
 from qerl_cli.rollout.regions import region
 from qerl_cli.rollout.sampling import StepSampler
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
 _PEFT_PREFIX = "base_model.model."
 
@@ -310,6 +310,8 @@ class ModelRunner:
                     else:
                         act = self.ops.silu_mul(gate, up, mlp.act_fn)
                 delta = lp.down(act, hl)[0]
+            elif lp is not None and lp.moe is not None:
+                delta = lp.moe(x)
             elif self.ops.triton and is_silu_mlp(mlp):
                 delta = mlp.down_proj(self.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn))
             else:

@@ -42,7 +42,7 @@ REGION_CATEGORY = {
 _NAME_RULES = (
     # qerl's CUDA FP4 kernels (old and stream plans, the fix-up and activation permute) before "gemm" below
     (("_fp4_mm", "fp4_gemm_kernel", "fp4_decode_kernel", "fp4_wide_kernel", "fp4_fixup_kernel", "permute_x_kernel",
-      "_w8_mm", "fp4_dequant", "splitk_reduce", "humming", "marlin"), "quantized GEMM"),
+      "_w8_mm", "fp4_dequant", "splitk_reduce", "humming", "marlin", "_moe_grouped"), "quantized GEMM"),
     (("memcpy", "memset", "copy_kernel", "catarraybatchedcopy", "copy_"), "copies"),
     (("rmsnorm", "rope", "silu", "layer_norm", "rms_norm"), "norm/RoPE/activation"),
     (("fmha", "flash", "attention", "sdpa", "cudnn"), "attention"),

@@ -81,6 +81,23 @@ def group_bytes(g: ProjGroup, rows: int, elem: int, shrink_fused: bool, out: dic
                 _add(out, "LoRA", (sb.numel() + rows * sb.shape[1] + 2 * rows * sb.shape[0]) * elem)
 
 
+def moe_bytes(plan: Any, rows: int, elem: int, out: dict[str, float]) -> None:
+    """A sparse MLP's router (dense) and experts: only the experts the step's ``rows`` tokens are routed to are read,
+    their expected number under uniform routing (``moe.MoeDims.active_experts``), with their LoRA copies' rows."""
+    from qerl_cli.moe import MoeDims
+
+    experts = plan.base
+    e, h, i = experts.num_experts, experts.hidden, experts.intermediate
+    _add(out, "dense GEMM", module_bytes(plan.gate) + rows * (h + e) * elem)
+    active = MoeDims(e, int(plan.top_k), i).active_experts(rows) / e
+    k = int(plan.top_k)
+    base_cat = "quantized GEMM" if experts.format.quantized else "dense GEMM"
+    _add(out, base_cat, experts.weight_nbytes * active + rows * k * (2 * h + 3 * i) * elem)
+    for f in plan.lora.values():
+        r = f.a.shape[1]
+        _add(out, "LoRA", (f.a.numel() + f.b.numel()) * elem * active + rows * k * r * elem * 2)
+
+
 def decode_step_bytes(runner: ModelRunner, batch: int, context: int, kv_len: int) -> dict[str, Any]:
     """{"bytes": {category: bytes}, "attention_read_bytes": ...} for one decode step of ``batch`` rows whose
     cache holds ``context`` positions (this step writes position ``context``), SDPA over ``kv_len``."""
@@ -104,6 +121,8 @@ def decode_step_bytes(runner: ModelRunner, batch: int, context: int, kv_len: int
             if lp.gate_up is not None and lp.down is not None:
                 group_bytes(lp.gate_up, m, elem, norm_fused, out)
                 group_bytes(lp.down, m, elem, silu_fused, out)
+            elif lp.moe is not None:
+                moe_bytes(lp.moe, m, elem, out)
             else:
                 for mod in layer.mlp.modules():
                     if mod is not layer.mlp and not list(mod.children()):

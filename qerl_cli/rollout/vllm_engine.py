@@ -92,7 +92,12 @@ def lora_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[di
     tensors = {k: v.detach().to(dtype=dtype or v.dtype).clone() for k, v in state.items() if "lora_" in k}
     if not tensors:
         raise QerlError("the peft model has no LoRA tensors to push to vLLM")
+    from qerl_cli.lora import per_expert_adapter
+
+    tensors, expert_targets = per_expert_adapter(model, tensors)  # a mixture of experts: one LoRA per expert
     targets = cfg.target_modules
+    if expert_targets:
+        targets = sorted(set(targets or ()) | expert_targets)
     config = {
         "r": int(cfg.r),
         "lora_alpha": cfg.lora_alpha,

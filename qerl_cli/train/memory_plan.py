@@ -152,16 +152,19 @@ def weight_bytes(model_config: Any, fmt: str, elem: int, *, kernels: bool, store
     shapes = d.linear_shapes()
     linears = derived = extra = 0
     for name, (k, n) in shapes.items():
-        linears += linear_bytes(fmt, n, k, elem)
-        if kernels:
+        copies = d.mlp_copies(name)
+        linears += copies * linear_bytes(fmt, n, k, elem)
+        if kernels and copies == 1:  # the experts' grouped kernel reads the stored tensors as they are
             has_bias = bias and name in PROJECTION_GROUPS[0]
             derived += kernel_dispatch.derived_bytes(fmt, n, k, elem, has_bias)
             extra += kernel_dispatch.extra_copy_bytes(fmt, n, k)
     if kernels:  # the rollout's fused q/k/v and gate/up may get a peer copy of their own
-        for group in (PROJECTION_GROUPS[0], PROJECTION_GROUPS[2]):
+        for group in (PROJECTION_GROUPS[0], PROJECTION_GROUPS[2])[:1 if d.experts else 2]:
             extra += kernel_dispatch.extra_copy_bytes(fmt, sum(shapes[t][1] for t in group), shapes[group[0]][0])
+    linears += d.experts * d.hidden * elem  # the routers, kept in the model dtype
     biases = sum(shapes[t][1] for t in PROJECTION_GROUPS[0]) * elem if bias else 0
-    norms = (2 * d.hidden + (2 * d.head_dim if getattr(model_config, "model_type", "") == "qwen3" else 0)) * elem
+    qk_norms = getattr(model_config, "model_type", "") in ("qwen3", "qwen3_moe")
+    norms = (2 * d.hidden + (2 * d.head_dim if qk_norms else 0)) * elem
     embed = d.vocab * d.hidden * elem
     head = 0 if getattr(model_config, "tie_word_embeddings", False) else embed
     rotary = d.head_dim * 4  # the rotary embedding's fp32 inv_freq and original_inv_freq buffers
@@ -342,7 +345,7 @@ def _activations(dims: ModelDims, elem: int, tokens: int, gc: bool, fp32_inputs:
 def _recompute(dims: ModelDims, elem: int, tokens: int) -> int:
     """No-grad forward of one micro-batch: one layer's live intermediates (the MLP's gate/up/SiLU/product with
     a LoRA sum in flight, the residual stream, the norms' fp32 copies)."""
-    return tokens * (4 * dims.intermediate + 10 * dims.hidden) * elem
+    return tokens * (4 * dims.active_intermediate + 10 * dims.hidden + dims.moe_token_extra) * elem
 
 
 def _logprobs(dims: ModelDims, elem: int, tokens: int, completion_tokens: int, chunk: int) -> tuple[int, int]:
@@ -357,7 +360,7 @@ def rollout_reserve(dims: ModelDims, elem: int, slots: int, prefill_tokens: int 
     """The builtin engine's activation reserve for ``slots`` sequences, in bytes (its own formula)."""
     from qerl_cli.rollout.kv_cache import activation_reserve
 
-    return activation_reserve(hidden=dims.hidden, intermediate=dims.intermediate, heads=dims.heads,
+    return activation_reserve(hidden=dims.hidden, intermediate=dims.active_intermediate, heads=dims.heads,
                               kv_heads=dims.kv_heads, head_dim=dims.head_dim, layers=dims.layers, vocab=dims.vocab,
                               elem=elem, prefill_tokens=prefill_tokens, slots=slots)
 

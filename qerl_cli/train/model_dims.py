@@ -16,19 +16,41 @@ PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", 
 @dataclass(frozen=True)
 class ModelDims:
     hidden: int
-    intermediate: int
+    intermediate: int  # one MLP's (one expert's, in a mixture of experts)
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
     vocab: int
+    experts: int = 0  # mixture of experts: experts per layer, all resident (0: a dense MLP)
+    top_k: int = 0  # ... and experts per token
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelDims:
+        from qerl_cli.moe import MoeDims
+
         heads = int(cfg.num_attention_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        return cls(int(cfg.hidden_size), int(cfg.intermediate_size), int(cfg.num_hidden_layers), heads,
-                   int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim, int(cfg.vocab_size))
+        moe = MoeDims.from_config(cfg)
+        inter = moe.intermediate if moe is not None else int(cfg.intermediate_size)
+        return cls(int(cfg.hidden_size), inter, int(cfg.num_hidden_layers), heads,
+                   int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim, int(cfg.vocab_size),
+                   moe.experts if moe else 0, moe.top_k if moe else 0)
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP width one token runs through: the top-k experts' together in a mixture of experts."""
+        return self.intermediate * (self.top_k or 1)
+
+    @property
+    def moe_token_extra(self) -> int:
+        """Per token and sparse layer, besides the MLP's width: the k expert outputs before they are summed and the
+        router's logits and fp32 probabilities (in dtype elements, counted as 3 per expert)."""
+        return self.top_k * self.hidden + 3 * self.experts if self.experts else 0
+
+    def mlp_copies(self, target: str) -> int:
+        """How many of a projection each layer holds: every expert's MLP projection, one of anything else."""
+        return self.experts if self.experts and target in PROJECTION_GROUPS[2] + PROJECTION_GROUPS[3] else 1
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each projection LoRA may target."""
@@ -38,11 +60,21 @@ class ModelDims:
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     def linear_weights(self) -> int:
-        """Weights of every decoder linear (the frozen GEMMs of a forward)."""
-        return self.layers * sum(i * o for i, o in self.linear_shapes().values())
+        """Weights of every decoder linear a token runs through (the frozen GEMMs of a forward: of a mixture of
+        experts, its k experts' and the router)."""
+        active = {t: self.top_k if self.mlp_copies(t) > 1 else 1 for t in self.linear_shapes()}
+        router = self.experts * self.hidden
+        return self.layers * (sum(active[t] * i * o for t, (i, o) in self.linear_shapes().items()) + router)
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
         shapes = self.linear_shapes()
+        if self.experts:  # peft's LoRA on the stacked experts: gate and up are one fused projection
+            mlp = PROJECTION_GROUPS[2] + PROJECTION_GROUPS[3]
+            attn = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes and t not in mlp)
+            gate_up = any(t in targets for t in PROJECTION_GROUPS[2])
+            h, i = self.hidden, self.intermediate
+            experts = self.experts * rank * ((h + 2 * i if gate_up else 0) + (i + h if "down_proj" in targets else 0))
+            return self.layers * (attn + experts)
         return self.layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
 
     def shadow_elems(self, rank: int, targets: list[str]) -> int:
@@ -50,7 +82,11 @@ class ModelDims:
         the concatenated A [sum r, in] and, the group being one fused GEMM, the block-diagonal B [sum out, sum r]."""
         shapes = self.linear_shapes()
         per_layer = 0
+        if self.experts:  # the experts' copies are their factors in dtype, [E, r, K] and [E, N, r]
+            per_layer = self.lora_params(rank, [t for t in targets if self.mlp_copies(t) > 1]) // self.layers
         for group in PROJECTION_GROUPS:
+            if self.experts and self.mlp_copies(group[0]) > 1:
+                continue
             r = rank * sum(1 for t in group if t in targets)
             if r:
                 per_layer += r * shapes[group[0]][0] + r * sum(shapes[t][1] for t in group)
@@ -60,7 +96,7 @@ class ModelDims:
         return 2 * self.layers * self.kv_heads * self.head_dim * elem
 
     def act_bytes_per_token_layer(self, elem: int) -> int:
-        return (11 * self.hidden + 4 * self.intermediate) * elem
+        return (11 * self.hidden + 4 * self.active_intermediate + self.moe_token_extra) * elem
 
     def fp32_input_bytes_per_token_layer(self, rank: int, targets: list[str], elem: int) -> int:
         """What autograd keeps beyond :meth:`act_bytes_per_token_layer` when peft's own LoRA layer runs an
@@ -69,6 +105,8 @@ class ModelDims:
         is then kept by nobody. 0 in fp32, where the cast is the input itself."""
         if elem >= 4:
             return 0
+        if self.experts:  # the experts' LoRA runs in qerl's grouped computation, not peft's nn.Linear layer
+            targets = [t for t in targets if self.mlp_copies(t) == 1]
         shapes = self.linear_shapes()
         per_target = sum((4 * shapes[t][0] + 4 * rank) for t in targets if t in shapes)
         shared = sum(elem * shapes[g[0]][0] + elem * rank * sum(1 for t in g if t in targets)
@@ -77,7 +115,7 @@ class ModelDims:
 
     def grad_bytes_per_token_layer(self, elem: int) -> int:
         """Gradients in flight inside one layer's backward (the MLP's three [I] ones, the residual's two [H])."""
-        return (3 * self.intermediate + 2 * self.hidden) * elem
+        return (3 * self.active_intermediate + 2 * self.hidden + self.moe_token_extra) * elem
 
     def largest_linear(self) -> int:
         return max(i * o for i, o in self.linear_shapes().values())

@@ -40,6 +40,11 @@ _FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def check_full_precision_base(model: nn.Module, what: str) -> None:
     """FlashRL modes train full-precision weights: refuse a run dir whose model is already quantized."""
+    from qerl_cli.moe import moe_blocks
+
+    if moe_blocks(model):
+        raise QerlError(f"{what} does not train mixture-of-experts models (their experts are frozen stacks): train "
+                        "a LoRA on them instead (--finetune lora, --rollout-quant none)")
     fmt = next((m.fmt for m in model.modules() if isinstance(m, QuantLinear)), None)
     if fmt is not None:
         raise QerlError(f"{what} trains full-precision weights, but this run dir holds a {fmt} model: make one "

@@ -25,6 +25,7 @@ from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import Preempted, QerlError
 from qerl_cli.manifest import RunDir
 from qerl_cli.metricsfile import append_metrics, read_metrics, write_metrics
+from qerl_cli.moe import router_metrics
 from qerl_cli.precision import dtype_of, uses_loss_scaling
 from qerl_cli.runlayout import (
     base_fingerprint,
@@ -719,6 +720,7 @@ class Trainer:
         metrics.update(loss_metrics)
         old_logp, entropies = (old.old, old.entropies) if old.old is not None else own
         metrics.update(self.sampling_metrics(batch, samples, old_logp, entropies, valid))
+        metrics.update(router_metrics(self.model))  # a mixture of experts' routing in this update (router/*)
         metrics.update(self.mode.after_update())
         t_train = self.clock() - t2
         if on_cuda:

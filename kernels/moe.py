@@ -1,0 +1,162 @@
+"""Grouped GEMMs for mixture-of-experts layers: every expert's rows of one projection in one launch.
+
+A token routed to k experts makes k assignments; assignment ``a`` is token ``a // k`` and its expert is
+``expert_ids[a]``. ``align_blocks`` sorts the assignments by expert and pads each expert's run to a multiple of
+``block_rows(M)`` rows, all in fixed-size device tensors (no host sync, so a CUDA graph can hold it): ``rows`` names
+the assignment in each padded slot (``M`` for padding) and ``block_expert`` the expert of each block of those
+slots (``num_experts`` for the unused blocks at the end, which return at once). ``grouped_linear`` runs one program
+per (block, N tile): it reads the block's activation rows by index (``rows // x_div``: the token for the first
+projection, the assignment itself for the second), streams that expert's weight tile (dense, or NVFP4/MXFP4 in the
+checkpoint's byte order through ``fp4.fp4_tile``) and writes its outputs in assignment order. An optional LoRA
+expand ``h[a] @ B_e^T`` (h from a dense grouped call with N = rank) is added in the epilogue, so the adapter costs
+one small launch and no pass over the output.
+
+Weights: dense ``[E, N, K]``; FP4 ``packed [E, N, K/2]`` uint8 (element 2j in the low nibble), ``scale [E, N, K/G]``
+(E4M3 for NVFP4, E8M0 for MXFP4), NVFP4's ``global_scale [E]`` float32. Accumulation is fp32; under the
+interpreter everything is fp32 (see ``_common``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from qerl_kernels._common import INTERPRET
+from qerl_kernels.fp4 import NVFP4_F, e2m1_lut, fp4_tile, launch_fp4
+
+DENSE, NVFP4, MXFP4 = 0, 1, 2
+BLOCK_M = 16
+LARGE_BLOCK_M = 64  # from LARGE_M assignments on: an expert's weight tile is read once per block of rows
+LARGE_M = 4096
+KINDS = {"dense": DENSE, "nvfp4": NVFP4, "mxfp4": MXFP4}
+
+
+def block_rows(assignments: int) -> int:
+    """Rows per block: 16 at decode sizes (a few rows per expert, little padding), 64 for prefill and training."""
+    return LARGE_BLOCK_M if assignments >= LARGE_M else BLOCK_M
+
+
+def num_blocks(assignments: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """Blocks of ``block_m`` rows that any routing of ``assignments`` rows can need: every expert that is hit pads
+    its run by fewer than ``block_m`` rows, and at most ``min(E, M)`` experts are hit."""
+    return triton.cdiv(assignments, block_m) + min(num_experts, assignments)
+
+
+def align_blocks(expert_ids: torch.Tensor, num_experts: int,
+                 block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows int32 [blocks * block_m], block_expert int32 [blocks]) for assignments routed to ``expert_ids``;
+    ``block_m`` default: ``block_rows``."""
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    m, dev = flat.numel(), flat.device
+    block_m = block_m or block_rows(m)
+    blocks = num_blocks(m, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    first = torch.cumsum(counts, 0) - counts
+    dest = (pend - padded)[sorted_e] + torch.arange(m, device=dev) - first[sorted_e]
+    rows = torch.full((blocks * block_m,), m, dtype=torch.int32, device=dev)
+    rows.scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(blocks, device=dev, dtype=torch.int64) * block_m
+    block_expert = torch.searchsorted(pend, starts, right=True).to(torch.int32)
+    return rows, block_expert
+
+
+@triton.jit
+def _moe_grouped_kernel(x_ptr, rows_ptr, bexp_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, h_ptr, b_ptr, y_ptr,
+                    M, N, K, R, E, x_div, stride_xm, stride_we, stride_se, stride_ym, stride_hm, alpha, F,
+                    KIND: tl.constexpr, HAS_LORA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, BR: tl.constexpr, DECODE: tl.constexpr, F32: tl.constexpr,
+                    F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_b)
+    if e >= E:
+        return
+    r = tl.load(rows_ptr + pid_b * BM + tl.arange(0, BM))
+    valid = r < M
+    xr = tl.where(valid, r // x_div, 0).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    n_mask = offs_n < N
+    e64 = e.to(tl.int64)
+    gs = 1.0
+    if KIND == 1:
+        gs = tl.load(gs_ptr + e64)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kx = k0 + offs_k
+        if KIND == 0:
+            w = tl.load(w_ptr + e64 * stride_we + offs_n[:, None] * K + kx[None, :],
+                        mask=n_mask[:, None] & (kx[None, :] < K), other=0.0)
+            if F32:
+                w = w.to(tl.float32)
+        else:
+            w = fp4_tile(w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, lut_ptr, gs, offs_n, k0, N, K, F, BN, BK,
+                         KIND == 1, DECODE, F32, F16, False, EVEN_N, EVEN_K)
+        x = tl.load(x_ptr + xr[:, None] * stride_xm + kx[None, :], mask=valid[:, None] & (kx[None, :] < K), other=0.0)
+        if F32:
+            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    if KIND == 1:
+        acc = acc * (alpha / gs)
+    elif KIND == 2:
+        acc = acc * alpha
+    r64 = tl.where(valid, r, 0).to(tl.int64)
+    if HAS_LORA:
+        offs_r = tl.arange(0, BR)
+        r_mask = offs_r < R
+        h = tl.load(h_ptr + r64[:, None] * stride_hm + offs_r[None, :], mask=valid[:, None] & r_mask[None, :],
+                    other=0.0)
+        bt = tl.load(b_ptr + e64 * N * R + offs_n[:, None] * R + offs_r[None, :],
+                     mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        if F32:
+            acc = tl.dot(bt.to(tl.float32), tl.trans(h.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(bt, tl.trans(h), acc)
+    tl.store(y_ptr + r64[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=valid[None, :] & n_mask[:, None])
+
+
+def _tile_sizes(n: int, k: int, kind: int) -> tuple[int, int]:
+    bn = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
+    bk = min(128, max(32 if kind == MXFP4 else 16, triton.next_power_of_2(k)))
+    return bn, bk
+
+
+def grouped_linear(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, *, kind: str,
+                   weight: torch.Tensor, scale: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
+                   shift: int = 0, out_rows: int, x_div: int = 1, lora_h: torch.Tensor | None = None,
+                   lora_b: torch.Tensor | None = None) -> torch.Tensor:
+    """y [out_rows, N] in x's dtype: ``y[a] = x[a // x_div] @ W_{e(a)}^T (+ lora_h[a] @ lora_b[e(a)]^T)`` for every
+    assignment ``a`` that ``rows`` names. ``weight`` is ``[E, N, K]`` (dense) or ``[E, N, K/2]`` (FP4, with ``scale``,
+    NVFP4's ``global_scale`` [E] and MXFP4's exponent ``shift`` from ``fp4.mxfp4_shift`` over all experts);
+    ``lora_b`` is ``[E, N, R]`` in x's dtype."""
+    code = KINDS[kind]
+    e, n = weight.shape[0], weight.shape[1]
+    k = x.shape[1]
+    f32 = INTERPRET or x.dtype == torch.float32
+    bn, bk = _tile_sizes(n, k, code)
+    y = torch.empty((out_rows, n), dtype=x.dtype, device=x.device)
+    if out_rows == 0:
+        return y
+    has_lora = lora_h is not None and lora_b is not None
+    r = lora_h.shape[1] if has_lora else 0
+    h = lora_h if has_lora else y
+    b = lora_b.contiguous() if has_lora else y
+    s = scale.view(torch.uint8) if scale is not None else weight
+    gs = global_scale.reshape(-1).float() if global_scale is not None else s
+    f = NVFP4_F if code == NVFP4 else shift
+    bm = rows.numel() // block_expert.numel()
+    grid = (block_expert.numel(), triton.cdiv(n, bn))
+    args = (x, rows, block_expert, weight, s, gs, e2m1_lut(x.device), h, b, y, out_rows, n, k, r, e, x_div,
+            x.stride(0), weight.stride(0), s.stride(0) if scale is not None else 0, y.stride(0),
+            h.stride(0), 2.0 ** (-f), f)
+    meta = dict(KIND=code, HAS_LORA=has_lora, BM=bm, BN=bn, BK=bk, BR=max(16, triton.next_power_of_2(max(r, 1))),
+                F32=f32, F16=x.dtype == torch.float16, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, num_warps=4,
+                num_stages=1 if INTERPRET else 3)
+    launch_fp4(_moe_grouped_kernel, grid, args, None, **meta)
+    return y

@@ -1,0 +1,516 @@
+"""Mixture-of-experts layers (Qwen3-MoE): qerl's experts container, the sparse block and the router's statistics.
+
+In memory each sparse MLP is a :class:`MoeBlock`: transformers' own router module (``mlp.gate``, kept in the
+model dtype, so routing is exactly the model's: softmax in fp32, top-k, renormalised when ``norm_topk_prob``) and a
+:class:`MoeExperts` holding every expert's weights stacked per projection, ``gate_up_proj`` ``[E, 2I, H]`` (gate
+rows first, as transformers fuses them) and ``down_proj`` ``[E, H, I]``, in the run's weight format (the format's
+own checkpoint tensors with a leading expert dimension; one NVFP4 global scale per expert, shared by its gate and
+up). The names are transformers' fused parameter names, which is what peft's ``target_parameters`` targets, so a
+LoRA on the experts saves as the adapter peft makes on the transformers model (``qerl_cli.lora.ParamWrapper``).
+``state_dict()`` hands the experts back per expert under the checkpoint's names
+(``experts.E.{gate,up,down}_proj.weight_packed|...``), the layout llm-compressor writes and vLLM loads.
+
+The computation (:class:`ExpertProjection`): the top-k assignments are sorted by expert, each projection runs as
+one grouped GEMM over all experts (``qerl_kernels.moe.grouped_linear`` on CUDA: no host sync, so it runs inside the
+decode CUDA graph; a per-expert loop elsewhere), with the LoRA delta of each assignment's own expert, and the
+down-projection outputs are summed with the routing weights. The backward (training; frozen base, LoRA gradients)
+loops over the experts and dequantizes one expert's weight at a time. docs/moe.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qerl_cli.errors import QerlError
+from qerl_cli.formats import QuantizedWeight, fake_quantize_activations, get_format, nvfp4_global_scale
+
+MOE_MODEL_TYPES = ("qwen3_moe",)
+PROJECTIONS = ("gate_up_proj", "down_proj")
+# the per-expert linears of a projection on disk (gate rows first in the fused gate_up)
+CHECKPOINT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+_SHARED = ("weight_global_scale",)  # one tensor per expert, the same for its gate and up
+_SHAPE = "weight_shape"  # a layer's [N, K] (INT4): rebuilt per expert when written, not kept
+
+
+def is_moe_config(config: Any) -> bool:
+    """Whether a transformers config is a mixture of experts qerl runs (Qwen3-MoE with experts)."""
+    return getattr(config, "model_type", None) in MOE_MODEL_TYPES and int(getattr(config, "num_experts", 0) or 0) > 0
+
+
+def check_moe_config(config: Any) -> None:
+    """Refuse a Qwen3-MoE variant qerl's block does not compute exactly (dense layers mixed in, another activation)."""
+    if getattr(config, "mlp_only_layers", None) or int(getattr(config, "decoder_sparse_step", 1) or 1) != 1:
+        raise QerlError("this Qwen3-MoE config mixes dense MLP layers (mlp_only_layers / decoder_sparse_step); qerl "
+                        "runs models whose every layer is sparse")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise QerlError(f"qerl's experts compute SiLU, this model uses {config.hidden_act!r}")
+
+
+@dataclass
+class MoeDims:
+    """The expert side of a MoE config: experts per layer, experts per token, one expert's intermediate size."""
+
+    experts: int
+    top_k: int
+    intermediate: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> MoeDims | None:
+        if not is_moe_config(config):
+            return None
+        return cls(int(config.num_experts), int(config.num_experts_per_tok), int(config.moe_intermediate_size))
+
+    def active_experts(self, tokens: int) -> float:
+        """Expected distinct experts one layer reads for ``tokens`` routed tokens, routing uniform at random:
+        ``E * (1 - (1 - k/E)^tokens)``."""
+        return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** max(0, tokens))
+
+
+def _row_split(name: str, t: torch.Tensor, rows: int) -> bool:
+    """Whether tensor ``name`` of an expert projection is laid out by output row (else one value per expert)."""
+    return name not in _SHARED and t.dim() >= 1 and t.shape[0] == rows
+
+
+class MoeExperts(nn.Module):
+    """Every expert of one sparse layer, stacked per projection, in one weight format (module docstring).
+
+    The main tensor of a projection (``weight_packed``, or ``weight`` for the 8-bit and plain formats) is a frozen
+    parameter named after the projection, so peft's ``target_parameters`` finds it; the format's other tensors are
+    buffers ``<projection>_<name>``."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, fmt: str,
+                 tensors: Mapping[str, Mapping[str, torch.Tensor]], dtype: torch.dtype = torch.bfloat16,
+                 group_size: int | None = None, act_quant: str | None = None, shape_tensor: bool = False) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.fmt, self.dtype, self.group_size, self.act_quant = fmt, dtype, group_size, act_quant
+        self.shape_tensor = shape_tensor  # the checkpoint stores weight_shape per expert (INT4)
+        self.tensor_names: dict[str, tuple[str, ...]] = {}
+        for proj in PROJECTIONS:
+            names = tuple(tensors[proj])
+            primary = "weight_packed" if "weight_packed" in names else "weight"
+            self.tensor_names[proj] = (primary, *(n for n in names if n != primary))
+            self.register_parameter(proj, nn.Parameter(tensors[proj][primary], requires_grad=False))
+            for name in self.tensor_names[proj][1:]:
+                self.register_buffer(f"{proj}_{name}", tensors[proj][name])
+        self.cache_dequantized = False  # CPU: dequantize each stack once (QuantLinear's switch, same reason)
+        # the grouped kernels: None = on CUDA; True also runs them elsewhere (the CPU tests, under the interpreter)
+        self.use_kernels: bool | None = None
+        self.dequantized_cache: dict[str, torch.Tensor] = {}
+        self.mxfp4_shift: dict[str, int] = {}
+
+    @property
+    def format(self) -> Any:
+        return get_format(self.fmt)
+
+    def projection_shape(self, proj: str) -> tuple[int, int, int]:
+        """(experts, out N, in K) of ``proj``."""
+        if proj == "gate_up_proj":
+            return self.num_experts, 2 * self.intermediate, self.hidden
+        return self.num_experts, self.hidden, self.intermediate
+
+    def tensors(self, proj: str) -> dict[str, torch.Tensor]:
+        """The format's tensors of ``proj``, each with the expert dimension first."""
+        primary, *rest = self.tensor_names[proj]
+        return {primary: getattr(self, proj), **{n: getattr(self, f"{proj}_{n}") for n in rest}}
+
+    def expert_tensors(self, proj: str, e: int) -> QuantizedWeight:
+        _, n, k = self.projection_shape(proj)
+        return QuantizedWeight(self.fmt, (n, k), {name: t[e] for name, t in self.tensors(proj).items()}, self.dtype,
+                               self.group_size)
+
+    def expert_weight(self, proj: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``e``'s weight of ``proj`` [N, K] in ``dtype`` (dequantized)."""
+        if not self.format.quantized:
+            return getattr(self, proj)[e].to(dtype)
+        if self.cache_dequantized:
+            return self.dense_stack(proj, dtype)[e]
+        return self.format.dequantize(self.expert_tensors(proj, e), dtype)
+
+    def dense_stack(self, proj: str, dtype: torch.dtype) -> torch.Tensor:
+        """All experts' weights of ``proj`` [E, N, K] in ``dtype``, dequantized once and kept."""
+        cached = self.dequantized_cache.get(proj)
+        if cached is None or cached.dtype != dtype:
+            cached = torch.stack([self.format.dequantize(self.expert_tensors(proj, e), dtype)
+                                  for e in range(self.num_experts)])
+            self.dequantized_cache[proj] = cached
+        return cached
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
+        self.dequantized_cache = {}  # made from the tensors as they were (device, dtype)
+        return super()._apply(fn, recurse)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in PROJECTIONS for t in self.tensors(p).values())
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:  # noqa: ANN001
+        # the checkpoint layout: one linear per expert and part, gate/up split back out of the fused rows
+        spec = self.format
+        for proj in PROJECTIONS:
+            parts = CHECKPOINT_PARTS[proj]
+            _, n, k = self.projection_shape(proj)
+            rows = n // len(parts)
+            for e in range(self.num_experts):
+                full = self.expert_tensors(proj, e).tensors
+                for i, part in enumerate(parts):
+                    # a shared tensor (the global scale) is copied per part: safetensors refuses aliased entries
+                    t = {name: (v[i * rows:(i + 1) * rows] if _row_split(name, v, n) else v.clone())
+                         for name, v in full.items()}
+                    if self.shape_tensor:
+                        t[_SHAPE] = torch.tensor([rows, k], dtype=torch.int64)
+                    qw = QuantizedWeight(self.fmt, (rows, k), t, self.dtype, self.group_size)
+                    for key, v in spec.checkpoint_tensors(f"{prefix}{e}.{part}", qw).items():
+                        destination[key] = v if keep_vars else v.detach()
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                lora: Mapping[str, LoraFactors] | None = None) -> torch.Tensor:
+        """hidden [T, H], the router's top-k experts and weights [T, k] -> [T, H]. ``lora``: per projection the
+        adapter (``qerl_cli.lora.ParamWrapper`` passes it; the rollout passes its in-dtype copies)."""
+        lora = lora or {}
+        t, k = top_k_index.shape
+        routing = Routing(top_k_index.reshape(-1), self.num_experts, kernels=self.kernel_kind(hidden) is not None)
+        gu = ExpertProjection.run(self, "gate_up_proj", hidden, routing, k, lora.get("gate_up_proj"))
+        gate, up = gu[:, :self.intermediate], gu[:, self.intermediate:]
+        act = F.silu(gate) * up
+        down = ExpertProjection.run(self, "down_proj", act, routing, 1, lora.get("down_proj"))
+        return (down.view(t, k, -1) * top_k_weights.to(down.dtype).unsqueeze(-1)).sum(1)
+
+    def kernel_kind(self, x: torch.Tensor) -> str | None:
+        """What ``qerl_kernels.moe.grouped_linear`` runs this format as on x's device ("dense" for the plain
+        format and for the formats without a grouped kernel, from a dequantized copy), None: the per-expert loop."""
+        if self.use_kernels is False or (self.use_kernels is None and not x.is_cuda):
+            return None
+        try:
+            import qerl_kernels.moe  # noqa: F401
+        except ImportError:
+            return None
+        return self.fmt if self.format.kernel == "fp4" else "dense"
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
+                f"fmt={self.fmt}")
+
+
+@dataclass
+class LoraFactors:
+    """One projection's adapter for every expert: A [E, r, K], B [E, N, r] and the scaling (views of peft's stacked
+    factors, or the rollout's in-dtype copies with the scaling folded into B and 1.0 here)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float = 1.0
+
+
+@dataclass
+class Routing:
+    """The assignments of one forward (``expert_ids`` [T*k]) grouped by expert: the kernels' padded block layout
+    (device tensors, no host sync) and, for the loop and the backward, each expert's assignment indices."""
+
+    expert_ids: torch.Tensor
+    num_experts: int
+    kernels: bool = False
+    rows: torch.Tensor | None = None
+    block_expert: torch.Tensor | None = None
+    _groups: list[tuple[int, torch.Tensor]] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kernels:
+            from qerl_kernels.moe import align_blocks
+
+            self.rows, self.block_expert = align_blocks(self.expert_ids, self.num_experts)
+
+    @property
+    def assignments(self) -> int:
+        return self.expert_ids.numel()
+
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        """(expert, its assignment indices in ascending order) for every expert that has any (one host sync)."""
+        if self._groups is None:
+            order = torch.argsort(self.expert_ids, stable=True)
+            counts = torch.bincount(self.expert_ids, minlength=self.num_experts).tolist()
+            out, start = [], 0
+            for e, c in enumerate(counts):
+                if c:
+                    out.append((e, order[start:start + c]))
+                start += c
+            self._groups = out
+        return self._groups
+
+
+class ExpertProjection(torch.autograd.Function):
+    """y [T*k, N] in assignment order: each assignment's input row (x row ``a // x_div``) through its expert's
+    weight of one projection, plus its expert's LoRA delta. Gradients reach x and the LoRA factors (the base is
+    frozen); the backward dequantizes one expert at a time."""
+
+    @staticmethod
+    def run(experts: MoeExperts, proj: str, x: torch.Tensor, routing: Routing, x_div: int,
+            lora: LoraFactors | None) -> torch.Tensor:
+        a, b, s = (lora.a, lora.b, lora.scaling) if lora is not None else (None, None, 1.0)
+        return ExpertProjection.apply(x, a, b, experts, proj, routing, x_div, s)
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, experts: MoeExperts,
+                proj: str, routing: Routing, x_div: int, scaling: float) -> torch.Tensor:
+        ctx.save_for_backward(x, a, b)
+        ctx.experts, ctx.proj, ctx.routing, ctx.x_div, ctx.scaling = experts, proj, routing, x_div, scaling
+        if routing.kernels:
+            return _project_grouped(experts, proj, x, routing, x_div, a, b, scaling)
+        return _project_loop(experts, proj, x, routing, x_div, a, b, scaling)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        x, a, b = ctx.saved_tensors
+        experts, proj, x_div, s = ctx.experts, ctx.proj, ctx.x_div, ctx.scaling
+        need_x, need_a, need_b = ctx.needs_input_grad[:3]
+        dx = torch.zeros((dy.shape[0], x.shape[1]), dtype=x.dtype, device=x.device) if need_x else None
+        da = torch.zeros_like(a, dtype=torch.float32) if need_a else None
+        db = torch.zeros_like(b, dtype=torch.float32) if need_b else None
+        for e, rows in ctx.routing.groups():
+            g = dy[rows]
+            xin = x[rows // x_div]
+            if need_x:
+                dx[rows] = g @ experts.expert_weight(proj, e, g.dtype)
+            if a is not None:
+                ae, be = a[e].to(g.dtype), b[e].to(g.dtype)
+                u = (g @ be) * s  # dL/dh, h = x A^T
+                if need_x:
+                    dx[rows] += u @ ae
+                if need_a:
+                    da[e] += (u.t() @ xin).float()
+                if need_b:
+                    db[e] += ((g.t() @ (xin @ ae.t())) * s).float()
+        if dx is not None and x_div > 1:  # several assignments read one token: summed in a fixed order
+            dx = dx.view(x.shape[0], x_div, -1).sum(1)
+        return (dx, None if da is None else da.to(a.dtype), None if db is None else db.to(b.dtype),
+                None, None, None, None, None)
+
+
+def _project_loop(experts: MoeExperts, proj: str, x: torch.Tensor, routing: Routing, x_div: int,
+                  a: torch.Tensor | None, b: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    _, n, _ = experts.projection_shape(proj)
+    y = x.new_zeros((routing.assignments, n))
+    for e, rows in routing.groups():
+        xin = x[rows // x_div]
+        xq = fake_quantize_activations(xin, experts.act_quant) if experts.act_quant is not None else xin
+        ye = F.linear(xq, experts.expert_weight(proj, e, x.dtype))
+        if a is not None:
+            ye = ye + F.linear(F.linear(xin, a[e].to(x.dtype)), b[e].to(x.dtype)) * scaling
+        y[rows] = ye
+    return y
+
+
+def _project_grouped(experts: MoeExperts, proj: str, x: torch.Tensor, routing: Routing, x_div: int,
+                     a: torch.Tensor | None, b: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    from qerl_kernels.moe import grouped_linear
+
+    kind = experts.kernel_kind(x)
+    common = dict(out_rows=routing.assignments, x_div=x_div)
+    h = bs = None
+    xb = fake_quantize_activations(x, experts.act_quant) if experts.act_quant is not None else x
+    if a is not None and b is not None:
+        h = grouped_linear(x, routing.rows, routing.block_expert, kind="dense", weight=a.to(x.dtype).contiguous(),
+                           **common)
+        bs = b.to(x.dtype) if scaling == 1.0 else (b * scaling).to(x.dtype)
+    if kind == "dense":
+        w = getattr(experts, proj) if not experts.format.quantized else experts.dense_stack(proj, x.dtype)
+        return grouped_linear(xb, routing.rows, routing.block_expert, kind="dense", weight=w.to(x.dtype),
+                              lora_h=h, lora_b=bs, **common)
+    t = experts.tensors(proj)
+    shift = experts.mxfp4_shift.get(proj)
+    if shift is None and experts.format.power_of_two_scales:
+        from qerl_kernels.fp4 import mxfp4_shift
+
+        shift = experts.mxfp4_shift[proj] = mxfp4_shift(t["weight_scale"])
+    return grouped_linear(xb, routing.rows, routing.block_expert, kind=kind, weight=t["weight_packed"],
+                          scale=t["weight_scale"], global_scale=t.get("weight_global_scale"), shift=shift or 0,
+                          lora_h=h, lora_b=bs, **common)
+
+
+# ---- the sparse block --------------------------------------------------------------------------------------------
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int,
+          norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE's routing of tokens x [T, H] by the router weight [E, H]: (logits [T, E], weights [T, k] in the
+    logits' dtype, expert index [T, k]). Softmax in fp32, top-k, renormalised over the k when ``norm_topk_prob``,
+    exactly as transformers' router computes it."""
+    logits = F.linear(x, weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, index = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), index
+
+
+class MoeBlock(nn.Module):
+    """A sparse MLP: transformers' router module (``gate``, whose weight :func:`route` reads) and qerl's experts. In a
+    training forward (training mode, gradients on) it records the routing (per-expert assignment counts and mean router
+    probabilities, on the device) for :func:`router_metrics`."""
+
+    def __init__(self, gate: nn.Module, experts: nn.Module, top_k: int, norm_topk_prob: bool = True) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.stats: dict[str, torch.Tensor] | None = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        logits, weights, index = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+        if self.training and torch.is_grad_enabled():  # the update's forwards, never a rollout running beside them
+            self.record(logits, index)
+        return self.experts(x, index, weights).reshape(shape)
+
+    @torch.no_grad()
+    def record(self, logits: torch.Tensor, index: torch.Tensor) -> None:
+        e = logits.shape[-1]
+        if self.stats is None:
+            self.stats = {k: torch.zeros(e, dtype=torch.float64, device=logits.device) for k in ("count", "prob")}
+            self.stats["tokens"] = torch.zeros((), dtype=torch.float64, device=logits.device)
+        flat = index.reshape(-1)
+        self.stats["count"].scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+        self.stats["prob"] += torch.softmax(logits.float(), dim=-1).sum(0).double()
+        self.stats["tokens"] += logits.shape[0]
+
+
+def moe_blocks(model: nn.Module) -> list[MoeBlock]:
+    return [m for m in model.modules() if isinstance(m, MoeBlock)]
+
+
+def router_metrics(model: nn.Module) -> dict[str, float]:
+    """The routing of the training forwards since the last call, then forgotten (``router/*``; empty for a dense
+    model). Per layer: the load of expert e is its assignment count over the mean count (1 = balanced);
+    ``load_cv`` its coefficient of variation, ``load_max``/``load_min`` the extremes over layers and experts,
+    ``aux_loss`` transformers' load-balancing loss ``E * sum_e (count_e / tokens) * mean_prob_e`` (k when
+    balanced), averaged over layers; ``dropped_tokens`` is 0: every assignment is computed (no capacity limit)."""
+    per_layer = []
+    for block in moe_blocks(model):
+        st, block.stats = block.stats, None
+        if st is None or float(st["tokens"]) == 0:
+            continue
+        count, tokens = st["count"], st["tokens"]
+        load = count / count.mean().clamp(min=1e-12)
+        aux = count.numel() * (count / tokens * st["prob"] / tokens).sum()
+        per_layer.append(torch.stack([load.std(unbiased=False), load.max(), load.min(), aux]).cpu())
+    if not per_layer:
+        return {}
+    v = torch.stack(per_layer)
+    return {"router/load_cv": float(v[:, 0].mean()), "router/load_max": float(v[:, 1].max()),
+            "router/load_min": float(v[:, 2].min()), "router/aux_loss": float(v[:, 3].mean()),
+            "router/dropped_tokens": 0.0}
+
+
+# ---- building the experts ----------------------------------------------------------------------------------------
+def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, fmt: str, *, dtype: torch.dtype = torch.bfloat16,
+                     group_size: int | None = None) -> MoeExperts:
+    """:class:`MoeExperts` from dense stacks ``gate_up`` [E, 2I, H] and ``down`` [E, H, I], each expert quantized
+    to ``fmt`` (NVFP4: one global scale per expert for its gate and up, as vLLM's fused w13 needs)."""
+    spec = get_format(fmt)
+    e, two_i, h = gate_up.shape
+    group_size = group_size or spec.common_group_size([h, two_i // 2])
+    tensors: dict[str, dict[str, list[torch.Tensor]]] = {p: {} for p in PROJECTIONS}
+    shape_tensor = False
+    for i in range(e):
+        for proj, w in (("gate_up_proj", gate_up[i]), ("down_proj", down[i])):
+            w = w.detach().float()
+            parts = w.chunk(len(CHECKPOINT_PARTS[proj]))
+            gs = nvfp4_global_scale(w.abs().max()) if spec.global_scale else None
+            qws = [spec.quantize(p, global_scale=gs, group_size=group_size, dtype=dtype) for p in parts]
+            shape_tensor = shape_tensor or _SHAPE in qws[0].tensors
+            for name, t in fuse_parts([q.tensors for q in qws]).items():
+                tensors[proj].setdefault(name, []).append(t)
+    group_size = group_size or qws[0].group_size
+    stacked = {p: {n: torch.stack(ts) for n, ts in d.items()} for p, d in tensors.items()}
+    return MoeExperts(e, h, two_i // 2, fmt, stacked, dtype, group_size if spec.quantized else None,
+                      spec.act_quant, shape_tensor)
+
+
+def fuse_parts(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One expert's gate and up tensors as one fused projection: row tensors concatenated, the shared global scale
+    once (a QerlError when the parts' differ: vLLM's fused gate/up GEMM reads one)."""
+    first = parts[0]
+    rows = next(t.shape[0] for n, t in first.items() if n not in _SHARED and n != _SHAPE)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in first.items():
+        if name == _SHAPE:
+            continue
+        if _row_split(name, t, rows):
+            out[name] = torch.cat([p[name] for p in parts])
+        else:
+            if any(not torch.equal(p[name], t) for p in parts[1:]):
+                raise QerlError(f"an expert's gate_proj and up_proj have different {name}s; qerl fuses them into one "
+                                "GEMM that reads one: quantize the model again with `qerl quantize`")
+            out[name] = t
+    return out
+
+
+def experts_from_checkpoint(state: dict[str, torch.Tensor], prefix: str, config: Any, fmt: str, dtype: torch.dtype,
+                            group_size: int | None, act_quant: str | None) -> MoeExperts:
+    """Take one layer's per-expert tensors (``<prefix>.<e>.<part>.*``) out of ``state`` into a :class:`MoeExperts`
+    (unquantized experts, which ``--ignore`` leaves so, in the plain format whatever the checkpoint's)."""
+    from qerl_cli.formats import FORMATS
+
+    spec = get_format(fmt)
+    if spec.quantized and f"{prefix}.0.gate_proj.weight" in state:
+        spec = next(f for f in FORMATS.values() if not f.quantized)
+        fmt, group_size, act_quant = spec.name, None, None
+    e_count, inter, hidden = int(config.num_experts), int(config.moe_intermediate_size), int(config.hidden_size)
+    tensors: dict[str, dict[str, list[torch.Tensor]]] = {p: {} for p in PROJECTIONS}
+    shape_tensor = False
+    for e in range(e_count):
+        for proj, parts in CHECKPOINT_PARTS.items():
+            found = []
+            for part in parts:
+                name = f"{prefix}.{e}.{part}"
+                if spec.quantized:
+                    shape_tensor = shape_tensor or f"{name}.{_SHAPE}" in state
+                    found.append(spec.pop_layer_tensors(name, state))
+                elif f"{name}.weight" in state:
+                    found.append({"weight": state.pop(f"{name}.weight")})
+                if not found or not found[-1]:
+                    raise QerlError(f"the checkpoint has no tensors for {name}: quantize the model again with "
+                                    "`qerl quantize`")
+            for n, t in fuse_parts(found).items():
+                tensors[proj].setdefault(n, []).append(t)
+    stacked = {p: {n: torch.stack(ts) for n, ts in d.items()} for p, d in tensors.items()}
+    if not spec.quantized:
+        stacked = {p: {"weight": d["weight"].to(dtype)} for p, d in stacked.items()}
+    return MoeExperts(e_count, hidden, inter, fmt, stacked, dtype, group_size, act_quant, shape_tensor)
+
+
+def sparse_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every sparse MLP of a transformers MoE model (its own block or qerl's)."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "gate") and hasattr(m, "experts")
+            and (isinstance(m, MoeBlock) or hasattr(m.experts, "gate_up_proj"))]
+
+
+def adopt(model: nn.Module, make_experts: Any) -> list[str]:
+    """Replace every sparse MLP of ``model`` by a :class:`MoeBlock` keeping its router; ``make_experts(name, block)``
+    returns the layer's :class:`MoeExperts`. Returns the experts' module names."""
+    check_moe_config(model.config)
+    names = []
+    for name, block in sparse_layers(model):
+        if isinstance(block, MoeBlock):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        experts = make_experts(name, block)
+        setattr(model.get_submodule(parent), leaf, MoeBlock(block.gate, experts, int(model.config.num_experts_per_tok),
+                                                            bool(getattr(model.config, "norm_topk_prob", True))))
+        names.append(f"{name}.experts")
+    return names
+
+
+def dense_experts(experts: nn.Module) -> dict[str, torch.Tensor]:
+    """Both projections' weights [E, N, K] of a layer's experts, transformers' (fused parameters, as its loader
+    made them) or qerl's (dequantized to fp32)."""
+    if isinstance(experts, MoeExperts):
+        return {p: experts.dense_stack(p, torch.float32) if experts.format.quantized else getattr(experts, p).float()
+                for p in PROJECTIONS}
+    return {p: getattr(experts, p).detach() for p in PROJECTIONS}
