@@ -112,7 +112,7 @@ def test_the_plan_takes_the_fastest_setting_that_fits(cap_gib: float) -> None:
 def test_choices_follow_the_memory() -> None:
     # an H200: no checkpointing and a micro-batch above the old cap of 8 (fewer micro-batches, less host time)
     roomy = _plan(139.0)
-    assert (roomy.gradient_checkpointing, roomy.micro_batch_size) == (False, 16)
+    assert roomy.gradient_checkpointing is False and roomy.micro_batch_size > 8
     assert roomy.gpu_memory_utilization == 1.0 and roomy.kv_slots == 32 and "within 3% of the fastest" in roomy.reason
     mid = _plan(40.0)  # 16 sequences' activations do not fit: 8 of them, still without checkpointing
     assert (mid.gradient_checkpointing, mid.micro_batch_size) == (False, 8)
@@ -268,7 +268,8 @@ def test_14b_bf16_out_of_memory_explained_and_planned_around() -> None:
     assert dims.fp32_input_bytes_per_token_layer(32, ALL, 2) == 18 * 5120 + 2 * 13824 + 14 * 32 == 120_256
     wb = weight_bytes(qwen25("14b"), "bf16", 2, kernels=True)
     kw = dict(weights=wb, capacity=None, device_total=None, elem=2, sequences=32, prompt_tokens=256, lora_rank=32,
-              lora_targets=ALL, micro_batch_size=8, gradient_checkpointing=False, prompts=8)
+              lora_targets=ALL, micro_batch_size=8, gradient_checkpointing=False, prompts=8,
+              peft_lora=True)  # that run's LoRA layer: peft's (qerl's own training path came later)
     # the failing setting at that run's lengths (the EOS stop set's mean completion in the 7B runs of the same
     # bench: 3797 tokens / 32 = 119): now estimated above what was allocated when it failed
     failing = plan_memory(dims, completion_tokens=119, **kw).phase_estimates()["fwd_bwd"]
@@ -329,7 +330,8 @@ def test_7b_eos_peaks_between_mean_and_longest_lengths(name: str, fmt: str) -> N
     row = _cell(name, fmt)
     mean_new = int(row["batch_tokens"] / row["sequences"]) - 256
     kw = dict(measured=row["memory_plan"]["weight_parts"]["measured"], sequences=32, prompts=8, micro_batch_size=8,
-              gradient_checkpointing=False, optimizer_offload=False, keep_rollout_cache=True)
+              gradient_checkpointing=False, optimizer_offload=False, keep_rollout_cache=True,
+              peft_lora=fmt == "bf16")  # those runs' LoRA layer over BF16: peft's
     lo = _fixed_plan("7b", fmt, 79.19, completion=mean_new, **kw).phase_estimates()["fwd_bwd"] / GIB
     hi = _fixed_plan("7b", fmt, 79.19, completion=256, **kw).phase_estimates()["fwd_bwd"] / GIB
     assert lo <= row["mem_fwd_bwd_gb"] <= hi
@@ -351,7 +353,7 @@ def test_the_run_records_request_and_resolved_settings(tiny_run) -> None:
     assert cfg.micro_batch_size is None and cfg.gradient_checkpointing is None
     plan, resolved = rec["extra"]["memory_plan"], rec["extra"]["resolved"]
     assert set(resolved) == {"micro_batch_size", "gradient_checkpointing", "optimizer_offload", "kernel_weight_copies",
-                             "gpu_memory_utilization", "kv_slots", "keep_rollout_cache"}
+                             "gpu_memory_utilization", "kv_slots", "keep_rollout_cache", "sharding"}
     assert resolved["micro_batch_size"] == plan["micro_batch_size"] and 1 <= resolved["micro_batch_size"] <= 4
     assert resolved["gradient_checkpointing"] == plan["gradient_checkpointing"]
     assert resolved["kv_slots"] == plan["kv_slots"] == 4 and resolved["gpu_memory_utilization"] == 1.0

@@ -257,7 +257,8 @@ def time_estimates(trainer: Any, row: dict[str, Any], prompt_len: float, rates: 
     from qerl_cli.train.step_cost import DeviceRates, Setting, Workload, estimate_step
 
     c, s, n = trainer.cfg, trainer.settings, row["sequences"]
-    base = cost_base(ModelDims.from_config(trainer.model.config), plan.weight_parts, trainer.dtype.itemsize)
+    base = cost_base(ModelDims.from_config(trainer.model.config), plan.weight_parts, trainer.dtype.itemsize,
+                     trainer.cfg.lora_dropout > 0)
     work = Workload(n, prompt_len, c.max_completion_length, c.lora_rank, tuple(c.lora_targets),
                     mean_completion=(row.get("generated_tokens") or n * c.max_completion_length) / n,
                     old_pass=trainer.needs_old_pass(), reference_pass=c.beta > 0, train_tokens=row.get("batch_tokens"),

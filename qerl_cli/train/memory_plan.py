@@ -385,6 +385,7 @@ class PlanRequest:
     rates: DeviceRates
     old_pass: bool
     reference_pass: bool
+    peft_lora: bool  # LoRA dropout > 0: peft's own layer over a 16-bit base (fp32 inputs kept, no tensor cores)
     micro_batch_size: int | None
     gradient_checkpointing: bool | None
     optimizer_offload: bool | None
@@ -420,11 +421,12 @@ class PlanRequest:
                 for c in copies for o in options(self.optimizer_offload) for keep in options(self.keep_rollout_cache)]
 
 
-def cost_base(dims: ModelDims, weights: WeightBytes, elem: int) -> Base:
+def cost_base(dims: ModelDims, weights: WeightBytes, elem: int, peft_lora: bool = False) -> Base:
     """The model as the step's cost model sees it: the decoder linears' bytes (from the format, else the stored
-    bytes less the embeddings and lm_head), dequantized per pass or not."""
+    bytes less the embeddings and lm_head), dequantized per pass or not; ``peft_lora``: LoRA through peft's own
+    layer (dropout), else qerl's training LoRA path."""
     linear = weights.linear or max(0, weights.stored - 2 * dims.vocab * dims.hidden * elem)
-    return Base(dims, elem, linear, weights.dequantizes)
+    return Base(dims, elem, linear, weights.dequantizes, peft_lora)
 
 
 def _reserve(capacity: int, transient: int) -> int:
@@ -445,8 +447,8 @@ def _parts(req: PlanRequest, s: Setting) -> MemoryPlan:
         util = min(1.0, req.capacity / req.device_total)
     n_lora = dims.lora_params(req.lora_rank, list(req.lora_targets))
     moments = 8 * n_lora
-    fp32 = 0 if wb.dequantizes else dims.fp32_input_bytes_per_token_layer(req.lora_rank, list(req.lora_targets),
-                                                                          elem)
+    fp32 = 0 if wb.dequantizes or not req.peft_lora else dims.fp32_input_bytes_per_token_layer(
+        req.lora_rank, list(req.lora_targets), elem)
     kept, backward = _activations(dims, elem, tokens, s.gradient_checkpointing, fp32)
     chunk, lp_kept = _logprobs(dims, elem, tokens, mb * req.completion_tokens, req.logprob_chunk)
     return MemoryPlan(
@@ -491,7 +493,8 @@ def _build(req: PlanRequest, s: Setting) -> MemoryPlan:
                         old_pass=req.old_pass, reference_pass=req.reference_pass)
         setting = Setting(s.micro_batch_size, s.gradient_checkpointing, s.kernel_weight_copies,
                           s.optimizer_offload, slots, s.keep_rollout_cache)
-        p.estimate = estimate_step(cost_base(req.dims, req.weights, req.elem), work, setting, req.rates).phases
+        p.estimate = estimate_step(cost_base(req.dims, req.weights, req.elem, req.peft_lora), work, setting,
+                                   req.rates).phases
         p.rates = asdict(req.rates)
     return p
 
@@ -543,19 +546,20 @@ def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | 
                 gpu_memory_utilization: float | None = None, optimizer_offload: bool | None = None,
                 extra_weight_copies: bool | None = None, prompts: int | None = None,
                 keep_rollout_cache: bool | None = None, rates: DeviceRates | None = None, old_pass: bool = True,
-                reference_pass: bool = False, advise: bool = True) -> MemoryPlan:
+                reference_pass: bool = False, peft_lora: bool = False, advise: bool = True) -> MemoryPlan:
     """The fastest setting (micro-batch, gradient checkpointing, kernel weight copies, where AdamW's moments live,
     KV slots, a resident rollout cache) whose step fits ``capacity`` bytes, by the step's cost model (module
     docstring). ``rates``: the device's (default: an H100's); ``old_pass`` / ``reference_pass``: the no-grad
-    passes the step runs before the update (pi_old's own, the reference model's).
+    passes the step runs before the update (pi_old's own, the reference model's); ``peft_lora``: LoRA through
+    peft's own layer (dropout > 0) instead of qerl's training path.
 
     Raises :class:`MemoryPlanError` when nothing fits (with the one-line advice unless ``advise`` is False).
     """
     wb = weights if isinstance(weights, WeightBytes) else WeightBytes(stored=int(weights))
     req = PlanRequest(dims, wb, capacity, device_total, elem, sequences, prompt_tokens, completion_tokens, lora_rank,
                       tuple(lora_targets), logprob_chunk, prompts, gpu_memory_utilization,
-                      rates or default_rates(None), old_pass, reference_pass, micro_batch_size, gradient_checkpointing,
-                      optimizer_offload, extra_weight_copies, keep_rollout_cache)
+                      rates or default_rates(None), old_pass, reference_pass, peft_lora, micro_batch_size,
+                      gradient_checkpointing, optimizer_offload, extra_weight_copies, keep_rollout_cache)
     if capacity is None:  # CPU: nothing to fit; the defaults as they always were
         copies = extra_weight_copies if extra_weight_copies is not None else wb.extra_copies > 0
         return _build(req, Setting(min(micro_batch_size or MAX_DEFAULT_MICRO_BATCH, sequences),
@@ -569,7 +573,7 @@ def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | 
     kw = dict(weights=wb, elem=elem, sequences=sequences, prompt_tokens=prompt_tokens,
               completion_tokens=completion_tokens, lora_rank=lora_rank, lora_targets=lora_targets,
               logprob_chunk=logprob_chunk, prompts=prompts, rates=req.rates, old_pass=old_pass,
-              reference_pass=reference_pass,
+              reference_pass=reference_pass, peft_lora=peft_lora,
               keep_rollout_cache=False if keep_rollout_cache is False else None)
     last = min(plans, key=lambda p: p.peak + p.reserve)
     raise MemoryPlanError(_advice(dims, capacity=capacity, fixed_mb=micro_batch_size, fixed_gc=gradient_checkpointing,
@@ -699,7 +703,7 @@ def plan_for_config(cfg: Any, model_config: Any, *, weights: int | WeightBytes, 
         optimizer_offload=cfg.optimizer_offload, extra_weight_copies=copies, prompts=cfg.batch_prompts,
         keep_rollout_cache=cfg.keep_rollout_cache if cfg.rollout_engine == "builtin" else False,
         rates=rates or device_rates(device), old_pass=cfg.recompute_logprobs or cfg.lora_dropout > 0,
-        reference_pass=cfg.beta > 0)
+        reference_pass=cfg.beta > 0, peft_lora=cfg.lora_dropout > 0)
 
 
 def plan_before_build(cfg: Any, model_config: Any, fmt: str, *, device: Any, prompt_tokens: int,

@@ -161,10 +161,11 @@ class Base:
     elem: int
     linear_bytes: int
     dequantizes: bool
+    peft_lora: bool = False  # LoRA through peft's own layer (dropout > 0): fp32 adapter inputs over a 16-bit base
 
     @property
     def fp32_lora_inputs(self) -> bool:
-        return not self.dequantizes and self.elem < 4
+        return self.peft_lora and not self.dequantizes and self.elem < 4
 
 
 @dataclass
