@@ -352,6 +352,8 @@ def _roofline(cell: dict[str, Any], *, batch: int, bytes_: dict[str, int], kv_pe
     if bw_gbps is None or cell.get("status") != "ok" or cell.get("mode") != "fixed" or cell.get("sequences",
                                                                                             batch) != batch:
         return
+    if "mean_new_tokens" not in cell:  # an episode cell: its steps mix decoding with observation prefills
+        return
     mean_ctx = prompt_len + cell["mean_new_tokens"] / 2
     lora = 0 if cell.get("lora") == "off" else bytes_.get("lora_step", bytes_["lora"])
     lora += 0 if cell.get("lora") == "off" else bytes_.get("expert_lora_step", 0) * expert_share
