@@ -436,7 +436,10 @@ def fuse_parts(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One expert's gate and up tensors as one fused projection: row tensors concatenated, the shared global scale
     once (a QerlError when the parts' differ: vLLM's fused gate/up GEMM reads one)."""
     first = parts[0]
-    rows = next(t.shape[0] for n, t in first.items() if n not in _SHARED and n != _SHAPE)
+    rows = next((t.shape[0] for n, t in first.items() if n not in _SHARED and n != _SHAPE), None)
+    if rows is None:
+        raise QerlError("an expert's gate_proj holds no weight tensor; the checkpoint is incomplete: quantize the "
+                        "model again with `qerl quantize`")
     out: dict[str, torch.Tensor] = {}
     for name, t in first.items():
         if name == _SHAPE:
@@ -459,7 +462,7 @@ def experts_from_checkpoint(state: dict[str, torch.Tensor], prefix: str, config:
 
     spec = get_format(fmt)
     if spec.quantized and f"{prefix}.0.gate_proj.weight" in state:
-        spec = next(f for f in FORMATS.values() if not f.quantized)
+        spec = next((f for f in FORMATS.values() if not f.quantized), spec)
         fmt, group_size, act_quant = spec.name, None, None
     e_count, inter, hidden = int(config.num_experts), int(config.moe_intermediate_size), int(config.hidden_size)
     tensors: dict[str, dict[str, list[torch.Tensor]]] = {p: {} for p in PROJECTIONS}

@@ -61,7 +61,7 @@ def test_async_steps_train_with_the_correction_and_checkpoint_the_data_position(
         assert torch.isfinite(torch.tensor(m["loss"])) and "sampling/is_weight_mean" in m
         if t.pending is not None:
             # a checkpoint now records the data position before the rollouts in flight
-            assert t._trainer_state()["data"] == t.pending.resume_state["data"] != t.stream.state()
+            assert t.trainer_state()["data"] == t.pending.resume_state["data"] != t.stream.state()
     assert lags == [0.0, 1.0, 1.0] and t.pending is None
 
 

@@ -42,7 +42,8 @@ def test_eos_workload_counts_padding_and_flops(tmp_path) -> None:
     assert r["batch_padded_tokens"] > r["batch_tokens"] and 0 < r["padding_pct"] < 100
     assert r["pack_sequences"] is True
     assert r["decode_steps"] >= 1 and r["rollout_ms_per_token_step"] > 0
-    assert r["recompute_tflops"] > 0 and r["recompute_mfu"] is None  # no ceiling off CUDA
+    # no pi_old pass runs by default (the update forward's own log-probs are pi_old): no rate for it
+    assert r["recompute_tflops"] is None and r["fwd_bwd_tflops"] > 0 and r["fwd_bwd_mfu"] is None  # no ceiling off CUDA
     assert res["matmul_ceiling_tflops"] is None
     assert render_table(res).row_count == 1
 
