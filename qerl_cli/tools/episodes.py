@@ -94,15 +94,14 @@ class Episodes:
     def env_reward(sample: Any) -> float:
         return float(sum(getattr(step, "reward", 0.0) for step in sample.steps))
 
-    def rewards(self, samples: list[Any], prompts: list[str], answers: list[str], reward_fn: Callable[..., Any],
+    def rewards(self, samples: list[Any], prompts: list[str], answers: list[str], score: Callable[..., Any],
                 decode: Decode, *, graded: bool = True) -> torch.Tensor:
-        """One reward per episode: ``reward_fn`` on its answer text (``graded``), plus its environment's rewards."""
-        from qerl_cli.tasks.rewards import safe_rewards
-
+        """One reward per episode: ``score(prompts, answer_texts, answer=answers)`` (a checked reward, such as
+        ``partial(safe_rewards, reward_fn)``) when ``graded``, plus its environment's rewards."""
         out = torch.zeros(len(samples), dtype=torch.float32)
         if graded:
             texts = [self.answer_text(s, decode) for s in samples]
-            out += torch.tensor(safe_rewards(reward_fn, prompts, texts, answer=answers), dtype=torch.float32)
+            out += torch.tensor(score(prompts, texts, answer=answers), dtype=torch.float32)
         if self.env_cls is not None:
             out += torch.tensor([self.env_reward(s) for s in samples], dtype=torch.float32)
         return out

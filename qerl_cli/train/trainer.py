@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -568,7 +569,7 @@ class Trainer:
             raw = torch.tensor(safe_rewards(self.reward_fn, prompts, [s.text or "" for s in samples], answer=answers),
                                dtype=torch.float32)
         else:  # graded on what the model wrote (its tool calls left out); an environment's own rewards added
-            raw = self.episodes.rewards(samples, prompts, answers, self.reward_fn, self.decode,
+            raw = self.episodes.rewards(samples, prompts, answers, partial(safe_rewards, self.reward_fn), self.decode,
                                         graded=self.cfg.env is None or self.cfg.reward is not None)
         assert raw.numel() == len(indices) * g
         shaped = raw.clone()
