@@ -393,9 +393,11 @@ tools_arm() {  # DIR ARM SEED: one run, base scored, trained, trained scored (th
   {
     qerl "$b" eval arith --run "$run" --checkpoint base --limit "${QERL_TOOLS_HELDOUT:-100}" --samples "$n" \
       --temperature 1.0 --json "${ev[@]}" > /dev/null
+    # the engine's budget counts the other runs' memory as in use, and each run's KV cache is sized by its need
+    # (~2 GiB here): a budget of the whole card lets all of them start, a small share per run starves the last ones
     # shellcheck disable=SC2086
     qerl "$b" train --run "$run" --config gpu_arith --steps "$steps" --save-steps "$steps" --seed "$3" \
-      --no-log-rollouts --gpu-memory-utilization 0.08 "${train[@]}" ${QERL_TOOLS_TRAIN_ARGS:-}
+      --no-log-rollouts --gpu-memory-utilization 0.9 "${train[@]}" ${QERL_TOOLS_TRAIN_ARGS:-}
     qerl "$b" eval arith --run "$run" --limit "${QERL_TOOLS_HELDOUT:-100}" --samples "$n" --temperature 1.0 --json \
       "${ev[@]}" > /dev/null
   } > "$1/$2_s$3.log" 2>&1
