@@ -9,7 +9,6 @@ linear.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,6 +24,7 @@ from qerl_kernels.fp4 import (
     kernel_scales,
     mxfp4_shift,
 )
+from qerl_kernels.options import kernel_options
 from qerl_kernels.w8 import w8_matmul_t
 
 if TYPE_CHECKING:
@@ -34,19 +34,10 @@ FP4_FORMATS = ("nvfp4", "mxfp4")
 W8_FORMATS = ("int8", "fp8")
 SUPPORTED = FP4_FORMATS + W8_FORMATS
 
-# Rows from which a transient dequantized weight + cuBLAS beats the fused kernel (H100/H200, measured by
-# `qerl bench kernels`); the backward product switches at its own threshold.
-LARGE_M_DEQUANT = int(os.environ.get("QERL_FP4_DEQUANT_M", "512"))
-LARGE_M_DEQUANT_T = int(os.environ.get("QERL_FP4_DEQUANT_T_M", "1024"))
-FP8_ACT_MIN_M = int(os.environ.get("QERL_FP8_ACT_MIN_M", "64"))
-
-# The repacked FP4 layout (fp4.repack_fp4) replaces the checkpoint byte order in place at load;
-# QERL_FP4_REPACK=0 keeps the checkpoint order (slower kernel, no repack).
-REPACK = os.environ.get("QERL_FP4_REPACK", "1") != "0"
-
-
-def _fp8_act_mode() -> str:
-    return os.environ.get("QERL_FP8_ACT", "0")
+# The M thresholds (rows from which a transient dequantized weight + cuBLAS beats the fused kernel, H100/H200,
+# measured by `qerl bench kernels`; the backward product switches at its own), the FP8-activation switch and
+# whether the FP4 weights are repacked at load (fp4.repack_fp4; off keeps the checkpoint byte order: slower
+# kernel, no repack) are kernel options (options.py), read where they are used so an override applies.
 
 
 # ---- launch configurations -----------------------------------------------------------------------
@@ -149,7 +140,8 @@ def kernel_state(module: nn.Module) -> KernelState:
     if module.fmt == "mxfp4":
         st.shift = mxfp4_shift(t["weight_scale"])
     layout = getattr(module, "_layout", None)
-    if module.fmt in FP4_FORMATS and REPACK and module.in_features % 128 == 0 and layout is not None:
+    repack = kernel_options().fp4_repack
+    if module.fmt in FP4_FORMATS and repack and module.in_features % 128 == 0 and layout is not None:
         layout.repack_in_place(tiled=module.out_features % 64 == 0)
         st.tiled = layout.kind == "tiled"
         st.repacked = t["weight_packed"]
@@ -183,12 +175,13 @@ def block_scales(module: nn.Module, st: KernelState, dtype: torch.dtype) -> torc
 
 # ---- forward / backward on 2-D activations ---------------------------------------------------------
 def use_fp8_activations(x: torch.Tensor, st: KernelState) -> bool:
-    mode = _fp8_act_mode()
+    opts = kernel_options()
+    mode = opts.fp8_act
     if st.fmt != "fp8" or mode == "0" or INTERPRET or not x.is_cuda or x.dtype != torch.bfloat16:
         return False
     if torch.cuda.get_device_capability(x.device) < (8, 9) or st.k % 16 or st.n % 16:
         return False
-    return mode == "1" or x.shape[0] >= FP8_ACT_MIN_M
+    return mode == "1" or x.shape[0] >= opts.fp8_act_min_m
 
 
 def fp4_fused(x: torch.Tensor, module: nn.Module, cfg: TileConfig | None = None) -> torch.Tensor:
@@ -271,7 +264,7 @@ def linear_backward_dx(dy: torch.Tensor, module: nn.Module) -> torch.Tensor:
     if st.fmt in FP4_FORMATS:
         gs = t.get("weight_global_scale")
         # the transposed fused kernel reads checkpoint order only: a repacked module always dequantizes
-        if st.repacked is not None or (m >= LARGE_M_DEQUANT_T and not INTERPRET):
+        if st.repacked is not None or (m >= kernel_options().fp4_dequant_t_m and not INTERPRET):
             return dy @ dequantized(module, dy.dtype)
         return fp4_matmul_t(dy, t["weight_packed"], t["weight_scale"], gs, st.fmt, fp4_t_config(m, st.n, st.k),
                             shift=st.shift)

@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 from qerl_kernels._common import num_sms
+from qerl_kernels.options import kernel_options
 
 log = logging.getLogger("qerl.kernels")
 
 SRC = Path(__file__).parent / "cuda" / "fp4_gemm.cu"
 # --split-compile=0: the device code of its 95 kernels optimised in parallel on every core (same SASS, checked)
 NVCC_FLAGS = ("-O3", "-std=c++17", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", "--split-compile=0")
-CACHE_ENV = "QERL_CUDA_CACHE"
 # The built kernel configurations (keep in step with QERL_FP4_CONFIGS in fp4_gemm.cu): (MT 8-token tiles per
 # CTA, WN warps along N each on its own 16-row block, WK warps splitting K, PERM reads the permuted
 # activation copy made by a small first kernel instead of gathering 4-byte pairs from x).
@@ -60,8 +60,6 @@ PMODE_IMBALANCE = 1.06  # whole portions per CTA when the busiest CTA has at mos
 MAX_SEGS = 32  # K segments the fix-up kernel takes (MAX_SEGS in fp4_gemm.cu)
 XSEG_BYTES = 96 * 1024  # decode kernel: activation bytes per K segment that the L1 of an SM is meant to keep
 MAX_LORA_RANK = 256
-PLANS_ENV = "QERL_CUDA_FP4_PLANS"  # "stream" (default: stream kernels at M <= 64) or "legacy" (the A/B switch)
-PDL_ENV = "QERL_CUDA_PDL"  # "0": never launch with programmatic dependent launch
 POISON_WORKSPACE = False  # the self-check sets it: fp32 workspaces start as NaN, so a piece nobody wrote shows
 
 _failed: list[str] = []
@@ -83,8 +81,7 @@ def source_hash() -> str:
 
 
 def library_path() -> Path:
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qerl" / "cuda")
-    return root / f"qerl_fp4_gemm-{source_hash()}.so"
+    return kernel_options().cuda_cache / f"qerl_fp4_gemm-{source_hash()}.so"
 
 
 def build() -> Path:
@@ -355,9 +352,10 @@ def launch_plan(m: int, n: int, k: int, sms: int, mt: int | None = None, splits:
                 wn: int | None = None, wk: int | None = None, perm: bool | None = None) -> Plan:
     """The plan for an [m, k] x [n, k]^T product: a fixed rule (the summation order, and so the bits, depend on the
     plan; a timed choice could differ between processes). M <= 16: the decode kernel; M <= 64: the wide kernel;
-    above, or when legacy arguments are given or QERL_CUDA_FP4_PLANS=legacy: the legacy kernels."""
+    above, or when legacy arguments are given or the `cuda_fp4_plans` option (QERL_CUDA_FP4_PLANS) is legacy: the
+    legacy kernels."""
     forced = any(v is not None for v in (mt, splits, wn, wk, perm))
-    if forced or m > WIDE_MAX_M or os.environ.get(PLANS_ENV, "stream") == "legacy":
+    if forced or m > WIDE_MAX_M or kernel_options().cuda_fp4_plans == "legacy":
         return legacy_plan(m, n, k, sms, mt, splits, wn, wk, perm)
     if m <= DECODE_MAX_M:
         return decode_plan(m, n, k, sms)
@@ -374,9 +372,10 @@ def check_plan(plan: Plan) -> None:
 
 def use_pdl(pdl: bool | None) -> bool:
     """Programmatic dependent launch: on while a CUDA graph is captured (the weights a kernel prefetches before
-    griddepcontrol.wait are then constant), never with QERL_CUDA_PDL=0. Eagerly a kernel right before the GEMM may
-    have written the weight (the in-place repack), so there it is off unless asked for."""
-    if os.environ.get(PDL_ENV, "1") == "0":
+    griddepcontrol.wait are then constant), never with the `cuda_pdl` option off (QERL_CUDA_PDL=0). Eagerly a
+    kernel right before the GEMM may have written the weight (the in-place repack), so there it is off unless
+    asked for."""
+    if not kernel_options().cuda_pdl:
         return False
     return torch.cuda.is_current_stream_capturing() if pdl is None else pdl
 

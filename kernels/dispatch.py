@@ -1,12 +1,13 @@
 """Which FP4 forward kernel a `QuantLinear` runs at M rows: measured once per shape on this GPU, cached.
 
-Backends (`set_backend(name)`, or QERL_LINEAR_BACKEND; `qerl bench rollout --linear-backend` calls it):
+Backends (`set_backend(name)`, or QERL_LINEAR_BACKEND read at start-up into `options.kernel_options()`;
+`qerl bench rollout --linear-backend` calls `set_backend`):
 - `auto` (default): per (format, N, K, activation dtype) and M bucket, the fastest of the candidates below
   that is correct on this GPU, from a short timing pass the first time the shape runs outside graph
   capture (a few hundred ms per shape); the plan is cached on disk per GPU, library versions and kernel
   source, and logged (logger `qerl.kernels`).
-- `qerl`: qerl's own kernels by the fixed M threshold (fused Triton below `LARGE_M_DEQUANT`, dequantize +
-  cuBLAS from it) - what qerl ran before the timing pass, and the fallback while a graph is captured;
+- `qerl`: qerl's own kernels by the fixed M threshold (fused Triton below the `fp4_dequant_m` option,
+  dequantize + cuBLAS from it) - what qerl ran before the timing pass, and the fallback while a graph is captured;
 - `triton`: the fused Triton kernel at every M; `cublas`: dequantize + cuBLAS at every M;
 - `cuda`: qerl's CUDA C++ kernel (`cuda_fp4`, Hopper only, built with nvcc on first use) at every M; it
   reads the same resident repack as `triton`/`cublas`, so choosing it costs no extra weight copy;
@@ -14,8 +15,8 @@ Backends (`set_backend(name)`, or QERL_LINEAR_BACKEND; `qerl bench rollout --lin
   a second resident copy, which `auto` accepts only where humming measured faster;
   QERL_DISPATCH_CANDIDATES=triton,cublas keeps `auto` on qerl's single copy, and so does
   `allow_extra_copies(False)`, which the training memory plan calls when the step would not fit with them).
-`set_backend` writes QERL_LINEAR_BACKEND so the run's manifest (which records every QERL_* variable)
-names the backend. Timing uses `triton.testing.do_bench` (median; it flushes L2 before every call, so the
+`set_backend` updates the kernel options, so the run's manifest (which records the resolved options) names the
+backend. Timing uses `triton.testing.do_bench` (median; it flushes L2 before every call, so the
 weights come from HBM) on the module's own weight.
 
 With a LoRA expand to add (`choose(module, x, lora_rank=R)`, used by `linear.forward_with_lora`), the plan is
@@ -37,15 +38,13 @@ from typing import Any
 
 import torch
 from qerl_kernels._common import KernelSettingError
+from qerl_kernels.options import LINEAR_BACKENDS, kernel_options, update
 from torch import nn
 
 log = logging.getLogger("qerl.kernels")
 
-BACKENDS = ("auto", "qerl", "triton", "humming", "cublas", "cuda")
+BACKENDS = LINEAR_BACKENDS
 M_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-ENV = "QERL_LINEAR_BACKEND"
-CACHE_ENV = "QERL_KERNEL_CACHE"
-CANDIDATES_ENV = "QERL_DISPATCH_CANDIDATES"
 _plans: dict[tuple, dict[int, str]] = {}  # shape key -> {bucket: backend}
 # module -> {(dtype, rank, candidates setting, extra copies, epoch): plan}, a shortcut past `shape_key`
 _module_plans: weakref.WeakKeyDictionary[nn.Module, dict[tuple, dict[int, str]]] = weakref.WeakKeyDictionary()
@@ -62,11 +61,12 @@ def _check(name: str) -> str:
 
 
 def get_backend() -> str:
-    return _check(os.environ.get(ENV, "auto") or "auto")
+    return kernel_options().linear_backend
 
 
 def set_backend(name: str) -> None:
-    """Force one backend for every FP4 QuantLinear forward (or `auto`); recorded through QERL_LINEAR_BACKEND."""
+    """Force one backend for every FP4 QuantLinear forward (or `auto`) for the rest of the process; the manifest
+    records it with the other kernel options."""
     _check(name)
     if name == "humming":
         from qerl_kernels import humming_peer
@@ -80,7 +80,7 @@ def set_backend(name: str) -> None:
         if not cuda_fp4.available():
             raise KernelSettingError("linear backend 'cuda' needs a Hopper (sm_90) GPU and nvcc to build qerl's CUDA "
                                      "FP4 kernel (set CUDA_HOME); choose auto|qerl|triton|cublas")
-    os.environ[ENV] = name
+    update(linear_backend=name)
 
 
 def bucket(m: int) -> int:
@@ -91,9 +91,7 @@ def bucket(m: int) -> int:
 
 
 def _threshold_choice(m: int) -> str:
-    from qerl_kernels.backends import LARGE_M_DEQUANT
-
-    return "cublas" if m >= LARGE_M_DEQUANT else "triton"
+    return "cublas" if m >= kernel_options().fp4_dequant_m else "triton"
 
 
 def choose(module: nn.Module, x: torch.Tensor, lora_rank: int | None = None) -> str:
@@ -121,7 +119,7 @@ def module_plan(module: nn.Module, dtype: torch.dtype, lora_rank: int | None = N
     """`auto`'s {bucket: backend} for `module` (loaded, or measured now), or None inside a graph capture when it
     is not known yet. Remembered per module: the shape key alone (format, shape, candidate list) costs ~15 us of
     Python per call, and a training step calls this for every linear, forward and backward."""
-    memo_key = (dtype, lora_rank, os.environ.get(CANDIDATES_ENV), _extra_copies, _epoch)
+    memo_key = (dtype, lora_rank, kernel_options().dispatch_candidates, _extra_copies, _epoch)
     per_module = _module_plans.get(module)
     if per_module is not None:
         plan = per_module.get(memo_key)
@@ -197,12 +195,12 @@ def derived_bytes(fmt: str, n: int, k: int, act_elem: int = 2, bias: bool = Fals
     dtype (`fp4.kernel_scales`, 2 bytes per block of 16 (NVFP4) or 32 (MXFP4) weights, one set per storage:
     a fused q/k/v or gate/up shares it with its parts) and, with a bias, the CUDA kernel's fp32 copy of it.
     FP8: the fp32 scale row of the FP8xFP8 path. The repack itself is in place (no bytes)."""
-    from qerl_kernels.backends import FP4_FORMATS, REPACK
+    from qerl_kernels.backends import FP4_FORMATS
 
     if fmt in FP4_FORMATS:
         from qerl_kernels.fp4 import group_size
 
-        if not REPACK or k % 128:
+        if not kernel_options().fp4_repack or k % 128:
             return 0
         return n * (k // group_size(fmt)) * 2 + (n * 4 if bias else 0)
     return n * 4 if fmt == "fp8" else 0
@@ -242,20 +240,15 @@ def extra_copies_allowed() -> bool:
 
 def candidates() -> list[str]:
     """What `auto` measures: triton, cublas, cuda (Hopper with nvcc) and (installed, unless
-    `allow_extra_copies(False)`) humming, or the subset QERL_DISPATCH_CANDIDATES names (e.g. `triton,cublas,cuda`
-    keeps auto on qerl's one resident copy)."""
+    `allow_extra_copies(False)`) humming, or the subset the `dispatch_candidates` option names
+    (QERL_DISPATCH_CANDIDATES; e.g. `triton,cublas,cuda` keeps auto on qerl's one resident copy)."""
     from qerl_kernels import cuda_fp4, humming_peer
 
     found = ["triton", "cublas"] + (["cuda"] if cuda_fp4.available() else []) + \
         (["humming"] if _extra_copies and humming_peer.available() else [])
-    wanted = os.environ.get(CANDIDATES_ENV)
-    if not wanted:
+    names = kernel_options().dispatch_candidates  # checked when the options were read
+    if not names:
         return found
-    names = [w.strip() for w in wanted.split(",") if w.strip()]
-    bad = [w for w in names if w not in ("triton", "cublas", "cuda", "humming")]
-    if bad or not names:
-        raise KernelSettingError(f"{CANDIDATES_ENV}={wanted!r}: name some of triton, cublas, cuda, humming "
-                                 "(comma-separated)")
     return [c for c in found if c in names] or ["triton"]
 
 
@@ -343,8 +336,7 @@ def _time_gpu(fn, rep_ms: int) -> float:  # noqa: ANN001
 
 # ---- the on-disk cache ---------------------------------------------------------------------------------
 def cache_path() -> Path:
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qerl" / "kernel_plans")
-    return root / f"{_fingerprint()}.json"
+    return kernel_options().kernel_cache / f"{_fingerprint()}.json"
 
 
 def _fingerprint() -> str:

@@ -4,7 +4,7 @@ FP4 (NVFP4/MXFP4) dispatch by M, the rows of activations (thresholds from the H2
 docs/benchmarks.md):
 - M <= 16 (decode): fused dequantize-GEMM on the load-time repacked weight (`fp4.repack_fp4`, tiled),
   16-row activation tile, split-K to ~6 CTAs per SM, reduced in the same launch in fixed order;
-- 16 < M < `LARGE_M_DEQUANT` (512): the same kernel with 64/128/256-row activation tiles, split-K with a
+- 16 < M < `fp4_dequant_m` (512): the same kernel with 64/128/256-row activation tiles, split-K with a
   second fixed-order reduction pass when tiles are few;
 - M >= 512: the exact Triton dequantizer into a transient bf16 weight, then cuBLAS (it measured faster).
 - on Hopper, qerl's CUDA C++ kernel (`cuda_fp4`, backend `cuda`) on the same repacked bytes, a candidate
@@ -12,13 +12,13 @@ docs/benchmarks.md):
 Both reductions are deterministic (no float atomics). INT8/FP8 use the W8A16 kernels at every M, so
 decode, prefill and the training forward compute one function (rollout-vs-training mismatch stays at the
 BF16 level). `QERL_FP8_ACT=auto` opts in to the FP8xFP8 tensor-core path for bf16 activations at
-M >= `FP8_ACT_MIN_M` (per-token activation scales: the FP8_DYNAMIC scheme, 1.1-1.5x faster there), at the
+M >= `fp8_act_min_m` (per-token activation scales: the FP8_DYNAMIC scheme, 1.1-1.5x faster there), at the
 price of a training forward that differs from the decode path (k3 2.6e-2 measured on the embedded model).
 
 Backward is `QuantLinearFunction`: it saves no tensor (the frozen weight has no gradient and dx does
-not need x) and computes dx = dy @ dequant(W) with the transposed fused kernel; from
-`LARGE_M_DEQUANT_T` rows (1024) it dequantizes one layer's weight transiently and calls cuBLAS, which
-was 1.8x faster at M = 2048 (set QERL_FP4_DEQUANT_T_M very high to never build that transient copy).
+not need x) and computes dx = dy @ dequant(W) with the transposed fused kernel; from `fp4_dequant_t_m`
+rows (1024, QERL_FP4_DEQUANT_T_M) it dequantizes one layer's weight transiently and calls cuBLAS, which was
+1.8x faster at M = 2048 (set QERL_FP4_DEQUANT_T_M very high to never build that transient copy).
 The FP4 weight is repacked at load IN PLACE (`module._layout`, see `qerl_cli.qlinear.PackedLayout`), so
 the GPU holds one copy of it: the fused kernel reads it, and the large-M forward and every backward
 dequantize it with `fp4_dequantize_v2` (bit-identical to the reference) into a transient bf16 weight for

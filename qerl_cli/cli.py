@@ -49,7 +49,11 @@ RunOpt = Annotated[Path, typer.Option("--run", help="Run directory shared by all
 
 @app.callback()
 def _main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False) -> None:
-    _state["debug"] = debug or os.environ.get("QERL_DEBUG") == "1"
+    from qerl_cli.options import reload_options
+
+    # start-up: every QERL_* setting is read here, once, and checked (a bad value stops the run before any work)
+    _state["debug"] = debug  # first: with --debug, a bad setting shows its traceback
+    _state["debug"] = debug or reload_options().debug
 
 
 def _fmt_bytes(n: int) -> str:

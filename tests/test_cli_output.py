@@ -35,9 +35,9 @@ def test_quantize_says_so_before_converting_a_gguf_file(tmp_path: Path, monkeypa
 
 
 def test_the_embedded_model_is_announced_only_while_no_converted_copy_is_cached(embedded, tiny_source,
-                                                                                tmp_path: Path, monkeypatch) -> None:
+                                                                                tmp_path: Path, use_options) -> None:  # noqa: ANN001
     assert conversion_notice(resolve_model(None)) is None  # the session's cache holds the converted copy
-    monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path))  # an empty cache: the next load converts
+    use_options(cache_dir=tmp_path)  # an empty cache: the next load converts
     assert conversion_notice(resolve_model(None)) == "converting the embedded GGUF model (first run only, ~40 s) ..."
     assert conversion_notice(resolve_model(str(tiny_source))) is None  # a model directory is read as it is
 

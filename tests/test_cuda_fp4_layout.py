@@ -145,8 +145,8 @@ _DECODE_SHAPES = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944),  # Q
                   (7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648)]  # Qwen2.5-32B
 
 
-def test_launch_plan_picks_the_stream_kernels_at_decode_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(cuda_fp4.PLANS_ENV, raising=False)
+def test_launch_plan_picks_the_stream_kernels_at_decode_sizes(use_options) -> None:  # noqa: ANN001
+    use_options(cuda_fp4_plans="stream")  # the default, whatever the process was started with
     kinds = {m: cuda_fp4.launch_plan(m, 4608, 3584, 132).kind for m in (1, 8, 16, 17, 32, 64, 65, 256)}
     assert kinds == {1: "decode", 8: "decode", 16: "decode", 17: "wide", 32: "wide", 64: "wide", 65: "legacy",
                      256: "legacy"}
@@ -165,13 +165,13 @@ def test_launch_plan_picks_the_stream_kernels_at_decode_sizes(monkeypatch: pytes
     assert (p.nseg, p.kcs) == (4, 37)
     # the SM count read off the device sizes the grid; QERL_CUDA_FP4_PLANS=legacy switches back
     assert cuda_fp4.launch_plan(8, 37888, 3584, 78).ctas == 234
-    monkeypatch.setenv(cuda_fp4.PLANS_ENV, "legacy")
+    use_options(cuda_fp4_plans="legacy")
     assert cuda_fp4.launch_plan(8, 37888, 3584, 132).kind == "legacy"
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 16, 17, 32, 33, 64])
-def test_stream_plans_cover_every_unit_once_and_fit_32_bit(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(cuda_fp4.PLANS_ENV, raising=False)
+def test_stream_plans_cover_every_unit_once_and_fit_32_bit(m: int, use_options) -> None:  # noqa: ANN001
+    use_options(cuda_fp4_plans="stream")
     for n, k in _DECODE_SHAPES:
         for sms in (132, 78):
             p = cuda_fp4.launch_plan(m, n, k, sms)
@@ -300,23 +300,22 @@ def test_lora_epilogue_support_and_argument_checks() -> None:
                              x, 4, 32)
 
 
-def test_cuda_backend_is_refused_clearly_without_a_hopper_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_backend_is_refused_clearly_without_a_hopper_gpu(use_options) -> None:  # noqa: ANN001
     from qerl_kernels import dispatch
     from qerl_kernels._common import KernelSettingError
 
-    monkeypatch.setenv(dispatch.ENV, "auto")
+    use_options(linear_backend="auto")
     if cuda_fp4.available():
         pytest.skip("a Hopper GPU with nvcc is present")
     with pytest.raises(KernelSettingError, match="needs a Hopper"):
         dispatch.set_backend("cuda")
-    monkeypatch.setenv(dispatch.CANDIDATES_ENV, "triton,cuda")
+    use_options(dispatch_candidates="triton,cuda")
     assert "cuda" not in dispatch.candidates()  # named but not buildable here: measured without it
-    monkeypatch.setenv(dispatch.CANDIDATES_ENV, "triton,cuda,bogus")
     with pytest.raises(KernelSettingError, match="cuda"):
-        dispatch.candidates()
+        use_options(dispatch_candidates="triton,cuda,bogus")
 
 
-def test_lora_plans_are_keyed_apart_and_forward_with_lora_runs_off_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lora_plans_are_keyed_apart_and_forward_with_lora_runs_off_gpu(use_options) -> None:  # noqa: ANN001
     from qerl_kernels import dispatch
     from qerl_kernels import linear as ql
 
@@ -324,11 +323,11 @@ def test_lora_plans_are_keyed_apart_and_forward_with_lora_runs_off_gpu(monkeypat
 
     torch.manual_seed(0)
     mod = QuantLinear.from_linear(torch.nn.Linear(256, 64, bias=True), "nvfp4")
-    monkeypatch.setenv(dispatch.CANDIDATES_ENV, "triton,cublas")
+    use_options(dispatch_candidates="triton,cublas")
     plain, lora = dispatch.shape_key(mod, torch.bfloat16), dispatch.shape_key(mod, torch.bfloat16, 32)
     assert lora[:-1] == plain and lora[-1] == "lora32"  # a plan per rank; the plain key is unchanged
     x, h, b = torch.randn(3, 256), torch.randn(3, 16), torch.randn(64, 16) * 0.1
-    monkeypatch.setenv(dispatch.ENV, "cublas")
+    use_options(linear_backend="cublas")
     assert dispatch.choose(mod, x, lora_rank=16) == "cublas"  # a forced backend answers for LoRA plans too
     y = ql.forward_with_lora(x, mod, h, b)  # off the GPU: the module, then one addmm
     ref = x @ mod.dequantized_weight(torch.float32).T + mod.bias + h @ b.T

@@ -180,11 +180,11 @@ def decode_step_ops(layers: int, fast: bool) -> Counter[str]:
     return counter.counts
 
 
-def test_decode_step_op_count_per_layer(monkeypatch) -> None:
+def test_decode_step_op_count_per_layer(monkeypatch, use_options) -> None:  # noqa: ANN001
     """LoRA on all 7 linears (nn.Linear bases): per layer, the difference of a 3- and a 1-layer model."""
     from qerl_kernels import decode as kd
 
-    monkeypatch.delenv("QERL_FUSED_LORA", raising=False)  # the default: issue 25's Triton shrinks
+    use_options(fused_lora=True)  # the default: Triton shrinks
     per_layer = {}
     for fast in (False, True):
         c1, c3 = decode_step_ops(1, fast), decode_step_ops(3, fast)
@@ -207,7 +207,7 @@ def test_decode_step_op_count_per_layer(monkeypatch) -> None:
     assert ops["triton.rmsnorm_shrink"] == 2 and ops["triton.add_rmsnorm"] == 1  # the final norm has no LoRA
     assert ops["triton.silu_mul_shrink"] == 1 and ops["triton.lora_shrink"] == 1 and ops["triton.rope_kv_write"] == 1
     assert ops["aten.mm.default"] + ops["aten.addmm.default"] == 5 and ops["aten.addmm_.default"] == 4
-    monkeypatch.setenv("QERL_FUSED_LORA", "0")  # issue 15's path: one cuBLAS shrink GEMM per group
+    use_options(fused_lora=False)  # the A/B path: one cuBLAS shrink GEMM per group
     ops = decode_step_ops(1, True)
     assert ops["triton.add_rmsnorm"] == 3 and ops["triton.silu_mul"] == 1 and "triton.lora_shrink" not in ops
     assert ops["aten.mm.default"] + ops["aten.addmm.default"] == 9  # + the 4 shrink GEMMs
@@ -248,15 +248,15 @@ def _teacher_forced(model: nn.Module, result) -> tuple[list[list[int]], torch.Te
                          [(False, False, False), (True, False, False), (False, True, False), (True, True, False),
                           (True, True, True)],
                          ids=["dense", "nvfp4", "dense-fused-lora", "nvfp4-fused-lora", "nvfp4-one-launch-shrinks"])
-def test_fused_projections_with_folded_lora_equal_peft(monkeypatch, quantized: bool, fused: bool,
-                                                       one_launch: bool) -> None:
+def test_fused_projections_with_folded_lora_equal_peft(monkeypatch, use_options, quantized: bool,  # noqa: ANN001
+                                                       fused: bool, one_launch: bool) -> None:
     """q/k/v and gate/up as one GEMM each, LoRA as one shrink + one block-diagonal expand per group
     (r = 8 on all seven linears), fp32 on CPU: greedy tokens equal to the peft model's own argmax and
     log-probs within 1e-5 of its teacher-forced forward, before and after an in-place optimizer step.
     ``fused`` (the default path, Triton under the interpreter): the shrinks by ``lora_shrink`` after the norm
     kernel and on the attention output, down's by cuBLAS after the SiLU kernel; ``one_launch``: the shrinks
     computed inside the RMSNorm / SiLU kernels (the forms the measured rule leaves off, kept exact)."""
-    monkeypatch.delenv("QERL_FUSED_LORA", raising=False)
+    use_options(fused_lora=True)
     if one_launch:
         monkeypatch.setattr(decode_kernels, "NORM_SHRINK_MAX_ROWS", 256)
         monkeypatch.setattr(decode_kernels, "SILU_SHRINK_MAX_ROWS", 256)

@@ -139,22 +139,22 @@ def test_parts_off_64_row_boundaries_use_the_row_local_repack() -> None:
         assert torch.equal(p.weight_packed, repack_fp4(b, tiled=False))
 
 
-def test_backend_override_and_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(dispatch.ENV, "auto")  # restored (or removed) after the test
+def test_backend_override_and_buckets(use_options) -> None:  # noqa: ANN001
+    use_options(linear_backend="auto")  # restored after the test
     assert dispatch.get_backend() == "auto"
     dispatch.set_backend("cublas")
     assert dispatch.get_backend() == "cublas"
-    import os
+    from qerl_cli.env_info import resolved_options
 
-    assert os.environ[dispatch.ENV] == "cublas"  # what the manifest records
+    assert resolved_options()["kernels"]["linear_backend"] == "cublas"  # what the manifest records
     with pytest.raises(KernelSettingError, match="choose one of auto, qerl, triton, humming, cublas"):
         dispatch.set_backend("fastest")
-    monkeypatch.setenv(dispatch.ENV, "auto")
+    use_options(linear_backend="auto")
     assert [dispatch.bucket(m) for m in (1, 2, 9, 16, 200, 256, 257, 5000)] == [1, 8, 16, 16, 256, 256, 512, 2048]
 
 
-def test_plan_cache_round_trip(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
-    monkeypatch.setenv(dispatch.CACHE_ENV, str(tmp_path))
+def test_plan_cache_round_trip(use_options, tmp_path) -> None:  # noqa: ANN001
+    use_options(kernel_cache=tmp_path)
     dispatch.reset()
     key = ("nvfp4", 4608, 3584, "bfloat16", True)
     plan = {1: "triton", 256: "cublas"}
@@ -166,11 +166,10 @@ def test_plan_cache_round_trip(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Non
     dispatch.reset()
 
 
-def test_dispatch_candidates_follow_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(dispatch.CANDIDATES_ENV, "cublas")
+def test_dispatch_candidates_follow_the_option(use_options) -> None:  # noqa: ANN001
+    use_options(dispatch_candidates="cublas")
     assert dispatch.candidates() == ["cublas"]
-    monkeypatch.setenv(dispatch.CANDIDATES_ENV, "triton, cublas")
+    use_options(dispatch_candidates="triton, cublas")
     assert dispatch.candidates() == ["triton", "cublas"]
-    monkeypatch.setenv(dispatch.CANDIDATES_ENV, "marlin")
     with pytest.raises(KernelSettingError, match="QERL_DISPATCH_CANDIDATES"):
-        dispatch.candidates()
+        use_options(dispatch_candidates="marlin")

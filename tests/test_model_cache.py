@@ -33,10 +33,10 @@ def test_cached_load_equals_the_gguf_load(embedded) -> None:
     assert all(torch.equal(v.to(torch.bfloat16), half.state_dict()[k]) for k, v in a.items())
 
 
-def test_a_folder_without_its_marker_is_not_a_cache(tmp_path, monkeypatch) -> None:
+def test_a_folder_without_its_marker_is_not_a_cache(tmp_path, use_options) -> None:  # noqa: ANN001
     """A copy interrupted before its marker was written is never read (the marker is written last)."""
     src = models.resolve_model(None)
-    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    use_options(cache_dir=tmp_path)
     folder = models.gguf_cache_dir(Path(src.location) / src.gguf_file)
     assert folder.is_relative_to(tmp_path / "gguf") and models.cached_gguf(src) is None
     folder.mkdir(parents=True)

@@ -138,18 +138,17 @@ def test_graphs_follow_lora_toggles_and_bf16() -> None:
     assert run(graphs, greedy, prompts=prompts)[0] == with_lora == run(eager, greedy, prompts=prompts)[0]
 
 
-def _default_switches(monkeypatch) -> None:
+def _default_switches(use_options) -> None:  # noqa: ANN001
     """The default decode path, whatever switches the process was started with (`scripts/gpu.sh gputests` runs
     this file under each decode switch in QERL_GPU_TEST_ENVS; tests of the defaults test the defaults)."""
-    for name in ("QERL_FUSED_LORA", "QERL_FUSED_SAMPLING", "QERL_CUDA_FP4_PLANS", "QERL_CUDA_PDL", "QERL_FAST_DECODE",
-                 "QERL_DECODE_ATTN"):
-        monkeypatch.delenv(name, raising=False)
+    use_options(fused_lora=True, fused_sampling=True, cuda_fp4_plans="stream", cuda_pdl=True, fast_decode=True,
+                decode_attn="sdpa")
 
 
-def test_fast_decode_path_on_cuda(monkeypatch) -> None:
+def test_fast_decode_path_on_cuda(use_options) -> None:  # noqa: ANN001
     """The fused Triton kernels build, pass their first-use check and, with LoRA shadows, give the module
     path's greedy tokens (fp32) inside CUDA graphs; QERL_FAST_DECODE=0 turns the whole path off."""
-    _default_switches(monkeypatch)
+    _default_switches(use_options)
     from peft import LoraConfig, get_peft_model
     from qerl_kernels import decode as decode_kernels
 
@@ -172,7 +171,7 @@ def test_fast_decode_path_on_cuda(monkeypatch) -> None:
     sampled = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=5, stop_token_ids=[])
     assert run(fast, sampled)[0] == run(slow, sampled)[0]
     assert fast.noise.fused  # the Triton sampling noise passed its bit-exact first-use check
-    monkeypatch.setenv("QERL_FAST_DECODE", "0")
+    use_options(fast_decode=False)
     off = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=256)
     assert not off.runner.fast_lora and not off.runner.ops.triton and not off.noise.fused
     assert run(off, greedy)[0] == s_tokens
@@ -187,13 +186,13 @@ def _all_lora(model: nn.Module, rank: int = 8) -> nn.Module:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_lora_and_sampler_on_cuda(monkeypatch, dtype: torch.dtype) -> None:
+def test_fused_lora_and_sampler_on_cuda(use_options, dtype: torch.dtype) -> None:  # noqa: ANN001
     """Issue 25's default decode path on the GPU: one-launch Triton LoRA shrinks (q/k/v, gate/up after the norm
     kernel, o's on the attention output), the one-pass sampler captured in the decode graphs. Kernels build and
     pass their first-use checks; fp32 greedy and sampled tokens equal the QERL_FUSED_LORA=0 /
     QERL_FUSED_SAMPLING=0 path (log-probs to 1e-4); bf16 runs with no fallback."""
-    _default_switches(monkeypatch)
-    monkeypatch.setenv("QERL_FUSED_LORA", "1")  # the default (Triton shrinks, expands in the FP4 epilogue)
+    _default_switches(use_options)
+    use_options(fused_lora=True)  # the default (Triton shrinks, expands in the FP4 epilogue)
     from qerl_kernels import decode as decode_kernels
 
     peft_model = _all_lora(random_model("qwen3", dtype))
@@ -215,8 +214,7 @@ def test_fused_lora_and_sampler_on_cuda(monkeypatch, dtype: torch.dtype) -> None
     assert any(key[-1] is not None for key in fused._graphs.graphs), list(fused._graphs.graphs)
     if dtype != torch.float32:
         return
-    monkeypatch.setenv("QERL_FUSED_LORA", "0")
-    monkeypatch.setenv("QERL_FUSED_SAMPLING", "0")
+    use_options(fused_lora=False, fused_sampling=False)
     plain = BuiltinEngine(peft_model, None, max_batch_slots=8, max_model_len=256)
     assert not plain.runner.ops.fused_lora and not plain.noise.fused_sampling
     p_greedy, p_greedy_lp = run(plain, greedy)
@@ -319,14 +317,14 @@ def test_flashinfer_decode_matches_sdpa_on_cuda() -> None:
 
 
 @pytest.mark.parametrize("head_dim", [128])  # the real models' size (FlashInfer refuses 32: SDPA, CPU-tested)
-def test_flashinfer_engine_runs_on_cuda(monkeypatch, head_dim: int) -> None:
+def test_flashinfer_engine_runs_on_cuda(use_options, head_dim: int) -> None:  # noqa: ANN001
     """QERL_DECODE_ATTN=flashinfer end to end (CUDA graphs, per-step plans): no fallback, and greedy tokens
     follow the SDPA engine's (bf16; a near-tie may part them late, so only the first 4 of each prompt)."""
     pytest.importorskip("flashinfer")
     model = random_model("llama", torch.bfloat16, head_dim=head_dim)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
     want = run(BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256), greedy)[0]
-    monkeypatch.setenv("QERL_DECODE_ATTN", "flashinfer")
+    use_options(decode_attn="flashinfer")
     engine = BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256)
     got = run(engine, greedy)[0]
     assert engine.runner.attention.current == "flashinfer" and engine.runner.attention.backend == "flashinfer"

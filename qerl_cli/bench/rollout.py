@@ -107,11 +107,12 @@ def set_linear_backend(name: str | None) -> str | None:
     return name
 
 
-def _qerl_env() -> dict[str, str]:
-    """Behaviour-changing QERL_* environment variables of this process (fast paths, fusion, kernels)."""
-    import os
+def _resolved_options() -> dict[str, object]:
+    """The options this bench ran with (fast paths, fusion, kernels: docs/options.md), as resolved at start-up and
+    by --linear-backend; the manifest also keeps the raw QERL_* environment."""
+    from qerl_cli.options import options
 
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("QERL_")}
+    return options().as_record()
 
 
 def _check_args(shape: str | None, run_dir: Path | None, formats: Iterable[str], batches: Iterable[int],
@@ -700,7 +701,7 @@ def bench_rollout(
                 "lora_modes": lmodes, "profile": profile, "linear_backend": linear_backend,
                 "episodes": episodes, "tool_latency_ms": tool_latency_ms if episodes else None,
                 "observation_tokens": observation_tokens if episodes else None,
-                "qerl_env": _qerl_env(),
+                "options": _resolved_options(),
                 "sampling": f"temperature 1.0, top_p 1, top_k off, n={num_generations}"})
     bw = harness.copy_bandwidth_gbps(device)
     res.update({"gpu_total_gib": total_gib, "copy_GBps": bw, "models": {}})

@@ -18,17 +18,16 @@ The KV cache is ``[layers, slots, max_len, kv_heads, head_dim]`` and running seq
   schedule in pinned memory and copies it asynchronously, so a plan waits for the previous plan's copy to
   have run before overwriting that memory (an event per plan) - the host stays at most one step ahead.
 
-Which one runs: ``QERL_DECODE_ATTN`` = ``sdpa`` (default) | ``flashinfer`` | ``auto`` (per CUDA graph, i.e.
-per batch bucket and KV bucket, the faster of the two timed on the live cache when the graph is first
-captured). ``flashinfer`` falls back to SDPA with one warning when the package does not import or its
-first call fails. FlashInfer is optional (``pip install flashinfer-python``; it JIT-builds its kernels with
-nvcc on first use) and is never imported unless asked for.
+Which one runs: the ``decode_attn`` option (``QERL_DECODE_ATTN``, qerl_cli/options.py) = ``sdpa`` (default) |
+``flashinfer`` | ``auto`` (per CUDA graph, i.e. per batch bucket and KV bucket, the faster of the two timed on
+the live cache when the graph is first captured). ``flashinfer`` falls back to SDPA with one warning when the
+package does not import or its first call fails. FlashInfer is optional (``pip install flashinfer-python``; it
+JIT-builds its kernels with nvcc on first use) and is never imported unless asked for.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -37,17 +36,15 @@ import torch.nn.functional as F
 log = logging.getLogger("qerl.rollout")
 
 BACKENDS = ("sdpa", "flashinfer", "auto")
-ENV = "QERL_DECODE_ATTN"
 PAGE_SIZE = 16  # divides the engine's cache length (a multiple of 64)
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch (its documented recommendation)
 
 
-def backend_from_env() -> str:
-    name = os.environ.get(ENV, "sdpa") or "sdpa"
+def check_backend(name: str) -> str:
     if name not in BACKENDS:
         from qerl_cli.errors import QerlError
 
-        raise QerlError(f"{ENV}={name!r}: choose one of {', '.join(BACKENDS)}")
+        raise QerlError(f"decode attention {name!r}: choose one of {', '.join(BACKENDS)}")
     return name
 
 
@@ -130,7 +127,11 @@ class DecodeAttention:
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, max_len: int,
                  dtype: torch.dtype, device: torch.device, backend: str | None = None) -> None:
-        self.backend = backend or backend_from_env()
+        if backend is None:
+            from qerl_cli.options import options
+
+            backend = options().decode_attn
+        self.backend = check_backend(backend)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.max_len, self.dtype, self.device = scale, max_len, dtype, device
         self.current = "sdpa"  # what the next decode step runs

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.options import RunOptions, options
 from qerl_cli.rollout.episode import EpisodeHooks, EpisodeScheduler
 from qerl_cli.rollout.kv_cache import CacheShape, KVBudget, KVCache, activation_reserve, kv_budget, plan_num_slots
 from qerl_cli.rollout.model_runner import (
@@ -133,12 +134,12 @@ class BuiltinEngine:
         fast_lora: run LoRA layers through in-dtype shadows of A and B*scaling, refreshed in place at
             every ``generate`` (``fast_layers.py``); False calls the peft modules.
         fused_kernels: fused Triton kernels for norm/RoPE/KV-write/SiLU (default: on CUDA only).
-            ``QERL_FAST_DECODE=0`` in the environment turns both off. With them, LoRA shrinks are one-launch
-            Triton kernels and the expands ride in the FP4 GEMM's epilogue where it has one
-            (``QERL_FUSED_LORA=0``: cuBLAS shrinks and in-place expands, docs/decode.md), and sampling is
-            one kernel captured in the decode graph
-            (``QERL_FUSED_SAMPLING=0``: off); ``QERL_DECODE_ATTN=sdpa|flashinfer|auto`` picks the decode
-            attention (docs/decode.md).
+            The ``fast_decode`` option off (``QERL_FAST_DECODE=0``) turns both off. With them, LoRA shrinks
+            are one-launch Triton kernels and the expands ride in the FP4 GEMM's epilogue where it has one
+            (``fused_lora`` off: cuBLAS shrinks and in-place expands, docs/decode.md), and sampling is
+            one kernel captured in the decode graph (``fused_sampling`` off: torch); ``decode_attn``
+            (sdpa|flashinfer|auto) picks the decode attention (docs/decode.md).
+        opts: the run's options (docs/options.md); default ``qerl_cli.options.options()``, read once here.
     """
 
     def __init__(
@@ -155,6 +156,7 @@ class BuiltinEngine:
         cuda_graphs: bool = True,
         fast_lora: bool = True,
         fused_kernels: bool | None = None,
+        opts: RunOptions | None = None,
     ) -> None:
         if max_batch_slots < 1:
             raise QerlError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
@@ -167,6 +169,7 @@ class BuiltinEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_prefill_tokens = max_prefill_tokens
         cache_len = -(-max_model_len // _CACHE_ALIGN) * _CACHE_ALIGN
+        self.opts = opts or options()
         self.runner = ModelRunner(
             model,
             max_len=max_model_len,
@@ -174,6 +177,7 @@ class BuiltinEngine:
             cache_len=cache_len,
             fast_lora=fast_lora,
             fused_kernels=fused_kernels,
+            opts=self.opts,
         )
         self.device = self.runner.device
         on_cuda = self.device.type == "cuda"
@@ -189,7 +193,7 @@ class BuiltinEngine:
         self.kv_buckets = kv_len_buckets(cache_len)
         # the CUDA memory the cache was sized from (None on CPU): says why fewer slots than asked fit
         self.kv_room: KVBudget | None = None
-        self.noise = TokenNoise(self.runner.vocab_size, self.device)
+        self.noise = TokenNoise(self.runner.vocab_size, self.device, opts=self.opts)
         self._graphs: CudaGraphDecoder | None = None
 
     # ----- memory -------------------------------------------------------------------------------------

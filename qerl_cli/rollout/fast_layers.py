@@ -24,7 +24,6 @@ runner rebuilds the plan.
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -137,7 +136,7 @@ def fuse_bases(bases: list[nn.Module]) -> nn.Module | None:
     cannot share a GEMM (mixed types or formats, different global scales, trainable weights, ...)."""
     from qerl_cli.qlinear import QuantLinear, fuse_quant_linears
 
-    if len(bases) < 2 or os.environ.get("QERL_FUSED_PROJ", "1") == "0":
+    if len(bases) < 2:
         return None
     hit = _FUSED.get(bases[0])
     if hit is not None and hit[1] == tuple(_first_tensor(m).data_ptr() for m in bases):
@@ -348,14 +347,15 @@ class FastPlan:
     """Per-layer projection groups of a Llama/Qwen decoder stack (see the module docstring)."""
 
     def __init__(self, layers: list[nn.Module], dtype: torch.dtype, device: torch.device,
-                 epilogue: bool = False) -> None:
+                 epilogue: bool = False, fuse: bool = True) -> None:
+        """``fuse``: q/k/v and gate/up as one GEMM each where their bases can share one (``fuse_bases``)."""
         self.layers: list[LayerPlan] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = ProjGroup([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device, epilogue=epilogue)
+            qkv = ProjGroup([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device, fuse=fuse, epilogue=epilogue)
             o = ProjGroup([attn.o_proj], dtype, device, epilogue=epilogue)
             if is_silu_mlp(mlp):
-                gate_up = ProjGroup([mlp.gate_proj, mlp.up_proj], dtype, device, epilogue=epilogue)
+                gate_up = ProjGroup([mlp.gate_proj, mlp.up_proj], dtype, device, fuse=fuse, epilogue=epilogue)
                 down = ProjGroup([mlp.down_proj], dtype, device, epilogue=epilogue)
             else:
                 gate_up = down = None

@@ -23,13 +23,12 @@ graph (``CudaGraphDecoder``) or ``torch.compile(mode="reduce-overhead")`` can wr
 Fast path (``fast_layers.py``, docs/decode.md): LoRA layers run through in-dtype shadows of A and
 B*scaling (``fast_lora``; refreshed in place by ``prepare()`` at every rollout), and on CUDA residual
 add + RMSNorm, RoPE + KV-cache write and SiLU*mul are fused Triton kernels (``fused_kernels``).
-``QERL_FAST_DECODE=0`` turns both off.
+The ``fast_decode`` option (``QERL_FAST_DECODE=0``, qerl_cli/options.py) turns both off.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.options import RunOptions, options
 from qerl_cli.rollout.attention import DecodeAttention
 from qerl_cli.rollout.fast_layers import (
     FastPlan,
@@ -96,10 +96,36 @@ class ModelRunner:
         cache_len: int | None = None,
         fast_lora: bool = True,
         fused_kernels: bool | None = None,
+        opts: RunOptions | None = None,
     ) -> None:
+        """``opts``: the run's options (default: ``qerl_cli.options.options()``, read once here)."""
+        opts = opts or options()
         self.lm = unwrap_causal_lm(model)
-        cfg = self.lm.config
-        self.config = cfg
+        self.config = self.lm.config
+        self._check_supported(self.config)
+        inner = self.lm.model
+        self._read_shapes(inner, dtype, max_len, cache_len)
+        self._collect_norms(inner)
+        with torch.no_grad():
+            positions = torch.arange(self.cache_len, device=self.device)[None, :]
+            probe = torch.zeros((), dtype=self.dtype, device=self.device)
+            cos, sin = inner.rotary_emb(probe, position_ids=positions)
+        self.cos = cos[0].to(self.dtype).contiguous()  # [cache_len, head_dim]
+        self.sin = sin[0].to(self.dtype).contiguous()
+        self.cache: KVCache | None = None
+        # decode attention: cuDNN SDPA, or FlashInfer's paged batch decode (the decode_attn option; attention.py)
+        self.attention = DecodeAttention(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                         head_dim=self.head_dim, scale=self.scale, max_len=self.cache_len,
+                                         dtype=self.dtype, device=self.device, backend=opts.decode_attn)
+        # What the engine calls for a decode step. A torch.compile of decode_step can be put here; measured
+        # on an H200 (Qwen2.5-0.5B shape, bf16, dynamic=True, CUDA graphs captured around it) it was 2.5-3x
+        # SLOWER than the plain graphs (cause not established) and took 85 s to compile, so no option uses it.
+        self.step_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = self.decode_step
+        self._choose_fast_path(opts, fast_lora, fused_kernels)
+
+    @staticmethod
+    def _check_supported(cfg: Any) -> None:
+        """Refuse what the runner does not reproduce (other architectures, sliding windows, length-dependent RoPE)."""
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             raise QerlError(
                 f"the builtin rollout engine supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
@@ -112,7 +138,10 @@ class ModelRunner:
         rope = _rope_type(cfg)
         if rope in _UNSUPPORTED_ROPE:
             raise QerlError(f"rope type {rope!r} depends on the sequence length; the builtin engine refuses it")
-        inner = self.lm.model
+
+    def _read_shapes(self, inner: nn.Module, dtype: torch.dtype | None, max_len: int, cache_len: int | None) -> None:
+        """The modules the forward calls and the attention geometry, dtype, device and lengths."""
+        cfg = self.config
         self.embed_tokens: nn.Module = inner.embed_tokens
         self.layers = list(inner.layers)
         self.lm_head: nn.Module = self.lm.lm_head
@@ -134,7 +163,9 @@ class ModelRunner:
         if max_pos is not None and max_len > int(max_pos):
             raise QerlError(f"max_model_len {max_len} exceeds the model's max_position_embeddings {max_pos}")
 
-        default_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+    def _collect_norms(self, inner: nn.Module) -> None:
+        """Every RMSNorm module by name, with its epsilon; the weights are bound per rollout (``bind_norms``)."""
+        default_eps = float(getattr(self.config, "rms_norm_eps", 1e-6))
         self.norm_modules: dict[str, nn.Module] = {"model.norm": inner.norm}
         for i, layer in enumerate(self.layers):
             self.norm_modules[f"model.layers.{i}.input_layernorm"] = layer.input_layernorm
@@ -147,34 +178,20 @@ class ModelRunner:
         self.norm_w: dict[str, torch.Tensor] = {}
         self._static_norms: dict[str, torch.Tensor] | None = None
 
-        with torch.no_grad():
-            positions = torch.arange(self.cache_len, device=self.device)[None, :]
-            probe = torch.zeros((), dtype=self.dtype, device=self.device)
-            cos, sin = inner.rotary_emb(probe, position_ids=positions)
-        self.cos = cos[0].to(self.dtype).contiguous()  # [cache_len, head_dim]
-        self.sin = sin[0].to(self.dtype).contiguous()
-        self.cache: KVCache | None = None
-        # decode attention: cuDNN SDPA, or FlashInfer's paged batch decode (QERL_DECODE_ATTN; attention.py)
-        self.attention = DecodeAttention(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                         head_dim=self.head_dim, scale=self.scale, max_len=self.cache_len,
-                                         dtype=self.dtype, device=self.device)
-        # What the engine calls for a decode step. A torch.compile of decode_step can be put here; measured
-        # on an H200 (Qwen2.5-0.5B shape, bf16, dynamic=True, CUDA graphs captured around it) it was 2.5-3x
-        # SLOWER than the plain graphs (cause not established) and took 85 s to compile, so no option uses it.
-        self.step_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = self.decode_step
-
-        # The fast path (fast_layers.py): LoRA through shadows, fused Triton kernels on CUDA.
-        # QERL_FAST_DECODE=0 turns both off (A/B runs in one process tree).
-        fast_env = os.environ.get("QERL_FAST_DECODE", "1") != "0"
-        self.fast_lora = fast_lora and fast_env
+    def _choose_fast_path(self, opts: RunOptions, fast_lora: bool, fused_kernels: bool | None) -> None:
+        """The fast path (fast_layers.py): LoRA through shadows, fused Triton kernels on CUDA; the fast_decode
+        option off turns both off (A/B runs in one process tree)."""
+        self.fast_lora = fast_lora and opts.fast_decode
         if fused_kernels is None:
             fused_kernels = self.device.type == "cuda"
         # LoRA inside the step (docs/decode.md): one-launch Triton shrinks (after the norm kernel for q/k/v and
         # gate/up, on the attention output for o; down's stays cuBLAS after the SiLU kernel) and the expands in the
-        # quantized GEMM's epilogue where its kernel has one. The default; QERL_FUSED_LORA=0 is issue 15's path (one
-        # cuBLAS shrink GEMM per group, in-place expands), the A/B switch.
-        self.fused_lora = os.environ.get("QERL_FUSED_LORA", "1") != "0"
-        self.ops = FusedOps(triton=fused_kernels and fast_env, fused_lora=self.fused_lora)
+        # quantized GEMM's epilogue where its kernel has one. The default; the fused_lora option off is the A/B
+        # switch (one cuBLAS shrink GEMM per group, in-place expands).
+        self.fused_lora = opts.fused_lora
+        # q/k/v and gate/up as one GEMM each where the parts can share one (the fused_proj option)
+        self.fuse_proj = opts.fused_proj
+        self.ops = FusedOps(triton=fused_kernels and opts.fast_decode, fused_lora=self.fused_lora)
         self.plan: FastPlan | None = None
 
     def prepare(self) -> None:
@@ -185,7 +202,7 @@ class ModelRunner:
             return
         sig = signature(self.layers)
         if self.plan is None or self.plan.signature != sig:
-            self.plan = FastPlan(self.layers, self.dtype, self.device,
+            self.plan = FastPlan(self.layers, self.dtype, self.device, fuse=self.fuse_proj,
                                  epilogue=self.fused_lora and self.device.type == "cuda")
             self._prepare_kernels()
         else:

@@ -27,7 +27,6 @@ call (``prompt_offset`` 0 unless a caller splits one batch over several calls).
 from __future__ import annotations
 
 import logging
-import os
 import random
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -35,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from qerl_cli.errors import QerlError
+from qerl_cli.options import RunOptions, options
 
 _M32 = 0xFFFFFFFF
 _log = logging.getLogger("qerl.rollout")
@@ -155,12 +155,12 @@ def row_keys(base: torch.Tensor, uids: torch.Tensor, steps: torch.Tensor) -> tor
 class TokenNoise:
     """Counter-based exponential noise E[B, V] ~ Exp(1), a pure function of (seed, uid, step, v).
 
-    ``fused`` (default: on CUDA, unless ``QERL_FAST_DECODE=0``) computes the uniforms with one Triton
+    ``fused`` (default: on CUDA, unless the ``fast_decode`` option is off) computes the uniforms with one Triton
     kernel (``qerl_kernels.decode.token_uniform``) instead of ~25 int64 passes over [B, V]; its first
     result is compared bit for bit with the torch arithmetic, and any failure or difference logs one
     warning and keeps the torch path.
 
-    ``fused_sampling`` (default: with ``fused``, unless ``QERL_FUSED_SAMPLING=0``): ``sample_tokens`` runs
+    ``fused_sampling`` (default: with ``fused``, unless the ``fused_sampling`` option is off): ``sample_tokens`` runs
     ONE kernel (``qerl_kernels.decode.sample_tokens``) that reads each row's logits once: log-sum-exp of
     ``x / T`` online, the same exponential race on the same noise (row keys hashed in the kernel) and the
     winner's log-prob. What changes in rounding against the torch path: the race compares ``x/T - log E``
@@ -172,14 +172,17 @@ class TokenNoise:
     """
 
     def __init__(self, vocab_size: int, device: torch.device, fused: bool | None = None,
-                 fused_sampling: bool | None = None) -> None:
+                 fused_sampling: bool | None = None, opts: RunOptions | None = None) -> None:
+        """``opts``: the run's options for the defaults (default: ``qerl_cli.options.options()``)."""
         v = torch.arange(vocab_size, dtype=torch.int64, device=device)
         # Hash the vocabulary index once; per step only one mixer pass over [B, V] remains.
         self.vocab_hash = mix32(mix32(v ^ 0x9E3779B9))
-        if fused is None:
-            fused = device.type == "cuda" and os.environ.get("QERL_FAST_DECODE", "1") != "0"
-        if fused_sampling is None:
-            fused_sampling = fused and os.environ.get("QERL_FUSED_SAMPLING", "1") != "0"
+        if fused is None or fused_sampling is None:
+            opts = opts or options()
+            if fused is None:
+                fused = device.type == "cuda" and opts.fast_decode
+            if fused_sampling is None:
+                fused_sampling = fused and opts.fused_sampling
         self.device = device
         self._kernel = None
         self._checked = False

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from qerl_cli.errors import Preempted, QerlError
+from qerl_cli.options import DEFAULT_DIST_TIMEOUT_S, options
 from qerl_cli.train.step_backend import (
     LocalBackend,
     LogProbs,
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
 
 # Some shared hosts are harmed by NVLink multicast (NVLS / symmetric-memory multicast): keep it off.
 SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = DEFAULT_DIST_TIMEOUT_S
 
 
 class DistributedAbort(QerlError):
@@ -161,8 +162,9 @@ def current() -> DistContext:
 def init_from_env(timeout_s: float | None = None) -> DistContext:
     """Join the torchrun job described by RANK/WORLD_SIZE/LOCAL_RANK (no-op without torchrun).
 
-    NCCL on CUDA (device cuda:LOCAL_RANK), gloo on CPU or with QERL_DIST_BACKEND=gloo. The process group's
-    timeout (QERL_DIST_TIMEOUT_S, default 10 min) bounds how long a rank waits for a dead peer.
+    NCCL on CUDA (device cuda:LOCAL_RANK), gloo on CPU or with the dist_backend option gloo (QERL_DIST_BACKEND).
+    The process group's timeout (dist_timeout_s, QERL_DIST_TIMEOUT_S, default 10 min) bounds how long a rank
+    waits for a dead peer.
     """
     global _CTX
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -173,11 +175,9 @@ def init_from_env(timeout_s: float | None = None) -> DistContext:
     for k, v in SAFE_NCCL_ENV.items():
         os.environ.setdefault(k, v)
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    want = os.environ.get("QERL_DIST_BACKEND")
-    if want not in (None, "", "nccl", "gloo"):
-        raise QerlError(f"QERL_DIST_BACKEND must be nccl or gloo, not {want!r}")
-    use_nccl = torch.cuda.is_available() and want != "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("QERL_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+    opts = options()  # checked when read: dist_backend is nccl, gloo or unset
+    use_nccl = torch.cuda.is_available() and opts.dist_backend != "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s or opts.dist_timeout_s)
     if use_nccl:
         if local >= torch.cuda.device_count():
             raise QerlError(f"rank {rank} needs cuda:{local} but only {torch.cuda.device_count()} GPUs are visible: "
