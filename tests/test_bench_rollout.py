@@ -222,7 +222,7 @@ def test_floor_table_renders_each_category_against_its_floor():
     from rich.console import Console
 
     from qerl_cli.bench.rollout import render_floor_table, tables
-    from qerl_cli.rollout.roofline import floors
+    from qerl_cli.bench.roofline import floors
 
     ms = {"quantized GEMM": 3.0, "attention": 1.0, "sampling": 0.05}
     need = {"quantized GEMM": 3.0e9, "attention": 1.5e9, "sampling": 0.1e9}  # at 3000 GB/s: 1.0, 0.5, 0.033 ms

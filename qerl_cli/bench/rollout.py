@@ -33,7 +33,7 @@ single-turn decoding of the same tokens.
 ``lora_modes=("on", "off")`` runs every cell with the adapters active and again with them disabled
 (peft's ``disable_adapter``), the measured cost of LoRA. ``profile=True`` adds, per cell, the GPU time of
 one decode step by category (quantized GEMM, dense GEMM, LoRA, attention, norm/RoPE/activation,
-sampling, copies, other) from torch.profiler (:mod:`qerl_cli.rollout.profile`) and the CUDA-graph step
+sampling, copies, other) from torch.profiler (:mod:`qerl_cli.bench.decode_profile`) and the CUDA-graph step
 time at the run's mean context.
 """
 
@@ -311,7 +311,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
             kv_gib = engine.runner.cache.shape.bytes_per_slot() * slots / 2**30
             kv_room = engine.kv_room.describe() if engine.kv_room is not None else None
             if profile and device.type == "cuda":
-                from qerl_cli.rollout.profile import profile_decode
+                from qerl_cli.bench.decode_profile import profile_decode
 
                 prof = profile_decode(engine, min(batch, slots), prompt_len + new_tokens // 2, copy_gbps=copy_gbps)
     finally:
@@ -455,10 +455,10 @@ def tables(res: dict[str, Any]) -> list[Any]:
 
 def render_floor_table(res: dict[str, Any]) -> Any | None:
     """A rich Table: per profiled cell and category, the byte floor (bytes it must move over the run's copy
-    bandwidth; qerl_cli/rollout/roofline.py) and the % of it the measured kernel time reaches."""
+    bandwidth; qerl_cli/bench/roofline.py) and the % of it the measured kernel time reaches."""
     from rich.table import Table
 
-    from qerl_cli.rollout.profile import CATEGORIES
+    from qerl_cli.bench.decode_profile import CATEGORIES
 
     cells = [c for c in res["results"] if (c.get("profile") or {}).get("floors")]
     if not cells:
@@ -489,7 +489,7 @@ def render_profile_table(res: dict[str, Any]) -> Any | None:
     """A rich Table: per profiled cell, decode-step GPU ms by category, kernel sum and graph step time."""
     from rich.table import Table
 
-    from qerl_cli.rollout.profile import CATEGORIES
+    from qerl_cli.bench.decode_profile import CATEGORIES
 
     cells = [c for c in res["results"] if c.get("profile")]
     if not cells:

@@ -506,10 +506,10 @@ class _FormatStep:
 
     def _profile(self, trainer: Any) -> dict[str, Any] | None:
         """The decode step of the step's own engine by GPU-time category, at the step's batch and mean context
-        (rollout/profile.py), as `bench rollout --profile` reports it: after a short generate with the step's
+        (bench/decode_profile.py), as `bench rollout --profile` reports it: after a short generate with the step's
         prompts, so cache, LoRA shadows and graphs are those the step's rollout used."""
         from qerl_cli.rollout import BuiltinEngine, SamplingParams
-        from qerl_cli.rollout.profile import profile_decode
+        from qerl_cli.bench.decode_profile import profile_decode
 
         engine = trainer.engine
         if not isinstance(engine, BuiltinEngine):

@@ -119,7 +119,7 @@ def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_
     time at the same (batch, KV bucket) when the engine uses graphs, and per category the bytes the step
     must move, the floor they set at ``copy_gbps`` (the run's measured copy bandwidth) and the % of it.
     """
-    from qerl_cli.rollout.roofline import decode_step_bytes, floors
+    from qerl_cli.bench.roofline import decode_step_bytes, floors
     from qerl_cli.rollout.sampling import SamplingParams, StepSampler
 
     runner = engine.runner
