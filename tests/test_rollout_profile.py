@@ -78,8 +78,8 @@ def test_decode_step_bytes_by_hand() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from qerl_cli.rollout import BuiltinEngine
     from qerl_cli.bench.roofline import decode_step_bytes, floors
+    from qerl_cli.rollout import BuiltinEngine
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

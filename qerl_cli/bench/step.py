@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from qerl_cli.bench import harness
+from qerl_cli.bench.cells import check_cell, parse_cell
 from qerl_cli.bench.harness import figure, num, save_figure
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import FORMATS, REFERENCE, get_format, rollout_formats
@@ -146,6 +147,13 @@ def _synthetic_task(n: int, prompt_len: int, completion_len: int, stop_ids: list
 def _median(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
+
+
+def _known_cell(text: str, bases: tuple[str, ...], rollouts: tuple[str, ...]) -> bool:
+    try:
+        return check_cell(parse_cell(text), bases, rollouts)
+    except QerlError:
+        return False
 
 
 # ---- one format ---------------------------------------------------------------------------------
@@ -339,9 +347,7 @@ def bench_step(
         fmts = list(dict.fromkeys(formats or [run_format(run)]))  # StageMissingError names `qerl quantize`
     allowed = tuple(n for n, f in FORMATS.items() if f.cuda_backend != REFERENCE)  # a GPU path exists
     rollout_quants = rollout_formats()  # the `BASE+ROLLOUT` cells (FlashRL mode)
-    bad = [f for f in fmts if f.partition("@")[0].partition("+")[0] not in allowed
-           or (f.partition("@")[0].partition("+")[2] or "int8") not in rollout_quants
-           or f.partition("@")[2] not in ("", "vllm") or ("+" in f and "@" in f)]
+    bad = [f for f in fmts if not _known_cell(f, allowed, rollout_quants)]
     if bad or not fmts:
         raise QerlError(f"unknown format(s) {', '.join(bad) or '(none given)'}; "
                         f"choose from {', '.join(allowed)}, BASE+ROLLOUT with ROLLOUT one of "
@@ -372,8 +378,8 @@ def bench_step(
     cells = []
     steps: dict[str, _FormatStep] = {}
     for cell in fmts:
-        name, _, engine = cell.partition("@")
-        fmt, _, rollout_quant = name.partition("+")
+        parsed = parse_cell(cell)
+        fmt, rollout_quant, engine = parsed.base, parsed.rollout, parsed.engine
         cell_over = dict(overrides or {})
         if rollout_quant:
             cell_over["rollout_quant"] = rollout_quant
@@ -391,7 +397,7 @@ def bench_step(
         cells.append(harness.Cell({"format": cell, "backend": backend}, step.measure, cell))
     # the TRL cells run before any FMT@vllm cell: an in-process vLLM engine leaves ~10 GiB behind in this process
     # (its context and pools; measured on an H100, 2026-11-26), and TRL's own process then ran out of memory
-    first_vllm = next((i for i, c in enumerate(cells) if "@" in c.key["format"]), len(cells))
+    first_vllm = next((i for i, c in enumerate(cells) if parse_cell(c.key["format"]).engine), len(cells))
     for peer in peers:
         trl = _TrlStep(res, cfg, steps, vllm_memory=vllm_memory, budget=budget, **common)
         cells.insert(first_vllm, harness.Cell(
@@ -404,11 +410,11 @@ def bench_step(
     for r in res["results"]:
         r["speedup_vs_bf16"] = (base["step_s"] / r["step_s"]) if base and r["status"] == "ok" and r["step_s"] else None
         # the peer ratios: each qerl cell's step against TRL's, and against the vLLM-engine cell of its own format
-        if r["status"] != "ok" or not r["step_s"] or r["format"] in peers or "@" in r["format"]:
+        if r["status"] != "ok" or not r["step_s"] or not parse_cell(r["format"], peers).builtin:
             continue
         for peer in ("trl", f"{r['format']}@vllm"):
             if peer in by_name:
-                r[f"speedup_vs_{peer.replace('@', '_')}"] = by_name[peer]["step_s"] / r["step_s"]
+                r[f"speedup_vs_{parse_cell(peer, peers).key}"] = by_name[peer]["step_s"] / r["step_s"]
     res["targets"] = _targets(res, cfg)
     res["wall_s"] = budget.elapsed()
     paths = harness.write_results(res, out, "step.json", {"plot": ("step.png", partial(plot, res))})
@@ -508,8 +514,8 @@ class _FormatStep:
         """The decode step of the step's own engine by GPU-time category, at the step's batch and mean context
         (bench/decode_profile.py), as `bench rollout --profile` reports it: after a short generate with the step's
         prompts, so cache, LoRA shadows and graphs are those the step's rollout used."""
-        from qerl_cli.rollout import BuiltinEngine, SamplingParams
         from qerl_cli.bench.decode_profile import profile_decode
+        from qerl_cli.rollout import BuiltinEngine, SamplingParams
 
         engine = trainer.engine
         if not isinstance(engine, BuiltinEngine):
