@@ -171,8 +171,8 @@ class ModelRunner:
             fused_kernels = self.device.type == "cuda"
         # LoRA inside the step (docs/decode.md): one-launch Triton shrinks (after the norm kernel for q/k/v and
         # gate/up, on the attention output for o; down's stays cuBLAS after the SiLU kernel) and the expands in the
-        # quantized GEMM's epilogue where its kernel has one. The default; QERL_FUSED_LORA=0 is issue 15's path (one
-        # cuBLAS shrink GEMM per group, in-place expands), the A/B switch.
+        # quantized GEMM's epilogue where its kernel has one. The default; QERL_FUSED_LORA=0 is the unfused path (one
+        # cuBLAS shrink GEMM per group, in-place expands), kept as the A/B switch.
         self.fused_lora = os.environ.get("QERL_FUSED_LORA", "1") != "0"
         self.ops = FusedOps(triton=fused_kernels and fast_env, fused_lora=self.fused_lora)
         self.plan: FastPlan | None = None
