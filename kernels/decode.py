@@ -331,7 +331,7 @@ class ShrinkPlan(NamedTuple):
 # the last program of a row tile sums the S partials: at most this many bytes of them (one SM reads them)
 SHRINK_SUM_BYTES = 128 * 1024
 # Rows up to which the engine runs the one-launch producer forms (RMSNorm + shrink, SiLU + shrink); beyond, the
-# producer kernel and then the shrink (two launches). Measured on an H100 (2026-11-26, `qerl_cli.bench.lora_shrinks`,
+# producer kernel and then the shrink (two launches). Measured on an H100 (`qerl_cli.bench.lora_shrinks`,
 # docs/benchmarks.md): at M = 8 and 64 on Qwen2.5-7B/32B layers, norm + the plain shrink kernel took 6.9-10.6 us and
 # every one-launch norm plan 7.2-13.6 us (each K split re-reads its rows' whole width for the norm); SiLU + a
 # cuBLAS shrink 9.1-10.9 us, every one-launch SiLU plan 9.3-16.2 us (the down shrink's K of 19-28k needs 54-108
@@ -344,7 +344,7 @@ def shrink_plan(m: int, k: int, r: int, prologue: int, sms: int = 132) -> Shrink
     """The fused shrink's plan: a fixed rule (the summation order, and so the bits, follow from it).
 
     A decode-size shrink moves ~0.3-2 MB of A and is bound by how many loads are in flight, not by bandwidth
-    (measured on an H100, 2026-11-26: plans of <= 8 K splits, each a loop of 5-27 dependent K tiles, took
+    (measured on an H100: plans of <= 8 K splits, each a loop of 5-27 dependent K tiles, took
     20-40 us per launch). So: 16 rows per program (the smallest ``tl.dot`` tile), a K tile whose A slice is
     ~32 KB, and as many K splits as there are K tiles (one tile per program, every SM streaming A), capped so
     that the last program's fixed-order sum of the partials reads at most ``SHRINK_SUM_BYTES``."""

@@ -577,7 +577,7 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
         parts.append(_missing("Rollout benchmark", "bench/rollout", run.path))
         sections["bench/rollout"] = PRODUCERS["bench/rollout"].format(run=run.path)
 
-    # ---- evidence (issue 18)
+    # ---- evidence (the seed claims' verdicts)
     ev_html = _evidence_section(run, stages, pngs, numbers)
     parts.append(ev_html or _missing("Evidence", "bench/evidence", run.path))
     sections["bench/evidence"] = "present" if ev_html else PRODUCERS["bench/evidence"].format(run=run.path)

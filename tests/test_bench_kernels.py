@@ -5,7 +5,7 @@ The timing itself needs a CUDA GPU (`scripts/gpu.sh kernels`); here the result d
 from __future__ import annotations
 
 from qerl_cli.bench import harness
-from qerl_cli.bench.kernels import TARGETS, _failed, short_summary, summarize, tables, weight_copies
+from qerl_cli.bench.kernels import _failed, short_summary, summarize, tables, weight_copies
 
 GEMMS = ("qkv", "o", "gate_up", "down")
 
@@ -45,9 +45,9 @@ def test_summary_lines_for_every_shape_and_tables():
     summarize(res)
     lines = short_summary(res)
     assert len(lines) == 5  # 2 M per shape, and the 7B backward line
-    assert lines[0] == f"qwen2.5-7b nvfp4 M=1: 40.0 us, 2.50x BF16 MISS (target {TARGETS[1]}x)"
-    assert lines[1] == "qwen2.5-7b nvfp4 M=64: 40.0 us, 2.50x BF16 ok"
-    assert lines[2] == "qwen2.5-7b nvfp4 dx M=2048: 500.0 us, 0.80x BF16 MISS (target 0.95x)"
+    assert lines[0] == "qwen2.5-7b nvfp4 M=1: 40.0 us, 2.50x BF16"  # the measured ratio, no verdict
+    assert lines[1] == "qwen2.5-7b nvfp4 M=64: 40.0 us, 2.50x BF16"
+    assert lines[2] == "qwen2.5-7b nvfp4 dx M=2048: 500.0 us, 0.80x BF16"
     assert lines[3].startswith("qwen2.5-32b nvfp4 M=1:")
     assert short_summary(res, "qwen2.5-32b") == lines[3:]
     ts, summary = harness.report(res)

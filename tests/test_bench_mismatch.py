@@ -50,7 +50,7 @@ def test_cells_fields_and_precision_ordering(small):
     assert set(ratios) == {"nvfp4"}
     for fmt, r in ratios.items():
         assert r["bf16_over_fp16"] == pytest.approx(cells[(fmt, "bf16")]["k3"] / cells[(fmt, "fp16")]["k3"])
-        assert r["met"] == (r["bf16_over_fp16"] >= 10.0)
+        assert "met" not in r and "target" not in r  # the measured ratio only; the target is in the docs
 
 
 def test_files_written_atomically(small):
@@ -106,12 +106,12 @@ def test_abs_slope_and_ratios_by_hand():
             {"format": "int8", "precision": "fp16", "status": "ok", "k3": 1e-4},
             {"format": "fp8", "precision": "bf16", "status": "ok", "k3": 1e-3}]
     (r,) = _ratios(rows, ["int8", "fp8"])  # fp8 has no fp16 cell: no ratio
-    assert r["format"] == "int8" and r["bf16_over_fp16"] == pytest.approx(20.0) and r["met"]
-    # a NaN fp16 cell (seen on the GPU for fp8 in fp16) is never counted as a met target
+    assert r["format"] == "int8" and r["bf16_over_fp16"] == pytest.approx(20.0) and "note" not in r
+    # a NaN fp16 cell (seen on the GPU for fp8 in fp16) gives no ratio, and says why
     nan_rows = [{"format": "fp8", "precision": "bf16", "status": "ok", "k3": 1e-3},
                 {"format": "fp8", "precision": "fp16", "status": "ok", "k3": math.nan}]
     (r,) = _ratios(nan_rows, ["fp8"])
-    assert not r["met"] and math.isnan(r["bf16_over_fp16"])
+    assert r["note"] == "non-finite k3" and math.isnan(r["bf16_over_fp16"])
 
 
 def test_shape_model_fixed_length(tmp_path):

@@ -43,7 +43,12 @@ def test_tiny_bench_writes_json_and_plot(tiny_result):
         assert c["roofline_tok_s"] is None and c["pct_roofline"] is None and c["peak_mem_gib"] is None
     assert on_disk["copy_GBps"] is None
     assert {c["backend"] for c in cells if c["format"] == "nvfp4"} == {"reference"}
-    assert res["targets"] == []  # the targets' cells carry no roofline off CUDA
+    assert "targets" not in res  # the bench reports measurements; the targets are in docs/benchmarks.md
+    rows = {(c["format"], c["batch"]): c for c in cells}
+    for b in (1, 2):  # the measured decode ratio over qerl's bf16 at the same batch
+        assert rows[("bf16", b)]["speedup_vs_bf16"] == pytest.approx(1.0)
+        assert rows[("nvfp4", b)]["speedup_vs_bf16"] == pytest.approx(
+            rows[("nvfp4", b)]["decode_tok_s"] / rows[("bf16", b)]["decode_tok_s"])
 
 
 def test_tiny_bench_model_bytes(tiny_result):
@@ -188,8 +193,8 @@ def test_queue_workload_and_adapters_on_off(tmp_path):
 
 
 def test_lora_share_and_targets_arithmetic():
-    """LoRA share from graph step times when profiled (else decode ms/step); the issue's targets."""
-    from qerl_cli.bench.rollout import _evaluate_targets, lora_shares
+    """LoRA share from graph step times when profiled (else decode ms/step); the speed-up over bf16."""
+    from qerl_cli.bench.rollout import lora_shares, speedups_vs_bf16
 
     def cell(fmt, batch, lora, ms, tok_s, pct=None, graph=None, lora_ms=0.0):
         prof = None if graph is None else {"graph_step_ms": graph, "kernel_ms_per_step": 4.0,
@@ -209,12 +214,11 @@ def test_lora_share_and_targets_arithmetic():
     assert shares[("nvfp4", 8)]["share_pct"] == pytest.approx(5.0)  # (4.0 - 3.8) / 4.0
     assert shares[("nvfp4", 8)]["profile_lora_pct"] == pytest.approx(7.5)  # 0.3 / 4.0
     assert shares[("nvfp4", 64)]["share_pct"] == pytest.approx(20.0)  # (10 - 8) / 10, decode ms/step
-    got = {t["target"]: (t["value"], t["met"]) for t in _evaluate_targets(res)}
-    assert got["nvfp4 batch 8 >= 60% of roofline"] == (61.0, True)
-    assert got["nvfp4 batch 64 >= 50% of roofline"] == (40.0, False)
-    assert got["nvfp4 batch 64 >= 1.8x qerl bf16 (decode tok/s)"] == (pytest.approx(1.6), False)
-    assert got["nvfp4 batch 8: LoRA <= 10% of the decode step (adapters on vs off)"] == (pytest.approx(5.0), True)
-    assert got["nvfp4 batch 64: LoRA <= 10% of the decode step (adapters on vs off)"][1] is False
+    speedups_vs_bf16(res)
+    got = {(c["format"], c["batch"], c["lora"]): c["speedup_vs_bf16"] for c in res["results"]}
+    assert got[("nvfp4", 64, "on")] == pytest.approx(1.6)  # 6400 / 4000 decode tok/s
+    assert got[("bf16", 64, "on")] == pytest.approx(1.0)
+    assert got[("nvfp4", 8, "on")] is None and got[("nvfp4", 64, "off")] is None  # no bf16 cell to compare with
 
 
 def test_floor_table_renders_each_category_against_its_floor():
@@ -222,7 +226,7 @@ def test_floor_table_renders_each_category_against_its_floor():
     from rich.console import Console
 
     from qerl_cli.bench.rollout import render_floor_table, tables
-    from qerl_cli.rollout.roofline import floors
+    from qerl_cli.bench.roofline import floors
 
     ms = {"quantized GEMM": 3.0, "attention": 1.0, "sampling": 0.05}
     need = {"quantized GEMM": 3.0e9, "attention": 1.5e9, "sampling": 0.1e9}  # at 3000 GB/s: 1.0, 0.5, 0.033 ms

@@ -1,11 +1,11 @@
-"""The decode-step profile's trace categorisation (qerl_cli/rollout/profile.py) on hand-built traces."""
+"""The decode-step profile's trace categorisation (qerl_cli/bench/decode_profile.py) on hand-built traces."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from qerl_cli.rollout.profile import CATEGORIES, categorize_trace, classify_name, profiling, region
+from qerl_cli.bench.decode_profile import CATEGORIES, categorize_trace, classify_name, profiling, region
 
 
 def _x(cat, name, ts, dur, tid=1, corr=None):  # noqa: ANN001, ANN202
@@ -78,8 +78,8 @@ def test_decode_step_bytes_by_hand() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from qerl_cli.bench.roofline import decode_step_bytes, floors
     from qerl_cli.rollout import BuiltinEngine
-    from qerl_cli.rollout.roofline import decode_step_bytes, floors
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

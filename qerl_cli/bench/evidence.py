@@ -309,7 +309,7 @@ def build_evidence(groups: dict[str, Sequence[dict[str, Any]]], *, n_boot: int =
         sub = cfg.get("subset") or {}
         if sub.get("rule"):
             return sub["rule"]
-        try:  # a v1 file (2026-11-24) recorded the rule's settings only
+        try:  # a v1 study file recorded the rule's settings only
             return subset_rule({**sub, "problems": [None] * sub["key"]["candidates"]})
         except (KeyError, TypeError):
             return None

@@ -10,6 +10,7 @@ import json
 import sys
 from collections.abc import Callable
 from functools import partial as bind
+from typing import Any
 
 import torch
 from qerl_kernels._common import DECODE_ARITH, DECODE_ASM, DECODE_LUT, TileConfig
@@ -24,40 +25,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-def run_selfcheck(device: str = "cuda", seed: int = 0,
-                  shapes: tuple[tuple[int, int, int], ...] = ((1, 256, 512), (5, 200, 352), (130, 4608, 3584),
-                                                              (7, 72, 384)),
-                  module_ms: tuple[int, ...] = (1, 16, 100, 1100)) -> list[dict]:
-    from qerl_kernels import linear as ql
-    from qerl_kernels.fp4 import (
-        fp4_dequantize,
-        fp4_matmul,
-        fp4_matmul_t,
-        fp4_matmul_v2,
-        kernel_scales,
-        mxfp4_shift,
-        repack_fp4,
-    )
-    from qerl_kernels.options import kernel_options
-    from qerl_kernels.options import update as update_kernel_options
-    from qerl_kernels.w8 import fp8_scaled_matmul, quantize_rows_fp8, w8_matmul, w8_matmul_t
+class _Checks:
+    """The checks' results so far and how one more is run: ``check(path, fn, ref, tol)`` runs ``fn`` twice (the
+    error against ``ref`` and whether it is deterministic) and records it, an exception as a failed check."""
 
-    from qerl_cli.formats import dequantize, quantize
-    from qerl_cli.formats.fp4 import to_e4m3
-    from qerl_cli.qlinear import QuantLinear
+    def __init__(self, device: str, g: torch.Generator) -> None:
+        self.device, self.g = device, g
+        self.sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        self.out: list[dict] = []
 
-    # qerl's own kernels only in the timing passes here (unless the run named its candidates): humming
-    # JIT-compiles for every shape and M
-    if kernel_options().dispatch_candidates is None:
-        update_kernel_options(dispatch_candidates=("triton", "cublas"))
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    out: list[dict] = []
-
-    def check(path: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, tol: float, **info) -> None:
+    def __call__(self, path: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, tol: float, **info) -> None:
+        out = self.out
         try:
             got = fn().clone()
-            sync()
+            self.sync()
             rel = _rel(got, ref)
             again = fn()
             det = bool(torch.equal(got, again))
@@ -68,85 +49,161 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
         if len(out) % 40 == 0:  # progress, so a run cut short by its time limit still says how far it got
             print(f"selfcheck: {len(out)} checks, {sum(not r['ok'] for r in out)} failed so far", flush=True)
 
+
+def run_selfcheck(device: str = "cuda", seed: int = 0,
+                  shapes: tuple[tuple[int, int, int], ...] = ((1, 256, 512), (5, 200, 352), (130, 4608, 3584),
+                                                              (7, 72, 384)),
+                  module_ms: tuple[int, ...] = (1, 16, 100, 1100)) -> list[dict]:
+    from qerl_kernels.options import kernel_options
+    from qerl_kernels.options import update as update_kernel_options
+
+    # qerl's own kernels only in the timing passes here (unless the run named its candidates): humming
+    # JIT-compiles for every shape and M
+    if kernel_options().dispatch_candidates is None:
+        update_kernel_options(dispatch_candidates=("triton", "cublas"))
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    check = _Checks(device, g)
     for fmt in ("nvfp4", "mxfp4"):
-        for n_, k_ in ((200, 352), (256, 512), (1000, 3584)):
-            if k_ % 32:
-                continue
-            w = (torch.randn(n_, k_, generator=g) * 0.05).to(device)
-            qw = quantize(w, fmt)
-            t = qw.tensors
-            gs = t.get("weight_global_scale")
-            for dt in (torch.bfloat16, torch.float16):
-                ref_w = dequantize(qw, dt)
-                check(f"{fmt}-dequant-exact-{dt}",
-                      bind(fp4_dequantize, t["weight_packed"], t["weight_scale"], gs, fmt, dt), ref_w, 0.0, N=n_, K=k_)
+        _fp4_dequant_checks(check, fmt)
         for m, n, k in shapes:
-            if k % 32:
-                continue
-            w = (torch.randn(n, k, generator=g) * 0.05).to(device)
-            qw = quantize(w, fmt)
-            t = qw.tensors
-            gs = t.get("weight_global_scale")
-            wd = dequantize(qw, torch.float32).double()
-            shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else None
-            for dt in (torch.bfloat16, torch.float16):
-                x = torch.randn(m, k, generator=g).to(device=device, dtype=dt)
-                ref = x.double() @ wd.T
-                runs = [(DECODE_ASM, "asm", ql.fp4_config(m, n, k)),
-                        (DECODE_ASM, "asm", TileConfig(16, 64, 128, 4, 3, 3))]
-                if m == 5:
-                    runs += [(DECODE_ARITH, "arith", TileConfig(64, 128, 64, 4, 3)),
-                             (DECODE_LUT, "lut", TileConfig(64, 128, 64, 4, 3))]
-                for dec, dname, cfg in runs:
-                    if True:
-                        y = torch.full((m, n), float("nan"), dtype=dt, device=device)
-                        check(f"{fmt}-fwd-{dname}-{cfg.key()}-{dt}",
-                              bind(fp4_matmul, x, t["weight_packed"], t["weight_scale"], gs, fmt, cfg, shift=shift,
-                                   decode=dec, out=y),
-                              ref, TOL[dt], M=m, N=n, K=k)
-                for tiled in (False, True):
-                    if k % 128 or (tiled and n % 64):
-                        continue
-                    wr = repack_fp4(t["weight_packed"], tiled=tiled)
-                    ks = kernel_scales(t["weight_scale"], fmt, dt, shift or 0, tiled=tiled)
-                    for cfg, serial in ((ql.fp4_config(m, n, k), None), (TileConfig(16, 64, 256, 4, 4, 3), True),
-                                        (TileConfig(16, 64, 128, 4, 4, 4), False),
-                                        (TileConfig(128, 128, 128, 8, 3), None),
-                                        (TileConfig(256, 128, 128, 8, 3, 2), None)):
-                        y = torch.full((m, n), float("nan"), dtype=dt, device=device)
-                        check(f"{fmt}-fwd-v{3 if tiled else 2}-{cfg.key()}-serial{serial}-{dt}",
-                              bind(fp4_matmul_v2, x, wr, ks, gs, fmt, cfg, shift=shift or 0, out=y, tiled=tiled,
-                                   serial=serial),
-                              ref, TOL[dt], M=m, N=n, K=k)
-                dy = torch.randn(m, n, generator=g).to(device=device, dtype=dt)
-                check(f"{fmt}-dx-{dt}", bind(fp4_matmul_t, dy, t["weight_packed"], t["weight_scale"], gs, fmt,
-                                             ql.fp4_t_config(m, n, k), shift=shift),
-                      dy.double() @ wd, TOL[dt], M=m, N=n, K=k)
+            if k % 32 == 0:
+                _fp4_matmul_checks(check, fmt, m, n, k)
     for fmt in ("int8", "fp8"):
         for m, n, k in shapes:
-            w = (torch.randn(n, k, generator=g) * 0.05).to(device)
-            qw = quantize(w, fmt, dtype=torch.bfloat16)
-            t = qw.tensors
-            wd = dequantize(qw, torch.float32).double()
-            for dt in (torch.bfloat16, torch.float16):
-                x = torch.randn(m, k, generator=g).to(device=device, dtype=dt)
-                check(f"{fmt}-fwd-{dt}", bind(w8_matmul, x, t["weight"], t["weight_scale"], ql.w8_config(m, n, k)),
-                      x.double() @ wd.T, TOL[dt], M=m, N=n, K=k)
-                dy = torch.randn(m, n, generator=g).to(device=device, dtype=dt)
-                check(f"{fmt}-dx-{dt}", bind(w8_matmul_t, dy, t["weight"], t["weight_scale"], ql.w8_t_config(m, n, k)),
-                      dy.double() @ wd, TOL[dt], M=m, N=n, K=k)
-            if fmt == "fp8" and n % 16 == 0 and k % 16 == 0 and torch.device(device).type == "cuda":
-                x = torch.randn(m, k, generator=g).to(device=device, dtype=torch.bfloat16)
-                row = t["weight_scale"].float().reshape(1, -1)
-                check("fp8xfp8-scaled_mm", bind(fp8_scaled_matmul, x, t["weight"], row),
-                      x.double() @ wd.T, 0.06, M=m, N=n, K=k)
-    # activation quantization is bit-exact with the torch reference on the GPU
+            _w8_checks(check, fmt, m, n, k)
+    out = check.out
+    out.append(_act_quant_check(device, g))
+    _quant_linear_checks(check, module_ms)
+    print(f"selfcheck: {len(out)} checks before the one-copy layout section", flush=True)
+    out += _check_resident_layout(device, g)
+    out += check_cuda_kernel(device, g)
+    return out
+
+
+def _fp4_dequant_checks(check: _Checks, fmt: str) -> None:
+    """The FP4 dequantize kernel is bit-exact with the torch reference."""
+    from qerl_kernels.fp4 import fp4_dequantize
+
+    from qerl_cli.formats import dequantize, quantize
+
+    g, device = check.g, check.device
+    for n_, k_ in ((200, 352), (256, 512), (1000, 3584)):
+        if k_ % 32:
+            continue
+        w = (torch.randn(n_, k_, generator=g) * 0.05).to(device)
+        qw = quantize(w, fmt)
+        t = qw.tensors
+        gs = t.get("weight_global_scale")
+        for dt in (torch.bfloat16, torch.float16):
+            ref_w = dequantize(qw, dt)
+            check(f"{fmt}-dequant-exact-{dt}",
+                  bind(fp4_dequantize, t["weight_packed"], t["weight_scale"], gs, fmt, dt), ref_w, 0.0, N=n_, K=k_)
+
+
+def _fp4_matmul_checks(check: _Checks, fmt: str, m: int, n: int, k: int) -> None:
+    """One FP4 shape: the forward in every decode mode and tile config, the v2/v3 layouts, and dx."""
+    from qerl_kernels import linear as ql
+    from qerl_kernels.fp4 import fp4_matmul, fp4_matmul_t, mxfp4_shift
+
+    from qerl_cli.formats import dequantize, quantize
+
+    g, device = check.g, check.device
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device)
+    qw = quantize(w, fmt)
+    t = qw.tensors
+    gs = t.get("weight_global_scale")
+    wd = dequantize(qw, torch.float32).double()
+    shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else None
+    for dt in (torch.bfloat16, torch.float16):
+        x = torch.randn(m, k, generator=g).to(device=device, dtype=dt)
+        ref = x.double() @ wd.T
+        runs = [(DECODE_ASM, "asm", ql.fp4_config(m, n, k)),
+                (DECODE_ASM, "asm", TileConfig(16, 64, 128, 4, 3, 3))]
+        if m == 5:
+            runs += [(DECODE_ARITH, "arith", TileConfig(64, 128, 64, 4, 3)),
+                     (DECODE_LUT, "lut", TileConfig(64, 128, 64, 4, 3))]
+        for dec, dname, cfg in runs:
+            y = torch.full((m, n), float("nan"), dtype=dt, device=device)
+            check(f"{fmt}-fwd-{dname}-{cfg.key()}-{dt}",
+                  bind(fp4_matmul, x, t["weight_packed"], t["weight_scale"], gs, fmt, cfg, shift=shift,
+                       decode=dec, out=y),
+                  ref, TOL[dt], M=m, N=n, K=k)
+        _fp4_v2_checks(check, fmt, t, gs, shift, x, ref, dt)
+        dy = torch.randn(m, n, generator=g).to(device=device, dtype=dt)
+        check(f"{fmt}-dx-{dt}", bind(fp4_matmul_t, dy, t["weight_packed"], t["weight_scale"], gs, fmt,
+                                     ql.fp4_t_config(m, n, k), shift=shift),
+              dy.double() @ wd, TOL[dt], M=m, N=n, K=k)
+
+
+def _fp4_v2_checks(check: _Checks, fmt: str, t: dict, gs: torch.Tensor | None, shift: int | None, x: torch.Tensor,
+                   ref: torch.Tensor, dt: torch.dtype) -> None:
+    """The repacked (v2) and tiled (v3) FP4 layouts over a few tile configs, serial and split."""
+    from qerl_kernels import linear as ql
+    from qerl_kernels.fp4 import fp4_matmul_v2, kernel_scales, repack_fp4
+
+    (m, k), n = x.shape, ref.shape[1]
+    for tiled in (False, True):
+        if k % 128 or (tiled and n % 64):
+            continue
+        wr = repack_fp4(t["weight_packed"], tiled=tiled)
+        ks = kernel_scales(t["weight_scale"], fmt, dt, shift or 0, tiled=tiled)
+        for cfg, serial in ((ql.fp4_config(m, n, k), None), (TileConfig(16, 64, 256, 4, 4, 3), True),
+                            (TileConfig(16, 64, 128, 4, 4, 4), False),
+                            (TileConfig(128, 128, 128, 8, 3), None),
+                            (TileConfig(256, 128, 128, 8, 3, 2), None)):
+            y = torch.full((m, n), float("nan"), dtype=dt, device=check.device)
+            check(f"{fmt}-fwd-v{3 if tiled else 2}-{cfg.key()}-serial{serial}-{dt}",
+                  bind(fp4_matmul_v2, x, wr, ks, gs, fmt, cfg, shift=shift or 0, out=y, tiled=tiled,
+                       serial=serial),
+                  ref, TOL[dt], M=m, N=n, K=k)
+
+
+def _w8_checks(check: _Checks, fmt: str, m: int, n: int, k: int) -> None:
+    """One INT8 / FP8 shape: forward and dx, and FP8 x FP8 through ``torch._scaled_mm`` on CUDA."""
+    from qerl_kernels import linear as ql
+    from qerl_kernels.w8 import fp8_scaled_matmul, w8_matmul, w8_matmul_t
+
+    from qerl_cli.formats import dequantize, quantize
+
+    g, device = check.g, check.device
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device)
+    qw = quantize(w, fmt, dtype=torch.bfloat16)
+    t = qw.tensors
+    wd = dequantize(qw, torch.float32).double()
+    for dt in (torch.bfloat16, torch.float16):
+        x = torch.randn(m, k, generator=g).to(device=device, dtype=dt)
+        check(f"{fmt}-fwd-{dt}", bind(w8_matmul, x, t["weight"], t["weight_scale"], ql.w8_config(m, n, k)),
+              x.double() @ wd.T, TOL[dt], M=m, N=n, K=k)
+        dy = torch.randn(m, n, generator=g).to(device=device, dtype=dt)
+        check(f"{fmt}-dx-{dt}", bind(w8_matmul_t, dy, t["weight"], t["weight_scale"], ql.w8_t_config(m, n, k)),
+              dy.double() @ wd, TOL[dt], M=m, N=n, K=k)
+    if fmt == "fp8" and n % 16 == 0 and k % 16 == 0 and torch.device(device).type == "cuda":
+        x = torch.randn(m, k, generator=g).to(device=device, dtype=torch.bfloat16)
+        row = t["weight_scale"].float().reshape(1, -1)
+        check("fp8xfp8-scaled_mm", bind(fp8_scaled_matmul, x, t["weight"], row),
+              x.double() @ wd.T, 0.06, M=m, N=n, K=k)
+
+
+def _act_quant_check(device: str, g: torch.Generator) -> dict:
+    """Activation quantization is bit-exact with the torch reference on the GPU."""
+    from qerl_kernels.w8 import quantize_rows_fp8
+
+    from qerl_cli.formats.fp4 import to_e4m3
+
     x = torch.randn(7, 1000, generator=g).to(device) * torch.logspace(-3, 3, 7).to(device)[:, None]
     q, s = quantize_rows_fp8(x)
     ref_s = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
     exact = bool(torch.equal(q.float(), to_e4m3(x / ref_s).float())) and torch.allclose(s, ref_s, rtol=1e-6)
-    out.append({"path": "fp8-act-quant-exact", "ok": exact, "rel": 0.0, "tol": 0.0})
-    # QuantLinear on CUDA: forward dispatch at several M, and autograd dx
+    return {"path": "fp8-act-quant-exact", "ok": exact, "rel": 0.0, "tol": 0.0}
+
+
+def _quant_linear_checks(check: _Checks, module_ms: tuple[int, ...]) -> None:
+    """QuantLinear on CUDA: forward dispatch at several M, and autograd dx."""
+    from qerl_kernels import linear as ql
+
+    from qerl_cli.qlinear import QuantLinear
+
+    g, device, out = check.g, check.device, check.out
     for fmt in ("nvfp4", "mxfp4", "int8", "fp8"):
         lin = torch.nn.Linear(512, 384, bias=True).to(device)
         mod = QuantLinear.from_linear(lin, fmt).to(device)
@@ -155,7 +212,7 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
             x = torch.randn(m, 512, generator=g).to(device=device, dtype=torch.bfloat16).requires_grad_(True)
             y = mod(x)
             ref = x.double() @ wd.T + mod.bias.double()
-            tol = 0.06 if (fmt == "fp8" and m >= kernel_options().fp8_act_min_m) else TOL[torch.bfloat16]
+            tol = 0.06 if (fmt == "fp8" and m >= ql.FP8_ACT_MIN_M) else TOL[torch.bfloat16]
             dy = torch.randn_like(y)
             y.backward(dy)
             used = isinstance(mod.kernel_layout_state, ql.KernelState)
@@ -163,20 +220,12 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
                         "ok": used and _rel(y, ref) <= tol})
             out.append({"path": f"QuantLinear-{fmt}-dx", "M": m, "rel": _rel(x.grad, dy.double() @ wd),
                         "tol": TOL[torch.bfloat16], "ok": _rel(x.grad, dy.double() @ wd) <= TOL[torch.bfloat16]})
-    print(f"selfcheck: {len(out)} checks before the one-copy layout section", flush=True)
-    out += _check_resident_layout(device, g)
-    out += check_cuda_kernel(device, g)
-    return out
 
 
 def check_cuda_kernel(device: str = "cuda", g: torch.Generator | None = None) -> list[dict]:
     """qerl's CUDA C++ FP4 kernel (`cuda_fp4`): exact on every code and scale, right on odd shapes, bias and
     split-K, deterministic, and through QuantLinear. Empty (one skipped row) where it does not build."""
-    from qerl_kernels import cuda_fp4, dispatch
-    from qerl_kernels.fp4 import mxfp4_shift, repack_fp4
-
-    from qerl_cli.formats import QuantizedWeight, dequantize, quantize
-    from qerl_cli.qlinear import QuantLinear
+    from qerl_kernels import cuda_fp4
 
     if not cuda_fp4.available():
         return [{"path": "cuda-kernel", "ok": True, "skipped": True, "reason": cuda_fp4.unavailable_reason(),
@@ -184,21 +233,40 @@ def check_cuda_kernel(device: str = "cuda", g: torch.Generator | None = None) ->
     g = g or torch.Generator(device="cpu").manual_seed(0)
     out: list[dict] = []
     dev = torch.device(device)
+    run = bind(_cuda_run, out)
+    _cuda_exact_checks(run, dev)
+    print(f"selfcheck: cuda exact section done ({len(out)} checks)", flush=True)
+    for fmt in ("nvfp4", "mxfp4"):
+        _cuda_random_checks(run, fmt, g, dev)
+        print(f"selfcheck: cuda {fmt} random section done ({len(out)} checks)", flush=True)
+    out += _cuda_quant_linear_checks(g, dev)
+    print(f"selfcheck: cuda legacy plans done ({len(out)} checks)", flush=True)
+    return out + check_stream_plans(device, g)
 
-    def run(path: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, tol: float, **info) -> None:
-        try:
-            got = fn().clone()
-            again = fn()
-            torch.cuda.synchronize()
-            rel = 0.0 if tol == 0.0 and torch.equal(got.float(), ref.float()) else _rel(got, ref)
-            det = bool(torch.equal(got, again))
-            ok = (bool(torch.equal(got.float(), ref.float())) if tol == 0.0 else rel <= tol) and det
-            out.append({"path": path, "rel": rel, "tol": tol, "deterministic": det, "ok": ok, **info})
-        except Exception as exc:
-            out.append({"path": path, "rel": None, "tol": tol, "ok": False, "error": repr(exc)[:400], **info})
 
-    # 1. exact: one-hot activations read single weights back; with G = 1 (NVFP4) or a shift the output is
-    #    code * scale, exactly representable, so every code under every E4M3 scale / E8M0 exponent must match
+def _cuda_run(out: list[dict], path: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, tol: float,
+              **info) -> None:
+    """Run ``fn`` twice and record the check: ``tol`` 0 asks for the reference's bits, else a relative error."""
+    try:
+        got = fn().clone()
+        again = fn()
+        torch.cuda.synchronize()
+        rel = 0.0 if tol == 0.0 and torch.equal(got.float(), ref.float()) else _rel(got, ref)
+        det = bool(torch.equal(got, again))
+        ok = (bool(torch.equal(got.float(), ref.float())) if tol == 0.0 else rel <= tol) and det
+        out.append({"path": path, "rel": rel, "tol": tol, "deterministic": det, "ok": ok, **info})
+    except Exception as exc:
+        out.append({"path": path, "rel": None, "tol": tol, "ok": False, "error": repr(exc)[:400], **info})
+
+
+def _cuda_exact_checks(run: Callable[..., None], dev: torch.device) -> None:
+    """One-hot activations read single weights back; with G = 1 (NVFP4) or a shift the output is code * scale,
+    exactly representable, so every code under every E4M3 scale / E8M0 exponent must match, in every kernel."""
+    from qerl_kernels import cuda_fp4
+    from qerl_kernels.fp4 import mxfp4_shift, repack_fp4
+
+    from qerl_cli.formats import QuantizedWeight, dequantize
+
     n, k = 256, 128
     packed = (torch.arange(n * 64) % 256).reshape(n, 64).to(torch.uint8)
     cases = {"nvfp4": {"weight_packed": packed, "weight_global_scale": torch.ones(1),
@@ -223,37 +291,50 @@ def check_cuda_kernel(device: str = "cuda", g: torch.Generator | None = None) ->
                         bind(cuda_fp4.fp4_gemm, x, rep, sc, gs, fmt, tiled=True, shift=shift, mt=mt, wn=wn, wk=wk,
                              perm=perm),
                         wref[:, k0:k0 + rows].T.to(device=dev, dtype=dt), 0.0, N=n, K=k, k0=k0)
-    print(f"selfcheck: cuda exact section done ({len(out)} checks)", flush=True)
-    # 2. random weights: shapes, odd M, row and tiled layouts, bias, forced split-K
-    for fmt in ("nvfp4", "mxfp4"):
-        for nn, kk, tiled in ((4608, 3584, True), (208, 384, False), (64, 1152, True), (3584, 18944, True)):
-            qw = quantize((torch.randn(nn, kk, generator=g) * 0.05).to(dev), fmt)
-            t = qw.tensors
-            wd = dequantize(qw, torch.float32).double()
-            shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else 0
-            rep = repack_fp4(t["weight_packed"], tiled=tiled)
-            bias = torch.randn(nn, generator=g).to(dev)
-            ms = (1, 3, 8, 13, 16, 17, 32, 45, 64, 100, 256) if nn < 4000 else (1, 16, 64, 256)
-            for dt in (torch.bfloat16, torch.float16):
-                for m in ms:
+
+
+def _cuda_random_checks(run: Callable[..., None], fmt: str, g: torch.Generator, dev: torch.device) -> None:
+    """Random weights: shapes, odd M, row and tiled layouts, bias, forced split-K."""
+    from qerl_kernels import cuda_fp4
+    from qerl_kernels.fp4 import mxfp4_shift, repack_fp4
+
+    from qerl_cli.formats import dequantize, quantize
+
+    for nn, kk, tiled in ((4608, 3584, True), (208, 384, False), (64, 1152, True), (3584, 18944, True)):
+        qw = quantize((torch.randn(nn, kk, generator=g) * 0.05).to(dev), fmt)
+        t = qw.tensors
+        wd = dequantize(qw, torch.float32).double()
+        shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else 0
+        rep = repack_fp4(t["weight_packed"], tiled=tiled)
+        bias = torch.randn(nn, generator=g).to(dev)
+        ms = (1, 3, 8, 13, 16, 17, 32, 45, 64, 100, 256) if nn < 4000 else (1, 16, 64, 256)
+        for dt in (torch.bfloat16, torch.float16):
+            for m in ms:
+                x = torch.randn(m, kk, generator=g).to(device=dev, dtype=dt)
+                ref = x.double() @ wd.T
+                for splits in (None, 3):
+                    b = bias if splits else None
+                    run(f"cuda-{fmt}-fwd-tiled{tiled}-split{splits}-bias{b is not None}-{dt}",
+                        bind(cuda_fp4.fp4_gemm, x, rep, t["weight_scale"], t.get("weight_global_scale"), fmt,
+                             tiled=tiled, shift=shift, bias=b, splits=splits),
+                        ref + (bias.double() if b is not None else 0), TOL[dt], M=m, N=nn, K=kk)
+            if nn == 208:  # every built kernel on a row-layout shape whose N is not a multiple of 4 blocks
+                for mt, wn, wk, perm in cuda_fp4.CONFIGS:
+                    m = 8 * mt - 3 if perm else 2
                     x = torch.randn(m, kk, generator=g).to(device=dev, dtype=dt)
-                    ref = x.double() @ wd.T
-                    for splits in (None, 3):
-                        b = bias if splits else None
-                        run(f"cuda-{fmt}-fwd-tiled{tiled}-split{splits}-bias{b is not None}-{dt}",
-                            bind(cuda_fp4.fp4_gemm, x, rep, t["weight_scale"], t.get("weight_global_scale"), fmt,
-                                 tiled=tiled, shift=shift, bias=b, splits=splits),
-                            ref + (bias.double() if b is not None else 0), TOL[dt], M=m, N=nn, K=kk)
-                if nn == 208:  # every built kernel on a row-layout shape whose N is not a multiple of 4 blocks
-                    for mt, wn, wk, perm in cuda_fp4.CONFIGS:
-                        m = 8 * mt - 3 if perm else 2
-                        x = torch.randn(m, kk, generator=g).to(device=dev, dtype=dt)
-                        run(f"cuda-{fmt}-fwd-mt{mt}-wn{wn}-wk{wk}-perm{perm}-{dt}",
-                            bind(cuda_fp4.fp4_gemm, x, rep, t["weight_scale"], t.get("weight_global_scale"), fmt,
-                                 tiled=tiled, shift=shift, bias=bias, mt=mt, wn=wn, wk=wk, perm=perm, splits=2),
-                            x.double() @ wd.T + bias.double(), TOL[dt], M=m, N=nn, K=kk)
-        print(f"selfcheck: cuda {fmt} random section done ({len(out)} checks)", flush=True)
-    # 3. through QuantLinear with the backend forced, forward (with bias) and dx
+                    run(f"cuda-{fmt}-fwd-mt{mt}-wn{wn}-wk{wk}-perm{perm}-{dt}",
+                        bind(cuda_fp4.fp4_gemm, x, rep, t["weight_scale"], t.get("weight_global_scale"), fmt,
+                             tiled=tiled, shift=shift, bias=bias, mt=mt, wn=wn, wk=wk, perm=perm, splits=2),
+                        x.double() @ wd.T + bias.double(), TOL[dt], M=m, N=nn, K=kk)
+
+
+def _cuda_quant_linear_checks(g: torch.Generator, dev: torch.device) -> list[dict]:
+    """Through QuantLinear with the CUDA backend forced: forward (with bias) and dx."""
+    from qerl_kernels import dispatch
+
+    from qerl_cli.qlinear import QuantLinear
+
+    out: list[dict] = []
     prev = dispatch.get_backend()
     try:
         dispatch.set_backend("cuda")
@@ -273,8 +354,7 @@ def check_cuda_kernel(device: str = "cuda", g: torch.Generator | None = None) ->
                             "used_cuda": used, "ok": used and max(r1, r2) <= 1.2e-2})
     finally:
         dispatch.set_backend(prev)
-    print(f"selfcheck: cuda legacy plans done ({len(out)} checks)", flush=True)
-    return out + check_stream_plans(device, g)
+    return out
 
 
 def _one_hot_case(fmt: str, n: int, k: int) -> tuple[dict, int]:
@@ -299,12 +379,10 @@ def check_stream_plans(device: str = "cuda", g: torch.Generator | None = None) -
     groups cut between CTAs, K segments and whole portions per CTA, NaN-poisoned outputs and workspaces, two runs
     bit-identical, the same bits from a CUDA graph with programmatic dependent launch (after a copy, after a
     kernel, after another GEMM) with new inputs, and QuantLinear through `linear.forward_with_lora`."""
-    from qerl_kernels import cuda_fp4, dispatch
-    from qerl_kernels import linear as ql
-    from qerl_kernels.fp4 import mxfp4_shift, repack_fp4
+    from qerl_kernels import cuda_fp4
+    from qerl_kernels.fp4 import repack_fp4
 
-    from qerl_cli.formats import QuantizedWeight, dequantize, quantize
-    from qerl_cli.qlinear import QuantLinear
+    from qerl_cli.formats import quantize
 
     if not cuda_fp4.available():
         return [{"path": "cuda-stream", "ok": True, "skipped": True, "reason": cuda_fp4.unavailable_reason(),
@@ -313,121 +391,17 @@ def check_stream_plans(device: str = "cuda", g: torch.Generator | None = None) -
     dev = torch.device(device)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     out: list[dict] = []
-
-    def gemm(x: torch.Tensor, w: tuple, plan: cuda_fp4.Plan | None, bias: torch.Tensor | None = None,
-             lora: tuple | None = None, pdl: bool | None = None) -> torch.Tensor:
-        rep, sc, gs, fmt, tiled, shift = w
-        y = torch.full((x.shape[0], rep.shape[0]), float("nan"), dtype=x.dtype, device=dev)  # poisoned
-        h, b = lora or (None, None)
-        return cuda_fp4.fp4_gemm(x, rep, sc, gs, fmt, tiled=tiled, shift=shift, bias=bias, lora_h=h, lora_b=b,
-                                 plan=plan, pdl=pdl, out=y)
-
-    def run(path: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, tol: float, **info) -> None:
-        try:
-            got = fn().clone()
-            again = fn()
-            torch.cuda.synchronize()
-            det = bool(torch.equal(got, again))
-            written = bool(torch.isfinite(got).all())
-            if tol == 0.0:
-                ok = bool(torch.equal(got.float(), ref.float()))
-                rel = 0.0 if ok else _rel(got, ref)
-            else:
-                rel = _rel(got, ref)
-                ok = rel <= tol
-            out.append({"path": path, "rel": rel, "tol": tol, "deterministic": det, "written": written,
-                        "ok": ok and det and written, **info})
-        except Exception as exc:
-            out.append({"path": path, "rel": None, "tol": tol, "ok": False, "error": repr(exc)[:400], **info})
-
-    def variants(m: int, n: int, k: int) -> list[tuple[str, cuda_fp4.Plan]]:
-        """Every built stream configuration serving m, each with the rule's ranges, cut portions and whole ones."""
-        plans: list[tuple[str, cuda_fp4.Plan]] = []
-        if m <= cuda_fp4.DECODE_MAX_M:
-            for mt, st, perm in cuda_fp4.DECODE_CONFIGS:
-                if mt != (1 if m <= 8 else 2) or (not perm and m > 2):
-                    continue
-                for tag, kw in (("rule", {}), ("cut7", {"ctas": 7, "pmode": False}),
-                                ("seg3cut5", {"ctas": 5, "nseg": 3, "pmode": False}),
-                                ("whole", {"ctas": 3, "pmode": True})):
-                    try:
-                        plans.append((f"decode-mt{mt}-S{st}-perm{int(perm)}-{tag}",
-                                      cuda_fp4.decode_plan(m, n, k, sms, stages=st, perm=perm, **kw)))
-                    except ValueError:
-                        pass
-        elif m <= cuda_fp4.WIDE_MAX_M:
-            for mt, wn, rbw, st in cuda_fp4.WIDE_CONFIGS:
-                if mt != (4 if m <= 32 else 8):
-                    continue
-                for tag, kw in (("rule", {}), ("cut5", {"ctas": 5, "pmode": False}), ("whole", {"ctas": 2,
-                                                                                               "pmode": True})):
-                    plans.append((f"wide-mt{mt}-{wn}x{rbw}-{tag}",
-                                  cuda_fp4.wide_plan(m, n, k, sms, mt=mt, wn=wn, rbw=rbw, stages=st, **kw)))
-        return plans
-
+    run = bind(_stream_run, out)
     cuda_fp4.POISON_WORKSPACE = True
     try:
-        # 1. exact: one-hot activations and a one-hot LoRA expand with integer B and bias, every configuration
-        n, k = 256, 1024
         for fmt in ("nvfp4", "mxfp4"):
-            tens, shift = _one_hot_case(fmt, n, k)
-            wref = dequantize(QuantizedWeight(fmt, (n, k), tens), torch.float32).to(dev)
-            w = (repack_fp4(tens["weight_packed"], tiled=True).to(dev), tens["weight_scale"].to(dev),
-                 tens["weight_global_scale"].to(dev) if fmt == "nvfp4" else None, fmt, True, shift)
-            for dt in (torch.bfloat16, torch.float16):
-                for m in (1, 2, 8, 16, 32, 64):
-                    for name, plan in variants(m, n, k):
-                        for call in range(2):
-                            rows = torch.arange(m, device=dev)
-                            kt = (rows * 37 + call * 11 + 5) % k
-                            x = torch.zeros(m, k, dtype=dt, device=dev)
-                            x[rows, kt] = 1
-                            acc = wref[:, kt].T.contiguous()  # [m, n]: the weights the rows read back
-                            lora = bias = None
-                            if call == 1:
-                                r = 24
-                                h = torch.zeros(m, r, dtype=dt, device=dev)
-                                h[rows, (rows * 5 + 3) % r] = 1
-                                b = (torch.randint(-4, 5, (n, r), generator=g)).to(device=dev, dtype=dt)
-                                lora = (h, b)
-                                bias = torch.randint(-3, 4, (n,), generator=g).float().to(dev)
-                            want = cuda_fp4.emulate_epilogue(acc, 1.0, dt, bias,
-                                                             None if lora is None else (h.float() @ b.float().T))
-                            run(f"stream-{fmt}-exact-{name}-{'lora-bias' if call else 'plain'}-{dt}",
-                                bind(gemm, x, w, plan, bias, lora), want, 0.0, M=m, N=n, K=k)
+            _stream_exact_checks(run, fmt, g, dev, sms)
         print(f"selfcheck: stream exact section done ({len(out)} checks)", flush=True)
-        # 2. random weights: the decode shapes, odd M, bias and LoRA on/off, every configuration's ranges
         for fmt in ("nvfp4", "mxfp4"):
-            for nn_, kk, tiled in ((4608, 3584, True), (208, 384, False), (3584, 18944, True)):
-                qw = quantize((torch.randn(nn_, kk, generator=g) * 0.05).to(dev), fmt)
-                t = qw.tensors
-                wd = dequantize(qw, torch.float32).double()
-                shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else 0
-                w = (repack_fp4(t["weight_packed"], tiled=tiled), t["weight_scale"], t.get("weight_global_scale"),
-                     fmt, tiled, shift)
-                bias = torch.randn(nn_, generator=g).to(dev)
-                small = nn_ * kk < 2**22
-                ms = (1, 2, 3, 8, 13, 16, 17, 32, 45, 64) if small else (1, 8, 16, 32, 64)
-                for dt in (torch.bfloat16, torch.float16):
-                    for m in ms:
-                        x = torch.randn(m, kk, generator=g).to(device=dev, dtype=dt)
-                        base = x.double() @ wd.T
-                        for li, (r, with_bias) in enumerate(((0, False), (32, True), (136, False))):
-                            lora = None
-                            ref = base + (bias.double() if with_bias else 0)
-                            if r:
-                                h = torch.randn(m, r, generator=g).to(device=dev, dtype=dt)
-                                b = (torch.randn(nn_, r, generator=g) * 0.02).to(device=dev, dtype=dt)
-                                lora = (h, b)
-                                ref = ref + h.double() @ b.double().T
-                            plans = variants(m, nn_, kk) if li == 0 or small else variants(m, nn_, kk)[:1]
-                            for name, plan in plans:
-                                run(f"stream-{fmt}-fwd-{name}-tiled{tiled}-r{r}-bias{with_bias}-{dt}",
-                                    bind(gemm, x, w, plan, bias if with_bias else None, lora), ref, TOL[dt],
-                                    M=m, N=nn_, K=kk)
+            _stream_random_checks(run, fmt, g, dev, sms)
             print(f"selfcheck: stream {fmt} random section done ({len(out)} checks)", flush=True)
-        # 3. CUDA graph with programmatic dependent launch: a GEMM after a copy, after a kernel, after a GEMM; the
-        #    replay's bits equal the eager (no PDL) run's, also with new inputs copied in before a second replay
+        # CUDA graph with programmatic dependent launch: a GEMM after a copy, after a kernel, after a GEMM; the
+        # replay's bits equal the eager (no PDL) run's, also with new inputs copied in before a second replay
         qw = quantize((torch.randn(4608, 3584, generator=g) * 0.05).to(dev), "nvfp4")
         t = qw.tensors
         w = (repack_fp4(t["weight_packed"], tiled=True), t["weight_scale"], t["weight_global_scale"], "nvfp4", True, 0)
@@ -435,7 +409,153 @@ def check_stream_plans(device: str = "cuda", g: torch.Generator | None = None) -
             out.append(_graph_pdl_check(m, w, g, dev, sms))
     finally:
         cuda_fp4.POISON_WORKSPACE = False
-    # 4. QuantLinear: forward_with_lora through each backend, and the LoRA-aware measured plan
+    out += _stream_quant_linear_checks(g, dev)
+    return out
+
+
+def _stream_gemm(x: torch.Tensor, w: tuple, plan: Any, bias: torch.Tensor | None = None, lora: tuple | None = None,
+                 pdl: bool | None = None) -> torch.Tensor:
+    """The stream kernel on ``w`` = (repacked, scales, global scale, format, tiled, shift), into a NaN-poisoned
+    output."""
+    from qerl_kernels import cuda_fp4
+
+    rep, sc, gs, fmt, tiled, shift = w
+    y = torch.full((x.shape[0], rep.shape[0]), float("nan"), dtype=x.dtype, device=x.device)  # poisoned
+    h, b = lora or (None, None)
+    return cuda_fp4.fp4_gemm(x, rep, sc, gs, fmt, tiled=tiled, shift=shift, bias=bias, lora_h=h, lora_b=b,
+                             plan=plan, pdl=pdl, out=y)
+
+
+def _stream_run(out: list[dict], path: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor, tol: float,
+                **info) -> None:
+    """Run ``fn`` twice and record the check: every output written (no NaN poison left), deterministic, and the
+    reference's bits (``tol`` 0) or within ``tol``."""
+    try:
+        got = fn().clone()
+        again = fn()
+        torch.cuda.synchronize()
+        det = bool(torch.equal(got, again))
+        written = bool(torch.isfinite(got).all())
+        if tol == 0.0:
+            ok = bool(torch.equal(got.float(), ref.float()))
+            rel = 0.0 if ok else _rel(got, ref)
+        else:
+            rel = _rel(got, ref)
+            ok = rel <= tol
+        out.append({"path": path, "rel": rel, "tol": tol, "deterministic": det, "written": written,
+                    "ok": ok and det and written, **info})
+    except Exception as exc:
+        out.append({"path": path, "rel": None, "tol": tol, "ok": False, "error": repr(exc)[:400], **info})
+
+
+def _stream_variants(m: int, n: int, k: int, sms: int) -> list[tuple[str, Any]]:
+    """Every built stream configuration serving m, each with the rule's ranges, cut portions and whole ones."""
+    from qerl_kernels import cuda_fp4
+
+    plans: list[tuple[str, Any]] = []
+    if m <= cuda_fp4.DECODE_MAX_M:
+        for mt, st, perm in cuda_fp4.DECODE_CONFIGS:
+            if mt != (1 if m <= 8 else 2) or (not perm and m > 2):
+                continue
+            for tag, kw in (("rule", {}), ("cut7", {"ctas": 7, "pmode": False}),
+                            ("seg3cut5", {"ctas": 5, "nseg": 3, "pmode": False}),
+                            ("whole", {"ctas": 3, "pmode": True})):
+                try:
+                    plans.append((f"decode-mt{mt}-S{st}-perm{int(perm)}-{tag}",
+                                  cuda_fp4.decode_plan(m, n, k, sms, stages=st, perm=perm, **kw)))
+                except ValueError:
+                    pass
+    elif m <= cuda_fp4.WIDE_MAX_M:
+        for mt, wn, rbw, st in cuda_fp4.WIDE_CONFIGS:
+            if mt != (4 if m <= 32 else 8):
+                continue
+            for tag, kw in (("rule", {}), ("cut5", {"ctas": 5, "pmode": False}), ("whole", {"ctas": 2,
+                                                                                           "pmode": True})):
+                plans.append((f"wide-mt{mt}-{wn}x{rbw}-{tag}",
+                              cuda_fp4.wide_plan(m, n, k, sms, mt=mt, wn=wn, rbw=rbw, stages=st, **kw)))
+    return plans
+
+
+def _stream_exact_checks(run: Callable[..., None], fmt: str, g: torch.Generator, dev: torch.device,
+                         sms: int) -> None:
+    """One-hot activations and a one-hot LoRA expand with integer B and bias, every configuration: exact."""
+    from qerl_kernels import cuda_fp4
+    from qerl_kernels.fp4 import repack_fp4
+
+    from qerl_cli.formats import QuantizedWeight, dequantize
+
+    n, k = 256, 1024
+    tens, shift = _one_hot_case(fmt, n, k)
+    wref = dequantize(QuantizedWeight(fmt, (n, k), tens), torch.float32).to(dev)
+    w = (repack_fp4(tens["weight_packed"], tiled=True).to(dev), tens["weight_scale"].to(dev),
+         tens["weight_global_scale"].to(dev) if fmt == "nvfp4" else None, fmt, True, shift)
+    for dt in (torch.bfloat16, torch.float16):
+        for m in (1, 2, 8, 16, 32, 64):
+            for name, plan in _stream_variants(m, n, k, sms):
+                for call in range(2):
+                    rows = torch.arange(m, device=dev)
+                    kt = (rows * 37 + call * 11 + 5) % k
+                    x = torch.zeros(m, k, dtype=dt, device=dev)
+                    x[rows, kt] = 1
+                    acc = wref[:, kt].T.contiguous()  # [m, n]: the weights the rows read back
+                    lora = bias = None
+                    if call == 1:
+                        r = 24
+                        h = torch.zeros(m, r, dtype=dt, device=dev)
+                        h[rows, (rows * 5 + 3) % r] = 1
+                        b = (torch.randint(-4, 5, (n, r), generator=g)).to(device=dev, dtype=dt)
+                        lora = (h, b)
+                        bias = torch.randint(-3, 4, (n,), generator=g).float().to(dev)
+                    want = cuda_fp4.emulate_epilogue(acc, 1.0, dt, bias,
+                                                     None if lora is None else (h.float() @ b.float().T))
+                    run(f"stream-{fmt}-exact-{name}-{'lora-bias' if call else 'plain'}-{dt}",
+                        bind(_stream_gemm, x, w, plan, bias, lora), want, 0.0, M=m, N=n, K=k)
+
+
+def _stream_random_checks(run: Callable[..., None], fmt: str, g: torch.Generator, dev: torch.device,
+                          sms: int) -> None:
+    """Random weights: the decode shapes, odd M, bias and LoRA on/off, every configuration's ranges."""
+    from qerl_kernels.fp4 import mxfp4_shift, repack_fp4
+
+    from qerl_cli.formats import dequantize, quantize
+
+    for nn_, kk, tiled in ((4608, 3584, True), (208, 384, False), (3584, 18944, True)):
+        qw = quantize((torch.randn(nn_, kk, generator=g) * 0.05).to(dev), fmt)
+        t = qw.tensors
+        wd = dequantize(qw, torch.float32).double()
+        shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else 0
+        w = (repack_fp4(t["weight_packed"], tiled=tiled), t["weight_scale"], t.get("weight_global_scale"),
+             fmt, tiled, shift)
+        bias = torch.randn(nn_, generator=g).to(dev)
+        small = nn_ * kk < 2**22
+        ms = (1, 2, 3, 8, 13, 16, 17, 32, 45, 64) if small else (1, 8, 16, 32, 64)
+        for dt in (torch.bfloat16, torch.float16):
+            for m in ms:
+                x = torch.randn(m, kk, generator=g).to(device=dev, dtype=dt)
+                base = x.double() @ wd.T
+                for li, (r, with_bias) in enumerate(((0, False), (32, True), (136, False))):
+                    lora = None
+                    ref = base + (bias.double() if with_bias else 0)
+                    if r:
+                        h = torch.randn(m, r, generator=g).to(device=dev, dtype=dt)
+                        b = (torch.randn(nn_, r, generator=g) * 0.02).to(device=dev, dtype=dt)
+                        lora = (h, b)
+                        ref = ref + h.double() @ b.double().T
+                    plans = _stream_variants(m, nn_, kk, sms)
+                    for name, plan in plans if li == 0 or small else plans[:1]:
+                        run(f"stream-{fmt}-fwd-{name}-tiled{tiled}-r{r}-bias{with_bias}-{dt}",
+                            bind(_stream_gemm, x, w, plan, bias if with_bias else None, lora), ref, TOL[dt],
+                            M=m, N=nn_, K=kk)
+
+
+def _stream_quant_linear_checks(g: torch.Generator, dev: torch.device) -> list[dict]:
+    """QuantLinear: forward_with_lora through each backend, and the LoRA-aware measured plan."""
+    from qerl_kernels import dispatch
+    from qerl_kernels import linear as ql
+
+    from qerl_cli.qlinear import QuantLinear
+
+    out: list[dict] = []
     prev = dispatch.get_backend()
     try:
         for fmt in ("nvfp4", "mxfp4"):

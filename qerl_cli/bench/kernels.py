@@ -29,9 +29,6 @@ MODELS: dict[str, dict[str, int]] = {
     "qwen2.5-32b": {"hidden": 5120, "heads": 40, "kv_heads": 8, "head_dim": 128, "intermediate": 27648},
 }
 QERL_METHODS = ("nvfp4", "mxfp4", "int8", "fp8", "fp8xfp8")
-# issue 14's targets: a 7B layer's four GEMMs over BF16 cuBLAS, by M; the backward dx at M = 2048
-TARGETS = {1: 3.0, 16: 2.8, 64: 2.0, 128: 1.6, 256: 1.1, 512: 1.0, 2048: 1.0}
-BACKWARD_TARGET = 0.95
 BASELINE = "bf16"  # the method every speed-up is measured against: dense BF16 weights through cuBLAS
 # the format whose backward alternatives (serial dequantize, the transposed fused kernel) are timed too
 BACKWARD_VARIANTS_FOR = "nvfp4"
@@ -257,18 +254,6 @@ def bench_kernels(
     if log:
         log(f"ceilings: {res['ceilings']}")
 
-    def record(model: str, name: str, n: int, k: int, m: int, method: str, calls, wbytes: int) -> None:
-        try:
-            t, mode = time_calls(calls, rep_ms=rep_ms)
-        except Exception as exc:  # keep going; a failing method is reported, not fatal
-            _failed(res, model, name, m, method, exc)
-            return
-        nbytes = wbytes + m * k * 2 + m * n * 2
-        res["results"].append({
-            "model": model, "gemm": name, "N": n, "K": k, "M": m, "method": method, "ms": t, "timing": mode,
-            "GBps": nbytes / (t * 1e-3) / 1e9, "TFLOPs": 2 * m * n * k / (t * 1e-3) / 1e12,
-        })
-
     copies_for = partial(weight_copies, l2=l2)
     from qerl_kernels import cuda_fp4
 
@@ -278,18 +263,10 @@ def bench_kernels(
             w = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
             cache: dict = {}
             for m in ms:
-                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                 meths = list(methods)
                 if variants:  # the qerl kernels the dispatcher chooses between, each at every M
                     meths += ["nvfp4-fused"] + (["nvfp4-dequant"] if m >= 64 else []) + cuda_variants
-                for method, make in [(mt, _method_calls) for mt in meths] + [(p, _peer_calls) for p in peers]:
-                    try:
-                        calls, wb = make(method, w, x, copies_for, cache)
-                    except Exception as exc:
-                        _failed(res, model, name, m, method, exc)
-                        continue
-                    record(model, name, n, k, m, method, calls, wb)
-                    del calls
+                _time_methods(res, model, name, w, m, meths, peers, copies_for, cache, rep_ms)
                 if out_json is not None:  # partial results survive a timeout
                     save_result(res, out_json)
                 if log:
@@ -309,6 +286,32 @@ def bench_kernels(
     if out_json is not None:
         save_result(res, out_json)
     return res
+
+
+def _time_methods(res: dict[str, Any], model: str, name: str, w: torch.Tensor, m: int, meths: list[str],
+                  peers: list[str], copies_for: Callable[..., int], cache: dict, rep_ms: int) -> None:
+    """Every method and peer on one GEMM at one M: its time, bandwidth and TFLOP/s as a result row; a method that
+    cannot be built or timed is reported (``_failed``), never fatal."""
+    n, k = w.shape
+    x = torch.randn(m, k, device=w.device, dtype=torch.bfloat16)
+    for method, make in [(mt, _method_calls) for mt in meths] + [(p, _peer_calls) for p in peers]:
+        try:
+            calls, wbytes = make(method, w, x, copies_for, cache)
+        except Exception as exc:
+            _failed(res, model, name, m, method, exc)
+            continue
+        try:
+            t, mode = time_calls(calls, rep_ms=rep_ms)
+        except Exception as exc:  # keep going; a failing method is reported, not fatal
+            _failed(res, model, name, m, method, exc)
+            continue
+        finally:
+            del calls
+        nbytes = wbytes + m * k * 2 + m * n * 2
+        res["results"].append({
+            "model": model, "gemm": name, "N": n, "K": k, "M": m, "method": method, "ms": t, "timing": mode,
+            "GBps": nbytes / (t * 1e-3) / 1e9, "TFLOPs": 2 * m * n * k / (t * 1e-3) / 1e12,
+        })
 
 
 def _failed(res: dict[str, Any], model: str, gemm: str, m: int, method: str, exc: Exception) -> None:
@@ -427,24 +430,22 @@ def tables(res: dict) -> list[Any]:
 
 
 def short_summary(res: dict, model: str | None = None, method: str = "nvfp4") -> list[str]:
-    """Plain lines: speedup of `method` over BF16 at each M vs the issue's targets (every shape run: ``model=None``)."""
+    """Plain lines: speedup of `method` over BF16 at each M (every shape run: ``model=None``); docs/benchmarks.md
+    holds the speed-ups it is held to."""
     if model is None:
         return [line for shape in res["shapes"] for line in short_summary(res, shape, method)]
     out = []
     for m in res["ms"]:
         r = next((r for r in res["layer"] if r["model"] == model and r["M"] == m and r["method"] == method), None)
         if r and r["speedup"]:
-            tgt = TARGETS.get(m)
-            ok = "" if tgt is None else (" ok" if r["speedup"] >= tgt else f" MISS (target {tgt}x)")
-            out.append(f"{model} {method} M={m}: {r['ms'] * 1e3:.1f} us, {r['speedup']:.2f}x BF16{ok}")
+            out.append(f"{model} {method} M={m}: {r['ms'] * 1e3:.1f} us, {r['speedup']:.2f}x BF16")
     r = next((r for r in res.get("backward_layer", []) if r["model"] == model and r["method"] == method), None)
     if r and r["speedup"]:
-        ok = " ok" if r["speedup"] >= BACKWARD_TARGET else f" MISS (target {BACKWARD_TARGET}x)"
-        out.append(f"{model} {method} dx M=2048: {r['ms'] * 1e3:.1f} us, {r['speedup']:.2f}x BF16{ok}")
+        out.append(f"{model} {method} dx M=2048: {r['ms'] * 1e3:.1f} us, {r['speedup']:.2f}x BF16")
     return out
 
 
-# ---- issue 25: the CUDA kernel's decode-size plans, old vs new, against humming and BF16 ----------------
+# ---- the CUDA kernel's decode-size plans, old vs new, against humming and BF16 --------------------------
 DECODE_MS = (1, 8, 16, 32, 64)
 # the expand each decoder-layer GEMM adds with LoRA r32 on all seven linears (q/k/v and gate/up fused: the
 # block-diagonal B of the group has the parts' ranks side by side)

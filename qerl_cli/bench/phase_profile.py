@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from qerl_cli.rollout.profile import classify_name
+from qerl_cli.bench.decode_profile import classify_name
 
 PROFILED_FROM = "recompute"  # the first phase after the rollout (fwd_bwd where the recompute is skipped)
 TOP_KERNELS = 15

@@ -33,7 +33,7 @@ single-turn decoding of the same tokens.
 ``lora_modes=("on", "off")`` runs every cell with the adapters active and again with them disabled
 (peft's ``disable_adapter``), the measured cost of LoRA. ``profile=True`` adds, per cell, the GPU time of
 one decode step by category (quantized GEMM, dense GEMM, LoRA, attention, norm/RoPE/activation,
-sampling, copies, other) from torch.profiler (:mod:`qerl_cli.rollout.profile`) and the CUDA-graph step
+sampling, copies, other) from torch.profiler (:mod:`qerl_cli.bench.decode_profile`) and the CUDA-graph step
 time at the run's mean context.
 """
 
@@ -53,24 +53,12 @@ from torch import nn
 from qerl_cli.bench import harness
 from qerl_cli.bench.harness import COUNT, figure, num, save_figure
 from qerl_cli.errors import QerlError
-from qerl_cli.formats import get_format
+from qerl_cli.formats import FORMATS, get_format
 
 DEFAULT_FORMATS = ("bf16", "nvfp4", "mxfp4", "int8", "fp8", "nf4")
 DEFAULT_BATCHES = (1, 8, 64, 256)
 EOS_MODES = ("fixed", "eos", "both")
 SCHEMA = 1
-H100_80GB_GIB = 81559 / 1024  # what an H100 80GB reports (nvidia-smi 81559 MiB)
-TARGETS = (
-    # (format, batch, minimum % of roofline or None, minimum speed-up over qerl's bf16 at that batch or None)
-    ("nvfp4", 8, 60.0, None),
-    ("nvfp4", 64, 50.0, 1.8),
-    ("nvfp4", 256, None, 1.3),
-)
-# a shape with targets of its own (the mixture of experts' decode at batch 64; its vLLM target is the side by side's)
-SHAPE_TARGETS = {"qwen3-30b-a3b": (("nvfp4", 64, None, 1.5),)}
-# LoRA's share of the decode step (adapters on vs off, same format and batch) must stay under this
-LORA_MAX_SHARE = 10.0
-LORA_TARGET_BATCHES = (8, 64)
 LORA_MODES = ("on", "off")
 
 
@@ -312,7 +300,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
             kv_gib = engine.runner.cache.shape.bytes_per_slot() * slots / 2**30
             kv_room = engine.kv_room.describe() if engine.kv_room is not None else None
             if profile and device.type == "cuda":
-                from qerl_cli.rollout.profile import profile_decode
+                from qerl_cli.bench.decode_profile import profile_decode
 
                 prof = profile_decode(engine, min(batch, slots), prompt_len + new_tokens // 2, copy_gbps=copy_gbps)
     finally:
@@ -365,37 +353,23 @@ def _roofline(cell: dict[str, Any], *, batch: int, bytes_: dict[str, int], kv_pe
     cell["pct_roofline"] = 100.0 * cell["decode_tok_s"] / roof if cell["decode_tok_s"] else None
 
 
-def _evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, checked on the cells this run has (fixed-length rows, adapters on)."""
-    rows = {(c["format"], c["batch"]): c for c in res["results"]
-            if c["mode"] == "fixed" and c.get("lora", "on") != "off" and c.get("sequences", c["batch"]) == c["batch"]}
-    out: list[dict[str, Any]] = []
-    for fmt, batch, min_pct, min_speedup in SHAPE_TARGETS.get(res.get("shape") or "", TARGETS):
-        c = rows.get((fmt, batch))
-        if c is None or c["status"] != "ok":
-            continue
-        if min_pct is not None:
-            pct = c.get("pct_roofline")
-            out.append({"target": f"{fmt} batch {batch} >= {min_pct:.0f}% of roofline", "value": pct,
-                        "met": None if pct is None else pct >= min_pct})
-        base = rows.get(("bf16", batch))
-        if min_speedup is not None and base is not None and base["status"] == "ok" and base["decode_tok_s"]:
-            sp = c["decode_tok_s"] / base["decode_tok_s"]
-            out.append({"target": f"{fmt} batch {batch} >= {min_speedup}x qerl bf16 (decode tok/s)", "value": sp,
-                        "met": sp >= min_speedup})
-    for share in lora_shares(res):
-        if share["batch"] in LORA_TARGET_BATCHES and share["share_pct"] is not None:
-            out.append({"target": f"{share['format']} batch {share['batch']}: LoRA <= {LORA_MAX_SHARE:.0f}% of the "
-                                  f"decode step (adapters on vs off)", "value": share["share_pct"],
-                        "met": share["share_pct"] <= LORA_MAX_SHARE})
-    if res.get("shape") == "qwen2.5-32b":
-        c = rows.get(("nvfp4", 64))
-        if c is not None:
-            peak = c.get("peak_reserved_gib")
-            fits = c["status"] == "ok" and c.get("num_slots") == 64 and peak is not None and peak <= H100_80GB_GIB
-            out.append({"target": f"32B nvfp4 batch 64 fits in an 80 GB GPU ({H100_80GB_GIB:.1f} GiB)",
-                        "value": peak, "met": fits})
-    return out
+def _unquantized(name: str) -> bool:
+    """A format that keeps the weights as they are (the BF16 baseline)."""
+    fmt = FORMATS.get(name)
+    return fmt is not None and not fmt.quantized
+
+
+def speedups_vs_bf16(res: dict[str, Any]) -> None:
+    """Per fixed-length cell with one sequence per slot: ``speedup_vs_bf16``, its decode tok/s over qerl's bf16
+    cell (the unquantized format) of the same batch and adapters (None without one)."""
+    def key(c: dict[str, Any]) -> tuple[Any, ...] | None:
+        one_per_slot = c["mode"] == "fixed" and c.get("sequences", c["batch"]) == c["batch"]
+        return (c["batch"], c.get("lora", "on")) if one_per_slot and c["status"] == "ok" else None
+
+    base = {key(c): c["decode_tok_s"] for c in res["results"] if _unquantized(c["format"]) and key(c) is not None}
+    for c in res["results"]:
+        ref = base.get(key(c)) if key(c) is not None else None
+        c["speedup_vs_bf16"] = c["decode_tok_s"] / ref if ref and c.get("decode_tok_s") else None
 
 
 def lora_shares(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -456,10 +430,10 @@ def tables(res: dict[str, Any]) -> list[Any]:
 
 def render_floor_table(res: dict[str, Any]) -> Any | None:
     """A rich Table: per profiled cell and category, the byte floor (bytes it must move over the run's copy
-    bandwidth; qerl_cli/rollout/roofline.py) and the % of it the measured kernel time reaches."""
+    bandwidth; qerl_cli/bench/roofline.py) and the % of it the measured kernel time reaches."""
     from rich.table import Table
 
-    from qerl_cli.rollout.profile import CATEGORIES
+    from qerl_cli.bench.decode_profile import CATEGORIES
 
     cells = [c for c in res["results"] if (c.get("profile") or {}).get("floors")]
     if not cells:
@@ -490,7 +464,7 @@ def render_profile_table(res: dict[str, Any]) -> Any | None:
     """A rich Table: per profiled cell, decode-step GPU ms by category, kernel sum and graph step time."""
     from rich.table import Table
 
-    from qerl_cli.rollout.profile import CATEGORIES
+    from qerl_cli.bench.decode_profile import CATEGORIES
 
     cells = [c for c in res["results"] if c.get("profile")]
     if not cells:
@@ -508,7 +482,7 @@ def render_profile_table(res: dict[str, Any]) -> Any | None:
 
 
 def short_summary(res: dict[str, Any]) -> list[str]:
-    """A few plain lines: ceilings, targets met or missed, output files."""
+    """A few plain lines: ceilings, LoRA shares, the quantized cells' speed-ups over bf16, output files."""
     lines = []
     bw = res.get("copy_GBps")
     lines.append(f"copy bandwidth: {bw:,.0f} GB/s" if bw else "copy bandwidth: not measured (no CUDA)")
@@ -520,11 +494,10 @@ def short_summary(res: dict[str, Any]) -> list[str]:
         from qerl_cli.bench.episodes import summary_lines
 
         lines += summary_lines(res)
-    for t in res.get("targets", []):
-        val = t["value"]
-        v = "-" if val is None else (f"{val:.2f}" if isinstance(val, float) else str(val))
-        state = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
-        lines.append(f"target {t['target']}: {v} -> {state}")
+    for c in res["results"]:
+        if c.get("speedup_vs_bf16") is not None and not _unquantized(c["format"]):
+            lines.append(f"{c['format']} batch {c['batch']}{' LoRA off' if c.get('lora') == 'off' else ''}: decode "
+                         f"{c['speedup_vs_bf16']:.2f}x qerl bf16, {num(c.get('pct_roofline'), '{:.1f}')}% of roofline")
     lines += [f"JSON: {res['files']['json']}", f"plot: {res['files']['plot']}"]  # one path a line: 80 columns
     return lines
 
@@ -667,27 +640,9 @@ def bench_rollout(
     lmodes = _check_workload(prompts, num_generations, lora_modes) if lora_rank else ["on"]
     set_linear_backend(linear_backend)
     device = harness.device()
-    spec = run = model_dir = None
-    if shape is not None:
-        spec = harness.shape_for(shape, device)
-    else:
-        from qerl_cli.bench.runmodels import run_model
-
-        run, model_dir, run_fmt = run_model(run_dir)
-        if fmts and fmts != [run_fmt]:
-            log(f"--run: benchmarking the run's model ({run_fmt}); formats {fmts} ignored")
-        fmts = [run_fmt]
+    spec, run, model_dir, fmts = _model_source(shape, run_dir, fmts, device, log)
     out = harness.out_dir(out_dir, run, "rollout")
-    max_len = prompt_len + new_tokens
-    if episodes:
-        from qerl_cli.bench.episodes import check_episode_args, episode_len
-
-        check_episode_args(episodes, new_tokens, observation_tokens, tool_latency_ms)
-        max_len = episode_len(prompt_len, new_tokens, episodes, observation_tokens)
-    if spec is not None and max_len > spec.max_positions:
-        raise QerlError(f"prompt_len + new_tokens = {max_len} exceeds the {shape} shape's "
-                        f"{spec.max_positions} positions")
-
+    max_len = _max_len(spec, shape, prompt_len, new_tokens, episodes, observation_tokens, tool_latency_ms)
     total_gib = harness.gpu_total_gib(device)
     frac = harness.cap_memory(device, memory_cap_gib)
     gmu = gpu_memory_utilization if frac is None else min(gpu_memory_utilization, frac)
@@ -720,6 +675,35 @@ def bench_rollout(
     if run is not None:
         _record_stage(run, res, paths)
     return res
+
+
+def _model_source(shape: str | None, run_dir: Path | None, fmts: list[str], device: torch.device,
+                  log: Callable[[str], None]) -> tuple[Any, Any, Any, list[str]]:
+    """(the shape's spec, the run, its model directory, the formats): a random shape in the formats asked for, or
+    the run's quantized model in its own format."""
+    if shape is not None:
+        return harness.shape_for(shape, device), None, None, fmts
+    from qerl_cli.bench.runmodels import run_model
+
+    run, model_dir, run_fmt = run_model(run_dir)
+    if fmts and fmts != [run_fmt]:
+        log(f"--run: benchmarking the run's model ({run_fmt}); formats {fmts} ignored")
+    return None, run, model_dir, [run_fmt]
+
+
+def _max_len(spec: Any, shape: str | None, prompt_len: int, new_tokens: int, episodes: int, observation_tokens: int,
+             tool_latency_ms: float) -> int:
+    """The longest sequence a cell holds (an episode's observations included), checked against the shape."""
+    max_len = prompt_len + new_tokens
+    if episodes:
+        from qerl_cli.bench.episodes import check_episode_args, episode_len
+
+        check_episode_args(episodes, new_tokens, observation_tokens, tool_latency_ms)
+        max_len = episode_len(prompt_len, new_tokens, episodes, observation_tokens)
+    if spec is not None and max_len > spec.max_positions:
+        raise QerlError(f"prompt_len + new_tokens = {max_len} exceeds the {shape} shape's "
+                        f"{spec.max_positions} positions")
+    return max_len
 
 
 def _rows(fmt: str, backend: str, batches: Iterable[int], work: _Workload, status: str,
@@ -845,17 +829,13 @@ def _log_cell(log: Callable[[str], None], cell: harness.Cell, row: dict[str, Any
 
 
 def _finish(res: dict[str, Any], fmts: list[str], budget: harness.Budget) -> None:
-    """Order the rows, give every row the roofline fields, and check the targets."""
+    """Order the rows, give every row the roofline fields and its decode speed-up over bf16."""
     res["results"].sort(key=lambda c: (fmts.index(c["format"]), c["batch"], c["mode"], c.get("lora", "")))
     for c in res["results"]:
         c.setdefault("roofline_tok_s", None)
         c.setdefault("pct_roofline", None)
     res["lora_shares"] = lora_shares(res)
-    res["targets"] = _evaluate_targets(res)
-    if res["config"].get("episodes"):
-        from qerl_cli.bench.episodes import episode_targets
-
-        res["targets"] += episode_targets(res)
+    speedups_vs_bf16(res)
     res["wall_s"] = budget.elapsed()
 
 
@@ -864,4 +844,4 @@ def _record_stage(run: Any, res: dict[str, Any], paths: dict[str, Path]) -> None
     metrics = {f"{c['format']}/b{c['batch']}/{c['mode']}{'/lora-off' if c.get('lora') == 'off' else ''}"
                "/decode_tok_s": c.get("decode_tok_s") for c in res["results"] if c["status"] == "ok"}
     harness.record(run, "rollout", config=res["config"], inputs={"model": run.rel(res["model_dir"])},
-                   outputs=paths, metrics=metrics, extra={"copy_GBps": res["copy_GBps"], "targets": res["targets"]})
+                   outputs=paths, metrics=metrics, extra={"copy_GBps": res["copy_GBps"]})

@@ -512,27 +512,14 @@ def bench_sanity(
     ``time_budget_s`` no further (seed, cell) run starts once the elapsed time plus the longest run so far
     would pass it (the JSON says which were skipped). Recorded in the run's manifest under ``bench/sanity``.
     """
-    from qerl_cli.bench.overrides import build_bench_config, grid_cells
+    from qerl_cli.bench.overrides import build_bench_config
     from qerl_cli.bench.runmodels import run_format
     from qerl_cli.manifest import RunDir
 
-    for name, v in (("candidates", candidates), ("samples", samples), ("seeds", seeds),
-                    ("heldout-samples", heldout_samples)):
-        if not isinstance(v, int) or v < 1:
-            raise QerlError(f"--{name} must be a positive integer, got {v!r}")
-    if not isinstance(heldout, int) or heldout < 0:
-        raise QerlError(f"--heldout must be a non-negative integer, got {heldout!r}")
-    select_perfectible([], lo, hi)  # checks the band
+    _check_args(candidates, samples, seeds, heldout, heldout_samples, lo, hi)
     device = harness.device()
     base = {"log_sampling_entropy": True, **(overrides or {})}  # the AQN claims are about the sampling policy
-    axes = dict(grid or {})
-    all_cells = grid_cells(axes)
-    all_cfgs = [build_bench_config(default_config(device), {**base, **{k: v for k, v in c.items() if k != "format"}})
-                for c in all_cells]  # every cell validated before anything runs
-    kept = [i for i, c in enumerate(all_cells) if not any(cell_matches(c, sel) for sel in skip)]
-    if not kept:
-        raise QerlError("--skip leaves no cell of the grid to run: skip fewer cells")
-    cells, cfgs = [all_cells[i] for i in kept], [all_cfgs[i] for i in kept]
+    all_cells, all_cfgs, cells, cfgs = _grid(grid, base, skip, device)
     run = RunDir(run_dir, create=False)
     run.require("quantize")
     out = harness.out_dir(out_dir, run, "sanity")
@@ -551,54 +538,103 @@ def bench_sanity(
         raise QerlError(f"no problem of {candidates} has a pass rate in [{lo}, {hi}] for every arm "
                         f"({', '.join(map(arm_label, arms))}): widen the band (--lo/--hi), raise --candidates, or "
                         "pick an easier task (--set task_level=1)")
-    held_task = None
-    if heldout:
-        from qerl_cli.tasks import load_task
-        _, tok = models.get(cells[0].get("format", run_format(run)), dtype_of(cfgs[0].precision))
-        held_task = load_task(base_cfg.task, split="test", shots=base_cfg.shots, chat_template=base_cfg.chat_template,
-                              tokenizer=tok, seed=base_cfg.seed, level=base_cfg.task_level, limit=heldout)
-        held_task.examples = held_task.examples[:heldout]
-        if not stop:
-            held_task.stop = ()
-    res = harness.header(
-        "bench/sanity", model=str(run.path),
-        config={"grid": jsonable(grid or {}), "overrides": jsonable(base), "train": base_cfg.resolved().to_dict(),
-                "threshold": THRESHOLD, "window": WINDOW, "collapse_drop": COLLAPSE_DROP, "seeds": seed_list,
-                "heldout": heldout, "heldout_samples": heldout_samples, "early_steps": EARLY_STEPS, "stop": stop,
-                "skip": jsonable(list(skip)), "aqn_window": AQN_WINDOW,
-                "subset": {**{k: subset[k] for k in ("key", "selected", "source_task")},
-                           "rule": subset.get("rule") or subset_rule(subset)}})
+    held_task = _heldout_task(heldout, stop, models, cells[0].get("format", run_format(run)), cfgs[0], base_cfg)
+    res = harness.header("bench/sanity", model=str(run.path), config={
+        "grid": jsonable(grid or {}), "overrides": jsonable(base), "train": base_cfg.resolved().to_dict(),
+        **_rules(), "seeds": seed_list, "heldout": heldout, "heldout_samples": heldout_samples, "stop": stop,
+        "skip": jsonable(list(skip)), "subset": {**{k: subset[k] for k in ("key", "selected", "source_task")},
+                                                 "rule": subset.get("rule") or subset_rule(subset)}})
     # seed-major: a run cut short still holds every cell for its first seeds
     runs = [harness.Cell({"label": cell_label(cell), "seed": seed},
                          partial(_run_cell, run, cell, dataclasses.replace(cfg0, seed=seed), subset, models, device,
                                  log, heldout=held_task, heldout_samples=heldout_samples, stop=stop))
             for seed in seed_list for cell, cfg0 in zip(cells, cfgs, strict=True)]
-    longest = 0.0  # no (seed, cell) run starts that would end past the budget if it took this long
-
-    def done(cell: harness.Cell, row: dict[str, Any]) -> None:
-        nonlocal longest
-        if row["status"] == harness.SKIPPED_BUDGET:
-            return
-        longest = max(longest, row["wall_s"])
-        reached = row["steps_to_threshold"]
-        log(f"[{row['label']} seed {row['seed']}] {row['status']}: " + (
-            f"> {THRESHOLD:.0%} at step {reached}" if reached
-            else f"not reached in {row['steps_run']} steps (final {num(row['final'])}, best {num(row['best'])})")
-            + (" COLLAPSED" if row["collapsed"] else "") + f", {row['wall_s']:.0f}s")
-
+    progress = _Progress(log)
     # _run_cell records a failed training as its row; what escapes it (no run directory, a bug) stops the bench
-    rows = harness.run_cells(runs, budget=budget, guess=lambda _c: longest, fatal=lambda _exc: True, on_row=done)
-    res["results"] = [r for r in rows if r["status"] != harness.SKIPPED_BUDGET]
-    res["skipped"] = [{"label": r["label"], "seed": r["seed"]} for r in rows if r["status"] == harness.SKIPPED_BUDGET]
-    res["cells"] = summarize_cells(res["results"])
-    if res["skipped"]:
-        log(f"time budget {time_budget_s:.0f}s: skipped {len(res['skipped'])} (seed, cell) runs")
+    rows = harness.run_cells(runs, budget=budget, guess=lambda _c: progress.longest, fatal=lambda _exc: True,
+                             on_row=progress.done)
+    _collect(res, rows, time_budget_s, log)
     res["wall_s"] = budget.elapsed()
     paths = harness.write_results(res, out, "sanity.json", {"plot": ("sanity.png", partial(plot, res))},
                                   extra_files={"subset": out / "perfectible.json"})
     harness.record(run, "sanity", config=res["config"], inputs={"model": run.rel(quantized_dir(run))}, outputs=paths,
                    metrics={f"{r['label']}/steps_to_threshold": r["steps_to_threshold"] for r in res["results"]})
     return res
+
+
+def _rules() -> dict[str, Any]:
+    """The fixed rules a sanity run is read by (recorded in its config)."""
+    return {"threshold": THRESHOLD, "window": WINDOW, "collapse_drop": COLLAPSE_DROP, "early_steps": EARLY_STEPS,
+            "aqn_window": AQN_WINDOW}
+
+
+def _collect(res: dict[str, Any], rows: list[dict[str, Any]], time_budget_s: float | None,
+             log: Callable[[str], None]) -> None:
+    """The runs that ran, those the time budget skipped, and the per-cell summary across seeds."""
+    res["results"] = [r for r in rows if r["status"] != harness.SKIPPED_BUDGET]
+    res["skipped"] = [{"label": r["label"], "seed": r["seed"]} for r in rows if r["status"] == harness.SKIPPED_BUDGET]
+    res["cells"] = summarize_cells(res["results"])
+    if res["skipped"]:
+        log(f"time budget {time_budget_s:.0f}s: skipped {len(res['skipped'])} (seed, cell) runs")
+
+
+def _check_args(candidates: int, samples: int, seeds: int, heldout: int, heldout_samples: int, lo: float,
+                hi: float) -> None:
+    for name, v in (("candidates", candidates), ("samples", samples), ("seeds", seeds),
+                    ("heldout-samples", heldout_samples)):
+        if not isinstance(v, int) or v < 1:
+            raise QerlError(f"--{name} must be a positive integer, got {v!r}")
+    if not isinstance(heldout, int) or heldout < 0:
+        raise QerlError(f"--heldout must be a non-negative integer, got {heldout!r}")
+    select_perfectible([], lo, hi)  # checks the band
+
+
+def _grid(grid: dict[str, list[Any]] | None, base: dict[str, Any], skip: Sequence[dict[str, Any]],
+          device: Any) -> tuple[list[dict[str, Any]], list[Any], list[dict[str, Any]], list[Any]]:
+    """Every cell of the grid and its TrainConfig (all validated before anything runs), then those ``skip``
+    leaves to run."""
+    from qerl_cli.bench.overrides import build_bench_config, grid_cells
+
+    all_cells = grid_cells(dict(grid or {}))
+    all_cfgs = [build_bench_config(default_config(device), {**base, **{k: v for k, v in c.items() if k != "format"}})
+                for c in all_cells]
+    kept = [i for i, c in enumerate(all_cells) if not any(cell_matches(c, sel) for sel in skip)]
+    if not kept:
+        raise QerlError("--skip leaves no cell of the grid to run: skip fewer cells")
+    return all_cells, all_cfgs, [all_cells[i] for i in kept], [all_cfgs[i] for i in kept]
+
+
+def _heldout_task(heldout: int, stop: bool, models: Any, fmt: str, cfg: Any, base_cfg: Any) -> Any:
+    """The first ``heldout`` test problems, tokenized as the first cell's model reads them (None: no held-out)."""
+    if not heldout:
+        return None
+    from qerl_cli.tasks import load_task
+
+    _, tok = models.get(fmt, dtype_of(cfg.precision))
+    held_task = load_task(base_cfg.task, split="test", shots=base_cfg.shots, chat_template=base_cfg.chat_template,
+                          tokenizer=tok, seed=base_cfg.seed, level=base_cfg.task_level, limit=heldout)
+    held_task.examples = held_task.examples[:heldout]
+    if not stop:
+        held_task.stop = ()
+    return held_task
+
+
+class _Progress:
+    """Logs each finished (seed, cell) run and keeps the longest so far: no run starts that would end past the
+    budget if it took this long."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log, self.longest = log, 0.0
+
+    def done(self, cell: harness.Cell, row: dict[str, Any]) -> None:
+        if row["status"] == harness.SKIPPED_BUDGET:
+            return
+        self.longest = max(self.longest, row["wall_s"])
+        reached = row["steps_to_threshold"]
+        self.log(f"[{row['label']} seed {row['seed']}] {row['status']}: " + (
+            f"> {THRESHOLD:.0%} at step {reached}" if reached
+            else f"not reached in {row['steps_run']} steps (final {num(row['final'])}, best {num(row['best'])})")
+            + (" COLLAPSED" if row["collapsed"] else "") + f", {row['wall_s']:.0f}s")
 
 
 def quantized_dir(run: Any) -> Path:

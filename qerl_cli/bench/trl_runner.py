@@ -58,13 +58,45 @@ def _run(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
 
     result["phase"] = "import"
     save()
+    result["versions"] = _versions()
+    result["import_s"] = time.perf_counter() - t_start
+    on_cuda = torch.cuda.is_available()
+    rng = random.Random(spec["seed"])
+
+    def synthetic_random_reward(prompts: Any, completions: Any, **kwargs: Any) -> list[float]:
+        return [rng.random() for _ in completions]
+
+    timing = _Timing(spec, result, save, on_cuda)
+    result["phase"] = "load"
+    save()
+    model, tokenizer, data, peft_config, args = _load(spec, result)
+    result["phase"] = "trainer"
+    save()
+    t = time.perf_counter()
+    trainer = timing.trainer_class()(model=model, reward_funcs=synthetic_random_reward, args=args, train_dataset=data,
+                                     processing_class=tokenizer, peft_config=peft_config,
+                                     callbacks=[timing.callback()])
+    result["trainer_init_s"] = time.perf_counter() - t  # includes vLLM's start-up in colocate mode
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is not None:  # TRL's vLLM phases, timed on this instance
+        gen.sync_weights = timing.timed("sync_s", gen.sync_weights)
+        gen.generate = timing.timed("generate_s", gen.generate)
+    result["phase"] = "train"
+    save()
+    trainer.train()
+    _summarize(result, timing.steps, trainer, on_cuda)
+    result["wall_s"] = time.perf_counter() - t_start
+    save()
+    return 0
+
+
+def _versions() -> dict[str, Any]:
+    """The versions of TRL and what it runs on (vLLM None when it is not installed)."""
     import datasets
     import peft
+    import torch
     import transformers
     import trl
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     versions = {"trl": trl.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
                 "datasets": datasets.__version__, "torch": torch.__version__}
@@ -80,39 +112,43 @@ def _run(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
         versions["accelerate"] = accelerate.__version__
     except ImportError:
         pass
-    result["versions"] = versions
-    result["import_s"] = time.perf_counter() - t_start
-    on_cuda = torch.cuda.is_available()
+    return versions
 
-    rng = random.Random(spec["seed"])
 
-    def synthetic_random_reward(prompts: Any, completions: Any, **kwargs: Any) -> list[float]:
-        return [rng.random() for _ in completions]
+class _Timing:
+    """The per-step timing: a callback for each optimizer step's wall time and peak memory, and wrappers that add
+    a call's synchronized time to the running step's ``key``; every finished step is saved at once."""
 
-    steps: list[dict[str, Any]] = []
-    current: dict[str, Any] = {}
+    def __init__(self, spec: dict[str, Any], result: dict[str, Any], save: Any, on_cuda: bool) -> None:
+        self.spec, self.result, self.save, self.on_cuda = spec, result, save, on_cuda
+        self.steps: list[dict[str, Any]] = []
+        self.current: dict[str, Any] = {}
 
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            _sync()
-            current.clear()
-            current.update(t0=time.perf_counter(), gen_score_s=0.0, sync_s=0.0, generate_s=0.0)
-            if on_cuda:
-                torch.cuda.reset_peak_memory_stats()
+    def begin(self) -> None:
+        import torch
 
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            _sync()
-            row = {"step_s": time.perf_counter() - current["t0"], **{k: v for k, v in current.items() if k != "t0"}}
-            row["update_s"] = row["step_s"] - row["gen_score_s"]
-            row["rest_of_gen_score_s"] = row["gen_score_s"] - row["sync_s"] - row["generate_s"]
-            if on_cuda:
-                row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            row["warmup"] = len(steps) < spec["warmup"]
-            steps.append(row)
-            result["steps"] = steps
-            save()
+        _sync()
+        self.current.clear()
+        self.current.update(t0=time.perf_counter(), gen_score_s=0.0, sync_s=0.0, generate_s=0.0)
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats()
 
-    def timed(key: str, fn: Any) -> Any:
+    def end(self) -> None:
+        import torch
+
+        _sync()
+        current = self.current
+        row = {"step_s": time.perf_counter() - current["t0"], **{k: v for k, v in current.items() if k != "t0"}}
+        row["update_s"] = row["step_s"] - row["gen_score_s"]
+        row["rest_of_gen_score_s"] = row["gen_score_s"] - row["sync_s"] - row["generate_s"]
+        if self.on_cuda:
+            row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        row["warmup"] = len(self.steps) < self.spec["warmup"]
+        self.steps.append(row)
+        self.result["steps"] = self.steps
+        self.save()
+
+    def timed(self, key: str, fn: Any) -> Any:
         def wrapper(*a: Any, **kw: Any) -> Any:
             _sync()
             t = time.perf_counter()
@@ -120,16 +156,46 @@ def _run(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
                 return fn(*a, **kw)
             finally:
                 _sync()
-                current[key] = current.get(key, 0.0) + time.perf_counter() - t
+                self.current[key] = self.current.get(key, 0.0) + time.perf_counter() - t
 
         return wrapper
 
-    class TimedGRPOTrainer(GRPOTrainer):
-        def _generate_and_score_completions(self, inputs: Any) -> Any:
-            return timed("gen_score_s", super()._generate_and_score_completions)(inputs)
+    def callback(self) -> Any:
+        from transformers import TrainerCallback
 
-    result["phase"] = "load"
-    save()
+        timing = self
+
+        class StepTimer(TrainerCallback):
+            def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                timing.begin()
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                timing.end()
+
+        return StepTimer()
+
+    def trainer_class(self) -> Any:
+        """GRPOTrainer with its generate-and-score phase timed."""
+        from trl import GRPOTrainer
+
+        timed = self.timed
+
+        class TimedGRPOTrainer(GRPOTrainer):
+            def _generate_and_score_completions(self, inputs: Any) -> Any:
+                return timed("gen_score_s", super()._generate_and_score_completions)(inputs)
+
+        return TimedGRPOTrainer
+
+
+def _load(spec: dict[str, Any], result: dict[str, Any]) -> tuple[Any, Any, Any, Any, Any]:
+    """The spec's model and tokenizer, the prompts as a dataset, the LoRA config and the GRPOConfig."""
+    import datasets
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from trl import GRPOConfig
+
+    on_cuda = torch.cuda.is_available()
     t = time.perf_counter()
     dtype = torch.bfloat16 if spec["settings"].get("bf16") else torch.float32
     # the word tokenizer by its own class: AutoTokenizer would swap in the model type's tokenizer (transformers 5
@@ -145,19 +211,11 @@ def _run(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
     settings = dict(spec["settings"])
     args = GRPOConfig(output_dir=spec["out"], max_steps=spec["steps"], generation_kwargs=spec["generation_kwargs"],
                       **settings)
-    result["phase"] = "trainer"
-    save()
-    t = time.perf_counter()
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=synthetic_random_reward, args=args, train_dataset=data,
-                               processing_class=tokenizer, peft_config=peft_config, callbacks=[StepTimer()])
-    result["trainer_init_s"] = time.perf_counter() - t  # includes vLLM's start-up in colocate mode
-    gen = getattr(trainer, "vllm_generation", None)
-    if gen is not None:  # TRL's vLLM phases, timed on this instance
-        gen.sync_weights = timed("sync_s", gen.sync_weights)
-        gen.generate = timed("generate_s", gen.generate)
-    result["phase"] = "train"
-    save()
-    trainer.train()
+    return model, tokenizer, data, peft_config, args
+
+
+def _summarize(result: dict[str, Any], steps: list[dict[str, Any]], trainer: Any, on_cuda: bool) -> None:
+    """Medians over the measured steps (all when there are no others), the peak, TRL's own logged metrics."""
     meas = [s for s in steps if not s["warmup"]] or steps
     med = {k: statistics.median(s[k] for s in meas) for k in
            ("step_s", "gen_score_s", "sync_s", "generate_s", "rest_of_gen_score_s", "update_s")}
@@ -167,10 +225,7 @@ def _run(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
     lengths = [h.get("completions/mean_length") for h in logs if h.get("completions/mean_length") is not None]
     result.update(status="ok", phase="done", median=med, log_history=logs,
                   mean_completion_length=statistics.mean(lengths) if lengths else None,
-                  trl_step_time=[h.get("step_time") for h in logs if h.get("step_time") is not None],
-                  wall_s=time.perf_counter() - t_start)
-    save()
-    return 0
+                  trl_step_time=[h.get("step_time") for h in logs if h.get("step_time") is not None])
 
 
 if __name__ == "__main__":

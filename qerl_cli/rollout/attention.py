@@ -111,7 +111,7 @@ def sdpa_decode(q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, k
     return o.reshape(b, hq, d)
 
 
-# head sizes FlashInfer's decode takes: on an H100 (FlashInfer 0.7.2, 2026-11-26) head_dim 32 failed in both its
+# head sizes FlashInfer's decode takes: with FlashInfer 0.7.2 head_dim 32 fails in both its
 # tensor-core path ("Invalid configuration ... NUM_MMA_D_QK=2") and its split-KV merge ("Unsupported head_dim: 32")
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 

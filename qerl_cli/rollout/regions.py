@@ -3,7 +3,7 @@
 Kernel names alone cannot tell a LoRA GEMM from the lm_head GEMM (both are cuBLAS kernels), so the decode path
 marks its pieces. A region is a ``torch.profiler.record_function`` range ``qerl.<name>`` while ``profiling()``
 is on and a free no-op otherwise (inside a captured CUDA graph the ranges cost nothing at replay). The
-layers open regions; ``profile.py`` turns them into GPU-time categories.
+layers open regions; ``bench/decode_profile.py`` turns them into GPU-time categories.
 """
 
 from __future__ import annotations

@@ -291,7 +291,7 @@ def _unsharded_factory(unit: Any) -> Callable[[], contextlib.AbstractContextMana
 
 def encode_json(obj: Any) -> Any:
     """Optimizer param groups as JSON (tuples such as AdamW's betas tagged, so they come back as tuples). The
-    same tag as the generic trainer-state serialiser (qerl_cli/statefile.py, issue 24) uses for tuples: this
+    same tag as the generic trainer-state serialiser (qerl_cli/statefile.py) uses for tuples: this
     pair of functions is what switches to its skeleton encoding once that module is on main."""
     if isinstance(obj, tuple):
         return {TUPLE_TAG: [encode_json(v) for v in obj]}

@@ -643,6 +643,36 @@ def _advice(dims: ModelDims, *, capacity: int, fixed_mb: int | None, fixed_gc: b
             f"(--max-prompt-length) or {gpu}")
 
 
+# which of the plan's estimates covers a phase of the step (the memory a phase's out-of-memory is held against)
+PHASE_PART = {"setup": "weights", "aqn": "rollout_peak", "rollout": "rollout_peak", "recompute": "train_peak",
+              "fwd_bwd": "train_peak", "optimizer": "train_peak", "requant": "train_peak", "checkpoint": "train_peak"}
+
+
+def phase_advice(phase: str, plan: MemoryPlan | None, cfg: Any) -> str:
+    """The one setting to change first when a step that the plan let run ran out of memory in ``phase`` (the
+    counterpart of the nothing-fits advice above, for a plan the real step proved wrong). The plan's choices are
+    the start (the request's when no plan was made); ``--set KEY=VALUE`` works for `qerl train` and the benches."""
+    mb = plan.micro_batch_size if plan is not None else (cfg.micro_batch_size or 1)
+    gc = plan.gradient_checkpointing if plan is not None else bool(cfg.gradient_checkpointing)
+    seqs = cfg.batch_prompts * cfg.num_generations
+    if phase == "setup":
+        return "the base alone does not fit: a 4-bit format (--formats nvfp4) or a larger GPU"
+    if phase in ("aqn", "rollout"):
+        return (f"decode fewer sequences at once (--set max_batch_slots={max(1, min(seqs, cfg.max_batch_slots) // 2)}"
+                ") or lower --set gpu_memory_utilization (a smaller KV cache)")
+    if phase in ("recompute", "fwd_bwd"):
+        if mb > 1:
+            return f"--set micro_batch_size={mb // 2}" + ("" if gc else " (or --set gradient_checkpointing=true)")
+        if not gc:
+            return "--set gradient_checkpointing=true"
+        return f"--set max_completion_length={max(1, cfg.max_completion_length // 2)} (or fewer prompt tokens)"
+    if phase == "optimizer":
+        return f"--set lora_rank={max(1, cfg.lora_rank // 2)} (the fp32 masters and AdamW moments)"
+    if phase == "requant":
+        return "no --rollout-quant (the quantized rollout copy), or a larger GPU"
+    return "--set async_checkpoint=false (no snapshot held beside the next step)"
+
+
 def gib(x: float | None) -> int | None:
     return None if x is None else int(math.floor(x * GIB))
 
@@ -795,7 +825,8 @@ def dry_run_lines(run_dir: Any, cfg: Any) -> list[str]:
                            "with the real ones and the measured weights)"]
 
 
-__all__ = ["GIB", "PHASES", "MemoryPlan", "MemoryPlanError", "ModelDims", "PlanRequest", "ResolvedSettings",
-           "WeightBytes", "cost_base", "device_capacity", "device_rates", "dry_run_lines", "linear_bytes",
-           "min_capacity", "model_dir_format", "plan_before_build", "plan_for_config", "plan_memory",
+__all__ = ["GIB", "PHASES", "PHASE_PART", "MemoryPlan", "MemoryPlanError", "ModelDims", "PlanRequest",
+           "ResolvedSettings", "WeightBytes", "cost_base", "device_capacity", "device_rates", "dry_run_lines",
+           "linear_bytes", "min_capacity", "model_dir_format", "phase_advice", "plan_before_build", "plan_for_config",
+           "plan_memory",
            "resolve_settings", "rollout_reserve", "setting_text", "stored_bytes", "weight_bytes"]

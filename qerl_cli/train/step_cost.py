@@ -97,12 +97,11 @@ class Calibration:
 
 
 # Fitted by least squares on the log of the measured phase times (rollout, recompute, fwd_bwd, checkpoint), worst
-# cells weighted up, then rounded, on `qerl bench step` results of 2026-11-26/27: docs/results/2026-11-26/
-# i26_step_peers_h100.json (7B bf16 + nvfp4, H100), 2026-11-27/i35_baseline_step7b_profile_h100.json (7B bf16; its
-# profile's kernel time per phase pinned the GPU side: bf16 0.60 / 1.32 s, nvfp4 0.44 / 0.95 s of recompute /
-# fwd_bwd), 2026-11-26/i27_72b_step_cap79.json (72B micro-batch 1 + checkpointing, H200: training phases), and
-# the tracker's table of 2026-11-27 (H100: 7B, 14B, 32B with and without humming's copies, 72B; 32B micro-batch 8
-# on an H200). The cells and the residuals (<= 14%): tests/test_step_cost.py. The host terms are what a layer of
+# cells weighted up, then rounded, on `qerl bench step` results under docs/results/: 7B bf16 + nvfp4 on an H100,
+# 7B bf16 with the phase profile (its kernel time per phase pinned the GPU side: bf16 0.60 / 1.32 s, nvfp4 0.44 /
+# 0.95 s of recompute / fwd_bwd), 72B micro-batch 1 + checkpointing on an H200 (training phases), and 7B, 14B, 32B
+# with and without humming's copies and 72B on an H100 (32B micro-batch 8 on an H200). The cells and the residuals
+# (<= 14%): tests/test_step_cost.py. The host terms are what a layer of
 # today's LoRA path costs in Python and launches; refit when that path or the kernels change.
 CALIBRATION = Calibration(
     gemm_share=0.9, gemm_half_rows=110.0, fp32_lora_share=0.028, elementwise_fwd=6.3, elementwise_bwd=5.0,

@@ -1,6 +1,6 @@
 """The byte floor of a decode step, per profile category: what each category's kernels must move.
 
-``qerl bench rollout --profile`` times a decode step's GPU kernels by category (``profile.py``); this module
+``qerl bench rollout --profile`` times a decode step's GPU kernels by category (``decode_profile.py``); this module
 says how many bytes each category has to read and write for that step, so the profile can show each
 category against physics: its floor is ``bytes / copy bandwidth`` (the device-to-device copy GB/s measured
 once per run, read + write bytes per second, which is how the bytes here are counted too), and the

@@ -119,7 +119,6 @@ def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_
     time at the same (batch, KV bucket) when the engine uses graphs, and per category the bytes the step
     must move, the floor they set at ``copy_gbps`` (the run's measured copy bandwidth) and the % of it.
     """
-    from qerl_cli.rollout.roofline import decode_step_bytes, floors
     from qerl_cli.rollout.sampling import SamplingParams, StepSampler
 
     runner = engine.runner
@@ -144,34 +143,57 @@ def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_
             sampler(logits, uid, step)
 
     with torch.no_grad():
-        with profiling():
-            one()  # warm: first-use kernel checks and autotuning stay out of the trace
-            torch.cuda.synchronize()
-            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            with torch.profiler.profile(activities=acts) as prof:
-                for _ in range(steps):
-                    one()
-                torch.cuda.synchronize()
+        prof = _profiled(one, steps)
         graph_ms = None
         graphs = getattr(engine, "_graphs", None)
         if graphs is not None:
-            in_graph = sampler.capturable
+            graph_ms = _graph_step_ms(graphs, sampler, tokens, positions, kv_len, uid, step, host, graph_reps)
+    return _report(prof, runner, batch, context, kv_len, steps, trace_path, copy_gbps, graph_ms,
+                   bool(graphs is not None and sampler.capturable))
 
-            def replay() -> None:  # a step as the scheduler runs it
-                if in_graph:
-                    graphs.sample(tokens, positions, kv_len, sampler, uid, step, host_positions=host)
-                else:
-                    sampler(graphs(tokens, positions, kv_len, host_positions=host), uid, step)
 
-            replay()  # captures the bucket if needed
+def _profiled(one: Any, steps: int) -> Any:
+    """torch.profiler over ``steps`` calls of ``one`` (after one warm call: first-use kernel checks and
+    autotuning stay out of the trace), with the regions recorded."""
+    with profiling():
+        one()
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(steps):
+                one()
             torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(graph_reps):
-                replay()
-            end.record()
-            torch.cuda.synchronize()
-            graph_ms = start.elapsed_time(end) / graph_reps
+    return prof
+
+
+def _graph_step_ms(graphs: Any, sampler: Any, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                   uid: torch.Tensor, step: torch.Tensor, host: list[int], reps: int) -> float:
+    """Milliseconds per replay of the graphed step as the scheduler runs it (the sampler inside the graph where it
+    is captured there), after one replay that captures the bucket if needed."""
+    in_graph = sampler.capturable
+
+    def replay() -> None:
+        if in_graph:
+            graphs.sample(tokens, positions, kv_len, sampler, uid, step, host_positions=host)
+        else:
+            sampler(graphs(tokens, positions, kv_len, host_positions=host), uid, step)
+
+    replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _report(prof: Any, runner: Any, batch: int, context: int, kv_len: int, steps: int, trace_path: Path | None,
+            copy_gbps: float | None, graph_ms: float | None, sampler_in_graph: bool) -> dict[str, Any]:
+    """The trace by category per step, against each category's byte floor."""
+    from qerl_cli.bench.roofline import decode_step_bytes, floors
+
     path = trace_path or Path(f"/tmp/qerl_decode_trace_{batch}.json")
     prof.export_chrome_trace(str(path))
     cats = categorize_trace(json.loads(path.read_text()))
@@ -189,7 +211,7 @@ def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_
         "attention_read_bytes": need["attention_read_bytes"],
         "step_bytes": need["total_bytes"],
         "copy_GBps": copy_gbps,
-        "sampler_in_graph": bool(graphs is not None and sampler.capturable),
+        "sampler_in_graph": sampler_in_graph,
         "fused_lora": runner.ops.fused_lora,
         "attention_backend": runner.attention.current,
         "kernel_ms_per_step": sum(ms.values()),
