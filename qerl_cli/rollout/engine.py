@@ -314,6 +314,7 @@ class BuiltinEngine:
         if self.runner.embed_tokens.weight.device != self.device:
             raise QerlError("the model moved to another device after the engine was built; build a new one")
         ids = self._tokenize(prompts)
+        stop_ids, stops = self._stops(sampling, episodes)
         seed = sampling.resolved_seed()
         max_new = [min(sampling.max_tokens, self.max_model_len - len(p)) for p in ids]
         flags = [] if concurrent else [(m, m.training) for m in self.model.modules()]
@@ -322,7 +323,8 @@ class BuiltinEngine:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                scheduler = self._prepared_scheduler(sampling, seed, episodes, norm_overrides, concurrent)
+                scheduler = self._prepared_scheduler(sampling, seed, stop_ids, stops, episodes, norm_overrides,
+                                                     concurrent)
                 seqs = scheduler.run(ids, max_new)
         finally:
             for module, was_training in flags:
@@ -332,13 +334,18 @@ class BuiltinEngine:
         stats = dict(scheduler.stats, seed=seed, num_slots=scheduler.cache.num_slots)
         return RolloutResult(samples=samples, timings=_rollout_timings(scheduler, samples, total), stats=stats)
 
-    def _prepared_scheduler(self, sampling: SamplingParams, seed: int, episodes: EpisodeHooks | None,
-                            norm_overrides: dict[str, torch.Tensor] | None, concurrent: bool) -> Scheduler:
-        """The scheduler of one generate call, the LoRA shadows, KV cache and norm overrides ready for it."""
+    def _stops(self, sampling: SamplingParams, episodes: EpisodeHooks | None) -> tuple[set[int], list[str]]:
+        """(stop token ids, stop strings) of one generate call: the model's EOS unless the sampling names its own,
+        and an episode's tool-call ends after the sampling's strings."""
         stop_ids = set(
             sampling.stop_token_ids if sampling.stop_token_ids is not None else _eos_ids(self.model, self.tokenizer)
         )
-        stops = list(dict.fromkeys([*sampling.stop, *(episodes.stop if episodes is not None else ())]))
+        return stop_ids, list(dict.fromkeys([*sampling.stop, *(episodes.stop if episodes is not None else ())]))
+
+    def _prepared_scheduler(self, sampling: SamplingParams, seed: int, stop_ids: set[int], stops: list[str],
+                            episodes: EpisodeHooks | None, norm_overrides: dict[str, torch.Tensor] | None,
+                            concurrent: bool) -> Scheduler:
+        """The scheduler of one generate call, the LoRA shadows, KV cache and norm overrides ready for it."""
         # LoRA shadows <- the trainer's current factors (in place); before the cache is sized, so
         # the budget sees them
         if not concurrent:
