@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.formats import dequantize, detect, get_format
+from qerl_cli.formats import WeightFormat, dequantize, detect
 from qerl_cli.qlinear import QuantLinear
 
 QERL_META = "qerl_quant.json"
@@ -96,14 +96,14 @@ def save_tensors(state: dict[str, torch.Tensor], out_dir: Path) -> list[str]:
     return names
 
 
-def write_config(model: nn.Module, out_dir: Path, fmt: str, ignore: list[str], group_size: int | None,
-                 dtype: torch.dtype) -> None:
+def write_config(model: nn.Module, out_dir: Path, fmt: WeightFormat, ignore: list[str],
+                 group_size: int | None, dtype: torch.dtype) -> None:
     cfg = copy.deepcopy(model.config)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     cfg.dtype = str(dtype).removeprefix("torch.")
     cfg.save_pretrained(str(out_dir))
-    get_format(fmt).write_quantization_config(out_dir, ignore, group_size, dtype)
+    fmt.write_quantization_config(out_dir, ignore, group_size, dtype)
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
 
-    experts = _adopt_experts(model, config, state, fmt, dtype, device, group_size, act_quant)
+    experts = _adopt_experts(model, config, state, spec, dtype, device, group_size, act_quant)
     quantized = spec.quantized_layers(state)
     for name in sorted(quantized):
         linear = model.get_submodule(name)
@@ -203,8 +203,9 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
     return model
 
 
-def _adopt_experts(model: nn.Module, config: Any, state: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype,
-                   device: str | torch.device, group_size: int | None, act_quant: str | None) -> set[str]:
+def _adopt_experts(model: nn.Module, config: Any, state: dict[str, torch.Tensor], spec: WeightFormat,
+                   dtype: torch.dtype, device: str | torch.device, group_size: int | None,
+                   act_quant: str | None) -> set[str]:
     """A MoE model's sparse layers become qerl's (``moe.MoeBlock``), their experts taken out of ``state``; the
     names of the experts modules (their tensors are in place, not missing)."""
     from qerl_cli import moe
@@ -213,7 +214,7 @@ def _adopt_experts(model: nn.Module, config: Any, state: dict[str, torch.Tensor]
         return set()
 
     def make(name: str, block: nn.Module) -> nn.Module:
-        experts = moe.experts_from_checkpoint(state, f"{name}.experts", config, fmt, dtype, group_size, act_quant)
+        experts = moe.experts_from_checkpoint(state, f"{name}.experts", config, spec, dtype, group_size, act_quant)
         experts.cache_dequantized = torch.device(device).type == "cpu"  # as QuantLinear on CPU
         return experts
 

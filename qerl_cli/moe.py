@@ -28,7 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.formats import QuantizedWeight, fake_quantize_activations, get_format, nvfp4_global_scale
+from qerl_cli.formats import (
+    QuantizedWeight,
+    WeightFormat,
+    as_format,
+    fake_quantize_activations,
+    get_format,
+    nvfp4_global_scale,
+)
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
 PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -106,7 +113,8 @@ class MoeExperts(nn.Module):
         self.mxfp4_shift: dict[str, int] = {}
 
     @property
-    def format(self) -> Any:
+    def format(self) -> WeightFormat:
+        """The `WeightFormat` of `fmt`: the module keeps the checkpoint's name (what its `QuantizedWeight`s carry)."""
         return get_format(self.fmt)
 
     def projection_shape(self, proj: str) -> tuple[int, int, int]:
@@ -408,11 +416,12 @@ def router_metrics(model: nn.Module) -> dict[str, float]:
 
 
 # ---- building the experts ----------------------------------------------------------------------------------------
-def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, fmt: str, *, dtype: torch.dtype = torch.bfloat16,
+def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, fmt: str | WeightFormat, *,
+                     dtype: torch.dtype = torch.bfloat16,
                      group_size: int | None = None) -> MoeExperts:
     """:class:`MoeExperts` from dense stacks ``gate_up`` [E, 2I, H] and ``down`` [E, H, I], each expert quantized
     to ``fmt`` (NVFP4: one global scale per expert for its gate and up, as vLLM's fused w13 needs)."""
-    spec = get_format(fmt)
+    spec = as_format(fmt)
     e, two_i, h = gate_up.shape
     group_size = group_size or spec.common_group_size([h, two_i // 2])
     tensors: dict[str, dict[str, list[torch.Tensor]]] = {p: {} for p in PROJECTIONS}
@@ -428,7 +437,7 @@ def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, fmt: str, *, dty
                 tensors[proj].setdefault(name, []).append(t)
     group_size = group_size or qws[0].group_size
     stacked = {p: {n: torch.stack(ts) for n, ts in d.items()} for p, d in tensors.items()}
-    return MoeExperts(e, h, two_i // 2, fmt, stacked, dtype, group_size if spec.quantized else None,
+    return MoeExperts(e, h, two_i // 2, spec.name, stacked, dtype, group_size if spec.quantized else None,
                       spec.act_quant, shape_tensor)
 
 
@@ -454,16 +463,15 @@ def fuse_parts(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return out
 
 
-def experts_from_checkpoint(state: dict[str, torch.Tensor], prefix: str, config: Any, fmt: str, dtype: torch.dtype,
-                            group_size: int | None, act_quant: str | None) -> MoeExperts:
+def experts_from_checkpoint(state: dict[str, torch.Tensor], prefix: str, config: Any, spec: WeightFormat,
+                            dtype: torch.dtype, group_size: int | None, act_quant: str | None) -> MoeExperts:
     """Take one layer's per-expert tensors (``<prefix>.<e>.<part>.*``) out of ``state`` into a :class:`MoeExperts`
     (unquantized experts, which ``--ignore`` leaves so, in the plain format whatever the checkpoint's)."""
     from qerl_cli.formats import FORMATS
 
-    spec = get_format(fmt)
     if spec.quantized and f"{prefix}.0.gate_proj.weight" in state:
         spec = next((f for f in FORMATS.values() if not f.quantized), spec)
-        fmt, group_size, act_quant = spec.name, None, None
+        group_size, act_quant = None, None
     e_count, inter, hidden = int(config.num_experts), int(config.moe_intermediate_size), int(config.hidden_size)
     tensors: dict[str, dict[str, list[torch.Tensor]]] = {p: {} for p in PROJECTIONS}
     shape_tensor = False
@@ -485,7 +493,7 @@ def experts_from_checkpoint(state: dict[str, torch.Tensor], prefix: str, config:
     stacked = {p: {n: torch.stack(ts) for n, ts in d.items()} for p, d in tensors.items()}
     if not spec.quantized:
         stacked = {p: {"weight": d["weight"].to(dtype)} for p, d in stacked.items()}
-    return MoeExperts(e_count, hidden, inter, fmt, stacked, dtype, group_size, act_quant, shape_tensor)
+    return MoeExperts(e_count, hidden, inter, spec.name, stacked, dtype, group_size, act_quant, shape_tensor)
 
 
 def sparse_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -20,10 +20,10 @@ from qerl_cli.errors import QerlError
 from qerl_cli.formats import (
     QuantizedWeight,
     WeightFormat,
+    as_format,
     dequantize,
     fake_quantize_activations,
     get_format,
-    quantize,
 )
 
 
@@ -68,14 +68,15 @@ class QuantLinear(nn.Module):
     def from_linear(
         cls,
         linear: nn.Linear,
-        fmt: str,
+        fmt: str | WeightFormat,
         *,
         global_scale: torch.Tensor | None = None,
         group_size: int | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> QuantLinear:
-        qw = quantize(linear.weight.detach(), fmt, global_scale=global_scale, group_size=group_size, dtype=dtype)
-        return cls.from_quantized(qw, bias=linear.bias, act_quant=get_format(fmt).act_quant)
+        spec = as_format(fmt)
+        qw = spec.quantize(linear.weight.detach(), global_scale=global_scale, group_size=group_size, dtype=dtype)
+        return cls.from_quantized(qw, bias=linear.bias, act_quant=spec.act_quant)
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None,

@@ -19,7 +19,7 @@ import torch
 
 from qerl_cli.checkpoint import QERL_META, fused_global_scales, save_tensors, target_linears, write_config
 from qerl_cli.errors import QerlError
-from qerl_cli.formats import WeightFormat, dequantize, get_format
+from qerl_cli.formats import WeightFormat, as_format, dequantize
 from qerl_cli.manifest import LOCK_NAME, RunDir, sha256_file, staged_directory
 from qerl_cli.models import ModelSource, conversion_notice, load_model, resolve_model
 from qerl_cli.precision import dtype_of
@@ -82,11 +82,66 @@ def _check_shapes(spec: WeightFormat, targets: dict[str, torch.nn.Module]) -> No
         spec.check_layer(name, m.out_features, m.in_features)
 
 
+def _check_quantize_options(spec: WeightFormat, method: str, dtype: str) -> None:
+    if method not in METHODS:
+        raise QerlError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+    if method != "rtn" and importlib.util.find_spec("llmcompressor") is None:
+        raise QerlError(
+            f"--method {method} needs llm-compressor: pip install 'qerl[llmcompressor]' (or use --method rtn)"
+        )
+    if method != "rtn" and spec.ct_format is None:
+        raise QerlError(f"--method {method} writes compressed-tensors formats only, not {spec.name}")
+    if dtype not in DTYPES:
+        raise QerlError(f"--dtype must be bf16 or fp16, not {dtype}")
+
+
+def _rtn_state(hf_model: torch.nn.Module, targets: dict[str, torch.nn.Module], experts: ExpertLinears,
+               spec: WeightFormat, group_size: int | None, out_dtype: torch.dtype, result: QuantizeResult,
+               progress: Callable[[str, int, int], None] | None) -> dict[str, torch.Tensor]:
+    """Round-to-nearest: the checkpoint's state dict (quantized targets, everything else in `out_dtype`); each
+    layer's error goes to `result.layers`."""
+    global_scales = fused_global_scales(targets) if spec.global_scale else {}
+    state: dict[str, torch.Tensor] = {}
+    for i, (name, linear) in enumerate(targets.items()):
+        if progress:
+            progress(name, i, len(targets))
+        w = linear.weight.detach().float()
+        qw = spec.quantize(w, global_scale=global_scales.get(name), group_size=group_size, dtype=out_dtype)
+        err = (dequantize(qw, torch.float32) - w)
+        result.layers.append(LayerError(name, qw.shape, (err.norm() / w.norm().clamp(min=1e-30)).item(),
+                                        err.abs().max().item()))
+        state.update(spec.checkpoint_tensors(name, qw))
+        if linear.bias is not None:
+            state[f"{name}.bias"] = linear.bias.detach().to(out_dtype)
+    quantized_weights = {f"{n}.weight" for n in targets}
+    state.update({k: v.to(out_dtype) for k, v in experts.plain.items()})
+    for k, v in hf_model.state_dict().items():
+        if k in quantized_weights or k in state or k.startswith(experts.prefixes):
+            continue
+        if k == "lm_head.weight" and hf_model.config.tie_word_embeddings:
+            continue
+        state[k] = v.to(out_dtype) if v.is_floating_point() else v
+    return state
+
+
+def _write_rtn_checkpoint(rec: Any, run: RunDir, result: QuantizeResult, hf_model: torch.nn.Module,
+                          tokenizer: Any, state: dict[str, torch.Tensor], spec: WeightFormat, group_size: int | None,
+                          out_dtype: torch.dtype, method: str, ignore: list[str]) -> None:
+    """Write the checkpoint into a staged directory that replaces `model/` only once complete."""
+    with staged_directory(result.model_dir) as tmp:
+        files = save_tensors(state, tmp)
+        write_config(hf_model, tmp, spec, result.skipped, group_size, out_dtype)
+        tokenizer.save_pretrained(str(tmp))
+        if getattr(hf_model, "generation_config", None) is not None:
+            hf_model.generation_config.save_pretrained(str(tmp))
+        _finish(rec, run, result, spec, tmp, files, method, ignore)
+
+
 def quantize_model(
     run_dir: str | Path,
     model: str | None = None,
     *,
-    fmt: str = "nvfp4",
+    fmt: str | WeightFormat = "nvfp4",
     ignore: list[str] | None = None,
     method: str = "rtn",
     dtype: str = "bf16",
@@ -103,17 +158,8 @@ def quantize_model(
     would not match it) unless `force`, which moves `train/` aside once the new model is in place. `notice` hears
     one line before a long wait that shows no progress of its own (a GGUF file's first conversion).
     """
-    spec = get_format(fmt)
-    if method not in METHODS:
-        raise QerlError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
-    if method != "rtn" and importlib.util.find_spec("llmcompressor") is None:
-        raise QerlError(
-            f"--method {method} needs llm-compressor: pip install 'qerl[llmcompressor]' (or use --method rtn)"
-        )
-    if method != "rtn" and spec.ct_format is None:
-        raise QerlError(f"--method {method} writes compressed-tensors formats only, not {fmt}")
-    if dtype not in DTYPES:
-        raise QerlError(f"--dtype must be bf16 or fp16, not {dtype}")
+    spec = as_format(fmt)
+    _check_quantize_options(spec, method, dtype)
     ignore = list(ignore) if ignore is not None else ["lm_head"]
     out_dtype = dtype_of(dtype)
     src = resolve_model(model)  # a missing model is refused before the run directory exists
@@ -126,7 +172,7 @@ def quantize_model(
                         "train/ aside")
     model_out = model_dir(run)  # a model/ leading out of the run is refused before anything is loaded
     torch.manual_seed(seed)
-    config = {"model": src.to_json(), "format": fmt, "ignore": ignore, "method": method, "dtype": dtype}
+    config = {"model": src.to_json(), "format": spec.name, "ignore": ignore, "method": method, "dtype": dtype}
     with removed_when_refused(run, created), \
             run.stage("quantize", config=config, inputs={"model": {**src.to_json(), "sha256": _source_hashes(src)}},
                       seeds={"torch": seed}) as rec:
@@ -137,49 +183,20 @@ def quantize_model(
         if not targets:
             raise QerlError(f"no Linear layer left to quantize after --ignore {ignore}")
         _check_shapes(spec, targets)
-        result = QuantizeResult(run.path, model_out, fmt, src, skipped=skipped)
+        result = QuantizeResult(run.path, model_out, spec.name, src, skipped=skipped)
         result.bytes_before = sum(p.numel() * 2 for n, p in hf_model.state_dict().items()
                                   if not (n == "lm_head.weight" and hf_model.config.tie_word_embeddings))
         group_size = spec.common_group_size([m.in_features for m in targets.values()])
         if method != "rtn":
             with staged_directory(model_out) as tmp:
-                result.layers, files = _llmcompressor_checkpoint(hf_model, tokenizer, targets, fmt, method,
+                result.layers, files = _llmcompressor_checkpoint(hf_model, tokenizer, targets, spec, method,
                                                                  skipped, tmp)
-                _finish(rec, run, result, tmp, files, method, ignore)
-            if trained is not None:
-                rec.extra["replaced_train"] = result.replaced_train = move_train_aside(run, trained)
-            return result
-        global_scales = fused_global_scales(targets) if spec.global_scale else {}
-
-        state: dict[str, torch.Tensor] = {}
-        for i, (name, linear) in enumerate(targets.items()):
-            if progress:
-                progress(name, i, len(targets))
-            w = linear.weight.detach().float()
-            qw = spec.quantize(w, global_scale=global_scales.get(name), group_size=group_size, dtype=out_dtype)
-            err = (dequantize(qw, torch.float32) - w)
-            result.layers.append(LayerError(name, qw.shape, (err.norm() / w.norm().clamp(min=1e-30)).item(),
-                                            err.abs().max().item()))
-            state.update(spec.checkpoint_tensors(name, qw))
-            if linear.bias is not None:
-                state[f"{name}.bias"] = linear.bias.detach().to(out_dtype)
-        quantized_weights = {f"{n}.weight" for n in targets}
-        state.update({k: v.to(out_dtype) for k, v in experts.plain.items()})
-        for k, v in hf_model.state_dict().items():
-            if k in quantized_weights or k in state or k.startswith(experts.prefixes):
-                continue
-            if k == "lm_head.weight" and hf_model.config.tie_word_embeddings:
-                continue
-            state[k] = v.to(out_dtype) if v.is_floating_point() else v
-        result.group_size = group_size or spec.group_size
-
-        with staged_directory(model_out) as tmp:
-            files = save_tensors(state, tmp)
-            write_config(hf_model, tmp, fmt, skipped, group_size, out_dtype)
-            tokenizer.save_pretrained(str(tmp))
-            if getattr(hf_model, "generation_config", None) is not None:
-                hf_model.generation_config.save_pretrained(str(tmp))
-            _finish(rec, run, result, tmp, files, method, ignore)
+                _finish(rec, run, result, spec, tmp, files, method, ignore)
+        else:
+            state = _rtn_state(hf_model, targets, experts, spec, group_size, out_dtype, result, progress)
+            result.group_size = group_size or spec.group_size
+            _write_rtn_checkpoint(rec, run, result, hf_model, tokenizer, state, spec, group_size, out_dtype, method,
+                                  ignore)
         if trained is not None:
             rec.extra["replaced_train"] = result.replaced_train = move_train_aside(run, trained)
     return result
@@ -278,8 +295,8 @@ def move_train_aside(run: RunDir, trained: str) -> dict[str, Any]:
     return {"moved_to": run.rel(dest), "held": trained, "trained_on_files": old.get("files", {})}
 
 
-def _finish(rec: Any, run: RunDir, result: QuantizeResult, tmp: Path, files: list[str], method: str,
-            ignore: list[str]) -> None:
+def _finish(rec: Any, run: RunDir, result: QuantizeResult, spec: WeightFormat, tmp: Path, files: list[str],
+            method: str, ignore: list[str]) -> None:
     """Write qerl's metadata beside the (still staged) checkpoint and fill the manifest record."""
     meta = {"qerl_format": result.fmt, "method": method, "source": result.source.to_json(), "ignore": ignore,
             "skipped": result.skipped, "group_size": result.group_size,
@@ -288,13 +305,13 @@ def _finish(rec: Any, run: RunDir, result: QuantizeResult, tmp: Path, files: lis
     hashes = {f: sha256_file(tmp / f) for f in files}
     result.bytes_after = sum((tmp / f).stat().st_size for f in files)
     rec.outputs = {"model": {"path": run.rel(result.model_dir), "format": result.fmt, "files": hashes,
-                             "ct_format": get_format(result.fmt).ct_format}}
+                             "ct_format": spec.ct_format}}
     rec.metrics = result.summary()
     rec.extra = {"layers": [e.to_json() for e in result.layers]}
 
 
 def _llmcompressor_checkpoint(
-    hf_model: torch.nn.Module, tokenizer: Any, targets: dict[str, torch.nn.Module], fmt: str, method: str,
+    hf_model: torch.nn.Module, tokenizer: Any, targets: dict[str, torch.nn.Module], spec: WeightFormat, method: str,
     ignore: list[str], out_dir: Path,
 ) -> tuple[list[LayerError], list[str]]:
     """GPTQ/AWQ through llm-compressor, saved by llm-compressor itself (the same compressed-tensors format
@@ -314,7 +331,7 @@ def _llmcompressor_checkpoint(
 
     originals = {n: m.weight.detach().float().clone() for n, m in targets.items()}
     modifier_cls = GPTQModifier if method == "gptq" else AWQModifier
-    recipe = modifier_cls(targets="Linear", scheme=get_format(fmt).ct_preset, ignore=ignore)
+    recipe = modifier_cls(targets="Linear", scheme=spec.ct_preset, ignore=ignore)
     texts = [e.prompt for e in load_task("gsm8k", split="train", limit=128).examples]
     oneshot(model=hf_model, dataset=Dataset.from_dict({"text": texts}), recipe=recipe,
             num_calibration_samples=len(texts), max_seq_length=512)

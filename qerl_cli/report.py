@@ -16,6 +16,7 @@ import io
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -428,178 +429,223 @@ def _evidence_section(run: RunDir, stages: dict[str, Any], pngs: dict[str, bytes
     return f"<section id='bench-evidence'><h2>Evidence</h2>{body}</section>"
 
 
-def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
-    """Write `out_dir/index.html` (default DIR/report) and its PNGs; return what was found and written.
+@dataclass
+class _Page:
+    """What the report sections build up: HTML parts in page order, PNGs by name, each section's state (present,
+    or the command that produces it) and the headline numbers."""
 
-    The result: run, out_dir, html (path), plots (name -> path), stages (key -> status, duration_s),
-    sections (name -> present, or the command that produces it), numbers (label -> value).
-    """
+    run: RunDir
+    parts: list[str] = field(default_factory=list)
+    pngs: dict[str, bytes] = field(default_factory=dict)
+    sections: dict[str, str] = field(default_factory=dict)
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    def present(self, stage: str, html_: str) -> None:
+        self.parts.append(html_)
+        self.sections[stage] = "present"
+
+    def missing(self, title: str, stage: str) -> None:
+        self.parts.append(_missing(title, stage, self.run.path))
+        self.sections[stage] = PRODUCERS[stage].format(run=self.run.path)
+
+    def add_png(self, name: str, png: bytes, caption: str) -> str:
+        self.pngs[name] = png
+        return _img(png, caption, name)
+
+
+def _open_run(run_dir: Path) -> RunDir:
+    """The run directory, or a QerlError saying why it is not a qerl run."""
     run_path = Path(run_dir).expanduser()
     if not run_path.is_dir():
         raise QerlError(f"run directory {run_path} does not exist: pass the --run directory of a qerl run")
     if not (run_path / MANIFEST_NAME).is_file():
         raise QerlError(f"{run_path} has no {MANIFEST_NAME}: it is not a qerl run; run `qerl quantize --run "
                         f"{run_path}` first")
-    run = RunDir(run_path, create=False)
-    manifest = run.read()
-    stages = manifest["stages"]
+    return RunDir(run_path, create=False)
+
+
+def _report_dir(run: RunDir, out_dir: Path | None) -> Path:
     out = Path(out_dir).expanduser() if out_dir is not None else run.inside(REPORT_DIRNAME)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise QerlError(f"cannot create report directory {out}: {exc.strerror or exc}") from exc
+    return out
 
-    pngs: dict[str, bytes] = {}
-    parts: list[str] = []
-    sections: dict[str, str] = {}
-    numbers: dict[str, Any] = {}
 
+def _stages_section(page: _Page, stages: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The table of stages; returns each stage's status, duration and finish time."""
     stage_status = {}
     for key, rec in stages.items():
         # `record` turns a stale 'running' (its process is gone) into 'interrupted'.
-        status = (run.record(key) or rec).get("status", "?")
+        status = (page.run.record(key) or rec).get("status", "?")
         stage_status[key] = {"status": status, "duration_s": rec.get("duration_s"), "finished": rec.get("finished")}
     rows_html = "".join(
         f"<tr><td>{_esc(k)}</td><td class='status-{_esc(v['status'])}'>{_esc(v['status'])}</td>"
         f"<td class='num'>{_esc(_fmt(v['duration_s']))}</td><td>{_esc(v['finished'] or '')}</td></tr>"
         for k, v in stage_status.items())
-    parts.append("<section id='stages'><h2>Stages</h2><table><tr><th>stage</th><th>status</th>"
-                 f"<th>duration (s)</th><th>finished</th></tr>{rows_html}</table></section>")
+    page.parts.append("<section id='stages'><h2>Stages</h2><table><tr><th>stage</th><th>status</th>"
+                      f"<th>duration (s)</th><th>finished</th></tr>{rows_html}</table></section>")
+    return stage_status
 
-    # ---- quantize
-    q = stages.get("quantize")
-    if q:
-        m = q.get("metrics") or {}
-        pairs = [(k, m[k]) for k in ("format", "layers_quantized", "group_size", "rel_fro_mean", "rel_fro_max",
-                                     "bytes_before_bf16", "bytes_after", "compression") if k in m]
-        numbers.update({f"quantize/{k}": v for k, v in pairs})
-        body = _kv_table(pairs)
-        png = _quantize_plot((q.get("extra") or {}).get("layers") or [])
-        if png:
-            pngs["quantize_error"] = png
-            body += _img(png, "Per-layer quantization error", "quantize_error")
-        parts.append(f"<section id='quantize'><h2>Quantization</h2>{body}</section>")
-        sections["quantize"] = "present"
-    else:
-        parts.append(_missing("Quantization", "quantize", run.path))
-        sections["quantize"] = PRODUCERS["quantize"].format(run=run.path)
 
-    # ---- train
-    t = stages.get("train")
-    metrics_rel = ((t or {}).get("outputs") or {}).get("metrics") or "train/metrics.jsonl"
-    rows = _read_metrics(run.abs(metrics_rel, "train outputs.metrics"))
+def _quantize_section(page: _Page, q: dict[str, Any] | None) -> None:
+    if not q:
+        page.missing("Quantization", "quantize")
+        return
+    m = q.get("metrics") or {}
+    pairs = [(k, m[k]) for k in ("format", "layers_quantized", "group_size", "rel_fro_mean", "rel_fro_max",
+                                 "bytes_before_bf16", "bytes_after", "compression") if k in m]
+    page.numbers.update({f"quantize/{k}": v for k, v in pairs})
+    body = _kv_table(pairs)
+    png = _quantize_plot((q.get("extra") or {}).get("layers") or [])
+    if png:
+        body += page.add_png("quantize_error", png, "Per-layer quantization error")
+    page.present("quantize", f"<section id='quantize'><h2>Quantization</h2>{body}</section>")
+
+
+def _train_pairs(cfg: dict[str, Any], rows: list[dict[str, Any]], numbers: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The training table: the config's main options, then the last logged step's metrics."""
+    pairs = [(k, cfg[k]) for k in ("algo", "task", "steps", "batch_prompts", "num_generations",
+                                   "max_completion_length", "lr", "lora_rank", "precision", "correction")
+             if k in cfg]
+    pairs += [(k, cfg[k]) for k in ("tools", "env", "max_turns", "max_episode_tokens") if cfg.get(k) and
+              (cfg.get("tools") or cfg.get("env"))]
+    if rows:
+        last = rows[-1]
+        pairs += [("steps logged", len(rows))]
+        for k in ("reward", "accuracy", "entropy", "completions/mean_length", "sampling/k3"):
+            if isinstance(last.get(k), (int, float)):
+                pairs.append((f"last {k}", last[k]))
+                numbers[f"train/{k}"] = last[k]
+        numbers["train/steps"] = len(rows)
+        pairs += _episode_pairs(rows, numbers)
+    return pairs
+
+
+def _checkpoints_table(checkpoints: list[dict[str, Any]]) -> str:
+    trs = "".join(
+        f"<tr><td>step_{c['step']}</td><td>{_esc(c['kind'])}</td><td class='num'>{c['files']}</td>"
+        f"<td class='num'>{c['bytes'] / 2**20:.1f}</td>"
+        f"<td>{'sha256 of every file' if c['sha256_verified'] else 'older layout: weights only'}</td></tr>"
+        for c in checkpoints)
+    return ("<h3>Checkpoints (verified)</h3><table><tr><th>checkpoint</th><th>kind</th><th>files</th>"
+            f"<th>MiB</th><th>verified</th></tr>{trs}</table>")
+
+
+def _train_section(page: _Page, t: dict[str, Any] | None) -> None:
     from qerl_cli.train.checkpointing import verify_all
 
-    checkpoints = verify_all(run)  # every file against its recorded sha256; a damaged one stops the report
-    if t or rows:
-        cfg = (t or {}).get("config") or {}
-        pairs = [(k, cfg[k]) for k in ("algo", "task", "steps", "batch_prompts", "num_generations",
-                                       "max_completion_length", "lr", "lora_rank", "precision", "correction")
-                 if k in cfg]
-        pairs += [(k, cfg[k]) for k in ("tools", "env", "max_turns", "max_episode_tokens") if cfg.get(k) and
-                  (cfg.get("tools") or cfg.get("env"))]
-        if rows:
-            last = rows[-1]
-            pairs += [("steps logged", len(rows))]
-            for k in ("reward", "accuracy", "entropy", "completions/mean_length", "sampling/k3"):
-                if isinstance(last.get(k), (int, float)):
-                    pairs.append((f"last {k}", last[k]))
-                    numbers[f"train/{k}"] = last[k]
-            numbers["train/steps"] = len(rows)
-            pairs += _episode_pairs(rows, numbers)
-        body = _kv_table(pairs)
-        if rows:
-            for name, (caption, draw) in _train_plots(rows).items():
-                png = draw()
-                if png:
-                    pngs[name] = png
-                    body += _img(png, caption, name)
-        else:
-            body += f"<p>No metrics in <code>{_esc(metrics_rel)}</code> yet.</p>"
-        if checkpoints:
-            trs = "".join(
-                f"<tr><td>step_{c['step']}</td><td>{_esc(c['kind'])}</td><td class='num'>{c['files']}</td>"
-                f"<td class='num'>{c['bytes'] / 2**20:.1f}</td>"
-                f"<td>{'sha256 of every file' if c['sha256_verified'] else 'older layout: weights only'}</td></tr>"
-                for c in checkpoints)
-            body += ("<h3>Checkpoints (verified)</h3><table><tr><th>checkpoint</th><th>kind</th><th>files</th>"
-                     f"<th>MiB</th><th>verified</th></tr>{trs}</table>")
-            numbers["train/checkpoints_verified"] = len(checkpoints)
-        parts.append(f"<section id='train'><h2>Training</h2>{body}</section>")
-        sections["train"] = "present"
+    metrics_rel = ((t or {}).get("outputs") or {}).get("metrics") or "train/metrics.jsonl"
+    rows = _read_metrics(page.run.abs(metrics_rel, "train outputs.metrics"))
+    checkpoints = verify_all(page.run)  # every file against its recorded sha256; a damaged one stops the report
+    if not (t or rows):
+        page.missing("Training", "train")
+        return
+    body = _kv_table(_train_pairs((t or {}).get("config") or {}, rows, page.numbers))
+    if rows:
+        for name, (caption, draw) in _train_plots(rows).items():
+            png = draw()
+            if png:
+                body += page.add_png(name, png, caption)
     else:
-        parts.append(_missing("Training", "train", run.path))
-        sections["train"] = PRODUCERS["train"].format(run=run.path)
+        body += f"<p>No metrics in <code>{_esc(metrics_rel)}</code> yet.</p>"
+    if checkpoints:
+        body += _checkpoints_table(checkpoints)
+        page.numbers["train/checkpoints_verified"] = len(checkpoints)
+    page.present("train", f"<section id='train'><h2>Training</h2>{body}</section>")
 
-    # ---- eval
-    evals = _read_evals(run, manifest)
-    if evals:
-        trs = "".join(
-            f"<tr><td>{_esc(e['task'])}</td><td>{_esc(e['checkpoint'])}</td><td>{_esc(e['primary'])}</td>"
-            f"<td class='num'>{100 * e['accuracy']['mean']:.1f}</td>"
-            f"<td class='num'>[{100 * e['accuracy'].get('low', 0):.1f}, {100 * e['accuracy'].get('high', 0):.1f}]"
-            f"</td><td class='num'>{_esc(e['accuracy'].get('n', ''))}</td><td>{_esc(e['file'])}</td></tr>"
-            for e in evals)
-        body = ("<table><tr><th>task</th><th>checkpoint</th><th>scorer</th><th>accuracy %</th><th>95% CI</th>"
-                f"<th>n</th><th>file</th></tr>{trs}</table>")
-        pngs["eval_scores"] = _eval_plot(evals)
-        body += _img(pngs["eval_scores"], "Eval accuracy per checkpoint with 95% CI", "eval_scores")
-        for e in evals:
-            numbers[f"eval/{e['task']}-{e['checkpoint']}"] = e["accuracy"]["mean"]
-        parts.append(f"<section id='eval'><h2>Evaluation</h2>{body}</section>")
-        sections["eval"] = "present"
-    else:
-        parts.append(_missing("Evaluation", "eval", run.path))
-        sections["eval"] = PRODUCERS["eval"].format(run=run.path)
 
-    # ---- bench rollout
-    b = stages.get("bench/rollout")
+def _eval_section(page: _Page, manifest: dict[str, Any]) -> None:
+    evals = _read_evals(page.run, manifest)
+    if not evals:
+        page.missing("Evaluation", "eval")
+        return
+    trs = "".join(
+        f"<tr><td>{_esc(e['task'])}</td><td>{_esc(e['checkpoint'])}</td><td>{_esc(e['primary'])}</td>"
+        f"<td class='num'>{100 * e['accuracy']['mean']:.1f}</td>"
+        f"<td class='num'>[{100 * e['accuracy'].get('low', 0):.1f}, {100 * e['accuracy'].get('high', 0):.1f}]"
+        f"</td><td class='num'>{_esc(e['accuracy'].get('n', ''))}</td><td>{_esc(e['file'])}</td></tr>"
+        for e in evals)
+    body = ("<table><tr><th>task</th><th>checkpoint</th><th>scorer</th><th>accuracy %</th><th>95% CI</th>"
+            f"<th>n</th><th>file</th></tr>{trs}</table>")
+    body += page.add_png("eval_scores", _eval_plot(evals), "Eval accuracy per checkpoint with 95% CI")
+    for e in evals:
+        page.numbers[f"eval/{e['task']}-{e['checkpoint']}"] = e["accuracy"]["mean"]
+    page.present("eval", f"<section id='eval'><h2>Evaluation</h2>{body}</section>")
+
+
+def _bench_rollout_section(page: _Page, b: dict[str, Any] | None) -> None:
     bench_rel = (((b or {}).get("outputs") or {}).get("json") or {}).get("path") or "bench/rollout.json"
-    bench = _load_json(run.abs(bench_rel, "bench/rollout outputs.json.path")) \
+    bench = _load_json(page.run.abs(bench_rel, "bench/rollout outputs.json.path")) \
         if (b is None or b.get("status") == "completed") else None
     png = _bench_plot(bench) if bench else None
-    if bench and png:
-        trs = "".join(
-            f"<tr><td>{_esc(r.get('format'))}</td><td class='num'>{_esc(r.get('batch'))}</td>"
-            f"<td class='num'>{_esc(_fmt(r.get('decode_tok_s')))}</td><td class='num'>{_esc(_fmt(r.get('e2e_tok_s')))}"
-            f"</td><td class='num'>{_esc(_fmt(r.get('peak_mem_gib')))}</td></tr>"
-            for r in bench.get("results", []) if isinstance(r, dict))
-        body = ("<table><tr><th>format</th><th>batch</th><th>decode tok/s</th><th>e2e tok/s</th>"
-                f"<th>peak GiB</th></tr>{trs}</table>")
-        pngs["bench_rollout"] = png
-        body += _img(png, "Rollout tokens/s and memory (qerl bench rollout)", "bench_rollout")
-        for r in bench.get("results", []):
-            if isinstance(r, dict) and isinstance(r.get("decode_tok_s"), (int, float)):
-                numbers[f"bench/{r.get('format')}/b{r.get('batch')}/decode_tok_s"] = r["decode_tok_s"]
-        parts.append(f"<section id='bench-rollout'><h2>Rollout benchmark</h2>{body}</section>")
-        sections["bench/rollout"] = "present"
+    if not (bench and png):
+        page.missing("Rollout benchmark", "bench/rollout")
+        return
+    trs = "".join(
+        f"<tr><td>{_esc(r.get('format'))}</td><td class='num'>{_esc(r.get('batch'))}</td>"
+        f"<td class='num'>{_esc(_fmt(r.get('decode_tok_s')))}</td><td class='num'>{_esc(_fmt(r.get('e2e_tok_s')))}"
+        f"</td><td class='num'>{_esc(_fmt(r.get('peak_mem_gib')))}</td></tr>"
+        for r in bench.get("results", []) if isinstance(r, dict))
+    body = ("<table><tr><th>format</th><th>batch</th><th>decode tok/s</th><th>e2e tok/s</th>"
+            f"<th>peak GiB</th></tr>{trs}</table>")
+    body += page.add_png("bench_rollout", png, "Rollout tokens/s and memory (qerl bench rollout)")
+    for r in bench.get("results", []):
+        if isinstance(r, dict) and isinstance(r.get("decode_tok_s"), (int, float)):
+            page.numbers[f"bench/{r.get('format')}/b{r.get('batch')}/decode_tok_s"] = r["decode_tok_s"]
+    page.present("bench/rollout", f"<section id='bench-rollout'><h2>Rollout benchmark</h2>{body}</section>")
+
+
+def _evidence(page: _Page, stages: dict[str, Any]) -> None:
+    ev_html = _evidence_section(page.run, stages, page.pngs, page.numbers)
+    if ev_html:
+        page.present("bench/evidence", ev_html)
     else:
-        parts.append(_missing("Rollout benchmark", "bench/rollout", run.path))
-        sections["bench/rollout"] = PRODUCERS["bench/rollout"].format(run=run.path)
+        page.missing("Evidence", "bench/evidence")
 
-    # ---- evidence (the seed claims' verdicts)
-    ev_html = _evidence_section(run, stages, pngs, numbers)
-    parts.append(ev_html or _missing("Evidence", "bench/evidence", run.path))
-    sections["bench/evidence"] = "present" if ev_html else PRODUCERS["bench/evidence"].format(run=run.path)
 
-    created = now_iso()
-    page = (
+def _write_page(page: _Page, out: Path, created: str) -> tuple[Path, dict[str, Path]]:
+    """Write the PNGs, then index.html (last: a page only exists once every picture it names does)."""
+    run = page.run
+    html_page = (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>qerl report: {_esc(run.path.name)}"
         f"</title><style>{_CSS}</style></head><body><header><h1>qerl report &mdash; {_esc(run.path.name)}</h1>"
         f"<p>{_esc(run.path.resolve())} &middot; generated {_esc(created)}</p></header><main>"
-        + "".join(parts) + "</main></body></html>\n"
+        + "".join(page.parts) + "</main></body></html>\n"
     )
-
     plots = {}
-    for name, data in pngs.items():
+    for name, data in page.pngs.items():
         path = out / f"{name}.png"
         atomic_write_bytes(path, data)
         plots[name] = path
     index = out / INDEX_NAME
-    atomic_write_text(index, page)  # last: a page only exists once every picture it names does
+    atomic_write_text(index, html_page)
+    return index, plots
+
+
+def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
+    """Write `out_dir/index.html` (default DIR/report) and its PNGs; return what was found and written.
+
+    The result: run, out_dir, html (path), plots (name -> path), stages (key -> status, duration_s),
+    sections (name -> present, or the command that produces it), numbers (label -> value).
+    """
+    run = _open_run(run_dir)
+    manifest = run.read()
+    stages = manifest["stages"]
+    out = _report_dir(run, out_dir)
+    page = _Page(run)
+    stage_status = _stages_section(page, stages)
+    _quantize_section(page, stages.get("quantize"))
+    _train_section(page, stages.get("train"))
+    _eval_section(page, manifest)
+    _bench_rollout_section(page, stages.get("bench/rollout"))
+    _evidence(page, stages)
+    created = now_iso()
+    index, plots = _write_page(page, out, created)
     return {"run": run.path, "out_dir": out, "html": index, "plots": plots, "stages": stage_status,
-            "sections": sections, "numbers": numbers, "created": created}
+            "sections": page.sections, "numbers": page.numbers, "created": created}
 
 
 def render_summary(result: dict[str, Any]):  # noqa: ANN201 - rich.console.Group

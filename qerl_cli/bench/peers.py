@@ -60,6 +60,7 @@ def write_shape_checkpoint(model: nn.Module, out: Path, fmt: str) -> float:
     quantized format (its state dict already uses the checkpoint's tensor names), plain safetensors for bf16,
     plus the word tokenizer. Returns the seconds it took."""
     from qerl_cli.checkpoint import save_tensors, target_linears, write_config
+    from qerl_cli.formats import get_format
 
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -71,7 +72,7 @@ def write_shape_checkpoint(model: nn.Module, out: Path, fmt: str) -> float:
     from qerl_cli.moe import sparse_layers
 
     skipped += [f"{name}.gate" for name, _ in sparse_layers(model)]  # the routers stay in the model dtype
-    write_config(model, out, fmt, skipped or ["lm_head"], None, torch.bfloat16)
+    write_config(model, out, get_format(fmt), skipped or ["lm_head"], None, torch.bfloat16)
     eos = getattr(model.config, "eos_token_id", None)
     word_tokenizer(int(model.config.vocab_size), out, eos if isinstance(eos, int) else None)
     return time.perf_counter() - t0

@@ -150,7 +150,7 @@ def _quantized(linears: dict[str, nn.Linear], fmt: str, dtype: torch.dtype) -> d
     scales = fused_global_scales(linears) if spec.global_scale else {}
     out: dict[str, nn.Module] = {}
     for name, lin in linears.items():
-        ql = QuantLinear.from_linear(lin, fmt, global_scale=scales.get(name), dtype=dtype)
+        ql = QuantLinear.from_linear(lin, spec, global_scale=scales.get(name), dtype=dtype)
         ql.cache_dequantized = lin.weight.device.type == "cpu"
         out[name] = ql
     return out

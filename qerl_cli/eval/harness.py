@@ -285,6 +285,207 @@ def _pick_device(device: str | None) -> str:
 # ------------------------------------------------------------------------------------------- main
 
 
+def _check_eval_options(*, limit: int | None, samples: int, temperature: float | None, max_tokens: int | None,
+                        batch_slots: int, harness: str, tools: str | None, env: str | None) -> float:
+    """Refuse bad options before anything is loaded; return the sampling temperature (greedy unless samples > 1)."""
+    if limit is not None and limit < 1:
+        raise QerlError(f"--limit must be >= 1, got {limit}")
+    if samples < 1:
+        raise QerlError(f"--samples must be >= 1, got {samples}")
+    if temperature is not None and temperature < 0:
+        raise QerlError(f"--temperature must be >= 0, got {temperature}")
+    if temperature is None:
+        temperature = 0.0 if samples == 1 else 1.0
+    if samples > 1 and temperature == 0:
+        raise QerlError(f"--samples {samples} with --temperature 0 gives {samples} identical greedy samples: "
+                        "give a temperature > 0 (e.g. --temperature 1.0) or use --samples 1")
+    if max_tokens is not None and max_tokens < 1:
+        raise QerlError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if batch_slots < 1:
+        raise QerlError(f"batch_slots must be >= 1, got {batch_slots}")
+    if harness != "builtin" and (tools or env):
+        raise QerlError(f"--harness {harness} scores single answers: use the builtin harness with --tools/--env")
+    if harness in EXTERNAL_HARNESSES and samples != 1:
+        raise QerlError(f"--harness {harness} runs one sample per problem: use --samples 1 (or the builtin harness "
+                        "for pass@k)")
+    return temperature
+
+
+@dataclass
+class _EvalTask:
+    """The task as run_eval runs it: examples, reward kind, token budget and (with a tool) the episodes."""
+
+    task: Any
+    kind: str
+    max_new: int
+    episodes: Any
+
+
+def _load_eval_task(res: _Resolved, *, shots: int | None, chat_template: bool | None, limit: int | None,
+                    tools: str | None, env: str | None, max_turns: int, max_tokens: int | None) -> _EvalTask:
+    """Load the task with the model's tokenizer, before the model: a bad task or data file fails fast."""
+    from qerl_cli.models import load_tokenizer, resolve_model
+    from qerl_cli.tasks import load_task
+    from qerl_cli.tools.episodes import make_episodes
+
+    tokenizer = load_tokenizer(resolve_model(str(res.model_dir)))
+    episodes = make_episodes(tools, env, max_turns=max_turns,  # None: single answers
+                             chat_tokenizer=tokenizer if chat_template else None)
+    task_obj = load_task(res.task_name, split="test", shots=shots, chat_template=bool(chat_template),
+                         tokenizer=tokenizer, limit=limit, seed=DATA_SEED, tools=tools)
+    if not task_obj.examples:
+        raise QerlError(f"task {res.task_name} has no examples to evaluate (limit={limit})")
+    kind = task_obj.reward if res.task_kind == "jsonl" else res.task_kind
+    if kind not in PRIMARY:
+        raise QerlError(f"task {res.task_name} uses reward {kind!r}, which qerl eval cannot score")
+    max_new = max_tokens if max_tokens is not None else task_obj.max_new_tokens * (max_turns if episodes else 1)
+    res.data_files = _data_files(res.task_name, task_obj.shots)
+    return _EvalTask(task_obj, kind, max_new, episodes)
+
+
+@dataclass
+class _EvalModel:
+    """The run's quantized model with the checkpoint applied, and what it was loaded as."""
+
+    model: Any
+    tokenizer: Any
+    device: str
+    dtype: Any  # torch.dtype
+    adapter_info: dict[str, Any] | None
+    weights_info: dict[str, Any] | None  # --finetune full: the checkpoint's weights replace the base's
+    load_s: float
+
+
+def _load_eval_model(res: _Resolved, device: str | None) -> _EvalModel:
+    import torch
+
+    from qerl_cli.models import load_model
+
+    device = _pick_device(device)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    t_load = time.perf_counter()
+    # always verified: an eval result must name exactly the weights it scored
+    model, tokenizer = load_model(str(res.model_dir), dtype=dtype, device=device,
+                                  expected_sha256=res.model_record["outputs"]["model"].get("files", {}))
+    adapter_info: dict[str, Any] | None = None
+    weights_info: dict[str, Any] | None = None
+    if res.checkpoint_dir is not None:
+        from qerl_cli.train.checkpointing import apply_to_model
+
+        model, adapter_info, weights_info = apply_to_model(res.run, model, res.checkpoint_dir)
+    model.eval()
+    return _EvalModel(model, tokenizer, device, dtype, adapter_info, weights_info, time.perf_counter() - t_load)
+
+
+def _eval_protocol(res: _Resolved, et: _EvalTask, em: _EvalModel, *, limit: int | None, samples: int,
+                   temperature: float, seed: int, max_turns: int) -> dict[str, Any]:
+    """How the scores were made, written into the result (the harness adds its scorers after generating)."""
+    task_obj, episodes = et.task, et.episodes
+    return {
+        "split": "test",
+        "limit": limit,
+        "num_problems": len(task_obj.examples),
+        "shots": task_obj.shots,
+        "chat_template": task_obj.chat_template,
+        "prompt_template": task_obj.build_prompt(PROMPT_PLACEHOLDER),
+        "prompt_placeholder": PROMPT_PLACEHOLDER,
+        "stop": list(task_obj.stop),
+        "stop_token_ids": "model eos",
+        "truncate_at_stop": True,
+        "sampling": {"n": samples, "temperature": temperature, "top_p": 1.0, "top_k": -1, "seed": seed},
+        "max_tokens": et.max_new,
+        "data_files": res.data_files,
+        "data_seed": DATA_SEED if et.kind == "arith" else None,
+        "dtype": str(em.dtype).removeprefix("torch."),
+        "device": em.device,
+        "engine": "qerl builtin rollout engine",
+        "episodes": None if episodes is None else {"kind": episodes.kind, "max_turns": max_turns,
+                                                   "stop": list(episodes.stop), "scored": "model text outside calls"},
+    }
+
+
+def _generate(harness: str, et: _EvalTask, em: _EvalModel, protocol: dict[str, Any], *, samples: int,
+              temperature: float, seed: int,
+              batch_slots: int) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+    """Generate and score with the chosen harness (an external one names its engine in `protocol`).
+    Returns (per-sample records, the harness' extra results, scorer names)."""
+    if harness == "builtin":
+        return _run_builtin(em.model, em.tokenizer, et.task, et.kind, samples, temperature, et.max_new, seed,
+                            batch_slots, et.episodes)
+    external = external_harness(harness)
+    records, extra = external.run(em.model, em.tokenizer, et.task, max_tokens=et.max_new, temperature=temperature,
+                                  seed=seed, batch_slots=batch_slots)
+    protocol["engine"] = external.engine
+    return records, extra, list(extra["scorers"])
+
+
+def _record_scorers(protocol: dict[str, Any], harness: str, kind: str, extra: dict[str, Any],
+                    scorers: list[str]) -> str:
+    """Name the scorers (and their versions) in `protocol`; return the primary scorer."""
+    if harness == "builtin":
+        protocol["scorers"] = {s: SCORER_DOCS[s] for s in scorers}
+        protocol["scorer_versions"] = scorer_versions(kind)
+        return PRIMARY[kind]
+    protocol["scorers"] = extra["scorer_docs"]
+    protocol["scorer_versions"] = extra["scorer_versions"]
+    protocol["harness_task"] = extra["harness_task"]
+    return extra["primary"]
+
+
+def _eval_notices(res: _Resolved, harness: str, kind: str, records: list[dict[str, Any]]) -> list[str]:
+    notices = [n for n in (scoring_notice(res.task_name, harness),) if n]
+    if kind == "math" and harness == "builtin" and not notices:
+        notices += [n for n in (_fallback_notice(records),) if n]
+    return notices
+
+
+def _eval_result(res: _Resolved, et: _EvalTask, em: _EvalModel, *, harness: str, protocol: dict[str, Any],
+                 records: list[dict[str, Any]], extra: dict[str, Any], primary: str, scores: dict[str, Any],
+                 gen_s: float, t_start: float) -> dict[str, Any]:
+    """The result file's content (`files` names the result and samples files it is written to)."""
+    rel_dir = res.run.rel(res.out_dir)
+    files = {"result": f"{rel_dir}/{res.slug}.json", "samples": f"{rel_dir}/{res.slug}.samples.jsonl"}
+    finish = Counter(r.get("finish_reason", "unknown") for r in records)
+    tokens = sum(int(r.get("tokens", 0)) for r in records)
+    adapter_info = em.adapter_info
+    result = {
+        "schema": RESULT_SCHEMA,
+        "task": res.task_name,
+        "harness": harness,
+        "created": now_iso(),
+        "run": str(res.run.path),
+        "checkpoint": {"requested": res.checkpoint_requested, "name": res.checkpoint_name,
+                       "path": res.run.rel(res.checkpoint_dir) if res.checkpoint_dir else None,
+                       "adapter_sha256": adapter_info["sha256"] if adapter_info else None,
+                       "adapter": adapter_info, "weights": em.weights_info},
+        "model": {"path": res.run.rel(res.model_dir), **_model_hashes(res.model_record)},
+        "protocol": protocol,
+        "notices": _eval_notices(res, harness, et.kind, records),
+        "primary": primary,
+        "scores": scores,
+        "harness_results": extra.get("harness_results"),
+        "counts": {"problems": len(et.task.examples), "samples": len(records), "finish_reason": dict(finish),
+                   "completion_tokens": tokens},
+        "timings": {"load_s": round(em.load_s, 3), "generate_s": round(gen_s, 3),
+                    "total_s": round(time.perf_counter() - t_start, 3),
+                    "tokens_per_s": round(tokens / gen_s, 2) if gen_s > 0 else None},
+        "files": files,
+    }
+    if et.episodes is not None:
+        result["episodes"] = _episode_counts(records)
+    return result
+
+
+def _write_eval_files(res: _Resolved, result: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    out_dir = res.run.inside(res.out_dir)  # checked again: it may have changed since
+    with write_errors(out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+    files = result["files"]
+    atomic_write_text(res.run.inside(files["samples"]),
+                      "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
+    atomic_write_json(res.run.inside(files["result"]), result)
+
+
 def run_eval(
     run_dir: str | Path,
     task: str,
@@ -318,159 +519,38 @@ def run_eval(
     task's per-answer default times max_turns), and what the model wrote outside its calls is scored.
     """
     t_start = time.perf_counter()
-    # ---- validate everything cheap before loading anything
-    if limit is not None and limit < 1:
-        raise QerlError(f"--limit must be >= 1, got {limit}")
-    if samples < 1:
-        raise QerlError(f"--samples must be >= 1, got {samples}")
-    if temperature is not None and temperature < 0:
-        raise QerlError(f"--temperature must be >= 0, got {temperature}")
-    if temperature is None:
-        temperature = 0.0 if samples == 1 else 1.0
-    if samples > 1 and temperature == 0:
-        raise QerlError(f"--samples {samples} with --temperature 0 gives {samples} identical greedy samples: "
-                        "give a temperature > 0 (e.g. --temperature 1.0) or use --samples 1")
-    if max_tokens is not None and max_tokens < 1:
-        raise QerlError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if batch_slots < 1:
-        raise QerlError(f"batch_slots must be >= 1, got {batch_slots}")
-    if harness != "builtin" and (tools or env):
-        raise QerlError(f"--harness {harness} scores single answers: use the builtin harness with --tools/--env")
-    if harness in EXTERNAL_HARNESSES and samples != 1:
-        raise QerlError(f"--harness {harness} runs one sample per problem: use --samples 1 (or the builtin harness "
-                        "for pass@k)")
+    temperature = _check_eval_options(limit=limit, samples=samples, temperature=temperature, max_tokens=max_tokens,
+                                      batch_slots=batch_slots, harness=harness, tools=tools, env=env)
     res = _resolve(run_dir, task, checkpoint, harness)
     if tools or env:  # its own result file: scores with a tool are not the model's single answers
         res.slug += f"-{tools or 'env'}"
     if harness != "builtin":
         external_harness(harness).require()
-
-    import torch
-
-    from qerl_cli.models import load_model, load_tokenizer, resolve_model
-    from qerl_cli.tasks import load_task
-
-    # Tokenizer first: the task (and its data file) is checked before the model is loaded.
-    tokenizer = load_tokenizer(resolve_model(str(res.model_dir)))
-    from qerl_cli.tools.episodes import make_episodes
-
-    episodes = make_episodes(tools, env, max_turns=max_turns,  # None: single answers
-                             chat_tokenizer=tokenizer if chat_template else None)
-    task_obj = load_task(res.task_name, split="test", shots=shots, chat_template=bool(chat_template),
-                         tokenizer=tokenizer, limit=limit, seed=DATA_SEED, tools=tools)
-    if not task_obj.examples:
-        raise QerlError(f"task {res.task_name} has no examples to evaluate (limit={limit})")
-    kind = task_obj.reward if res.task_kind == "jsonl" else res.task_kind
-    if kind not in PRIMARY:
-        raise QerlError(f"task {res.task_name} uses reward {kind!r}, which qerl eval cannot score")
-    max_new = max_tokens if max_tokens is not None else task_obj.max_new_tokens * (max_turns if episodes else 1)
-    res.data_files = _data_files(res.task_name, task_obj.shots)
-
-    device = _pick_device(device)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    t_load = time.perf_counter()
-    # always verified: an eval result must name exactly the weights it scored
-    model, tokenizer = load_model(str(res.model_dir), dtype=dtype, device=device,
-                                  expected_sha256=res.model_record["outputs"]["model"].get("files", {}))
-    adapter_info: dict[str, Any] | None = None
-    weights_info: dict[str, Any] | None = None  # --finetune full: the checkpoint's weights replace the base's
-    if res.checkpoint_dir is not None:
-        from qerl_cli.train.checkpointing import apply_to_model
-
-        model, adapter_info, weights_info = apply_to_model(res.run, model, res.checkpoint_dir)
-    model.eval()
-    load_s = time.perf_counter() - t_load
-
-    protocol = {
-        "split": "test",
-        "limit": limit,
-        "num_problems": len(task_obj.examples),
-        "shots": task_obj.shots,
-        "chat_template": task_obj.chat_template,
-        "prompt_template": task_obj.build_prompt(PROMPT_PLACEHOLDER),
-        "prompt_placeholder": PROMPT_PLACEHOLDER,
-        "stop": list(task_obj.stop),
-        "stop_token_ids": "model eos",
-        "truncate_at_stop": True,
-        "sampling": {"n": samples, "temperature": temperature, "top_p": 1.0, "top_k": -1, "seed": seed},
-        "max_tokens": max_new,
-        "data_files": res.data_files,
-        "data_seed": DATA_SEED if kind == "arith" else None,
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": device,
-        "engine": "qerl builtin rollout engine",
-        "episodes": None if episodes is None else {"kind": episodes.kind, "max_turns": max_turns,
-                                                   "stop": list(episodes.stop), "scored": "model text outside calls"},
-    }
+    et = _load_eval_task(res, shots=shots, chat_template=chat_template, limit=limit, tools=tools, env=env,
+                         max_turns=max_turns, max_tokens=max_tokens)
+    em = _load_eval_model(res, device)
+    protocol = _eval_protocol(res, et, em, limit=limit, samples=samples, temperature=temperature, seed=seed,
+                              max_turns=max_turns)
     config = {"task": res.task_name, "harness": harness, "checkpoint": checkpoint, "limit": limit, "samples": samples,
-              "temperature": temperature, "max_tokens": max_new, "shots": task_obj.shots,
-              "chat_template": task_obj.chat_template, "batch_slots": batch_slots, "device": device,
-              "tools": tools, "env": env, "max_turns": max_turns if episodes else None}
+              "temperature": temperature, "max_tokens": et.max_new, "shots": et.task.shots,
+              "chat_template": et.task.chat_template, "batch_slots": batch_slots, "device": em.device,
+              "tools": tools, "env": env, "max_turns": max_turns if et.episodes else None}
     inputs = {"model": {"path": res.run.rel(res.model_dir), **_model_hashes(res.model_record)},
-              "adapter": adapter_info, "weights": weights_info, "data": res.data_files}
+              "adapter": em.adapter_info, "weights": em.weights_info, "data": res.data_files}
 
     with res.run.stage("eval", config=config, inputs=inputs, seeds={"sampling": seed},
                        key=f"eval/{res.slug}") as rec:
         t_gen = time.perf_counter()
-        if harness == "builtin":
-            records, extra, scorers = _run_builtin(model, tokenizer, task_obj, kind, samples, temperature, max_new,
-                                                   seed, batch_slots, episodes)
-        else:
-            external = external_harness(harness)
-            records, extra = external.run(model, tokenizer, task_obj, max_tokens=max_new, temperature=temperature,
-                                          seed=seed, batch_slots=batch_slots)
-            scorers = list(extra["scorers"])
-            protocol["engine"] = external.engine
+        records, extra, scorers = _generate(harness, et, em, protocol, samples=samples, temperature=temperature,
+                                            seed=seed, batch_slots=batch_slots)
         gen_s = time.perf_counter() - t_gen
-        if harness == "builtin":
-            protocol["scorers"] = {s: SCORER_DOCS[s] for s in scorers}
-            protocol["scorer_versions"] = scorer_versions(kind)
-        else:
-            protocol["scorers"] = extra["scorer_docs"]
-            protocol["scorer_versions"] = extra["scorer_versions"]
-            protocol["harness_task"] = extra["harness_task"]
-        primary = PRIMARY[kind] if harness == "builtin" else extra["primary"]
-        notices = [n for n in (scoring_notice(res.task_name, harness),) if n]
-        if kind == "math" and harness == "builtin" and not notices:
-            notices += [n for n in (_fallback_notice(records),) if n]
+        primary = _record_scorers(protocol, harness, et.kind, extra, scorers)
         scores = aggregate(records, scorers, samples, _group_keys(res.task_name))
-        rel_dir = res.run.rel(res.out_dir)
-        files = {"result": f"{rel_dir}/{res.slug}.json", "samples": f"{rel_dir}/{res.slug}.samples.jsonl"}
-        finish = Counter(r.get("finish_reason", "unknown") for r in records)
-        tokens = sum(int(r.get("tokens", 0)) for r in records)
-        result = {
-            "schema": RESULT_SCHEMA,
-            "task": res.task_name,
-            "harness": harness,
-            "created": now_iso(),
-            "run": str(res.run.path),
-            "checkpoint": {"requested": res.checkpoint_requested, "name": res.checkpoint_name,
-                           "path": res.run.rel(res.checkpoint_dir) if res.checkpoint_dir else None,
-                           "adapter_sha256": adapter_info["sha256"] if adapter_info else None,
-                           "adapter": adapter_info, "weights": weights_info},
-            "model": {"path": res.run.rel(res.model_dir), **_model_hashes(res.model_record)},
-            "protocol": protocol,
-            "notices": notices,
-            "primary": primary,
-            "scores": scores,
-            "harness_results": extra.get("harness_results"),
-            "counts": {"problems": len(task_obj.examples), "samples": len(records), "finish_reason": dict(finish),
-                       "completion_tokens": tokens},
-            "timings": {"load_s": round(load_s, 3), "generate_s": round(gen_s, 3),
-                        "total_s": round(time.perf_counter() - t_start, 3),
-                        "tokens_per_s": round(tokens / gen_s, 2) if gen_s > 0 else None},
-            "files": files,
-        }
-        if episodes is not None:
-            result["episodes"] = _episode_counts(records)
+        result = _eval_result(res, et, em, harness=harness, protocol=protocol, records=records, extra=extra,
+                              primary=primary, scores=scores, gen_s=gen_s, t_start=t_start)
         rec.refusable = False  # the result files change from here: a failure is recorded as one
-        out_dir = res.run.inside(res.out_dir)  # checked again: it may have changed since
-        with write_errors(out_dir):
-            out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(res.run.inside(files["samples"]),
-                          "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
-        atomic_write_json(res.run.inside(files["result"]), result)
-        rec.outputs = files
+        _write_eval_files(res, result, records)
+        rec.outputs = result["files"]
         rec.metrics = {"primary": primary, **{s: scores[s]["accuracy"]["mean"] for s in scorers},
                        **{f"{primary}/pass@{samples}": scores[primary][f"pass@{samples}"]["mean"]}}
     return result

@@ -181,54 +181,48 @@ def _model_class() -> type:
     return QerlLightevalModel
 
 
-def run_lighteval_math500(model: Any, tokenizer: Any, task: Any, *, max_tokens: int, temperature: float = 0.0,
-                          seed: int = 0, batch_slots: int = 64) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Run lighteval's math_500 metric on `model` for the problems of qerl's `task` (a loaded math500 Task).
+def _write_task_files(root: Path, task: Any, max_tokens: int) -> tuple[Path, str]:
+    """qerl's problems as a math500 data directory and lighteval's task module over it: (module path, its text)."""
+    from qerl_cli.tasks.datasets import DATA_DIR
 
-    Returns per-sample records in qerl's samples.jsonl schema (scorer "pass@k" = lighteval's
-    pass_at_k_math with k=1, n=1) and the extra protocol fields.
-    """
-    version = require_lighteval()
-    if task.name != "math500":
-        raise QerlError(f"--harness lighteval runs math500 only, not {task.name}")
+    data = root / "math500"
+    data.mkdir()
+    # Exactly qerl's problems, in qerl's order: lighteval's max_samples would take a seeded random
+    # subset instead of the first --limit rows. Row i of this file is problem i (lighteval's doc.id).
+    rows = (DATA_DIR / "math500" / "test.jsonl").read_text(encoding="utf-8").splitlines()
+    rows = [r for r in rows if r.strip()]
+    (data / "test.jsonl").write_text("".join(rows[e.meta["index"]] + "\n" for e in task.examples),
+                                     encoding="utf-8")
+    module_text = _TASK_MODULE.format(shots=task.shots, name=TASK_NAME, repo=str(data), max_tokens=max_tokens,
+                                      stop=list(task.stop))
+    module_path = root / "qerl_math_500_task.py"
+    module_path.write_text(module_text)
+    return module_path, module_text
+
+
+def _run_pipeline(root: Path, module_path: Path, lm: Any) -> tuple[Any, Any]:
+    """lighteval's pipeline over the task module, offline: (its results, its per-document details)."""
     from lighteval.logging.evaluation_tracker import EvaluationTracker
     from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
 
-    from qerl_cli.tasks.datasets import DATA_DIR
+    params = PipelineParameters(launcher_type=ParallelismManager.NONE, custom_tasks_directory=str(module_path),
+                                max_samples=None, bootstrap_iters=0)
+    tracker = EvaluationTracker(output_dir=str(root / "out"), save_details=False)
+    with _offline():
+        try:
+            pipeline = Pipeline(tasks=f"{TASK_NAME}|0", pipeline_parameters=params, evaluation_tracker=tracker,
+                                model=lm)
+            pipeline.evaluate()
+            return pipeline.get_results(), pipeline.get_details()
+        except QerlError:
+            raise
+        except Exception as exc:
+            raise QerlError(f"lighteval failed on math_500: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from exc
 
-    for name in ("lighteval", "datasets"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    with tempfile.TemporaryDirectory(prefix="qerl-lighteval-") as tmp:
-        root = Path(tmp)
-        data = root / "math500"
-        data.mkdir()
-        # Exactly qerl's problems, in qerl's order: lighteval's max_samples would take a seeded random
-        # subset instead of the first --limit rows. Row i of this file is problem i (lighteval's doc.id).
-        rows = (DATA_DIR / "math500" / "test.jsonl").read_text(encoding="utf-8").splitlines()
-        rows = [r for r in rows if r.strip()]
-        (data / "test.jsonl").write_text("".join(rows[e.meta["index"]] + "\n" for e in task.examples),
-                                         encoding="utf-8")
-        module_text = _TASK_MODULE.format(shots=task.shots, name=TASK_NAME, repo=str(data), max_tokens=max_tokens,
-                                          stop=list(task.stop))
-        module_path = root / "qerl_math_500_task.py"
-        module_path.write_text(module_text)
-        lm = _model_class()(model, tokenizer, cache_dir=str(root / "cache"), chat_template=bool(task.chat_template),
-                            temperature=temperature, seed=seed, batch_slots=batch_slots)
-        params = PipelineParameters(launcher_type=ParallelismManager.NONE, custom_tasks_directory=str(module_path),
-                                    max_samples=None, bootstrap_iters=0)
-        tracker = EvaluationTracker(output_dir=str(root / "out"), save_details=False)
-        with _offline():
-            try:
-                pipeline = Pipeline(tasks=f"{TASK_NAME}|0", pipeline_parameters=params, evaluation_tracker=tracker,
-                                    model=lm)
-                pipeline.evaluate()
-                results = pipeline.get_results()
-                details = pipeline.get_details()
-            except QerlError:
-                raise
-            except Exception as exc:
-                raise QerlError(f"lighteval failed on math_500: {type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from exc
+
+def _lighteval_records(details: Any, task: Any, lm: Any) -> list[dict[str, Any]]:
+    """lighteval's per-document details as qerl's per-sample records, in problem order."""
     task_key = next((k for k in details if TASK_NAME in k), None)
     if task_key is None:
         raise QerlError("lighteval returned no details for math_500")
@@ -250,9 +244,14 @@ def run_lighteval_math500(model: Any, tokenizer: Any, task: Any, *, max_tokens: 
             "meta": {k: v for k, v in ex.meta.items() if k in ("subject", "level")},
         })
     records.sort(key=lambda r: r["problem"])
+    return records
+
+
+def _lighteval_extra(version: str, module_text: str, results: Any) -> dict[str, Any]:
+    """The protocol fields of a lighteval evaluation (scorer, its versions, the task module, lighteval's results)."""
     agg = (results or {}).get("results", {})
     harness_results = {k: v for k, v in agg.items() if TASK_NAME in k}
-    extra = {
+    return {
         "scorers": [SCORER],
         "primary": SCORER,
         "scorer_docs": {SCORER: "lighteval math_500 metric pass_at_k_math (k=1, n=1): multilingual extractive "
@@ -263,7 +262,27 @@ def run_lighteval_math500(model: Any, tokenizer: Any, task: Any, *, max_tokens: 
                          "derived_from": "lighteval.tasks.tasks.math_500.math_500"},
         "harness_results": json.loads(json.dumps(harness_results, default=str)),
     }
-    return records, extra
+
+
+def run_lighteval_math500(model: Any, tokenizer: Any, task: Any, *, max_tokens: int, temperature: float = 0.0,
+                          seed: int = 0, batch_slots: int = 64) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run lighteval's math_500 metric on `model` for the problems of qerl's `task` (a loaded math500 Task).
+
+    Returns per-sample records in qerl's samples.jsonl schema (scorer "pass@k" = lighteval's
+    pass_at_k_math with k=1, n=1) and the extra protocol fields.
+    """
+    version = require_lighteval()
+    if task.name != "math500":
+        raise QerlError(f"--harness lighteval runs math500 only, not {task.name}")
+    for name in ("lighteval", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="qerl-lighteval-") as tmp:
+        root = Path(tmp)
+        module_path, module_text = _write_task_files(root, task, max_tokens)
+        lm = _model_class()(model, tokenizer, cache_dir=str(root / "cache"), chat_template=bool(task.chat_template),
+                            temperature=temperature, seed=seed, batch_slots=batch_slots)
+        results, details = _run_pipeline(root, module_path, lm)
+    return _lighteval_records(details, task, lm), _lighteval_extra(version, module_text, results)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """qerl's weight formats: one module per format family, one `WeightFormat` object per format, one registry.
 
 `FORMATS` maps a format's name to its object (the order is the CLI's and the docs'); `get_format(name)`
-is the lookup with a one-line error. Code outside this package asks the object and never compares a
+is the lookup with a one-line error, done once where a name is read; `as_format` lets a public function take
+a name or the object. Code outside this package asks the object and never compares a
 format's name (tests/test_format_registry.py checks that). `quantize`/`dequantize` are the dispatchers
 every caller uses. How to add a format: docs/formats.md.
 """
@@ -43,14 +44,19 @@ from qerl_cli.formats.w8 import FP8, INT8, fake_quantize_activations
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (NVFP4(), MXFP4(), INT4(), INT8(), FP8(), NF4(), BF16())}
 
 
-def get_format(name: str | WeightFormat) -> WeightFormat:
-    """The format called `name` (a `WeightFormat` passes through); a one-line QerlError naming the choices."""
-    if isinstance(name, WeightFormat):
-        return name
+def get_format(name: str) -> WeightFormat:
+    """The format called `name`, where a name is read (a CLI option, a checkpoint's or a manifest's config); a
+    one-line QerlError naming the choices. Past that edge the object travels, not the name."""
     fmt = FORMATS.get(name)
     if fmt is None:
         raise QerlError(f"unknown format {name!r}: choose one of {', '.join(FORMATS)}")
     return fmt
+
+
+def as_format(fmt: str | WeightFormat) -> WeightFormat:
+    """`fmt` as its object, for a public function that takes a name too (the CLI, tests and notebooks pass names):
+    called once where such a function starts, which then passes the object on."""
+    return fmt if isinstance(fmt, WeightFormat) else get_format(fmt)
 
 
 def rollout_formats() -> tuple[str, ...]:
@@ -97,7 +103,7 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.T
 
 __all__ = [
     "BITSANDBYTES", "CUBLAS", "E2M1_VALUES", "FORMATS", "NF4_CODE", "REFERENCE", "TORCH", "TRITON",
-    "CompressedTensorsFormat", "QuantizedWeight", "WeightFormat", "dequantize", "detect",
+    "CompressedTensorsFormat", "QuantizedWeight", "WeightFormat", "as_format", "dequantize", "detect",
     "e2m1_decode", "e2m1_encode", "e8m0_from_amax", "e8m0_to_float", "fake_quantize_activations", "get_format",
     "int4_group_size", "nvfp4_global_scale", "pack_fp4", "quantize", "rollout_formats", "to_e4m3",
     "unpack_fp4", "unpack_int4",

@@ -97,6 +97,24 @@ def _eos_ids(model: nn.Module, tokenizer: object | None) -> list[int]:
     return []
 
 
+def _rollout_timings(scheduler: Scheduler, samples: list[Sample], total: float) -> dict[str, float]:
+    """Seconds and tokens per second of one generate call."""
+    # generated tokens: an episode's observations were prefilled, not sampled
+    tokens = sum(len(s.token_ids) - sum(e - b for b, e in s.observation_spans) for s in samples)
+    timings = {
+        "prefill_s": scheduler.prefill_s,
+        "decode_s": scheduler.decode_s,
+        "total_s": total,
+        "tokens": float(tokens),
+        "tokens_per_s": tokens / total if total > 0 else 0.0,
+        "decode_tokens_per_s": tokens / scheduler.decode_s if scheduler.decode_s > 0 else 0.0,
+        "ttft": scheduler.ttft or 0.0,
+    }
+    if isinstance(scheduler, EpisodeScheduler):
+        timings.update(tool_wait_s=scheduler.tool_wait_s, resume_s=scheduler.resume_s)
+    return timings
+
+
 def encode_prompts(prompts: list[list[int]] | list[str], tokenizer: Callable[[], Any],
                    max_model_len: int) -> list[list[int]]:
     """Token ids per prompt (strings through ``tokenizer()``, asked for only when one is a string); an empty
@@ -299,72 +317,72 @@ class BuiltinEngine:
         if self.runner.embed_tokens.weight.device != self.device:
             raise QerlError("the model moved to another device after the engine was built; build a new one")
         ids = self._tokenize(prompts)
-        stop_ids = set(
-            sampling.stop_token_ids if sampling.stop_token_ids is not None else _eos_ids(self.model, self.tokenizer)
-        )
+        stop_ids, stops = self._stops(sampling, episodes)
         seed = sampling.resolved_seed()
         max_new = [min(sampling.max_tokens, self.max_model_len - len(p)) for p in ids]
-        stops = list(dict.fromkeys([*sampling.stop, *(episodes.stop if episodes is not None else ())]))
         flags = [] if concurrent else [(m, m.training) for m in self.model.modules()]
         if not concurrent:
             self.model.eval()
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                # LoRA shadows <- the trainer's current factors (in place); before the cache is sized, so
-                # the budget sees them
-                if not concurrent:
-                    self.runner.prepare()
-                cache = self._ensure_cache()
-                self.runner.bind_norms(norm_overrides, static=self.use_graphs)
-                scheduler = self._scheduler(episodes, sampling)(
-                    runner=self.runner,
-                    cache=cache,
-                    decode_fn=self._decode_fn(),
-                    params=sampling,
-                    seed=seed,
-                    noise=self.noise,
-                    stop_token_ids=stop_ids,
-                    stop_check=self._stop_checker(stops) if stops else None,
-                    sync_every=self.sync_every,
-                    max_prefill_tokens=self.max_prefill_tokens,
-                    kv_buckets=self.kv_buckets,
-                )
+                scheduler = self._prepared_scheduler(sampling, seed, stop_ids, stops, episodes, norm_overrides,
+                                                     concurrent)
                 seqs = scheduler.run(ids, max_new)
         finally:
             for module, was_training in flags:
                 module.training = was_training
         total = time.perf_counter() - t0
-        samples = [
-            Sample(
-                prompt_index=s.prompt_index,
-                sample_index=s.sample_index,
-                prompt_token_ids=s.prompt,
-                token_ids=s.tokens,
-                logprobs=torch.tensor(s.logprobs, dtype=torch.float32),
-                finish_reason=s.finish_reason or "length",
-                text=self.tokenizer.decode(s.tokens, skip_special_tokens=True) if self.tokenizer else None,
-                entropies=torch.tensor(s.entropies, dtype=torch.float32) if sampling.entropy else None,
-                observation_spans=s.observation_spans,
-                steps=s.steps,
-            )
-            for s in seqs
-        ]
-        # generated tokens: an episode's observations were prefilled, not sampled
-        tokens = sum(len(s.token_ids) - sum(e - b for b, e in s.observation_spans) for s in samples)
-        timings = {
-            "prefill_s": scheduler.prefill_s,
-            "decode_s": scheduler.decode_s,
-            "total_s": total,
-            "tokens": float(tokens),
-            "tokens_per_s": tokens / total if total > 0 else 0.0,
-            "decode_tokens_per_s": tokens / scheduler.decode_s if scheduler.decode_s > 0 else 0.0,
-            "ttft": scheduler.ttft or 0.0,
-        }
-        stats = dict(scheduler.stats, seed=seed, num_slots=cache.num_slots)
-        if isinstance(scheduler, EpisodeScheduler):
-            timings.update(tool_wait_s=scheduler.tool_wait_s, resume_s=scheduler.resume_s)
-        return RolloutResult(samples=samples, timings=timings, stats=stats)
+        samples = [self._sample(s, sampling) for s in seqs]
+        stats = dict(scheduler.stats, seed=seed, num_slots=scheduler.cache.num_slots)
+        return RolloutResult(samples=samples, timings=_rollout_timings(scheduler, samples, total), stats=stats)
+
+    def _stops(self, sampling: SamplingParams, episodes: EpisodeHooks | None) -> tuple[set[int], list[str]]:
+        """(stop token ids, stop strings) of one generate call: the model's EOS unless the sampling names its own,
+        and an episode's tool-call ends after the sampling's strings."""
+        stop_ids = set(
+            sampling.stop_token_ids if sampling.stop_token_ids is not None else _eos_ids(self.model, self.tokenizer)
+        )
+        return stop_ids, list(dict.fromkeys([*sampling.stop, *(episodes.stop if episodes is not None else ())]))
+
+    def _prepared_scheduler(self, sampling: SamplingParams, seed: int, stop_ids: set[int], stops: list[str],
+                            episodes: EpisodeHooks | None, norm_overrides: dict[str, torch.Tensor] | None,
+                            concurrent: bool) -> Scheduler:
+        """The scheduler of one generate call, the LoRA shadows, KV cache and norm overrides ready for it."""
+        # LoRA shadows <- the trainer's current factors (in place); before the cache is sized, so
+        # the budget sees them
+        if not concurrent:
+            self.runner.prepare()
+        cache = self._ensure_cache()
+        self.runner.bind_norms(norm_overrides, static=self.use_graphs)
+        return self._scheduler(episodes, sampling)(
+            runner=self.runner,
+            cache=cache,
+            decode_fn=self._decode_fn(),
+            params=sampling,
+            seed=seed,
+            noise=self.noise,
+            stop_token_ids=stop_ids,
+            stop_check=self._stop_checker(stops) if stops else None,
+            sync_every=self.sync_every,
+            max_prefill_tokens=self.max_prefill_tokens,
+            kv_buckets=self.kv_buckets,
+        )
+
+    def _sample(self, s: Sequence, sampling: SamplingParams) -> Sample:
+        """One finished sequence of the scheduler as the `Sample` a caller gets."""
+        return Sample(
+            prompt_index=s.prompt_index,
+            sample_index=s.sample_index,
+            prompt_token_ids=s.prompt,
+            token_ids=s.tokens,
+            logprobs=torch.tensor(s.logprobs, dtype=torch.float32),
+            finish_reason=s.finish_reason or "length",
+            text=self.tokenizer.decode(s.tokens, skip_special_tokens=True) if self.tokenizer else None,
+            entropies=torch.tensor(s.entropies, dtype=torch.float32) if sampling.entropy else None,
+            observation_spans=s.observation_spans,
+            steps=s.steps,
+        )
 
     def _scheduler(self, episodes: EpisodeHooks | None, sampling: SamplingParams) -> Callable[..., Scheduler]:
         """The scheduler class for this call (bound to the episode hooks when there are any)."""

@@ -27,10 +27,12 @@ the call and the saved originals are copied back afterwards (norm vectors are ti
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,35 @@ def _turn_output(o: Any) -> tuple[list[int], list[float], str]:
         raise QerlError("vLLM returned no log-prob for some sampled tokens")
     lps = [step[t].logprob for step, t in zip(o.logprobs, token_ids, strict=True)]
     return token_ids, lps, o.finish_reason if o.finish_reason in ("stop", "length") else "length"
+
+
+@dataclasses.dataclass
+class _RequestTimes:
+    """vLLM's per-request timestamps of one generate call (first and last token, time to first token)."""
+
+    first_ts: list[float] = dataclasses.field(default_factory=list)
+    last_ts: list[float] = dataclasses.field(default_factory=list)
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+
+
+def _vllm_timings(samples: list[Sample], gen_s: float, total: float, times: _RequestTimes, *, lora_sync_s: float,
+                  wake_s: float) -> dict[str, float]:
+    """Seconds and tokens per second of one generate call."""
+    tokens = sum(len(s.token_ids) - sum(e - b for b, e in s.observation_spans) for s in samples)
+    # vLLM interleaves prefill and decode; decode_s spans first to last token across requests. vLLM 0.26's
+    # LLM returned no request timestamps on the GPU: there ttft is 0 and decode_s the whole generate.
+    decode_s = (max(times.last_ts) - min(times.first_ts)) if times.first_ts else gen_s
+    return {
+        "prefill_s": max(0.0, gen_s - decode_s),
+        "decode_s": decode_s,
+        "total_s": total,
+        "tokens": float(tokens),
+        "tokens_per_s": tokens / total if total > 0 else 0.0,
+        "decode_tokens_per_s": tokens / decode_s if decode_s > 0 else 0.0,
+        "ttft": min(times.ttfts) if times.ttfts else 0.0,
+        "lora_sync_s": lora_sync_s,
+        "wake_s": wake_s,
+    }
 
 
 def vllm_available() -> bool:
@@ -396,8 +427,6 @@ class VllmEngine:
         episodes, one generate call per round of turns (``run_turns``; vLLM's prefix cache keeps the K/V of the
         episode so far); ``sampling.max_tokens`` then bounds the whole episode.
         """
-        from vllm.inputs import TokensPrompt
-
         ids = self._tokenize(prompts)
         seed = sampling.resolved_seed()
         t0 = time.perf_counter()
@@ -405,6 +434,29 @@ class VllmEngine:
         t_sync = time.perf_counter()
         lora_request = self.sync_lora()
         lora_sync_s = time.perf_counter() - t_sync
+        requests, params, keys = self._requests(ids, sampling, seed)
+        with self._norms_overridden(norm_overrides):
+            t_gen = time.perf_counter()
+            if episodes is not None:
+                samples = self._episode_samples(ids, sampling, seed, episodes, lora_request)
+                outputs, keys = [], []  # the episodes' samples are built; their generate calls' outputs are not kept
+            else:
+                outputs = self.llm.generate(requests, params, lora_request=lora_request, use_tqdm=False)
+                samples = []
+        gen_s = time.perf_counter() - t_gen
+        total = time.perf_counter() - t0
+        request_times = self._request_samples(ids, keys, outputs, samples)
+        timings = _vllm_timings(samples, gen_s, total, request_times, lora_sync_s=lora_sync_s, wake_s=wake_s)
+        # every request starts at once, so the batch takes as many decode token-steps as its longest sample
+        stats = {"seed": seed, "requests": len(requests), "lora_version": self._lora_version,
+                 "decode_steps": max((len(s.token_ids) for s in samples), default=1) - 1}
+        return RolloutResult(samples=samples, timings=timings, stats=stats)
+
+    def _requests(self, ids: list[list[int]], sampling: SamplingParams,
+                  seed: int) -> tuple[list[Any], list[Any], list[tuple[int, int]]]:
+        """One vLLM request per sample: (prompts, sampling params, (prompt, sample) index of each)."""
+        from vllm.inputs import TokensPrompt
+
         requests, params, keys = [], [], []
         for pi, p in enumerate(ids):
             max_new = min(sampling.max_tokens, self.max_model_len - len(p))
@@ -412,31 +464,28 @@ class VllmEngine:
                 requests.append(TokensPrompt(prompt_token_ids=p))
                 params.append(self._vllm_params(sampling, sample_seed(seed, pi, si), max_new))
                 keys.append((pi, si))
-        saved: dict[str, torch.Tensor] | None = None
-        if norm_overrides:
-            weights = {_norm_param_name(k): v.detach() for k, v in norm_overrides.items()}
-            try:
-                saved = self.llm.apply_model(lambda m: _swap_norms(m, weights))[0]
-            except (KeyError, ValueError) as exc:
-                raise QerlError(f"cannot apply norm overrides in vLLM: {exc}") from exc
-        t_gen = time.perf_counter()
+        return requests, params, keys
+
+    @contextlib.contextmanager
+    def _norms_overridden(self, norm_overrides: dict[str, torch.Tensor] | None) -> Iterator[None]:
+        """The model's norms replaced by ``norm_overrides`` (AQN) for the block, restored after it."""
+        if not norm_overrides:
+            yield
+            return
+        weights = {_norm_param_name(k): v.detach() for k, v in norm_overrides.items()}
         try:
-            if episodes is not None:
-                samples = self._episode_samples(ids, sampling, seed, episodes, lora_request)
-                outputs = []
-            else:
-                outputs = self.llm.generate(requests, params, lora_request=lora_request, use_tqdm=False)
+            saved = self.llm.apply_model(lambda m: _swap_norms(m, weights))[0]
+        except (KeyError, ValueError) as exc:
+            raise QerlError(f"cannot apply norm overrides in vLLM: {exc}") from exc
+        try:
+            yield
         finally:
-            if saved is not None:
-                restore = saved
-                self.llm.apply_model(lambda m: _swap_norms(m, restore))
-        gen_s = time.perf_counter() - t_gen
-        total = time.perf_counter() - t0
-        if episodes is None:
-            samples = []
-        else:
-            keys = []  # the episodes' samples are built; their generate calls' outputs are not kept
-        first_ts, last_ts, ttfts = [], [], []
+            self.llm.apply_model(lambda m: _swap_norms(m, saved))
+
+    def _request_samples(self, ids: list[list[int]], keys: list[tuple[int, int]], outputs: list[Any],
+                         samples: list[Sample]) -> _RequestTimes:
+        """Append each request's `Sample` to ``samples``; the requests' token timestamps (when vLLM gives them)."""
+        times = _RequestTimes()
         for (pi, si), out in zip(keys, outputs, strict=True):
             o = out.outputs[0]
             token_ids, lps, finish = _turn_output(o)
@@ -446,25 +495,7 @@ class VllmEngine:
                                   logprobs=torch.tensor(lps, dtype=torch.float32), finish_reason=finish, text=text))
             m = getattr(out, "metrics", None)
             if m is not None and getattr(m, "first_token_ts", 0.0):
-                first_ts.append(m.first_token_ts)
-                last_ts.append(m.last_token_ts)
-                ttfts.append(m.first_token_latency)
-        tokens = sum(len(s.token_ids) - sum(e - b for b, e in s.observation_spans) for s in samples)
-        # vLLM interleaves prefill and decode; decode_s spans first to last token across requests. vLLM 0.26's
-        # LLM returned no request timestamps on the GPU: there ttft is 0 and decode_s the whole generate.
-        decode_s = (max(last_ts) - min(first_ts)) if first_ts else gen_s
-        timings = {
-            "prefill_s": max(0.0, gen_s - decode_s),
-            "decode_s": decode_s,
-            "total_s": total,
-            "tokens": float(tokens),
-            "tokens_per_s": tokens / total if total > 0 else 0.0,
-            "decode_tokens_per_s": tokens / decode_s if decode_s > 0 else 0.0,
-            "ttft": min(ttfts) if ttfts else 0.0,
-            "lora_sync_s": lora_sync_s,
-            "wake_s": wake_s,
-        }
-        # every request starts at once, so the batch takes as many decode token-steps as its longest sample
-        stats = {"seed": seed, "requests": len(requests), "lora_version": self._lora_version,
-                 "decode_steps": max((len(s.token_ids) for s in samples), default=1) - 1}
-        return RolloutResult(samples=samples, timings=timings, stats=stats)
+                times.first_ts.append(m.first_token_ts)
+                times.last_ts.append(m.last_token_ts)
+                times.ttfts.append(m.first_token_latency)
+        return times

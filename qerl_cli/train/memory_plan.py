@@ -147,6 +147,7 @@ def weight_bytes(model_config: Any, fmt: str, elem: int, *, kernels: bool, store
     from qerl_cli import kernel_dispatch
     from qerl_cli.formats import get_format
 
+    spec = get_format(fmt)
     d = ModelDims.from_config(model_config)
     bias = bool(getattr(model_config, "attention_bias", getattr(model_config, "model_type", "") == "qwen2"))
     shapes = d.linear_shapes()
@@ -170,7 +171,7 @@ def weight_bytes(model_config: Any, fmt: str, elem: int, *, kernels: bool, store
     rotary = d.head_dim * 4  # the rotary embedding's fp32 inv_freq and original_inv_freq buffers
     total = d.layers * (linears + biases + norms) + d.hidden * elem + embed + head + rotary
     return WeightBytes(stored=max(total, stored or 0), kernel_derived=d.layers * derived, extra_copies=d.layers * extra,
-                       low_bit=get_format(fmt).bits <= 4.5, dequantizes=get_format(fmt).quantized,
+                       low_bit=spec.bits <= 4.5, dequantizes=spec.quantized,
                        linear=d.layers * linears)
 
 
