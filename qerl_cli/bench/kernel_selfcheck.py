@@ -66,14 +66,16 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
         if len(out) % 40 == 0:  # progress, so a run cut short by its time limit still says how far it got
             print(f"selfcheck: {len(out)} checks, {sum(not r['ok'] for r in out)} failed so far", flush=True)
 
+    def fp4_weight(n: int, k: int, fmt: str):  # noqa: ANN202
+        """A random [n, k] weight quantized to fmt: (the quantized weight, its tensors, its global scale or None)."""
+        qw = quantize((torch.randn(n, k, generator=g) * 0.05).to(device), fmt)
+        return qw, qw.tensors, qw.tensors.get("weight_global_scale")
+
     for fmt in ("nvfp4", "mxfp4"):
         for n_, k_ in ((200, 352), (256, 512), (1000, 3584)):
             if k_ % 32:
                 continue
-            w = (torch.randn(n_, k_, generator=g) * 0.05).to(device)
-            qw = quantize(w, fmt)
-            t = qw.tensors
-            gs = t.get("weight_global_scale")
+            qw, t, gs = fp4_weight(n_, k_, fmt)
             for dt in (torch.bfloat16, torch.float16):
                 ref_w = dequantize(qw, dt)
                 check(f"{fmt}-dequant-exact-{dt}",
@@ -81,10 +83,7 @@ def run_selfcheck(device: str = "cuda", seed: int = 0,
         for m, n, k in shapes:
             if k % 32:
                 continue
-            w = (torch.randn(n, k, generator=g) * 0.05).to(device)
-            qw = quantize(w, fmt)
-            t = qw.tensors
-            gs = t.get("weight_global_scale")
+            qw, t, gs = fp4_weight(n, k, fmt)
             wd = dequantize(qw, torch.float32).double()
             shift = mxfp4_shift(t["weight_scale"]) if fmt == "mxfp4" else None
             for dt in (torch.bfloat16, torch.float16):
