@@ -61,6 +61,19 @@ def run_dir(quantized_runs, tmp_path):
     return dst
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch intra-op thread for a test module (`pytestmark = pytest.mark.usefixtures("one_thread")`): small
+    CPU matmuls on the shared 2-core machine run many times faster than on two threads that wait for each other,
+    with the same results."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_source(tmp_path_factory):
     """A tiny random Llama (2 layers, hidden 64) with the embedded model's tokenizer, saved as a model directory:

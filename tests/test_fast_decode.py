@@ -36,12 +36,7 @@ LP_TOL = 1e-5  # fp32: shadows are fp32, so only GEMM ordering and the scaling f
 OPS_BEFORE_MIN, OPS_AFTER_MAX = 45, 17
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch intra-op thread
 
 
 def tiny(kind: str = "qwen2", layers: int = 2, quant: bool = True, rank: int = 4) -> nn.Module:

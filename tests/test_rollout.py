@@ -33,14 +33,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decode-sized matmuls (a few rows) gain nothing from a second thread, and when the 2 CI cores
-    are shared an OpenMP barrier waiting on a descheduled thread costs ~8 ms per op (measured: 50x)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch intra-op thread
 
 
 @pytest.fixture(scope="module")
