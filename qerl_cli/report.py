@@ -354,6 +354,17 @@ def _missing(title: str, stage: str, run: Path) -> str:
             f"<p>Not in this run: <code>{_esc(cmd)}</code> produces it.</p></section>")
 
 
+def _add_section(parts: list[str], sections: dict[str, str], stage: str, title: str, body: str | None,
+                 run: Path) -> None:
+    """The section of `stage` (its html `body`, or the "not in this run" note where None) and its status."""
+    if body is None:
+        parts.append(_missing(title, stage, run))
+        sections[stage] = PRODUCERS[stage].format(run=run)
+    else:
+        parts.append(f"<section id='{stage.replace('/', '-')}'><h2>{title}</h2>{body}</section>")
+        sections[stage] = "present"
+
+
 # ------------------------------------------------------------------------------------------ build
 
 
@@ -478,11 +489,9 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
         if png:
             pngs["quantize_error"] = png
             body += _img(png, "Per-layer quantization error", "quantize_error")
-        parts.append(f"<section id='quantize'><h2>Quantization</h2>{body}</section>")
-        sections["quantize"] = "present"
+        _add_section(parts, sections, "quantize", "Quantization", body, run.path)
     else:
-        parts.append(_missing("Quantization", "quantize", run.path))
-        sections["quantize"] = PRODUCERS["quantize"].format(run=run.path)
+        _add_section(parts, sections, "quantize", "Quantization", None, run.path)
 
     # ---- train
     t = stages.get("train")
@@ -525,11 +534,9 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
             body += ("<h3>Checkpoints (verified)</h3><table><tr><th>checkpoint</th><th>kind</th><th>files</th>"
                      f"<th>MiB</th><th>verified</th></tr>{trs}</table>")
             numbers["train/checkpoints_verified"] = len(checkpoints)
-        parts.append(f"<section id='train'><h2>Training</h2>{body}</section>")
-        sections["train"] = "present"
+        _add_section(parts, sections, "train", "Training", body, run.path)
     else:
-        parts.append(_missing("Training", "train", run.path))
-        sections["train"] = PRODUCERS["train"].format(run=run.path)
+        _add_section(parts, sections, "train", "Training", None, run.path)
 
     # ---- eval
     evals = _read_evals(run, manifest)
@@ -546,11 +553,9 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
         body += _img(pngs["eval_scores"], "Eval accuracy per checkpoint with 95% CI", "eval_scores")
         for e in evals:
             numbers[f"eval/{e['task']}-{e['checkpoint']}"] = e["accuracy"]["mean"]
-        parts.append(f"<section id='eval'><h2>Evaluation</h2>{body}</section>")
-        sections["eval"] = "present"
+        _add_section(parts, sections, "eval", "Evaluation", body, run.path)
     else:
-        parts.append(_missing("Evaluation", "eval", run.path))
-        sections["eval"] = PRODUCERS["eval"].format(run=run.path)
+        _add_section(parts, sections, "eval", "Evaluation", None, run.path)
 
     # ---- bench rollout
     b = stages.get("bench/rollout")
@@ -571,11 +576,9 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
         for r in bench.get("results", []):
             if isinstance(r, dict) and isinstance(r.get("decode_tok_s"), (int, float)):
                 numbers[f"bench/{r.get('format')}/b{r.get('batch')}/decode_tok_s"] = r["decode_tok_s"]
-        parts.append(f"<section id='bench-rollout'><h2>Rollout benchmark</h2>{body}</section>")
-        sections["bench/rollout"] = "present"
+        _add_section(parts, sections, "bench/rollout", "Rollout benchmark", body, run.path)
     else:
-        parts.append(_missing("Rollout benchmark", "bench/rollout", run.path))
-        sections["bench/rollout"] = PRODUCERS["bench/rollout"].format(run=run.path)
+        _add_section(parts, sections, "bench/rollout", "Rollout benchmark", None, run.path)
 
     # ---- evidence (issue 18)
     ev_html = _evidence_section(run, stages, pngs, numbers)
