@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @contextlib.contextmanager
@@ -44,3 +46,17 @@ def qerl_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int
     code = qerl_exit_code(*args)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+class OpCounter(TorchDispatchMode):
+    """aten ops a call issues, by name (`with OpCounter() as c: ...; c.counts`), views excluded: they launch
+    nothing on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if not func.is_view and func is not torch.ops.aten._unsafe_view.default:
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
