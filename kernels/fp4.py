@@ -68,8 +68,8 @@ def _fp4x2_asm(bf16: bool) -> str:
     """PTX for `_fp4x2_bf16` / `_fp4x2_f16`: 4 bytes ($4) and two packed scales ($5, $6) -> outputs $0..$3.
 
     Each half handles two bytes (`prmt` 0x1404: bytes 0, 1; 0x3424: bytes 2, 3): the high nibble gives $2 / $3,
-    the low nibble $0 / $1. bf16 moves the 3 magnitude bits to exponent-low/mantissa-top bits 6..8 and
-    applies the scale with an `fma` on -0 (keeps the sign of zero); fp16 to bits 9..11, with a `mul`.
+    the low nibble $0 / $1. bf16 moves the 3 magnitude bits to bits 6..8 and scales with an `fma` whose addend
+    is -0 (so the result is the exact product); fp16 moves them to bits 9..11 and scales with a `mul`.
     """
     if bf16:
         hi_bits, lo_bits, field = "shr.b32 t, x, 6", "shr.b32 t, x, 2", "0x01C001C0"
@@ -212,14 +212,17 @@ def grouped_pid(pid, num_a, num_b, GROUP: tl.constexpr):
 
 
 @triton.jit
-def swapped_tile(M, N, K, k_split, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+def swapped_tile(M, N, K, k_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """This program's output tile of a swap-AB split-K GEMM (grid: grouped M x N tiles, K slices):
-    (pid_m, pid_n, pid_k, offs_m, offs_n, k_start, k_end)."""
+    (pid_m, pid_n, pid_k, offs_m, offs_n, offs_k (0..BK), m_mask, k_start, k_end)."""
     pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    m_mask = offs_m < M
     k_start = pid_k * k_split
-    return (pid_m, pid_n, pid_k, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), k_start,
-            tl.minimum(k_start + k_split, K))
+    return pid_m, pid_n, pid_k, offs_m, offs_n, offs_k, m_mask, k_start, tl.minimum(k_start + k_split, K)
 
 
 @triton.jit
@@ -262,12 +265,12 @@ def x_tile_dot(acc, w, x_ptr, offs_m, m_mask, kx, stride_xm, K, EVEN_K: tl.const
 
 @triton.jit
 def dy_tile_dot(acc, w, dy_ptr, offs_m, m_mask, offs_n, stride_dym, N, EVEN_N: tl.constexpr, F32: tl.constexpr):
-    """Backward step: acc[BM, BK] += dy[offs_m, offs_n] @ w[BN, BK] (w already in the dot's dtype)."""
+    """Backward step: acc[BM, BK] += dy[offs_m, offs_n] @ w[BN, BK] (w cast to dy's dtype unless F32)."""
     dy = _act_tile(dy_ptr, offs_m, m_mask, offs_n, stride_dym, N, EVEN_N)
     if F32:
         return tl.dot(dy.to(tl.float32), w, acc, input_precision="ieee")
     else:
-        return tl.dot(dy, w, acc)
+        return tl.dot(dy, w.to(dy.dtype), acc)
 
 
 @triton.jit
@@ -353,9 +356,8 @@ def _fp4_mm_v2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                       F32: tl.constexpr, F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                       TILED: tl.constexpr, SERIAL: tl.constexpr):
-    pid_m, pid_n, pid_k, offs_m, offs_n, k_start, k_end = swapped_tile(M, N, K, k_split, BM, BN, GROUP_M)
-    offs_k = tl.arange(0, BK)
-    m_mask = offs_m < M
+    pid_m, pid_n, pid_k, offs_m, offs_n, offs_k, m_mask, k_start, k_end = swapped_tile(M, N, K, k_split, BM, BN, BK,
+                                                                                     GROUP_M)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
         w = _fp4_tile_v2(w_ptr, s_ptr, offs_n, k0, N, K, BN, BK, NVFP4, F32, F16, EVEN_N, EVEN_K, TILED)
@@ -392,9 +394,8 @@ def _fp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, bias_ptr, y_ptr, ws_ptr
                    DECODE: tl.constexpr, F32: tl.constexpr, F16: tl.constexpr,
                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     # swap-AB: the weight tile is the MMA's M side (>= 64 rows) and the few activation rows its N side
-    pid_m, pid_n, pid_k, offs_m, offs_n, k_start, k_end = swapped_tile(M, N, K, k_split, BM, BN, GROUP_M)
-    offs_k = tl.arange(0, BK)
-    m_mask = offs_m < M
+    pid_m, pid_n, pid_k, offs_m, offs_n, offs_k, m_mask, k_start, k_end = swapped_tile(M, N, K, k_split, BM, BN, BK,
+                                                                                     GROUP_M)
     gs = _gscale(gs_ptr, NVFP4)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):

@@ -52,8 +52,7 @@ def _w8_mm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_
                   IS_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                   F32: tl.constexpr, F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    _, _, pid_k, offs_m, offs_n, k_start, k_end = swapped_tile(M, N, K, k_split, BM, BN, GROUP_M)
-    m_mask = offs_m < M
+    _, _, pid_k, offs_m, offs_n, _, m_mask, k_start, k_end = swapped_tile(M, N, K, k_split, BM, BN, BK, GROUP_M)
     n_mask = offs_n < N
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
@@ -80,11 +79,6 @@ def _w8_mm_t_kernel(dy_ptr, w_ptr, s_ptr, dx_ptr, M, N, K, stride_dym, stride_dx
         w = _w8_tile(w_ptr, offs_n, pid_k * BK, N, K, BK, IS_FP8, True, False, EVEN_N, EVEN_K)
         s = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         w = w * s[:, None]
-        if not F32:
-            if F16:
-                w = w.to(tl.float16)
-            else:
-                w = w.to(tl.bfloat16)
         acc = dy_tile_dot(acc, w, dy_ptr, offs_m, m_mask, offs_n, stride_dym, N, EVEN_N, F32)
     mask = m_mask[:, None] & (offs_k[None, :] < K)
     tl.store(dx_ptr + offs_m[:, None] * stride_dxm + offs_k[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mask)
