@@ -49,6 +49,16 @@ def interpreter_config(cfg: TileConfig) -> TileConfig:
     return TileConfig(cfg.bm, cfg.bn, cfg.bk, 4, 1, cfg.split_k)
 
 
+def launch_config(cfg: TileConfig) -> TileConfig:
+    """The tile config a launch uses: `cfg` on the GPU, `interpreter_config(cfg)` under the interpreter."""
+    return interpreter_config(cfg) if INTERPRET else cfg
+
+
+def f32_path(x: torch.Tensor) -> bool:
+    """The `F32` constexpr for activations x: fp32 activations, or any under the interpreter."""
+    return INTERPRET or x.dtype == torch.float32
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for the host side of a launch: `triton.cdiv` is a constexpr function in recent Triton, ~1-4 us
     of Python per call, and a training step computes a few per linear per pass."""

@@ -443,6 +443,17 @@ def _mix32u(x):
 
 
 @triton.jit
+def _store_pick(tok_ptr, lp_ptr, row, tok, x, m, s, ACCURATE: tl.constexpr):
+    """Store a row's token and its log-prob x - (m + log s), the log-sum-exp from running max m and sum s."""
+    if ACCURATE:
+        lse = m + libdevice.log(s)
+    else:
+        lse = m + tl.log(s)
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(lp_ptr + row, x - lse)
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, vhash_ptr, base_ptr, uid_ptr, step_ptr, tok_ptr, lp_ptr, ws_ptr, cnt_ptr, V,
                    stride_l, chunk, S, scale, GREEDY: tl.constexpr, SCALE: tl.constexpr, ACCURATE: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK: tl.constexpr):
@@ -530,20 +541,10 @@ def _sample_kernel(logits_ptr, vhash_ptr, base_ptr, uid_ptr, step_ptr, tok_ptr, 
                 best_i = tl.where(take, tl.load(p + 3, cache_modifier=".cg").to(tl.int32), best_i)
                 best_x = tl.where(take, tl.load(p + 4, cache_modifier=".cg"), best_x)
                 best = tl.where(take, bk, best)
-            if ACCURATE:
-                lse = m_all + libdevice.log(tot)
-            else:
-                lse = m_all + tl.log(tot)
-            tl.store(tok_ptr + row, best_i.to(tl.int64))
-            tl.store(lp_ptr + row, best_x - lse)
+            _store_pick(tok_ptr, lp_ptr, row, best_i, best_x, m_all, tot, ACCURATE)
             tl.atomic_xchg(cnt_ptr + row, 0)
     else:
-        if ACCURATE:
-            lse = m_run + libdevice.log(s_run)
-        else:
-            lse = m_run + tl.log(s_run)
-        tl.store(tok_ptr + row, best_i.to(tl.int64))
-        tl.store(lp_ptr + row, best_x - lse)
+        _store_pick(tok_ptr, lp_ptr, row, best_i, best_x, m_run, s_run, ACCURATE)
 
 
 SAMPLE_SCALE_NONE, SAMPLE_SCALE_MUL, SAMPLE_SCALE_DIV = 0, 1, 2

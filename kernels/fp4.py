@@ -36,7 +36,8 @@ from qerl_kernels._common import (
     INTERPRET,
     TileConfig,
     cdiv,
-    interpreter_config,
+    f32_path,
+    launch_config,
 )
 
 NVFP4_F = -8
@@ -63,87 +64,60 @@ def _e2m1_f32(c):
     return bits.to(tl.float32, bitcast=True)
 
 
+def _fp4x2_asm(bf16: bool) -> str:
+    """PTX for `_fp4x2_bf16` / `_fp4x2_f16`: 4 bytes ($4) and two packed scales ($5, $6) -> outputs $0..$3.
+
+    Each half handles two bytes (`prmt` 0x1404: bytes 0, 1; 0x3424: bytes 2, 3): the high nibble gives $2 / $3,
+    the low nibble $0 / $1. bf16 moves the 3 magnitude bits to bits 6..8 and scales with an `fma` whose addend
+    is -0 (so the result is the exact product); fp16 moves them to bits 9..11 and scales with a `mul`.
+    """
+    if bf16:
+        hi_bits, lo_bits, field = "shr.b32 t, x, 6", "shr.b32 t, x, 2", "0x01C001C0"
+        regs, init = "x, t, u, h, z", "\n        mov.b32 z, 0x80008000;"
+        scale = "fma.rn.bf16x2 {out}, {v}, {s}, z;"
+    else:
+        hi_bits, lo_bits, field = "shr.b32 t, x, 3", "shl.b32 t, x, 1", "0x0E000E00"
+        regs, init = "x, t, u, h", ""
+        scale = "mul.rn.f16x2 {out}, {v}, {s};"
+
+    def half(sel: str, out_hi: str, out_lo: str, s: str) -> str:
+        return f"""
+        prmt.b32 x, $4, 0, {sel};
+        {hi_bits};
+        and.b32 t, t, {field};
+        and.b32 h, x, 0x80008000;
+        or.b32 h, h, t;
+        {scale.format(out=out_hi, v="h", s=s)}
+        shl.b32 u, x, 4;
+        and.b32 u, u, 0x80008000;
+        {lo_bits};
+        and.b32 t, t, {field};
+        or.b32 u, u, t;
+        {scale.format(out=out_lo, v="u", s=s)}"""
+
+    return (f"""
+        {{
+        .reg .b32 {regs};{init}""" + half("0x1404", "$2", "$0", "$5") + half("0x3424", "$3", "$1", "$6") + """
+        }
+        """)
+
+
+_FP4X2_BF16_ASM = tl.constexpr(_fp4x2_asm(bf16=True))
+_FP4X2_F16_ASM = tl.constexpr(_fp4x2_asm(bf16=False))
+
+
 @triton.jit
 def _fp4x2_bf16(b, s):
     """bytes b (uint8) and per-byte scales s (bf16, pre-multiplied by 2**126) -> (low, high) nibble values."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 x, t, u, h, z;
-        mov.b32 z, 0x80008000;
-        prmt.b32 x, $4, 0, 0x1404;
-        shr.b32 t, x, 6;
-        and.b32 t, t, 0x01C001C0;
-        and.b32 h, x, 0x80008000;
-        or.b32 h, h, t;
-        fma.rn.bf16x2 $2, h, $5, z;
-        shl.b32 u, x, 4;
-        and.b32 u, u, 0x80008000;
-        shr.b32 t, x, 2;
-        and.b32 t, t, 0x01C001C0;
-        or.b32 u, u, t;
-        fma.rn.bf16x2 $0, u, $5, z;
-        prmt.b32 x, $4, 0, 0x3424;
-        shr.b32 t, x, 6;
-        and.b32 t, t, 0x01C001C0;
-        and.b32 h, x, 0x80008000;
-        or.b32 h, h, t;
-        fma.rn.bf16x2 $3, h, $6, z;
-        shl.b32 u, x, 4;
-        and.b32 u, u, 0x80008000;
-        shr.b32 t, x, 2;
-        and.b32 t, t, 0x01C001C0;
-        or.b32 u, u, t;
-        fma.rn.bf16x2 $1, u, $6, z;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r,r,r",
-        args=[b, s],
-        dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True,
-        pack=4,
-    )
+    return tl.inline_asm_elementwise(asm=_FP4X2_BF16_ASM, constraints="=r,=r,=r,=r,r,r,r", args=[b, s],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit
 def _fp4x2_f16(b, s):
     """bytes b (uint8) and per-byte scales s (fp16, pre-multiplied by 2**14) -> (low, high) nibble values."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 x, t, u, h;
-        prmt.b32 x, $4, 0, 0x1404;
-        shr.b32 t, x, 3;
-        and.b32 t, t, 0x0E000E00;
-        and.b32 h, x, 0x80008000;
-        or.b32 h, h, t;
-        mul.rn.f16x2 $2, h, $5;
-        shl.b32 u, x, 4;
-        and.b32 u, u, 0x80008000;
-        shl.b32 t, x, 1;
-        and.b32 t, t, 0x0E000E00;
-        or.b32 u, u, t;
-        mul.rn.f16x2 $0, u, $5;
-        prmt.b32 x, $4, 0, 0x3424;
-        shr.b32 t, x, 3;
-        and.b32 t, t, 0x0E000E00;
-        and.b32 h, x, 0x80008000;
-        or.b32 h, h, t;
-        mul.rn.f16x2 $3, h, $6;
-        shl.b32 u, x, 4;
-        and.b32 u, u, 0x80008000;
-        shl.b32 t, x, 1;
-        and.b32 t, t, 0x0E000E00;
-        or.b32 u, u, t;
-        mul.rn.f16x2 $1, u, $6;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r,r,r",
-        args=[b, s],
-        dtype=(tl.float16, tl.float16),
-        is_pure=True,
-        pack=4,
-    )
+    return tl.inline_asm_elementwise(asm=_FP4X2_F16_ASM, constraints="=r,=r,=r,=r,r,r,r", args=[b, s],
+                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 # ---- block scales --------------------------------------------------------------------------------
@@ -237,6 +211,82 @@ def grouped_pid(pid, num_a, num_b, GROUP: tl.constexpr):
     return pid_a, pid_b
 
 
+@triton.jit
+def swapped_tile(M, N, K, k_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile of a swap-AB split-K GEMM (grid: grouped M x N tiles, K slices):
+    (pid_m, pid_n, pid_k, offs_m, offs_n, offs_k (0..BK), m_mask, k_start, k_end)."""
+    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    m_mask = offs_m < M
+    k_start = pid_k * k_split
+    return pid_m, pid_n, pid_k, offs_m, offs_n, offs_k, m_mask, k_start, tl.minimum(k_start + k_split, K)
+
+
+@triton.jit
+def _gscale(gs_ptr, NVFP4: tl.constexpr):
+    """NVFP4's per-tensor global scale (1.0 for MXFP4, whose pointer is unused)."""
+    if NVFP4:
+        return tl.load(gs_ptr)
+    else:
+        return 1.0
+
+
+@triton.jit
+def _apply_alpha(acc, alpha, gs, NVFP4: tl.constexpr):
+    """The final fp32 scaling: alpha (2**-F), and for NVFP4 the one division by the global scale."""
+    if NVFP4:
+        return acc * (alpha / gs)
+    else:
+        return acc * alpha
+
+
+@triton.jit
+def _act_tile(ptr, offs_m, m_mask, offs_c, stride_m, C, EVEN_C: tl.constexpr):
+    """Activation tile a[offs_m, offs_c] of a row-major [M, C] tensor; rows past M, columns past C read 0."""
+    ptrs = ptr + offs_m[:, None] * stride_m + offs_c[None, :]
+    if EVEN_C:
+        return tl.load(ptrs, mask=m_mask[:, None], other=0.0)
+    else:
+        return tl.load(ptrs, mask=m_mask[:, None] & (offs_c[None, :] < C), other=0.0)
+
+
+@triton.jit
+def x_tile_dot(acc, w, x_ptr, offs_m, m_mask, kx, stride_xm, K, EVEN_K: tl.constexpr, F32: tl.constexpr):
+    """Swap-AB step: acc[BN, BM] += w[BN, BK] @ x[offs_m, kx]^T."""
+    x = _act_tile(x_ptr, offs_m, m_mask, kx, stride_xm, K, EVEN_K)
+    if F32:
+        return tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        return tl.dot(w, tl.trans(x), acc)
+
+
+@triton.jit
+def dy_tile_dot(acc, w, dy_ptr, offs_m, m_mask, offs_n, stride_dym, N, EVEN_N: tl.constexpr, F32: tl.constexpr):
+    """Backward step: acc[BM, BK] += dy[offs_m, offs_n] @ w[BN, BK] (w cast to dy's dtype unless F32)."""
+    dy = _act_tile(dy_ptr, offs_m, m_mask, offs_n, stride_dym, N, EVEN_N)
+    if F32:
+        return tl.dot(dy.to(tl.float32), w, acc, input_precision="ieee")
+    else:
+        return tl.dot(dy, w.to(dy.dtype), acc)
+
+
+@triton.jit
+def store_swapped(acc, y_ptr, ws_ptr, bias_ptr, pid_k, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym,
+                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Store acc[BN, BM] (rows of W x rows of x): the fp32 split-K partial of slice pid_k, or y (+ bias)."""
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT:
+        base = ws_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 # ---- repacked layout (load-time, kept in the module's kernel state) --------------------------------
 # Within every 64-byte unit of a row (128 elements), byte q*16 + g holds original byte 4g + q. A thread
 # of the Hopper MMA that owns K-pair column q of the A fragment then finds all its bytes of the unit in
@@ -306,56 +356,33 @@ def _fp4_mm_v2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                       F32: tl.constexpr, F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                       TILED: tl.constexpr, SERIAL: tl.constexpr):
-    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_k = tl.arange(0, BK)
-    m_mask = offs_m < M
-    k_start = pid_k * k_split
-    k_end = tl.minimum(k_start + k_split, K)
+    pid_m, pid_n, pid_k, offs_m, offs_n, offs_k, m_mask, k_start, k_end = swapped_tile(M, N, K, k_split, BM, BN, BK,
+                                                                                     GROUP_M)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
         w = _fp4_tile_v2(w_ptr, s_ptr, offs_n, k0, N, K, BN, BK, NVFP4, F32, F16, EVEN_N, EVEN_K, TILED)
-        kx = k0 + offs_k
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + kx[None, :]
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        else:
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & (kx[None, :] < K), other=0.0)
-        if F32:
-            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(x), acc)
-    if NVFP4:
-        acc = acc * (alpha / tl.load(gs_ptr))
-    else:
-        acc = acc * alpha
+        acc = x_tile_dot(acc, w, x_ptr, offs_m, m_mask, k0 + offs_k, stride_xm, K, EVEN_K, F32)
+    acc = _apply_alpha(acc, alpha, _gscale(gs_ptr, NVFP4), NVFP4)
     n_mask = offs_n < N
-    mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT:
-        base = ws_ptr + pid_k.to(tl.int64) * M * N
-        tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
-        if SERIAL:
-            # Serial split-K: the last CTA of this output tile to arrive sums the S partials in the fixed
-            # order s = 0..S-1 (bit-identical whichever CTA that is), adds bias, stores, resets the counter.
-            tl.debug_barrier()
-            tile = pid_m * tl.cdiv(N, BN) + pid_n
-            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if arrived == S - 1:
-                out = tl.zeros((BN, BM), dtype=tl.float32)
-                for s in range(0, S):
-                    out += tl.load(ws_ptr + s * M * N + offs_m[None, :] * N + offs_n[:, None], mask=mask,
-                                   other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-                tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
-                         mask=mask)
-                tl.atomic_xchg(cnt_ptr + tile, 0)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    store_swapped(acc, y_ptr, ws_ptr, bias_ptr, pid_k, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym,
+                  HAS_BIAS, SPLIT)
+    if SPLIT and SERIAL:
+        # Serial split-K: the last CTA of this output tile to arrive sums the S partials in the fixed
+        # order s = 0..S-1 (bit-identical whichever CTA that is), adds bias, stores, resets the counter.
+        tl.debug_barrier()
+        mask = n_mask[:, None] & m_mask[None, :]
+        tile = pid_m * tl.cdiv(N, BN) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == S - 1:
+            out = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in range(0, S):
+                out += tl.load(ws_ptr + s * M * N + offs_m[None, :] * N + offs_n[:, None], mask=mask,
+                               other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 # ---- y = x @ dequant(W)^T ------------------------------------------------------------------------
@@ -367,44 +394,17 @@ def _fp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, bias_ptr, y_ptr, ws_ptr
                    DECODE: tl.constexpr, F32: tl.constexpr, F16: tl.constexpr,
                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     # swap-AB: the weight tile is the MMA's M side (>= 64 rows) and the few activation rows its N side
-    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_k = tl.arange(0, BK)
-    m_mask = offs_m < M
-    gs = 1.0
-    if NVFP4:
-        gs = tl.load(gs_ptr)
-    k_start = pid_k * k_split
-    k_end = tl.minimum(k_start + k_split, K)
+    pid_m, pid_n, pid_k, offs_m, offs_n, offs_k, m_mask, k_start, k_end = swapped_tile(M, N, K, k_split, BM, BN, BK,
+                                                                                     GROUP_M)
+    gs = _gscale(gs_ptr, NVFP4)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
         w = _fp4_tile(w_ptr, s_ptr, lut_ptr, gs, offs_n, k0, N, K, F, BN, BK, NVFP4, DECODE, F32, F16, False,
                       EVEN_N, EVEN_K)
-        kx = k0 + offs_k
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + kx[None, :]
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        else:
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & (kx[None, :] < K), other=0.0)
-        if F32:
-            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(x), acc)
-    if NVFP4:
-        acc = acc * (alpha / gs)
-    else:
-        acc = acc * alpha
-    n_mask = offs_n < N
-    mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT:
-        base = ws_ptr + pid_k.to(tl.int64) * M * N
-        tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        acc = x_tile_dot(acc, w, x_ptr, offs_m, m_mask, k0 + offs_k, stride_xm, K, EVEN_K, F32)
+    acc = _apply_alpha(acc, alpha, gs, NVFP4)
+    store_swapped(acc, y_ptr, ws_ptr, bias_ptr, pid_k, offs_m, offs_n, m_mask, offs_n < N, M, N, stride_ym,
+                  HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -422,6 +422,24 @@ def splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym, S, HAS_BIAS: 
     tl.store(y_ptr + pid_m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def splitk_plan(m: int, n: int, k: int, cfg: TileConfig, y: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(slices, K per slice, fp32 workspace [slices, M, N]) for `cfg.split_k`; y stands in when not split."""
+    split = max(1, min(cfg.split_k, cdiv(k, cfg.bk)))
+    k_split = cdiv(cdiv(k, split), cfg.bk) * cfg.bk
+    split = cdiv(k, k_split)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=y.device) if split > 1 else y
+    return split, k_split, ws
+
+
+def splitk_reduce(ws: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, split: int) -> None:
+    """The second pass of split-K into y [M, N] (adds bias)."""
+    m, n = y.shape
+    block = 1024
+    splitk_reduce_kernel[(m, cdiv(n, block))](
+        ws, bias if bias is not None else y, y, m, n, y.stride(0), split, HAS_BIAS=bias is not None, BLOCK=block,
+        num_warps=4)
+
+
 # ---- dx = dy @ dequant(W) ------------------------------------------------------------------------
 @triton.jit
 def _fp4_mm_t_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, dx_ptr,
@@ -433,27 +451,14 @@ def _fp4_mm_t_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, dx_ptr,
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BK + tl.arange(0, BK)
     m_mask = offs_m < M
-    gs = 1.0
-    if NVFP4:
-        gs = tl.load(gs_ptr)
+    gs = _gscale(gs_ptr, NVFP4)
     acc = tl.zeros((BM, BK), dtype=tl.float32)
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         w = _fp4_tile(w_ptr, s_ptr, lut_ptr, gs, offs_n, pid_k * BK, N, K, F, BN, BK, NVFP4, DECODE, F32, F16,
                       False, EVEN_N, EVEN_K)
-        dy_ptrs = dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :]
-        if EVEN_N:
-            dy = tl.load(dy_ptrs, mask=m_mask[:, None], other=0.0)
-        else:
-            dy = tl.load(dy_ptrs, mask=m_mask[:, None] & (offs_n[None, :] < N), other=0.0)
-        if F32:
-            acc = tl.dot(dy.to(tl.float32), w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(dy, w, acc)
-    if NVFP4:
-        acc = acc * (alpha / gs)
-    else:
-        acc = acc * alpha
+        acc = dy_tile_dot(acc, w, dy_ptr, offs_m, m_mask, offs_n, stride_dym, N, EVEN_N, F32)
+    acc = _apply_alpha(acc, alpha, gs, NVFP4)
     mask = m_mask[:, None] & (offs_k[None, :] < K)
     tl.store(dx_ptr + offs_m[:, None] * stride_dxm + offs_k[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -466,9 +471,7 @@ def _fp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, lut_ptr, out_ptr, N, K, F,
     # EXACT: the reference's own arithmetic (`code * (scale / global_scale)` in fp32, one rounding)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * BK
-    gs = 1.0
-    if NVFP4:
-        gs = tl.load(gs_ptr)
+    gs = _gscale(gs_ptr, NVFP4)
     w = _fp4_tile(w_ptr, s_ptr, lut_ptr, gs, offs_n, k0, N, K, 0, BN, BK, NVFP4, DECODE, True, False, True,
                   EVEN_N, EVEN_K)
     offs_k = k0 + tl.arange(0, BK)
@@ -504,10 +507,7 @@ def _fp4_dequant_v2_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K,
     mask = nm[:, None, None, None] & um[None, :, None, None]
     b = tl.load(w_ptrs, mask=mask, other=0)
     s = tl.load(s_ptrs, mask=mask, other=0)
-    gs = 1.0
-    if NVFP4:
-        gs = tl.load(gs_ptr)
-    sc = _scale_f32(s, gs, 0, NVFP4, True)
+    sc = _scale_f32(s, _gscale(gs_ptr, NVFP4), 0, NVFP4, True)
     c = b.to(tl.uint32)
     lo = (_e2m1_f32(c & 15) * sc).to(out_ptr.dtype.element_ty)
     hi = (_e2m1_f32(c >> 4) * sc).to(out_ptr.dtype.element_ty)
@@ -585,16 +585,10 @@ def fp4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
     `shift` (MXFP4 only) is `mxfp4_shift(scale)`; pass it cached to avoid a device sync per call.
     """
     n, k = packed.shape[0], packed.shape[1] * 2
-    m = x.shape[0]
-    f32 = INTERPRET or x.dtype == torch.float32
-    if INTERPRET:
-        cfg = interpreter_config(cfg)
+    m, f32, cfg = x.shape[0], f32_path(x), launch_config(cfg)
     packed, s, gs, F, alpha = _launch_args(fmt, packed, scale, global_scale, shift)
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
-    split = max(1, min(cfg.split_k, cdiv(k, cfg.bk)))
-    k_split = cdiv(cdiv(k, split), cfg.bk) * cfg.bk
-    split = cdiv(k, k_split)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    split, k_split, ws = splitk_plan(m, n, k, cfg, y)
     bias_arg = bias if bias is not None else y
     grid = (cdiv(m, cfg.bm) * cdiv(n, cfg.bn), split)
     _launch(
@@ -607,9 +601,7 @@ def fp4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
     if split > 1:
-        block = 1024
-        splitk_reduce_kernel[(m, cdiv(n, block))](
-            ws, bias_arg, y, m, n, y.stride(0), split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+        splitk_reduce(ws, bias, y, split)
     return y
 
 
@@ -617,10 +609,7 @@ def fp4_matmul_t(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gl
                  fmt: str, cfg: TileConfig, *, shift: int | None = None, decode: int | None = None) -> torch.Tensor:
     """dx[M, K] = dy[M, N] @ dequant(W) (the input gradient of y = x @ W^T), fp32 accumulation."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    m = dy.shape[0]
-    f32 = INTERPRET or dy.dtype == torch.float32
-    if INTERPRET:
-        cfg = interpreter_config(cfg)
+    m, f32, cfg = dy.shape[0], f32_path(dy), launch_config(cfg)
     packed, s, gs, F, alpha = _launch_args(fmt, packed, scale, global_scale, shift)
     dx = torch.empty((m, k), dtype=dy.dtype, device=dy.device)
     grid = (cdiv(m, cfg.bm) * cdiv(k, cfg.bk),)
@@ -741,19 +730,13 @@ def fp4_matmul_v2(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor
     reduction saves a launch at decode sizes but costs registers, which hurt the larger tiles on an H200.
     """
     n, k = repacked.shape[0], repacked.shape[1] * 2
-    m = x.shape[0]
-    f32 = INTERPRET or x.dtype == torch.float32
-    if INTERPRET:
-        cfg = interpreter_config(cfg)
+    m, f32, cfg = x.shape[0], f32_path(x), launch_config(cfg)
     if cfg.bk % 128:
         raise ValueError("the repacked FP4 kernel needs BK % 128 == 0")
     nv = fmt == "nvfp4"
     F = NVFP4_F if nv else shift
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
-    split = max(1, min(cfg.split_k, cdiv(k, cfg.bk)))
-    k_split = cdiv(cdiv(k, split), cfg.bk) * cfg.bk
-    split = cdiv(k, k_split)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    split, k_split, ws = splitk_plan(m, n, k, cfg, y)
     bias_arg = bias if bias is not None else y
     gs = global_scale if nv else kscales
     tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
@@ -767,9 +750,7 @@ def fp4_matmul_v2(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
     if split > 1 and not serial:
-        block = 1024
-        splitk_reduce_kernel[(m, cdiv(n, block))](
-            ws, bias_arg, y, m, n, y.stride(0), split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+        splitk_reduce(ws, bias, y, split)
     return y
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from qerl_kernels._common import INTERPRET
+from qerl_kernels._common import INTERPRET, f32_path
 from qerl_kernels.fp4 import NVFP4_F, e2m1_lut, fp4_tile, launch_fp4
 
 DENSE, NVFP4, MXFP4 = 0, 1, 2
@@ -138,7 +138,7 @@ def grouped_linear(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tens
     code = KINDS[kind]
     e, n = weight.shape[0], weight.shape[1]
     k = x.shape[1]
-    f32 = INTERPRET or x.dtype == torch.float32
+    f32 = f32_path(x)
     bn, bk = _tile_sizes(n, k, code)
     y = torch.empty((out_rows, n), dtype=x.dtype, device=x.device)
     if out_rows == 0:

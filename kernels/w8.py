@@ -14,8 +14,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from qerl_kernels._common import INTERPRET, TileConfig, cdiv, interpreter_config
-from qerl_kernels.fp4 import grouped_pid, splitk_reduce_kernel
+from qerl_kernels._common import TileConfig, cdiv, f32_path, launch_config
+from qerl_kernels.fp4 import (
+    dy_tile_dot,
+    grouped_pid,
+    splitk_plan,
+    splitk_reduce,
+    store_swapped,
+    swapped_tile,
+    x_tile_dot,
+)
 
 E4M3_MAX = 448.0
 
@@ -44,37 +52,16 @@ def _w8_mm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, stride_
                   IS_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                   F32: tl.constexpr, F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    m_mask = offs_m < M
+    _, _, pid_k, offs_m, offs_n, _, m_mask, k_start, k_end = swapped_tile(M, N, K, k_split, BM, BN, BK, GROUP_M)
     n_mask = offs_n < N
-    k_start = pid_k * k_split
-    k_end = tl.minimum(k_start + k_split, K)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
         w = _w8_tile(w_ptr, offs_n, k0, N, K, BK, IS_FP8, F32, F16, EVEN_N, EVEN_K)
-        kx = k0 + tl.arange(0, BK)
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + kx[None, :]
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        else:
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & (kx[None, :] < K), other=0.0)
-        if F32:
-            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(x), acc)
+        acc = x_tile_dot(acc, w, x_ptr, offs_m, m_mask, k0 + tl.arange(0, BK), stride_xm, K, EVEN_K, F32)
     scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     acc = acc * scale[:, None]
-    mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT:
-        base = ws_ptr + pid_k.to(tl.int64) * M * N
-        tl.store(base + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    store_swapped(acc, y_ptr, ws_ptr, bias_ptr, pid_k, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym,
+                  HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -92,17 +79,7 @@ def _w8_mm_t_kernel(dy_ptr, w_ptr, s_ptr, dx_ptr, M, N, K, stride_dym, stride_dx
         w = _w8_tile(w_ptr, offs_n, pid_k * BK, N, K, BK, IS_FP8, True, False, EVEN_N, EVEN_K)
         s = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         w = w * s[:, None]
-        dy_ptrs = dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :]
-        if EVEN_N:
-            dy = tl.load(dy_ptrs, mask=m_mask[:, None], other=0.0)
-        else:
-            dy = tl.load(dy_ptrs, mask=m_mask[:, None] & (offs_n[None, :] < N), other=0.0)
-        if F32:
-            acc = tl.dot(dy.to(tl.float32), w, acc, input_precision="ieee")
-        elif F16:
-            acc = tl.dot(dy, w.to(tl.float16), acc)
-        else:
-            acc = tl.dot(dy, w.to(tl.bfloat16), acc)
+        acc = dy_tile_dot(acc, w, dy_ptr, offs_m, m_mask, offs_n, stride_dym, N, EVEN_N, F32)
     mask = m_mask[:, None] & (offs_k[None, :] < K)
     tl.store(dx_ptr + offs_m[:, None] * stride_dxm + offs_k[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -126,52 +103,41 @@ def _quant_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: 
 
 
 # ---- host side -----------------------------------------------------------------------------------
-def _f32(x: torch.Tensor) -> bool:
-    return INTERPRET or x.dtype == torch.float32
+def _launch_prep(weight: torch.Tensor, cfg: TileConfig) -> tuple[torch.Tensor, bool, TileConfig]:
+    """(the weight as the kernels read it: FP8 as its uint8 bits, whether it is FP8, the tile config to use)."""
+    is_fp8 = weight.dtype == torch.float8_e4m3fn
+    return (weight.view(torch.uint8) if is_fp8 else weight), is_fp8, launch_config(cfg)
 
 
 def w8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg: TileConfig, *,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ (weight * scale)^T (+ bias) for int8 or float8_e4m3fn weight [N, K] and scale [N, 1]."""
-    n, k = weight.shape
-    m = x.shape[0]
-    if INTERPRET:
-        cfg = interpreter_config(cfg)
-    is_fp8 = weight.dtype == torch.float8_e4m3fn
-    w = weight.view(torch.uint8) if is_fp8 else weight
+    (n, k), m = weight.shape, x.shape[0]
+    w, is_fp8, cfg = _launch_prep(weight, cfg)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    split = max(1, min(cfg.split_k, cdiv(k, cfg.bk)))
-    k_split = cdiv(cdiv(k, split), cfg.bk) * cfg.bk
-    split = cdiv(k, k_split)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    split, k_split, ws = splitk_plan(m, n, k, cfg, y)
     bias_arg = bias if bias is not None else y
     grid = (cdiv(m, cfg.bm) * cdiv(n, cfg.bn), split)
     _w8_mm_kernel[grid](
         x, w, scale, bias_arg, y, ws, m, n, k, x.stride(0), y.stride(0), k_split,
         IS_FP8=is_fp8, HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=8, F32=_f32(x), F16=x.dtype == torch.float16,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=8, F32=f32_path(x), F16=x.dtype == torch.float16,
         EVEN_N=n % cfg.bn == 0, EVEN_K=k % cfg.bk == 0, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     if split > 1:
-        block = 1024
-        splitk_reduce_kernel[(m, cdiv(n, block))](
-            ws, bias_arg, y, m, n, y.stride(0), split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+        splitk_reduce(ws, bias, y, split)
     return y
 
 
 def w8_matmul_t(dy: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cfg: TileConfig) -> torch.Tensor:
     """dx = dy @ (weight * scale) for the backward of `w8_matmul`."""
-    n, k = weight.shape
-    m = dy.shape[0]
-    if INTERPRET:
-        cfg = interpreter_config(cfg)
-    is_fp8 = weight.dtype == torch.float8_e4m3fn
-    w = weight.view(torch.uint8) if is_fp8 else weight
+    (n, k), m = weight.shape, dy.shape[0]
+    w, is_fp8, cfg = _launch_prep(weight, cfg)
     dx = torch.empty((m, k), dtype=dy.dtype, device=dy.device)
     grid = (cdiv(m, cfg.bm) * cdiv(k, cfg.bk),)
     _w8_mm_t_kernel[grid](
         dy, w, scale, dx, m, n, k, dy.stride(0), dx.stride(0), IS_FP8=is_fp8, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
-        GROUP_M=8, F32=_f32(dy), F16=dy.dtype == torch.float16, EVEN_N=n % cfg.bn == 0, EVEN_K=k % cfg.bk == 0,
+        GROUP_M=8, F32=f32_path(dy), F16=dy.dtype == torch.float16, EVEN_N=n % cfg.bn == 0, EVEN_K=k % cfg.bk == 0,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return dx

@@ -9,6 +9,7 @@ back to the torch reference (dequantize, then matmul).
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 from torch import nn
@@ -21,12 +22,16 @@ QuantModule = nn.Module
 
 
 @functools.cache
-def _kernels():  # noqa: ANN202 - a module or None
+def _optional_module(name: str):  # noqa: ANN202 - a module or None
+    """`name` imported, or None where it is not installed (qerl_kernels is optional)."""
     try:
-        import qerl_kernels.linear as linear
+        return importlib.import_module(name)
     except ImportError:
         return None
-    return linear
+
+
+def _kernels():  # noqa: ANN202 - a module or None
+    return _optional_module("qerl_kernels.linear")
 
 
 def quant_linear(x: torch.Tensor, module: QuantModule) -> torch.Tensor | None:
@@ -101,13 +106,8 @@ def bnb_nf4_linear(x: torch.Tensor, module: QuantModule) -> torch.Tensor:
 
 
 # ---- what the kernels keep beside the weights, and whether a peer may keep its own copy (the memory plan) ----
-@functools.cache
 def _dispatch():  # noqa: ANN202 - a module or None
-    try:
-        import qerl_kernels.dispatch as dispatch
-    except ImportError:
-        return None
-    return dispatch
+    return _optional_module("qerl_kernels.dispatch")
 
 
 def derived_bytes(fmt: str, n: int, k: int, act_elem: int = 2, bias: bool = False) -> int:

@@ -38,6 +38,18 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 EXPERT_TARGETS = {"gate_up_proj": ("gate_proj", "up_proj", "gate_up_proj"), "down_proj": ("down_proj",)}
 
 
+def _move_adapter(layer: nn.Module, adapter_name: str, target: torch.device) -> None:
+    """Move one adapter's factors to `target` (device only: the fp32 master copy keeps its dtype)."""
+    for layer_name in layer.adapter_layer_names:
+        factors = getattr(layer, layer_name)
+        if adapter_name in factors:
+            factors[adapter_name].to(target)
+
+
+def _refuse_merge(what: str) -> None:
+    raise QerlError(f"LoRA cannot be merged into packed quantized {what}; keep the adapter separate")
+
+
 class QuantLoraLinear(FastLoraForward, nn.Module, LoraLayer):
     """peft LoRA layer over a `QuantLinear` (never merged into the packed weights)."""
 
@@ -62,15 +74,11 @@ class QuantLoraLinear(FastLoraForward, nn.Module, LoraLayer):
         base = self.get_base_layer()
         buf = next(iter(base.buffers()), None)
         target = device or (buf.device if buf is not None else None)
-        if target is None:
-            return
-        for layer_name in self.adapter_layer_names:
-            layer = getattr(self, layer_name)
-            if adapter_name in layer:
-                layer[adapter_name].to(target)
+        if target is not None:
+            _move_adapter(self, adapter_name, target)
 
     def merge(self, *args: Any, **kwargs: Any) -> None:
-        raise QerlError("LoRA cannot be merged into packed quantized weights; keep the adapter separate")
+        _refuse_merge("weights")
 
     def unmerge(self) -> None:  # nothing is ever merged
         return None
@@ -138,14 +146,11 @@ class ParamWrapper(PeftParamWrapper):
         return n, k  # peft reads a 3-D parameter as (experts, dim 1, dim 2) and swaps them into (in K, out N)
 
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: torch.device | None = None) -> None:
-        target = device or self.get_param().device  # the fp32 master copy moves, never to the packed dtype
-        for layer_name in self.adapter_layer_names:
-            layer = getattr(self, layer_name)
-            if adapter_name in layer:
-                layer[adapter_name].to(target)
+        # the fp32 master copy moves, never to the packed dtype
+        _move_adapter(self, adapter_name, device or self.get_param().device)
 
     def merge(self, *args: Any, **kwargs: Any) -> None:
-        raise QerlError("LoRA cannot be merged into packed quantized experts; keep the adapter separate")
+        _refuse_merge("experts")
 
     def unmerge(self) -> None:
         return None

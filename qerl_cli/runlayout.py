@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,28 +68,23 @@ def check_adapter_base(run: RunDir, checkpoint: Path) -> str:
     return current
 
 
-def train_dir(run: RunDir) -> Path:
-    return run.inside("train")
+def _fixed_path(name: str, rel: str, doc: str) -> Callable[[RunDir], Path]:
+    """`name(run)`: RUN/rel, confined to the run (`RunDir.inside`)."""
+    def path(run: RunDir) -> Path:
+        return run.inside(rel)
+
+    path.__name__ = path.__qualname__ = name
+    path.__doc__ = doc
+    return path
 
 
-def checkpoints_dir(run: RunDir) -> Path:
-    return run.inside("train/checkpoints")
-
-
-def metrics_path(run: RunDir) -> Path:
-    """The trainer's metrics.jsonl (appended to, so it must not be a link leading out)."""
-    return run.inside("train/metrics.jsonl")
-
-
-def rollouts_dir(run: RunDir) -> Path:
-    return run.inside("train/rollouts")
-
-
-def eval_dir(run: RunDir) -> Path:
-    return run.inside("eval")
-
-
-def bench_dir(run: RunDir) -> Path:
-    """Where the benches write unless --out says otherwise (and bench sanity keeps its perfectible subset)."""
-    return run.inside("bench")
+# the stages' fixed places: name, path inside the run, what it is
+train_dir = _fixed_path("train_dir", "train", "What `qerl train` writes.")
+checkpoints_dir = _fixed_path("checkpoints_dir", "train/checkpoints", "The trainer's checkpoints.")
+metrics_path = _fixed_path("metrics_path", "train/metrics.jsonl",
+                           "The trainer's metrics.jsonl (appended to, so it must not be a link leading out).")
+rollouts_dir = _fixed_path("rollouts_dir", "train/rollouts", "The trainer's rollout records.")
+eval_dir = _fixed_path("eval_dir", "eval", "What `qerl eval` writes.")
+bench_dir = _fixed_path("bench_dir", "bench", "Where the benches write unless --out says otherwise (and bench sanity "
+                        "keeps its perfectible subset).")
 

@@ -16,25 +16,15 @@ cost being measured.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
-from collections import Counter
+from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-
-class OpCounter(TorchDispatchMode):
-    """aten ops, views excluded (they launch nothing on a GPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if not func.is_view and func is not torch.ops.aten._unsafe_view.default:
-            self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers import OpCounter  # noqa: E402
 
 
 class KernelStub:

@@ -16,8 +16,8 @@ import torch
 
 from qerl_cli.options import options
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_rollout_cuda import PROMPTS, lora_graph_and_eager_engines  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.test_rollout_cuda import PROMPTS, lora_graph_and_eager_engines  # noqa: E402
 
 
 def main() -> None:

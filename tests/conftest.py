@@ -84,22 +84,28 @@ def run_dir(quantized_runs, tmp_path):
     return dst
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch intra-op thread for a test module (`pytestmark = pytest.mark.usefixtures("one_thread")`): small
+    CPU matmuls on the shared 2-core machine run many times faster than on two threads that wait for each other,
+    with the same results."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_source(tmp_path_factory):
     """A tiny random Llama (2 layers, hidden 64) with the embedded model's tokenizer, saved as a model directory:
     CLI runs on it cost the process start, not the model."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.helpers import tiny_llama
 
-    from qerl_cli.models import load_tokenizer, resolve_model
-
-    tok = load_tokenizer(resolve_model(None))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model, tok = tiny_llama()
     src = tmp_path_factory.mktemp("tiny_src")
-    LlamaForCausalLM(cfg).eval().save_pretrained(str(src))
+    model.save_pretrained(str(src))
     tok.save_pretrained(str(src))
     return src
 

@@ -6,30 +6,18 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from qerl_cli.errors import QerlError
+from tests.helpers import qerl_in_process
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """`qerl ARGS` in this process: exit code, stdout, stderr."""
-    from qerl_cli import cli as qerl_cli
-
-    argv, sys.argv = sys.argv, ["qerl", *args]
-    capsys.readouterr()
-    try:
-        qerl_cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    finally:
-        sys.argv = argv
-    out, err = capsys.readouterr()
-    return code, out, err
+    return qerl_in_process(capsys, *args)
 
 
 def assert_one_line(code: int, err: str, *needles: str) -> None:

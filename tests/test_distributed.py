@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from qerl_cli.train.distributed import claim_chunks, merge_chunks, rollout_metrics, shard_rows, strip_option
+from tests.helpers import qerl_exit_code, torch_threads
 
 
 class LockedCounter:
@@ -141,19 +142,8 @@ def qerl_here(*args: str) -> int:
     """`qerl ARGS` as one process, this one (a `qerl train` subprocess pays ~12 s of imports first), on one intra-op
     thread as each torchrun rank runs (OMP_NUM_THREADS=1): its exit code; what it prints goes to the captured
     output."""
-    from qerl_cli import cli
-
-    argv, sys.argv = sys.argv, ["qerl", *args]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        cli.main()
-        return 0
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    finally:
-        sys.argv = argv
-        torch.set_num_threads(threads)
+    with torch_threads(1):
+        return qerl_exit_code(*args)
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:

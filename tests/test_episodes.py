@@ -5,7 +5,6 @@ sample with one advantage, and `qerl train` / `qerl eval` / `qerl bench rollout`
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from pathlib import Path
 
@@ -18,15 +17,9 @@ from qerl_cli.rollout.episode import StepResult
 from qerl_cli.train.batch import build_batch
 from qerl_cli.train.corrections import mismatch_metrics
 from qerl_cli.train.losses import policy_loss
+from tests.helpers import qerl_exit_code
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decode-sized matmuls gain nothing from a second thread on the shared 2 CI cores (see test_rollout.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch intra-op thread
 
 
 @pytest.fixture(scope="module")
@@ -159,17 +152,7 @@ def test_observations_are_masked_from_the_loss_and_the_mismatch_statistics(tiny_
     assert mismatch_metrics(logp, batch.rollout_logp, batch.sampled)["sampling/k3"] > 0
 
 
-def run_cli(*args: str) -> int:
-    from qerl_cli import cli as qerl_cli
-
-    argv, sys.argv = sys.argv, ["qerl", *args]
-    try:
-        qerl_cli.main()
-        return 0
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    finally:
-        sys.argv = argv
+run_cli = qerl_exit_code
 
 
 TINY = ["--batch-prompts", "2", "--num-generations", "2", "--lora-rank", "4", "--precision", "fp32",

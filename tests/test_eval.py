@@ -34,14 +34,7 @@ MAX_TOKENS = 48
 STEP = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    """Small CPU GEMMs on a shared 2-core machine run ~15x faster on one intra-op thread than on two
-    that wait for each other; the results are the same."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch intra-op thread
 
 
 def _save_checkpoint(run: Path, step: int, *, scale: float = 0.02, seed: int = 1) -> Path:

@@ -21,13 +21,13 @@ import shutil
 import signal
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from qerl_cli.errors import QerlError
+from tests.helpers import qerl_in_process
 
 ADAPTER = "adapter/adapter_model.safetensors"
 TINY = {"steps": 2, "save_steps": 1, "batch_prompts": 2, "num_generations": 4, "max_completion_length": 4,
@@ -63,18 +63,8 @@ def copy_run(src: Path, dst: Path) -> Path:
 
 def cli(capsys, *args: str) -> tuple[int, str]:  # noqa: ANN001
     """`qerl ARGS` in this process: exit code and stderr."""
-    from qerl_cli import cli as qerl_cli
-
-    capsys.readouterr()
-    argv, sys.argv = sys.argv, ["qerl", *args]
-    try:
-        qerl_cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    finally:
-        sys.argv = argv
-    return code, capsys.readouterr().err
+    code, _, err = qerl_in_process(capsys, *args)
+    return code, err
 
 
 def one_line(code: int, err: str) -> str:

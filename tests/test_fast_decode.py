@@ -15,13 +15,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from qerl_kernels import decode as decode_kernels
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from qerl_cli.lora import attach_lora, make_lora_config
 from qerl_cli.qlinear import QuantLinear
 from qerl_cli.rollout import BuiltinEngine, SamplingParams
 from qerl_cli.rollout.fast_layers import resolve
+from tests.helpers import OpCounter
 
 PROMPTS = [[5, 17, 3], [9, 9, 40, 2, 77, 13, 8], [60], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[])
@@ -36,12 +37,7 @@ LP_TOL = 1e-5  # fp32: shadows are fp32, so only GEMM ordering and the scaling f
 OPS_BEFORE_MIN, OPS_AFTER_MAX = 45, 17
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch intra-op thread
 
 
 def tiny(kind: str = "qwen2", layers: int = 2, quant: bool = True, rank: int = 4) -> nn.Module:
@@ -140,18 +136,9 @@ def test_unusual_adapters_fall_back_to_the_module() -> None:
     assert_same(run(peft_model.eval(), fast_lora=True), run(peft_model, fast_lora=False))
 
 
-class _OpCounter(TorchDispatchMode):
+class _OpCounter(OpCounter):
     """aten ops (views excluded: they launch nothing) plus Triton launches (their interpreter's own
     tensor work is not counted)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if not func.is_view and func is not torch.ops.aten._unsafe_view.default:
-            self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _CountingKernels:

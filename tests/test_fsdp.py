@@ -137,18 +137,11 @@ def test_sharding_resolution() -> None:
 # ---- end to end ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fp_run(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from qerl_cli.models import load_tokenizer, resolve_model
     from qerl_cli.quantize import quantize_model
+    from tests.helpers import tiny_llama  # here: the torchrun script imports this module with only tests/ on its path
 
-    tok = load_tokenizer(resolve_model(None))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     path = tmp_path_factory.mktemp("fsdp") / "base"
-    quantize_model(path, None, fmt="bf16", loaded=(LlamaForCausalLM(cfg).eval(), tok))
+    quantize_model(path, None, fmt="bf16", loaded=tiny_llama())
     return path
 
 

@@ -76,11 +76,17 @@ class QuantLinearRef:
         return QuantizedWeight(mod.fmt, (mod.out_features, mod.in_features), tensors, mod.dtype, mod.group_size)
 
 
-def test_fused_parts_share_the_in_place_repack() -> None:
-    sizes, k = (128, 64, 64), 256
-    ws = [_weight(n, k, 10 + i) for i, n in enumerate(sizes)]
+def _nvfp4_parts(seed: int, sizes: tuple[int, ...] = (128, 64, 64), k: int = 256) -> list[QuantLinear]:
+    """NVFP4 QuantLinears [n, k] for n in sizes, random weights (seeds seed, seed + 1, ...) under one global scale,
+    as the parts of a fused projection have."""
+    ws = [_weight(n, k, seed + i) for i, n in enumerate(sizes)]
     gs = nvfp4_global_scale(max(w.abs().max() for w in ws))
-    parts = [QuantLinear.from_quantized(quantize(w, "nvfp4", global_scale=gs, dtype=torch.float32)) for w in ws]
+    return [QuantLinear.from_quantized(quantize(w, "nvfp4", global_scale=gs, dtype=torch.float32)) for w in ws]
+
+
+def test_fused_parts_share_the_in_place_repack() -> None:
+    k = 256
+    parts = _nvfp4_parts(10, k=k)
     before = [p.weight_packed.clone() for p in parts]
     fused = fuse_quant_linears(parts)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
@@ -103,13 +109,10 @@ def test_fused_parts_share_one_block_scale_layout(part_first: bool) -> None:
     from qerl_kernels.fp4 import kernel_scales
     from qerl_kernels.linear import block_scales
 
-    sizes, k = (128, 64, 64), 256
-    ws = [_weight(n, k, 30 + i) for i, n in enumerate(sizes)]
-    gs = nvfp4_global_scale(max(w.abs().max() for w in ws))
-    parts = [QuantLinear.from_quantized(quantize(w, "nvfp4", global_scale=gs, dtype=torch.float32)) for w in ws]
+    parts = _nvfp4_parts(30)
     own = [p.weight_scale.clone() for p in parts]
     fused = fuse_quant_linears(parts)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
     order = [parts[2], fused, parts[0]] if part_first else [fused, parts[0], parts[2]]
     ys = {id(m): quant_linear(x, m) for m in order}  # the forward builds the scale layout on first use
     fks = kernel_state(fused).kscales[x.dtype]

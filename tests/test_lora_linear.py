@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from qerl_cli.lora import DenseLoraLinear, QuantLoraLinear, attach_lora, load_adapter, make_lora_config
 from qerl_cli.lora_linear import QUANT_KERNELS, QUANT_REFERENCE, AdapterShadows, lora_linear
 from qerl_cli.qlinear import QuantLinear
+from tests.helpers import OpCounter
 
 # aten ops (views excluded) of one forward + backward, x requiring grad, no .grad yet: forward = base GEMM,
 # shrink mm, in-place expand addmm_; backward = base dx, g = dy @ sB, dx.addmm_, dA mm, dB mm
@@ -146,19 +147,6 @@ def test_bf16_differs_from_peft_by_rounding_only() -> None:
     for key in ("y", "x", "A", "B"):
         err = (got[key].float() - want[key].float()).norm() / want[key].float().norm()
         assert err < 1e-2, (key, err.item())
-
-
-class OpCounter(TorchDispatchMode):
-    """aten ops, views excluded (they launch nothing)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if not func.is_view and func is not torch.ops.aten._unsafe_view.default:
-            self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def op_count(layer: nn.Module, fn, x: torch.Tensor, dy: torch.Tensor) -> Counter[str]:  # noqa: ANN001

@@ -17,14 +17,7 @@ from safetensors import safe_open
 from qerl_cli.errors import QerlError
 from qerl_cli.moe import MoeBlock, MoeExperts, quantize_experts
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decode-sized CPU matmuls gain nothing from a second thread on the shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch intra-op thread
 
 
 def tiny_config(tok, **kw):  # noqa: ANN001, ANN201

@@ -3,13 +3,13 @@ embedded model or QeRL's LoRA settings for any other; on a CPU the quick arith r
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 from qerl_cli.train.config import build_config
 from qerl_cli.train.presets import choose_preset
+from tests.helpers import qerl_in_process
 
 
 def test_gpu_default_for_the_embedded_model_is_dapo_with_aqn(run_dir: Path) -> None:
@@ -42,14 +42,7 @@ def test_dry_run_on_a_gpu_machine_states_the_preset(run_dir: Path, capsys: pytes
 
     # the CLI's one question about the machine, answered as a GPU machine would
     monkeypatch.setattr(qerl_cli, "_has_cuda", lambda: True)
-    monkeypatch.setattr(sys, "argv", ["qerl", "train", "--run", str(run_dir), "--dry-run"])
-    capsys.readouterr()
-    try:
-        qerl_cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr().out
+    code, out, _ = qerl_in_process(capsys, "train", "--run", str(run_dir), "--dry-run")
     assert code == 0
     assert "algo: dapo" in out and "aqn: true" in out
     assert "# preset: gpu_arith (a CUDA device and the embedded SmolLM2-135M" in out

@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import qerl_exit_code
+
 REWARD = textwrap.dedent("""
     import os, signal, time
 
@@ -99,18 +101,7 @@ def qerl(*args: str, env: dict | None = None, wait: bool = True):  # noqa: ANN20
     return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=900, cwd=tempfile.gettempdir())
 
 
-def run_cli(*args: str) -> int:
-    """`qerl ARGS` in this process: its exit code (what it prints goes to the test's captured output)."""
-    from qerl_cli import cli as qerl_cli
-
-    argv, sys.argv = sys.argv, ["qerl", *args]
-    try:
-        qerl_cli.main()
-        return 0
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    finally:
-        sys.argv = argv
+run_cli = qerl_exit_code
 
 
 def cli(capsys, *args: str) -> tuple[int, str]:  # noqa: ANN001

@@ -24,6 +24,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.qlinear import QuantLinear
 from qerl_cli.rollout import BuiltinEngine, Engine, SamplingParams, make_engine
 from qerl_cli.rollout.sampling import TokenNoise, process_logits, sample_tokens, seed_key
+from tests.helpers import random_decoder
 
 PROMPTS = [
     "2 + 3 = 5\n14 + 5 = 19\n7 * 6 = 42\n31 + 22 = 53\n8 + 9 =",
@@ -33,14 +34,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decode-sized matmuls (a few rows) gain nothing from a second thread, and when the 2 CI cores
-    are shared an OpenMP barrier waiting on a descheduled thread costs ~8 ms per op (measured: 50x)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch intra-op thread
 
 
 @pytest.fixture(scope="module")
@@ -298,33 +292,12 @@ def test_bf16_greedy_tracks_transformers(smol, smol_ids) -> None:
 
 
 def tiny_model(kind: str) -> nn.Module:
-    common = dict(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        initializer_range=0.15,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
+    common = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+                  initializer_range=0.15, rope_theta=10000.0, noisy_bias=True)
     if kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, rope_theta=10000.0, **common))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=10000.0, **common))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.3 * torch.randn_like(p))
-    model.generation_config.eos_token_id = None
-    return model.eval()
+        return random_decoder(Qwen3Config, Qwen3ForCausalLM, head_dim=16, **common)
+    return random_decoder(Qwen2Config, Qwen2ForCausalLM, **common)
 
 
 TINY_PROMPTS = [[5, 17, 3], [9, 9, 40, 2, 77, 13, 8], [60], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]

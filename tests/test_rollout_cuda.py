@@ -11,6 +11,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from qerl_cli.rollout import BuiltinEngine, SamplingParams
+from tests.helpers import random_decoder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -18,31 +19,13 @@ PROMPTS = [[5, 17, 3], [9, 9, 40, 2, 77, 13, 8], [60], list(range(1, 40)), [300,
 
 
 def random_model(kind: str, dtype: torch.dtype, head_dim: int | None = None) -> nn.Module:
-    common = dict(
-        vocab_size=1000,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.08,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-        rope_theta=10000.0,
-    )
-    torch.manual_seed(0)
+    common = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.08, rope_theta=10000.0)
     if kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, tie_word_embeddings=False, **common))
+        model = random_decoder(Qwen3Config, Qwen3ForCausalLM, head_dim=32, tie_word_embeddings=False, **common)
     else:
         extra = {} if head_dim is None else {"head_dim": head_dim}
-        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **extra, **common))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-    model.generation_config.eos_token_id = None
+        model = random_decoder(LlamaConfig, LlamaForCausalLM, tie_word_embeddings=True, **extra, **common)
     return model.to("cuda", dtype).eval()
 
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import qerl_in_process
 
 TRAIN = {"steps": 2, "save_steps": 1, "task_level": "1", "batch_prompts": 2, "num_generations": 2,
          "max_completion_length": 3, "shots": 0, "lora_rank": 4, "precision": "fp32", "micro_batch_size": 8,
@@ -45,18 +46,8 @@ def run(trained: Path, tmp_path: Path) -> Path:
 
 def run_cli(capsys, *args: str) -> tuple[int, str]:  # noqa: ANN001
     """`qerl ARGS` in this process: exit code and stderr."""
-    from qerl_cli import cli as qerl_cli
-
-    capsys.readouterr()
-    argv, sys.argv = sys.argv, ["qerl", *args]
-    try:
-        qerl_cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    finally:
-        sys.argv = argv
-    return code, capsys.readouterr().err
+    code, _, err = qerl_in_process(capsys, *args)
+    return code, err
 
 
 def refused(code: int, err: str, *needles: str) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from qerl_cli.errors import QerlError
+from tests.helpers import qerl_in_process
 
 SMALL = ["--task-level", "1", "--batch-prompts", "4", "--num-generations", "4", "--max-completion-length", "4",
          "--lora-rank", "8", "--lr", "3e-4", "--precision", "fp32", "--micro-batch-size", "16", "--seed", "3"]
@@ -34,19 +35,7 @@ def qerl(*args: str, wait: bool = True) -> subprocess.CompletedProcess[str] | su
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """`qerl ARGS` in this process: exit code, stdout, stderr. For what is not about the process itself (a real
     signal to a real process is): a `qerl train` subprocess pays ~12 s of imports before it reads its options."""
-    from qerl_cli import cli as qerl_cli
-
-    argv, sys.argv = sys.argv, ["qerl", *args]
-    capsys.readouterr()
-    try:
-        qerl_cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    finally:
-        sys.argv = argv
-    out, err = capsys.readouterr()
-    return code, out, err
+    return qerl_in_process(capsys, *args)
 
 
 def metrics(run: Path) -> list[dict]:

@@ -4,11 +4,12 @@ steps this process ran, not the run's total."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from rich.console import Console
+
+from tests.helpers import qerl_in_process
 
 # one step of a tiny model: 2 prompts x 2 samples of <= 2 tokens, zero-shot prompts (the output is checked, not
 # the timing)
@@ -19,19 +20,7 @@ TINY = ["--config", "quick_cpu", "--batch-prompts", "2", "--num-generations", "2
 def qerl(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """`qerl ARGS` in this process (a `qerl train` subprocess pays ~12 s of imports before it reads its options):
     exit code, stdout, stderr."""
-    from qerl_cli import cli
-
-    argv, sys.argv = sys.argv, ["qerl", *args]
-    capsys.readouterr()
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    finally:
-        sys.argv = argv
-    out, err = capsys.readouterr()
-    return code, out, err
+    return qerl_in_process(capsys, *args)
 
 
 @pytest.fixture

@@ -284,6 +284,20 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
+// C fragments c[t] = {y[tok 2q][row g], y[2q+1][g], y[2q][g+8], y[2q+1][g+8]} of token tile t into a shared
+// [MT * 8 tokens][16 rows] block.
+template <int MT>
+__device__ __forceinline__ void frag_to_shared(float* blk, const float (&c)[MT][4], int q, int g) {
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    float* r = blk + (t * 8 + 2 * q) * 16;
+    r[g] = c[t][0];
+    r[16 + g] = c[t][1];
+    r[g + 8] = c[t][2];
+    r[16 + g + 8] = c[t][3];
+  }
+}
+
 template <int MT, int WN, int WK, bool NV, bool BF16, bool PERM>
 __global__ void __launch_bounds__(WN * WK * 32, (WN * WK >= 8 || MT >= 8) ? 2 : 3) fp4_gemm_kernel(const Params p) {
   // chunks of weight loads in flight per warp (32 B per lane each): 4 at decode sizes, 2 for the 64-token
@@ -353,15 +367,7 @@ __global__ void __launch_bounds__(WN * WK * 32, (WN * WK >= 8 || MT >= 8) ? 2 : 
     }
   }
 
-  // C fragment: acc[t] = {y[tok 2q][row g], y[2q+1][g], y[2q][g+8], y[2q+1][g+8]} of token tile t.
-#pragma unroll
-  for (int t = 0; t < MT; ++t) {
-    float* r = red[warp] + (t * 8 + 2 * q) * 16;
-    r[g] = acc[t][0];
-    r[16 + g] = acc[t][1];
-    r[g + 8] = acc[t][2];
-    r[16 + g + 8] = acc[t][3];
-  }
+  frag_to_shared<MT>(red[warp], acc, q, g);
   // the LoRA term of each row block (one warp per block, CTAs of split 0), in the same element order
   __shared__ float lred[WN][MT * 8 * 16];
   const bool lora = p.lh != nullptr && sp == 0;
@@ -370,14 +376,7 @@ __global__ void __launch_bounds__(WN * WK * 32, (WN * WK >= 8 || MT >= 8) ? 2 : 
 #pragma unroll
     for (int t = 0; t < MT; ++t) l[t][0] = l[t][1] = l[t][2] = l[t][3] = 0.f;
     lora_mma<MT, BF16>(l, p, nb * 16, tile0, lane);
-#pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      float* r = lred[wn] + (t * 8 + 2 * q) * 16;
-      r[g] = l[t][0];
-      r[16 + g] = l[t][1];
-      r[g + 8] = l[t][2];
-      r[16 + g + 8] = l[t][3];
-    }
+    frag_to_shared<MT>(lred[wn], l, q, g);
   }
   __syncthreads();
   const float alpha = out_alpha<NV>(p);
@@ -1135,6 +1134,25 @@ cudaError_t preload_fmt() {
   return e;
 }
 
+// The Params both entry points fill alike: operands, shape, layout and the LoRA expand (the rest stays zero).
+inline Params host_params(const void* x, void* xp, const void* w, const void* s, const float* gs, const float* bias,
+                          void* y, const void* lh, const void* lb, int M, int N, int K, int ldx, int tiled, int shift,
+                          int R, int ldh) {
+  Params p{};
+  p.x = static_cast<const uint16_t*>(x);
+  p.xp = static_cast<const uint4*>(xp);
+  p.w = static_cast<const uint8_t*>(w);
+  p.s = static_cast<const uint8_t*>(s);
+  p.gs = gs;
+  p.bias = bias;
+  p.y = y;
+  p.M = M, p.N = N, p.K = K, p.ldx = ldx, p.tiled = tiled, p.shift = shift;
+  p.lh = static_cast<const uint16_t*>(lh);
+  p.lb = static_cast<const uint16_t*>(lb);
+  p.R = R, p.ldh = ldh;
+  return p;
+}
+
 }  // namespace qerl
 
 extern "C" {
@@ -1191,20 +1209,10 @@ int qerl_fp4_gemm(const void* x, void* xp, const void* w, const void* s, const f
                   float* ws, const void* lh, const void* lb, float* wsl, int M, int N, int K, int ldx, int nvfp4,
                   int bf16, int tiled, int shift, int R, int ldh, int mt, int wn, int wk, int perm, int splits, int cps,
                   void* stream) {
-  qerl::Params p{};
-  p.x = static_cast<const uint16_t*>(x);
-  p.xp = static_cast<const uint4*>(xp);
-  p.w = static_cast<const uint8_t*>(w);
-  p.s = static_cast<const uint8_t*>(s);
-  p.gs = gs;
-  p.bias = bias;
-  p.y = y;
+  qerl::Params p = qerl::host_params(x, xp, w, s, gs, bias, y, lh, lb, M, N, K, ldx, tiled, shift, R, ldh);
   p.ws = ws;
-  p.M = M, p.N = N, p.K = K, p.ldx = ldx, p.tiled = tiled, p.shift = shift, p.splits = splits, p.cps = cps;
-  p.lh = static_cast<const uint16_t*>(lh);
-  p.lb = static_cast<const uint16_t*>(lb);
+  p.splits = splits, p.cps = cps;
   p.wsl = wsl;
-  p.R = R, p.ldh = ldh;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (nvfp4) {
     return bf16 ? qerl::launch_cfg<true, true>(p, mt, wn, wk, perm, st) : qerl::launch_cfg<true, false>(p, mt, wn, wk, perm, st);
@@ -1220,18 +1228,8 @@ int qerl_fp4_stream(const void* x, void* xp, const void* w, const void* s, const
                     int bf16, int tiled, int shift, int R, int ldh, int kind, int mt, int wn, int rbw, int stages,
                     int perm, int ctas, int nseg, int kcs, int pmode, int grows, int cpsm, int fixup, int pdl,
                     void* stream) {
-  qerl::Params p{};
-  p.x = static_cast<const uint16_t*>(x);
-  p.xp = static_cast<const uint4*>(xp);
-  p.w = static_cast<const uint8_t*>(w);
-  p.s = static_cast<const uint8_t*>(s);
-  p.gs = gs;
-  p.bias = bias;
-  p.y = y;
-  p.M = M, p.N = N, p.K = K, p.ldx = ldx, p.tiled = tiled, p.shift = shift, p.splits = 1, p.cps = K >> 7;
-  p.lh = static_cast<const uint16_t*>(lh);
-  p.lb = static_cast<const uint16_t*>(lb);
-  p.R = R, p.ldh = ldh;
+  qerl::Params p = qerl::host_params(x, xp, w, s, gs, bias, y, lh, lb, M, N, K, ldx, tiled, shift, R, ldh);
+  p.splits = 1, p.cps = K >> 7;
   p.slots = slots;
   p.wseg = wseg;
   p.ctas = ctas, p.nseg = nseg, p.kcs = kcs, p.pmode = pmode, p.grows = grows, p.cpsm = cpsm;

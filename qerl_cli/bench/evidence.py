@@ -107,18 +107,14 @@ PARTS: tuple[Part, ...] = (
          "heldout_gain", +1, "noninferior", ACC_MARGIN, levels=HELDOUT_LEVELS),
     Part(1, "initial entropy (step 1): nvfp4 vs bf16 (AQN off)", "qerl", _nv("nvfp4", False), _nv("bf16", False),
          "initial_entropy", +1, "better", ENTROPY_MARGIN),
-    Part(2, "sampling entropy, noisy window: AQN on vs off (nvfp4)", "qerl", _nv("nvfp4", True), _nv("nvfp4", False),
-         "noisy_sampling_entropy", +1, "better", ENTROPY_MARGIN),
-    Part(2, "reward after the noisy window: AQN on vs off (nvfp4)", "qerl", _nv("nvfp4", True), _nv("nvfp4", False),
-         "post_noise_reward", +1, "better", ACC_MARGIN),
-    Part(2, "held-out gain: AQN on vs off (nvfp4)", "qerl", _nv("nvfp4", True), _nv("nvfp4", False),
-         "heldout_gain", +1, "better", ACC_MARGIN, levels=HELDOUT_LEVELS),
-    Part(2, "sampling entropy, noisy window: AQN on vs off (bf16)", "qerl", _nv("bf16", True), _nv("bf16", False),
-         "noisy_sampling_entropy", +1, "better", ENTROPY_MARGIN),
-    Part(2, "reward after the noisy window: AQN on vs off (bf16)", "qerl", _nv("bf16", True), _nv("bf16", False),
-         "post_noise_reward", +1, "better", ACC_MARGIN),
-    Part(2, "held-out gain: AQN on vs off (bf16)", "qerl", _nv("bf16", True), _nv("bf16", False),
-         "heldout_gain", +1, "better", ACC_MARGIN, levels=HELDOUT_LEVELS),
+    # hypothesis 2, the same three comparisons for nvfp4 and for bf16: (what, scalar, margin, held-out levels)
+    *(Part(2, f"{what}: AQN on vs off ({fmt})", "qerl", _nv(fmt, True), _nv(fmt, False), scalar, +1, "better",
+           margin, levels=levels)
+      for fmt in ("nvfp4", "bf16")
+      for what, scalar, margin, levels in (
+          ("sampling entropy, noisy window", "noisy_sampling_entropy", ENTROPY_MARGIN, ()),
+          ("reward after the noisy window", "post_noise_reward", ACC_MARGIN, ()),
+          ("held-out gain", "heldout_gain", ACC_MARGIN, HELDOUT_LEVELS))),
     Part(3, "late accuracy: int8 + TIS vs bf16 rollouts", "flashrl", _fr("int8", "token_tis"), _fr("none", "none"),
          "late_accuracy", +1, "equivalent", ACC_MARGIN),
     Part(3, "late accuracy: fp8 + TIS vs bf16 rollouts", "flashrl", _fr("fp8", "token_tis"), _fr("none", "none"),

@@ -115,6 +115,13 @@ def _rollout_timings(scheduler: Scheduler, samples: list[Sample], total: float) 
     return timings
 
 
+def checked_model_len(max_model_len: int) -> int:
+    """An engine's `max_model_len` (prompt + completion tokens per sequence), refused below 2."""
+    if max_model_len < 2:
+        raise QerlError(f"max_model_len must be >= 2, got {max_model_len}")
+    return max_model_len
+
+
 def encode_prompts(prompts: list[list[int]] | list[str], tokenizer: Callable[[], Any],
                    max_model_len: int) -> list[list[int]]:
     """Token ids per prompt (strings through ``tokenizer()``, asked for only when one is a string); an empty
@@ -177,11 +184,9 @@ class BuiltinEngine:
     ) -> None:
         if max_batch_slots < 1:
             raise QerlError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
-        if max_model_len < 2:
-            raise QerlError(f"max_model_len must be >= 2, got {max_model_len}")
         self.model = model
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.max_model_len = checked_model_len(max_model_len)
         self.max_batch_slots = max_batch_slots
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_prefill_tokens = max_prefill_tokens

