@@ -322,7 +322,7 @@ def bench_step(
     if memory_cap_gib is not None:  # the memory plan fits the step into the cap (unless --set says otherwise)
         overrides.setdefault("gpu_memory_gib", memory_cap_gib)
     cfg = build_bench_config(default_config(device, warmup, measure), overrides)
-    cfg.steps = warmup + measure  # the AQN schedule and the LR warm-up see exactly the steps run
+    cfg = dataclasses.replace(cfg, steps=warmup + measure)  # the AQN schedule and the LR warm-up see the steps run
     dtype = dtype_of(cfg.precision)
     run = spec = None
     if shape is not None:
@@ -381,8 +381,8 @@ def bench_step(
             cell_over.update(rollout_engine=engine, gpu_memory_utilization=vllm_memory)
         cell_cfg = cfg
         if cell_over != dict(overrides or {}):
-            cell_cfg = build_bench_config(default_config(device, warmup, measure), cell_over)
-            cell_cfg.steps = cfg.steps
+            cell_cfg = dataclasses.replace(build_bench_config(default_config(device, warmup, measure), cell_over),
+                                           steps=cfg.steps)
         backend = get_format(fmt).kernel_backend(device) + (
             f", rollouts {get_format(rollout_quant).kernel_backend(device)}" if rollout_quant else "") + (
             ", rollouts vLLM" if engine else "")
