@@ -899,7 +899,7 @@ class Trainer:
 def rollout_metrics(seconds: float, timing: dict[str, float]) -> dict[str, float]:
     """The rollout phase's seconds and throughput, and the engine's own split: prefill (with the first token) and
     decode; decode steps = token steps of the batch."""
-    return {"timing/rollout_s": seconds, "timing/rollout_tokens_per_s": timing["tokens"] / max(seconds, 1e-9),
+    return {timing_key(ROLLOUT): seconds, "timing/rollout_tokens_per_s": timing["tokens"] / max(seconds, 1e-9),
             "timing/rollout_tokens": timing["tokens"], "timing/rollout_prefill_s": timing["prefill_s"],
             "timing/rollout_decode_s": timing["decode_s"], "rollout/decode_steps": timing["decode_steps"]}
 
