@@ -168,7 +168,7 @@ def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool,
         console.print("\n".join(f"# {line}" for line in lines), markup=False, highlight=False, soft_wrap=True)
         return
     from qerl_cli.train.console import TrainConsole, reference_step
-    from qerl_cli.train.trainer import train as run_train
+    from qerl_cli.train.run import train as run_train
 
     ctx = distributed.init_from_env()
     try:

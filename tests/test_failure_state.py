@@ -42,7 +42,7 @@ def runs(tiny_source, tmp_path_factory) -> dict:
     options as a config dict and as flags (a reward that differs per completion, so updates are not zero)."""
     from qerl_cli.quantize import quantize_model
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     root = tmp_path_factory.mktemp("failure_state")
     (root / "reward.py").write_text(REWARD)
@@ -112,7 +112,8 @@ def dead_pid() -> int:
 # ---- a non-finite step ------------------------------------------------------------------------------------------
 def test_a_non_finite_update_stops_the_run_before_its_checkpoint(runs: dict, tmp_path: Path, capsys) -> None:
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import NonFiniteLoss, train
+    from qerl_cli.train.run import train
+    from qerl_cli.train.trainer import NonFiniteLoss
 
     run = copy_run(runs["base"], tmp_path / "run")
     trainers = []
@@ -354,7 +355,7 @@ class file_size_limit:  # noqa: N801 - used like a function
 
 def test_a_failed_background_checkpoint_write_is_one_line_and_latest_stays(runs: dict, tmp_path: Path) -> None:
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     run = copy_run(runs["base"], tmp_path / "run")
     limit = file_size_limit(30_000)  # the manifest (~13 kB) still fits, step_2's adapter (~36 kB) does not

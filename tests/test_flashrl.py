@@ -238,7 +238,7 @@ SMALL = {"task_level": "1", "batch_prompts": 2, "num_generations": 2, "max_compl
 
 def test_full_finetune_on_a_quantized_run_dir_is_refused(tiny, tmp_path: Path) -> None:
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     with pytest.raises(QerlError, match="holds a int8 model: make one with `qerl quantize --format bf16"):
         train(_fresh(tiny["int8"], tmp_path), build_config("quick_cpu", {**SMALL, "steps": 1}))
@@ -246,7 +246,7 @@ def test_full_finetune_on_a_quantized_run_dir_is_refused(tiny, tmp_path: Path) -
 
 def test_full_finetune_trains_with_int8_and_fp8_rollouts_and_resumes_exactly(tiny, tmp_path: Path) -> None:
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     def comparable(m: dict) -> dict:
         return {k: v for k, v in m.items() if not k.startswith(("timing/", "memory/"))}

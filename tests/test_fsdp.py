@@ -37,7 +37,7 @@ import json, shutil, sys
 from pathlib import Path
 from qerl_cli.train import distributed
 from qerl_cli.train.config import build_config
-from qerl_cli.train.trainer import train
+from qerl_cli.train.run import train
 
 sys.path.insert(0, sys.argv[3])
 from test_fsdp import cut_back
@@ -218,7 +218,7 @@ def test_two_gloo_ranks_train_like_one_and_resume_on_one_and_two(fp_run: Path, c
 
     from qerl_cli.train import checkpointing
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     one, two, again, solo = (tmp_path / n for n in ("one", "two", "again", "solo"))
     for r in (one, two):

@@ -45,7 +45,7 @@ def _tensors(obj):  # noqa: ANN001, ANN202 - nested optimizer state -> flat {pat
 
 def test_resume_continues_at_the_last_step_with_its_optimizer_state(bf16_run: Path, tmp_path: Path) -> None:
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     run = tmp_path / "run"
     shutil.copytree(bf16_run, run, ignore=shutil.ignore_patterns(".lock"))
@@ -91,7 +91,7 @@ def test_keep_checkpoints_prunes_full_checkpoints(bf16_run: Path, tmp_path: Path
     from qerl_cli.manifest import RunDir
     from qerl_cli.train.checkpointing import latest_step
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     run = tmp_path / "run"
     shutil.copytree(bf16_run, run, ignore=shutil.ignore_patterns(".lock"))
@@ -108,7 +108,7 @@ def test_eval_scores_the_full_checkpoint_weights(bf16_run: Path, tmp_path: Path)
     from qerl_cli.manifest import sha256_file
     from qerl_cli.models import load_model
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     run = tmp_path / "run"
     shutil.copytree(bf16_run, run, ignore=shutil.ignore_patterns(".lock"))

@@ -343,7 +343,7 @@ def test_the_run_records_request_and_resolved_settings(tiny_run) -> None:
     plan's step estimate."""
     from qerl_cli.manifest import RunDir
     from qerl_cli.train.config import TrainConfig
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     cfg = TrainConfig(steps=1, batch_prompts=2, num_generations=2, max_completion_length=4, precision="fp32",
                       lora_rank=2, gpu_memory_gib=8.0, aqn=False, log_rollouts=False)
@@ -421,7 +421,7 @@ def test_bench_cell_refused_before_any_weight_is_built(tmp_path) -> None:
 def test_train_refuses_before_the_stage_and_the_load(run_dir) -> None:
     from qerl_cli.manifest import RunDir
     from qerl_cli.train.config import TrainConfig
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     cfg = TrainConfig(steps=1, batch_prompts=1, num_generations=2, max_completion_length=8, gpu_memory_gib=0.05)
     with pytest.raises(MemoryPlanError, match=r"--gpu-memory-gib"):

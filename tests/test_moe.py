@@ -270,7 +270,7 @@ def test_grouped_kernel_matches_the_per_expert_reference_forward_and_backward(fm
 def test_two_training_steps_resume_exactly_log_router_stats_and_eval(runs, tmp_path) -> None:
     from qerl_cli.eval.harness import run_eval
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     (tmp_path / "r.py").write_text("def reward(prompts, completions, answer=None, **kw):\n"
                                    "    return [(sum(map(ord, c or '')) % 7) / 6 for c in completions]\n")

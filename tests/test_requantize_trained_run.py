@@ -30,7 +30,7 @@ def trained_tiny(tiny_source: Path, tmp_path_factory) -> tuple[Path, Path]:
     """(the tiny model directory, a run quantized from it with one trained step)."""
     from qerl_cli.quantize import quantize_model
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     run = tmp_path_factory.mktemp("tiny_trained") / "run"
     quantize_model(run, str(tiny_source), fmt="nvfp4")

@@ -246,7 +246,7 @@ def test_resume_from_an_earlier_step_sets_later_work_aside_and_matches_the_unint
 # ---- preemption -----------------------------------------------------------------------------------------------
 def test_sigterm_checkpoints_the_step_in_flight_exits_143_and_resumes_exactly(setup: dict, tmp_path: Path) -> None:
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     run = copy_run(setup["base"], tmp_path / "run")
     # a generous grace period: on a loaded machine the step in flight must still count as finishing in time
@@ -281,7 +281,7 @@ def test_sigterm_past_the_grace_period_abandons_the_step_and_resumes_exactly(set
                                                                             monkeypatch) -> None:
     from qerl_cli.errors import Preempted
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     run = copy_run(setup["base"], tmp_path / "run")
     term = tmp_path / "term-now"

@@ -28,7 +28,7 @@ def trained(tiny_source, tmp_path_factory) -> Path:
     from qerl_cli.eval.harness import run_eval
     from qerl_cli.quantize import quantize_model
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     run = tmp_path_factory.mktemp("confine") / "run"
     quantize_model(run, str(tiny_source), fmt="nvfp4")

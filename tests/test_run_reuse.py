@@ -33,7 +33,7 @@ def trained(tiny_source, tmp_path_factory) -> Path:
     """A finished 3-step AQN run (3 stages: noise-free, sigma_start, sigma_end) of the tiny model in NVFP4."""
     from qerl_cli.quantize import quantize_model
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     run = tmp_path_factory.mktemp("reuse") / "run"
     quantize_model(run, str(tiny_source), fmt="nvfp4")
@@ -44,7 +44,7 @@ def trained(tiny_source, tmp_path_factory) -> Path:
 
 def test_resume_of_a_finished_run_is_refused_and_changes_nothing(trained: Path) -> None:
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     before = _manifest(trained)["stages"]["train"]
     with pytest.raises(QerlError, match=r"already finished: pass --steps N with N > 3 to extend it"):
@@ -56,7 +56,7 @@ def test_resume_of_a_finished_run_is_refused_and_changes_nothing(trained: Path) 
 
 def test_larger_steps_extends_a_finished_run_keeping_the_aqn_schedule(trained: Path, tmp_path: Path) -> None:
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     run = tmp_path / "run"
     shutil.copytree(trained, run, ignore=shutil.ignore_patterns(".lock"))
@@ -75,7 +75,7 @@ def test_larger_steps_extends_a_finished_run_keeping_the_aqn_schedule(trained: P
 def test_resume_on_a_requantized_base_is_refused(trained: Path, tiny_source, tmp_path: Path) -> None:
     from qerl_cli.quantize import quantize_model
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     run = tmp_path / "run"
     shutil.copytree(trained, run, ignore=shutil.ignore_patterns(".lock"))

@@ -158,7 +158,7 @@ def bad_reward_nan(prompts, completions, **kwargs):  # noqa: ANN001, ANN201
 @pytest.mark.parametrize("reward, needle", [("raises", "reward server down"), ("nan", "(?i)nan.*finite")])
 def test_bad_reward_functions_fail_cleanly(run_dir: Path, reward: str, needle: str) -> None:
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     path = Path(__file__).resolve()
     cfg = build_config("quick_cpu", {"steps": 1, "batch_prompts": 2, "num_generations": 2,
@@ -204,7 +204,7 @@ def test_fp16_uses_loss_scaling_and_mismatches_less_than_bf16(tiny_run: Path) ->
     below bf16's, the FP16-vs-BF16 paper's finding. On the tiny random Llama (the property is rounding, not the
     model: ~65x there, ~10x on the embedded model, whose 16-bit training costs ~50 s a step on 2 CPU cores)."""
     from qerl_cli.train.config import build_config
-    from qerl_cli.train.trainer import train
+    from qerl_cli.train.run import train
 
     run_dir = tiny_run
     k3 = {}

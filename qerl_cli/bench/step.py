@@ -61,9 +61,10 @@ from qerl_cli.errors import QerlError
 from qerl_cli.formats import FORMATS, REFERENCE, get_format, rollout_formats
 from qerl_cli.manifest import jsonable
 from qerl_cli.precision import dtype_of
+from qerl_cli.train.phases import CHECKPOINT, STEP_PHASES
 
-PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "requant", "checkpoint")
-MEM_PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "requant", "checkpoint")
+PHASES = STEP_PHASES  # timed, in order (train/phases.py)
+MEM_PHASES = STEP_PHASES  # each with its own peak memory
 PEAK_COLUMNS = ("rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")  # the table's peak-memory columns
 DEFAULT_FORMATS = ("bf16", "nvfp4", "nf4")
 PEERS = ("trl",)
@@ -163,19 +164,20 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
     for i in range(warmup + measure):
         t0 = trainer.clock()
         m = trainer.train_step()
+        rec = trainer.last_step  # the step's phases, typed (train/phases.py)
         reserved = torch.cuda.max_memory_reserved(trainer.device) / 2**30 if on_cuda else None
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(trainer.device)
         trainer.save()
         step_s = trainer.clock() - t0
         n_seq = trainer.cfg.batch_prompts * trainer.cfg.num_generations
-        row = {f"{p}_s": float(m.get(f"timing/{p}_s", 0.0)) for p in PHASES if p != "checkpoint"}
+        row = {f"{p}_s": rec.seconds(p) for p in PHASES if p != CHECKPOINT}
         row["checkpoint_s"] = trainer.last_checkpoint_s
         for part, secs in trainer.last_checkpoint_parts.items():  # the background checkpoint's critical path
             row[f"checkpoint_{part}_s"] = secs
         row["step_s"] = step_s
         row["other_s"] = step_s - sum(row[f"{p}_s"] for p in PHASES)
-        row["rollout_tokens"] = int(m["timing/rollout_tokens"])
+        row["rollout_tokens"] = int(rec.rollout_tokens)
         row["generated_tokens"] = int(round(m["completions/mean_length"] * n_seq))
         row["sequences"] = n_seq
         row["accuracy"] = m.get("accuracy")
@@ -183,14 +185,14 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
         row["reward"] = m.get("reward")
         for k in ("tokens", "padded_tokens", "attention_pairs", "loss_tokens"):
             row[f"batch_{k}"] = m.get(f"batch/{k}")
-        row["decode_steps"] = m.get("rollout/decode_steps")
-        row["pi_old_pass"] = m.get("timing/pi_old_pass", 1.0)  # 0: pi_old came from the update's own forward
-        row["rollout_decode_s"] = m.get("timing/rollout_decode_s")
-        row["rollout_prefill_s"] = m.get("timing/rollout_prefill_s")
+        row["decode_steps"] = rec.decode_steps
+        row["pi_old_pass"] = float(rec.pi_old_pass)  # 0: pi_old came from the update's own forward
+        row["rollout_decode_s"] = rec.rollout_decode_s
+        row["rollout_prefill_s"] = rec.rollout_prefill_s
         if on_cuda:
             for p in MEM_PHASES[:-1]:
-                row[f"mem_{p}_gb"] = m.get(f"memory/{p}_peak_gb")
-                row[f"end_{p}_gb"] = m.get(f"memory/{p}_end_gb")  # still allocated when the phase ended
+                row[f"mem_{p}_gb"] = rec.peak_gb(p)
+                row[f"end_{p}_gb"] = rec.end_gb(p)  # still allocated when the phase ended
             row["mem_checkpoint_gb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
             row["end_checkpoint_gb"] = torch.cuda.memory_allocated(trainer.device) / 2**30
             row["peak_gb"] = max(v for k, v in row.items() if k.startswith("mem_") and v is not None)
@@ -304,7 +306,7 @@ def bench_step(
     if memory_cap_gib is not None:  # the memory plan fits the step into the cap (unless --set says otherwise)
         overrides.setdefault("gpu_memory_gib", memory_cap_gib)
     cfg = build_bench_config(default_config(device, warmup, measure), overrides)
-    cfg.steps = warmup + measure  # the AQN schedule and the LR warm-up see exactly the steps run
+    cfg = dataclasses.replace(cfg, steps=warmup + measure)  # the AQN schedule and the LR warm-up see the steps run
     run, spec, fmts = _workload(run_dir, shape, formats, prompt_len, cfg, device)
     out = harness.out_dir(out_dir, run, "step")
     harness.cap_memory(device, memory_cap_gib)
@@ -413,8 +415,8 @@ def _format_cells(res: dict[str, Any], fmts: list[str], cfg: Any, overrides: dic
             cell_over.update(rollout_engine=engine, gpu_memory_utilization=vllm_memory)
         cell_cfg = cfg
         if cell_over != overrides:
-            cell_cfg = build_bench_config(default_config(device, warmup, measure), cell_over)
-            cell_cfg.steps = cfg.steps
+            cell_cfg = dataclasses.replace(build_bench_config(default_config(device, warmup, measure), cell_over),
+                                           steps=cfg.steps)
         backend = get_format(fmt).kernel_backend(device) + (
             f", rollouts {get_format(rollout_quant).kernel_backend(device)}" if rollout_quant else "") + (
             ", rollouts vLLM" if engine else "")

@@ -37,9 +37,11 @@ REQUANT_SCALES = ("fixed", "dynamic")
 FLASHRL_IS_CAP = 2.0  # FlashRL's token-TIS cap C
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
-    """Every knob of a run. Field names follow TRL's GRPOConfig where one exists."""
+    """Every knob of a run. Field names follow TRL's GRPOConfig where one exists. Frozen: the request as the user
+    made it; :meth:`resolved` returns a filled-in copy and the memory plan's choices live apart
+    (memory_plan.ResolvedSettings)."""
 
     algo: str = "grpo"
     task: str = "arith"
@@ -118,39 +120,25 @@ class TrainConfig:
     fsdp_offload: bool = False  # fsdp2: sharded weights, grads and AdamW state in pinned host memory
 
     def resolved(self) -> TrainConfig:
-        """Fill per-algorithm defaults so the manifest records what actually ran."""
-        c = dataclasses.replace(self)
-        if c.lr is None:
-            c.lr = 1e-5
-        if c.lora_alpha is None:
-            c.lora_alpha = 2 * c.lora_rank
-        if c.scale_rewards is None:
-            c.scale_rewards = "none" if c.algo == "dr_grpo" else "group"
-        if c.dynamic_sampling is None:
-            c.dynamic_sampling = c.algo == "dapo"
-        if c.max_episode_tokens is None and (c.tools or c.env):
-            c.max_episode_tokens = c.max_completion_length
-        if c.overlong_buffer is None:
-            # an episode's length is all of it, observations included (--max-episode-tokens)
-            c.overlong_buffer = (c.max_episode_tokens or c.max_completion_length) // 4 if c.algo == "dapo" else 0
-        if c.rollout_quant != "none" and c.requant_scales is None:
-            spec = FORMATS.get(c.rollout_quant)  # validated below; an unknown name gets validate()'s message
-            c.requant_scales = "fixed" if spec is not None and spec.fixed_scales else "dynamic"
-        if c.correction is None:
-            # FlashRL corrects its quantized rollouts with token TIS, C = 2, unless told otherwise
-            # --async-rollout samples with the policy one update old: the same correction
-            c.correction = "token_tis" if c.rollout_quant != "none" or c.async_rollout else "none"
-            if c.correction == "token_tis" and c.correction_cap is None:
-                c.correction_cap = FLASHRL_IS_CAP
-        if c.correction_cap is None and c.correction != "none":
-            from qerl_cli.train.corrections import DEFAULT_IS_CAP
-
-            c.correction_cap = DEFAULT_IS_CAP[c.correction]
+        """A copy with the per-algorithm defaults filled in, so the manifest records what actually ran; ``self`` is
+        left as asked (frozen). Each group of defaults reads the ones resolved before it."""
+        c = dataclasses.replace(
+            self,
+            lr=1e-5 if self.lr is None else self.lr,
+            lora_alpha=2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha,
+            scale_rewards=self.scale_rewards if self.scale_rewards is not None else (
+                "none" if self.algo == "dr_grpo" else "group"),
+            dynamic_sampling=self.algo == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling,
+            max_episode_tokens=self.max_completion_length if self.max_episode_tokens is None and (
+                self.tools or self.env) else self.max_episode_tokens)
+        c = dataclasses.replace(c, overlong_buffer=_resolved_overlong_buffer(c), requant_scales=_resolved_requant(c))
+        c = dataclasses.replace(c, **_resolved_correction(c))
         from qerl_cli.train.losses import DEFAULT_CLIP, resolve_clip
 
-        if c.algo in DEFAULT_CLIP:
-            c.epsilon, c.epsilon_high = resolve_clip(c.algo, c.epsilon, c.epsilon_high)
-        return c
+        if c.algo not in DEFAULT_CLIP:
+            return c
+        epsilon, epsilon_high = resolve_clip(c.algo, c.epsilon, c.epsilon_high)
+        return dataclasses.replace(c, epsilon=epsilon, epsilon_high=epsilon_high)
 
     def validate(self) -> None:
         """Every field on its own (check_value), then the rules between fields; a QerlError names the flag."""
@@ -208,6 +196,36 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _resolved_overlong_buffer(c: TrainConfig) -> int | None:
+    """DAPO's overlong buffer: a quarter of the length (an episode's is all of it, observations included)."""
+    if c.overlong_buffer is not None:
+        return c.overlong_buffer
+    return (c.max_episode_tokens or c.max_completion_length) // 4 if c.algo == "dapo" else 0
+
+
+def _resolved_requant(c: TrainConfig) -> str | None:
+    """Fixed scales where the rollout format calibrates once, else dynamic (an unknown name: validate() says)."""
+    if c.rollout_quant == "none" or c.requant_scales is not None:
+        return c.requant_scales
+    spec = FORMATS.get(c.rollout_quant)
+    return "fixed" if spec is not None and spec.fixed_scales else "dynamic"
+
+
+def _resolved_correction(c: TrainConfig) -> dict[str, Any]:
+    """The importance correction and its cap: FlashRL corrects its quantized rollouts with token TIS, C = 2, and
+    --async-rollout (sampled by the policy one update old) the same, unless told otherwise."""
+    correction, cap = c.correction, c.correction_cap
+    if correction is None:
+        correction = "token_tis" if c.rollout_quant != "none" or c.async_rollout else "none"
+        if correction == "token_tis" and cap is None:
+            cap = FLASHRL_IS_CAP
+    if cap is None and correction != "none":
+        from qerl_cli.train.corrections import DEFAULT_IS_CAP
+
+        cap = DEFAULT_IS_CAP[correction]
+    return {"correction": correction, "correction_cap": cap}
 
 
 FIELD_NAMES = {f.name for f in dataclasses.fields(TrainConfig)}

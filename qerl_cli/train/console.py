@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from qerl_cli.train.config import TrainConfig
+from qerl_cli.train.phases import RECOMPUTE, ROLLOUT, SETUP, STEP_PHASES, timing_key
 from qerl_cli.train.presets import PresetChoice
 
 LEAD = (
@@ -54,7 +55,7 @@ MEASURED_STEP_S = {
     "gpu_arith": MeasuredStep(3.7, 512, "one H100, 2026-11-27: 40 steps in 148 s", on_cuda=True),
 }
 # the phases a step reports on the console: rollout, then the update (recompute + forward/backward + optimizer)
-PHASE_LABELS = {"rollout": "rollout", "recompute": "update"}
+PHASE_LABELS = {ROLLOUT: "rollout", RECOMPUTE: "update"}
 
 
 def reference_step(preset: str | None, on_cuda: bool) -> MeasuredStep | None:
@@ -96,7 +97,7 @@ class TrainConsole:
         self.progress = Progress(TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                  TextColumn("{task.fields[phase]}"), TextColumn("ETA {task.fields[eta]}"),
                                  console=console)
-        self.task_id = self.progress.add_task("train", total=cfg.steps, phase="setup", eta="-")
+        self.task_id = self.progress.add_task("train", total=cfg.steps, phase=SETUP, eta="-")
         self.first = self.last = None  # type: dict[str, Any] | None
         self.t0 = time.perf_counter()
         # before this run has timed a step: the preset's measured step, scaled by the sequences per step
@@ -170,7 +171,7 @@ class TrainConsole:
 
     def phase(self, name: str) -> None:
         now = time.perf_counter()
-        if name == "aqn" and self.step_t0 is None:  # the first step's first phase
+        if name == STEP_PHASES[0] and self.step_t0 is None:  # the first step's first phase
             self.step_t0 = now
         label = PHASE_LABELS.get(name)
         if label is None:
@@ -188,8 +189,8 @@ class TrainConsole:
         if m is None:
             return None
         if label == "rollout":
-            return m.get("timing/rollout_s")
-        return (m.get("timing/recompute_s") or 0.0) + (m.get("timing/train_s") or 0.0)
+            return m.get(timing_key(ROLLOUT))
+        return (m.get(timing_key(RECOMPUTE)) or 0.0) + (m.get("timing/train_s") or 0.0)
 
     def update(self, metrics: dict[str, Any]) -> None:
         now = time.perf_counter()

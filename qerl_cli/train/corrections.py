@@ -121,57 +121,16 @@ def is_weights(
     set to 0); both keys are always present (0 where the kind cannot truncate/mask). The fractions
     count tokens for token kinds and sequences (with at least one token) for sequence kinds.
     """
-    if kind not in IS_KINDS:
-        raise QerlError(
-            f"unknown importance-sampling correction {kind!r}; choose one of {', '.join(IS_KINDS)}"
-        )
-    c = DEFAULT_IS_CAP[kind] if cap is None else float(cap)
-    if c <= 0:
-        raise QerlError(f"importance-sampling cap must be positive, got {c}")
-    if kind in ("token_mis", "geo_mis"):
-        low = 1.0 / c if lo is None else float(lo)
-        if low > c:
-            raise QerlError(f"lower bound {low} is above the cap {c}: every weight would be masked")
-    elif lo is not None:
-        raise QerlError(f"lo only applies to token_mis and geo_mis, not {kind}")
+    c, low = _is_bounds(kind, cap, lo)
     pi, mu, valid, m = _prepare(train_logp, rollout_logp, mask)
     log_rho = (pi - mu) * m
-    lengths = m.sum(-1)
-    has = lengths > 0
-    truncated = masked = torch.zeros((), dtype=torch.float64)
-
     if kind == "none":
-        w = torch.ones_like(log_rho)
+        w, truncated, masked = torch.ones_like(log_rho), _ZERO, _ZERO
     elif kind in ("token_tis", "token_mis"):
-        rho = torch.exp(log_rho)
-        n = m.sum().clamp(min=1.0)
-        if kind == "token_tis":
-            w = torch.clamp(rho, max=c)
-            truncated = ((rho > c).double() * m).sum() / n
-        else:
-            keep = (rho >= low) & (rho <= c)
-            w = torch.where(keep, rho, torch.zeros_like(rho))
-            masked = ((~keep).double() * m).sum() / n
+        w, truncated, masked = _token_weights(kind, log_rho, m, c, low)
     else:
-        seq_log = log_rho.sum(-1)
-        n_seq = has.double().sum().clamp(min=1.0)
-        if kind == "seq_tis":
-            w_seq = torch.exp(torch.clamp(seq_log, max=math.log(c)))
-            truncated = ((seq_log > math.log(c)) & has).double().sum() / n_seq
-        elif kind == "seq_mis":
-            keep = seq_log <= math.log(c)
-            # exp only where kept: a masked sequence's rho(y) may overflow.
-            w_seq = torch.where(
-                keep, torch.exp(torch.clamp(seq_log, max=math.log(c))), torch.zeros_like(seq_log)
-            )
-            masked = ((~keep) & has).double().sum() / n_seq
-        else:
-            g_log = seq_log / lengths.clamp(min=1.0)
-            keep = (g_log >= math.log(low)) & (g_log <= math.log(c))
-            w_seq = torch.where(keep, torch.exp(g_log), torch.zeros_like(g_log))
-            masked = ((~keep) & has).double().sum() / n_seq
+        w_seq, truncated, masked = _sequence_weights(kind, log_rho, m, c, low)
         w = w_seq[:, None].expand_as(log_rho)
-
     w = w * m
     if valid.any():
         vals = w[valid]
@@ -187,6 +146,61 @@ def is_weights(
         "sampling/is_masked_frac": float(masked),
     }
     return w.to(out_dtype).contiguous(), metrics
+
+
+_ZERO = torch.zeros((), dtype=torch.float64)  # a fraction the kind cannot truncate or mask
+
+
+def _is_bounds(kind: str, cap: float | None, lo: float | None) -> tuple[float, float | None]:
+    """The checked cap C and (MIS kinds) lower bound of ``kind``."""
+    if kind not in IS_KINDS:
+        raise QerlError(
+            f"unknown importance-sampling correction {kind!r}; choose one of {', '.join(IS_KINDS)}"
+        )
+    c = DEFAULT_IS_CAP[kind] if cap is None else float(cap)
+    if c <= 0:
+        raise QerlError(f"importance-sampling cap must be positive, got {c}")
+    if kind in ("token_mis", "geo_mis"):
+        low = 1.0 / c if lo is None else float(lo)
+        if low > c:
+            raise QerlError(f"lower bound {low} is above the cap {c}: every weight would be masked")
+        return c, low
+    if lo is not None:
+        raise QerlError(f"lo only applies to token_mis and geo_mis, not {kind}")
+    return c, None
+
+
+def _token_weights(kind: str, log_rho: torch.Tensor, m: torch.Tensor, c: float,
+                   low: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """token_tis / token_mis: per-token weights, and the fractions of tokens truncated and masked."""
+    rho = torch.exp(log_rho)
+    n = m.sum().clamp(min=1.0)
+    if kind == "token_tis":
+        return torch.clamp(rho, max=c), ((rho > c).double() * m).sum() / n, _ZERO
+    keep = (rho >= low) & (rho <= c)
+    return torch.where(keep, rho, torch.zeros_like(rho)), _ZERO, ((~keep).double() * m).sum() / n
+
+
+def _sequence_weights(kind: str, log_rho: torch.Tensor, m: torch.Tensor, c: float,
+                      low: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """seq_tis / seq_mis / geo_mis: one weight per sequence, and the fractions of sequences (with at least one
+    token) truncated and masked."""
+    lengths = m.sum(-1)
+    has = lengths > 0
+    seq_log = log_rho.sum(-1)
+    n_seq = has.double().sum().clamp(min=1.0)
+    if kind == "seq_tis":
+        w_seq = torch.exp(torch.clamp(seq_log, max=math.log(c)))
+        return w_seq, ((seq_log > math.log(c)) & has).double().sum() / n_seq, _ZERO
+    if kind == "seq_mis":
+        keep = seq_log <= math.log(c)
+        # exp only where kept: a masked sequence's rho(y) may overflow.
+        w_seq = torch.where(keep, torch.exp(torch.clamp(seq_log, max=math.log(c))), torch.zeros_like(seq_log))
+        return w_seq, _ZERO, ((~keep) & has).double().sum() / n_seq
+    g_log = seq_log / lengths.clamp(min=1.0)
+    keep = (g_log >= math.log(low)) & (g_log <= math.log(c))
+    w_seq = torch.where(keep, torch.exp(g_log), torch.zeros_like(g_log))
+    return w_seq, _ZERO, ((~keep) & has).double().sum() / n_seq
 
 
 __all__ = ["DEFAULT_IS_CAP", "IS_KINDS", "is_weights", "mismatch_metrics"]

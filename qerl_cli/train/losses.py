@@ -16,6 +16,7 @@ padded -inf log-prob cannot turn the loss or its gradient into NaN. Arithmetic r
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -106,6 +107,30 @@ def policy_loss(
     A > 0); ``kl`` (mean k3 over tokens) when beta != 0; for pg_seq_*: ``seq_is/rho_mean|min|max``
     (after the cap) and ``seq_is/capped_frac``.
     """
+    _check_loss_inputs(algo, logp, old_logp, advantages, mask, is_weights=is_weights, ref_logp=ref_logp, beta=beta,
+                       rollout_logp=rollout_logp, loss_normalizer=loss_normalizer)
+    t = _TokenView.of(logp, old_logp, advantages, mask)
+    metrics: dict[str, float] = {}
+    if algo in CLIPPED_ALGOS:
+        per_token = _clipped_per_token(algo, t, epsilon, epsilon_high, metrics)
+    else:
+        per_token = _seq_is_per_token(algo, t, rollout_logp, seq_is_cap, metrics)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach().to(t.dt)
+    if beta != 0.0:
+        assert ref_logp is not None
+        ref = torch.where(t.valid, ref_logp.detach().to(t.dt), t.zero)
+        d = ref - t.lp
+        k3 = torch.exp(d) - d - 1.0
+        per_token = per_token + beta * k3
+        metrics["kl"] = ((k3.detach() * t.m).sum() / t.total_tok).item()
+    per_token = per_token * t.m
+    return _aggregate(algo, per_token, t, loss_normalizer, max_completion_length), metrics
+
+
+def _check_loss_inputs(algo: str, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                       mask: torch.Tensor, *, is_weights: torch.Tensor | None, ref_logp: torch.Tensor | None,
+                       beta: float, rollout_logp: torch.Tensor | None, loss_normalizer: float | None) -> None:
     if algo not in ALGOS:
         raise QerlError(f"unknown loss algorithm {algo!r}; choose one of {', '.join(ALGOS)}")
     if logp.dim() != 2:
@@ -121,98 +146,108 @@ def policy_loss(
     if loss_normalizer is not None and loss_normalizer <= 0:
         raise QerlError(f"loss_normalizer must be positive, got {loss_normalizer}")
 
-    dt = torch.promote_types(logp.dtype, torch.float32)
-    valid = mask.bool()
-    m = valid.to(dt)
-    zero = torch.zeros((), dtype=dt, device=logp.device)
-    lp = torch.where(valid, logp.to(dt), zero)
-    old = torch.where(valid, old_logp.detach().to(dt), zero)
-    adv = advantages.detach().to(dt).reshape(-1)
-    A = adv[:, None]
-    n_tok = m.sum(-1)  # [B]
-    total_tok = m.sum().clamp(min=1.0)
-    batch = shape[0]
-    metrics: dict[str, float] = {}
 
-    if algo in CLIPPED_ALGOS:
-        eps_lo, eps_hi = resolve_clip(algo, epsilon, epsilon_high)
-        if algo == "gspo":
-            seq_log_ratio = ((lp - old) * m).sum(-1) / n_tok.clamp(min=1.0)
-            ratio = torch.exp(seq_log_ratio.detach())[:, None] * torch.exp(lp - lp.detach())
-        else:
-            ratio = torch.exp(lp - old)
-        per_token = -torch.minimum(ratio * A, ratio.clamp(1.0 - eps_lo, 1.0 + eps_hi) * A)
+@dataclass(frozen=True)
+class _TokenView:
+    """The loss's inputs in its compute dtype (at least fp32), padding zeroed: ``lp`` (with gradient), ``old`` and
+    ``adv`` (detached), the mask ``m`` and its token counts per sequence and in all."""
 
-        r = ratio.detach()
-        low = (r < 1.0 - eps_lo) & (A < 0)
-        high = (r > 1.0 + eps_hi) & (A > 0)
-        if algo == "gspo":
-            # The ratio is one value per sequence: count sequences (with at least one token).
-            has_tok = (n_tok > 0).to(dt)
-            denom = has_tok.sum().clamp(min=1.0)
-            low_f = (low[:, 0].to(dt) * has_tok).sum() / denom
-            high_f = (high[:, 0].to(dt) * has_tok).sum() / denom
-            region_f = ((low | high)[:, 0].to(dt) * has_tok).sum() / denom
-        else:
-            low_f = (low.to(dt) * m).sum() / total_tok
-            high_f = (high.to(dt) * m).sum() / total_tok
-            region_f = ((low | high).to(dt) * m).sum() / total_tok
-        metrics["clip_ratio"] = region_f.item()
-        metrics["clip_ratio/region_mean"] = region_f.item()
-        metrics["clip_ratio/low_mean"] = low_f.item()
-        metrics["clip_ratio/high_mean"] = high_f.item()
+    dt: torch.dtype
+    valid: torch.Tensor
+    m: torch.Tensor
+    zero: torch.Tensor
+    lp: torch.Tensor
+    old: torch.Tensor
+    adv: torch.Tensor
+    n_tok: torch.Tensor
+    total_tok: torch.Tensor
+
+    @classmethod
+    def of(cls, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+           mask: torch.Tensor) -> _TokenView:
+        dt = torch.promote_types(logp.dtype, torch.float32)
+        valid = mask.bool()
+        m = valid.to(dt)
+        zero = torch.zeros((), dtype=dt, device=logp.device)
+        return cls(dt, valid, m, zero, torch.where(valid, logp.to(dt), zero),
+                   torch.where(valid, old_logp.detach().to(dt), zero), advantages.detach().to(dt).reshape(-1),
+                   m.sum(-1), m.sum().clamp(min=1.0))
+
+
+def _clipped_per_token(algo: str, t: _TokenView, epsilon: float | None, epsilon_high: float | None,
+                       metrics: dict[str, float]) -> torch.Tensor:
+    """The clipped surrogate per token (GSPO: on the sequence ratio) and the clip fractions."""
+    eps_lo, eps_hi = resolve_clip(algo, epsilon, epsilon_high)
+    A = t.adv[:, None]
+    if algo == "gspo":
+        seq_log_ratio = ((t.lp - t.old) * t.m).sum(-1) / t.n_tok.clamp(min=1.0)
+        ratio = torch.exp(seq_log_ratio.detach())[:, None] * torch.exp(t.lp - t.lp.detach())
     else:
-        if rollout_logp is None:
-            raise QerlError(f"{algo} needs rollout_logp (the rollout engine's sampled-token log-probs)")
-        cap = seq_is_cap
-        if cap is None and algo == "pg_seq_tis":
-            cap = DEFAULT_SEQ_TIS_CAP
-        if cap is not None and cap <= 0:
-            raise QerlError(f"seq_is_cap must be positive, got {cap}")
-        mu = torch.where(valid, rollout_logp.detach().to(dt), zero)
-        log_rho = ((old - mu) * m).sum(-1)
-        if cap is not None:
-            capped = log_rho > math.log(cap)
-            log_rho = torch.clamp(log_rho, max=math.log(cap))
-        else:
-            capped = torch.zeros_like(log_rho, dtype=torch.bool)
-        rho = torch.exp(log_rho)
-        per_token = -(rho * adv)[:, None] * lp
-        metrics["seq_is/rho_mean"] = rho.mean().item()
-        metrics["seq_is/rho_min"] = rho.min().item()
-        metrics["seq_is/rho_max"] = rho.max().item()
-        metrics["seq_is/capped_frac"] = capped.to(dt).mean().item()
+        ratio = torch.exp(t.lp - t.old)
+    per_token = -torch.minimum(ratio * A, ratio.clamp(1.0 - eps_lo, 1.0 + eps_hi) * A)
+    r = ratio.detach()
+    low = (r < 1.0 - eps_lo) & (A < 0)
+    high = (r > 1.0 + eps_hi) & (A > 0)
+    if algo == "gspo":
+        # The ratio is one value per sequence: count sequences (with at least one token).
+        has_tok = (t.n_tok > 0).to(t.dt)
+        denom = has_tok.sum().clamp(min=1.0)
+        low_f = (low[:, 0].to(t.dt) * has_tok).sum() / denom
+        high_f = (high[:, 0].to(t.dt) * has_tok).sum() / denom
+        region_f = ((low | high)[:, 0].to(t.dt) * has_tok).sum() / denom
+    else:
+        low_f = (low.to(t.dt) * t.m).sum() / t.total_tok
+        high_f = (high.to(t.dt) * t.m).sum() / t.total_tok
+        region_f = ((low | high).to(t.dt) * t.m).sum() / t.total_tok
+    metrics["clip_ratio"] = region_f.item()
+    metrics["clip_ratio/region_mean"] = region_f.item()
+    metrics["clip_ratio/low_mean"] = low_f.item()
+    metrics["clip_ratio/high_mean"] = high_f.item()
+    return per_token
 
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach().to(dt)
-    if beta != 0.0:
-        assert ref_logp is not None
-        ref = torch.where(valid, ref_logp.detach().to(dt), zero)
-        d = ref - lp
-        k3 = torch.exp(d) - d - 1.0
-        per_token = per_token + beta * k3
-        metrics["kl"] = ((k3.detach() * m).sum() / total_tok).item()
-    per_token = per_token * m
 
+def _seq_is_per_token(algo: str, t: _TokenView, rollout_logp: torch.Tensor | None, seq_is_cap: float | None,
+                      metrics: dict[str, float]) -> torch.Tensor:
+    """PG-Seq-IS per token: -sg(rho(y)) A log pi(y_t), rho capped for pg_seq_tis; rho's statistics."""
+    if rollout_logp is None:
+        raise QerlError(f"{algo} needs rollout_logp (the rollout engine's sampled-token log-probs)")
+    cap = seq_is_cap
+    if cap is None and algo == "pg_seq_tis":
+        cap = DEFAULT_SEQ_TIS_CAP
+    if cap is not None and cap <= 0:
+        raise QerlError(f"seq_is_cap must be positive, got {cap}")
+    mu = torch.where(t.valid, rollout_logp.detach().to(t.dt), t.zero)
+    log_rho = ((t.old - mu) * t.m).sum(-1)
+    if cap is not None:
+        capped = log_rho > math.log(cap)
+        log_rho = torch.clamp(log_rho, max=math.log(cap))
+    else:
+        capped = torch.zeros_like(log_rho, dtype=torch.bool)
+    rho = torch.exp(log_rho)
+    metrics["seq_is/rho_mean"] = rho.mean().item()
+    metrics["seq_is/rho_min"] = rho.min().item()
+    metrics["seq_is/rho_max"] = rho.max().item()
+    metrics["seq_is/capped_frac"] = capped.to(t.dt).mean().item()
+    return -(rho * t.adv)[:, None] * t.lp
+
+
+def _aggregate(algo: str, per_token: torch.Tensor, t: _TokenView, loss_normalizer: float | None,
+               max_completion_length: int | None) -> torch.Tensor:
+    """The scalar loss from the masked per-token losses, normalised as ``algo`` does (see :func:`policy_loss`)."""
+    batch, positions = per_token.shape
     if algo in ("grpo", "gspo"):
-        seq = per_token.sum(-1) / n_tok.clamp(min=1.0)
-        loss = seq.sum() / (loss_normalizer if loss_normalizer is not None else batch)
-    elif algo == "dapo":
-        loss = per_token.sum() / (loss_normalizer if loss_normalizer is not None else total_tok)
-    elif algo == "dr_grpo":
-        if loss_normalizer is None:
-            if max_completion_length is None or max_completion_length < 1:
-                raise QerlError("dr_grpo needs max_completion_length (its constant loss normaliser)")
-            if shape[1] > max_completion_length:
-                raise QerlError(
-                    f"completions have {shape[1]} positions but max_completion_length is "
-                    f"{max_completion_length}"
-                )
-            loss_normalizer = float(batch * max_completion_length)
-        loss = per_token.sum() / loss_normalizer
-    else:
-        loss = per_token.sum() / (loss_normalizer if loss_normalizer is not None else batch)
-    return loss, metrics
+        seq = per_token.sum(-1) / t.n_tok.clamp(min=1.0)
+        return seq.sum() / (loss_normalizer if loss_normalizer is not None else batch)
+    if algo == "dapo":
+        return per_token.sum() / (loss_normalizer if loss_normalizer is not None else t.total_tok)
+    if algo == "dr_grpo" and loss_normalizer is None:
+        if max_completion_length is None or max_completion_length < 1:
+            raise QerlError("dr_grpo needs max_completion_length (its constant loss normaliser)")
+        if positions > max_completion_length:
+            raise QerlError(f"completions have {positions} positions but max_completion_length is "
+                            f"{max_completion_length}")
+        loss_normalizer = float(batch * max_completion_length)
+    return per_token.sum() / (loss_normalizer if loss_normalizer is not None else batch)
 
 
 def token_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:

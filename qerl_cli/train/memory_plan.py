@@ -69,6 +69,16 @@ from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import QerlError
 from qerl_cli.precision import dtype_of
 from qerl_cli.train.model_dims import PROJECTION_GROUPS, ModelDims
+from qerl_cli.train.phases import (
+    AQN,
+    CHECKPOINT,
+    FWD_BWD,
+    OPTIMIZER,
+    PLANNED_MEMORY,
+    RECOMPUTE,
+    ROLLOUT,
+    SETUP,
+)
 from qerl_cli.train.step_cost import Base, DeviceRates, Setting, Workload, default_rates, estimate_step
 
 GIB = 2**30
@@ -81,7 +91,7 @@ RUNNER_UPS = 5  # the plan records this many of the next fastest settings that f
 FRAGMENTATION_SHARE = 0.10
 ENGINE_PREFILL_TOKENS = 8192  # the builtin engine's max_prefill_tokens
 CACHE_ALIGN = 64  # the builtin engine rounds the cache length up to this
-PHASES = ("setup", "aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")
+PHASES = PLANNED_MEMORY  # the phases it estimates a peak for, in order (train/phases.py)
 
 
 class MemoryPlanError(QerlError):
@@ -252,14 +262,14 @@ class MemoryPlan:
         static = self.weights + self.lora_params + self.optimizer_state
         train = static + self.grads + cache
         return {
-            "setup": self.weights + self.lora_params,
-            "aqn": static + cache + self.aqn,
-            "rollout": static + self.shadows + self.kv_cache + self.rollout,
-            "recompute": static + cache + self.logprob_kept + max(self.logprob_chunk, self.recompute + self.dequant),
-            "fwd_bwd": train + self.activations + self.logprob_kept + max(self.logprob_chunk,
-                                                                          self.layer_backward + self.dequant),
-            "optimizer": train + self.optimizer_step,
-            "checkpoint": static + cache,
+            SETUP: self.weights + self.lora_params,
+            AQN: static + cache + self.aqn,
+            ROLLOUT: static + self.shadows + self.kv_cache + self.rollout,
+            RECOMPUTE: static + cache + self.logprob_kept + max(self.logprob_chunk, self.recompute + self.dequant),
+            FWD_BWD: train + self.activations + self.logprob_kept + max(self.logprob_chunk,
+                                                                        self.layer_backward + self.dequant),
+            OPTIMIZER: train + self.optimizer_step,
+            CHECKPOINT: static + cache,
         }
 
     @property

@@ -23,6 +23,7 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.train import checkpointing as ck
+from qerl_cli.train.phases import REQUANT
 
 
 class TrainingMode:
@@ -91,9 +92,9 @@ class TrainingMode:
             self.full.sync_()
         if self.rollout_quant is None:
             return {}
-        self.t.enter_phase("requant")
+        self.t.enter_phase(REQUANT)
         metrics = dict(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
-        self.t.record_phase_peak(metrics, "requant")  # sharded: one gathered layer at a time on top of the rest
+        self.t.record_phase_peak(metrics, REQUANT)  # sharded: one gathered layer at a time on top of the rest
         return metrics
 
     # ---- save -----------------------------------------------------------------------------------

@@ -34,8 +34,9 @@ import math
 from dataclasses import dataclass, field
 
 from qerl_cli.train.model_dims import ModelDims
+from qerl_cli.train.phases import AQN, CHECKPOINT, FWD_BWD, OPTIMIZER, OTHER, PLANNED_TIME, RECOMPUTE, ROLLOUT
 
-PHASES = ("aqn", "rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint", "other")
+PHASES = PLANNED_TIME  # the phases it estimates seconds for, in order (train/phases.py)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -256,13 +257,13 @@ def estimate_step(base: Base, work: Workload, setting: Setting, rates: DeviceRat
     optimizer = cal.optimizer_fixed_s + n_lora * cal.optimizer_param_s + (
         16 * n_lora / (cal.offload_gbps * 1e9) if setting.optimizer_offload else 0.0)
     phases = {
-        "aqn": base.dims.layers * cal.aqn_layer_s,
-        "rollout": _rollout(base, work, setting, rates, cal),
-        "recompute": recompute,
-        "fwd_bwd": n_mb * _combine(train_gpu, train_host, cal),
-        "optimizer": optimizer,
-        "checkpoint": cal.checkpoint_fixed_s + 12 * n_lora / (cal.checkpoint_gbps * 1e9),
-        "other": cal.other_s,
+        AQN: base.dims.layers * cal.aqn_layer_s,
+        ROLLOUT: _rollout(base, work, setting, rates, cal),
+        RECOMPUTE: recompute,
+        FWD_BWD: n_mb * _combine(train_gpu, train_host, cal),
+        OPTIMIZER: optimizer,
+        CHECKPOINT: cal.checkpoint_fixed_s + 12 * n_lora / (cal.checkpoint_gbps * 1e9),
+        OTHER: cal.other_s,
     }
     parts = {"train_gpu_s": n_mb * train_gpu, "train_host_s": n_mb * train_host, "micro_batches": n_mb}
     return StepEstimate(phases, parts)

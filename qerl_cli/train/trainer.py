@@ -1,5 +1,6 @@
-"""The RL loop: rollout (builtin engine on the live adapters, AQN-noised norms) -> rewards -> advantages
--> log-prob recompute and mismatch metrics -> clipped policy loss -> optimizer step -> log, checkpoint.
+"""The RL step: rollout (builtin engine on the live adapters, AQN-noised norms) -> rewards -> advantages
+-> log-prob recompute and mismatch metrics -> clipped policy loss -> optimizer step -> log, checkpoint, each a
+named phase (train/phases.py). The run around the steps (setup, resume, stop, the manifest) is train/run.py.
 
 Everything a run needs comes from the run directory that `qerl quantize` wrote. Resume is exact: the
 rollout seed of step N is a function of (seed, N), the data order of (seed, epoch), and the AQN noise
@@ -8,14 +9,10 @@ stream, optimizer, scheduler, scaler and RNG states are restored from the checkp
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,62 +20,41 @@ from typing import Any
 import torch
 
 from qerl_cli.device import pick as pick_device
-from qerl_cli.errors import Preempted, QerlError
+from qerl_cli.errors import QerlError
 from qerl_cli.manifest import RunDir
 from qerl_cli.metricsfile import append_metrics, read_metrics, write_metrics
 from qerl_cli.moe import router_metrics
 from qerl_cli.precision import dtype_of, uses_loss_scaling
 from qerl_cli.runlayout import (
-    base_fingerprint,
-    checkpoints_dir,
     metrics_path,
     model_files,
     quantized_model_dir,
     rollouts_dir,
-    train_dir,
 )
 from qerl_cli.train import checkpointing
 from qerl_cli.train.batch import RolloutBatch, build_batch
 from qerl_cli.train.checkpointing import CheckpointWriter, NoCheckpointError, resolve_checkpoint
 from qerl_cli.train.config import TrainConfig
+from qerl_cli.train.corrections import is_weights
 from qerl_cli.train.logprobs import sampled_logprobs
+from qerl_cli.train.losses import policy_loss
 from qerl_cli.train.modes import TrainingMode
+from qerl_cli.train.phases import (
+    AQN,
+    CHECKPOINT,
+    FWD_BWD,
+    OPTIMIZER,
+    RECOMPUTE,
+    ROLLOUT,
+    SETUP,
+    TRAIN_PHASES,
+    StepRecord,
+    end_key,
+    peak_key,
+    timing_key,
+)
+from qerl_cli.train.prompt_stream import PromptStream
 from qerl_cli.train.step_backend import LogProbs, StepBackend
-
-
-@dataclass
-class PromptStream:
-    """Seeded, resumable order over the task's examples: a fresh permutation every epoch."""
-
-    size: int
-    seed: int
-    epoch: int = 0
-    index: int = 0
-    _perm: list[int] = field(default_factory=list)
-
-    def _permutation(self) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(self.size, generator=g).tolist()
-
-    def take(self, n: int) -> list[int]:
-        out = []
-        while len(out) < n:
-            if not self._perm:
-                self._perm = self._permutation()
-            if self.index >= self.size:
-                self.epoch += 1
-                self.index = 0
-                self._perm = self._permutation()
-            out.append(self._perm[self.index])
-            self.index += 1
-        return out
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def load(self, state: dict[str, int]) -> None:
-        self.epoch, self.index = state["epoch"], state["index"]
-        self._perm = self._permutation()
 
 
 def nonfinite_cause(cfg: TrainConfig) -> str:
@@ -131,102 +107,6 @@ def rollout_seed(seed: int, step: int, round_: int) -> int:
     return (seed * 1_000_003 + step * 7919 + round_ * 104_729) % (2**31 - 1)
 
 
-class GracefulStop:
-    """Stop requests at a step boundary: Ctrl-C (SIGINT) and SIGTERM (what SLURM, Kubernetes and spot instances
-    send before they kill a job). Before :meth:`loop` (model loading) either signal interrupts at once.
-
-    Ctrl-C: the step in flight finishes, a checkpoint is written, exit 130; a second Ctrl-C interrupts at once.
-    SIGTERM: the step in flight may finish within ``grace_s`` seconds (``--sigterm-grace-s``) and is then
-    checkpointed; past that, or at a second SIGTERM, the step is abandoned (:class:`Preempted` is raised inside
-    it, so nothing of it is logged or saved) and the previous checkpoint stays the one `--resume` continues
-    from. Either way the stage is recorded `interrupted` and `qerl train` exits 143. ``can_abandon`` is off for
-    data-parallel ranks: they can only stop together (agreed before each step), so their step always finishes.
-    """
-
-    def __init__(self, grace_s: float = 0.0, *, can_abandon: bool = True) -> None:
-        self.grace_s = grace_s
-        self.can_abandon = can_abandon
-        self.requested = False
-        self.preempted = False
-        self.in_step = False
-        self.looping = False  # set by loop(): before it (setup), a signal interrupts at once
-        self._old: dict[int, Any] = {}
-        self._timer: threading.Timer | None = None
-        self._main = threading.main_thread().ident
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        if self.requested or not self.looping:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        first = not self.preempted
-        self.requested = self.preempted = True
-        if not self.looping:  # still setting up: nothing to finish or save
-            raise Preempted("preempted (SIGTERM) while setting up, before any step: run the same command with "
-                            "--resume to continue")
-        if first and self.can_abandon and self.grace_s > 0:
-            # the grace period's end is a second SIGTERM to this (main) thread: it also wakes a blocking call
-            self._timer = threading.Timer(self.grace_s, self._expire)
-            self._timer.daemon = True
-            self._timer.start()
-        if self.in_step and self.can_abandon and (not first or self.grace_s <= 0):
-            raise Preempted("abandoned")
-
-    def _expire(self) -> None:
-        if self.in_step and self._main is not None:
-            signal.pthread_kill(self._main, signal.SIGTERM)
-
-    def loop(self) -> None:
-        """From here on a stop request waits for the step boundary."""
-        self.looping = True
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        """Hold SIGINT/SIGTERM back for a short block that must not stop halfway (they arrive after it)."""
-        signals = {signal.SIGINT, signal.SIGTERM}
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-        try:
-            yield
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Around one train step: the span a SIGTERM past its grace period abandons."""
-        self.in_step = True
-        try:
-            yield
-        finally:
-            self.in_step = False
-
-    def __enter__(self) -> GracefulStop:
-        with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
-            self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
-            self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.in_step = False
-        if self._timer is not None:  # never a SIGTERM from the timer once the default handler is back
-            self._timer.cancel()
-            self._timer.join()
-        for signum, old in self._old.items():
-            signal.signal(signum, old)
-
-
-@dataclass
-class TrainResult:
-    run: Path
-    steps_done: int
-    metrics: list[dict[str, Any]]
-    checkpoint: Path | None
-    stopped_early: bool = False
-
-
 class Trainer:
     def __init__(self, run: RunDir, cfg: TrainConfig, *, device: str | None = None) -> None:
         self.run = run
@@ -249,8 +129,9 @@ class Trainer:
         self.rates: Any = None  # the device's rates for the plan's cost model (a bench passes measured ones)
         # the phase running now (`qerl bench step` names it when a step runs out of memory) and a callback as each
         # phase starts (the console's progress lines)
-        self.phase = "setup"
+        self.phase = SETUP
         self.on_phase: Callable[[str], None] | None = None
+        self.last_step: StepRecord | None = None  # the last step's phases, typed (train/phases.py)
         self.keep_rollout_cache = False  # set by setup(): the builtin engine keeps its KV cache between steps
         self.backend: StepBackend  # set by setup()
         self.metrics_path = metrics_path(run)
@@ -280,41 +161,69 @@ class Trainer:
         replaces ``cfg.task`` and ``reward_fn`` the task's reward. ``model_dir``: the checkpoint of an
         injected model, for a rollout engine that serves its own copy (``--rollout-engine vllm``).
         """
-        from qerl_cli.models import load_model
-        from qerl_cli.rollout import make_engine
-        from qerl_cli.tasks import get_reward, load_task
-        from qerl_cli.train.aqn import AQN
+        torch.manual_seed(self.cfg.seed)
+        self._cap_gpu_memory()
+        base = self._load_base(model, tokenizer, model_dir, prompt_ids)
+        weights = self._resident_weights(base)
+        self._check_full_precision(base)
+        self.model, self.params = self.mode.build(base)
+        self._load_task(task, reward_fn, prompt_ids)
+        self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
+        self._build_engine()
+        self._build_optimizer()
+        self.step = 0
+        # local or data-parallel: chosen once here, so train_step has no branch on it (train/step_backend.py)
+        from qerl_cli.train.distributed import make_backend
+
+        self.backend = make_backend(self, self.dist, sharded_model=self.mode.sharded)
+        self.extended_from: int | None = None  # a finished run's steps, when --resume --steps extends it
+
+    def _cap_gpu_memory(self) -> None:
+        """--gpu-memory-gib: the cap the memory plan fits into, enforced."""
         from qerl_cli.train.memory_plan import device_capacity
 
-        c = self.cfg
-        torch.manual_seed(c.seed)
-        on_cuda = self.device.type == "cuda"
-        if on_cuda and c.gpu_memory_gib is not None:  # the cap the memory plan fits into, enforced
-            cap, total = device_capacity(self.device, c.gpu_memory_gib)
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
+        if self.device.type != "cuda" or self.cfg.gpu_memory_gib is None:
+            return
+        cap, total = device_capacity(self.device, self.cfg.gpu_memory_gib)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
+
+    def _load_base(self, model: torch.nn.Module | None, tokenizer: Any, model_dir: Path | None,
+                   prompt_ids: list[list[int]] | None) -> torch.nn.Module:
+        """The run's quantized model (planned before a weight is loaded: a run that cannot fit is refused first), or
+        the injected one (planned from its config when its format and prompts are known)."""
+        from qerl_cli.models import load_model
+
         if model is None:
             self.model_dir = quantized_model_dir(self.run)
-            if self.memory_plan is None:  # refused here, before a weight is loaded, when the run cannot fit
+            if self.memory_plan is None:
                 self.plan_run_memory()
             base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device,
                                               expected_sha256=model_files(self.run) or None)
-        else:
-            base, self.tokenizer = model, tokenizer
-            self.model_dir = model_dir
-            fmt = getattr(base, "qerl_format", None)
-            if self.memory_plan is None and fmt is not None and prompt_ids is not None:
-                self.plan_memory(base.config, fmt, prompt_tokens=max(len(p) for p in prompt_ids))
-        weights = self._resident_weights(base)
+            return base
+        self.tokenizer, self.model_dir = tokenizer, model_dir
+        fmt = getattr(model, "qerl_format", None)
+        if self.memory_plan is None and fmt is not None and prompt_ids is not None:
+            self.plan_memory(model.config, fmt, prompt_tokens=max(len(p) for p in prompt_ids))
+        return model
+
+    def _check_full_precision(self, base: torch.nn.Module) -> None:
+        """Full fine-tuning and FlashRL's rollout copy start from unquantized weights."""
+        c = self.cfg
         if c.finetune == "full" or c.rollout_quant != "none":
             from qerl_cli.train.rollout_quant import check_full_precision_base
 
             check_full_precision_base(base, "--finetune full" if c.finetune == "full" else "--rollout-quant")
-        self.model, self.params = self.mode.build(base)
-        level = c.task_level
+
+    def _load_task(self, task: Any, reward_fn: Callable[..., Any] | None, prompt_ids: list[list[int]] | None) -> None:
+        """The task, its reward, the prompts as token ids, their stream and (--tools/--env) the episodes."""
+        from qerl_cli.tasks import get_reward, load_task
+        from qerl_cli.tools.episodes import episodes_from_config
+
+        c = self.cfg
         self.task = task if task is not None else load_task(
             c.task, split="train", shots=c.shots, chat_template=c.chat_template, tokenizer=self.tokenizer,
-            seed=c.seed, level=level, tools=c.tools)
+            seed=c.seed, level=c.task_level, tools=c.tools)
         if not self.task.examples:
             raise QerlError(f"task {self.task.name} has no training examples")
         self.reward_name = c.reward or self.task.reward
@@ -324,26 +233,39 @@ class Trainer:
         if len(self.prompt_ids) != len(self.task.examples):
             raise QerlError(f"{len(self.prompt_ids)} prompt id lists for {len(self.task.examples)} task examples")
         self.stream = PromptStream(len(self.task.examples), c.seed)
-        from qerl_cli.tools.episodes import episodes_from_config
-
         # multi-turn episodes with --tools/--env (docs/tools.md), or None
         self.episodes = episodes_from_config(c, self.tokenizer)
+
+    def _build_engine(self) -> None:
+        """The rollout engine on the mode's rollout model, sized by the memory plan's settings."""
+        from qerl_cli.rollout import make_engine
+
         max_len = max(len(p) for p in self.prompt_ids) + self.completion_tokens + 1
-        self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
         rollout_model = self.mode.rollout_model()
         # the builtin engine keeps its KV cache, LoRA shadows and CUDA graphs across steps when the plan says so:
         # re-allocating and re-capturing them every step costs the step's rollout its bench speed
         run = self.settings
         self.keep_rollout_cache = run.keep_rollout_cache
-        if c.async_rollout and self.device.type == "cuda" and not run.keep_rollout_cache:
-            raise QerlError("--async-rollout keeps the rollout's KV cache beside the training step, and the memory "
-                            "plan found no room for it: drop --async-rollout or lower --batch-prompts")
-        if c.async_rollout and self.dist.enabled:
-            raise QerlError("--async-rollout runs on one process (its rollout thread would interleave the ranks' "
-                            "collectives): drop it or run without torchrun")
-        self.engine = make_engine(c.rollout_engine, rollout_model, self.tokenizer, max_batch_slots=run.kv_slots,
+        self._check_async_rollout()
+        self.engine = make_engine(self.cfg.rollout_engine, rollout_model, self.tokenizer, max_batch_slots=run.kv_slots,
                                   max_model_len=max_len, gpu_memory_utilization=run.gpu_memory_utilization,
                                   dtype=self.dtype, model_dir=self.model_dir)
+
+    def _check_async_rollout(self) -> None:
+        if not self.cfg.async_rollout:
+            return
+        if self.device.type == "cuda" and not self.settings.keep_rollout_cache:
+            raise QerlError("--async-rollout keeps the rollout's KV cache beside the training step, and the memory "
+                            "plan found no room for it: drop --async-rollout or lower --batch-prompts")
+        if self.dist.enabled:
+            raise QerlError("--async-rollout runs on one process (its rollout thread would interleave the ranks' "
+                            "collectives): drop it or run without torchrun")
+
+    def _build_optimizer(self) -> None:
+        """AQN's noise schedule, the optimizer, its LR schedule (linear warm-up) and the fp16 loss scaler."""
+        from qerl_cli.train.aqn import AQN
+
+        c = self.cfg
         self.aqn = (AQN(self.mode.aqn_model(), c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
                         stages=c.aqn_stages, seed=c.seed) if c.aqn else None)
         self.optimizer = self._make_optimizer(**self.mode.optimizer_options())
@@ -351,12 +273,6 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=uses_loss_scaling(c.precision))
-        self.step = 0
-        # local or data-parallel: chosen once here, so train_step has no branch on it (train/step_backend.py)
-        from qerl_cli.train.distributed import make_backend
-
-        self.backend = make_backend(self, self.dist, sharded_model=self.mode.sharded)
-        self.extended_from: int | None = None  # a finished run's steps, when --resume --steps extends it
 
     # ---- the memory plan (train/memory_plan.py) and what it decides ----------------------------------------
     def plan_memory(self, model_config: Any, fmt: str, *, prompt_tokens: int, stored: int | None = None,
@@ -525,8 +441,8 @@ class Trainer:
     def record_phase_peak(self, metrics: dict[str, Any], phase: str) -> None:
         """Record this phase's CUDA peak (and what stays allocated after it) and restart the count for the next."""
         if self.device.type == "cuda":
-            metrics[f"memory/{phase}_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            metrics[f"memory/{phase}_end_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
+            metrics[peak_key(phase)] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics[end_key(phase)] = torch.cuda.memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None,
@@ -581,31 +497,40 @@ class Trainer:
         return raw, shaped
 
     def train_step(self) -> dict[str, Any]:
-        """One RL step: this step's rollouts (collected now, or with --async-rollout during the previous update),
-        then the update on them."""
+        """One RL step, phase by phase: this step's rollouts (AQN's noise draw and the rollout, now, or with
+        --async-rollout during the previous update), then the update on them (recompute, fwd_bwd, optimizer,
+        requant). The step's metrics; :attr:`last_step` holds the same measurements typed."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        rollouts = self.take_rollouts()
+        self.start_next_rollouts()
+        return self.update_on(rollouts)
+
+    def take_rollouts(self) -> Rollouts:
+        """This step's rollouts: those --async-rollout collected during the previous update, else collected now."""
         if self.pending is not None:
             rollouts, self.pending = self.pending.take(), None
-        else:
-            rollouts = self.collect_rollouts(self.step, self.rollout_noise(self.step))
+            return rollouts
+        return self.collect_rollouts(self.step, self.rollout_noise(self.step))
+
+    def start_next_rollouts(self) -> None:
+        """--async-rollout: the next step's rollouts start in a thread, beside this step's update."""
         if self.cfg.async_rollout and self.step + 1 < self.cfg.steps:
             from qerl_cli.train.async_rollout import BackgroundRollouts
 
             self.pending = BackgroundRollouts(self, self.step + 1)
-        return self.update_on(rollouts)
 
     def rollout_noise(self, step: int) -> dict[str, torch.Tensor] | None:
         """AQN's noisy norm weights for ``step``'s rollout policy (None without AQN); its metrics kept for the step."""
-        self.enter_phase("aqn")
+        self.enter_phase(AQN)
         ta = self.clock()
         overrides = None
         self.noise_metrics = {}
         if self.aqn is not None:
             overrides = self.aqn.noisy_norm_weights(step)
             self.noise_metrics = dict(self.aqn.last_metrics)
-        self.noise_metrics["timing/aqn_s"] = self.clock() - ta
-        self.record_phase_peak(self.noise_metrics, "aqn")
+        self.noise_metrics[timing_key(AQN)] = self.clock() - ta
+        self.record_phase_peak(self.noise_metrics, AQN)
         return overrides
 
     def collect_rollouts(self, step: int, overrides: dict[str, torch.Tensor] | None, *,
@@ -614,85 +539,91 @@ class Trainer:
         ``concurrent``: in --async-rollout's thread, while the model trains (no phase callbacks or peaks);
         ``policy``: the updates the sampling adapters had seen (default: this trainer's step)."""
         policy = self.step if policy is None else policy
-        from qerl_cli.train.advantages import DynamicSampler
-
-        c = self.cfg
-        g = c.num_generations
         metrics: dict[str, Any] = dict(self.noise_metrics)
         if not concurrent:
-            self.enter_phase("rollout")
+            self.enter_phase(ROLLOUT)
         t0 = time.perf_counter()
         self.rollout_step, self.rollout_concurrent = step, concurrent
-        groups: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]] = []
-        rollout_timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0.0}
-        sampler = DynamicSampler(c.batch_prompts, g, max_refill_rounds=c.max_refill_rounds) if c.dynamic_sampling \
-            else None
-        round_ = 0
-        busy = [0.0] * self.backend.world_size
-        while True:
-            need = c.batch_prompts if sampler is None else sampler.needed
-            indices = self.stream.take(need)
-            # every process gets the whole round in prompt order (however the backend split the work)
-            res = self.backend.rollout_round(indices, round_, overrides)
-            raw, shaped = res.raw, res.shaped
-            busy = [a + b for a, b in zip(busy, res.busy_s, strict=True)]
-            for k in rollout_timing:
-                rollout_timing[k] += float(res.timings.get(k, 0.0))
-            new_groups = [(indices[p], res.samples[p * g:(p + 1) * g], raw[p * g:(p + 1) * g],
-                           shaped[p * g:(p + 1) * g]) for p in range(len(indices))]
-            if sampler is None:
-                groups = new_groups
-                break
-            sampler.add(shaped, new_groups)
-            round_ += 1
-            if sampler.done:
-                groups, ds_stats = sampler.result()
-                metrics.update(ds_stats)
-                break
+        groups, busy, timing = self._rollout_rounds(overrides, metrics)
         if self.device.type == "cuda" and not self.keep_rollout_cache:
             self.engine.release()
         t_rollout = (self.clock() if not concurrent else time.perf_counter()) - t0
         if not concurrent:
-            self.record_phase_peak(metrics, "rollout")
+            self.record_phase_peak(metrics, ROLLOUT)
         metrics.update(self.backend.step_metrics(busy))
         if not groups:
             raise QerlError("dynamic sampling kept no group (every group had equal rewards); raise "
                             "--max-refill-rounds or lower the task difficulty")
-        metrics["timing/rollout_s"] = t_rollout
-        metrics["timing/rollout_tokens_per_s"] = rollout_timing["tokens"] / max(t_rollout, 1e-9)
-        metrics["timing/rollout_tokens"] = rollout_timing["tokens"]
-        # the engine's own split: prefill (with the first token) and decode; decode steps = token steps of the batch
-        metrics["timing/rollout_prefill_s"] = rollout_timing["prefill_s"]
-        metrics["timing/rollout_decode_s"] = rollout_timing["decode_s"]
-        metrics["rollout/decode_steps"] = rollout_timing["decode_steps"]
+        metrics.update(rollout_metrics(t_rollout, timing))
         return Rollouts(step, policy, groups, metrics)
 
-    def update_on(self, rollouts: Rollouts) -> dict[str, Any]:
-        """The update on one step's rollouts: advantages, the batch, pi_old, forward/backward, optimizer; the step's
-        metrics."""
-        from qerl_cli.train.advantages import group_advantages
+    def _rollout_rounds(self, overrides: dict[str, torch.Tensor] | None,
+                        metrics: dict[str, Any]) -> tuple[list[Group], list[float], dict[str, float]]:
+        """One round of rollouts, or with dynamic sampling as many as refill the batch (its statistics go into
+        ``metrics``): the groups, each process's busy seconds, and the engine's timings summed over the rounds."""
+        from qerl_cli.train.advantages import DynamicSampler
 
         c = self.cfg
         g = c.num_generations
-        on_cuda = self.device.type == "cuda"
-        groups = rollouts.groups
+        sampler = DynamicSampler(c.batch_prompts, g, max_refill_rounds=c.max_refill_rounds) if c.dynamic_sampling \
+            else None
+        timing = {"tokens": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0.0}
+        busy = [0.0] * self.backend.world_size
+        round_ = 0
+        while True:
+            indices = self.stream.take(c.batch_prompts if sampler is None else sampler.needed)
+            # every process gets the whole round in prompt order (however the backend split the work)
+            res = self.backend.rollout_round(indices, round_, overrides)
+            busy = [a + b for a, b in zip(busy, res.busy_s, strict=True)]
+            for k in timing:
+                timing[k] += float(res.timings.get(k, 0.0))
+            new_groups = [(indices[p], res.samples[p * g:(p + 1) * g], res.raw[p * g:(p + 1) * g],
+                           res.shaped[p * g:(p + 1) * g]) for p in range(len(indices))]
+            if sampler is None:
+                return new_groups, busy, timing
+            sampler.add(res.shaped, new_groups)
+            round_ += 1
+            if sampler.done:
+                groups, ds_stats = sampler.result()
+                metrics.update(ds_stats)
+                return groups, busy, timing
+
+    def update_on(self, rollouts: Rollouts) -> dict[str, Any]:
+        """The update on one step's rollouts, phase by phase: advantages and the batch, pi_old (recompute), the
+        policy update (fwd_bwd, optimizer, requant); the step's metrics."""
         metrics: dict[str, Any] = {"step": self.step + 1, **self.plan_metrics, **rollouts.metrics}
         metrics["rollout/policy_lag"] = float(self.step - rollouts.policy)  # 1 with --async-rollout (after step 1)
-        samples = [s for _, ss, _, _ in groups for s in ss]
+        samples = [s for _, ss, _, _ in rollouts.groups for s in ss]
+        adv = self.advantages(rollouts.groups, metrics)
+        batch = self.make_batch(rollouts.groups, samples, metrics)
+        old, t_recompute = self.recompute(batch, metrics)
+        t_train = self.policy_update(batch, old, adv, samples, metrics)
+        self.end_step(metrics, t_recompute, t_train)
+        self._log_rollouts(rollouts.groups, adv, metrics["step"])
+        self.last_step = StepRecord.from_metrics(metrics)
+        return metrics
+
+    def advantages(self, groups: list[Group], metrics: dict[str, Any]) -> torch.Tensor:
+        """Group-relative advantages of the shaped rewards; accuracy and mean of the raw ones."""
+        from qerl_cli.train.advantages import group_advantages
+
         raw = torch.cat([r for _, _, r, _ in groups])
         shaped = torch.cat([s for _, _, _, s in groups])
-        adv, adv_stats = group_advantages(shaped, g, c.scale_rewards)
+        adv, adv_stats = group_advantages(shaped, self.cfg.num_generations, self.cfg.scale_rewards)
         metrics.update(adv_stats)
         metrics["accuracy"] = (raw >= 1.0 - 1e-6).float().mean().item()
         metrics["reward/raw_mean"] = raw.mean().item()
+        return adv
 
+    def make_batch(self, groups: list[Group], samples: list[Any], metrics: dict[str, Any]) -> RolloutBatch:
+        """The padded training batch of the samples, on the device; its lengths and token counts."""
         # an environment's reset() text makes an episode's prompt its own (tools/episodes.py)
         prompt_ids = [s.prompt_token_ids or self.prompt_ids[idx] for idx, ss, _, _ in groups for s in ss]
         truncated = [s.finish_reason == "length" for s in samples]
         pad = getattr(self.tokenizer, "pad_token_id", None)
         pad = 0 if pad is None else pad
         batch = build_batch(prompt_ids, [s.token_ids for s in samples], [s.logprobs for s in samples], truncated,
-                            pad, mask_truncated=c.mask_truncated_completions,
+                            pad, mask_truncated=self.cfg.mask_truncated_completions,
                             model_masks=None if self.episodes is None else [s.model_mask() for s in samples],
                             ).to(self.device)
         if self.episodes is not None:
@@ -703,40 +634,47 @@ class Trainer:
         metrics["completions/max_length"] = lengths.max().item()
         metrics["completions/clipped_ratio"] = batch.truncated.float().mean().item()
         metrics.update(batch_token_metrics(batch))
+        return batch
 
-        # -- pi_old: the update forward's own log-probs (one optimizer step per batch, so pi_old is the policy the
-        # update starts from); a separate no-grad pass only where it is needed (reference model, LoRA dropout, asked)
-        self.enter_phase("recompute")
+    def recompute(self, batch: RolloutBatch, metrics: dict[str, Any]) -> tuple[OldPolicy, float]:
+        """pi_old: the update forward's own log-probs (one optimizer step per batch, so pi_old is the policy the
+        update starts from); a separate no-grad pass only where it is needed (reference model, LoRA dropout,
+        asked). What it computed and its seconds."""
+        self.enter_phase(RECOMPUTE)
         t1 = self.clock()
-        valid = batch.sampled  # the model's tokens: an episode's observations are no policy's samples
         old = self.old_pass(batch)
-        t_recompute = self.clock() - t1
+        seconds = self.clock() - t1
         metrics["timing/pi_old_pass"] = float(old.old is not None or old.ref is not None)
-        self.record_phase_peak(metrics, "recompute")
+        self.record_phase_peak(metrics, RECOMPUTE)
+        return old, seconds
 
-        # -- policy update (forward+backward, then optimizer: timed apart inside _update)
-        self.enter_phase("fwd_bwd")
+    def policy_update(self, batch: RolloutBatch, old: OldPolicy, adv: torch.Tensor, samples: list[Any],
+                      metrics: dict[str, Any]) -> float:
+        """Forward+backward, then the optimizer (timed apart inside :meth:`_update`), then what the rollout reads
+        brought up to the new weights (the mode's requant); the seconds of all of it."""
+        self.enter_phase(FWD_BWD)
         t2 = self.clock()
+        valid = batch.sampled  # the model's tokens: an episode's observations are no policy's samples
         loss_metrics, own = self._update(batch, old, adv.to(self.device), valid)
         metrics.update(loss_metrics)
         old_logp, entropies = (old.old, old.entropies) if old.old is not None else own
         metrics.update(self.sampling_metrics(batch, samples, old_logp, entropies, valid))
         metrics.update(router_metrics(self.model))  # a mixture of experts' routing in this update (router/*)
         metrics.update(self.mode.after_update())
-        t_train = self.clock() - t2
-        if on_cuda:
-            metrics["memory/train_peak_gb"] = max(metrics.get(f"memory/{p}_peak_gb", 0.0)
-                                                  for p in ("fwd_bwd", "optimizer", "requant"))
+        return self.clock() - t2
 
+    def end_step(self, metrics: dict[str, Any], t_recompute: float, t_train: float) -> None:
+        """Count the step; its learning rate, the update's times and the step's memory peaks."""
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            metrics["memory/train_peak_gb"] = max(metrics.get(peak_key(p), 0.0) for p in TRAIN_PHASES)
         self.step += 1
         metrics["lr"] = self.scheduler.get_last_lr()[0]
-        metrics["timing/recompute_s"] = t_recompute
+        metrics[timing_key(RECOMPUTE)] = t_recompute
         metrics["timing/train_s"] = t_train
         if on_cuda:
             metrics["memory/peak_gb"] = max(v for k, v in metrics.items()
                                             if k.startswith("memory/") and k.endswith("_peak_gb"))
-        self._log_rollouts(groups, adv, metrics["step"])
-        return metrics
 
     def forward_no_grad(self, batch: RolloutBatch, with_ref: bool, with_old: bool = True) -> LogProbs:
         """pi_old (and reference, adapters off) log-probs and entropies of `batch`, without gradients; without
@@ -780,7 +718,7 @@ class Trainer:
     def sampling_metrics(self, batch: RolloutBatch, samples: list[Any], old_logp: torch.Tensor,
                          entropies: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
         """Mismatch between the rollout's mu and pi_old, the IS-weight statistics, and the entropies."""
-        from qerl_cli.train.corrections import is_weights, mismatch_metrics
+        from qerl_cli.train.corrections import mismatch_metrics
 
         c = self.cfg
         metrics = mismatch_metrics(old_logp, batch.rollout_logp, valid)
@@ -798,17 +736,10 @@ class Trainer:
         batch's, so the ranks' summed gradients are the 1-process gradient). Without a pi_old pass (``old.old``
         None) each micro-batch's own detached log-probs are pi_old and give its IS weights; they come back with
         the entropies, gathered over the whole batch, for the step's metrics."""
-        from qerl_cli.train.corrections import is_weights
-        from qerl_cli.train.losses import policy_loss
-
-        c = self.cfg
         bsz = batch.input_ids.shape[0]
-        normalizer = {"dapo": batch.mask.sum().clamp(min=1).item(),
-                      "dr_grpo": float(bsz * self.completion_tokens)}.get(c.algo, float(bsz))
         own = old.old is None
-        isw = None
-        if not own and c.correction != "none":
-            isw = is_weights(c.correction, old.old, batch.rollout_logp, valid, cap=c.correction_cap)[0]
+        isw = None if own or self.cfg.correction == "none" else self._is_weights(old.old, batch.rollout_logp, valid)
+        normalizer = self._loss_normalizer(batch)
         self.model.train()
         t_fb = self.clock()
         self.optimizer.zero_grad(set_to_none=True)
@@ -816,45 +747,66 @@ class Trainer:
         total_loss = 0.0
         own_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         for micro in self.backend.update_micro_batches(bsz, self.micro_batch_size):
-            sl = micro.rows
-            part = batch.rows(sl)
-            logp, ent = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens,
-                                         packed=c.pack_sequences, backend=c.logprob_backend, with_entropy=own)
-            if own:
-                old_part = logp.detach()
-                isw_part = None if c.correction == "none" else is_weights(
-                    c.correction, old_part, part.rollout_logp, valid[sl], cap=c.correction_cap)[0]
-            else:
-                old_part, isw_part = old.old[sl], None if isw is None else isw[sl]
-            loss, m = policy_loss(
-                c.algo, logp, old_part, adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
-                max_completion_length=self.completion_tokens, is_weights=isw_part,
-                ref_logp=None if old.ref is None else old.ref[sl], beta=c.beta, rollout_logp=part.rollout_logp,
-                loss_normalizer=normalizer)
-            if not torch.isfinite(loss):
-                raise self.nonfinite(f"the loss became {loss.item()}")
-            if not micro.counts:  # a stand-in pass: it runs only so that the ranks' collectives match
-                loss = loss * 0.0
-            self.scaler.scale(loss).backward()
+            loss, m, own_part = self._micro_batch(batch, micro, old, isw, adv, valid, normalizer)
             if not micro.counts:
                 continue
-            if own:
-                own_parts.append((old_part, ent))
-            total_loss += loss.item()
-            w = sl.stop - sl.start
+            if own_part is not None:
+                own_parts.append(own_part)
+            total_loss += loss
+            w = micro.rows.stop - micro.rows.start
             for k, v in m.items():
                 agg[k] = agg.get(k, 0.0) + v * w / bsz
         self.backend.reduce_gradients(self.params)  # nothing to do on one process
         total_loss, agg = self.backend.reduce_loss_metrics(total_loss, agg)
         t_opt = self.clock()
-        agg["timing/fwd_bwd_s"] = t_opt - t_fb
-        self.record_phase_peak(agg, "fwd_bwd")
+        agg[timing_key(FWD_BWD)] = t_opt - t_fb
+        self.record_phase_peak(agg, FWD_BWD)
         agg.update(self._optimizer_step())
-        agg["timing/optimizer_s"] = self.clock() - t_opt
-        self.record_phase_peak(agg, "optimizer")
+        agg[timing_key(OPTIMIZER)] = self.clock() - t_opt
+        self.record_phase_peak(agg, OPTIMIZER)
         self.model.eval()
         agg["loss"] = total_loss
         return agg, (self.backend.gather_rows(own_parts, batch) if own else None)
+
+    def _micro_batch(self, batch: RolloutBatch, micro: Any, old: OldPolicy, isw: torch.Tensor | None,
+                     adv: torch.Tensor, valid: torch.Tensor, normalizer: float,
+                     ) -> tuple[float, dict[str, float], tuple[torch.Tensor, torch.Tensor] | None]:
+        """Forward and backward of one micro-batch: its loss (0 for a stand-in pass), its loss metrics, and without
+        a pi_old pass its own detached log-probs (its pi_old) and entropies."""
+        c = self.cfg
+        sl = micro.rows
+        part = batch.rows(sl)
+        own = old.old is None
+        logp, ent = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens,
+                                     packed=c.pack_sequences, backend=c.logprob_backend, with_entropy=own)
+        if own:
+            old_part = logp.detach()
+            isw_part = None if c.correction == "none" else self._is_weights(old_part, part.rollout_logp, valid[sl])
+        else:
+            old_part, isw_part = old.old[sl], None if isw is None else isw[sl]
+        loss, m = policy_loss(
+            c.algo, logp, old_part, adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
+            max_completion_length=self.completion_tokens, is_weights=isw_part,
+            ref_logp=None if old.ref is None else old.ref[sl], beta=c.beta, rollout_logp=part.rollout_logp,
+            loss_normalizer=normalizer)
+        if not torch.isfinite(loss):
+            raise self.nonfinite(f"the loss became {loss.item()}")
+        if not micro.counts:  # a stand-in pass: it runs only so that the ranks' collectives match
+            loss = loss * 0.0
+        self.scaler.scale(loss).backward()
+        if not micro.counts:
+            return 0.0, m, None
+        return loss.item(), m, (old_part, ent) if own else None
+
+    def _is_weights(self, old_logp: torch.Tensor, rollout_logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The importance weights of --correction (pi_old over the rollout's mu), capped."""
+        return is_weights(self.cfg.correction, old_logp, rollout_logp, valid, cap=self.cfg.correction_cap)[0]
+
+    def _loss_normalizer(self, batch: RolloutBatch) -> float:
+        """What the summed token losses are divided by: DAPO's tokens, Dr. GRPO's fixed length, else sequences."""
+        bsz = batch.input_ids.shape[0]
+        return {"dapo": batch.mask.sum().clamp(min=1).item(),
+                "dr_grpo": float(bsz * self.completion_tokens)}.get(self.cfg.algo, float(bsz))
 
     def nonfinite(self, what: str) -> NonFiniteLoss:
         """The error that stops a step with a NaN/inf, after the previous step's checkpoint write (if one is in
@@ -866,7 +818,7 @@ class Trainer:
         """Clip, step (skipped by the fp16 scaler when its gradients overflowed), schedule. A non-finite gradient
         or update stops the run here, before anything of this step is logged or checkpointed."""
         c = self.cfg
-        self.enter_phase("optimizer")
+        self.enter_phase(OPTIMIZER)
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))
@@ -925,7 +877,7 @@ class Trainer:
     def save(self, *, background: bool | None = None) -> Path:
         """Checkpoint this step (the mode writes it); ``background`` (default: ``cfg.async_checkpoint``, where the
         mode allows it) copies the state to host memory now and writes it in a thread while the caller goes on."""
-        self.enter_phase("checkpoint")
+        self.enter_phase(CHECKPOINT)
         return self.mode.save(self.cfg.async_checkpoint if background is None else background)
 
     def trainer_state(self) -> dict[str, Any]:
@@ -944,12 +896,24 @@ class Trainer:
 
 
 
+def rollout_metrics(seconds: float, timing: dict[str, float]) -> dict[str, float]:
+    """The rollout phase's seconds and throughput, and the engine's own split: prefill (with the first token) and
+    decode; decode steps = token steps of the batch."""
+    return {timing_key(ROLLOUT): seconds, "timing/rollout_tokens_per_s": timing["tokens"] / max(seconds, 1e-9),
+            "timing/rollout_tokens": timing["tokens"], "timing/rollout_prefill_s": timing["prefill_s"],
+            "timing/rollout_decode_s": timing["decode_s"], "rollout/decode_steps": timing["decode_steps"]}
+
+
 def batch_token_metrics(batch: RolloutBatch) -> dict[str, float]:
     """What the training forwards compute on: real tokens, padded positions, causal attention pairs (for FLOPs)."""
     n = batch.attention_mask.sum(dim=1).double()
     return {"batch/tokens": float(n.sum()), "batch/padded_tokens": float(batch.attention_mask.numel()),
             "batch/attention_pairs": float((n * (n + 1) / 2).sum()),
             "batch/loss_tokens": float((batch.mask > 0).sum())}
+
+
+# one prompt's group: its index, its samples, their raw and shaped rewards
+Group = tuple[int, list[Any], torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -959,7 +923,7 @@ class Rollouts:
 
     step: int
     policy: int  # the updates the adapters that sampled them had seen
-    groups: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]]
+    groups: list[Group]
     metrics: dict[str, Any]
 
 
@@ -999,235 +963,3 @@ def read_trainer_state(run: RunDir, ckpt: Path) -> dict[str, Any]:
         return checkpointing.load_checkpoint(ckpt)
     except checkpointing.CheckpointDamaged as err:
         raise QerlError(checkpointing.damaged_message(run, err, "resume")) from err
-
-
-def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, Any]:
-    step = checkpointing.checkpoint_step(ckpt)  # a background write finishes after the trainer moved on
-    return {**checkpointing.checkpoint_outputs(run, ckpt), "metrics": run.rel(trainer.metrics_path),
-            "steps_done": step if step is not None else trainer.step}
-
-
-def _check_resumable(run: RunDir, trainer: Trainer, model: dict[str, Any], resume_from: str | None = None,
-                     *, verify: bool = True) -> tuple[Path, dict[str, Any]] | None:
-    """`--resume` / `--resume-from step_N` checks, before the stage starts (a refusal leaves the manifest's train
-    record as it was): the metrics file, the checkpoint to continue from, verified file by file (``verify``: rank 0
-    only, which stops every rank when it refuses; N ranks hashing a sharded checkpoint N times would gain nothing),
-    its trainer state and settings (``cfg`` resolved); None when plain `--resume` finds no checkpoint (the run
-    starts over)."""
-    read_metrics(metrics_path(run))  # a damaged line is refused here, not after the stage began
-    if resume_from is not None:
-        ckpt = resolve_checkpoint(run, resume_from)
-        if ckpt is None:
-            raise QerlError("--resume-from needs a step_N checkpoint (base is not one): train a new --run instead")
-    else:
-        try:
-            ckpt = resolve_checkpoint(run, "latest")
-        except NoCheckpointError:
-            return None
-        assert ckpt is not None
-    if verify:
-        checkpointing.require_intact(run, ckpt, "resume")
-    state = read_trainer_state(run, ckpt)
-    cfg = trainer.cfg
-    check_resume_settings(cfg, ckpt, state, trainer.mode)
-    done = int(state["step"])
-    trained_on = (run.record("train") or {}).get("inputs", {}).get("model")
-    if trained_on and trained_on.get("files") and base_fingerprint(trained_on) != base_fingerprint(model):
-        raise QerlError(f"the checkpoints in {train_dir(run)} were trained on another base model than {run.path}'s "
-                        "current one (re-quantized since): train in a new --run directory")
-    if done >= cfg.steps:
-        more = "already finished" if done == cfg.steps else f"is at step {done}, past --steps {cfg.steps}"
-        raise QerlError(f"the training run in {run.path} {more}: pass --steps N with N > {done} to extend it "
-                        "(AQN keeps its schedule; the added steps run at --aqn-sigma-end)")
-    return ckpt, state
-
-
-def set_aside_after(run: RunDir, step: int, metrics_path: Path, rollouts_dir: Path) -> dict[str, Any]:
-    """`--resume-from step_N`: move what the run wrote after step N (later checkpoints, their rollouts and
-    metrics lines) into ``train/checkpoints.abandoned-<time>/``, never deleting it; what the manifest records."""
-    dest = checkpointing.abandoned_dir(run)
-    moved = checkpointing.set_aside_checkpoints_after(run, step, dest)
-    rows = read_metrics(metrics_path)  # a torn last line (a killed trainer) is dropped: its step was never saved
-    later_lines = [r for r in rows if r["step"] > step]
-    if later_lines:
-        dest.mkdir(parents=True, exist_ok=True)
-        write_metrics(dest / metrics_path.name, later_lines)
-        write_metrics(metrics_path, [r for r in rows if r["step"] <= step])
-    rollouts = []
-    for p in sorted(rollouts_dir.glob("step_*.jsonl")) if rollouts_dir.is_dir() else []:
-        if p.stem[5:].isdigit() and int(p.stem[5:]) > step:
-            (dest / rollouts_dir.name).mkdir(parents=True, exist_ok=True)
-            p.rename(dest / rollouts_dir.name / p.name)
-            rollouts.append(p.name)
-    return {"checkpoint": checkpointing.checkpoint_name(step),
-            "set_aside": run.rel(dest) if dest.exists() else None, "checkpoints": moved,
-            "metrics_lines": len(later_lines), "rollout_files": len(rollouts)}
-
-
-def _start(run: RunDir, trainer: Trainer, rec: Any, stop: GracefulStop,
-           start_from: tuple[Path, dict[str, Any]] | None, resume: bool, resume_from: str | None) -> int:
-    """Load the model, set aside what `--resume-from` abandons and restore the checkpoint; the step training
-    continues at. A refusal before anything in the run directory changes (a damaged base, a checkpoint that does
-    not fit) leaves the manifest as it was (``rec.refusable``)."""
-    ctx = trainer.dist
-    with ctx.agree("setup"):  # a failure on any rank stops every rank with one clear line
-        try:
-            trainer.setup()
-        except torch.cuda.OutOfMemoryError as exc:
-            raise QerlError("out of GPU memory while loading the model: lower --gpu-memory-utilization") from exc
-    if start_from is not None and ctx.is_main:
-        ckpt, state = start_from
-        if resume_from is not None:  # under the run lock: later checkpoints, rollouts, metrics lines set aside
-            rec.refusable = False
-            with stop.deferred():  # all of it or (before it starts) none of it
-                rec.extra["resume_from"] = set_aside_after(run, int(state["step"]), trainer.metrics_path,
-                                                           trainer.rollouts_dir)
-        rec.outputs = _checkpoint_outputs(run, trainer, ckpt)  # what the run stands on until its next save
-        run.save(rec)
-    with ctx.agree("setup"):
-        start = (trainer.resume(*start_from) if start_from is not None else trainer.resume()) if resume else 0
-    rec.refusable = False  # from here on the run writes: a failure is recorded as one
-    return start
-
-
-def trainer_device() -> str | None:
-    """The device of this rank under torchrun (cuda:LOCAL_RANK / cpu); None (the default) otherwise."""
-    from qerl_cli.train.distributed import current
-
-    return current().device
-
-
-def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume_from: str | None = None,
-          device: str | None = None, on_step: Callable[[dict[str, Any]], None] | None = None,
-          on_setup: Callable[[Trainer], None] | None = None, preset: str | None = None) -> TrainResult:
-    """Run `cfg.steps` RL steps on the run's quantized model; resumable with `resume=True` (from `latest`) or
-    ``resume_from="step_N"`` (an earlier checkpoint: what the run wrote after it is set aside, not deleted).
-    ``preset``: the preset the configuration started from, recorded in the manifest."""
-    from qerl_cli.train.distributed import follower_stage
-
-    run = RunDir(run_dir, create=False)
-    trainer = Trainer(run, cfg, device=device or trainer_device())
-    ctx = trainer.dist
-    model_rec = run.require("quantize")
-    inputs = {"model": {"path": model_rec["outputs"]["model"]["path"],
-                        "files": model_rec["outputs"]["model"].get("files", {}),
-                        "format": model_rec["outputs"]["model"].get("format")}}
-    resume = resume or resume_from is not None
-    if not resume and (checkpoints_dir(run).exists() or trainer.metrics_path.exists()):
-        # refused before the stage starts, so the finished run's manifest record stays as it was
-        raise QerlError(f"{train_dir(run)} already holds a training run: pass --resume to continue it, or use "
-                        "a new --run directory")
-    # an earlier extension stays stated when the extended run is resumed again
-    extended = (run.record("train") or {}).get("extra", {}).get("extended") if resume else None
-    start_from = _check_resumable(run, trainer, inputs["model"], resume_from, verify=ctx.is_main) if resume \
-        else None
-    # the memory plan from the model's config: a run that cannot fit is refused here, before the stage starts and
-    # before any weight is loaded (setup() plans again with the measured weights)
-    trainer.plan_run_memory()
-    # only rank 0 takes the run lock and writes the manifest; other ranks only read the run directory
-    stage = run.stage("train", config=trainer.cfg.to_dict(), inputs=inputs, seeds={"seed": trainer.cfg.seed}) \
-        if ctx.is_main else follower_stage("train")
-    with stage as rec, GracefulStop(trainer.cfg.sigterm_grace_s, can_abandon=not ctx.enabled) as stop:
-        start = _start(run, trainer, rec, stop, start_from, resume, resume_from)
-        if ctx.is_main and trainer.memory_plan is not None:
-            rec.extra.update(memory_plan=trainer.memory_plan.to_dict(),
-                             resolved={**trainer.settings.to_dict(), "sharding": trainer.sharding})
-        if ctx.is_main and preset is not None:
-            rec.extra["preset"] = preset
-        if on_setup:
-            on_setup(trainer)
-        history: list[dict[str, Any]] = []
-        last_ckpt: Path | None = None
-        saved_step = start  # the step of the newest checkpoint written (or resumed from)
-        stopped = abandoned = preempted = False
-        logged = trainer.step  # steps whose metrics are in metrics.jsonl
-
-        def checkpoint(*, background: bool | None) -> Path:
-            nonlocal saved_step
-            path = trainer.save(background=background)
-            saved_step = trainer.step
-            if history:
-                history[-1]["timing/checkpoint_s"] = trainer.last_checkpoint_s  # in history; the jsonl line is written
-            if ctx.enabled:
-                from qerl_cli.train.distributed import replica_digests
-
-                rec.extra["dist"] = {"world_size": ctx.world_size, "backend": ctx.backend,
-                                     "sharding": trainer.sharding, "pids": ctx.gather_objects(os.getpid())}
-                if not trainer.mode.sharded:  # replicas must stay bitwise equal; shards differ
-                    rec.extra["dist"]["adapter_digests"] = replica_digests(trainer.params, ctx, trainer.step)
-            if ctx.is_main and not trainer.writer.busy:
-                rec.outputs = _checkpoint_outputs(run, trainer, path)
-                run.save(rec)
-            return path
-
-        stop.loop()
-        while trainer.step < trainer.cfg.steps:
-            if ctx.any_true(stop.requested):  # every rank stops at the same step boundary
-                stopped = True
-                break
-            logged = trainer.step
-            try:
-                with stop.step():
-                    m = trainer.train_step()
-            except Preempted:
-                # SIGTERM past the grace period: the step is dropped whole (nothing of it is logged or saved, its
-                # half-updated state is never written); the last checkpoint is what --resume continues from
-                stopped = abandoned = True
-                break
-            except NonFiniteLoss:  # the record names the checkpoint that stays the newest (the stop waited for it)
-                newest = checkpointing.latest_step(run)
-                if newest is not None and ctx.is_main:
-                    rec.outputs = _checkpoint_outputs(run, trainer, checkpointing.checkpoint_path(run, newest))
-                raise
-            except torch.cuda.OutOfMemoryError as exc:
-                raise QerlError(
-                    f"out of GPU memory at step {trainer.step + 1}: lower --batch-prompts, "
-                    "--micro-batch-size or --max-completion-length, or use --gradient-checkpointing; the last "
-                    "checkpoint is intact (--resume)") from exc
-            finished = trainer.wait_checkpoint()  # the previous step's background write
-            if finished is not None and ctx.is_main:
-                rec.outputs = _checkpoint_outputs(run, trainer, finished)
-                run.save(rec)
-            trainer.append_metrics(m)
-            history.append(m)
-            if on_step:
-                on_step(m)
-            done = trainer.step >= trainer.cfg.steps
-            if done or trainer.step % trainer.cfg.save_steps == 0:
-                # the last checkpoint is written before the process moves on
-                last_ckpt = checkpoint(background=None if not done else False)
-        if stopped and not abandoned and saved_step < trainer.step:
-            last_ckpt = checkpoint(background=False)  # Ctrl-C / SIGTERM: the finished step is kept
-        preempted = ctx.any_true(stop.preempted) if stopped else False
-        finished = trainer.wait_checkpoint()
-        if finished is not None and ctx.is_main:
-            rec.outputs = _checkpoint_outputs(run, trainer, finished)
-        if last_ckpt is None and trainer.step > 0 and not abandoned:  # resumed a run that had finished its steps
-            last_ckpt = resolve_checkpoint(run, "latest")
-            assert last_ckpt is not None
-            if ctx.is_main:
-                rec.outputs = _checkpoint_outputs(run, trainer, last_ckpt)
-        if trainer.extended_from is not None:
-            extended = {"from_steps": trainer.extended_from, "to_steps": trainer.cfg.steps,
-                        "aqn_schedule_steps": trainer.aqn.total_steps if trainer.aqn else None}
-        if extended:
-            rec.extra["extended"] = extended
-        logged = logged if abandoned else trainer.step  # an abandoned step may have counted itself already
-        rec.metrics = {"steps_done": logged, "resumed_from": start,
-                       **({k: history[-1][k] for k in ("reward", "accuracy", "completions/mean_length")
-                           if k in history[-1]} if history else {})}
-        if stopped:
-            # recorded as interrupted; the newest checkpoint is what --resume continues from
-            if ctx.is_main:
-                rec.extra["stopped"] = {"signal": "SIGTERM" if preempted else "SIGINT", "at_step": logged,
-                                        "abandoned_step": logged + 1 if abandoned else None,
-                                        "checkpoint": checkpointing.checkpoint_name(saved_step) if saved_step else None}
-            if preempted:
-                where = (f"step {logged + 1} was abandoned past --sigterm-grace-s" if abandoned
-                         else f"step {logged} finished and was checkpointed")
-                again = f"`qerl train --run {run.path} --resume`"
-                resume_hint = (f"{again} continues from {checkpointing.checkpoint_name(saved_step)}" if saved_step
-                               else f"no checkpoint was written yet: {again} starts over")
-                raise Preempted(f"preempted (SIGTERM): {where}; {resume_hint}")
-            raise KeyboardInterrupt
-    return TrainResult(run.path, trainer.step, history, last_ckpt, stopped)

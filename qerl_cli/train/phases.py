@@ -1,0 +1,92 @@
+"""The phases of one RL step, in order: the one definition the trainer, the memory plan, the cost model, the
+console and the benches read.
+
+A step runs AQN's noise draw, the rollout, the no-grad pi_old pass, forward + backward, the optimizer step, the
+rollout copy's re-quantization (FlashRL) and the checkpoint; ``setup`` is before the first step and ``other`` is
+a step's wall time the phases leave over (advantages, batch building, bookkeeping).
+
+The trainer logs each phase as ``timing/<phase>_s`` and, on CUDA, ``memory/<phase>_peak_gb`` and
+``memory/<phase>_end_gb`` (metrics.jsonl, for users); code reads the same numbers typed, as a :class:`StepRecord`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SETUP = "setup"
+AQN = "aqn"
+ROLLOUT = "rollout"
+RECOMPUTE = "recompute"
+FWD_BWD = "fwd_bwd"
+OPTIMIZER = "optimizer"
+REQUANT = "requant"
+CHECKPOINT = "checkpoint"
+OTHER = "other"
+
+# what the trainer times and tracks the peak memory of, in the order a step runs them
+STEP_PHASES = (AQN, ROLLOUT, RECOMPUTE, FWD_BWD, OPTIMIZER, REQUANT, CHECKPOINT)
+# the update's phases: their largest peak is memory/train_peak_gb
+TRAIN_PHASES = (FWD_BWD, OPTIMIZER, REQUANT)
+# the memory plan's estimates: after setup, then each step phase (the re-quantization peaks inside the update's
+# budget, one layer at a time, so it has no estimate of its own)
+PLANNED_MEMORY = (SETUP, *(p for p in STEP_PHASES if p != REQUANT))
+# the cost model's estimates: the step phases and the rest of the step's wall time
+PLANNED_TIME = (*(p for p in STEP_PHASES if p != REQUANT), OTHER)
+
+
+def timing_key(phase: str) -> str:
+    return f"timing/{phase}_s"
+
+
+def peak_key(phase: str) -> str:
+    return f"memory/{phase}_peak_gb"
+
+
+def end_key(phase: str) -> str:
+    return f"memory/{phase}_end_gb"
+
+
+@dataclass(frozen=True)
+class PhaseRecord:
+    """One phase of one step as the trainer measured it; ``peak_gb`` / ``end_gb`` (CUDA only, else None): the most
+    allocated during the phase and what stayed allocated after it."""
+
+    seconds: float = 0.0
+    peak_gb: float | None = None
+    end_gb: float | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step measured, for code (benches) to read: each step phase, and the rollout's own split (its engine's
+    prefill and decode, the tokens it generated, its decode token-steps). ``pi_old_pass``: whether pi_old took a
+    no-grad pass of its own (else the update's forward supplied it). The checkpoint is timed by the caller that
+    writes it, so its record here is empty."""
+
+    phases: dict[str, PhaseRecord] = field(default_factory=dict)
+    rollout_tokens: float = 0.0
+    rollout_prefill_s: float = 0.0
+    rollout_decode_s: float = 0.0
+    decode_steps: float = 0.0
+    pi_old_pass: bool = True
+
+    def seconds(self, phase: str) -> float:
+        return self.phases[phase].seconds if phase in self.phases else 0.0
+
+    def peak_gb(self, phase: str) -> float | None:
+        return self.phases[phase].peak_gb if phase in self.phases else None
+
+    def end_gb(self, phase: str) -> float | None:
+        return self.phases[phase].end_gb if phase in self.phases else None
+
+    @classmethod
+    def from_metrics(cls, metrics: dict[str, Any]) -> StepRecord:
+        """The record of a step's metrics line (the keys this module names)."""
+        phases = {p: PhaseRecord(float(metrics.get(timing_key(p), 0.0)), metrics.get(peak_key(p)),
+                                 metrics.get(end_key(p))) for p in STEP_PHASES}
+        return cls(phases, rollout_tokens=float(metrics.get("timing/rollout_tokens", 0.0)),
+                   rollout_prefill_s=float(metrics.get("timing/rollout_prefill_s", 0.0)),
+                   rollout_decode_s=float(metrics.get("timing/rollout_decode_s", 0.0)),
+                   decode_steps=float(metrics.get("rollout/decode_steps", 0.0)),
+                   pi_old_pass=bool(metrics.get("timing/pi_old_pass", 1.0)))
