@@ -31,6 +31,7 @@ class TrainingMode:
     unsharded modes share."""
 
     sharded = False  # the weights and AdamW state live in shards; every rank writes its part of a checkpoint
+    full_weights = False  # every weight trains (not LoRA): the base must be unquantized
 
     def __init__(self, trainer: Any) -> None:
         self.t = trainer
@@ -38,6 +39,15 @@ class TrainingMode:
         self.rollout_quant: Any = None  # the FlashRL rollout copy, if any
 
     # ---- build ----------------------------------------------------------------------------------
+    def check_base(self, base: nn.Module) -> None:
+        """Full fine-tuning and FlashRL's rollout copy start from unquantized weights."""
+        flag = "--finetune full" if self.full_weights else "--rollout-quant" if self.t.cfg.rollout_quant != "none" \
+            else None
+        if flag is not None:
+            from qerl_cli.train.rollout_quant import check_full_precision_base
+
+            check_full_precision_base(base, flag)
+
     def build(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
         """The trained model and its trainable parameters, from the loaded base."""
         raise NotImplementedError
@@ -174,6 +184,8 @@ class LoraMode(TrainingMode):
 class FullMode(TrainingMode):
     """Every weight but the embeddings trains in fp32 masters on one process (train/full_finetune.py)."""
 
+    full_weights = True
+
     def build(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
         from qerl_cli.train.full_finetune import FullFinetune
 
@@ -195,6 +207,7 @@ class ShardedFullMode(TrainingMode):
     which once sharded are only ever gathered one layer at a time."""
 
     sharded = True
+    full_weights = True
 
     def build(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
         from qerl_cli.train.fsdp import ShardedFullFinetune, rollout_private_names

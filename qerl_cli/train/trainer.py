@@ -165,7 +165,7 @@ class Trainer:
         self._cap_gpu_memory()
         base = self._load_base(model, tokenizer, model_dir, prompt_ids)
         weights = self._resident_weights(base)
-        self._check_full_precision(base)
+        self.mode.check_base(base)
         self.model, self.params = self.mode.build(base)
         self._load_task(task, reward_fn, prompt_ids)
         self._apply_memory_plan(base, weights, max(len(p) for p in self.prompt_ids))
@@ -206,14 +206,6 @@ class Trainer:
         if self.memory_plan is None and fmt is not None and prompt_ids is not None:
             self.plan_memory(model.config, fmt, prompt_tokens=max(len(p) for p in prompt_ids))
         return model
-
-    def _check_full_precision(self, base: torch.nn.Module) -> None:
-        """Full fine-tuning and FlashRL's rollout copy start from unquantized weights."""
-        c = self.cfg
-        if c.finetune == "full" or c.rollout_quant != "none":
-            from qerl_cli.train.rollout_quant import check_full_precision_base
-
-            check_full_precision_base(base, "--finetune full" if c.finetune == "full" else "--rollout-quant")
 
     def _load_task(self, task: Any, reward_fn: Callable[..., Any] | None, prompt_ids: list[list[int]] | None) -> None:
         """The task, its reward, the prompts as token ids, their stream and (--tools/--env) the episodes."""
