@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,3 +92,42 @@ def random_decoder(config_cls: type, model_cls: type, *, noisy_bias: bool = Fals
                 p.copy_(0.3 * torch.randn_like(p))
     model.generation_config.eos_token_id = None
     return model.eval()
+
+
+def environ_uses(path: Path, *, writes: bool = False, skip: tuple[str, ...] = ()) -> list[tuple[int, str | None]]:
+    """(line, variable) of every use of the process environment in a file, outside the functions named in
+    ``skip``: ``os.environ.get(X)``, ``os.getenv(X)``, ``os.environ[X]``, ``X in os.environ``; with ``writes``
+    also every other ``os.environ`` method, ``os.putenv`` and assignments. X is a literal or a module-level string
+    constant; the variable is None where it is neither."""
+    tree = ast.parse(path.read_text())
+    skipped = {line for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in skip
+               for line in range(f.lineno, (f.end_lineno or f.lineno) + 1)}
+    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+              and isinstance(n.value.value, str) for t in n.targets if isinstance(t, ast.Name)}
+
+    def is_environ(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "environ" and isinstance(node.value, ast.Name)
+                and node.value.id == "os")
+
+    def name(arg: ast.AST) -> str | None:
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value
+        return consts.get(arg.id) if isinstance(arg, ast.Name) else None
+
+    os_funcs = ("getenv", "putenv") if writes else ("getenv",)
+    out: list[tuple[int, str | None]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            f = node.func
+            if isinstance(f, ast.Attribute) and is_environ(f.value) and (writes or f.attr == "get"):
+                out.append((node.lineno, name(node.args[0])))
+            elif isinstance(f, ast.Attribute) and f.attr in os_funcs and isinstance(f.value, ast.Name) \
+                    and f.value.id == "os":
+                out.append((node.lineno, name(node.args[0])))
+        elif isinstance(node, ast.Subscript) and is_environ(node.value) \
+                and (writes or isinstance(node.ctx, ast.Load)):
+            out.append((node.lineno, name(node.slice)))
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) \
+                and any(is_environ(c) for c in node.comparators):
+            out.append((node.lineno, name(node.left)))
+    return [(line, var) for line, var in out if line not in skipped]

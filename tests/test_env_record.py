@@ -7,13 +7,13 @@ os.environ``, with X a literal or a module-level string constant. A new read fai
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 
 import pytest
 
 from qerl_cli.env_info import RECORDED_ENV
+from tests.helpers import environ_uses
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = [ROOT / "qerl_cli", ROOT / "kernels"]
@@ -33,42 +33,10 @@ GENERIC = {
 }
 
 
-def _is_environ(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == "environ" and isinstance(node.value, ast.Name)
-            and node.value.id == "os")
-
-
 def env_reads(path: Path, skip: tuple[str, ...] = ()) -> list[tuple[int, str | None]]:
     """(line, variable name) of every environment read in a file (outside the functions named in `skip`);
     name None when it is not a constant."""
-    tree = ast.parse(path.read_text())
-    skipped = {line for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in skip
-               for line in range(f.lineno, (f.end_lineno or f.lineno) + 1)}
-    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
-              and isinstance(n.value.value, str) for t in n.targets if isinstance(t, ast.Name)}
-
-    def name(arg: ast.AST) -> str | None:
-        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-            return arg.value
-        if isinstance(arg, ast.Name):
-            return consts.get(arg.id)
-        return None
-
-    out: list[tuple[int, str | None]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and node.args:
-            f = node.func
-            if isinstance(f, ast.Attribute) and f.attr == "get" and _is_environ(f.value):
-                out.append((node.lineno, name(node.args[0])))
-            elif isinstance(f, ast.Attribute) and f.attr == "getenv" and isinstance(f.value, ast.Name) \
-                    and f.value.id == "os":
-                out.append((node.lineno, name(node.args[0])))
-        elif isinstance(node, ast.Subscript) and _is_environ(node.value) and isinstance(node.ctx, ast.Load):
-            out.append((node.lineno, name(node.slice)))
-        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) \
-                and any(_is_environ(c) for c in node.comparators):
-            out.append((node.lineno, name(node.left)))
-    return [(line, var) for line, var in out if line not in skipped]
+    return environ_uses(path, skip=skip)
 
 
 def _all_reads() -> dict[str, list[str]]:

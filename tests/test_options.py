@@ -3,7 +3,6 @@ stage records (qerl_cli/options.py, kernels/options.py, docs/options.md)."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 import re
@@ -15,44 +14,16 @@ from qerl_kernels._common import KernelSettingError
 
 from qerl_cli import options as ropts
 from qerl_cli.errors import QerlError
+from tests.helpers import environ_uses
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONS_MODULES = {"qerl_cli/options.py", "kernels/options.py"}
 
 
-def _is_environ(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == "environ" and isinstance(node.value, ast.Name)
-            and node.value.id == "os")
-
-
 def qerl_env_uses(path: Path) -> list[tuple[int, str]]:
     """(line, variable) of every read or write of a QERL_* variable through os.environ / os.getenv, the name a
     literal or a module-level constant (``CACHE_ENV = "QERL_..."``)."""
-    tree = ast.parse(path.read_text())
-    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
-              and isinstance(n.value.value, str) for t in n.targets if isinstance(t, ast.Name)}
-
-    def name(arg: ast.AST) -> str | None:
-        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-            return arg.value
-        if isinstance(arg, ast.Name):
-            return consts.get(arg.id)
-        return None
-
-    found: list[tuple[int, str | None]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and node.args:
-            f = node.func
-            if isinstance(f, ast.Attribute) and _is_environ(f.value):  # get, setdefault, pop, ...
-                found.append((node.lineno, name(node.args[0])))
-            elif isinstance(f, ast.Attribute) and f.attr in ("getenv", "putenv") and isinstance(f.value, ast.Name) \
-                    and f.value.id == "os":
-                found.append((node.lineno, name(node.args[0])))
-        elif isinstance(node, ast.Subscript) and _is_environ(node.value):  # read, write or delete
-            found.append((node.lineno, name(node.slice)))
-        elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
-            found.append((node.lineno, name(node.left)))
-    return [(line, var) for line, var in found if var is not None and var.startswith("QERL_")]
+    return [(line, var) for line, var in environ_uses(path, writes=True) if var is not None and var.startswith("QERL_")]
 
 
 def test_the_scan_sees_every_form(tmp_path: Path) -> None:
