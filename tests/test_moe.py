@@ -375,3 +375,13 @@ def test_ignoring_every_expert_keeps_them_plain(source, tmp_path) -> None:
     assert not experts.format.quantized and experts.gate_up_proj.dtype == torch.float32
     want = source[0].model.layers[0].mlp.experts.gate_up_proj[4].bfloat16().float()
     assert torch.equal(experts.expert_weight("gate_up_proj", 4, torch.float32), want)
+
+
+def test_shape_configs_name_their_architecture() -> None:
+    """vLLM picks the model class from config.json's ``architectures`` (without it, a pooling model): every shape's
+    config names it as the real checkpoints do, so shape checkpoints load as causal LMs."""
+    from qerl_cli.bench.shapes import SHAPES
+
+    archs = {name: SHAPES[name].config().architectures for name in ("tiny", "qwen2.5-7b", "qwen3-30b-a3b")}
+    assert archs == {"tiny": ["LlamaForCausalLM"], "qwen2.5-7b": ["Qwen2ForCausalLM"],
+                     "qwen3-30b-a3b": ["Qwen3MoeForCausalLM"]}

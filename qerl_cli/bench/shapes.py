@@ -103,6 +103,7 @@ class ModelShape:
         else:
             raise QerlError(f"unknown model family {self.family!r}")
         cfg.eos_token_id = self.vocab - 1
+        cfg.architectures = [type(cfg).__name__.removesuffix("Config") + "ForCausalLM"]  # as the models' config.json
         return cfg
 
 
