@@ -349,7 +349,8 @@ def _activations(dims: ModelDims, elem: int, tokens: int, gc: bool, fp32_inputs:
     token and layer peft's fp32-input LoRA layer keeps on top (an unquantized base)."""
     per_layer = dims.act_bytes_per_token_layer(elem) + fp32_inputs
     if gc:  # every layer's input; in the backward one layer's recomputed set (+ its gradient in flight)
-        return tokens * dims.layers * dims.hidden * elem, tokens * (per_layer + 2 * dims.hidden * elem)
+        kept = tokens * dims.layers * (dims.hidden + dims.moe_checkpoint_extra) * elem
+        return kept, tokens * (per_layer + 2 * dims.hidden * elem)
     return tokens * dims.layers * per_layer, tokens * dims.grad_bytes_per_token_layer(elem)
 
 
