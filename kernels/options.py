@@ -7,7 +7,7 @@ CLI calls through `qerl_cli.options.reload_options`), and code or tests that nee
 through `update(...)` (for the rest of the process, as `dispatch.set_backend` does) or `override(...)` (for a
 block). A value that cannot work fails with a `KernelSettingError` naming the variable and what it may be.
 
-This module imports no torch: the manifest records it in processes that never load a kernel.
+The module itself uses no torch, but importing it runs `qerl_kernels/__init__`, which loads torch and Triton.
 docs/options.md lists every option of both layers (this one and `qerl_cli.options`) in one table.
 """
 

@@ -7,10 +7,11 @@ import json
 import pytest
 
 from qerl_cli.bench.overrides import grid_cells, parse_grid
-from qerl_cli.bench.step import PHASES, bench_step, render_table, short_summary
+from qerl_cli.bench.step import bench_step, render_table, short_summary
 from qerl_cli.errors import QerlError
 from qerl_cli.manifest import RunDir
 from qerl_cli.train.config import parse_sets
+from qerl_cli.train.phases import STEP_PHASES as PHASES
 
 SMALL = {"batch_prompts": 2, "num_generations": 2, "max_completion_length": 8, "lora_rank": 4}
 

@@ -63,8 +63,6 @@ from qerl_cli.manifest import jsonable
 from qerl_cli.precision import dtype_of
 from qerl_cli.train.phases import CHECKPOINT, STEP_PHASES
 
-PHASES = STEP_PHASES  # timed, in order (train/phases.py)
-MEM_PHASES = STEP_PHASES  # each with its own peak memory
 PEAK_COLUMNS = ("rollout", "recompute", "fwd_bwd", "optimizer", "checkpoint")  # the table's peak-memory columns
 DEFAULT_FORMATS = ("bf16", "nvfp4", "nf4")
 PEERS = ("trl",)
@@ -171,12 +169,12 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
         trainer.save()
         step_s = trainer.clock() - t0
         n_seq = trainer.cfg.batch_prompts * trainer.cfg.num_generations
-        row = {f"{p}_s": rec.seconds(p) for p in PHASES if p != CHECKPOINT}
+        row = {f"{p}_s": rec.seconds(p) for p in STEP_PHASES if p != CHECKPOINT}
         row["checkpoint_s"] = trainer.last_checkpoint_s
         for part, secs in trainer.last_checkpoint_parts.items():  # the background checkpoint's critical path
             row[f"checkpoint_{part}_s"] = secs
         row["step_s"] = step_s
-        row["other_s"] = step_s - sum(row[f"{p}_s"] for p in PHASES)
+        row["other_s"] = step_s - sum(row[f"{p}_s"] for p in STEP_PHASES)
         row["rollout_tokens"] = int(rec.rollout_tokens)
         row["generated_tokens"] = int(round(m["completions/mean_length"] * n_seq))
         row["sequences"] = n_seq
@@ -190,7 +188,7 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
         row["rollout_decode_s"] = rec.rollout_decode_s
         row["rollout_prefill_s"] = rec.rollout_prefill_s
         if on_cuda:
-            for p in MEM_PHASES[:-1]:
+            for p in STEP_PHASES[:-1]:
                 row[f"mem_{p}_gb"] = rec.peak_gb(p)
                 row[f"end_{p}_gb"] = rec.end_gb(p)  # still allocated when the phase ended
             row["mem_checkpoint_gb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
@@ -212,7 +210,7 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
 def _summarize(rows: list[dict[str, Any]], prompt_len: float) -> dict[str, Any]:
     meas = [r for r in rows if not r["warmup"]]
     out: dict[str, Any] = {k: _median([r.get(k) for r in meas]) for k in
-                           [f"{p}_s" for p in PHASES] + ["other_s", "step_s", "rollout_tokens", "generated_tokens",
+                           [f"{p}_s" for p in STEP_PHASES] + ["other_s", "step_s", "rollout_tokens", "generated_tokens",
                                                          "batch_tokens", "batch_padded_tokens",
                                                          "batch_attention_pairs", "batch_loss_tokens", "decode_steps",
                                                          "pi_old_pass", "checkpoint_wait_s", "checkpoint_state_s",
@@ -236,7 +234,7 @@ def _summarize(rows: list[dict[str, Any]], prompt_len: float) -> dict[str, Any]:
     if out.get("batch_tokens") and out.get("batch_padded_tokens"):
         out["padding_pct"] = 100.0 * (1.0 - out["batch_tokens"] / out["batch_padded_tokens"])
     if "peak_gb" in meas[0]:
-        for p in MEM_PHASES:
+        for p in STEP_PHASES:
             out[f"mem_{p}_gb"] = max((r.get(f"mem_{p}_gb") or 0.0) for r in rows)
         out["peak_gb"] = max(r["peak_gb"] for r in rows)
         out["reserved_peak_gb"] = max(r["reserved_peak_gb"] for r in rows)
@@ -794,7 +792,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     fig, ax = figure(figsize=(max(4.5, 1.6 * len(ok) + 2.5), 4.6))
     names = [r["format"] for r in ok]
     bottom = [0.0] * len(ok)
-    for phase in (*PHASES, "other"):
+    for phase in (*STEP_PHASES, "other"):
         vals = [max(0.0, r.get(f"{phase}_s") or 0.0) for r in ok]
         ax.bar(names, vals, bottom=bottom, label=phase.replace("fwd_bwd", "fwd+bwd"))
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
