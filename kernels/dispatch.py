@@ -52,6 +52,9 @@ _epoch = 0  # bumped by `reset`, so no module keeps a forgotten plan
 _extra_copies = True  # may `auto` measure (and so choose) backends that keep their own copy of a weight?
 _disk: dict[str, Any] | None = None
 last_timings: dict[int, dict[str, float]] = {}  # the latest measure_plan's {bucket: {candidate: us}}
+# (N, K) -> {kernel: forwards}: what really ran since `reset_ran`, so a bench names the kernels behind its numbers
+# rather than what the format would pick by default (calls made while a CUDA graph is captured count once)
+_ran: dict[tuple[int, int], dict[str, int]] = {}
 
 
 def _check(name: str) -> str:
@@ -395,6 +398,21 @@ def _store_cached(key: tuple, plan: dict[int, str]) -> None:
 def plans() -> dict[str, dict[str, str]]:
     """The plans measured or loaded in this process, as {shape key: {M bucket: backend}} (for reports)."""
     return {_key_str(k): {str(b): c for b, c in p.items()} for k, p in _plans.items()}
+
+
+def record_ran(module: nn.Module, kernel: str) -> None:
+    """Count one forward of `module` through `kernel` (called where the kernel is launched)."""
+    per = _ran.setdefault((int(module.out_features), int(module.in_features)), {})
+    per[kernel] = per.get(kernel, 0) + 1
+
+
+def ran() -> dict[tuple[int, int], dict[str, int]]:
+    """{(N, K): {kernel: forwards}} since the last `reset_ran`."""
+    return {k: dict(v) for k, v in _ran.items()}
+
+
+def reset_ran() -> None:
+    _ran.clear()
 
 
 def reset() -> None:

@@ -59,19 +59,20 @@ def linear_forward(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """y = x @ dequant(W)^T + b for 2-D contiguous-rows x [M, K] (no autograd)."""
     st = kernel_state(module)
     if st.fmt in FP4_FORMATS:
-        if INTERPRET:
-            return fp4_fused(x, module)
-        return forward_by(dispatch.choose(module, x), x, module)
+        return forward_by("triton" if INTERPRET else dispatch.choose(module, x), x, module)
     t = st.tensors
     bias = module.bias
     if use_fp8_activations(x, st):
+        dispatch.record_ran(module, "fp8xfp8")
         return fp8_scaled_matmul(x, t["weight"], st.fp8_scale_row, None if bias is None else bias.to(x.dtype))
+    dispatch.record_ran(module, "triton")
     return w8_matmul(x, t["weight"], t["weight_scale"], w8_config(x.shape[0], st.n, st.k, num_sms(x.device)),
                      bias=bias)
 
 
 def forward_by(backend: str, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """An FP4 forward through one backend ('triton' | 'cuda' | 'cublas' | 'humming')."""
+    dispatch.record_ran(module, backend)
     if backend == "cublas":
         return dequant_linear(x, module)
     if backend == "humming":
@@ -92,6 +93,7 @@ def forward_with_lora(x: torch.Tensor, module: nn.Module, lora_h: torch.Tensor, 
         return y.addmm_(lora_h, lora_b.t())
     backend = dispatch.choose(module, x, lora_rank=lora_h.shape[1])
     if backend == "cuda" and cuda_lora_supported(module, x, lora_h.shape[1]):
+        dispatch.record_ran(module, "cuda+lora")
         return cuda_fused(x if x.stride(1) == 1 else x.contiguous(), module, lora_h, lora_b)
     y = forward_by(backend, x, module)
     return y.addmm_(lora_h, lora_b.t())

@@ -25,7 +25,8 @@
 #   flashinfer  install FlashInfer from its parts (an optional peer of the decode attention and sampler)
 #   main        the README's main job on this GPU: quantize, the default `qerl train`, eval of base and trained
 #               (QERL_MAIN_EVAL_LIMIT: held-out problems, default all)
-#   gputests    the GPU test files (QERL_GPU_TESTS, default tests/test_rollout_cuda.py), compiled Triton kernels;
+#   gputests    the GPU test files (QERL_GPU_TESTS: paths relative to the checkout or absolute, space-separated;
+#               default tests/test_rollout_cuda.py), compiled Triton kernels; fails when any pytest process fails;
 #               QERL_GPU_TEST_ENVS: ';'-separated environment settings, one pytest process each, in parallel
 #               (e.g. "QERL_FUSED_LORA=1; QERL_FUSED_SAMPLING=0"), so a failure names the switch behind it
 #   selfcheck   every kernel path against the torch reference (python -m qerl_cli.bench.kernel_selfcheck)
@@ -48,7 +49,8 @@
 #               over seeds). QERL_TOOLS_TRAIN_ARGS adds train flags (a CPU proof: "--batch-prompts 2
 #               --num-generations 2 --precision fp32 --no-aqn" with 1 seed, 1 step, 2 held-out problems, 2 samples)
 #   cmd         any command in QERL_CMD, run from /tmp with the shim in place ($REPO, $OUT and $T exported)
-# Every stage is bounded by what is left of QERL_DEADLINE_S (default 570 s, under the tool's 600 s per call).
+# Every stage is bounded by what is left of QERL_DEADLINE_S (default 570 s, under the tool's 600 s per call). The
+# exit status is 1 when any stage failed.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 REPO=$PWD
@@ -213,22 +215,24 @@ stage_main() {
 }
 
 stage_gputests() {  # tests/conftest.py interprets Triton only where TRITON_INTERPRET is unset: the GPU compiles
-  local envs=() i pids=()
-  IFS=';' read -ra envs <<< "${QERL_GPU_TEST_ENVS//$'\n'/ }"
+  local envs=() tests=() t i rc=0 pids=()
+  IFS=';' read -ra envs <<< "${QERL_GPU_TEST_ENVS:-}"
   [ ${#envs[@]} -gt 0 ] || envs=("")
+  # a relative test path names a file of the checkout, whatever folder the tests run from
+  for t in ${QERL_GPU_TESTS:-tests/test_rollout_cuda.py}; do [[ $t == /* ]] && tests+=("$t") || tests+=("$REPO/$t"); done
   mkdir -p "$OUT/gputests"
   for i in "${!envs[@]}"; do
     # shellcheck disable=SC2086
     (cd "$T" && env ${envs[$i]} TRITON_INTERPRET=0 timeout "$(budget)" python3 -m pytest -q -rf --tb=short \
-      -p no:cacheprovider --rootdir "$REPO" ${QERL_GPU_TESTS:-$REPO/tests/test_rollout_cuda.py} \
-      > "$OUT/gputests/$i.log" 2>&1) &
+      -p no:cacheprovider --rootdir "$REPO" "${tests[@]}" > "$OUT/gputests/$i.log" 2>&1) &
     pids+=($!)
   done
-  wait "${pids[@]}"
+  for i in "${!pids[@]}"; do wait "${pids[$i]}" || rc=1; done
   for i in "${!envs[@]}"; do
     echo "== ${envs[$i]:-defaults}: $(tail -n 1 "$OUT/gputests/$i.log")"
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/gputests/$i.log" | head -n 24
   done
+  return $rc
 }
 
 stage_selfcheck() {
@@ -426,8 +430,11 @@ install_wheels "$CARRY/whl" ${QERL_EXTRA_WHL_DIRS:-}
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s (the stages are listed in scripts/gpu.sh)"; exit 2; }
 done
+failed=()
 for s in "$@"; do
   stamp "stage $s ($(left) s left)"
-  "stage_$s" || echo "stage $s failed (rc $?)"
+  "stage_$s" || { echo "stage $s failed (rc $?)"; failed+=("$s"); }
 done
+# the call's exit status says whether every stage passed, so a failed stage cannot hide behind a finished log
+if [ ${#failed[@]} -gt 0 ]; then stamp "done; failed: ${failed[*]}"; exit 1; fi
 stamp "done"

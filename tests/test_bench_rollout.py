@@ -42,7 +42,9 @@ def test_tiny_bench_writes_json_and_plot(tiny_result):
         # no CUDA: no copy bandwidth, so no roofline and no GPU memory figure
         assert c["roofline_tok_s"] is None and c["pct_roofline"] is None and c["peak_mem_gib"] is None
     assert on_disk["copy_GBps"] is None
+    # the column names the kernels that ran: on CPU no qerl kernel counts a forward (the torch reference runs)
     assert {c["backend"] for c in cells if c["format"] == "nvfp4"} == {"reference"}
+    assert all(c["linears"] == {} for c in cells)
     assert "targets" not in res  # the bench reports measurements; the targets are in docs/benchmarks.md
     rows = {(c["format"], c["batch"]): c for c in cells}
     for b in (1, 2):  # the measured decode ratio over qerl's bf16 at the same batch
@@ -140,6 +142,7 @@ def test_rendering(tiny_result):
         ({"shape": "tiny", "num_generations": 4}, "--num-generations needs --prompts"),
         ({"shape": "tiny", "lora_modes": ("sometimes",)}, "LoRA modes must be among on, off"),
         ({"shape": "tiny", "linear_backend": "no-such-backend"}, "--linear-backend"),
+        ({"shape": "tiny", "linear_backend": "humming"}, "--linear-backend humming: the backends are CUDA kernels"),
     ],
 )
 def test_bad_input_is_one_line(kwargs, message, tmp_path):
@@ -243,3 +246,36 @@ def test_floor_table_renders_each_category_against_its_floor():
     assert render_floor_table({"results": [{"profile": None}]}) is None
     assert len(tables({"results": [], "config": {"prompt_len": 1, "new_tokens": 1, "lora_rank": 0},
                        "env": {"device": {}}})) == 1
+
+
+def test_kernels_ran_label_names_one_kernel_or_the_split():
+    from qerl_cli.bench.kernels_ran import projection_classes, summarize
+
+    class Cfg:  # a 7B-like layer: q/k/v and gate/up fused, as the decode step runs them
+        hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size = 3584, 28, 4, 128, 18944
+
+    classes = projection_classes(Cfg())
+    assert classes[(4608, 3584)] == "qkv" and classes[(37888, 3584)] == "gate_up" and classes[(3584, 18944)] == "down"
+    assert classes[(3584, 3584)] == "q|o"  # q and o share a shape: both named
+    one = {(4608, 3584): {"humming": 28}, (3584, 18944): {"humming": 28}}
+    assert summarize(one, classes, "triton") == ("humming", {"qkv": {"humming": 28}, "down": {"humming": 28}})
+    mixed = {(4608, 3584): {"humming": 28}, (3584, 18944): {"cuda+lora": 20, "cublas": 8}}
+    label, split = summarize(mixed, classes, "triton")
+    assert label == "mixed (qkv humming, down cublas+cuda+lora)" and split["down"] == {"cuda+lora": 20, "cublas": 8}
+    assert summarize({}, classes, "cublas") == ("cublas", {})  # nothing counted: the format's own path
+
+
+def test_the_kernels_count_the_forwards_they_run():
+    """What `bench rollout`'s linears column reads: each forward counted where its kernel launches, by GEMM shape."""
+    from qerl_kernels import dispatch
+    from qerl_kernels import linear as klinear
+
+    from qerl_cli.bench import kernels_ran
+
+    mod = QuantLinear.from_linear(torch.nn.Linear(64, 96, bias=False), "nvfp4")
+    kernels_ran.reset()
+    for _ in range(3):
+        klinear.quant_linear(torch.randn(2, 64), mod)  # the interpreter runs qerl's fused Triton kernel
+    assert dispatch.ran() == {(96, 64): {"triton": 3}}
+    kernels_ran.reset()
+    assert dispatch.ran() == {}

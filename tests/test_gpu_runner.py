@@ -92,7 +92,7 @@ def test_a_wheel_in_parts_is_carried_over_two_calls_joined_checked_and_installed
 
     calls = iter(range(10))
 
-    def call(carried: Path | None, *stages: str) -> str:  # one device call: only `carried` travels with it
+    def call(carried: Path | None, *stages: str, rc: int = 0) -> str:  # one device call: only `carried` travels
         out = tmp_path / "calls" / str(next(calls))
         out.mkdir(parents=True)
         if carried is not None:
@@ -100,10 +100,10 @@ def test_a_wheel_in_parts_is_carried_over_two_calls_joined_checked_and_installed
             subprocess.run(["cp", "-r", str(carried), str(out / "carry")], check=True)
         res = _sh("gpu.sh", *stages, env={"QERL_GPU_TMP": str(machine), "QERL_CARRY_DIR": str(out / "carry"),
                                           "OUT": str(out / "out")})
-        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.returncode == rc, res.stdout + res.stderr
         return res.stdout
 
-    first = call(a, "flashinfer")  # part A alone: stashed, nothing to install yet
+    first = call(a, "flashinfer", rc=1)  # part A alone: stashed, nothing to install yet
     assert "stashed flashinfer_a" in first and "flashinfer: no parts or no name/sha256 stashed" in first
     assert "stage flashinfer failed" in first
     second = call(b, "flashinfer")
@@ -114,7 +114,7 @@ def test_a_wheel_in_parts_is_carried_over_two_calls_joined_checked_and_installed
 
     (machine / "site" / ".qerl-flashinfer").unlink()  # a part from another pack is refused by name, not installed
     (machine / "qerl_stash" / "flashinfer_a" / "part_a").write_bytes(b"x" * (64 << 10))
-    refused = call(None, "flashinfer")
+    refused = call(None, "flashinfer", rc=1)
     assert "flashinfer: the joined parts (part_a part_b ) do not match its sha256" in refused
     assert "stage flashinfer failed" in refused
 
@@ -123,3 +123,42 @@ def test_an_unknown_stage_stops_the_call_before_any_stage_runs(tmp_path: Path) -
     res = _sh("gpu.sh", "info", "nonsense", env={"QERL_GPU_TMP": str(tmp_path), "QERL_CARRY_DIR": str(tmp_path / "c"),
                                                  "OUT": str(tmp_path / "out")})
     assert res.returncode == 2 and "unknown stage nonsense" in res.stdout and "stage info" not in res.stdout
+
+
+def _runner_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The runner as a GPU call starts it: its own /tmp, carry and output folders, no stage settings given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QERL_GPU_TEST", "TRITON_INTERPRET"))}
+    return {**env, "QERL_GPU_TMP": str(tmp_path / "machine"), "QERL_CARRY_DIR": str(tmp_path / "carry"),
+            "OUT": str(tmp_path / "out"), **extra}
+
+
+def test_gputests_and_selfcheck_run_with_their_defaults_and_the_exit_status_tells(tmp_path: Path) -> None:
+    res = subprocess.run(["bash", str(RUNNER), "gputests", "selfcheck"], capture_output=True, text=True,
+                         timeout=600, env=_runner_env(tmp_path))
+    text = res.stdout + res.stderr
+    assert "unbound variable" not in text and "not found" not in text, text[-3000:]
+    # the default test file, found from the runner's /tmp: collected, and skipped here for want of a GPU
+    log = (tmp_path / "out" / "gputests" / "0.log").read_text()
+    assert re.search(r"\d+ skipped", log) and "error" not in log.lower(), log[-2000:]
+    assert "stage gputests failed" not in text
+    # the self-check imports every kernel path and refuses, in one line, to check without a GPU
+    assert "kernel_selfcheck: no CUDA GPU here" in text and "Traceback" not in text
+    assert "stage selfcheck failed (rc 2)" in text and "failed: selfcheck" in text and res.returncode == 1
+
+
+def test_gputests_fails_when_a_test_fails_and_reads_paths_relative_to_the_checkout(tmp_path: Path) -> None:
+    tests = tmp_path / "t"
+    tests.mkdir()
+    (tests / "test_pass.py").write_text("def test_ok():\n    assert 1 + 1 == 2\n")
+    (tests / "test_fail.py").write_text("def test_bad():\n    assert 1 + 1 == 3\n")
+    ok = subprocess.run(["bash", str(RUNNER), "gputests"], capture_output=True, text=True, timeout=300,
+                        env=_runner_env(tmp_path, QERL_GPU_TESTS=str(tests / "test_pass.py"),
+                                        QERL_GPU_TEST_ENVS="A=1; A=2"))
+    assert ok.returncode == 0 and ok.stdout.count("1 passed") == 2, ok.stdout[-2000:]
+    bad = subprocess.run(["bash", str(RUNNER), "gputests"], capture_output=True, text=True, timeout=300,
+                         env=_runner_env(tmp_path, QERL_GPU_TESTS=f"{tests / 'test_pass.py'} {tests / 'test_fail.py'}"))
+    assert bad.returncode == 1 and "stage gputests failed (rc 1)" in bad.stdout and "1 failed, 1 passed" in bad.stdout
+    rel = subprocess.run(["bash", str(RUNNER), "gputests"], capture_output=True, text=True, timeout=300,
+                         env=_runner_env(tmp_path, QERL_GPU_TESTS="tests/test_no_such_file.py"))
+    assert str(ROOT / "tests" / "test_no_such_file.py") in (tmp_path / "out" / "gputests" / "0.log").read_text()
+    assert rel.returncode == 1

@@ -77,10 +77,13 @@ def _check_workload(prompts: int | None, num_generations: int, lora_modes: Itera
     return modes
 
 
-def set_linear_backend(name: str | None) -> str | None:
+def set_linear_backend(name: str | None, device: torch.device) -> str | None:
     """Force qerl_kernels' linear backend (auto|qerl|triton|cuda|humming|cublas) for this process."""
     if name is None:
         return None
+    if device.type != "cuda" and name != "auto":
+        raise QerlError(f"--linear-backend {name}: the backends are CUDA kernels and this bench runs on "
+                        f"{device.type}; leave the option out here or run on a GPU")
     try:
         from qerl_kernels import linear as klinear
     except ImportError as exc:
@@ -638,8 +641,8 @@ def bench_rollout(
     """
     fmts, bs = _check_args(shape, run_dir, formats, batches, prompt_len, new_tokens, lora_rank, eos_mode)
     lmodes = _check_workload(prompts, num_generations, lora_modes) if lora_rank else ["on"]
-    set_linear_backend(linear_backend)
     device = harness.device()
+    set_linear_backend(linear_backend, device)
     spec, run, model_dir, fmts = _model_source(shape, run_dir, fmts, device, log)
     out = harness.out_dir(out_dir, run, "rollout")
     max_len = _max_len(spec, shape, prompt_len, new_tokens, episodes, observation_tokens, tool_latency_ms)
@@ -744,7 +747,7 @@ def _bench_format(res: dict[str, Any], fmt: str, batches: list[int], work: _Work
     log(f"{fmt}: model ready in {loaded.build_s:.1f}s ({backend}; step reads "
         f"{loaded.nbytes['weights'] / 2**30:.2f} GiB weights + {loaded.nbytes['lora'] / 2**30:.2f} GiB LoRA{routed})")
     cells = [harness.Cell({"format": fmt, "backend": backend, "batch": b, "mode": mode, "lora": work.lora_label(lora)},
-                          partial(_measure, loaded, work, b, mode, lora),
+                          partial(_measure_naming_kernels, loaded, work, b, mode, lora),
                           f"{fmt} batch {b} {mode} LoRA {work.lora_label(lora)}")
              for b in fitting for mode in work.modes for lora in work.lora_modes]
 
@@ -787,6 +790,17 @@ def _build(fmt: str, backend: str, work: _Workload, *, spec: Any, model_dir: Pat
         model, tokenizer = load_model(str(model_dir), dtype=torch.bfloat16, device=work.device)
     model = attach_bench_lora(model, work.lora_rank, work.seed)
     return _Model(fmt, backend, model, tokenizer, time.perf_counter() - t0)
+
+
+def _measure_naming_kernels(m: _Model, work: _Workload, batch: int, mode: str, lora: str) -> dict[str, Any]:
+    """`_measure`, with the row's `backend` naming the kernels that ran its quantized linears and `linears` the
+    forwards per projection class and kernel."""
+    from qerl_cli.bench import kernels_ran
+
+    kernels_ran.reset()
+    row = _measure(m, work, batch, mode, lora)
+    label, split = kernels_ran.read(m.model.config, m.backend)
+    return {**row, "backend": label, "linears": split}
 
 
 def _measure(m: _Model, work: _Workload, batch: int, mode: str, lora: str) -> dict[str, Any]:
