@@ -57,7 +57,7 @@ def test_fork_bomb_is_refused_and_the_group_is_killed() -> None:
 
 def test_ten_gigabyte_allocation_is_refused() -> None:
     res = run_python("b = bytearray(10 * 1024 ** 3)\nprint('allocated')\n", LIMITS)
-    assert res.error == "exit code 1: MemoryError" and "allocated" not in res.stdout
+    assert res.error == "exit code 1: MemoryError (memory limit of 512 MB)" and "allocated" not in res.stdout
 
 
 def test_output_is_truncated_and_files_are_capped() -> None:
