@@ -84,7 +84,7 @@ class SandboxLimits:
 class SandboxResult:
     """``error`` is None when the code ran to exit status 0; otherwise one line saying what stopped it.
     ``layers``: the isolation that held for this call (``capabilities()``); ``survivors``: processes of the call
-    still found after it ended and killed again (0 is the contract)."""
+    still found after it ended and killed again (0 is the contract); ``cpu_s``: CPU seconds of all its processes."""
 
     stdout: str
     stderr: str
@@ -95,6 +95,7 @@ class SandboxResult:
     pid: int
     layers: tuple[str, ...] = field(default_factory=tuple)
     survivors: int = 0
+    cpu_s: float | None = None
 
 
 def _uid_range() -> list[tuple[int, int]]:
@@ -411,7 +412,8 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         exit_code = None if timed_out or "status" not in record else os.waitstatus_to_exitcode(record["status"])
         return SandboxResult(stdout=stdout, stderr=stderr, exit_code=exit_code, error=error,
                              truncated=cut_out or cut_err, seconds=seconds, pid=pid,
-                             layers=tuple(record.get("layers", ())), survivors=found)
+                             layers=tuple(record.get("layers", ())), survivors=found,
+                             cpu_s=record.get("call_cpu_s"))
     finally:
         os.close(read_fd)
         if write_fd >= 0:
