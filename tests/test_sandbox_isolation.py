@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from qerl_cli.tools import sandbox
 from qerl_cli.tools.sandbox import SandboxLimits, capabilities, run_python, survivors
 
 LIMITS = SandboxLimits(cpu_s=1, wall_s=10.0, memory_mb=256, processes=8, output_chars=2000, scratch_mb=16)
@@ -259,3 +260,38 @@ def test_a_process_of_the_call_gone_astray_is_found_and_killed() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_without_namespaces_the_fallback_layers_still_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel (or a container's seccomp) without namespaces: a uid of its own (root) or landlock, a subreaper
+    and the parent's scan stand in. The daemon dies, qerl's /proc entries and signals stay out of reach."""
+    monkeypatch.setattr(sandbox, "NAMESPACES", False)
+    monkeypatch.setenv("QERL_TEST_SECRET", SECRET)
+    probe = run_python("", LIMITS)
+    if not any(layer.startswith(("uid-", "landlock-abi")) for layer in probe.layers):
+        pytest.skip(f"no fallback layer holds here: {probe.layers}")
+    assert "pid-namespace" not in probe.layers and "private-root" not in probe.layers
+    code = f"""
+import ctypes, os, time
+for pid in (os.getppid(), {os.getpid()}):
+    for name in ("environ", "mem"):
+        try:
+            print(b"{SECRET}" in open(f"/proc/{{pid}}/{{name}}", "rb").read())
+        except OSError as e:
+            print(type(e).__name__)
+try:
+    os.kill({os.getpid()}, 0)
+    print("could signal")
+except OSError as e:
+    print(type(e).__name__)
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        ctypes.CDLL(None).prctl(15, b"qerl-daemon-f", 0, 0, 0)
+        time.sleep(30)
+    os._exit(0)
+time.sleep(0.2)
+"""
+    res = run_python(code, LIMITS)
+    assert res.stdout.split() == ["PermissionError"] * 5, (res.stdout, res.stderr)
+    assert res.error is None and res.survivors == 0 and by_comm("qerl-daemon-f") == []

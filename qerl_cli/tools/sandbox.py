@@ -49,11 +49,14 @@ UID_BASE = 1_500_000_000
 # standard modules imported before the code's privileges drop (without a private root it may not be able to read
 # the interpreter's files afterwards, as when the interpreter lives under root's home)
 PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "statistics", "random",
-           "re", "string", "heapq", "bisect", "datetime", "json", "atexit", "threading", "resource")
+           "re", "string", "heapq", "bisect", "datetime", "json", "atexit", "threading", "resource", "socket",
+           "subprocess", "struct", "array", "typing", "dataclasses", "textwrap", "operator", "copy", "hashlib")
 # bound read-only into the private root, beside the interpreter's prefixes
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
                 "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/passwd", "/etc/group",
                 "/etc/nsswitch.conf")
+# False: no namespaces (what a kernel without them gets), to check the fallback layers on one that has them
+NAMESPACES = True
 _calls = itertools.count()
 _calls_lock = threading.Lock()
 
@@ -291,7 +294,7 @@ def _config(limits: SandboxLimits, drop: tuple[int, int] | None, root: Path, cgr
     return {"limits": caps, "uid": drop[0] if drop else None, "gid": drop[1] if drop else None, "nproc": nproc,
             "preload": PRELOAD, "cpu_s": limits.cpu_s, "scratch_mb": limits.scratch_mb, "ro_paths": ro_paths(),
             "main": str(root / "main.py"), "work": str(root / "work"), "newroot": str(root / "newroot"),
-            "cgroup": str(cgroup) if cgroup else None, "status_fd": status_fd, "namespaces": True,
+            "cgroup": str(cgroup) if cgroup else None, "status_fd": status_fd, "namespaces": NAMESPACES,
             "landlock": True}
 
 
