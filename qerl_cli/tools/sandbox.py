@@ -1,23 +1,22 @@
-"""Run model-written Python in a separate process with resource limits: code a policy wrote is untrusted input.
+"""Run model-written Python in a sandbox of its own per call: code a policy wrote is untrusted input.
 
-What the sandbox limits (docs/tools.md says the same, for users):
+The parent side: the call's directory, cgroup and uid, the launch of ``sandbox_child.py`` (the monitor, the
+init of the call's PID namespace and the code; that file says what each does), the wall clock, the last check
+that nothing of the call is left (``survivors``), and the one line saying why the call ended. Each layer is
+tried and the ones that held come back in ``SandboxResult.layers`` (``capabilities()`` for this machine);
+docs/tools.md has the table of what holds on which kernel and privilege.
 
-* CPU time: ``RLIMIT_CPU`` (SIGXCPU at the limit, SIGKILL a second later), per process.
-* Memory: ``RLIMIT_AS`` (address space; an allocation past it raises MemoryError in the code).
-* Processes: ``RLIMIT_NPROC``. The kernel does not apply it to root, so when qerl runs as root the child drops
-  to the unprivileged ``nobody`` user first (which also keeps it from writing root's files); otherwise the limit
-  is the user's current number of tasks plus ``processes``, as the limit counts every process of the user.
-* Files written: ``RLIMIT_FSIZE`` per file, ``RLIMIT_NOFILE`` open descriptors, no core dumps; the working
-  directory is a fresh temporary directory, removed afterwards.
-* Wall clock: the process group is killed (SIGKILL) at ``wall_s``; it is killed at the end in any case, so
-  children left behind die with it.
-* Environment: none of the parent's variables pass (no tokens or credentials); the child gets a fixed minimal
-  set. stdin is /dev/null; stdout and stderr go to files capped by the file-size limit, and only their first
-  (stdout) or last (stderr) ``output_chars`` characters come back.
-
-What it does NOT isolate: the network (the code can open sockets), reading any file the user running qerl (or
-``nobody``) can read, and other system calls. It is not a container, a seccomp filter or a VM: run untrusted
-models' code on a machine (or in a container) that holds nothing they must not read.
+* Nothing outlives the call: a PID namespace whose init kills every process at the end; a cgroup v2
+  (``cgroup.kill``) where qerl may make one; a child subreaper and a /proc scan by session, uid and PID namespace
+  where neither holds.
+* Nothing of qerl's is in reach: an empty environment, a uid of its own per call when root (a user namespace with
+  no capabilities otherwise), no_new_privs, not dumpable; a private /proc shows the call's processes only.
+* Files: a private root (the system and interpreter directories read-only, a ``scratch_mb`` tmpfs for /tmp,
+  /dev/shm and the working directory); landlock (writes only there) where the kernel has it.
+* Network: a network namespace (no interface up); landlock refuses TCP connect and bind as well.
+* Limits per call: CPU seconds of all its processes together (the init totals them), address space, file size,
+  open files and processes per process (RLIMIT_*), memory.max and pids.max where the cgroup has the controllers,
+  and the wall clock.
 """
 
 from __future__ import annotations
