@@ -57,7 +57,7 @@ def test_fork_bomb_is_refused_and_the_group_is_killed() -> None:
 
 def test_ten_gigabyte_allocation_is_refused() -> None:
     res = run_python("b = bytearray(10 * 1024 ** 3)\nprint('allocated')\n", LIMITS)
-    assert res.error == "exit code 1: MemoryError" and "allocated" not in res.stdout
+    assert res.error == "exit code 1: MemoryError (memory limit of 512 MB)" and "allocated" not in res.stdout
 
 
 def test_output_is_truncated_and_files_are_capped() -> None:
@@ -80,18 +80,20 @@ def test_environment_is_emptied_and_stdin_is_closed(monkeypatch: pytest.MonkeyPa
 def test_each_run_gets_a_fresh_directory_removed_afterwards() -> None:
     code = "import os\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))\nopen('note.txt', 'w').write('hi')\n"
     first, second = run_python(code, LIMITS), run_python(code, LIMITS)
-    cwd1, cwd2 = first.stdout.splitlines()[0], second.stdout.splitlines()[0]
-    assert cwd1 != cwd2 and second.stdout.splitlines()[1] == "['main.py']"  # the first run's note.txt is not there
-    assert not Path(cwd1).exists() and not Path(cwd2).exists()
+    assert second.stdout.splitlines()[1] == "['main.py']"  # the first run's note.txt is not there
+    if "private-root" not in first.layers:  # a host directory of its own, removed afterwards
+        cwd1, cwd2 = first.stdout.splitlines()[0], second.stdout.splitlines()[0]
+        assert cwd1 != cwd2 and not Path(cwd1).exists() and not Path(cwd2).exists()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the drop to nobody happens when qerl runs as root")
-def test_as_root_the_code_runs_as_nobody_and_cannot_write_root_files(tmp_path: Path) -> None:
+@pytest.mark.skipif(os.geteuid() != 0, reason="the drop to another uid happens when qerl runs as root")
+def test_as_root_the_code_runs_as_another_uid_and_cannot_write_root_files(tmp_path: Path) -> None:
     target = tmp_path / "owned_by_root.txt"
     target.write_text("keep")
     target.chmod(0o644)
     res = run_python(f"import os\nprint(os.getuid())\nopen({str(target)!r}, 'w').write('gone')\n", LIMITS)
-    assert res.stdout.split()[0] != "0" and "PermissionError" in (res.error or "")
+    # not there at all in a private root; there but not writable without one
+    assert res.stdout.split()[0] != "0" and ("PermissionError" in res.error or "FileNotFoundError" in res.error)
     assert target.read_text() == "keep"
 
 
