@@ -417,8 +417,10 @@ stage_tools() {
   done
   wait "${pids[@]}"
   for f in "$d"/*_s*.log; do echo "== $(basename "$f")"; grep -v "^step" "$f" | tail -n 3; done
-  (cd "$T" && python3 "$REPO/scripts/tools_target.py" "$d" --out "$OUT/tools/tools_target.json")
+  local rc=0
+  (cd "$T" && python3 "$REPO/scripts/tools_target.py" "$d" --out "$OUT/tools/tools_target.json") || rc=$?
   (cd "$d" && tar czf "$OUT/tools/tools_runs.tgz" ./*.log ./*_s*/train/metrics.jsonl ./*_s*/eval/*.json 2>/dev/null)
+  return $rc
 }
 
 stage_cmd() { (cd "$T" && timeout "$(budget)" bash -c "$QERL_CMD"); }

@@ -74,6 +74,11 @@ def main() -> int:
               f"{ {True: 'met', False: 'MISSED', None: 'undecided'}[res['met']] }")
     if args.out:
         args.out.write_text(json.dumps(res, indent=2))
+    missing = [f"{arm}_s{seed} {k}" for arm, d in res["raw"].items() for k, values in d.items()
+               for seed, v in zip(res["seeds"][arm], values, strict=True) if v is None]
+    if missing:  # a run that failed must fail the stage, not shrink the interval
+        print(f"no result for: {', '.join(missing)}")
+        return 1
     return 0
 
 

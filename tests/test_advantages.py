@@ -97,6 +97,7 @@ def test_dynamic_sampler_refills_and_counts():
         "dynamic/groups_surplus": 1.0,
         "dynamic/groups_kept": 2.0,
         "dynamic/filled": 1.0,
+        "dynamic/uninformative": 0.0,
     }
     with pytest.raises(QerlError):
         s.add(torch.tensor([1.0, 0.0]), ["g"])
@@ -113,6 +114,8 @@ def test_dynamic_sampler_gives_up_after_max_refills():
     s.fill(generate, prompts_per_round=3)
     groups, stats = s.result()
     assert calls == [3, 3]  # first round + one refill
-    assert groups == []
+    # nothing informative anywhere (a saturated policy): the last round's groups, as many as the batch holds,
+    # train with zero advantages instead of stopping the run
+    assert groups == [0, 1] and stats["dynamic/uninformative"] == 1.0
     assert stats["dynamic/filled"] == 0.0
     assert stats["dynamic/groups_dropped"] == 6.0

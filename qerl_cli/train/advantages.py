@@ -122,7 +122,10 @@ class DynamicSampler(Generic[T]):
     kept groups beyond that are discarded as surplus (as verl's DAPO recipe truncates). The first
     round is a normal rollout; at most ``max_refill_rounds`` further rounds follow. If the batch is
     still not full then, :meth:`result` returns the partial batch and ``dynamic/filled`` is 0: the
-    trainer decides whether to train on it.
+    trainer decides whether to train on it. If no group was informative in any round (a policy that solves,
+    or fails, every prompt), the last round's groups come back instead with ``dynamic/uninformative`` 1:
+    their advantages are all zero, so the step updates nothing, but the run goes on (and keeps its
+    checkpoints) rather than stopping on a policy that has saturated the task.
     """
 
     batch_prompts: int
@@ -133,6 +136,7 @@ class DynamicSampler(Generic[T]):
     generated: int = 0
     dropped: int = 0
     surplus: int = 0
+    last_round: list[T] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.batch_prompts < 1 or self.group_size < 1 or self.max_refill_rounds < 0:
@@ -163,6 +167,7 @@ class DynamicSampler(Generic[T]):
             raise QerlError(f"{len(keep)} reward groups but {len(groups)} group items were passed")
         self.rounds += 1
         self.generated += len(keep)
+        self.last_round = list(groups)
         taken = 0
         for item, k in zip(groups, keep, strict=True):
             if not k:
@@ -190,10 +195,11 @@ class DynamicSampler(Generic[T]):
             "dynamic/groups_surplus": float(self.surplus),
             "dynamic/groups_kept": float(len(self.groups)),
             "dynamic/filled": float(self.full),
+            "dynamic/uninformative": float(not self.groups),
         }
 
     def result(self) -> tuple[list[T], dict[str, float]]:
-        return list(self.groups), self.stats()
+        return list(self.groups or self.last_round[: self.batch_prompts]), self.stats()
 
 
 __all__ = [
