@@ -44,7 +44,7 @@
 #               `qerl bench evidence` (QERL_EV_QERL_SEEDS 8, QERL_EV_FLASHRL_SEEDS 8, QERL_EV_FP16_SEEDS 3)
 #   tools       the learning target of multi-turn episodes (docs/tools.md; needs `embedded`): per seed
 #               (QERL_TOOLS_SEEDS, 4) the gpu_arith preset for QERL_TOOLS_STEPS (30) steps with the calculator and
-#               without, all side by side on the GPU, each scored on QERL_TOOLS_HELDOUT (100) held-out arith problems
+#               without, all side by side on the GPU, each scored on QERL_TOOLS_HELDOUT (64: 16 per level, level 1 has 17) held-out arith problems
 #               x QERL_TOOLS_SAMPLES (8) samples before and after training; then scripts/tools_target.py (intervals
 #               over seeds). QERL_TOOLS_TRAIN_ARGS adds train flags (a CPU proof: "--batch-prompts 2
 #               --num-generations 2 --precision fp32 --no-aqn" with 1 seed, 1 step, 2 held-out problems, 2 samples)
@@ -395,14 +395,14 @@ tools_arm() {  # DIR ARM SEED: one run, base scored, trained, trained scored (th
   cp -r "$1/q" "$run"
   b=$(budget)
   {
-    qerl "$b" eval arith --run "$run" --checkpoint base --limit "${QERL_TOOLS_HELDOUT:-100}" --samples "$n" \
+    qerl "$b" eval arith --run "$run" --checkpoint base --limit "${QERL_TOOLS_HELDOUT:-64}" --samples "$n" \
       --temperature 1.0 --json "${ev[@]}" > /dev/null
     # the engine's budget counts the other runs' memory as in use, and each run's KV cache is sized by its need
     # (~2 GiB here): a budget of the whole card lets all of them start, a small share per run starves the last ones
     # shellcheck disable=SC2086
     qerl "$b" train --run "$run" --config gpu_arith --steps "$steps" --save-steps "$steps" --seed "$3" \
       --no-log-rollouts --gpu-memory-utilization 0.9 "${train[@]}" ${QERL_TOOLS_TRAIN_ARGS:-}
-    qerl "$b" eval arith --run "$run" --limit "${QERL_TOOLS_HELDOUT:-100}" --samples "$n" --temperature 1.0 --json \
+    qerl "$b" eval arith --run "$run" --limit "${QERL_TOOLS_HELDOUT:-64}" --samples "$n" --temperature 1.0 --json \
       "${ev[@]}" > /dev/null
   } > "$1/$2_s$3.log" 2>&1
 }
