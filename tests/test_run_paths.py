@@ -91,6 +91,9 @@ def test_checkpoint_paths_must_lead_into_the_runs_checkpoints(work: Path, capsys
     code, _, err = qerl_in_process(capsys, "eval", "arith:1", "--run", "r", "--checkpoint", str(elsewhere / "step_2"),
                                    *EVAL)
     refused(code, err, "--checkpoint", "is not in this run's checkpoints", "--checkpoint step_2")
+    code, _, err = qerl_in_process(capsys, "eval", "arith:1", "--run", str(work / "r"), "--checkpoint",
+                                   str(elsewhere / "step_2"), *EVAL)  # never this run's step_2 in its place
+    refused(code, err, "is not in this run's checkpoints")
     assert not (work / "r/eval").exists()
     # a path into this run's checkpoints (relative to the working directory, or absolute) is that checkpoint
     code, _, err = qerl_in_process(capsys, "eval", "arith:1", "--run", "r", "--checkpoint",
