@@ -283,8 +283,9 @@ def _has_cuda() -> bool:
 def eval_(
     task: Annotated[str, typer.Argument(help="gsm8k | math500 | arith")],
     run: RunOpt = Path("runs/default"),
-    checkpoint: Annotated[str, Opt(help="latest | step_N | base (no adapter)")] = "latest",
-    limit: Annotated[int | None, Opt(help="Evaluate the first N problems.")] = None,
+    checkpoint: Annotated[str, Opt(help="latest | step_N (or its path in the run's train/checkpoints) | base (no "
+                                        "adapter)")] = "latest",
+    limit: Annotated[int | None, Opt(help="Evaluate the first N problems (a result of its own: -limitN).")] = None,
     samples: Annotated[int, Opt(help="Samples per problem (K > 1: pass@1, pass@K, mean accuracy).")] = 1,
     temperature: Annotated[float | None, Opt(help="Sampling temperature (default: greedy for K=1).")] = None,
     max_tokens: Annotated[int | None, Opt(help="Max new tokens (default per task).")] = None,
