@@ -45,7 +45,6 @@ err_console = make_console(stderr=True)
 _state = {"debug": False}
 
 
-
 def _run_arg(value: str | Path) -> Path:
     """--run as given (typer would turn an empty one into ".", the current directory)."""
     from qerl_cli.manifest import run_path
