@@ -44,7 +44,19 @@ console = make_console()
 err_console = make_console(stderr=True)
 _state = {"debug": False}
 
-RunOpt = Annotated[Path, typer.Option("--run", help="Run directory shared by all stages.")]
+
+def _run_arg(value: str | Path) -> Path:
+    """--run as given (typer would turn an empty one into ".", the current directory)."""
+    from qerl_cli.manifest import run_path
+
+    return value if isinstance(value, Path) else run_path(value)
+
+
+def _run_opt(help_: str) -> Any:
+    return typer.Option("--run", parser=_run_arg, metavar="PATH", help=help_)
+
+
+RunOpt = Annotated[Path, _run_opt("Run directory shared by all stages.")]
 
 
 @app.callback()
@@ -217,11 +229,11 @@ app.command(name="train", short_help="RL with LoRA on the run's quantized model.
 def _resume_step(run: Path, resume_from: str | None = None) -> int:
     """The step `--resume` (or `--resume-from step_N`) continues from, for the console's first line (0 where
     there is none yet; the trainer itself checks the run and says what is wrong)."""
-    if resume_from:
-        digits = resume_from.removeprefix("step_")
-        return int(digits) if digits.isdigit() else 0
     from qerl_cli.manifest import RunDir
-    from qerl_cli.train.checkpointing import latest_step
+    from qerl_cli.train.checkpointing import checkpoint_step, latest_step
+
+    if resume_from:
+        return checkpoint_step(Path(resume_from)) or 0
 
     try:
         return latest_step(RunDir(run, create=False)) or 0
@@ -270,8 +282,9 @@ def _has_cuda() -> bool:
 def eval_(
     task: Annotated[str, typer.Argument(help="gsm8k | math500 | arith")],
     run: RunOpt = Path("runs/default"),
-    checkpoint: Annotated[str, Opt(help="latest | step_N | base (no adapter)")] = "latest",
-    limit: Annotated[int | None, Opt(help="Evaluate the first N problems.")] = None,
+    checkpoint: Annotated[str, Opt(help="latest | step_N (or its path in the run's train/checkpoints) | base (no "
+                                        "adapter)")] = "latest",
+    limit: Annotated[int | None, Opt(help="Evaluate the first N problems (a result of its own: -limitN).")] = None,
     samples: Annotated[int, Opt(help="Samples per problem (K > 1: pass@1, pass@K, mean accuracy).")] = 1,
     temperature: Annotated[float | None, Opt(help="Sampling temperature (default: greedy for K=1).")] = None,
     max_tokens: Annotated[int | None, Opt(help="Max new tokens (default per task).")] = None,
@@ -328,7 +341,7 @@ def bench_kernels(
 
 @bench_app.command("rollout", short_help="Rollout tokens/s, TTFT and memory per format and batch.")
 def bench_rollout(
-    run: Annotated[Path | None, Opt("--run", help="Use the run's quantized model.")] = None,
+    run: Annotated[Path | None, _run_opt("Use the run's quantized model.")] = None,
     shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|qwen2.5-14b|qwen2.5-32b; "
                                                   "MoE: tiny-moe|qwen3-30b-a3b")] = None,
     formats: Annotated[str, Opt(help="Comma-separated formats (with --shape).")] = "bf16,nvfp4,mxfp4,int8,fp8,nf4",
@@ -371,7 +384,7 @@ def bench_rollout(
 
 @bench_app.command("mismatch", short_help="Training-inference mismatch per precision and format.")
 def bench_mismatch(
-    run: Annotated[Path | None, Opt("--run", help="Use the run's quantized model (else the embedded model).")] = None,
+    run: Annotated[Path | None, _run_opt("Use the run's quantized model (else the embedded model).")] = None,
     precisions: Annotated[str, Opt(help="Comma-separated: bf16,fp16,fp32")] = "bf16,fp16,fp32",
     formats: Annotated[str, Opt(help="Comma-separated formats (embedded model).")] = "bf16,nvfp4,mxfp4,int8,fp8",
     task: str = "arith",
@@ -402,7 +415,7 @@ SetOpt = Annotated[list[str] | None, Opt("--set", metavar="KEY=VALUE", help="Tra
 
 @bench_app.command("step", short_help="One RL step, phase by phase, per format vs BF16-LoRA.")
 def bench_step(
-    run: Annotated[Path | None, Opt("--run", help="Use the run's model, task and reward.")] = None,
+    run: Annotated[Path | None, _run_opt("Use the run's model, task and reward.")] = None,
     shape: Annotated[str | None, Opt(help="Random model: tiny|qwen2.5-0.5b|qwen2.5-7b|14b|32b|72b; MoE: "
                                                   "tiny-moe|qwen3-30b-a3b")] = None,
     formats: Annotated[str | None, Opt(help="Comma-separated: bf16,nvfp4,nf4 (mxfp4,int8,fp8 too); "
@@ -482,7 +495,7 @@ def bench_sanity(
 def bench_evidence(
     input_: Annotated[list[str], Opt("--input", metavar="GROUP=FILE", help="GROUP=SANITY_JSON (qerl|flashrl|fp16; "
                                      "repeatable).")],
-    run: Annotated[Path | None, Opt("--run", help="Run directory to record it in (for qerl report).")] = None,
+    run: Annotated[Path | None, _run_opt("Run directory to record it in (for qerl report).")] = None,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench/evidence, else "
                                          "./qerl-bench/evidence-DATE-TIME).")] = None,
 ) -> None:

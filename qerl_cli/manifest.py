@@ -255,11 +255,21 @@ class StageRecord:
         return {k: v for k, v in self.__dict__.items() if k != "refusable"}
 
 
+def run_path(path: str | os.PathLike[str]) -> Path:
+    """The path a `--run` names, ``~`` expanded; an empty one is refused (``Path("")`` is the current directory,
+    which the user did not mean to fill with a run)."""
+    if not str(path).strip():
+        raise QerlError("--run is empty: give the run directory, e.g. --run runs/demo")
+    return Path(path).expanduser()
+
+
 class RunDir:
     """A run directory. Construct, then use `with run.lock():` around any writing stage."""
 
     def __init__(self, path: str | os.PathLike[str], create: bool = True) -> None:
-        self.path = Path(path).expanduser()
+        # absolute from here on: `inside` reads a relative path as relative to the run, so a relative run path
+        # (`--run runs/demo`) joined into `run.path / "eval"` would be taken relative to the run a second time
+        self.path = run_path(path).absolute()
         if self.path.exists() and not self.path.is_dir():
             raise QerlError(f"run directory {self.path} is a file, not a directory: pick another --run path")
         if not self.path.exists():

@@ -23,7 +23,9 @@ def _record(line: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     step = row.get("step") if isinstance(row, dict) else None
-    return row if isinstance(step, int | float) and not isinstance(step, bool) else None
+    # a step is a whole number (json reads NaN and Infinity too, which no step is)
+    whole = isinstance(step, int) or (isinstance(step, float) and step.is_integer())
+    return row if whole and not isinstance(step, bool) else None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -44,8 +46,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         if row is not None:
             rows.append(row)
         elif i < len(lines) - 1 or text.endswith("\n"):  # a whole line, so not the torn end of an append
-            raise QerlError(f"{path} line {i + 1} is not a metrics record (a JSON object with a step): remove or "
-                            "repair that line, or move the file aside, and run the command again")
+            raise QerlError(f"{path} line {i + 1} is not a metrics record (a JSON object with a whole-number step): "
+                            "remove or repair that line, or move the file aside, and run the command again")
     return rows
 
 

@@ -14,6 +14,7 @@ import base64
 import html
 import io
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,11 +54,16 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def _number(v: Any) -> bool:
+    """A finite int or float (not a bool, not NaN or inf): a value the page can draw and print."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _series(rows: list[dict[str, Any]], key: str, positive: bool = False) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in rows:
         v = r.get(key)
-        if isinstance(v, (int, float)) and v == v and (not positive or v > 0):
+        if _number(v) and (not positive or v > 0):
             xs.append(int(r["step"]))
             ys.append(float(v))
     return xs, ys
@@ -78,8 +84,36 @@ def _checkpoint_order(name: str) -> tuple[int, int, str]:
     return (1, int(m.group(1)), name) if m else (2, 0, name)
 
 
-def _read_evals(run: RunDir, manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """Eval results: every parseable DIR/eval/*.json with scores, plus any a manifest record points at."""
+def _eval_variant(data: dict[str, Any]) -> tuple[str, str]:
+    """How a result was made beyond its task and checkpoint, as (label for the page, key suffix): the harness, the
+    tool or environment, and the settings that differ from the default. Results are compared (base vs trained)
+    only within one variant."""
+    from qerl_cli.eval.harness import settings_suffix
+
+    protocol = data.get("protocol") if isinstance(data.get("protocol"), dict) else {}
+    settings = data.get("settings")
+    if not isinstance(settings, dict):  # a result written before results named their settings
+        sampling = protocol.get("sampling") if isinstance(protocol.get("sampling"), dict) else {}
+        n = sampling.get("n", 1)
+        settings = {"limit": protocol.get("limit"), "samples": n if n != 1 else None,
+                    "temperature": sampling.get("temperature") if sampling.get("temperature", 0.0)
+                    != (0.0 if n == 1 else 1.0) else None}
+    settings = {k: v for k, v in settings.items() if v is not None and (_number(v) or v is True)}
+    episodes = protocol.get("episodes") if isinstance(protocol.get("episodes"), dict) else {}
+    harness = data.get("harness") if data.get("harness") not in (None, "builtin") else None
+    parts = [str(x) for x in (harness, episodes.get("kind")) if x]
+    suffix = "".join(f"-{x}" for x in parts)
+    try:
+        suffix += settings_suffix(settings)
+    except (KeyError, TypeError, ValueError):  # a setting this qerl does not know: its own variant all the same
+        suffix += "-" + "-".join(f"{k}{v}" for k, v in settings.items())
+    parts += [k if v is True else f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in settings.items()]
+    return ", ".join(parts), suffix
+
+
+def _read_evals(run: RunDir, manifest: dict[str, Any], notes: list[str] | None = None) -> list[dict[str, Any]]:
+    """Eval results: every parseable DIR/eval/*.json with scores, plus any a manifest record points at. A result
+    whose accuracy is not a number in [0, 1] is left out, with a line in ``notes`` saying so."""
     paths: dict[Path, Path] = {}  # resolved (one entry per file) -> the path in the run
     for key, rec in manifest["stages"].items():
         if key.startswith("eval/") and rec.get("status") == "completed":
@@ -99,12 +133,22 @@ def _read_evals(run: RunDir, manifest: dict[str, Any]) -> list[dict[str, Any]]:
         ckpt = data.get("checkpoint")
         name = ckpt.get("name") if isinstance(ckpt, dict) else ckpt
         primary = data.get("primary") or next(iter(data["scores"]))
-        acc = (data["scores"].get(primary) or {}).get("accuracy")
+        score = data["scores"].get(primary) if isinstance(primary, str) else None
+        acc = score.get("accuracy") if isinstance(score, dict) else None
         if not isinstance(acc, dict) or "mean" not in acc:
             continue
+        bad = [k for k in ("mean", "low", "high") if k in acc and not (_number(acc[k]) and 0 <= acc[k] <= 1)]
+        if bad:
+            if notes is not None:
+                notes.append(f"{run.rel(p)} left out: its accuracy {bad[0]} is {acc[bad[0]]!r}, not a number "
+                             "between 0 and 1 (a damaged or hand-edited result: run its `qerl eval` again)")
+            continue
+        label, suffix = _eval_variant(data)
         out.append({"task": str(data.get("task", "?")), "checkpoint": str(name or "?"), "primary": primary,
-                    "accuracy": acc, "file": run.rel(p), "harness": data.get("harness")})
-    out.sort(key=lambda e: (e["task"], _checkpoint_order(e["checkpoint"])))
+                    "accuracy": acc, "file": run.rel(p), "harness": data.get("harness"), "variant": label,
+                    "group": f"{data.get('task', '?')}" + (f" ({label})" if label else ""),
+                    "key": f"{data.get('task', '?')}-{name or '?'}{suffix}"})
+    out.sort(key=lambda e: (e["task"], e["group"], _checkpoint_order(e["checkpoint"])))
     return out
 
 
@@ -187,7 +231,7 @@ def _train_plots(rows: list[dict[str, Any]]) -> dict[str, tuple[str, Callable[[]
     reward_keys = [("reward", "reward = accuracy")] if same else [("reward", "reward"), ("accuracy", "accuracy")]
     reward_caption = ("Reward and accuracy vs step (identical here: the reward is 1 for a correct answer, else 0)"
                       if same else "Reward and accuracy vs step")
-    aqn_on = any(isinstance(r.get("aqn/sigma"), (int, float)) and r["aqn/sigma"] > 0 for r in rows)
+    aqn_on = any(_number(r.get("aqn/sigma")) and r["aqn/sigma"] > 0 for r in rows)
     k3_caption = "Training-inference mismatch k3 vs step (log scale)" + (
         ". With AQN the rollout policy carries the noise and the training forward does not, so k3 jumps when the "
         "noise switches on (AQN stage 1) and follows sigma after" if aqn_on else "")
@@ -211,10 +255,10 @@ def _train_plots(rows: list[dict[str, Any]]) -> dict[str, tuple[str, Callable[[]
 
 def _episode_pairs(rows: list[dict[str, Any]], numbers: dict[str, Any]) -> list[tuple[str, Any]]:
     """Turns per episode (last step) and tool errors (all steps) of a run that used a tool or an environment."""
-    turns = [r["episodes/turns_mean"] for r in rows if isinstance(r.get("episodes/turns_mean"), (int, float))]
+    turns = [r["episodes/turns_mean"] for r in rows if _number(r.get("episodes/turns_mean"))]
     if not turns:
         return []
-    errors = sum(float(r.get("episodes/tool_errors", 0.0)) for r in rows)
+    errors = sum(float(r["episodes/tool_errors"]) for r in rows if _number(r.get("episodes/tool_errors")))
     numbers["train/episodes/turns_mean"] = turns[-1]
     numbers["train/episodes/tool_errors"] = errors
     return [("last turns per episode", turns[-1]), ("tool errors (all steps)", int(errors))]
@@ -223,7 +267,8 @@ def _episode_pairs(rows: list[dict[str, Any]], numbers: dict[str, Any]) -> list[
 def _eval_plot(evals: list[dict[str, Any]]) -> bytes:
     import numpy as np
 
-    tasks = sorted({e["task"] for e in evals})
+    # one group of bars per task and variant: results made with other settings never stand side by side
+    tasks = sorted({e["group"] for e in evals})
     ckpts = sorted({e["checkpoint"] for e in evals}, key=_checkpoint_order)
     fig, (ax,) = _figure(width=max(5.0, 1.6 + 1.4 * len(tasks) * max(1, len(ckpts)) * 0.6))
     width = 0.8 / len(ckpts)
@@ -232,7 +277,7 @@ def _eval_plot(evals: list[dict[str, Any]]) -> bytes:
         means, lo, hi, pos = [], [], [], []
         for j, task in enumerate(tasks):
             for e in evals:
-                if e["task"] == task and e["checkpoint"] == ck:
+                if e["group"] == task and e["checkpoint"] == ck:
                     a = e["accuracy"]
                     m = 100 * a["mean"]
                     means.append(m)
@@ -439,6 +484,7 @@ class _Page:
     pngs: dict[str, bytes] = field(default_factory=dict)
     sections: dict[str, str] = field(default_factory=dict)
     numbers: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what the page left out, and why
 
     def present(self, stage: str, html_: str) -> None:
         self.parts.append(html_)
@@ -515,7 +561,7 @@ def _train_pairs(cfg: dict[str, Any], rows: list[dict[str, Any]], numbers: dict[
         last = rows[-1]
         pairs += [("steps logged", len(rows))]
         for k in ("reward", "accuracy", "entropy", "completions/mean_length", "sampling/k3"):
-            if isinstance(last.get(k), (int, float)):
+            if _number(last.get(k)):
                 pairs.append((f"last {k}", last[k]))
                 numbers[f"train/{k}"] = last[k]
         numbers["train/steps"] = len(rows)
@@ -557,21 +603,26 @@ def _train_section(page: _Page, t: dict[str, Any] | None) -> None:
 
 
 def _eval_section(page: _Page, manifest: dict[str, Any]) -> None:
-    evals = _read_evals(page.run, manifest)
+    notes: list[str] = []
+    evals = _read_evals(page.run, manifest, notes)
+    page.notes += notes
     if not evals:
         page.missing("Evaluation", "eval")
         return
     trs = "".join(
-        f"<tr><td>{_esc(e['task'])}</td><td>{_esc(e['checkpoint'])}</td><td>{_esc(e['primary'])}</td>"
+        f"<tr><td>{_esc(e['task'])}</td><td>{_esc(e['variant'] or 'default')}</td><td>{_esc(e['checkpoint'])}</td>"
+        f"<td>{_esc(e['primary'])}</td>"
         f"<td class='num'>{100 * e['accuracy']['mean']:.1f}</td>"
         f"<td class='num'>[{100 * e['accuracy'].get('low', 0):.1f}, {100 * e['accuracy'].get('high', 0):.1f}]"
         f"</td><td class='num'>{_esc(e['accuracy'].get('n', ''))}</td><td>{_esc(e['file'])}</td></tr>"
         for e in evals)
-    body = ("<table><tr><th>task</th><th>checkpoint</th><th>scorer</th><th>accuracy %</th><th>95% CI</th>"
-            f"<th>n</th><th>file</th></tr>{trs}</table>")
-    body += page.add_png("eval_scores", _eval_plot(evals), "Eval accuracy per checkpoint with 95% CI")
+    body = ("<table><tr><th>task</th><th>settings</th><th>checkpoint</th><th>scorer</th><th>accuracy %</th>"
+            f"<th>95% CI</th><th>n</th><th>file</th></tr>{trs}</table>")
+    body += "".join(f"<p class='missing'>{_esc(n)}</p>" for n in notes)
+    body += page.add_png("eval_scores", _eval_plot(evals), "Eval accuracy per checkpoint with 95% CI; results made "
+                         "with other settings (a --limit, samples, a tool) are a group of their own")
     for e in evals:
-        page.numbers[f"eval/{e['task']}-{e['checkpoint']}"] = e["accuracy"]["mean"]
+        page.numbers[f"eval/{e['key']}"] = e["accuracy"]["mean"]
     page.present("eval", f"<section id='eval'><h2>Evaluation</h2>{body}</section>")
 
 
@@ -645,13 +696,14 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     created = now_iso()
     index, plots = _write_page(page, out, created)
     return {"run": run.path, "out_dir": out, "html": index, "plots": plots, "stages": stage_status,
-            "sections": page.sections, "numbers": page.numbers, "created": created}
+            "sections": page.sections, "numbers": page.numbers, "notes": page.notes, "created": created}
 
 
 def render_summary(result: dict[str, Any]):  # noqa: ANN201 - rich.console.Group
     """Terminal summary of a build_report result: stages with status, key numbers, absent sections, paths."""
     from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     stages = Table(title=f"qerl report · {result['run']}")
     stages.add_column("stage")
@@ -677,5 +729,6 @@ def render_summary(result: dict[str, Any]):  # noqa: ANN201 - rich.console.Group
     items: list[Any] = [stages, nums]
     if missing.row_count:
         items.append(missing)
+    items += [Text(f"note: {n}") for n in result.get("notes", ())]
     items.append(f"[bold]report[/bold] {result['html']}  ({len(result['plots'])} plots)")
     return Group(*items)

@@ -5,7 +5,8 @@ accuracy with the calculator vs the same training without it, mean and 95% inter
 
 DIR holds one run directory per arm and seed, named ``tool_s<seed>`` and ``plain_s<seed>``, each with the
 `qerl eval arith` results of its base model and of its last checkpoint (the tool arm's with ``--tools
-calculator``: ``eval/arith-base-calculator.json``, ``eval/arith-step_N-calculator.json``). The target is met when
+calculator``: ``eval/arith-base-calculator[-<settings>].json``, ``eval/arith-step_N-calculator[-<settings>].json``,
+the settings that differ from the default named at the end, e.g. ``-limit100-n8``). The target is met when
 the 95% Welch interval of (tool - plain) trained accuracy lies above 0.
 """
 
@@ -28,7 +29,7 @@ def accuracy(run: Path, checkpoint: str) -> float | None:
     for f in (run / "eval").glob("arith-*.json"):
         if f.name.endswith(".samples.jsonl"):
             continue
-        m = re.match(r"^arith-(base|step_(\d+))(-calculator)?\.json$", f.name)
+        m = re.match(r"^arith-(base|step_(\d+))(-calculator)?(?:-[a-z]+[0-9.]*)*\.json$", f.name)
         if m and (checkpoint == "base") == (m.group(1) == "base"):
             results.append((int(m.group(2) or 0), f))
     if not results:

@@ -213,7 +213,7 @@ def test_train_and_eval_arith_with_the_calculator(tiny_run: Path) -> None:
     assert "<calc>2 + 3</calc> <result>5</result> 5" in rollouts(tiny_run)[0]["prompt"]
     assert run_cli("eval", "arith", "--run", str(tiny_run), "--tools", "calculator", "--limit", "2",
                    "--max-tokens", "10") == 0
-    result = json.loads((tiny_run / "eval/arith-step_1-calculator.json").read_text())
+    result = json.loads((tiny_run / "eval/arith-step_1-calculator-limit2-max10.json").read_text())
     assert result["protocol"]["episodes"]["kind"] == "calculator" and result["episodes"]["turns_mean"] >= 1.0
     assert result["scores"]["arith"]["accuracy"]["n"] == 2
 

@@ -158,7 +158,10 @@ def test_base_vs_trained_from_run_dir(eval_run: Path, base_gsm8k: dict, trained_
 
 
 def test_result_files_manifest_and_protocol(eval_run: Path, base_gsm8k: dict, trained_gsm8k: dict) -> None:
-    for result, key in ((base_gsm8k, "eval/gsm8k-base"), (trained_gsm8k, f"eval/gsm8k-step_{STEP}")):
+    # --limit and --max-tokens differ from the defaults: named in the file, so the full result keeps its own
+    settings = f"-limit{LIMIT}-max{MAX_TOKENS}"
+    for result, key in ((base_gsm8k, f"eval/gsm8k-base{settings}"),
+                        (trained_gsm8k, f"eval/gsm8k-step_{STEP}{settings}")):
         assert result["files"] == {"result": f"{key}.json", "samples": f"{key}.samples.jsonl"}
         on_disk = json.loads((eval_run / result["files"]["result"]).read_text())
         assert on_disk == json.loads(json.dumps(result))
@@ -166,7 +169,8 @@ def test_result_files_manifest_and_protocol(eval_run: Path, base_gsm8k: dict, tr
         assert rec["status"] == "completed" and rec["stage"] == "eval"
         assert rec["outputs"] == result["files"]
         assert rec["metrics"]["strict"] == result["scores"]["strict"]["accuracy"]["mean"]
-    assert RunDir(eval_run).record("eval/gsm8k-base")["inputs"]["adapter"] is None
+    assert RunDir(eval_run).record(f"eval/gsm8k-base{settings}")["inputs"]["adapter"] is None
+    assert base_gsm8k["settings"] == {"limit": LIMIT, "max_tokens": MAX_TOKENS}
 
     p = base_gsm8k["protocol"]
     assert p["prompt_template"].endswith("Question: {question}\nAnswer:") and "####" in p["prompt_template"]
@@ -225,7 +229,7 @@ def test_math500_scorers_and_breakdowns(eval_run: Path) -> None:
     for r, ex in zip(records, task.examples, strict=True):
         assert r["gold"] == ex.answer and r["meta"]["subject"] == ex.meta["subject"]
         assert r["grader"]["method"] in ("math_verify", "fallback")
-    assert result["files"]["result"] == "eval/math500-base.json"
+    assert result["files"]["result"] == "eval/math500-base-limit3-max32.json"
 
 
 def test_math500_without_math_verify_says_so(eval_run: Path, monkeypatch) -> None:
@@ -257,7 +261,7 @@ def test_jsonl_task(eval_run: Path, tmp_path: Path) -> None:
     rows = [{"prompt": "2 + 3 = 5\n4 + 4 =", "answer": 8}, {"prompt": "1 + 2 = 3\n5 + 1 =", "answer": "6"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = run_eval(eval_run, f"jsonl:{data}", checkpoint="base", max_tokens=4)
-    assert result["files"]["result"] == "eval/jsonl-sums-base.json"
+    assert result["files"]["result"] == "eval/jsonl-sums-base-max4.json"
     assert set(result["scores"]) == {"strict", "flexible", "answer_tag"}  # numeric answers: GSM8K scorers
     assert result["protocol"]["data_files"] == {str(data): sha256_file(data)}
     assert [r["gold"] for r in _samples(eval_run, result)] == ["8", "6"]
@@ -421,7 +425,7 @@ def _compare_lm_eval(run: Path, builtin: dict, lm: dict, shots: int, limit: int,
 def test_lm_eval_agrees_with_builtin_zero_shot(eval_run: Path, base_gsm8k: dict) -> None:
     pytest.importorskip("lm_eval", reason="lm-eval not installed (pip install 'qerl[lm-eval]')")
     lm = run_eval(eval_run, "gsm8k", checkpoint="base", limit=LIMIT, max_tokens=MAX_TOKENS, harness="lm-eval")
-    assert lm["files"]["result"] == "eval/gsm8k-base-lm-eval.json"
+    assert lm["files"]["result"] == f"eval/gsm8k-base-lm-eval-limit{LIMIT}-max{MAX_TOKENS}.json"
     assert lm["primary"] == "strict-match" and set(lm["scores"]) == {"strict-match", "flexible-extract"}
     assert "sampler: first_n" in lm["protocol"]["harness_task"]["yaml"]
     _compare_lm_eval(eval_run, base_gsm8k, lm, shots=0, limit=LIMIT)
@@ -463,7 +467,7 @@ def test_lighteval_agrees_with_builtin(eval_run: Path) -> None:
     kw = {"checkpoint": "base", "limit": 3, "max_tokens": 32}
     builtin = run_eval(eval_run, "math500", **kw)
     light = run_eval(eval_run, "math500", harness="lighteval", **kw)
-    assert light["files"]["result"] == "eval/math500-base-lighteval.json"
+    assert light["files"]["result"] == "eval/math500-base-lighteval-limit3-max32.json"
     ours, theirs = _samples(eval_run, builtin), _samples(eval_run, light)
     task = load_task("math500", split="test", limit=3)
     for a, b, ex in zip(ours, theirs, task.examples, strict=True):

@@ -95,8 +95,8 @@ def test_train_help_says_presets_replace_the_defaults_and_how_to_run_torchrun() 
 
 
 def test_readme_first_screen_ends_with_the_two_commands() -> None:
-    """A newcomer reads what qerl is, how to get it and both commands before scrolling (CI reads the test command
-    from under its marker, .ci/run)."""
+    """A newcomer reads what qerl is, how to get it and both commands before scrolling (CI reads both commands
+    from under their markers and runs them as written, .ci/run)."""
     lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
     first = lines[:40]
     for marker in ("<!-- main-command -->", "<!-- test-command -->"):

@@ -167,3 +167,78 @@ def test_report_evidence_section(tmp_path):
     # without the stage the section is absent and names its producer
     bare = build_report(_make_run(tmp_path / "b"))
     assert bare["sections"]["bench/evidence"].startswith("qerl bench sanity --run")
+
+
+def _add_eval(run_path: Path, name: str, result: dict) -> None:
+    """A result file under eval/ and its completed manifest record (as `qerl eval` leaves them)."""
+    run = RunDir(run_path)
+    with run.stage("eval", key=f"eval/{name}") as rec:
+        (run_path / f"eval/{name}.json").write_text(json.dumps({**result, "files": {"result": f"eval/{name}.json"}}))
+        rec.outputs["result"] = f"eval/{name}.json"
+
+
+def test_report_never_pairs_other_settings_or_a_tool_with_the_default(tmp_path):
+    """A --limit result, one of an older qerl without "settings" (its protocol says the limit) and a calculator
+    eval of the trained checkpoint each stand in a group of their own, never beside the default base/trained pair."""
+    from qerl_cli.report import _read_evals
+
+    run_path = _make_run(tmp_path)  # arith-base 25% and arith-step_4 50%, default settings
+    _add_eval(run_path, "arith-base-limit2", {**_eval_result("arith", "base", 2, 2, 0.34, 1.0),
+                                              "settings": {"limit": 2}})
+    _add_eval(run_path, "arith-step_4-limit3", {**_eval_result("arith", "step_4", 0, 3, 0.0, 0.56),
+                                                "protocol": {"limit": 3, "sampling": {"n": 1, "temperature": 0.0}}})
+    _add_eval(run_path, "arith-step_4-calculator", {**_eval_result("arith", "step_4", 30, 40, 0.6, 0.86),
+                                                    "settings": {}, "protocol": {"episodes": {"kind": "calculator"}}})
+    result = build_report(run_path)
+    numbers = {k: v for k, v in result["numbers"].items() if k.startswith("eval/")}
+    assert numbers == {"eval/arith-base": 0.25, "eval/arith-step_4": 0.5, "eval/arith-base-limit2": 1.0,
+                       "eval/arith-step_4-limit3": 0.0, "eval/arith-step_4-calculator": 0.75}
+    groups: dict[str, list[str]] = {}
+    for e in _read_evals(RunDir(run_path), RunDir(run_path).read()):
+        groups.setdefault(e["group"], []).append(e["checkpoint"])
+    assert groups == {"arith": ["base", "step_4"], "arith (limit=2)": ["base"], "arith (limit=3)": ["step_4"],
+                      "arith (calculator)": ["step_4"]}
+    page = result["html"].read_text()
+    assert "<td>arith</td><td>limit=2</td><td>base</td>" in page
+    assert "<td>arith</td><td>default</td><td>base</td>" in page
+    assert "<td>calculator</td><td>step_4</td>" in page
+
+
+@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-Infinity", "2.5"])
+def test_report_refuses_a_metrics_step_that_is_no_step_in_one_line(tmp_path, bad):
+    run_path = _make_run(tmp_path)
+    metrics = run_path / "train/metrics.jsonl"
+    metrics.write_text(metrics.read_text().rsplit("\n", 1)[0] + f'\n{{"step": {bad}, "reward": 0.5}}\n')
+    with pytest.raises(QerlError, match=r"metrics.jsonl line 5 is not a metrics record \(a JSON object with a "
+                                        r"whole-number step\)"):
+        build_report(run_path)
+
+
+def test_report_survives_bad_values_in_results_and_metrics(tmp_path, capsys):
+    """Non-finite or non-numeric values: a result whose accuracy is a string is left out with a note, a NaN or
+    infinite metric is not drawn or printed; the report is written and the CLI exits 0."""
+    from tests.helpers import qerl_in_process
+
+    run_path = _make_run(tmp_path)
+    metrics = run_path / "train/metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()[:4]]
+    rows[3].update({"reward": float("inf"), "accuracy": "0.9", "entropy": float("nan"), "episodes/turns_mean": 2.0,
+                    "episodes/tool_errors": "many"})
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))  # json writes NaN and Infinity as such
+    bad = _eval_result("arith", "step_8", 1, 2, 0.1, 0.9)
+    bad["scores"]["arith"]["accuracy"]["mean"] = "0.5"
+    _add_eval(run_path, "arith-step_8", bad)
+    nan = _eval_result("gsm8k", "base", 1, 2, 0.1, 0.9)
+    nan["scores"]["gsm8k"]["accuracy"]["high"] = float("nan")
+    _add_eval(run_path, "gsm8k-base", nan)
+
+    code, out, err = qerl_in_process(capsys, "report", "--run", str(run_path))
+    assert code == 0 and "Traceback" not in out + err, err
+    text = " ".join(out.split())
+    assert "note: eval/arith-step_8.json left out: its accuracy mean is '0.5', not a number between 0 and 1" in text
+    assert "note: eval/gsm8k-base.json left out: its accuracy high is nan" in text
+    result = build_report(run_path)
+    assert result["numbers"]["train/steps"] == 4 and "train/reward" not in result["numbers"]
+    assert "train/accuracy" not in result["numbers"] and result["numbers"]["train/episodes/tool_errors"] == 0
+    assert set(k for k in result["numbers"] if k.startswith("eval/")) == {"eval/arith-base", "eval/arith-step_4"}
+    assert "arith-step_8.json left out" in result["html"].read_text()

@@ -15,9 +15,11 @@ Protocol, and why:
   and the mean accuracy. With K > 1 the interval is taken over problems (a problem's K samples are not
   independent), with K = 1 it is the Wilson interval.
 
-Outputs: `DIR/eval/<task>-<checkpoint>[-<harness>].json` (scores + full protocol + hashes) and
-`...samples.jsonl` (one line per sample), both written atomically, and a manifest stage under the key
-`eval/<task>-<checkpoint>[-<harness>]`. The adapters for lm-eval-harness and lighteval produce the
+Outputs: `DIR/eval/<task>-<checkpoint>[-<harness>][-<tool>][-<settings>].json` (scores + full protocol + hashes)
+and `...samples.jsonl` (one line per sample), both written atomically, and a manifest stage under the key
+`eval/<task>-<checkpoint>...`. `<settings>` names every setting that differs from the default (`-limit2`,
+`-n4-t0.7`, ...): a result made another way never replaces the default one, and `qerl report` compares base and
+trained only at equal settings. The adapters for lm-eval-harness and lighteval produce the
 same files through `qerl_cli.eval.lm_eval_adapter` and `qerl_cli.eval.lighteval_adapter`.
 """
 
@@ -59,6 +61,10 @@ SCORER_DOCS = {
     "arith": "first number of the completion's first line equals the answer exactly",
 }
 PRIMARY = {"gsm8k": "strict", "math": "math", "arith": "arith"}
+DEFAULT_MAX_TURNS = 4
+# a setting that differs from its default -> its tag in the result's file name (the value follows the tag)
+SETTING_TAGS = {"limit": "limit", "samples": "n", "temperature": "t", "max_tokens": "max", "shots": "shots",
+                "chat_template": "chat", "seed": "seed", "max_turns": "turns"}
 
 
 # ------------------------------------------------------------------------------------------- scoring
@@ -165,6 +171,7 @@ class _Resolved:
     checkpoint_dir: Path | None
     out_dir: Path  # DIR/eval, confined to the run before anything runs
     data_files: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)  # those that differ from the default (eval_settings)
 
 
 def _canonical_task(task: str) -> tuple[str, str]:
@@ -343,6 +350,36 @@ def _load_eval_task(res: _Resolved, *, shots: int | None, chat_template: bool | 
     return _EvalTask(task_obj, kind, max_new, episodes)
 
 
+def eval_settings(task_name: str, et: _EvalTask, *, limit: int | None, samples: int, temperature: float, seed: int,
+                  max_turns: int) -> dict[str, Any]:
+    """The settings of an evaluation that differ from the defaults, in SETTING_TAGS' order (empty: the default
+    evaluation). Each is compared with what the default would be for this task, so `--shots 4` on arith (its
+    default) is no different setting; the seed only matters where something is sampled."""
+    from qerl_cli.tasks.datasets import default_shots
+
+    task = et.task
+    default_max_tokens = task.max_new_tokens * (max_turns if et.episodes else 1)
+    differ = {
+        "limit": limit,
+        "samples": samples if samples != 1 else None,
+        "temperature": temperature if temperature != (0.0 if samples == 1 else 1.0) else None,
+        "max_tokens": et.max_new if et.max_new != default_max_tokens else None,
+        "shots": task.shots if task.shots != default_shots(task_name) else None,
+        "chat_template": True if task.chat_template else None,
+        "seed": seed if temperature > 0 and seed != 0 else None,
+        "max_turns": max_turns if et.episodes is not None and max_turns != DEFAULT_MAX_TURNS else None,
+    }
+    return {k: v for k, v in differ.items() if v is not None}
+
+
+def settings_suffix(settings: dict[str, Any]) -> str:
+    """``-limit2-n4-t0.7``: the file-name part of eval_settings (empty for the default settings)."""
+    def value(v: Any) -> str:
+        return "" if v is True else f"{v:g}" if isinstance(v, float) else str(v)
+
+    return "".join(f"-{SETTING_TAGS[k]}{value(v)}" for k, v in settings.items())
+
+
 @dataclass
 class _EvalModel:
     """The run's quantized model with the checkpoint applied, and what it was loaded as."""
@@ -452,6 +489,7 @@ def _eval_result(res: _Resolved, et: _EvalTask, em: _EvalModel, *, harness: str,
         "schema": RESULT_SCHEMA,
         "task": res.task_name,
         "harness": harness,
+        "settings": res.settings,
         "created": now_iso(),
         "run": str(res.run.path),
         "checkpoint": {"requested": res.checkpoint_requested, "name": res.checkpoint_name,
@@ -503,7 +541,7 @@ def run_eval(
     batch_slots: int = 64,
     tools: str | None = None,
     env: str | None = None,
-    max_turns: int = 4,
+    max_turns: int = DEFAULT_MAX_TURNS,
 ) -> dict[str, Any]:
     """Evaluate the run's quantized model with a checkpoint's adapter; write results; return the result dict.
 
@@ -528,6 +566,9 @@ def run_eval(
         external_harness(harness).require()
     et = _load_eval_task(res, shots=shots, chat_template=chat_template, limit=limit, tools=tools, env=env,
                          max_turns=max_turns, max_tokens=max_tokens)
+    res.settings = eval_settings(res.task_name, et, limit=limit, samples=samples, temperature=temperature, seed=seed,
+                                 max_turns=max_turns)
+    res.slug += settings_suffix(res.settings)
     em = _load_eval_model(res, device)
     protocol = _eval_protocol(res, et, em, limit=limit, samples=samples, temperature=temperature, seed=seed,
                               max_turns=max_turns)

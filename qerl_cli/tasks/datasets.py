@@ -344,6 +344,12 @@ def _prompt_tool(key: str, tools: str | None) -> Any:
     return make_tool(tools)
 
 
+def default_shots(name: str) -> int:
+    """The few-shot examples a task's prompts carry unless ``shots`` says otherwise: arith's worked sums, none
+    elsewhere."""
+    return len(arith_mod.SHOTS) if name.partition(":")[0].strip().lower() == "arith" else 0
+
+
 def load_task(
     name: str,
     split: str = "train",
@@ -380,15 +386,15 @@ def load_task(
 
     tool_line = tool.describe() if tool is not None else ""
     if key == "gsm8k" and not arg:
-        k = 0 if shots is None else shots
+        k = default_shots(key) if shots is None else shots
         examples, build = _load_gsm8k(split, k, wrap, tool_line)
         task = Task("gsm8k", split, examples, "gsm8k", GSM8K_STOP, build, k, chat_template, 256)
     elif key in MATH_ALIASES and not arg:
-        k = 0 if shots is None else shots
+        k = default_shots(key) if shots is None else shots
         examples, build = _load_math500(split, k, wrap, tool_line)
         task = Task("math500", split, examples, "math", MATH_STOP, build, k, chat_template, 1024)
     elif key == "arith":
-        k = len(arith_mod.SHOTS) if shots is None else shots
+        k = default_shots(key) if shots is None else shots
         if arg and level is not None:
             raise QerlError(f"arith level given twice ({name!r} and level={level!r}): use one")
         lv = arg or level or "mixed"

@@ -149,9 +149,31 @@ def list_checkpoints(run: RunDir, kind: str | None = None) -> dict[int, Path]:
     return dict(sorted(out.items()))
 
 
-def resolve_checkpoint(run: RunDir, name: str) -> Path | None:
-    """`latest`, `step_N` or `base` (None: the base model alone), confined to the run with every file in it.
-    Raises a clear error for a missing one (NoCheckpointError: the run has none)."""
+def _named_step(run: RunDir, name: str, option: str) -> int:
+    """The step a ``step_N`` names: a bare name, or a path (absolute or from the working directory) to a step_N
+    folder in this run's checkpoints; anything else is refused, so ``/elsewhere/step_8`` never stands for this run's
+    step_8."""
+    ref = Path(name)
+    step = checkpoint_step(ref)
+    if step is None:
+        raise QerlError(f"{option} must be latest, base or step_N, not {name!r}")
+    if name == ref.name:
+        return step
+    try:
+        folder = ref.expanduser().absolute().parent.resolve()
+        here = folder == checkpoints_dir(run).resolve()
+    except (OSError, RuntimeError, ValueError):  # a NUL byte, a loop of links
+        here = False
+    if not here:
+        raise QerlError(f"{option} {name} is not in this run's checkpoints ({checkpoints_dir(run)}): give a "
+                        f"checkpoint of --run {run.path} by its name, e.g. {option} {checkpoint_name(step)}")
+    return step
+
+
+def resolve_checkpoint(run: RunDir, name: str, option: str = "--checkpoint") -> Path | None:
+    """`latest`, `step_N` (or a path to one in this run) or `base` (None: the base model alone), confined to the
+    run with every file in it. Raises a clear error for a missing one (NoCheckpointError: the run has none);
+    ``option`` names the command-line option in a refusal."""
     if name == "base":
         return None
     ckpts = list_checkpoints(run)
@@ -163,9 +185,7 @@ def resolve_checkpoint(run: RunDir, name: str) -> Path | None:
             return run.inside_tree(ckpts[max(ckpts)])
         raise NoCheckpointError(f"run {run.path} has no training checkpoint: run `qerl train --run {run.path}` first "
                                 "or pass --checkpoint base")
-    step = checkpoint_step(Path(name))
-    if step is None:
-        raise QerlError(f"--checkpoint must be latest, base or step_N, not {name!r}")
+    step = _named_step(run, name, option)
     if step not in ckpts:
         have = ", ".join(checkpoint_name(s) for s in ckpts) or "none"
         raise QerlError(f"checkpoint {name} does not exist in {checkpoints_dir(run)} (have: {have})")

@@ -49,7 +49,7 @@ def _check_resumable(run: RunDir, trainer: Trainer, model: dict[str, Any], resum
     starts over)."""
     read_metrics(metrics_path(run))  # a damaged line is refused here, not after the stage began
     if resume_from is not None:
-        ckpt = resolve_checkpoint(run, resume_from)
+        ckpt = resolve_checkpoint(run, resume_from, "--resume-from")
         if ckpt is None:
             raise QerlError("--resume-from needs a step_N checkpoint (base is not one): train a new --run instead")
     else:
