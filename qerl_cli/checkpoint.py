@@ -156,15 +156,16 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
     """Build the model with `QuantLinear` layers holding the packed tensors of a qerl checkpoint.
 
     `expected_sha256` (file name -> digest, as the manifest records them) verifies the files first."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from qerl_cli.model_config import read_config_dict, read_model_config
 
     if expected_sha256 is not None:
         verify_files(directory, expected_sha256)
 
-    config_dict = json.loads((directory / "config.json").read_text())
-    spec, group_size, act_quant = detect(config_dict)
+    spec, group_size, act_quant = detect(read_config_dict(directory))
     fmt = spec.name
-    config = AutoConfig.from_pretrained(str(directory))
+    config = read_model_config(directory)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     state = read_tensors(directory)

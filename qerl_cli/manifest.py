@@ -150,9 +150,45 @@ def atomic_write_png(path: Path, fig: Any, dpi: int = 110) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def open_regular(path: str | os.PathLike[str]) -> io.BufferedReader:
+    """``path`` opened for reading, refused in one line unless it is a regular file: a FIFO (or a device) where a
+    JSON or weight file belongs would block the reader forever. Opened without blocking, so the check comes before
+    any read can wait; a missing file raises FileNotFoundError as `open` would."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise QerlError(f"cannot read {path}: {exc.strerror or exc}: restore it, or use another directory") from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise QerlError(f"{path} is {what}, not a regular file: qerl reads only regular files there; replace it "
+                        "with the file it should be, or move it aside")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_regular(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of ``path``, a regular file (:func:`open_regular`); a failed read is one line."""
+    with open_regular(path) as f:
+        try:
+            return f.read()
+        except OSError as exc:
+            raise QerlError(f"cannot read {path}: {exc.strerror or exc}: restore it, or use another directory") \
+                from exc
+
+
+def read_regular_text(path: str | os.PathLike[str]) -> str:
+    """:func:`read_regular` decoded as UTF-8 (an undecodable byte raises UnicodeDecodeError, like `read_text`)."""
+    return read_regular(path).decode("utf-8")
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
@@ -355,7 +391,7 @@ class RunDir:
         if not self.manifest_path.exists():
             return {"schema_version": SCHEMA_VERSION, "created": now_iso(), "stages": {}, "history": []}
         try:
-            data = json.loads(self.inside(MANIFEST_NAME).read_text())
+            data = json.loads(read_regular_text(self.inside(MANIFEST_NAME)))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise QerlError(
                 f"{self.manifest_path} is corrupted ({exc.__class__.__name__}: {exc}); qerl will not overwrite it: "

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import QerlError
-from qerl_cli.manifest import atomic_write_text, jsonable, write_errors
+from qerl_cli.manifest import atomic_write_text, jsonable, read_regular, write_errors
 
 
 def _record(line: str) -> dict[str, Any] | None:
@@ -29,12 +29,10 @@ def _record(line: str) -> dict[str, Any] | None:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics file in file order ([] when there is none); a torn last line is skipped."""
     path = Path(path)
-    if not path.is_file():
-        return []
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise QerlError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        text = read_regular(path).decode("utf-8", errors="replace")  # a FIFO there is refused, not waited on
+    except FileNotFoundError:
+        return []
     lines = text.splitlines()
     rows = []
     for i, line in enumerate(lines):

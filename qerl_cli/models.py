@@ -277,6 +277,9 @@ def load_model(
     if src.gguf_file:
         _check_gguf(Path(src.location) / src.gguf_file)
     elif src.kind == "local":
+        from qerl_cli.model_config import read_config_dict
+
+        read_config_dict(src.location)  # before transformers builds what it says
         _check_safetensors(Path(src.location))
     try:
         kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}

@@ -21,6 +21,7 @@ from qerl_cli.checkpoint import QERL_META, fused_global_scales, save_tensors, ta
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import WeightFormat, as_format, dequantize
 from qerl_cli.manifest import LOCK_NAME, RunDir, sha256_file, staged_directory
+from qerl_cli.model_config import CONFIG_NAME
 from qerl_cli.models import ModelSource, conversion_notice, load_model, resolve_model
 from qerl_cli.precision import dtype_of
 from qerl_cli.runlayout import checkpoints_dir, model_dir, train_dir
@@ -302,7 +303,9 @@ def _finish(rec: Any, run: RunDir, result: QuantizeResult, spec: WeightFormat, t
             "skipped": result.skipped, "group_size": result.group_size,
             "layers": [e.to_json() for e in result.layers]}
     (tmp / QERL_META).write_text(json.dumps(meta, indent=2))
-    hashes = {f: sha256_file(tmp / f) for f in files}
+    # config.json decides the architecture the weights are read into: hashed with them, so a later stage that
+    # verifies the weights detects an edited config as it detects an edited weight
+    hashes = {f: sha256_file(tmp / f) for f in [*files, CONFIG_NAME]}
     result.bytes_after = sum((tmp / f).stat().st_size for f in files)
     rec.outputs = {"model": {"path": run.rel(result.model_dir), "format": result.fmt, "files": hashes,
                              "ct_format": spec.ct_format}}

@@ -14,9 +14,14 @@ nothing written that a later stage would trust:
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import qerl_in_process
@@ -63,3 +68,94 @@ def test_quantize_refuses_a_missing_tensor_in_a_trained_run_and_keeps_its_record
     code, _, err = qerl_in_process(capsys, "quantize", str(src), "--run", str(run))
     assert_one_line(code, err, "model.norm.weight")
     assert (run / "manifest.json").read_bytes() == before
+
+
+# ---- absurd model configs ----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Fail (instead of hanging the suite) when the body runs longer than ``seconds``."""
+    def expire(*_: object) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def moe_config(tiny_source: Path) -> dict:
+    """A tiny Qwen3-MoE config.json (8 experts, 2 per token) with the tiny model's vocabulary."""
+    from transformers import Qwen3MoeConfig
+
+    vocab = json.loads((tiny_source / "config.json").read_text())["vocab_size"]
+    return Qwen3MoeConfig(vocab_size=vocab, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          num_experts=8, num_experts_per_tok=2).to_dict()
+
+
+BAD_CONFIGS = [  # (base, field, value, what the line says)
+    ("llama", "num_hidden_layers", 1e9, "num_hidden_layers is 1000000000.0, not a whole number from 1 to 1024"),
+    ("llama", "num_hidden_layers", 10**9, "num_hidden_layers is 1000000000, not a whole number from 1 to 1024"),
+    ("llama", "hidden_size", -64, "hidden_size is -64, not a whole number from 1 to 131072"),
+    ("llama", "num_attention_heads", 0, "num_attention_heads is 0, not a whole number from 1 to 1024"),
+    ("llama", "vocab_size", "49152", "vocab_size is '49152', not a whole number"),
+    ("llama", "rms_norm_eps", float("nan"), "rms_norm_eps is not a finite number"),
+    ("llama", "num_key_value_heads", 3, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ("moe", "num_experts", 1e9, "num_experts is 1000000000.0, not a whole number from 0 to 4096"),
+    ("moe", "num_experts_per_tok", 9, "num_experts_per_tok 9 is above the 8 experts per layer"),
+    ("moe", "num_experts", 4096, "describes about 5.3e+13 parameters"),
+]
+
+
+@pytest.mark.parametrize(("base", "field", "value", "says"), BAD_CONFIGS,
+                         ids=[f"{b}-{f}-{v}" for b, f, v, _ in BAD_CONFIGS])
+def test_quantize_refuses_an_absurd_config_before_building_anything(tiny_source: Path, tmp_path: Path, capsys,
+                                                                     base: str, field: str, value: object,
+                                                                     says: str) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(tiny_source, src)
+    cfg = json.loads((src / "config.json").read_text()) if base == "llama" else moe_config(tiny_source)
+    cfg[field] = value
+    if field == "num_experts" and value == 4096:
+        cfg.update(hidden_size=8192, moe_intermediate_size=8192, num_hidden_layers=64, head_dim=128)
+    (src / "config.json").write_text(json.dumps(cfg))  # NaN written as JSON's NaN, which Python's reader accepts
+    with deadline(60):
+        code, _, err = qerl_in_process(capsys, "quantize", str(src), "--run", str(tmp_path / "run"))
+    assert_one_line(code, err, f"{src / 'config.json'}: " if "parameters" not in says else str(src), says)
+    assert not (tmp_path / "run").exists()
+
+
+def test_real_model_configs_pass() -> None:
+    """The limits leave every shape the benches build (up to Qwen2.5-72B and Qwen3-30B-A3B) alone."""
+    from qerl_cli.bench.shapes import SHAPES
+    from qerl_cli.model_config import check_config_dict
+
+    for name, shape in SHAPES.items():
+        check_config_dict(shape.config().to_dict(), name)
+
+
+def test_train_refuses_an_absurd_run_config_before_planning(tiny_run: Path, capsys) -> None:
+    cfg_path = tiny_run / "model" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["num_hidden_layers"] = 10**9
+    cfg_path.write_text(json.dumps(cfg))
+    before = (tiny_run / "manifest.json").read_bytes()
+    with deadline(60):
+        code, _, err = qerl_in_process(capsys, "train", "--run", str(tiny_run), "--steps", "1")
+    assert_one_line(code, err, "num_hidden_layers is 1000000000")
+    assert (tiny_run / "manifest.json").read_bytes() == before
+
+
+def test_an_edited_run_config_is_detected_like_an_edited_weight(tiny_run: Path, capsys) -> None:
+    cfg_path = tiny_run / "model" / "config.json"
+    manifest = json.loads((tiny_run / "manifest.json").read_text())
+    assert "config.json" in manifest["stages"]["quantize"]["outputs"]["model"]["files"]
+    cfg = json.loads(cfg_path.read_text())
+    cfg["rms_norm_eps"] = 0.5  # sane, so only the hash can tell
+    cfg_path.write_text(json.dumps(cfg))
+    code, _, err = qerl_in_process(capsys, "eval", "arith", "--run", str(tiny_run), "--checkpoint", "base",
+                                   "--limit", "1")
+    assert_one_line(code, err, f"{cfg_path} does not match the sha256 the manifest recorded")

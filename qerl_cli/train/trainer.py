@@ -289,12 +289,11 @@ class Trainer:
     def plan_run_memory(self) -> Any:
         """:meth:`plan_memory` for the run directory's model, from its config.json (nothing is loaded); prompts
         count at --max-prompt-length, their bound."""
-        from transformers import AutoConfig
-
+        from qerl_cli.model_config import read_model_config
         from qerl_cli.train.memory_plan import model_dir_format
 
         self.model_dir = quantized_model_dir(self.run)
-        return self.plan_memory(AutoConfig.from_pretrained(str(self.model_dir)), model_dir_format(self.model_dir),
+        return self.plan_memory(read_model_config(self.model_dir), model_dir_format(self.model_dir),
                                 prompt_tokens=self.cfg.max_prompt_length)
 
     def _make_optimizer(self, **options: Any) -> torch.optim.Optimizer:
