@@ -48,6 +48,21 @@ def without_tensor(src: Path, dst: Path, name: str) -> Path:
     return dst
 
 
+@pytest.fixture(scope="module")
+def base_run(tiny_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model quantized (NVFP4) once for this module; tests work on copies (``run``)."""
+    from qerl_cli.quantize import quantize_model
+
+    run = tmp_path_factory.mktemp("bad_input") / "run"
+    quantize_model(run, str(tiny_source), fmt="nvfp4")
+    return run
+
+
+@pytest.fixture
+def run(base_run: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(base_run, tmp_path / "run", ignore=shutil.ignore_patterns(".lock")))
+
+
 # ---- a checkpoint missing a tensor -----------------------------------------------------------------------------
 def test_quantize_refuses_a_checkpoint_missing_a_tensor(tiny_source: Path, tmp_path: Path, capsys) -> None:
     src = without_tensor(tiny_source, tmp_path / "src", "model.layers.1.mlp.down_proj.weight")
@@ -57,12 +72,8 @@ def test_quantize_refuses_a_checkpoint_missing_a_tensor(tiny_source: Path, tmp_p
     assert not run.exists()  # the run this command created goes again: nothing for eval or train to trust
 
 
-def test_quantize_refuses_a_missing_tensor_in_a_trained_run_and_keeps_its_record(tiny_source: Path, tmp_path: Path,
-                                                                                  capsys) -> None:
-    from qerl_cli.quantize import quantize_model
-
-    run = tmp_path / "run"
-    quantize_model(run, str(tiny_source), fmt="nvfp4")
+def test_quantize_refuses_a_missing_tensor_over_a_quantized_run_and_keeps_its_record(tiny_source: Path, run: Path,
+                                                                                      tmp_path: Path, capsys) -> None:
     before = (run / "manifest.json").read_bytes()
     src = without_tensor(tiny_source, tmp_path / "src", "model.norm.weight")
     code, _, err = qerl_in_process(capsys, "quantize", str(src), "--run", str(run))
@@ -137,25 +148,45 @@ def test_real_model_configs_pass() -> None:
         check_config_dict(shape.config().to_dict(), name)
 
 
-def test_train_refuses_an_absurd_run_config_before_planning(tiny_run: Path, capsys) -> None:
-    cfg_path = tiny_run / "model" / "config.json"
+def test_train_refuses_an_absurd_run_config_before_planning(run: Path, capsys) -> None:
+    cfg_path = run / "model" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["num_hidden_layers"] = 10**9
     cfg_path.write_text(json.dumps(cfg))
-    before = (tiny_run / "manifest.json").read_bytes()
+    before = (run / "manifest.json").read_bytes()
     with deadline(60):
-        code, _, err = qerl_in_process(capsys, "train", "--run", str(tiny_run), "--steps", "1")
+        code, _, err = qerl_in_process(capsys, "train", "--run", str(run), "--steps", "1")
     assert_one_line(code, err, "num_hidden_layers is 1000000000")
-    assert (tiny_run / "manifest.json").read_bytes() == before
+    assert (run / "manifest.json").read_bytes() == before
 
 
-def test_an_edited_run_config_is_detected_like_an_edited_weight(tiny_run: Path, capsys) -> None:
-    cfg_path = tiny_run / "model" / "config.json"
-    manifest = json.loads((tiny_run / "manifest.json").read_text())
+def test_an_edited_run_config_is_detected_like_an_edited_weight(run: Path, capsys) -> None:
+    cfg_path = run / "model" / "config.json"
+    manifest = json.loads((run / "manifest.json").read_text())
     assert "config.json" in manifest["stages"]["quantize"]["outputs"]["model"]["files"]
     cfg = json.loads(cfg_path.read_text())
     cfg["rms_norm_eps"] = 0.5  # sane, so only the hash can tell
     cfg_path.write_text(json.dumps(cfg))
-    code, _, err = qerl_in_process(capsys, "eval", "arith", "--run", str(tiny_run), "--checkpoint", "base",
+    code, _, err = qerl_in_process(capsys, "eval", "arith", "--run", str(run), "--checkpoint", "base",
                                    "--limit", "1")
     assert_one_line(code, err, f"{cfg_path} does not match the sha256 the manifest recorded")
+
+
+# ---- eval's numeric options ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--temperature", "nan"], "--temperature must be a number from 0 to 100 (0: greedy), got nan"),
+    (["--temperature", "inf", "--samples", "2"], "--temperature must be a number from 0 to 100 (0: greedy), got inf"),
+    (["--samples", "1000000000"], "--samples must be from 1 to 4096, got 1000000000"),
+    (["--max-tokens", "99999999999"], "--max-tokens must be from 1 to 1048576, got 99999999999"),
+    (["--shots", "-1"], "--shots must be from 0 to 64, got -1"),
+    (["--max-turns", "0", "--tools", "calculator"], "--max-turns must be from 1 to 256, got 0"),
+    (["--seed", "-5"], "--seed must be from 0 to 9223372036854775807, got -5"),
+])
+def test_eval_refuses_bad_numeric_options_before_loading(run: Path, capsys, flags: list[str],
+                                                          says: str) -> None:
+    before = (run / "manifest.json").read_bytes()
+    with deadline(60):
+        code, _, err = qerl_in_process(capsys, "eval", "arith", "--run", str(run), "--checkpoint", "base",
+                                       *flags)
+    assert_one_line(code, err, says)
+    assert (run / "manifest.json").read_bytes() == before and not (run / "eval").exists()
