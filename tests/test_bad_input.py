@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 from collections.abc import Iterator
@@ -190,3 +191,29 @@ def test_eval_refuses_bad_numeric_options_before_loading(run: Path, capsys, flag
                                        *flags)
     assert_one_line(code, err, says)
     assert (run / "manifest.json").read_bytes() == before and not (run / "eval").exists()
+
+
+# ---- non-regular files in a run ------------------------------------------------------------------------------------
+def test_a_fifo_for_the_manifest_is_refused_by_eval_not_waited_on(run: Path, capsys) -> None:
+    (run / "manifest.json").unlink()
+    os.mkfifo(run / "manifest.json")
+    with deadline(60):
+        code, _, err = qerl_in_process(capsys, "eval", "arith", "--run", str(run), "--checkpoint", "base")
+    assert_one_line(code, err, f"{run / 'manifest.json'} is a FIFO, not a regular file")
+
+
+def test_a_fifo_among_the_eval_results_is_refused_by_report(run: Path, capsys) -> None:
+    (run / "eval").mkdir()
+    os.mkfifo(run / "eval" / "arith-base.json")
+    with deadline(60):
+        code, _, err = qerl_in_process(capsys, "report", "--run", str(run))
+    assert_one_line(code, err, f"{run / 'eval' / 'arith-base.json'} is a FIFO, not a regular file")
+    assert not (run / "report" / "index.html").exists()
+
+
+def test_a_fifo_for_the_metrics_is_refused_by_resume(run: Path, capsys) -> None:
+    (run / "train").mkdir()
+    os.mkfifo(run / "train" / "metrics.jsonl")
+    with deadline(60):
+        code, _, err = qerl_in_process(capsys, "train", "--run", str(run), "--resume", "--steps", "1")
+    assert_one_line(code, err, f"{run / 'train' / 'metrics.jsonl'} is a FIFO, not a regular file")
