@@ -435,8 +435,9 @@ class RunDir:
 
     # ---- lock -----------------------------------------------------------------------------------
     def _open_lock(self, create: bool) -> int | None:
-        """The lock file's descriptor (None: absent and not ``create``d); a symbolic link or anything but a
-        regular file is refused, so the PID written into it never lands in a file the link points to."""
+        """The lock file's descriptor (None: absent and not ``create``d); a symbolic link, a hard link (a file with
+        another name elsewhere) or anything but a regular file is refused, so the PID written into it never lands
+        in another file."""
         path = self.path / LOCK_NAME
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0), 0o644)
@@ -447,9 +448,14 @@ class RunDir:
                 raise OutsideRunError(f"{path} is a symbolic link: qerl never writes through a link in a run "
                                       "directory; delete it (qerl creates the lock file itself)") from None
             raise QerlError(f"cannot open the run's lock file {path}: {exc.strerror or exc}") from exc
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise QerlError(f"{path} is not a regular file: delete it (qerl creates the lock file itself)")
+        if st.st_nlink > 1:
+            os.close(fd)
+            raise OutsideRunError(f"{path} is a hard link ({st.st_nlink} names for one file): qerl would write its "
+                                  "PID into the other file too; delete it (qerl creates the lock file itself)")
         return fd
 
     def _is_locked_by_other(self) -> bool:

@@ -217,3 +217,13 @@ def test_a_fifo_for_the_metrics_is_refused_by_resume(run: Path, capsys) -> None:
     with deadline(60):
         code, _, err = qerl_in_process(capsys, "train", "--run", str(run), "--resume", "--steps", "1")
     assert_one_line(code, err, f"{run / 'train' / 'metrics.jsonl'} is a FIFO, not a regular file")
+
+
+def test_a_hard_linked_lock_is_refused_and_the_other_file_is_unchanged(run: Path, tmp_path: Path, capsys) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    os.link(victim, run / ".lock")
+    before = (run / "manifest.json").read_bytes()
+    code, _, err = qerl_in_process(capsys, "eval", "arith", "--run", str(run), "--checkpoint", "base", "--limit", "1")
+    assert_one_line(code, err, f"{run / '.lock'} is a hard link (2 names for one file)")
+    assert victim.read_text() == "keep me\n" and (run / "manifest.json").read_bytes() == before
