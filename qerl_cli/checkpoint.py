@@ -41,6 +41,17 @@ def matches(name: str, patterns: list[str]) -> bool:
     return False
 
 
+def check_patterns(patterns: list[str], flag: str = "--ignore") -> None:
+    """Refuse an `re:` pattern that is not a regular expression, in one line naming it, before any model loads."""
+    for p in patterns:
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as exc:
+                raise QerlError(f"{flag} {p!r} is not a valid regular expression ({exc}): fix the pattern (after "
+                                r"re: comes a Python regular expression, e.g. 're:.*mlp\.experts\..*')") from exc
+
+
 def target_linears(model: nn.Module, ignore: list[str]) -> tuple[dict[str, nn.Linear], list[str]]:
     """The Linear layers to quantize, and the names of Linear layers left unquantized."""
     targets: dict[str, nn.Linear] = {}

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from qerl_cli.errors import Preempted, QerlError
+from qerl_cli.errors import Preempted, QerlError, path_error
 
 app = typer.Typer(
     name="qerl",
@@ -314,12 +314,13 @@ def bench_kernels(
     = None,
 ) -> None:
     """Time qerl's quantized GEMM kernels against BF16 cuBLAS and installed peers (CUDA GPU)."""
-    from qerl_cli.bench.harness import default_out
+    from qerl_cli.bench.harness import default_out, int_list
     from qerl_cli.bench.kernels import bench_kernels as run
 
+    m_list = int_list(ms, "--m")
     out = out or default_out("kernels") / "kernels.json"
     peer_list = None if peers is None else ([] if peers == "none" else peers.split(","))
-    res = run(shapes=tuple(shapes.split(",")), ms=tuple(int(m) for m in ms.split(",")), out_json=out,
+    res = run(shapes=tuple(shapes.split(",")), ms=m_list, out_json=out,
               methods=tuple(methods.split(",")), peers=peer_list, backward=backward,
               log=_progress)
     _show(res)
@@ -354,13 +355,14 @@ def bench_rollout(
     observation_tokens: Annotated[int, Opt(help="--episodes: tokens of each observation.")] = 32,
 ) -> None:
     """Rollout tokens/s, TTFT and memory per format and batch, against the weight+KV roofline."""
+    from qerl_cli.bench.harness import int_list
     from qerl_cli.bench.rollout import bench_rollout as run_bench
 
     gpu = _has_cuda()
-    batches = batches or ("1,8,64,256" if gpu else "1,8")
+    batch_sizes = int_list(batches or ("1,8,64,256" if gpu else "1,8"), "--batches")
     new_tokens = new_tokens or (1024 if gpu else 64)
     res = run_bench(shape=shape, run_dir=run, formats=tuple(formats.split(",")) if run is None else (),
-                    batches=tuple(int(b) for b in batches.split(",")), prompt_len=prompt_len, new_tokens=new_tokens,
+                    batches=batch_sizes, prompt_len=prompt_len, new_tokens=new_tokens,
                     lora_rank=lora_rank, out_dir=out, eos_mode="eos" if eos else "fixed",
                     log=_progress, prompts=prompts, num_generations=num_generations,
                     lora_modes=("on", "off") if lora_off else ("on",), profile=profile, linear_backend=linear_backend,
@@ -539,6 +541,9 @@ def main() -> None:
             sys.exit(_usage_error(exc))
         if _state["debug"]:
             raise
+        if (err := path_error(exc)) is not None:  # a path the user gave, not a bug
+            _error_line(str(err))
+            sys.exit(err.exit_code)
         if isinstance(exc, _kernel_setting_error()):  # a kernel setting the user chose: theirs to fix, one line
             _error_line(str(exc))
             sys.exit(2)

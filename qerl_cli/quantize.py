@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from qerl_cli.checkpoint import QERL_META, fused_global_scales, save_tensors, target_linears, write_config
+from qerl_cli.checkpoint import (
+    QERL_META,
+    check_patterns,
+    fused_global_scales,
+    save_tensors,
+    target_linears,
+    write_config,
+)
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import WeightFormat, as_format, dequantize
 from qerl_cli.manifest import LOCK_NAME, RunDir, sha256_file, staged_directory
@@ -162,6 +169,7 @@ def quantize_model(
     spec = as_format(fmt)
     _check_quantize_options(spec, method, dtype)
     ignore = list(ignore) if ignore is not None else ["lm_head"]
+    check_patterns(ignore)
     out_dtype = dtype_of(dtype)
     src = resolve_model(model)  # a missing model is refused before the run directory exists
     created = not Path(run_dir).expanduser().exists()

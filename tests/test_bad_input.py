@@ -227,3 +227,32 @@ def test_a_hard_linked_lock_is_refused_and_the_other_file_is_unchanged(run: Path
     code, _, err = qerl_in_process(capsys, "eval", "arith", "--run", str(run), "--checkpoint", "base", "--limit", "1")
     assert_one_line(code, err, f"{run / '.lock'} is a hard link (2 names for one file)")
     assert victim.read_text() == "keep me\n" and (run / "manifest.json").read_bytes() == before
+
+
+# ---- paths, patterns, lists and devices ----------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["quantize", "eval", "train", "report"])
+def test_a_path_too_long_for_the_file_system_is_one_line(tmp_path: Path, capsys, command: str) -> None:
+    long = tmp_path / ("x" * 300)
+    args = {"eval": ["eval", "arith"], "train": ["train", "--steps", "1"]}.get(command, [command])
+    code, _, err = qerl_in_process(capsys, *args, "--run", str(long))
+    assert_one_line(code, err, "a name in this path is longer than the file system allows", "use a shorter path")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quantize_refuses_a_bad_ignore_pattern_before_loading(tiny_source: Path, tmp_path: Path, capsys) -> None:
+    code, _, err = qerl_in_process(capsys, "quantize", str(tiny_source), "--run", str(tmp_path / "run"),
+                                   "--ignore", "re:(")
+    assert_one_line(code, err, "--ignore 're:(' is not a valid regular expression (missing ), unterminated subpattern")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["kernels", "--m", "a"], "--m takes comma-separated whole numbers >= 1 (e.g. --m 1,8), got 'a' in 'a'"),
+    (["kernels", "--m", "1,0"], "--m takes comma-separated whole numbers >= 1 (e.g. --m 1,8), got '0' in '1,0'"),
+    (["rollout", "--shape", "tiny", "--batches", "a"], "--batches takes comma-separated whole numbers >= 1"),
+    (["mismatch", "--device", "tpu"], "--device tpu is not a device qerl runs on: use cpu or cuda"),
+])
+def test_bench_refuses_bad_lists_and_devices(tmp_path: Path, capsys, args: list[str], says: str) -> None:
+    code, _, err = qerl_in_process(capsys, "bench", *args, "--out", str(tmp_path / "out"))
+    assert_one_line(code, err, says)
+    assert not (tmp_path / "out").exists()
