@@ -256,3 +256,32 @@ def test_bench_refuses_bad_lists_and_devices(tmp_path: Path, capsys, args: list[
     code, _, err = qerl_in_process(capsys, "bench", *args, "--out", str(tmp_path / "out"))
     assert_one_line(code, err, says)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_profile_trace_goes_through_a_fresh_private_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--profile` reads the profiler's trace back from a file: a fresh one (mkstemp, mode 0600), removed after, never
+    a fixed name in the shared temporary folder."""
+    import tempfile
+
+    import torch
+
+    from qerl_cli.bench.decode_profile import chrome_trace
+
+    shared = tmp_path / "shared_tmp"
+    shared.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    seen: list[tuple[str, int]] = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(4, 4) @ torch.ones(4, 4)
+    export = prof.export_chrome_trace
+
+    def watched(path: str) -> None:
+        seen.append((path, os.stat(path).st_mode & 0o777))
+        export(path)
+
+    monkeypatch.setattr(prof, "export_chrome_trace", watched)
+    trace = chrome_trace(prof)
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    ((path, mode),) = seen
+    assert Path(path).parent == shared and Path(path).name.startswith("qerl_trace_") and mode == 0o600
+    assert not Path(path).exists()
