@@ -529,8 +529,8 @@ def main() -> None:
         _error_line(str(exc))
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        err_console.print("[yellow]interrupted[/]: the run directory was left consistent; rerun to continue "
-                          "(`qerl train ... --resume` continues from the last checkpoint)")
+        err_console.print(f"[yellow]interrupted[/]: {escape(interrupt_hint(sys.argv[1:]))}", highlight=False,
+                          soft_wrap=True)
         sys.exit(130)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -551,6 +551,24 @@ def main() -> None:
                           "(rerun with --debug for the traceback and please report it)", highlight=False,
                           soft_wrap=True)
         sys.exit(1)
+
+
+# What a Ctrl-C leaves and how to go on, per command: only training continues where it stopped.
+INTERRUPT_HINTS = {
+    "train": "the run directory was left consistent; `qerl train --run DIR --resume` continues from the last "
+             "checkpoint",
+    "quantize": "the run's model was not replaced (nor its record, in a run quantized before); run `qerl quantize` "
+                "again",
+    "eval": "no result was written and the run's earlier results stand; run the same `qerl eval` command again",
+    "bench": "the cells measured so far were not written; run the same `qerl bench` command again",
+    "report": "the earlier report stands; run `qerl report` again",
+}
+
+
+def interrupt_hint(argv: list[str]) -> str:
+    """The Ctrl-C line of the command in ``argv`` (the arguments after `qerl`)."""
+    command = next((a for a in argv if not a.startswith("-")), "")
+    return INTERRUPT_HINTS.get(command, "the run directory was left consistent; run the command again")
 
 
 def _error_line(message: str) -> None:

@@ -185,6 +185,7 @@ def quantize_model(
     with removed_when_refused(run, created), \
             run.stage("quantize", config=config, inputs={"model": {**src.to_json(), "sha256": _source_hashes(src)}},
                       seeds={"torch": seed}) as rec:
+        rec.keeps_earlier = True  # until model/ is replaced, a failure leaves the earlier model and its record standing
         if loaded is None and notice is not None and (line := conversion_notice(src)):
             notice(line)
         hf_model, tokenizer = loaded if loaded is not None else load_model(src, dtype=torch.float32)
@@ -206,6 +207,7 @@ def quantize_model(
             result.group_size = group_size or spec.group_size
             _write_rtn_checkpoint(rec, run, result, hf_model, tokenizer, state, spec, group_size, out_dtype, method,
                                   ignore)
+        rec.keeps_earlier = False  # model/ is the new one: a failure from here on is this stage's to record
         if trained is not None:
             rec.extra["replaced_train"] = result.replaced_train = move_train_aside(run, trained)
     return result

@@ -285,3 +285,108 @@ def test_a_profile_trace_goes_through_a_fresh_private_file(tmp_path: Path, monke
     ((path, mode),) = seen
     assert Path(path).parent == shared and Path(path).name.startswith("qerl_trace_") and mode == 0o600
     assert not Path(path).exists()
+
+
+# ---- a trained run: torn metrics, re-quantize failures, a full disk, Ctrl-C -------------------------------------
+TRAIN = {"steps": 2, "save_steps": 1, "batch_prompts": 2, "num_generations": 4, "max_completion_length": 4,
+         "shots": 0, "lora_rank": 4, "micro_batch_size": 8, "seed": 3}
+REWARD = ("import hashlib\n\n\ndef text_hash(prompts, completions, **kw):\n"
+          "    return [int(hashlib.sha256(c.encode()).hexdigest()[:8], 16) / 16**8 for c in completions]\n")
+
+
+@pytest.fixture(scope="module")
+def trained(base_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``base_run`` trained 2 steps (a checkpoint each) with a reward that differs per completion; its flags."""
+    from qerl_cli.train.config import build_config
+    from qerl_cli.train.run import train
+
+    root = tmp_path_factory.mktemp("bad_input_trained")
+    (root / "reward.py").write_text(REWARD)
+    overrides = {**TRAIN, "reward": f"{root / 'reward.py'}:text_hash", "log_rollouts": False}
+    run = Path(shutil.copytree(base_run, root / "run", ignore=shutil.ignore_patterns(".lock")))
+    assert train(run, build_config("quick_cpu", overrides)).steps_done == 2
+    flags = ["--config", "quick_cpu"] + [a for k, v in overrides.items() if k != "log_rollouts"
+                                         for a in (f"--{k.replace('_', '-')}", str(v))]
+    return {"run": run, "flags": flags}
+
+
+@pytest.fixture
+def trained_run(trained: dict, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(trained["run"], tmp_path / "trained", ignore=shutil.ignore_patterns(".lock")))
+
+
+def test_resume_warns_of_a_checkpointed_metrics_row_torn_by_hand(trained: dict, trained_run: Path, capsys,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """One warning line (the `qerl.metrics` logger: printed on stderr by the CLI, captured by pytest here)."""
+    from qerl_cli.metricsfile import read_metrics
+
+    metrics = trained_run / "train" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    metrics.write_text(lines[0] + "\n" + lines[1][:30])  # step 2's row, which checkpoint step_2 covers, cut by hand
+    code, _, err = qerl_in_process(capsys, "train", "--run", str(trained_run), *trained["flags"], "--steps", "3",
+                                   "--resume")
+    assert code == 0, err[-3000:]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "qerl.metrics"]
+    assert warnings == [f"warning: {metrics} line 2 is cut short (not a whole JSON record) and is dropped: it held "
+                        "step 2, which the checkpoint of step 2 covers, so those metrics are lost (restore the line "
+                        "from a copy to keep them)"]
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 3]
+
+
+def test_a_torn_row_of_a_step_no_checkpoint_covers_is_dropped_quietly(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    from qerl_cli.metricsfile import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo')  # a kill while appending step 2's row
+    assert read_metrics(path, covered=1) == [{"step": 1, "loss": 0.5}] and caplog.records == []
+    path.write_text('{"step": 1, "loss": 0.5}\n{"st')  # too short to say its step: reported
+    assert read_metrics(path, covered=1) == [{"step": 1, "loss": 0.5}]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"warning: {path} line 2 is cut short (not a whole JSON record) and is dropped: it held no step qerl can "
+        "read, so those metrics are lost (restore the line from a copy to keep them)"]
+
+
+@pytest.mark.parametrize("how", ["interrupted", "failed"])
+def test_a_forced_requantize_that_stops_before_replacing_the_model_keeps_the_quantize_record(
+        trained_run: Path, tiny_source: Path, capsys, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    import qerl_cli.quantize as quantize
+
+    manifest = json.loads((trained_run / "manifest.json").read_text())
+    before = manifest["stages"]["quantize"]
+    model = {p.name: p.read_bytes() for p in (trained_run / "model").iterdir()}
+
+    def stop(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt if how == "interrupted" else RuntimeError("the machine failed")
+
+    monkeypatch.setattr(quantize, "save_tensors", stop)
+    code, _, err = qerl_in_process(capsys, "quantize", str(tiny_source), "--run", str(trained_run), "--force")
+    assert code == (130 if how == "interrupted" else 1), err
+    if how == "interrupted":
+        assert "the run's model was not replaced" in err and "--resume" not in err
+    after = json.loads((trained_run / "manifest.json").read_text())
+    assert after["stages"]["quantize"] == before  # the record of the model still in place
+    assert after["history"][-1]["stage"] == "quantize" and after["history"][-1]["status"] == how
+    assert {p.name: p.read_bytes() for p in (trained_run / "model").iterdir()} == model
+    assert (trained_run / "train" / "checkpoints" / "step_2").is_dir()
+    monkeypatch.undo()
+    code, out, err = qerl_in_process(capsys, "eval", "arith", "--run", str(trained_run), "--limit", "2",
+                                     "--max-tokens", "2", "--json")
+    assert code == 0, err  # the run (model and adapter) is still whole
+    assert json.loads(out)["checkpoint"]["name"] == "step_2"
+
+
+def test_ctrl_c_in_eval_suggests_running_eval_again(run: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    import qerl_cli.eval.harness as harness
+
+    def stop(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(harness, "aggregate", stop)
+    code, _, err = qerl_in_process(capsys, "eval", "arith", "--run", str(run), "--checkpoint", "base", "--limit", "1",
+                                   "--max-tokens", "2")
+    assert code == 130
+    assert " ".join(err.split()) == ("interrupted: no result was written and the run's earlier results stand; run "
+                                     "the same `qerl eval` command again")
+    assert json.loads((run / "manifest.json").read_text())["stages"]["eval/arith-base"]["status"] == "interrupted"

@@ -415,7 +415,8 @@ class Trainer:
         """Drop metric lines of steps after the checkpoint (they will be recomputed identically)."""
         if not self.dist.is_main or not self.metrics_path.is_file():
             return
-        write_metrics(self.metrics_path, [r for r in read_metrics(self.metrics_path) if r["step"] <= step])
+        rows = read_metrics(self.metrics_path, covered=step)
+        write_metrics(self.metrics_path, [r for r in rows if r["step"] <= step])
 
     # ---- one step --------------------------------------------------------------------------------
     def clock(self) -> float:
