@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -390,3 +391,48 @@ def test_ctrl_c_in_eval_suggests_running_eval_again(run: Path, capsys, monkeypat
     assert " ".join(err.split()) == ("interrupted: no result was written and the run's earlier results stand; run "
                                      "the same `qerl eval` command again")
     assert json.loads((run / "manifest.json").read_text())["stages"]["eval/arith-base"]["status"] == "interrupted"
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, megabytes: int) -> Iterator[Path]:
+    """A tmpfs of ``megabytes`` mounted at ``where`` (skips where this process may not mount one)."""
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def fill(disk: Path) -> None:
+    """Write into ``disk`` until it is full."""
+    with open(disk / "filler", "wb") as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+
+
+def test_a_disk_that_fills_up_mid_eval_gets_the_eval_recorded_failed(run: Path, tmp_path: Path, capsys,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import qerl_cli.eval.harness as harness
+
+    size = sum(p.stat().st_size for p in run.rglob("*") if p.is_file())
+    with small_disk(tmp_path / "disk", size // 2**20 + 8) as disk:
+        small = Path(shutil.copytree(run, disk / "run"))
+        aggregate = harness.aggregate
+
+        def filled_meanwhile(*args: object, **kwargs: object) -> object:
+            fill(disk)  # another process fills the disk while the model generates
+            return aggregate(*args, **kwargs)
+
+        monkeypatch.setattr(harness, "aggregate", filled_meanwhile)
+        code, _, err = qerl_in_process(capsys, "eval", "arith", "--run", str(small), "--checkpoint", "base",
+                                       "--limit", "2", "--max-tokens", "2")
+        assert_one_line(code, err, "out of disk space while writing", "eval/arith-base")
+        rec = json.loads((small / "manifest.json").read_text())["stages"]["eval/arith-base"]
+        assert rec["status"] == "failed" and rec["error"].startswith("out of disk space while writing")
+        assert sorted(p.name for p in small.iterdir() if p.name.startswith(".")) == [".lock"]  # no reserve left
