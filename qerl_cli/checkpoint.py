@@ -41,6 +41,17 @@ def matches(name: str, patterns: list[str]) -> bool:
     return False
 
 
+def check_patterns(patterns: list[str], flag: str = "--ignore") -> None:
+    """Refuse an `re:` pattern that is not a regular expression, in one line naming it, before any model loads."""
+    for p in patterns:
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as exc:
+                raise QerlError(f"{flag} {p!r} is not a valid regular expression ({exc}): fix the pattern (after "
+                                r"re: comes a Python regular expression, e.g. 're:.*mlp\.experts\..*')") from exc
+
+
 def target_linears(model: nn.Module, ignore: list[str]) -> tuple[dict[str, nn.Linear], list[str]]:
     """The Linear layers to quantize, and the names of Linear layers left unquantized."""
     targets: dict[str, nn.Linear] = {}
@@ -156,15 +167,16 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
     """Build the model with `QuantLinear` layers holding the packed tensors of a qerl checkpoint.
 
     `expected_sha256` (file name -> digest, as the manifest records them) verifies the files first."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from qerl_cli.model_config import read_config_dict, read_model_config
 
     if expected_sha256 is not None:
         verify_files(directory, expected_sha256)
 
-    config_dict = json.loads((directory / "config.json").read_text())
-    spec, group_size, act_quant = detect(config_dict)
+    spec, group_size, act_quant = detect(read_config_dict(directory))
     fmt = spec.name
-    config = AutoConfig.from_pretrained(str(directory))
+    config = read_model_config(directory)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     state = read_tensors(directory)

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from qerl_cli.errors import Preempted, QerlError
+from qerl_cli.errors import Preempted, QerlError, path_error
 
 app = typer.Typer(
     name="qerl",
@@ -327,12 +327,13 @@ def bench_kernels(
     = None,
 ) -> None:
     """Time qerl's quantized GEMM kernels against BF16 cuBLAS and installed peers (CUDA GPU)."""
-    from qerl_cli.bench.harness import default_out
+    from qerl_cli.bench.harness import default_out, int_list
     from qerl_cli.bench.kernels import bench_kernels as run
 
+    m_list = int_list(ms, "--m")
     out = out or default_out("kernels") / "kernels.json"
     peer_list = None if peers is None else ([] if peers == "none" else peers.split(","))
-    res = run(shapes=tuple(shapes.split(",")), ms=tuple(int(m) for m in ms.split(",")), out_json=out,
+    res = run(shapes=tuple(shapes.split(",")), ms=m_list, out_json=out,
               methods=tuple(methods.split(",")), peers=peer_list, backward=backward,
               log=_progress)
     _show(res)
@@ -367,13 +368,14 @@ def bench_rollout(
     observation_tokens: Annotated[int, Opt(help="--episodes: tokens of each observation.")] = 32,
 ) -> None:
     """Rollout tokens/s, TTFT and memory per format and batch, against the weight+KV roofline."""
+    from qerl_cli.bench.harness import int_list
     from qerl_cli.bench.rollout import bench_rollout as run_bench
 
     gpu = _has_cuda()
-    batches = batches or ("1,8,64,256" if gpu else "1,8")
+    batch_sizes = int_list(batches or ("1,8,64,256" if gpu else "1,8"), "--batches")
     new_tokens = new_tokens or (1024 if gpu else 64)
     res = run_bench(shape=shape, run_dir=run, formats=tuple(formats.split(",")) if run is None else (),
-                    batches=tuple(int(b) for b in batches.split(",")), prompt_len=prompt_len, new_tokens=new_tokens,
+                    batches=batch_sizes, prompt_len=prompt_len, new_tokens=new_tokens,
                     lora_rank=lora_rank, out_dir=out, eos_mode="eos" if eos else "fixed",
                     log=_progress, prompts=prompts, num_generations=num_generations,
                     lora_modes=("on", "off") if lora_off else ("on",), profile=profile, linear_backend=linear_backend,
@@ -540,8 +542,8 @@ def main() -> None:
         _error_line(str(exc))
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        err_console.print("[yellow]interrupted[/]: the run directory was left consistent; rerun to continue "
-                          "(`qerl train ... --resume` continues from the last checkpoint)")
+        err_console.print(f"[yellow]interrupted[/]: {escape(interrupt_hint(sys.argv[1:]))}", highlight=False,
+                          soft_wrap=True)
         sys.exit(130)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -552,6 +554,9 @@ def main() -> None:
             sys.exit(_usage_error(exc))
         if _state["debug"]:
             raise
+        if (err := path_error(exc)) is not None:  # a path the user gave, not a bug
+            _error_line(str(err))
+            sys.exit(err.exit_code)
         if isinstance(exc, _kernel_setting_error()):  # a kernel setting the user chose: theirs to fix, one line
             _error_line(str(exc))
             sys.exit(2)
@@ -559,6 +564,24 @@ def main() -> None:
                           "(rerun with --debug for the traceback and please report it)", highlight=False,
                           soft_wrap=True)
         sys.exit(1)
+
+
+# What a Ctrl-C leaves and how to go on, per command: only training continues where it stopped.
+INTERRUPT_HINTS = {
+    "train": "the run directory was left consistent; `qerl train --run DIR --resume` continues from the last "
+             "checkpoint",
+    "quantize": "the run's model was not replaced (nor its record, in a run quantized before); run `qerl quantize` "
+                "again",
+    "eval": "no result was written and the run's earlier results stand; run the same `qerl eval` command again",
+    "bench": "the cells measured so far were not written; run the same `qerl bench` command again",
+    "report": "the earlier report stands; run `qerl report` again",
+}
+
+
+def interrupt_hint(argv: list[str]) -> str:
+    """The Ctrl-C line of the command in ``argv`` (the arguments after `qerl`)."""
+    command = next((a for a in argv if not a.startswith("-")), "")
+    return INTERRUPT_HINTS.get(command, "the run directory was left consistent; run the command again")
 
 
 def _error_line(message: str) -> None:

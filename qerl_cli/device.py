@@ -23,7 +23,12 @@ def pick(requested: str | torch.device | None = None) -> torch.device:
     """The device a stage runs on: ``requested`` when given (checked), else ``cuda`` where visible, else ``cpu``."""
     if requested is None or requested == "":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(requested)
+    try:
+        dev = torch.device(requested)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise QerlError(f"--device {requested} is not a device qerl runs on: use cpu or cuda (cuda:N for one GPU)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise QerlError(f"--device {requested} asked for but no CUDA GPU is visible; use --device cpu")
     return dev

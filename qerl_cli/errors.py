@@ -9,6 +9,19 @@ class QerlError(Exception):
     exit_code = 2
 
 
+def path_error(exc: BaseException) -> QerlError | None:
+    """The one line for an OS error that only a path the user gave can cause (a name longer than the file system
+    takes), wherever in a stage it surfaces; None for any other error."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+        name = exc.filename if exc.filename is not None else "a path"
+        shown = name if len(str(name)) <= 120 else f"{str(name)[:100]}...({len(str(name))} characters)"
+        return QerlError(f"{shown}: a name in this path is longer than the file system allows (255 bytes per name, "
+                         "4096 per path): use a shorter path")
+    return None
+
+
 class RunLockedError(QerlError):
     """Another process is writing the same run directory."""
 

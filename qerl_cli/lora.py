@@ -30,6 +30,7 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.lora_linear import FastLoraForward
+from qerl_cli.manifest import read_regular_text
 from qerl_cli.moe import CHECKPOINT_PARTS, PROJECTIONS, LoraFactors, MoeExperts
 from qerl_cli.qlinear import QuantLinear
 
@@ -286,7 +287,7 @@ def check_adapter_matches(model: nn.Module, adapter_dir: Path) -> None:
     if not files:
         raise QerlError(f"{adapter_dir} has no adapter_model.safetensors")
     modules = dict(model.named_modules())
-    params = json.loads((adapter_dir / "adapter_config.json").read_text()).get("target_parameters") or []
+    params = json.loads(read_regular_text(adapter_dir / "adapter_config.json")).get("target_parameters") or []
     with safe_open(str(files[0]), framework="pt") as f:
         for key in f.keys():
             # base_model.model.<module>.lora_A.weight (a parameter target: <module>[.base_layer...].lora_A.weight)
@@ -323,6 +324,6 @@ def adapter_hash(adapter_dir: Path) -> str:
 
 
 def adapter_summary(adapter_dir: Path) -> dict[str, Any]:
-    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    cfg = json.loads(read_regular_text(adapter_dir / "adapter_config.json"))
     return {"r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "target_modules": cfg.get("target_modules"),
             "target_parameters": cfg.get("target_parameters"), "sha256": adapter_hash(adapter_dir)}

@@ -26,7 +26,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,9 +150,45 @@ def atomic_write_png(path: Path, fig: Any, dpi: int = 110) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def open_regular(path: str | os.PathLike[str]) -> io.BufferedReader:
+    """``path`` opened for reading, refused in one line unless it is a regular file: a FIFO (or a device) where a
+    JSON or weight file belongs would block the reader forever. Opened without blocking, so the check comes before
+    any read can wait; a missing file raises FileNotFoundError as `open` would."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise QerlError(f"cannot read {path}: {exc.strerror or exc}: restore it, or use another directory") from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise QerlError(f"{path} is {what}, not a regular file: qerl reads only regular files there; replace it "
+                        "with the file it should be, or move it aside")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_regular(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of ``path``, a regular file (:func:`open_regular`); a failed read is one line."""
+    with open_regular(path) as f:
+        try:
+            return f.read()
+        except OSError as exc:
+            raise QerlError(f"cannot read {path}: {exc.strerror or exc}: restore it, or use another directory") \
+                from exc
+
+
+def read_regular_text(path: str | os.PathLike[str]) -> str:
+    """:func:`read_regular` decoded as UTF-8 (an undecodable byte raises UnicodeDecodeError, like `read_text`)."""
+    return read_regular(path).decode("utf-8")
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
@@ -190,7 +226,11 @@ def staged_directory(final: Path) -> Iterator[Path]:
         raise
 
 
-_STAGING_RE = re.compile(r"^\..+\.(?:tmp|old)-(\d+)$")  # atomic_write_bytes' and staged_directory's names
+# atomic_write_bytes', staged_directory's and RunDir.stage's (its manifest reserve) names
+_STAGING_RE = re.compile(r"^\..+\.(?:tmp|old|reserve)-(\d+)$")
+# Disk space a stage sets aside while it runs, besides twice the manifest's size: what writing its last record takes
+# when something filled the disk meanwhile (the record says why the stage failed instead of staying "running").
+MANIFEST_RESERVE_BYTES = 1 << 16
 
 
 def _pid_alive(pid: int) -> bool:
@@ -227,6 +267,12 @@ def remove_stale_staging(root: Path) -> list[Path]:
     return removed
 
 
+def _release(path: Path | None) -> None:
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
 @dataclass
 class StageRecord:
     """One stage's entry in the manifest; mutate `outputs`, `metrics` and `extra` inside `RunDir.stage`."""
@@ -250,9 +296,12 @@ class StageRecord:
     # not written to the manifest: while True, a QerlError that ends the stage is a refusal, and the manifest gets
     # back exactly what it held before the stage began; a stage sets it False once it starts changing its outputs
     refusable: bool = field(default=True, repr=False, compare=False)
+    # not written either: while True, a stage that fails or is interrupted leaves the earlier completed record of its
+    # key in place (its attempt goes into the history only), for a stage that redoes outputs it has not yet replaced
+    keeps_earlier: bool = field(default=False, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "refusable"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("refusable", "keeps_earlier")}
 
 
 def run_path(path: str | os.PathLike[str]) -> Path:
@@ -365,7 +414,7 @@ class RunDir:
         if not self.manifest_path.exists():
             return {"schema_version": SCHEMA_VERSION, "created": now_iso(), "stages": {}, "history": []}
         try:
-            data = json.loads(self.inside(MANIFEST_NAME).read_text())
+            data = json.loads(read_regular_text(self.inside(MANIFEST_NAME)))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise QerlError(
                 f"{self.manifest_path} is corrupted ({exc.__class__.__name__}: {exc}); qerl will not overwrite it: "
@@ -409,8 +458,9 @@ class RunDir:
 
     # ---- lock -----------------------------------------------------------------------------------
     def _open_lock(self, create: bool) -> int | None:
-        """The lock file's descriptor (None: absent and not ``create``d); a symbolic link or anything but a
-        regular file is refused, so the PID written into it never lands in a file the link points to."""
+        """The lock file's descriptor (None: absent and not ``create``d); a symbolic link, a hard link (a file with
+        another name elsewhere) or anything but a regular file is refused, so the PID written into it never lands
+        in another file."""
         path = self.path / LOCK_NAME
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0), 0o644)
@@ -421,9 +471,14 @@ class RunDir:
                 raise OutsideRunError(f"{path} is a symbolic link: qerl never writes through a link in a run "
                                       "directory; delete it (qerl creates the lock file itself)") from None
             raise QerlError(f"cannot open the run's lock file {path}: {exc.strerror or exc}") from exc
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise QerlError(f"{path} is not a regular file: delete it (qerl creates the lock file itself)")
+        if st.st_nlink > 1:
+            os.close(fd)
+            raise OutsideRunError(f"{path} is a hard link ({st.st_nlink} names for one file): qerl would write its "
+                                  "PID into the other file too; delete it (qerl creates the lock file itself)")
         return fd
 
     def _is_locked_by_other(self) -> bool:
@@ -482,8 +537,10 @@ class RunDir:
 
         The manifest stays valid at every point; on SIGKILL the record stays 'running' and readers
         report it as interrupted once the lock is free. A refusal (a QerlError while ``rec.refusable``) leaves
-        the manifest as it was before the stage: its earlier bytes are written back (or it is removed again).
-        On entry, under the lock, what killed writers left staged in the run directory is removed.
+        the manifest as it was before the stage: its earlier bytes are written back (or it is removed again). A
+        failure or interruption while ``rec.keeps_earlier`` leaves the key's earlier completed record in place.
+        On entry, under the lock, what killed writers left staged in the run directory is removed, and disk space
+        for the last manifest write is set aside, so a disk that fills up meanwhile still gets the outcome recorded.
         """
         from qerl_cli.env_info import environment
 
@@ -491,6 +548,7 @@ class RunDir:
             data = self.read()  # refuses corrupted/newer manifests before anything is written
             before = self.manifest_path.read_bytes() if self.manifest_path.exists() else None
             remove_stale_staging(self.path)
+            earlier = data["stages"].get(key or stage)
             rec = StageRecord(
                 stage=stage,
                 key=key or stage,
@@ -499,7 +557,12 @@ class RunDir:
                 seeds=seeds or {},
                 env=environment(),
             )
-            self._commit(data, rec)
+            reserve = self._reserve(2 * len(before or b"") + MANIFEST_RESERVE_BYTES)
+            try:
+                self._commit(data, rec)
+            except BaseException:
+                _release(reserve)
+                raise
             t0 = time.perf_counter()
             refused = False
             try:
@@ -515,12 +578,43 @@ class RunDir:
             else:
                 rec.status = "completed"
             finally:
-                if refused:
-                    self._restore(before)
-                else:
-                    rec.finished = now_iso()
-                    rec.duration_s = round(time.perf_counter() - t0, 3)
-                    self._commit(self.read(), rec)
+                rec.finished = now_iso()
+                rec.duration_s = round(time.perf_counter() - t0, 3)
+                keep = earlier if rec.status != "completed" and rec.keeps_earlier and isinstance(earlier, dict) \
+                    and earlier.get("status") == "completed" else None
+                try:
+                    self._last_write(reserve, lambda: self._restore(before) if refused
+                                     else self._commit(self.read(), rec, keep=keep))
+                finally:
+                    _release(reserve)
+
+    def _reserve(self, size: int) -> Path | None:
+        """A file of ``size`` allocated bytes (None where even that does not fit): freed to write the stage's last
+        record when the disk is full by then."""
+        path = self.path / f".{MANIFEST_NAME}.reserve-{os.getpid()}"
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        except OSError:
+            _release(path)
+            return None
+        return path
+
+    def _last_write(self, reserve: Path | None, write: Callable[[], None]) -> None:
+        """``write`` the stage's last manifest update; where the disk is full (a QerlError from the write), again
+        once the reserve is freed."""
+        try:
+            write()
+        except QerlError:
+            if reserve is None or not reserve.exists():
+                raise
+            _release(reserve)
+            write()
 
     def _restore(self, before: bytes | None) -> None:
         """The manifest as a refused stage found it (nothing else writes it while the stage holds the lock)."""
@@ -530,9 +624,11 @@ class RunDir:
             with contextlib.suppress(FileNotFoundError):
                 self.manifest_path.unlink()
 
-    def _commit(self, data: dict[str, Any], rec: StageRecord) -> None:
+    def _commit(self, data: dict[str, Any], rec: StageRecord, keep: dict[str, Any] | None = None) -> None:
+        """Write ``rec`` into the manifest (``keep``: the record to leave under its key instead; ``rec`` goes into the
+        history only)."""
         entry = rec.to_dict()
-        data["stages"][rec.key] = entry
+        data["stages"][rec.key] = keep if keep is not None else entry
         history = data["history"]
         summary = {k: entry[k] for k in ("stage", "key", "attempt", "status", "started", "finished")}
         if history and history[-1].get("attempt") == rec.attempt:

@@ -3,18 +3,25 @@ reader, shared by the trainer (`--resume` drops the lines after its checkpoint, 
 and `qerl report` (the curves).
 
 A process killed while appending leaves a torn last line (no newline, not JSON): the reader skips it, since the
-step it belonged to was never checkpointed and is recomputed on resume. Any other line that is not a metrics
+step it belonged to was never checkpointed and is recomputed on resume. A torn last line of a step a checkpoint
+already covers was not left by a kill (the line is appended before its step's checkpoint) and is not recomputed:
+resume still drops it, with a warning naming the file and the line. Any other line that is not a metrics
 record is damage nothing should silently drop or rewrite: it is refused in one line naming the file and the line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import QerlError
-from qerl_cli.manifest import atomic_write_text, jsonable, write_errors
+from qerl_cli.manifest import atomic_write_text, jsonable, read_regular, write_errors
+
+log = logging.getLogger("qerl.metrics")
+_STEP_RE = re.compile(r'^\s*\{\s*"step"\s*:\s*(\d+)')  # a record's first key: what a torn line still shows
 
 
 def _record(line: str) -> dict[str, Any] | None:
@@ -28,15 +35,14 @@ def _record(line: str) -> dict[str, Any] | None:
     return row if whole and not isinstance(step, bool) else None
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics file in file order ([] when there is none); a torn last line is skipped."""
+def read_metrics(path: Path, covered: int | None = None) -> list[dict[str, Any]]:
+    """The records of a metrics file in file order ([] when there is none); a torn last line is skipped, with a
+    warning where ``covered`` (the step of the checkpoint a resume continues from) says its step is not recomputed."""
     path = Path(path)
-    if not path.is_file():
-        return []
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise QerlError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        text = read_regular(path).decode("utf-8", errors="replace")  # a FIFO there is refused, not waited on
+    except FileNotFoundError:
+        return []
     lines = text.splitlines()
     rows = []
     for i, line in enumerate(lines):
@@ -48,7 +54,20 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         elif i < len(lines) - 1 or text.endswith("\n"):  # a whole line, so not the torn end of an append
             raise QerlError(f"{path} line {i + 1} is not a metrics record (a JSON object with a whole-number step): "
                             "remove or repair that line, or move the file aside, and run the command again")
+        elif covered is not None:
+            _warn_torn(path, i + 1, line, covered)
     return rows
+
+
+def _warn_torn(path: Path, number: int, line: str, covered: int) -> None:
+    found = _STEP_RE.match(line)
+    step = int(found.group(1)) if found else None
+    if step is not None and step > covered:
+        return  # a kill mid-append: the step is recomputed on resume
+    held = f"step {step}, which the checkpoint of step {covered} covers" if step is not None \
+        else "no step qerl can read"
+    log.warning("warning: %s line %d is cut short (not a whole JSON record) and is dropped: it held %s, so those "
+                "metrics are lost (restore the line from a copy to keep them)", path, number, held)
 
 
 def append_metrics(path: Path, metrics: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -224,6 +225,17 @@ def _quiet_gguf_progress() -> Iterator[None]:
         gguf_utils.tqdm = original
 
 
+def _require_complete(src: ModelSource, info: dict[str, Any]) -> None:
+    """Refuse a checkpoint that lacks a tensor its architecture needs: transformers fills a missing tensor with
+    random values and only logs it, and a stage would then quantize, train or score noise as if it were the model.
+    (A tied `lm_head` is not missing: transformers does not list it.)"""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise QerlError(f"model {src.display} lacks {len(missing)} tensor(s) its architecture needs ({shown}): "
+                        "give a complete checkpoint (re-download or re-save it)")
+
+
 def load_model(
     model: str | ModelSource | None = None,
     *,
@@ -254,7 +266,8 @@ def load_model(
     if cache is not None:
         try:
             _check_safetensors(cache)
-            m = AutoModelForCausalLM.from_pretrained(str(cache), dtype=dtype)
+            m, info = AutoModelForCausalLM.from_pretrained(str(cache), dtype=dtype, output_loading_info=True)
+            _require_complete(src, info)
             m.to(device)
             m.eval()
             return m, load_tokenizer(src)
@@ -264,14 +277,19 @@ def load_model(
     if src.gguf_file:
         _check_gguf(Path(src.location) / src.gguf_file)
     elif src.kind == "local":
+        from qerl_cli.model_config import read_config_dict
+
+        read_config_dict(src.location)  # before transformers builds what it says
         _check_safetensors(Path(src.location))
     try:
         kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
         with _quiet_gguf_progress():
-            m = AutoModelForCausalLM.from_pretrained(src.location, dtype=dtype, **kwargs)
+            m, info = AutoModelForCausalLM.from_pretrained(src.location, dtype=dtype, output_loading_info=True,
+                                                           **kwargs)
     except (OSError, ValueError, json.JSONDecodeError) as exc:
         hint = " (no network here? give a local directory)" if src.kind == "hub" else ""
         raise QerlError(f"could not load model {src.display}{hint}: {str(exc).splitlines()[0]}") from exc
+    _require_complete(src, info)
     if getattr(m.config, "quantization_config", None) is not None and src.gguf_file:
         # GGUF weights are dequantized on load; the gguf quantization_config would mislead savers.
         del m.config.quantization_config

@@ -17,10 +17,18 @@ from typing import Any
 
 import torch
 
-from qerl_cli.checkpoint import QERL_META, fused_global_scales, save_tensors, target_linears, write_config
+from qerl_cli.checkpoint import (
+    QERL_META,
+    check_patterns,
+    fused_global_scales,
+    save_tensors,
+    target_linears,
+    write_config,
+)
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import WeightFormat, as_format, dequantize
 from qerl_cli.manifest import LOCK_NAME, RunDir, sha256_file, staged_directory
+from qerl_cli.model_config import CONFIG_NAME
 from qerl_cli.models import ModelSource, conversion_notice, load_model, resolve_model
 from qerl_cli.precision import dtype_of
 from qerl_cli.runlayout import checkpoints_dir, model_dir, train_dir
@@ -161,6 +169,7 @@ def quantize_model(
     spec = as_format(fmt)
     _check_quantize_options(spec, method, dtype)
     ignore = list(ignore) if ignore is not None else ["lm_head"]
+    check_patterns(ignore)
     out_dtype = dtype_of(dtype)
     src = resolve_model(model)  # a missing model is refused before the run directory exists
     created = not Path(run_dir).expanduser().exists()
@@ -176,6 +185,7 @@ def quantize_model(
     with removed_when_refused(run, created), \
             run.stage("quantize", config=config, inputs={"model": {**src.to_json(), "sha256": _source_hashes(src)}},
                       seeds={"torch": seed}) as rec:
+        rec.keeps_earlier = True  # until model/ is replaced, a failure leaves the earlier model and its record standing
         if loaded is None and notice is not None and (line := conversion_notice(src)):
             notice(line)
         hf_model, tokenizer = loaded if loaded is not None else load_model(src, dtype=torch.float32)
@@ -197,6 +207,7 @@ def quantize_model(
             result.group_size = group_size or spec.group_size
             _write_rtn_checkpoint(rec, run, result, hf_model, tokenizer, state, spec, group_size, out_dtype, method,
                                   ignore)
+        rec.keeps_earlier = False  # model/ is the new one: a failure from here on is this stage's to record
         if trained is not None:
             rec.extra["replaced_train"] = result.replaced_train = move_train_aside(run, trained)
     return result
@@ -302,7 +313,9 @@ def _finish(rec: Any, run: RunDir, result: QuantizeResult, spec: WeightFormat, t
             "skipped": result.skipped, "group_size": result.group_size,
             "layers": [e.to_json() for e in result.layers]}
     (tmp / QERL_META).write_text(json.dumps(meta, indent=2))
-    hashes = {f: sha256_file(tmp / f) for f in files}
+    # config.json decides the architecture the weights are read into: hashed with them, so a later stage that
+    # verifies the weights detects an edited config as it detects an edited weight
+    hashes = {f: sha256_file(tmp / f) for f in [*files, CONFIG_NAME]}
     result.bytes_after = sum((tmp / f).stat().st_size for f in files)
     rec.outputs = {"model": {"path": run.rel(result.model_dir), "format": result.fmt, "files": hashes,
                              "ct_format": spec.ct_format}}

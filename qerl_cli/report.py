@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import QerlError
-from qerl_cli.manifest import MANIFEST_NAME, RunDir, atomic_write_bytes, atomic_write_text, now_iso
+from qerl_cli.manifest import MANIFEST_NAME, RunDir, atomic_write_bytes, atomic_write_text, now_iso, read_regular_text
 from qerl_cli.runlayout import eval_dir
 
 REPORT_DIRNAME = "report"
@@ -71,7 +71,7 @@ def _series(rows: list[dict[str, Any]], key: str, positive: bool = False) -> tup
 
 def _load_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular_text(path))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
     return data if isinstance(data, dict) else None

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from qerl_cli.errors import QerlError
+from qerl_cli.manifest import read_regular_text
 
 FORMAT = "qerl-state"
 VERSION = 1
@@ -243,7 +244,7 @@ def read_state(directory: Path, stem: str) -> Any:
         raise ValueError(f"{name} is not strict JSON")
 
     try:
-        doc = json.loads(json_path.read_text(encoding="utf-8"), parse_constant=no_constant)
+        doc = json.loads(read_regular_text(json_path), parse_constant=no_constant)
     except FileNotFoundError as exc:
         raise StateFileError(f"{json_path} is missing") from exc
     except (OSError, ValueError, RecursionError) as exc:

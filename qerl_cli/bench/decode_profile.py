@@ -24,7 +24,7 @@ import torch
 
 from qerl_cli.rollout.regions import PREFIX, profiling, region
 
-__all__ = ["CATEGORIES", "categorize_trace", "classify_name", "profile_decode", "profiling", "region"]
+__all__ = ["CATEGORIES", "categorize_trace", "chrome_trace", "classify_name", "profile_decode", "profiling", "region"]
 
 CATEGORIES = ("quantized GEMM", "dense GEMM", "LoRA", "attention", "norm/RoPE/activation", "sampling", "copies",
               "other")
@@ -189,16 +189,33 @@ def _graph_step_ms(graphs: Any, sampler: Any, tokens: torch.Tensor, positions: t
     return start.elapsed_time(end) / reps
 
 
+def chrome_trace(prof: Any) -> dict[str, Any]:
+    """A finished profiler's chrome trace as data. The profiler writes it only to a file: a fresh private one from
+    ``tempfile.mkstemp`` (never a fixed name in a shared temporary folder, which another user could have planted as
+    a link to a file of ours), removed once read."""
+    import os
+    import tempfile
+
+    fd, name = tempfile.mkstemp(prefix="qerl_trace_", suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(name)
+        return json.loads(Path(name).read_text())
+    finally:
+        Path(name).unlink(missing_ok=True)
+
+
 def _report(prof: Any, runner: Any, batch: int, context: int, kv_len: int, steps: int, trace_path: Path | None,
             copy_gbps: float | None, graph_ms: float | None, sampler_in_graph: bool) -> dict[str, Any]:
     """The trace by category per step, against each category's byte floor."""
     from qerl_cli.bench.roofline import decode_step_bytes, floors
 
-    path = trace_path or Path(f"/tmp/qerl_decode_trace_{batch}.json")
-    prof.export_chrome_trace(str(path))
-    cats = categorize_trace(json.loads(path.read_text()))
-    if trace_path is None:
-        path.unlink(missing_ok=True)
+    if trace_path is not None:
+        prof.export_chrome_trace(str(trace_path))
+        trace = json.loads(Path(trace_path).read_text())
+    else:
+        trace = chrome_trace(prof)
+    cats = categorize_trace(trace)
     ms = {c: v / 1000.0 / steps for c, v in cats["us"].items()}
     need = decode_step_bytes(runner, batch, context, kv_len)
     return {

@@ -55,6 +55,21 @@ def device(requested: str | None = None, *, cuda_only: str | None = None) -> Any
     return dev.require_cuda(cuda_only) if cuda_only else dev.pick(requested)
 
 
+def int_list(text: str, flag: str, lowest: int = 1) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers from the command line (``--m 1,16,64``), each >= ``lowest``."""
+    out = []
+    for item in text.split(","):
+        try:
+            value = int(item.strip())
+        except ValueError:
+            value = None
+        if value is None or value < lowest:
+            raise QerlError(f"{flag} takes comma-separated whole numbers >= {lowest} (e.g. {flag} 1,8), got "
+                            f"{item.strip()!r} in {text!r}")
+        out.append(value)
+    return tuple(out)
+
+
 def gpu_total_gib(dev: Any) -> float | None:
     import torch
 

@@ -9,15 +9,12 @@ autograd's own thread, which is why the match is by time alone, not by thread.
 
 from __future__ import annotations
 
-import json
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from qerl_cli.bench.decode_profile import classify_name
+from qerl_cli.bench.decode_profile import chrome_trace, classify_name
 
 PROFILED_FROM = "recompute"  # the first phase after the rollout (fwd_bwd where the recompute is skipped)
 TOP_KERNELS = 15
@@ -89,13 +86,7 @@ def profile_train_phases(trainer: Any) -> dict[str, Any]:
     if not marks:
         return {"note": "no training phase ran under the profiler"}
     prof.stop()
-    path = Path(tempfile.mkstemp(prefix="qerl_phase_trace_", suffix=".json")[1])
-    try:
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    finally:
-        path.unlink(missing_ok=True)
-    return {"phases": _summarise(trace, marks, end, metrics)}
+    return {"phases": _summarise(chrome_trace(prof), marks, end, metrics)}
 
 
 def _summarise(trace: dict[str, Any], marks: list[tuple[str, float]], end: float,

@@ -72,10 +72,9 @@ def format_model_dir(run: RunDir, fmt: str, bench_dir: Path, log: Callable[[str]
 
 def run_model(run_dir: Path) -> tuple[RunDir, Path, str]:
     """The run (it must exist), its quantized model's directory and that model's format (from its config.json)."""
-    import json
-
     from qerl_cli.checkpoint import detect_format
+    from qerl_cli.model_config import read_config_dict
 
     run = RunDir(run_dir, create=False)
     model_dir = quantized_model_dir(run)
-    return run, model_dir, detect_format(json.loads((model_dir / "config.json").read_text()))[0]
+    return run, model_dir, detect_format(read_config_dict(model_dir))[0]

@@ -45,7 +45,7 @@ import torch
 from qerl_cli.bench import harness
 from qerl_cli.bench.harness import figure, num, save_figure
 from qerl_cli.errors import QerlError
-from qerl_cli.manifest import jsonable
+from qerl_cli.manifest import jsonable, read_regular_text
 from qerl_cli.precision import dtype_of
 
 SCHEMA = 1
@@ -280,7 +280,7 @@ def saved_subset(path: Path, key: dict[str, Any], log: Callable[[str], None]) ->
     if not path.is_file():
         return None
     try:
-        old = json.loads(path.read_text())
+        old = json.loads(read_regular_text(path))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         old = None
     if not isinstance(old, dict) or not isinstance(old.get("key"), dict):

@@ -601,14 +601,13 @@ class _FormatStep:
             if vllm:
                 row["vllm_startup_s"] = getattr(trainer.engine, "startup_s", None)
             return
-        from transformers import AutoConfig
-
         from qerl_cli.bench.runmodels import format_model_dir
+        from qerl_cli.model_config import read_model_config
         from qerl_cli.models import load_model
         from qerl_cli.train.memory_plan import model_dir_format, stored_bytes
 
         model_dir = format_model_dir(self.run, self.fmt, self.out, self.log)
-        trainer.plan_memory(AutoConfig.from_pretrained(str(model_dir)), model_dir_format(model_dir),
+        trainer.plan_memory(read_model_config(model_dir), model_dir_format(model_dir),
                             prompt_tokens=cfg.max_prompt_length, stored=stored_bytes(model_dir), rates=self.rates)
         model, tok = load_model(str(model_dir), dtype=self.dtype, device=self.device)
         trainer.setup(model=model, tokenizer=tok, model_dir=model_dir if vllm else None)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from collections import Counter
@@ -292,24 +293,34 @@ def _pick_device(device: str | None) -> str:
 # ------------------------------------------------------------------------------------------- main
 
 
+# Upper bounds of eval's numeric options: far above any evaluation protocol (pass@k is reported up to k = 1024,
+# reasoning budgets reach ~128k tokens), low enough that a typo (an extra zero, 1e9) is refused at once instead of
+# generating for days.
+EVAL_LIMITS: dict[str, int | float] = {"samples": 4096, "max_tokens": 1 << 20, "temperature": 100.0, "shots": 64,
+                                 "max_turns": 256, "seed": 2**63 - 1, "batch_slots": 1 << 16}
+
+
 def _check_eval_options(*, limit: int | None, samples: int, temperature: float | None, max_tokens: int | None,
-                        batch_slots: int, harness: str, tools: str | None, env: str | None) -> float:
+                        batch_slots: int, harness: str, tools: str | None, env: str | None, shots: int | None = None,
+                        max_turns: int = 4, seed: int = 0) -> float:
     """Refuse bad options before anything is loaded; return the sampling temperature (greedy unless samples > 1)."""
     if limit is not None and limit < 1:
         raise QerlError(f"--limit must be >= 1, got {limit}")
-    if samples < 1:
-        raise QerlError(f"--samples must be >= 1, got {samples}")
-    if temperature is not None and temperature < 0:
-        raise QerlError(f"--temperature must be >= 0, got {temperature}")
+    lowest = {"samples": 1, "max_tokens": 1, "shots": 0, "max_turns": 1, "seed": 0, "batch_slots": 1}
+    given = {"samples": samples, "max_tokens": max_tokens, "shots": shots, "max_turns": max_turns, "seed": seed,
+             "batch_slots": batch_slots}
+    for name, value in given.items():
+        if value is not None and not lowest[name] <= value <= EVAL_LIMITS[name]:
+            raise QerlError(f"--{name.replace('_', '-')} must be from {lowest[name]} to {EVAL_LIMITS[name]}, got "
+                            f"{value}")
+    if temperature is not None and not (math.isfinite(temperature) and 0 <= temperature <= EVAL_LIMITS["temperature"]):
+        raise QerlError(f"--temperature must be a number from 0 to {EVAL_LIMITS['temperature']:g} (0: greedy), got "
+                        f"{temperature}")
     if temperature is None:
         temperature = 0.0 if samples == 1 else 1.0
     if samples > 1 and temperature == 0:
         raise QerlError(f"--samples {samples} with --temperature 0 gives {samples} identical greedy samples: "
                         "give a temperature > 0 (e.g. --temperature 1.0) or use --samples 1")
-    if max_tokens is not None and max_tokens < 1:
-        raise QerlError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if batch_slots < 1:
-        raise QerlError(f"batch_slots must be >= 1, got {batch_slots}")
     if harness != "builtin" and (tools or env):
         raise QerlError(f"--harness {harness} scores single answers: use the builtin harness with --tools/--env")
     if harness in EXTERNAL_HARNESSES and samples != 1:
@@ -558,7 +569,8 @@ def run_eval(
     """
     t_start = time.perf_counter()
     temperature = _check_eval_options(limit=limit, samples=samples, temperature=temperature, max_tokens=max_tokens,
-                                      batch_slots=batch_slots, harness=harness, tools=tools, env=env)
+                                      batch_slots=batch_slots, harness=harness, tools=tools, env=env, shots=shots,
+                                      max_turns=max_turns, seed=seed)
     res = _resolve(run_dir, task, checkpoint, harness)
     if tools or env:  # its own result file: scores with a tool are not the model's single answers
         res.slug += f"-{tools or 'env'}"

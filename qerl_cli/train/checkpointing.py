@@ -61,7 +61,16 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import OutsideRunError, QerlError
-from qerl_cli.manifest import RunDir, atomic_write_json, atomic_write_text, now_iso, sha256_file, staged_directory
+from qerl_cli.manifest import (
+    RunDir,
+    atomic_write_json,
+    atomic_write_text,
+    now_iso,
+    read_regular,
+    read_regular_text,
+    sha256_file,
+    staged_directory,
+)
 from qerl_cli.runlayout import checkpoints_dir
 from qerl_cli.statefile import StateFileError, read_state, state_paths, write_state
 
@@ -196,9 +205,10 @@ def read_latest(run: RunDir) -> Path | None:
     """The checkpoint folder `latest` names (None: no `latest` file). qerl writes a bare ``step_N`` there; anything
     else (an absolute path, ``..``) is refused with one line, never followed."""
     pointer = run.inside(checkpoints_dir(run) / LATEST_FILE)
-    if not pointer.is_file():
+    try:
+        text = read_regular(pointer).decode(errors="replace").strip()  # a FIFO there is refused, not waited on
+    except FileNotFoundError:
         return None
-    text = pointer.read_text(errors="replace").strip()
     if checkpoint_step(Path(text)) is not None and Path(text).name == text:
         return run.inside(pointer.parent / text)  # a step_N that is a link out of the run is named as such
     try:
@@ -429,7 +439,7 @@ def read_record(ckpt: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = json.loads(read_regular_text(path))
     except (OSError, ValueError) as exc:
         raise CheckpointDamaged(ckpt, path, f"is unreadable ({type(exc).__name__})") from exc
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:

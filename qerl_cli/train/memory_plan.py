@@ -792,12 +792,10 @@ def resolve_settings(cfg: Any, plan: MemoryPlan) -> ResolvedSettings:
 
 def model_dir_format(model_dir: Any) -> str:
     """The weight format of a model directory written by `qerl quantize` (its config's quantization_config)."""
-    import json
-    from pathlib import Path
-
     from qerl_cli.formats import FORMATS, detect
+    from qerl_cli.model_config import read_config_dict
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = read_config_dict(model_dir)
     if not config.get("quantization_config"):
         return next((name for name, f in FORMATS.items() if not f.quantized), "bf16")
     return detect(config)[0].name
@@ -814,15 +812,14 @@ def dry_run_lines(run_dir: Any, cfg: Any) -> list[str]:
     """`qerl train --dry-run`: the plan for the run's model on this machine's GPU (or the CPU)."""
     from pathlib import Path
 
-    from transformers import AutoConfig
-
     from qerl_cli.manifest import RunDir
+    from qerl_cli.model_config import read_model_config
     from qerl_cli.runlayout import quantized_model_dir
 
     try:
         run = RunDir(run_dir, create=False)
         model_dir = Path(quantized_model_dir(run))
-        model_config = AutoConfig.from_pretrained(str(model_dir))
+        model_config = read_model_config(model_dir)
         fmt = model_dir_format(model_dir)
     except (QerlError, OSError, ValueError) as exc:
         return [f"memory plan: not available ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"]

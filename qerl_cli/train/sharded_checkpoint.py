@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from qerl_cli.errors import QerlError
-from qerl_cli.manifest import atomic_write_json, sha256_file
+from qerl_cli.manifest import atomic_write_json, read_regular_text, sha256_file
 
 FORMAT = "qerl-row-shards"
 VERSION = 1
@@ -157,7 +157,7 @@ class ShardReader:
         self.path = index_path(self.directory, stem)
         self.verify = verify
         try:
-            raw = json.loads(self.path.read_text())
+            raw = json.loads(read_regular_text(self.path))
         except (OSError, ValueError) as exc:
             raise QerlError(f"{self.path} is unreadable ({exc}): resume from another checkpoint") from exc
         try:

@@ -289,12 +289,11 @@ class Trainer:
     def plan_run_memory(self) -> Any:
         """:meth:`plan_memory` for the run directory's model, from its config.json (nothing is loaded); prompts
         count at --max-prompt-length, their bound."""
-        from transformers import AutoConfig
-
+        from qerl_cli.model_config import read_model_config
         from qerl_cli.train.memory_plan import model_dir_format
 
         self.model_dir = quantized_model_dir(self.run)
-        return self.plan_memory(AutoConfig.from_pretrained(str(self.model_dir)), model_dir_format(self.model_dir),
+        return self.plan_memory(read_model_config(self.model_dir), model_dir_format(self.model_dir),
                                 prompt_tokens=self.cfg.max_prompt_length)
 
     def _make_optimizer(self, **options: Any) -> torch.optim.Optimizer:
@@ -416,7 +415,8 @@ class Trainer:
         """Drop metric lines of steps after the checkpoint (they will be recomputed identically)."""
         if not self.dist.is_main or not self.metrics_path.is_file():
             return
-        write_metrics(self.metrics_path, [r for r in read_metrics(self.metrics_path) if r["step"] <= step])
+        rows = read_metrics(self.metrics_path, covered=step)
+        write_metrics(self.metrics_path, [r for r in rows if r["step"] <= step])
 
     # ---- one step --------------------------------------------------------------------------------
     def clock(self) -> float:
