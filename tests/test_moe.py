@@ -184,6 +184,32 @@ def test_lora_on_experts_equals_peft_on_transformers_in_fp32(runs, tmp_path) -> 
         assert torch.allclose(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-6), k
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_training_logprobs_take_the_chunked_path_and_equal_the_full_vocabulary(runs, packed: bool) -> None:
+    # the trainer's log-probs of a MoE model: the chunked lm_head (and --pack-sequences' packed row), as the memory
+    # plan sizes them, equal to the direct full-vocabulary computation in fp32, with LoRA on attention and experts
+    from qerl_cli.models import load_model
+    from qerl_cli.train.batch import build_batch
+    from qerl_cli.train.batch import sampled_logprobs as full_logprobs
+    from qerl_cli.train.logprobs import plain_head, sampled_logprobs
+
+    model, _ = load_model(str(runs["mxfp4"] / "model"), dtype=torch.float32)
+    ours = with_lora(model).eval()
+    assert plain_head(ours) is not None
+    g = torch.Generator().manual_seed(3)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 3, 7)]
+    comps = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (6, 2, 4)]
+    batch = build_batch(prompts, comps, [torch.full((len(c),), -1.0) for c in comps], [True, False, False], pad_id=0)
+    m = batch.mask > 0
+    with torch.no_grad():
+        want, want_ent = full_logprobs(ours, batch, 0.7, with_entropy=True)
+        got, ent = sampled_logprobs(ours, batch, 0.7, with_entropy=True, chunk_tokens=3, packed=packed)
+    assert int(m.sum()) == 12 and want[m].max() < 0 and want_ent[m].min() > 0
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent[m], want_ent[m], rtol=0, atol=1e-5)
+
+
 def test_adapter_as_one_lora_per_expert_for_vllm(runs) -> None:
     from peft.utils import get_peft_model_state_dict
 
