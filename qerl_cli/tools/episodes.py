@@ -54,6 +54,18 @@ class Episodes:
     def kind(self) -> str:
         return self.tool.name if self.tool is not None else f"env:{self.env_name}"
 
+    def default_budget(self, per_turn: int, encode: Callable[[str], list[int]] | None = None) -> int:
+        """An episode's token budget when none is given: ``per_turn`` model tokens for each of ``max_turns`` turns,
+        plus the tool's observation allowance for each call between them (the budget counts observation tokens
+        too, so without it a tool's answer is cut before the model can copy it). With a chat template the tool
+        turn's own framing (``encode(render(""))``) is added per call. An environment's observations have no
+        known size: its default is the model's turns only."""
+        calls = self.max_turns - 1  # the last turn's step is never appended
+        room = int(getattr(self.tool, "observation_tokens", 0)) if self.tool is not None else 0
+        if self.tool is not None and self.render is not None and encode is not None:
+            room += len(encode(self.render("")))
+        return self.max_turns * per_turn + calls * room
+
     # ----- rollouts -----------------------------------------------------------------------------------
 
     def generate(self, engine: Any, prompt_ids: list[list[int]], prompt_texts: list[str], sampling: Any,
