@@ -345,6 +345,35 @@ def test_bench_rollout_on_the_tiny_moe_shape_and_its_routed_roofline(tmp_path) -
     assert row["step_bytes"] == 1000 + 4000 + 400 + 4 * 10 * 10
 
 
+def test_nf4_experts_fuse_gate_and_up_and_bench_a_random_shape(tmp_path) -> None:
+    # NF4 keeps its codes and block absmax flat (not one row per output row): gate and up still concatenate in row
+    # order, the code table is shared; the random tiny-moe shape's nf4 bench cell runs on them
+    from qerl_cli.bench.rollout import bench_rollout
+    from qerl_cli.formats import get_format
+
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(2, 64, 64, generator=g) * 0.02, torch.randn(2, 64, 32, generator=g) * 0.02
+    experts = quantize_experts(gate_up, down, "nf4", dtype=torch.float32)
+    nf4 = get_format("nf4")
+
+    def roundtrip(w: torch.Tensor) -> torch.Tensor:
+        return nf4.dequantize(nf4.quantize(w, dtype=torch.float32), torch.float32)
+
+    for e in range(2):
+        want = torch.cat([roundtrip(gate_up[e, :32]), roundtrip(gate_up[e, 32:])])
+        assert torch.equal(experts.expert_weight("gate_up_proj", e, torch.float32), want)
+        assert torch.equal(experts.expert_weight("down_proj", e, torch.float32), roundtrip(down[e]))
+        assert (want - gate_up[e]).abs().max() < 0.01  # 4 bits of a 0.02-scale weight
+    state = experts.state_dict()
+    up = nf4.quantize(gate_up[1, 32:], dtype=torch.float32).tensors
+    assert torch.equal(state["1.up_proj.weight"], up["weight"]) and torch.equal(state["1.up_proj.weight.absmax"],
+                                                                                  up["absmax"])
+    res = bench_rollout(shape="tiny-moe", formats=("nf4",), batches=(2,), prompt_len=4, new_tokens=3,
+                        out_dir=tmp_path, warmup=False, log=lambda _m: None)
+    (cell,) = res["results"]
+    assert cell["status"] == "ok" and cell["tokens"] == 6
+
+
 # ---- the memory plan ----------------------------------------------------------------------------------------------
 def test_memory_plan_of_qwen3_30b_a3b() -> None:
     from qerl_cli.bench.shapes import SHAPES
