@@ -187,7 +187,8 @@ def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool,
         if not ctx.is_main:  # only rank 0 prints the console panel
             run_train(run, cfg, resume=resume, resume_from=resume_from, preset=preset.name)
         else:
-            ui = TrainConsole(console, cfg.resolved(), reference_step(preset.name, _has_cuda()),
+            ui = TrainConsole(console, cfg.resolved(),
+                              reference_step(preset.name, _has_cuda(), bool(cfg.tools or cfg.env)),
                               start_step=_resume_step(run, resume_from) if (resume or resume_from) else 0,
                               preset=preset)
             with ui:

@@ -41,7 +41,8 @@ MOE_MODEL_TYPES = ("qwen3_moe",)
 PROJECTIONS = ("gate_up_proj", "down_proj")
 # the per-expert linears of a projection on disk (gate rows first in the fused gate_up)
 CHECKPOINT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-_SHARED = ("weight_global_scale",)  # one tensor per expert, the same for its gate and up
+# one tensor per expert, the same for its gate and up (NVFP4's global scale, NF4's code table)
+_SHARED = ("weight_global_scale", "quant_map")
 _SHAPE = "weight_shape"  # a layer's [N, K] (INT4): rebuilt per expert when written, not kept
 
 
@@ -79,9 +80,11 @@ class MoeDims:
         return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** max(0, tokens))
 
 
-def _row_split(name: str, t: torch.Tensor, rows: int) -> bool:
-    """Whether tensor ``name`` of an expert projection is laid out by output row (else one value per expert)."""
-    return name not in _SHARED and t.dim() >= 1 and t.shape[0] == rows
+def _row_split(name: str) -> bool:
+    """Whether tensor ``name`` of an expert projection follows its output rows in order along dim 0, so gate and up
+    concatenate and split there (else one value per expert). NF4's flat packed bytes and block absmax do too:
+    row-major blocks of whole rows, not one entry per row."""
+    return name not in _SHARED and name != _SHAPE
 
 
 class MoeExperts(nn.Module):
@@ -169,7 +172,7 @@ class MoeExperts(nn.Module):
                 full = self.expert_tensors(proj, e).tensors
                 for i, part in enumerate(parts):
                     # a shared tensor (the global scale) is copied per part: safetensors refuses aliased entries
-                    t = {name: (v[i * rows:(i + 1) * rows] if _row_split(name, v, n) else v.clone())
+                    t = {name: (v.chunk(len(parts))[i] if _row_split(name) else v.clone())
                          for name, v in full.items()}
                     if self.shape_tensor:
                         t[_SHAPE] = torch.tensor([rows, k], dtype=torch.int64)
@@ -445,15 +448,14 @@ def fuse_parts(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One expert's gate and up tensors as one fused projection: row tensors concatenated, the shared global scale
     once (a QerlError when the parts' differ: vLLM's fused gate/up GEMM reads one)."""
     first = parts[0]
-    rows = next((t.shape[0] for n, t in first.items() if n not in _SHARED and n != _SHAPE), None)
-    if rows is None:
+    if not any(_row_split(n) for n in first):
         raise QerlError("an expert's gate_proj holds no weight tensor; the checkpoint is incomplete: quantize the "
                         "model again with `qerl quantize`")
     out: dict[str, torch.Tensor] = {}
     for name, t in first.items():
         if name == _SHAPE:
             continue
-        if _row_split(name, t, rows):
+        if _row_split(name):
             out[name] = torch.cat([p[name] for p in parts])
         else:
             if any(not torch.equal(p[name], t) for p in parts[1:]):

@@ -58,6 +58,7 @@ class QuantLinear(nn.Module):
         # the format exists to save). Trainers on CPU switch it on for speed.
         self.cache_dequantized = False
         self.dequantized_cache: torch.Tensor | None = None
+        self._dequantized_key: tuple = ()
         self.kernel_layout_state: object | None = None  # load-time data owned by qerl_kernels
         # Byte order of `weight_packed` (FP4): None = the checkpoint's; "rows" or "tiled" = qerl_kernels'
         # load-time repack, done in place so the GPU holds one copy. Shared by modules whose tensors share
@@ -120,11 +121,21 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
-        if self.cache_dequantized:
-            if self.dequantized_cache is None or self.dequantized_cache.dtype != dtype:
-                self.dequantized_cache = dequantize(self.quantized_weight, dtype)
-            return self.dequantized_cache
-        return dequantize(self.quantized_weight, dtype)
+        if not self.cache_dequantized:
+            return dequantize(self.quantized_weight, dtype)
+        fused = self.fused_rows()
+        if fused is not None and fused[0].cache_dequantized:
+            # a part of a fused q/k/v or gate/up (the rollout's): its rows of the fused module's copy, so training
+            # and decoding share one dequantized weight instead of holding two
+            owner, row = fused
+            return owner.dequantized_weight(dtype)[row:row + self.out_features]
+        # keyed by the tensors' storage and version: an in-place update (FlashRL's re-quantization, a part's rows
+        # written through its view of the fused storage, load_state_dict) or a move makes a new copy
+        key = (dtype, *((t.data_ptr(), t._version) for t in (getattr(self, n) for n in self.tensor_names)))
+        if self.dequantized_cache is None or getattr(self, "_dequantized_key", None) != key:
+            self.dequantized_cache = dequantize(self.quantized_weight, dtype)
+            self._dequantized_key = key
+        return self.dequantized_cache
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -292,6 +303,9 @@ def fuse_quant_linears(modules: Sequence[QuantLinear]) -> QuantLinear:
     bias = torch.cat([m.bias.detach() for m in parts]) if first.bias is not None else None
     fused = QuantLinear(k, n_total, first.fmt, tensors, first.dtype, first.group_size, bias, first.act_quant)
     fused.split_sizes = [m.out_features for m in parts]
+    # CPU: the fused GEMM of the rollout keeps its dequantized weight as its parts did (the parts then read their
+    # rows of it), rather than dequantizing on every decode step
+    fused.cache_dequantized = all(m.cache_dequantized for m in parts)
 
     # one layout for the shared storage; the tiled repack keeps every 64-row block contiguous, so it is
     # row-local (a part's view reads its own tiled repack) only when every part starts on a 64-row boundary

@@ -115,6 +115,24 @@ def test_calculator_episodes_on_the_embedded_model(smol) -> None:
     assert rewards.tolist() == arith_reward(task.prompts, answers, answer=golds)
 
 
+def test_eval_default_budget_leaves_room_for_the_tools_answer(run_dir: Path) -> None:
+    # the budget counts observation tokens: 2 turns of arith's 8 tokens cut " <result>7</result>" before the model
+    # could copy it (0/2); the default adds the calculator's 16-token allowance for the one call between the turns
+    from qerl_cli.eval.harness import run_eval
+    from qerl_cli.tools.episodes import make_episodes
+
+    episodes = make_episodes("calculator", None, max_turns=2)
+    assert episodes.default_budget(8) == 2 * 8 + 16
+    assert make_episodes("calculator", None, max_turns=4).default_budget(8) == 4 * 8 + 3 * 16
+    result = run_eval(run_dir, "arith", checkpoint="base", limit=2, tools="calculator", max_turns=2)
+    assert result["protocol"]["max_tokens"] == 32 and result["notices"] == []
+    assert result["scores"]["arith"]["accuracy"]["mean"] == 1.0 and result["episodes"]["steps"] == 2
+    cut = run_eval(run_dir, "arith", checkpoint="base", limit=2, tools="calculator", max_turns=2, max_tokens=16)
+    assert cut["scores"]["arith"]["accuracy"]["mean"] == 0.0
+    assert cut["notices"] == ["2 of 2 episodes ran out of the 16-token budget (model and observation tokens "
+                              "together), 2 with the tool's answer cut; raise --max-tokens"]
+
+
 def test_observations_are_masked_from_the_loss_and_the_mismatch_statistics(tiny_source) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -534,3 +534,29 @@ def test_training_with_offloaded_optimizer_state_is_unchanged(tmp_path) -> None:
     _same(ref, off, ref_p, off_p)
     for k in ref_p:  # bit for bit, not only to the tolerance _same allows
         assert torch.equal(ref_p[k], off_p[k]), k
+
+
+def test_cpu_dry_run_is_sized_by_the_tasks_prompts_and_says_why_no_time(run_dir) -> None:
+    """On the CPU the plan counts the task's real prompts (arith's few-shot prompts, not --max-prompt-length 1024),
+    the dequantized copies the CPU keeps, host-memory wording, and says why it has no time estimate. The
+    hand-computed training peak of the embedded SmolLM2-135M (quick_cpu: micro-batch 32, fp32, no checkpointing):
+    every layer keeps (11 H + 4 I) fp32 values per token, and every decoder linear a dequantized fp32 copy."""
+    import re
+
+    from qerl_cli.train.config import build_config
+    from qerl_cli.train.memory_plan import dry_run_lines
+
+    lines = dry_run_lines(run_dir, build_config("quick_cpu", {}))
+    text = "\n".join(lines)
+    assert "on the GPU" not in text and "GPU memory" not in text and "host memory (CPU run; not capped)" in text
+    assert "step time estimate: none on the CPU" in text
+    prompt = int(re.search(r"prompts counted at the task's longest, (\d+) tokens", text).group(1))
+    assert 20 < prompt < 100  # four worked sums and the question
+    hidden, inter, layers = 576, 1536, 30
+    tokens = 32 * (prompt + 6)
+    activations = tokens * layers * (11 * hidden + 4 * inter) * 4
+    dequantized = layers * hidden * (2 * hidden + 2 * 192 + 3 * inter) * 4  # q, o 576 x 576; k, v 192 x 576
+    assert f"dequantized copies {dequantized / GIB:.2f}" in text
+    hand = (activations + dequantized) / GIB
+    fwd_bwd = float(re.search(r"fwd_bwd ([\d.]+)", text).group(1))
+    assert hand < fwd_bwd < 1.5 * hand  # gradients, the stored weights and one layer's backward on top

@@ -184,6 +184,32 @@ def test_lora_on_experts_equals_peft_on_transformers_in_fp32(runs, tmp_path) -> 
         assert torch.allclose(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-6), k
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_training_logprobs_take_the_chunked_path_and_equal_the_full_vocabulary(runs, packed: bool) -> None:
+    # the trainer's log-probs of a MoE model: the chunked lm_head (and --pack-sequences' packed row), as the memory
+    # plan sizes them, equal to the direct full-vocabulary computation in fp32, with LoRA on attention and experts
+    from qerl_cli.models import load_model
+    from qerl_cli.train.batch import build_batch
+    from qerl_cli.train.batch import sampled_logprobs as full_logprobs
+    from qerl_cli.train.logprobs import plain_head, sampled_logprobs
+
+    model, _ = load_model(str(runs["mxfp4"] / "model"), dtype=torch.float32)
+    ours = with_lora(model).eval()
+    assert plain_head(ours) is not None
+    g = torch.Generator().manual_seed(3)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 3, 7)]
+    comps = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (6, 2, 4)]
+    batch = build_batch(prompts, comps, [torch.full((len(c),), -1.0) for c in comps], [True, False, False], pad_id=0)
+    m = batch.mask > 0
+    with torch.no_grad():
+        want, want_ent = full_logprobs(ours, batch, 0.7, with_entropy=True)
+        got, ent = sampled_logprobs(ours, batch, 0.7, with_entropy=True, chunk_tokens=3, packed=packed)
+    assert int(m.sum()) == 12 and want[m].max() < 0 and want_ent[m].min() > 0
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent[m], want_ent[m], rtol=0, atol=1e-5)
+
+
 def test_adapter_as_one_lora_per_expert_for_vllm(runs) -> None:
     from peft.utils import get_peft_model_state_dict
 
@@ -317,6 +343,35 @@ def test_bench_rollout_on_the_tiny_moe_shape_and_its_routed_roofline(tmp_path) -
     _roofline(row, batch=4, bytes_={"weights": 1000, "lora": 0, "experts": 8000, "expert_lora_step": 800},
               kv_per_token=10, prompt_len=5, bw_gbps=1.0, expert_share=0.5)
     assert row["step_bytes"] == 1000 + 4000 + 400 + 4 * 10 * 10
+
+
+def test_nf4_experts_fuse_gate_and_up_and_bench_a_random_shape(tmp_path) -> None:
+    # NF4 keeps its codes and block absmax flat (not one row per output row): gate and up still concatenate in row
+    # order, the code table is shared; the random tiny-moe shape's nf4 bench cell runs on them
+    from qerl_cli.bench.rollout import bench_rollout
+    from qerl_cli.formats import get_format
+
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(2, 64, 64, generator=g) * 0.02, torch.randn(2, 64, 32, generator=g) * 0.02
+    experts = quantize_experts(gate_up, down, "nf4", dtype=torch.float32)
+    nf4 = get_format("nf4")
+
+    def roundtrip(w: torch.Tensor) -> torch.Tensor:
+        return nf4.dequantize(nf4.quantize(w, dtype=torch.float32), torch.float32)
+
+    for e in range(2):
+        want = torch.cat([roundtrip(gate_up[e, :32]), roundtrip(gate_up[e, 32:])])
+        assert torch.equal(experts.expert_weight("gate_up_proj", e, torch.float32), want)
+        assert torch.equal(experts.expert_weight("down_proj", e, torch.float32), roundtrip(down[e]))
+        assert (want - gate_up[e]).abs().max() < 0.01  # 4 bits of a 0.02-scale weight
+    state = experts.state_dict()
+    up = nf4.quantize(gate_up[1, 32:], dtype=torch.float32).tensors
+    assert torch.equal(state["1.up_proj.weight"], up["weight"]) and torch.equal(state["1.up_proj.weight.absmax"],
+                                                                                  up["absmax"])
+    res = bench_rollout(shape="tiny-moe", formats=("nf4",), batches=(2,), prompt_len=4, new_tokens=3,
+                        out_dir=tmp_path, warmup=False, log=lambda _m: None)
+    (cell,) = res["results"]
+    assert cell["status"] == "ok" and cell["tokens"] == 6
 
 
 # ---- the memory plan ----------------------------------------------------------------------------------------------

@@ -112,3 +112,32 @@ def test_liger_logprob_backend_matches_chunked() -> None:
     (ref * weights).sum().backward()
     (got * weights).sum().backward()
     torch.testing.assert_close(h2.grad, h.grad, rtol=0, atol=1e-5)
+
+
+def test_cpu_packed_attention_is_one_padded_sdpa_and_equals_the_per_sequence_loop(monkeypatch) -> None:
+    # 5 sequences of uneven length (one of 1 token), grouped-query heads: the padded batch gives every sequence's
+    # rows and gradients as the per-sequence loop does, in one SDPA call instead of one per sequence
+    from qerl_cli.train import packing
+
+    g = torch.Generator().manual_seed(1)
+    lengths = [6, 1, 9, 4, 7]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    q, k, v = (torch.randn(cu[-1], h, 8, generator=g).requires_grad_(True) for h in (4, 2, 2))
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    out = varlen_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), max(lengths), scale=None)
+    assert calls == [torch.Size([5, 4, 9, 8])]
+    (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = packing._per_sequence(q, k, v, cu, None)
+    (ref * torch.linspace(-1, 1, ref.numel()).reshape(ref.shape)).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    for a, b in zip(got, (q.grad, k.grad, v.grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert packing.varlen_kernel(torch.device("cpu"), torch.float32, 4, 2, 8) == "padded SDPA"

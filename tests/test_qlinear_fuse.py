@@ -97,3 +97,33 @@ def test_fused_modules_deep_copy_and_keep_sharing() -> None:
     assert _within(clone["k"].weight_packed, clone["qkv"].weight_packed)
     x = torch.randn(3, K).to(torch.bfloat16)
     assert torch.equal(clone["qkv"](x), fused(x))
+
+
+def test_fused_module_keeps_its_parts_dequantized_cache_and_sees_in_place_updates(monkeypatch) -> None:
+    # CPU decoding runs the fused q/k/v and gate/up GEMMs: with the parts caching their dequantized weights, the
+    # fused module must cache too (one dequantize, not one per decode step) and the parts read their rows of it
+    import qerl_cli.qlinear as qlinear
+
+    parts = _parts("nvfp4")
+    for p in parts:
+        p.cache_dequantized = True
+    calls = []
+    real = qlinear.dequantize
+    monkeypatch.setattr(qlinear, "dequantize", lambda qw, dtype: calls.append(tuple(qw.shape)) or real(qw, dtype))
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(1))
+    want = torch.cat([p(x) for p in parts], dim=-1)
+    fused = fuse_quant_linears(parts)
+    calls.clear()
+    for _ in range(3):
+        assert torch.equal(fused(x), want)
+    assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), want)
+    assert calls == [(sum(SIZES), K)]  # the fused weight once, the parts none of their own
+    assert all(_within(p.dequantized_weight(x.dtype), fused.dequantized_cache) for p in parts)
+    # a part's codes rewritten in place through its view (FlashRL's re-quantization): both paths see it
+    with torch.no_grad():
+        parts[1].weight_packed.zero_()
+    zeroed = fused(x)
+    assert calls == [(sum(SIZES), K)] * 2
+    torch.testing.assert_close(zeroed[:, SIZES[0]:SIZES[0] + SIZES[1]], parts[1].bias.float().expand(2, -1))
+    assert torch.equal(zeroed[:, :SIZES[0]], want[:, :SIZES[0]])
+    assert torch.equal(parts[1](x), zeroed[:, SIZES[0]:SIZES[0] + SIZES[1]])

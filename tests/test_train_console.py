@@ -55,3 +55,40 @@ def test_progress_lines_eta_and_steps_of_this_run(tiny_run: Path, capsys: pytest
     assert out.splitlines()[0].startswith("qerl train · grpo · arith · fp32 · AQN · 1 step, expected")
     assert any(line.startswith("step 2/2 rollout; run ETA ") for line in out.splitlines())
     assert "trained 1 step (resumed at step 1; the run is at step 2) in" in out
+
+
+ENV = '''
+class TwoSteps:
+    turn_tokens = 2
+
+    def reset(self, prompt):
+        self.n = 0
+        return ""
+
+    def step(self, action):
+        self.n += 1
+        return " ok.", self.n >= 2, 0.5
+'''
+
+
+def test_episode_runs_report_progress_inside_rollout_and_update(tiny_run: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str],
+                                                                 wide_console: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # a CPU update of an episode run takes minutes: the console says what each phase has done so far (here every
+    # time, the interval set to 0), and no single-turn measured figure is offered as the run's expected time
+    from qerl_cli.train import console
+
+    monkeypatch.setattr(console, "PROGRESS_EVERY_S", 0.0)
+    (tmp_path / "two_steps.py").write_text(ENV)
+    code, out, err = qerl(capsys, "train", "--run", str(tiny_run), "--steps", "1", *TINY, "--micro-batch-size", "2",
+                          "--env", f"{tmp_path / 'two_steps.py'}:TwoSteps", "--max-completion-length", "8")
+    assert code == 0, err[-2000:]
+    lines = out.splitlines()
+    assert "1 step; expected time: from the first step's (no measured figure for this setup)" in lines[0]
+    # 4 episodes of 2 turns: a step after each turn
+    steps = [line for line in lines if line.startswith("step 1/1 rollout: ") and "environment steps done" in line]
+    assert [line.split(": ")[1].split(" (")[0] for line in steps] == [f"{n} environment steps done"
+                                                                      for n in range(1, 9)]
+    micro = [line.split(": ")[1].split(" (")[0] for line in lines if line.startswith("step 1/1 update: ")]
+    assert micro == ["forward+backward, micro-batch 1/2 done", "forward+backward, micro-batch 2/2 done"]

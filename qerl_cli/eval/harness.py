@@ -356,7 +356,13 @@ def _load_eval_task(res: _Resolved, *, shots: int | None, chat_template: bool | 
     kind = task_obj.reward if res.task_kind == "jsonl" else res.task_kind
     if kind not in PRIMARY:
         raise QerlError(f"task {res.task_name} uses reward {kind!r}, which qerl eval cannot score")
-    max_new = max_tokens if max_tokens is not None else task_obj.max_new_tokens * (max_turns if episodes else 1)
+    if max_tokens is not None:
+        max_new = max_tokens
+    elif episodes is not None:
+        max_new = episodes.default_budget(task_obj.max_new_tokens,
+                                          lambda t: tokenizer.encode(t, add_special_tokens=False))
+    else:
+        max_new = task_obj.max_new_tokens
     res.data_files = _data_files(res.task_name, task_obj.shots)
     return _EvalTask(task_obj, kind, max_new, episodes)
 
@@ -480,11 +486,27 @@ def _record_scorers(protocol: dict[str, Any], harness: str, kind: str, extra: di
     return extra["primary"]
 
 
-def _eval_notices(res: _Resolved, harness: str, kind: str, records: list[dict[str, Any]]) -> list[str]:
+def _eval_notices(res: _Resolved, harness: str, et: _EvalTask, records: list[dict[str, Any]]) -> list[str]:
     notices = [n for n in (scoring_notice(res.task_name, harness),) if n]
-    if kind == "math" and harness == "builtin" and not notices:
+    if et.kind == "math" and harness == "builtin" and not notices:
         notices += [n for n in (_fallback_notice(records),) if n]
+    if et.episodes is not None:
+        notices += [n for n in (_budget_notice(records, et.max_new),) if n]
     return notices
+
+
+def _budget_notice(records: list[dict[str, Any]], max_new: int) -> str | None:
+    """Episodes the token budget stopped: their scores say little about the model (a tool's answer cut before the
+    model could copy it scores 0), so the result says how many."""
+    cut = [r for r in records if r.get("finish_reason") == "length"]
+    if not cut:
+        return None
+    answers = sum(any(t.get("truncated") for t in r.get("turns") or ()) for r in cut)
+    notice = (f"{len(cut)} of {len(records)} episodes ran out of the {max_new}-token budget (model and observation "
+              f"tokens together)")
+    notice += f", {answers} with the tool's answer cut" if answers else ""
+    log.warning("%s; raise --max-tokens", notice)
+    return notice + "; raise --max-tokens"
 
 
 def _eval_result(res: _Resolved, et: _EvalTask, em: _EvalModel, *, harness: str, protocol: dict[str, Any],
@@ -509,7 +531,7 @@ def _eval_result(res: _Resolved, et: _EvalTask, em: _EvalModel, *, harness: str,
                        "adapter": adapter_info, "weights": em.weights_info},
         "model": {"path": res.run.rel(res.model_dir), **_model_hashes(res.model_record)},
         "protocol": protocol,
-        "notices": _eval_notices(res, harness, et.kind, records),
+        "notices": _eval_notices(res, harness, et, records),
         "primary": primary,
         "scores": scores,
         "harness_results": extra.get("harness_results"),
@@ -564,8 +586,9 @@ def run_eval(
     harness: "builtin" (qerl's rollout engine and scorers), "lm-eval" (lm-eval-harness' gsm8k task and
     filters on this model, offline) or "lighteval" (lighteval's math_500 metric on this model, offline).
     tools ("python", "calculator") or env ("module:Class", "file.py:Class"): score multi-turn episodes with up to
-    ``max_turns`` model turns, the tool on (docs/tools.md); max_tokens then bounds a whole episode (default: the
-    task's per-answer default times max_turns), and what the model wrote outside its calls is scored.
+    ``max_turns`` model turns, the tool on (docs/tools.md); max_tokens then bounds a whole episode, observations
+    included (default: the task's per-answer default per turn plus the tool's observation allowance per call,
+    ``Episodes.default_budget``), and what the model wrote outside its calls is scored.
     """
     t_start = time.perf_counter()
     temperature = _check_eval_options(limit=limit, samples=samples, temperature=temperature, max_tokens=max_tokens,

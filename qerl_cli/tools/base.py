@@ -19,6 +19,8 @@ class ToolOutput:
 class Tool(Protocol):
     name: str
     stop: tuple[str, ...]  # strings that close a call: a model turn ends there, the tool runs
+    # room one observation takes in an episode's token budget: what a default budget allows per call
+    observation_tokens: int
 
     def find_call(self, text: str) -> str | None:
         """The payload (code, expression) of the call that ends ``text``, a model turn; None if it ends in none."""

@@ -91,6 +91,7 @@ class Calculator:
 
     name = "calculator"
     stop = (CLOSE, chat.CLOSE)
+    observation_tokens = 16  # " <result>-1234.5678</result>" is 12 tokens in SmolLM2's BPE
 
     def find_call(self, text: str) -> str | None:
         if chat.CLOSE in text[-len(chat.CLOSE) - 8:]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,9 @@ class Episodes:
         self.max_turns = max_turns
         self.workers = max(1, workers)
         self.render = render  # a tool's output as the chat template's tool turn (tools/chat.py), or its own format
+        # called (from the step's worker thread) with the number of steps this generate call has run: progress
+        # for the console, whose rollout phase otherwise says nothing until every episode ended
+        self.on_step: Callable[[int], None] | None = None
 
     @property
     def stop(self) -> tuple[str, ...]:
@@ -53,6 +57,18 @@ class Episodes:
     @property
     def kind(self) -> str:
         return self.tool.name if self.tool is not None else f"env:{self.env_name}"
+
+    def default_budget(self, per_turn: int, encode: Callable[[str], list[int]] | None = None) -> int:
+        """An episode's token budget when none is given: ``per_turn`` model tokens for each of ``max_turns`` turns,
+        plus the tool's observation allowance for each call between them (the budget counts observation tokens
+        too, so without it a tool's answer is cut before the model can copy it). With a chat template the tool
+        turn's own framing (``encode(render(""))``) is added per call. An environment's observations have no
+        known size: its default is the model's turns only."""
+        calls = self.max_turns - 1  # the last turn's step is never appended
+        room = int(getattr(self.tool, "observation_tokens", 0)) if self.tool is not None else 0
+        if self.tool is not None and self.render is not None and encode is not None:
+            room += len(encode(self.render("")))
+        return self.max_turns * per_turn + calls * room
 
     # ----- rollouts -----------------------------------------------------------------------------------
 
@@ -154,6 +170,8 @@ class EpisodeSession:
         self.workers = episodes.workers
         self.per_sample = False  # the engine's prompts are one per (prompt, sample): its index is p * n + s
         self.envs: dict[tuple[int, int], Any] = {}
+        self.steps_run = 0
+        self._count = threading.Lock()
 
     def prepare(self) -> list[list[str]]:
         """Build the environments and reset them; their reset() texts per prompt and sample ("" for a tool)."""
@@ -186,6 +204,15 @@ class EpisodeSession:
         return turn < self.max_turns and tool.find_call(text) is not None
 
     def step(self, prompt_index: int, sample_index: int, turn: int, text: str) -> StepResult:
+        result = self._step(prompt_index, sample_index, turn, text)
+        with self._count:
+            self.steps_run += 1
+            done = self.steps_run
+        if self.episodes.on_step is not None:
+            self.episodes.on_step(done)
+        return result
+
+    def _step(self, prompt_index: int, sample_index: int, turn: int, text: str) -> StepResult:
         tool = self.episodes.tool
         if tool is not None:
             call = tool.find_call(text) or ""

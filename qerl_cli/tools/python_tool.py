@@ -31,6 +31,7 @@ class PythonTool:
 
     name = "python"
     stop = ("```\n", chat.CLOSE)
+    observation_tokens = 128  # a few printed lines in the output fence
 
     def __init__(self, limits: SandboxLimits | None = None) -> None:
         self.limits = limits or SandboxLimits()

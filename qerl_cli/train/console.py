@@ -56,11 +56,15 @@ MEASURED_STEP_S = {
 }
 # the phases a step reports on the console: rollout, then the update (recompute + forward/backward + optimizer)
 PHASE_LABELS = {ROLLOUT: "rollout", RECOMPUTE: "update"}
+# a phase's progress (micro-batches, tool calls) is printed at most this often on a plain console
+PROGRESS_EVERY_S = 10.0
 
 
-def reference_step(preset: str | None, on_cuda: bool) -> MeasuredStep | None:
-    """The measured step time that applies to this run before it has timed one (None: none applies)."""
-    ref = MEASURED_STEP_S.get(preset) if preset is not None else None
+def reference_step(preset: str | None, on_cuda: bool, episodes: bool = False) -> MeasuredStep | None:
+    """The measured step time that applies to this run before it has timed one (None: none applies). The figures
+    are single-turn steps: with ``episodes`` (--tools/--env) the prompts carry the tool's worked examples and the
+    turns add tokens (a 2-step CPU calculator run took 10x the single-turn figure), so none applies."""
+    ref = MEASURED_STEP_S.get(preset) if preset is not None and not episodes else None
     return ref if ref is not None and ref.on_cuda == on_cuda else None
 
 
@@ -107,6 +111,8 @@ class TrainConsole:
         self.start_step = start_step  # the step this process starts at (a resumed run's checkpoint)
         self.step_times: list[float] = []  # this process's finished steps, seconds
         self.step_t0: float | None = None
+        self.label = ""  # the phase shown now, since when, and when a progress line was last printed
+        self.label_t0 = self.printed_t = 0.0
 
     def expected_line(self) -> str:
         """How long the run should take, and where that figure comes from."""
@@ -156,6 +162,7 @@ class TrainConsole:
         """`train(on_setup=...)`: follow the trainer's phases from here on; a resumed run starts at its step."""
         self.start_step = int(trainer.step)
         trainer.on_phase = self.phase
+        trainer.on_progress = self.phase_progress
         self.progress.update(self.task_id, completed=self.start_step)
 
     def eta(self, now: float) -> str:
@@ -180,9 +187,21 @@ class TrainConsole:
         eta = self.eta(now)
         last = self._last_phase_s(label)
         took = f" (last step's took {duration(last)})" if last is not None else ""
+        self.label, self.label_t0, self.printed_t = label, now, now
         self.progress.update(self.task_id, phase=label, eta=eta)
         if self.live is None:
             self.console.print(f"step {step}/{self.cfg.steps} {label}{took}; run ETA {eta}", highlight=False)
+
+    def phase_progress(self, text: str) -> None:
+        """What the running phase has done so far (the trainer's micro-batches, tool calls): in the live panel at
+        once, as a plain line at most every PROGRESS_EVERY_S, so a long CPU phase is never silent for minutes."""
+        now = time.perf_counter()
+        self.progress.update(self.task_id, phase=f"{self.label}: {text}")
+        if self.live is None and now - self.printed_t >= PROGRESS_EVERY_S:
+            self.printed_t = now
+            step = self.start_step + len(self.step_times) + 1
+            self.console.print(f"step {step}/{self.cfg.steps} {self.label}: {text} "
+                               f"({duration(now - self.label_t0)} in)", highlight=False)
 
     def _last_phase_s(self, label: str) -> float | None:
         m = self.last

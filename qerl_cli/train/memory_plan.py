@@ -15,6 +15,9 @@ Weights (:class:`WeightBytes`, :func:`weight_bytes`):
                   gate/up counted again), only when humming is importable
   measured        after loading (a 1-token forward): counts where larger; measured below stored + kernel_derived,
                   the kernels had not built their layouts yet (the large-M path builds them), so they come on top
+  dequantized     on the CPU (no kernels): the dequantized copy in the compute dtype every quantized linear keeps
+                  from its first forward on (``QuantLinear.cache_dequantized``), which the measurement at load
+                  time cannot see yet
 
 Per phase (:meth:`MemoryPlan.phase_estimates`, allocated bytes as ``torch.cuda.max_memory_allocated`` counts
 them):
@@ -110,15 +113,16 @@ class WeightBytes:
     low_bit: bool = True  # decoder linears stored at <= 4.5 bits per weight (the advice differs)
     dequantizes: bool = True  # quantized linears: the large-M forward and the backward dequantize one at a time
     linear: int = 0  # of ``stored``: the decoder linears (what every forward reads); 0: not known
+    dequantized: int = 0  # CPU: the quantized linears' dequantized copies (kept after their first forward)
 
     def resident(self, copies: bool) -> int:
-        est = self.stored + self.kernel_derived + (self.extra_copies if copies else 0)
+        est = self.stored + self.kernel_derived + self.dequantized + (self.extra_copies if copies else 0)
         if self.measured is None:
             return est
         # measured below the stored tensors + the kernels' layouts: the layouts were not built yet (the large-M
-        # path builds them) and come on top of what was measured
+        # path builds them) and come on top of what was measured; so do the CPU's dequantized copies
         later = self.kernel_derived if self.measured < self.stored + self.kernel_derived else 0
-        return max(est, self.measured + later)
+        return max(est, self.measured + later + self.dequantized)
 
 
 def linear_bytes(fmt: str, out_features: int, in_features: int, elem: int) -> int:
@@ -151,9 +155,11 @@ def _row_bytes(fmt: str, in_features: int, elem: int) -> tuple[float, float]:
     raise QerlError(f"cannot size a {fmt} layer with {in_features} inputs")
 
 
-def weight_bytes(model_config: Any, fmt: str, elem: int, *, kernels: bool, stored: int | None = None) -> WeightBytes:
+def weight_bytes(model_config: Any, fmt: str, elem: int, *, kernels: bool, stored: int | None = None,
+                 cpu: bool = False) -> WeightBytes:
     """The base's bytes from its config, before anything is built. ``kernels``: CUDA kernels will run it (their
-    derived data and a peer's copies count); ``stored``: a lower bound known otherwise (checkpoint file sizes)."""
+    derived data and a peer's copies count); ``stored``: a lower bound known otherwise (checkpoint file sizes);
+    ``cpu``: it runs on the CPU, where every quantized linear keeps a dequantized copy."""
     from qerl_cli import kernel_dispatch
     from qerl_cli.formats import get_format
 
@@ -161,10 +167,11 @@ def weight_bytes(model_config: Any, fmt: str, elem: int, *, kernels: bool, store
     d = ModelDims.from_config(model_config)
     bias = bool(getattr(model_config, "attention_bias", getattr(model_config, "model_type", "") == "qwen2"))
     shapes = d.linear_shapes()
-    linears = derived = extra = 0
+    linears = derived = extra = dense = 0
     for name, (k, n) in shapes.items():
         copies = d.mlp_copies(name)
         linears += copies * linear_bytes(fmt, n, k, elem)
+        dense += copies * n * k * elem
         if kernels and copies == 1:  # the experts' grouped kernel reads the stored tensors as they are
             has_bias = bias and name in PROJECTION_GROUPS[0]
             derived += kernel_dispatch.derived_bytes(fmt, n, k, elem, has_bias)
@@ -182,7 +189,7 @@ def weight_bytes(model_config: Any, fmt: str, elem: int, *, kernels: bool, store
     total = d.layers * (linears + biases + norms) + d.hidden * elem + embed + head + rotary
     return WeightBytes(stored=max(total, stored or 0), kernel_derived=d.layers * derived, extra_copies=d.layers * extra,
                        low_bit=spec.bits <= 4.5, dequantizes=spec.quantized,
-                       linear=d.layers * linears)
+                       linear=d.layers * linears, dequantized=d.layers * dense if cpu and spec.quantized else 0)
 
 
 # ---- the plan -------------------------------------------------------------------------------------------------
@@ -226,6 +233,7 @@ class MemoryPlan:
     candidates: list[dict[str, Any]] = field(default_factory=list)  # runner-ups: the fastest that fit, then not
     considered: int = 0  # settings estimated, and how many of them fit
     fitting: int = 0
+    device: str = "cuda"  # where the step runs: "cpu" plans host memory (nothing to fit, no time model)
 
     @property
     def est_step_s(self) -> float | None:
@@ -304,13 +312,17 @@ class MemoryPlan:
             return "-" if b is None else f"{b / GIB:8.2f}"
 
         w = self.weight_parts
-        cap = "no limit known (CPU)" if self.capacity is None else f"{self.capacity / GIB:.2f} GiB"
-        opt = "in pinned host memory" if self.optimizer_offload else "on the GPU"
+        cpu = self.device == "cpu"
+        cap = "no limit known" if self.capacity is None else f"{self.capacity / GIB:.2f} GiB"
+        where = "host memory (CPU run; not capped)" if cpu else f"GPU memory {cap}"
+        opt = "in host memory" if cpu else "in pinned host memory" if self.optimizer_offload else "on the GPU"
+        parts = (f"stored {w.stored / GIB:.2f}, dequantized copies {w.dequantized / GIB:.2f}" if cpu else
+                 f"stored {w.stored / GIB:.2f}, kernel layouts {w.kernel_derived / GIB:.2f}, peer copies "
+                 f"{(w.extra_copies if self.extra_weight_copies else 0) / GIB:.2f}")
         est = self.phase_estimates()
         out = [
-            f"memory plan ({self.sequences} sequences x {self.seq_tokens} tokens; GPU memory {cap})",
-            f"  weights                         {g(self.weights)} GiB  (stored {w.stored / GIB:.2f}, kernel layouts "
-            f"{w.kernel_derived / GIB:.2f}, peer copies {(w.extra_copies if self.extra_weight_copies else 0) / GIB:.2f}"
+            f"memory plan ({self.sequences} sequences x {self.seq_tokens} tokens; {where})",
+            f"  weights                         {g(self.weights)} GiB  ({parts}"
             f"{'' if w.measured is None else f', measured {w.measured / GIB:.2f}'})",
             f"  LoRA factors (fp32)             {g(self.lora_params)} GiB",
             f"  gradients (fp32)                {g(self.grads)} GiB",
@@ -331,7 +343,11 @@ class MemoryPlan:
         return out + self.time_lines()
 
     def time_lines(self) -> list[str]:
-        """The step's time estimate per phase, why this setting, and the runner-ups (GPU plans only)."""
+        """The step's time estimate per phase, why this setting, and the runner-ups (GPU plans only; a CPU plan
+        says why it has none)."""
+        if self.device == "cpu":
+            return ["  step time estimate: none on the CPU (the cost model's rates and calibration are GPUs'); "
+                    "qerl train times its first step and estimates the run from it"]
         if self.estimate is None:
             return []
         r = self.rates or {}
@@ -735,7 +751,7 @@ def plan_for_config(cfg: Any, model_config: Any, *, weights: int | WeightBytes, 
     if cfg.finetune != "lora" or cfg.rollout_quant != "none":
         capacity = None  # full fine-tuning / a second quantized copy: not modelled, settings as given
     copies = cfg.kernel_weight_copies if cfg.kernel_weight_copies is not None else extra_weight_copies
-    return plan_memory(
+    plan = plan_memory(
         ModelDims.from_config(model_config), weights=weights, capacity=capacity, device_total=total, elem=elem,
         sequences=cfg.batch_prompts * cfg.num_generations, prompt_tokens=prompt_tokens,
         completion_tokens=cfg.max_episode_tokens or cfg.max_completion_length, lora_rank=cfg.lora_rank,
@@ -746,6 +762,9 @@ def plan_for_config(cfg: Any, model_config: Any, *, weights: int | WeightBytes, 
         keep_rollout_cache=cfg.keep_rollout_cache if cfg.rollout_engine == "builtin" else False,
         rates=rates or device_rates(device), old_pass=cfg.recompute_logprobs or cfg.lora_dropout > 0,
         reference_pass=cfg.beta > 0, peft_lora=cfg.lora_dropout > 0)
+    if not plans_for_gpu(device, cfg.gpu_memory_gib):
+        plan.device = "cpu"
+    return plan
 
 
 def plan_before_build(cfg: Any, model_config: Any, fmt: str, *, device: Any, prompt_tokens: int,
@@ -754,7 +773,8 @@ def plan_before_build(cfg: Any, model_config: Any, fmt: str, *, device: Any, pro
     run cannot fit. ``stored``: the checkpoint's file sizes, when there is one."""
     c = cfg.resolved() if hasattr(cfg, "resolved") else cfg
     elem = dtype_of(c.precision).itemsize
-    wb = weight_bytes(model_config, fmt, elem, kernels=plans_for_gpu(device, c.gpu_memory_gib), stored=stored)
+    gpu = plans_for_gpu(device, c.gpu_memory_gib)
+    wb = weight_bytes(model_config, fmt, elem, kernels=gpu, stored=stored, cpu=not gpu)
     return plan_for_config(c, model_config, weights=wb, device=device, prompt_tokens=prompt_tokens, elem=elem,
                            rates=rates)
 
@@ -824,14 +844,37 @@ def dry_run_lines(run_dir: Any, cfg: Any) -> list[str]:
     except (QerlError, OSError, ValueError) as exc:
         return [f"memory plan: not available ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"]
     c = cfg.resolved()
+    longest = _longest_prompt(model_dir, c)
+    prompts = (f"prompts counted at the task's longest, {longest} tokens" if longest is not None else
+               f"prompts counted at --max-prompt-length {c.max_prompt_length} tokens, the bound")
     try:
-        plan = plan_before_build(c, model_config, fmt, device=pick_device().type, prompt_tokens=c.max_prompt_length,
-                                 stored=stored_bytes(model_dir))
+        plan = plan_before_build(c, model_config, fmt, device=pick_device().type,
+                                 prompt_tokens=longest or c.max_prompt_length, stored=stored_bytes(model_dir))
     except MemoryPlanError as exc:
         return [str(exc)]
-    return [*plan.lines(), f"  (weights from the config and the checkpoint files; prompts counted at "
-                           f"--max-prompt-length {c.max_prompt_length} tokens, the bound; the trainer plans again "
-                           "with the real ones and the measured weights)"]
+    return [*plan.lines(), f"  (weights from the config and the checkpoint files; {prompts}, completions at "
+                           f"{c.max_episode_tokens or c.max_completion_length}; the trainer plans again with the "
+                           "measured weights)"]
+
+
+def _longest_prompt(model_dir: Any, c: Any) -> int | None:
+    """The longest training prompt of the run's task in tokens (within --max-prompt-length), as the trainer plans
+    with; None when the task cannot be read here (the trainer says why when it runs)."""
+    from qerl_cli.models import load_tokenizer, resolve_model
+    from qerl_cli.tasks import load_task
+
+    try:
+        tok = load_tokenizer(resolve_model(str(model_dir)))
+        task = load_task(c.task, split="train", shots=c.shots, chat_template=c.chat_template, tokenizer=tok,
+                         seed=c.seed, level=c.task_level, tools=c.tools)
+        texts = [e.prompt for e in task.examples]
+    except (QerlError, OSError, ValueError):
+        return None
+    if not texts:
+        return None
+    bos = int(not c.chat_template and bool(getattr(tok, "add_bos_token", False)))
+    longest = max(len(ids) for ids in tok(texts, add_special_tokens=False).input_ids) + bos
+    return min(longest, c.max_prompt_length)
 
 
 __all__ = ["GIB", "PHASES", "PHASE_PART", "MemoryPlan", "MemoryPlanError", "ModelDims", "PlanRequest",

@@ -131,6 +131,8 @@ class Trainer:
         # phase starts (the console's progress lines)
         self.phase = SETUP
         self.on_phase: Callable[[str], None] | None = None
+        # and what a long phase has done so far (micro-batches, tool calls): a CPU update runs for minutes
+        self.on_progress: Callable[[str], None] | None = None
         self.last_step: StepRecord | None = None  # the last step's phases, typed (train/phases.py)
         self.keep_rollout_cache = False  # set by setup(): the builtin engine keeps its KV cache between steps
         self.backend: StepBackend  # set by setup()
@@ -227,6 +229,9 @@ class Trainer:
         self.stream = PromptStream(len(self.task.examples), c.seed)
         # multi-turn episodes with --tools/--env (docs/tools.md), or None
         self.episodes = episodes_from_config(c, self.tokenizer)
+        if self.episodes is not None:
+            self.episodes.on_step = lambda n: self.progress(f"{n} tool calls done" if self.episodes.tool is not None
+                                                            else f"{n} environment steps done")
 
     def _build_engine(self) -> None:
         """The rollout engine on the mode's rollout model, sized by the memory plan's settings."""
@@ -429,6 +434,10 @@ class Trainer:
         self.phase = phase
         if self.on_phase is not None:
             self.on_phase(phase)
+
+    def progress(self, text: str) -> None:
+        if self.on_progress is not None:
+            self.on_progress(text)
 
     def record_phase_peak(self, metrics: dict[str, Any], phase: str) -> None:
         """Record this phase's CUDA peak (and what stays allocated after it) and restart the count for the next."""
@@ -673,8 +682,11 @@ class Trainer:
         ``with_old`` only the reference (pi_old and entropies come back empty, [B, 0])."""
         mb = self.micro_batch_size
         old, ref, ent = [], [], []
+        rows = batch.input_ids.shape[0]
         with torch.no_grad():
-            for i in range(0, batch.input_ids.shape[0], mb):
+            for i in range(0, rows, mb):
+                if i:
+                    self.progress(f"no-grad pass, micro-batch {i // mb}/{-(-rows // mb)} done")
                 part = batch.rows(slice(i, i + mb))
                 if with_old:
                     lp, e = sampled_logprobs(self.model, part, self.cfg.temperature, with_entropy=True,
@@ -738,8 +750,10 @@ class Trainer:
         agg: dict[str, float] = {}
         total_loss = 0.0
         own_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for micro in self.backend.update_micro_batches(bsz, self.micro_batch_size):
+        micros = self.backend.update_micro_batches(bsz, self.micro_batch_size)
+        for k, micro in enumerate(micros):
             loss, m, own_part = self._micro_batch(batch, micro, old, isw, adv, valid, normalizer)
+            self.progress(f"forward+backward, micro-batch {k + 1}/{len(micros)} done")
             if not micro.counts:
                 continue
             if own_part is not None:
