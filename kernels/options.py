@@ -153,6 +153,10 @@ class KernelOptions:
     cuda_pdl: bool = option(
         "QERL_CUDA_PDL", True, parse_bool,
         "programmatic dependent launch of the CUDA FP4 kernel inside CUDA graphs; 0 never uses it")
+    decode_layer: bool = option(
+        "QERL_DECODE_LAYER", False, parse_bool,
+        "the decode step's MLP half as one persistent NVFP4 kernel (kernels/cuda/decode_layer.cu) where it applies; "
+        "0 keeps the per-GEMM path")
     fp4_dequant_m: int = option(
         "QERL_FP4_DEQUANT_M", 512, parse_int,
         "rows from which the `qerl` backend dequantizes the FP4 weight and calls cuBLAS instead of the fused kernel")
@@ -196,6 +200,7 @@ def read_environment() -> dict[str, str | None]:
         "QERL_CUDA_CACHE": os.environ.get("QERL_CUDA_CACHE"),
         "QERL_CUDA_FP4_PLANS": os.environ.get("QERL_CUDA_FP4_PLANS"),
         "QERL_CUDA_PDL": os.environ.get("QERL_CUDA_PDL"),
+        "QERL_DECODE_LAYER": os.environ.get("QERL_DECODE_LAYER"),
         "QERL_FP4_DEQUANT_M": os.environ.get("QERL_FP4_DEQUANT_M"),
         "QERL_FP4_DEQUANT_T_M": os.environ.get("QERL_FP4_DEQUANT_T_M"),
         "QERL_FP8_ACT": os.environ.get("QERL_FP8_ACT"),

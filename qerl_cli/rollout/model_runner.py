@@ -193,6 +193,11 @@ class ModelRunner:
         self.fuse_proj = opts.fused_proj
         self.ops = FusedOps(triton=fused_kernels and opts.fast_decode, fused_lora=self.fused_lora)
         self.plan: FastPlan | None = None
+        # the MLP half of each layer as one persistent NVFP4 launch (qerl_kernels.decode_layer) where it applies:
+        # opt-in (the decode_layer kernel option) until measured faster on the GPU
+        self.decode_layer = (opts.kernels.decode_layer and self.fast_lora and self.fused_lora
+                             and self.device.type == "cuda")
+        self._mlp_args: dict[int, tuple | None] = {}
 
     def prepare(self) -> None:
         """Called at the start of every rollout: (re)build the projection plan when a LoRA switch changed,
@@ -207,6 +212,7 @@ class ModelRunner:
             self._prepare_kernels()
         else:
             self.plan.refresh()
+        self._prepare_decode_layer()
 
     def _prepare_kernels(self) -> None:
         """Which FP4 kernel runs each GEMM shape of the decode step (the fused q/k/v and gate/up included) is
@@ -224,6 +230,46 @@ class ModelRunner:
             dispatch.prepare(mods, self.dtype, lora_ranks=ranks)
         else:
             dispatch.prepare(mods, self.dtype)
+
+    def _prepare_decode_layer(self) -> None:
+        """Per layer, the persistent MLP-half kernel's view of o, gate/up and down (resident repacks, LoRA shadows) or
+        None where it does not apply; made eagerly here, before any graph capture (the in-place repack, the kernel's
+        shared-memory limit)."""
+        self._mlp_args = {}
+        if not self.decode_layer or self.plan is None:
+            return
+        try:
+            from qerl_kernels import decode_layer
+        except ImportError:
+            return
+        if not decode_layer.available(self.device):
+            return
+        for i, lp in enumerate(self.plan.layers):
+            self._mlp_args[i] = self._mlp_half_args(lp, decode_layer)
+
+    @staticmethod
+    def _mlp_half_args(lp: Any, decode_layer: Any) -> tuple | None:
+        groups = (lp.o, lp.gate_up, lp.down)
+        if any(g is None or g.single is None or (g.a_cat is not None and g.b_blk is None) for g in groups):
+            return None
+        args = tuple(decode_layer.gemm_args(g.single, g.a_cat, g.b_blk) for g in groups)
+        if any(a is None for a in args) or decode_layer.check_shapes(*args, 1) is not None:
+            return None
+        return args
+
+    def _mlp_half(self, i: int, h: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h + o_proj(o), the MLP's output) by the persistent kernel, or None (the per-GEMM path runs)."""
+        args = self._mlp_args.get(i)
+        rows = o.numel() // o.shape[-1]
+        if args is None or rows > 16 or o.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        from qerl_kernels import decode_layer
+
+        name = f"model.layers.{i}.post_attention_layernorm"
+        with region("qgemm"):
+            h1, delta = decode_layer.mlp_half(o.reshape(rows, -1), h.reshape(rows, -1), self.norm_w[name],
+                                              self.norm_eps[name], *args)
+        return h1.view(h.shape), delta.view(h.shape)
 
     # ----- norm weights ---------------------------------------------------------------------------------
 
@@ -307,6 +353,10 @@ class ModelRunner:
                 q = _apply_rope(q, cos, sin)
                 k = _apply_rope(k, cos, sin)
             o = attend(i, q, k, v)
+            fused_mlp = self._mlp_half(i, h, o) if lp is not None and self._mlp_args else None
+            if fused_mlp is not None:
+                h, delta = fused_mlp
+                continue
             if lp is not None:
                 hl = None
                 if lp.o.a_cat is not None and self.ops.fused_lora:

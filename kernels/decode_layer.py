@@ -1,0 +1,429 @@
+"""The persistent decode layer (`kernels/cuda/decode_layer.cu`): the MLP half of a decoder layer's decode step -- o
++ residual, RMSNorm, gate/up + SiLU*mul, down, with the LoRA shrinks and expands inside -- as ONE launch of
+persistent CTAs (NVFP4 weights in qerl's resident repacked layout, bf16/fp16 activations, M <= 16 tokens).
+
+Built on first use with nvcc into a shared library under the CUDA cache (`QERL_CUDA_CACHE`), named by the hash of its
+source and flags, called through ctypes on torch's current stream (CUDA graphs capture it), as `cuda_fp4` is. It
+reads the weights the other FP4 kernels read (`backends.kernel_state`: the in-place repack and the checkpoint block
+scales): no second copy. docs/decode.md ("The persistent decode layer") gives the design and the floors.
+
+`Schedule` mirrors the kernel's assignment (row blocks per CTA per GEMM stage, shrink units, the stage counters);
+`emulate_mlp_half` computes what the kernel computes on the CPU in the kernel's order (fp32 sums per 128-wide chunk,
+per warp and across warps, the LoRA term per 16-wide rank block, the butterflies of the norm's sums) and rounds where
+it stores the activation dtype; `reference_mlp_half` is the present decode path's math (dequantized weights, torch
+matmuls), which the emulation must equal within the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from qerl_kernels._common import num_sms
+from qerl_kernels.options import kernel_options
+
+log = logging.getLogger("qerl.kernels")
+
+SRC = Path(__file__).parent / "cuda" / "decode_layer.cu"
+NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
+              "-lineinfo")
+WARPS = 8  # NW in decode_layer.cu
+MAX_M = 16  # two 8-token tiles
+MAX_RANK = 256  # MAX_R
+NCNT = 6  # stage counters 0..4 and the launch's end counter
+SHRINK_SEGMENTS = 16  # a shrink's K is cut into at most this many segments (their partials are summed in order)
+STAGES = ("o shrink", "o GEMM + residual", "norm + gate/up shrink", "gate/up GEMM + SiLU*mul", "down shrink",
+          "down GEMM")
+
+_failed: list[str] = []
+_available: dict[int, bool] = {}
+_counters: dict[int, torch.Tensor] = {}
+
+
+# ---- build and load ------------------------------------------------------------------------------------------
+def _nvcc() -> str | None:
+    from qerl_kernels import cuda_fp4
+
+    return cuda_fp4._nvcc()
+
+
+def source_hash() -> str:
+    h = hashlib.sha256(SRC.read_bytes())
+    h.update(" ".join(NVCC_FLAGS).encode())
+    return h.hexdigest()[:16]
+
+
+def library_path() -> Path:
+    return kernel_options().cuda_cache / f"qerl_decode_layer-{source_hash()}.so"
+
+
+def compile_command(out: Path, *, cubin: bool = False) -> list[str]:
+    """nvcc's command line for the library (or, `cubin`, the device code alone with ptxas' resource report)."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set CUDA_HOME)")
+    if cubin:
+        return [nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-cubin",
+                "-o", str(out), str(SRC)]
+    return [nvcc, *NVCC_FLAGS, "-o", str(out), str(SRC)]
+
+
+def build() -> Path:
+    """Compile the library if this source has not been built yet (atomic: concurrent builders are safe)."""
+    path = library_path()
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}.so")
+    cmd = compile_command(tmp)
+    log.info("building %s: %s", path.name, " ".join(cmd))
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({res.returncode}): {res.stderr[-2000:]}")
+    tmp.replace(path)
+    return path
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build()))
+    vp, ci = ctypes.c_void_p, ctypes.c_int
+    lib.qerl_dl_prepare.argtypes = [ci, ci, ctypes.POINTER(ci)]
+    lib.qerl_dl_prepare.restype = ci
+    lib.qerl_dl_smem.argtypes = [ci]
+    lib.qerl_dl_smem.restype = ci
+    lib.qerl_dl_mlp.argtypes = [vp, vp] + [vp] * 9 + [ctypes.c_float] + [ci] * 9 + [vp]
+    lib.qerl_dl_mlp.restype = ci
+    return lib
+
+
+@functools.cache
+def ctas_per_sm(mt: int, bf16: bool) -> int:
+    """Resident CTAs per SM of a variant (sets its shared-memory limit first: call outside graph capture)."""
+    n = ctypes.c_int(0)
+    err = _lib().qerl_dl_prepare(mt, int(bf16), ctypes.byref(n))
+    if err:
+        raise RuntimeError(f"decode layer kernel: cudaError {err} preparing it")
+    return n.value
+
+
+def available(device: torch.device | None = None) -> bool:
+    """Hopper (sm_90) and the library builds/loads here; a failure is logged once and counts as absent."""
+    if _failed or not torch.cuda.is_available():
+        return False
+    idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    ok = _available.get(idx)
+    if ok is None:
+        ok = torch.cuda.get_device_capability(idx) == (9, 0)
+        if ok:
+            try:
+                torch.cuda.init()
+                for mt in (1, 2):
+                    for bf16 in (True, False):
+                        if ctas_per_sm(mt, bf16) < 1:
+                            raise RuntimeError(f"no CTA of variant mt={mt} fits on an SM")
+            except Exception as exc:  # no nvcc, or it failed: the per-GEMM path stays
+                _failed.append(repr(exc)[:500])
+                log.warning("qerl persistent decode layer unavailable: %s", _failed[0])
+                ok = False
+        _available[idx] = ok
+    return ok
+
+
+def unavailable_reason() -> str:
+    return _failed[0] if _failed else "not an sm_90 GPU"
+
+
+# ---- the schedule (mirror of the kernel's assignment) ----------------------------------------------------------
+def shrink_chunks(k: int) -> int:
+    """128-wide chunks per shrink segment: K cut into at most SHRINK_SEGMENTS segments."""
+    kc = k // 128
+    return max(1, -(-kc // SHRINK_SEGMENTS))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The kernel's work for one launch: hidden H, intermediate I, o's input width KO, LoRA ranks (0: none) of o,
+    gate/up and down, `ctas` CTAs."""
+
+    m: int
+    h: int
+    i: int
+    ko: int
+    ranks: tuple[int, int, int]
+    ctas: int
+
+    def k(self, gi: int) -> int:
+        return (self.ko, self.h, self.i)[gi]
+
+    def n(self, gi: int) -> int:
+        return (self.h, 2 * self.i, self.h)[gi]
+
+    def span(self, gi: int, c: int) -> tuple[int, int]:
+        """span_of: CTA c's (first, count) portions of GEMM stage gi (gate/up counts gate and up blocks)."""
+        nb = (self.i if gi == 1 else self.h) // 16
+        a, b = c * nb // self.ctas, (c + 1) * nb // self.ctas
+        return a, (2 * (b - a) if gi == 1 else b - a)
+
+    def blocks(self, gi: int, c: int) -> list[int]:
+        """block_of over CTA c's portions, in the order it runs them."""
+        first, count = self.span(gi, c)
+        ni = self.i // 16
+        if gi == 1:
+            return [((ni if p & 1 else 0) + first + (p >> 1)) for p in range(count)]
+        return [first + p for p in range(count)]
+
+    def warp_chunks(self, gi: int, warp: int) -> list[int]:
+        """The K chunks warp `warp` takes in every row block (round-robin)."""
+        return list(range(warp, self.k(gi) // 128, WARPS))
+
+    def shrink_units(self, gi: int) -> list[tuple[int, int, int]]:
+        """(global warp, 16-rank block, K segment) of every shrink unit of group gi."""
+        r = self.ranks[gi]
+        if r == 0:
+            return []
+        nrk = -(-r // 16)
+        kseg = shrink_chunks(self.k(gi))
+        nseg = -(-(self.k(gi) // 128) // kseg)
+        warps = self.ctas * WARPS
+        return [(u % warps, u % nrk, u // nrk) for u in range(nrk * nseg)]
+
+    def counters_after(self, stage: int) -> list[int]:
+        """The counters once every CTA has finished `stage` (0..5) and none has started the next; after stage 5
+        the last CTA has put them all back to zero."""
+        if stage >= len(STAGES) - 1:
+            return [0] * NCNT
+        return [self.ctas if s <= stage else 0 for s in range(NCNT)]
+
+
+# ---- the launch --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemmArgs:
+    """One GEMM of the kernel: the module's resident repack, checkpoint scales, global scale, layout, and the LoRA
+    group's A_cat [R, K] / B_blk [N, R] (activation dtype, scaling folded) or None."""
+
+    repacked: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    tiled: bool
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return self.repacked.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.repacked.shape[1] * 2
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.a is None else self.a.shape[0]
+
+
+def gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> GemmArgs | None:
+    """The kernel's view of an NVFP4 `QuantLinear` holding the in-place repack (None: the kernel cannot take it)."""
+    from qerl_kernels.backends import kernel_state
+
+    if getattr(module, "fmt", None) != "nvfp4" or getattr(module, "bias", None) is not None:
+        return None
+    st = kernel_state(module)
+    if st.repacked is None:
+        return None
+    t = st.tensors
+    return GemmArgs(st.repacked, t["weight_scale"], t["weight_global_scale"].float().reshape(1), bool(st.tiled), a, b)
+
+
+def check_shapes(o: GemmArgs, gate_up: GemmArgs, down: GemmArgs, m: int) -> str | None:
+    """Why the kernel does not take these GEMMs at m tokens (None: it does)."""
+    h, i = o.n, down.k
+    if not 1 <= m <= MAX_M:
+        return f"{m} tokens (the kernel takes 1..{MAX_M})"
+    if gate_up.n != 2 * i or gate_up.k != h or down.n != h:
+        return "o/gate_up/down shapes do not chain"
+    if h % 128 or i % 128 or o.k % 128:
+        return "hidden, intermediate and o's input must be multiples of 128"
+    for g in (o, gate_up, down):
+        if g.rank and (g.rank % 8 or g.rank > MAX_RANK or g.a.shape[1] != g.k or g.b.shape != (g.n, g.rank)):
+            return f"LoRA rank {g.rank} (a multiple of 8 up to {MAX_RANK}, A [R, K], B [N, R])"
+    return None
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The stage counters of a device: zero between launches (the kernel's last CTA resets them)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    cnt = _counters.get(idx)
+    if cnt is None:
+        cnt = _counters[idx] = torch.zeros(8, dtype=torch.int32, device=device)
+    return cnt
+
+
+def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: float, o: GemmArgs, gate_up: GemmArgs,
+             down: GemmArgs, *, pdl: bool | None = None, ctas: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h1, delta): h1 = h + o_proj(attn) (the residual stream after attention), delta = down(SiLU(gate) * up) of
+    rmsnorm(h1) -- what the present path computes from `lp.o`, `add_norm` and the MLP -- in one launch. attn [M, KO],
+    h [M, H] with unit column stride; returns new contiguous [M, H] tensors."""
+    from qerl_kernels import cuda_fp4
+
+    m = attn.shape[0]
+    why = check_shapes(o, gate_up, down, m)
+    if why is not None:
+        raise ValueError(f"decode layer kernel: {why}")
+    if attn.dtype not in (torch.bfloat16, torch.float16) or h.dtype != attn.dtype or norm_w.dtype != attn.dtype:
+        raise ValueError("decode layer kernel: bf16/fp16 activations and norm weight of one dtype")
+    if attn.stride(1) != 1 or h.stride(1) != 1 or attn.stride(0) % 2 or h.stride(0) % 2:
+        raise ValueError("decode layer kernel: rows with unit column stride and even row stride")
+    hd, i = o.n, down.k
+    dev, dt = attn.device, attn.dtype
+    mt = 1 if m <= 8 else 2
+    bf16 = dt == torch.bfloat16
+    if ctas is None:
+        ctas = num_sms(dev) * min(2, ctas_per_sm(mt, bf16))
+    h1 = torch.empty((m, hd), dtype=dt, device=dev)
+    x2 = torch.empty((m, hd), dtype=dt, device=dev)
+    act = torch.empty((m, i), dtype=dt, device=dev)
+    out = torch.empty((m, hd), dtype=dt, device=dev)
+    ss = torch.empty((hd // 16, m), dtype=torch.float32, device=dev)
+    ptrs, ints, keep = [], [], []
+    for g in (o, gate_up, down):
+        kseg = shrink_chunks(g.k)
+        nseg = -(-(g.k // 128) // kseg)
+        hp = torch.empty((nseg, m, max(g.rank, 1)), dtype=torch.float32, device=dev)
+        keep.append(hp)
+        a = g.a.contiguous() if g.a is not None else None
+        b = g.b.contiguous() if g.b is not None else None
+        keep += [a, b]
+        ptrs += [g.repacked.data_ptr(), g.scale.view(torch.uint8).data_ptr(), g.global_scale.data_ptr(),
+                 a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None, hp.data_ptr()]
+        ints += [g.n, g.k, int(g.tiled), g.rank, kseg, nseg]
+    gptr = (ctypes.c_void_p * 18)(*ptrs)
+    gint = (ctypes.c_int * 18)(*ints)
+    nw = norm_w.contiguous()
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    err = _lib().qerl_dl_mlp(gptr, gint, attn.data_ptr(), h.data_ptr(), nw.data_ptr(), h1.data_ptr(), x2.data_ptr(),
+                             act.data_ptr(), out.data_ptr(), ss.data_ptr(), _counter(dev).data_ptr(), float(eps), m, hd,
+                             i, attn.stride(0), h.stride(0), mt, int(bf16), ctas, int(cuda_fp4.use_pdl(pdl)), stream)
+    if err:
+        raise RuntimeError(f"decode layer kernel: cudaError {err}")
+    return h1, out
+
+
+# ---- CPU: the kernel's computation in its order, and the present path's math -----------------------------------
+def _rnd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype).float()
+
+
+def _gemm_fp32(x: torch.Tensor, g: GemmArgs, hl: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [M, N] as the kernel's GEMM stage sums it: per 128-wide chunk, warp w sums its chunks (w, w+8, ...) in
+    order, the warps are summed in warp order, times alpha, then + the LoRA term one 16-wide rank block at a time."""
+    from qerl_kernels import cuda_fp4
+
+    dt = x.dtype
+    w16 = cuda_fp4.emulate_decode(g.repacked.cpu(), g.scale.cpu(), "nvfp4", dt, tiled=g.tiled).float()
+    xf = x.float()
+    kc = g.k // 128
+    chunks = [xf[:, c * 128:(c + 1) * 128] @ w16[:, c * 128:(c + 1) * 128].t() for c in range(kc)]
+    warps = []
+    for w in range(WARPS):
+        acc = torch.zeros(x.shape[0], g.n)
+        for c in range(w, kc, WARPS):
+            acc = acc + chunks[c]
+        warps.append(acc)
+    v = warps[0]
+    for acc in warps[1:]:
+        v = v + acc
+    alpha = torch.tensor(256.0, dtype=torch.float32) / g.global_scale.float().cpu().reshape(())
+    v = v * alpha
+    if hl is not None:
+        bf = g.b.float().cpu()
+        for r0 in range(0, g.rank, 16):
+            v = v + hl[:, r0:r0 + 16] @ bf[:, r0:r0 + 16].t()
+    return v
+
+
+def _shrink(x: torch.Tensor, g: GemmArgs) -> torch.Tensor | None:
+    """h [M, R] (fp32 holding dtype values): per K segment, fp32 sums of 16-wide k steps; segments summed in order,
+    then rounded as the kernel rounds h into shared memory."""
+    if g.a is None:
+        return None
+    xf, af = x.float(), g.a.float().cpu()
+    kseg = shrink_chunks(g.k) * 128
+    h = torch.zeros(x.shape[0], g.rank)
+    for s0 in range(0, g.k, kseg):
+        acc = torch.zeros_like(h)
+        for k0 in range(s0, min(s0 + kseg, g.k), 16):
+            acc = acc + xf[:, k0:k0 + 16] @ af[:, k0:k0 + 16].t()
+        h = h + acc
+    return _rnd(h, x.dtype)
+
+
+def _butterfly(v: torch.Tensor, offsets: tuple[int, ...]) -> torch.Tensor:
+    """v[..., lanes] after `v += shfl_xor(v, off)` for each offset: every lane holds the same fixed-order sum."""
+    idx = torch.arange(v.shape[-1])
+    for off in offsets:
+        v = v + v[..., idx ^ off]
+    return v
+
+
+def emulate_mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: float, o: GemmArgs,
+                     gate_up: GemmArgs, down: GemmArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h1, delta) computed as the kernel computes them, on the CPU (fp32 sums in the kernel's order, the dtype's
+    rounding where the kernel stores it)."""
+    dt = attn.dtype
+    m, hd, i = attn.shape[0], o.n, down.k
+    # stages 0-1: o's shrink, o GEMM with the expand, the residual, the per-block sums of squares
+    yo = _rnd(_gemm_fp32(attn, o, _shrink(attn, o)), dt)
+    h1 = _rnd(h.float() + yo, dt)
+    sq = (h1 * h1).view(m, hd // 16, 2, 8)  # [tok, block, half (row g / g+8), g]
+    ss = _butterfly(sq[:, :, 0] + sq[:, :, 1], (1, 2, 4))[..., 0]  # [tok, block]
+    # stage 2: lane l sums blocks l, l+32, ... in order, then a butterfly over the 32 lanes
+    nb = hd // 16
+    lanes = torch.zeros(m, 32)
+    for b in range(nb):
+        lanes[:, b % 32] = lanes[:, b % 32] + ss[:, b]
+    tot = _butterfly(lanes, (16, 8, 4, 2, 1))[:, 0]
+    rs = 1.0 / torch.sqrt(tot / float(hd) + torch.tensor(eps, dtype=torch.float32))
+    x2 = _rnd(norm_w.float() * _rnd(h1 * rs[:, None], dt), dt).to(dt)
+    # stage 3: gate/up with SiLU * up
+    gu = _rnd(_gemm_fp32(x2, gate_up, _shrink(x2, gate_up)), dt)
+    g_, u_ = gu[:, :i], gu[:, i:]
+    act = _rnd(_rnd(g_ / (1.0 + torch.exp(-g_)), dt) * u_, dt).to(dt)
+    # stages 4-5: down's shrink and GEMM
+    out = _gemm_fp32(act, down, _shrink(act, down)).to(dt)
+    return h1.to(dt), out
+
+
+def reference_mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                       weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                       loras: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...],
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The present decode path's math from dequantized fp32 weights (o, gate_up, down) and LoRA (A_cat, B_blk) per
+    group: each shrink and GEMM output rounded to the activation dtype, the residual add and RMSNorm as
+    `add_rmsnorm`, SiLU * up as `silu_mul`."""
+    dt = attn.dtype
+
+    def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        y = x.float() @ w.t()
+        if lora is not None:
+            hl = _rnd(x.float() @ lora[0].float().t(), dt)
+            y = y + hl @ lora[1].float().t()
+        return y.to(dt)
+
+    yo = linear(attn, weights[0], loras[0])
+    h1 = (h.float() + yo.float()).to(dt)
+    hf = h1.float()
+    n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    x2 = norm_w * n
+    gu = linear(x2, weights[1], loras[1])
+    i = gu.shape[1] // 2
+    g_, u_ = gu[:, :i].float(), gu[:, i:].float()
+    act = ((g_ / (1.0 + torch.exp(-g_))).to(dt).float() * u_).to(dt)
+    return h1, linear(act, weights[2], loras[2])

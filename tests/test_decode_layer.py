@@ -1,0 +1,137 @@
+"""The persistent decode layer (kernels/decode_layer.py, kernels/cuda/decode_layer.cu) on the CPU: its emulation equals
+the present decode path's math, its schedule covers every weight tile and shrink unit once, the stage counters' values,
+and the CUDA source builds for sm_90a without spills (where nvcc is installed)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+from qerl_kernels import decode_layer as dl
+from qerl_kernels.fp4 import repack_fp4
+
+from qerl_cli.formats import dequantize, quantize
+
+H, KO, I = 256, 384, 384  # hidden, o's input (heads * head_dim != hidden), intermediate
+
+
+def _quant(n: int, k: int, seed: int) -> tuple[object, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    qw = quantize(w, "nvfp4")
+    return qw, dequantize(qw, torch.float32)
+
+
+def _layer(dtype: torch.dtype, ranks: tuple[int, int, int], seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(100 + seed)
+    shapes = ((H, KO), (2 * I, H), (H, I))  # gate/up quantized as one tensor: one global scale, as fused modules hold
+    args, weights, loras = [], [], []
+    for gi, ((n, k), r) in enumerate(zip(shapes, ranks, strict=True)):
+        qw, wf = _quant(n, k, seed * 10 + gi)
+        t = qw.tensors
+        a = b = None
+        if r:
+            a = (torch.randn(r, k, generator=g) * k**-0.5).to(dtype)
+            b = (torch.randn(n, r, generator=g) * 0.3).to(dtype)
+        args.append(dl.GemmArgs(repack_fp4(t["weight_packed"], tiled=True), t["weight_scale"],
+                                t["weight_global_scale"].float().reshape(1), True, a, b))
+        weights.append(wf)
+        loras.append(None if a is None else (a, b))
+    m = 5
+    attn = (torch.randn(m, KO, generator=g)).to(dtype)
+    h = (torch.randn(m, H, generator=g) * 2).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    return dict(attn=attn, h=h, norm_w=norm_w, args=args, weights=weights, loras=loras)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ranks", [(0, 0, 0), (16, 40, 24)])
+def test_emulation_equals_the_present_path_math(dtype: torch.dtype, ranks: tuple[int, int, int]) -> None:
+    lay = _layer(dtype, ranks)
+    o, gu, dn = lay["args"]
+    assert dl.check_shapes(o, gu, dn, lay["attn"].shape[0]) is None
+    h1, out = dl.emulate_mlp_half(lay["attn"], lay["h"], lay["norm_w"], 1e-6, o, gu, dn)
+    rh1, rout = dl.reference_mlp_half(lay["attn"], lay["h"], lay["norm_w"], 1e-6, tuple(lay["weights"]),
+                                      tuple(lay["loras"]))
+    assert h1.dtype == out.dtype == dtype and h1.shape == (5, H) and out.shape == (5, H)
+    assert torch.isfinite(out.float()).all()
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert _rel(h1, rh1) < tol and _rel(out, rout) < tol
+    if any(ranks):  # the LoRA terms are really in: without them the result moves by far more than rounding
+        bare = dl.reference_mlp_half(lay["attn"], lay["h"], lay["norm_w"], 1e-6, tuple(lay["weights"]),
+                                     (None, None, None))[1]
+        assert _rel(bare, rout) > 5 * tol
+
+
+def test_emulation_follows_each_input() -> None:
+    """A wrong wire (the norm weight, the residual, the up half) would leave the emulation equal on a symmetric input;
+    perturbing each input must move the output."""
+    lay = _layer(torch.bfloat16, (8, 16, 8), seed=1)
+    base = dl.emulate_mlp_half(lay["attn"], lay["h"], lay["norm_w"], 1e-6, *lay["args"])[1]
+    for name in ("attn", "h", "norm_w"):
+        moved = dict(lay)
+        moved[name] = (lay[name].float() * 1.5).to(torch.bfloat16)
+        got = dl.emulate_mlp_half(moved["attn"], moved["h"], moved["norm_w"], 1e-6, *lay["args"])[1]
+        assert _rel(got, base) > 1e-2, name
+
+
+SEVEN_B = dict(h=3584, i=18944, ko=3584)
+
+
+@pytest.mark.parametrize("ctas", [264, 132, 78, 7])
+@pytest.mark.parametrize("m", [1, 16])
+def test_schedule_covers_every_weight_tile_once(ctas: int, m: int) -> None:
+    sch = dl.Schedule(m=m, ranks=(32, 64, 32), ctas=ctas, **SEVEN_B)
+    for gi in range(3):
+        n, kc = sch.n(gi), sch.k(gi) // 128
+        # every chunk of a row block is taken by exactly one warp of the CTA holding it ...
+        assert sorted(ch for w in range(dl.WARPS) for ch in sch.warp_chunks(gi, w)) == list(range(kc))
+        # ... and every row block by exactly one CTA
+        seen = torch.zeros(n // 16, dtype=torch.int64)
+        for c in range(ctas):
+            blocks = sch.blocks(gi, c)
+            if gi == 1:  # gate block j and up block I/16 + j in the same CTA, gate first
+                assert blocks[0::2] == [b - sch.i // 16 for b in blocks[1::2]]
+            seen[blocks] += 1
+        assert bool((seen == 1).all()), f"stage {gi}: tiles missed or doubled"
+        units = sch.shrink_units(gi)
+        nseg = -(-kc // dl.shrink_chunks(sch.k(gi)))
+        want = sorted((rk, s) for s in range(nseg) for rk in range(sch.ranks[gi] // 16))
+        assert sorted((rk, s) for _, rk, s in units) == want
+        assert nseg <= dl.SHRINK_SEGMENTS
+
+
+def test_stage_counters() -> None:
+    sch = dl.Schedule(m=8, ranks=(32, 64, 32), ctas=264, **SEVEN_B)
+    assert len(dl.STAGES) == 6 and dl.NCNT == 6
+    for s in range(5):  # stage s done: counters 0..s hold the grid size, the rest (and the end counter) zero
+        assert sch.counters_after(s) == [264] * (s + 1) + [0] * (dl.NCNT - s - 1)
+    assert sch.counters_after(5) == [0] * dl.NCNT  # the last CTA reset them: a graph replays with no reset kernel
+
+
+def _ptxas_report(cache: pytest.Cache) -> str:
+    path = cache.mkdir("decode_layer") / f"ptxas-{dl.source_hash()}.txt"
+    if not path.exists():
+        cubin = path.with_suffix(".cubin")
+        res = subprocess.run(dl.compile_command(cubin, cubin=True), capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        path.write_text(res.stdout + res.stderr)
+    return path.read_text()
+
+
+def test_cuda_source_builds_for_hopper_without_spills(request: pytest.FixtureRequest) -> None:
+    if dl._nvcc() is None:
+        pytest.skip("nvcc not installed")
+    report = _ptxas_report(request.config.cache)
+    kernels = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", report)
+    assert len(kernels) == 4, report[-2000:]  # MT 1/2 x bf16/fp16
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert len(frames) == 4 and all(f == ("0", "0", "0") for f in frames), frames
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    assert regs and max(regs) <= 128  # two CTAs of 256 threads per SM
