@@ -390,7 +390,9 @@ def test_ctrl_c_in_eval_suggests_running_eval_again(run: Path, capsys, monkeypat
     assert code == 130
     assert " ".join(err.split()) == ("interrupted: no result was written and the run's earlier results stand; run "
                                      "the same `qerl eval` command again")
-    assert json.loads((run / "manifest.json").read_text())["stages"]["eval/arith-base"]["status"] == "interrupted"
+    stages = json.loads((run / "manifest.json").read_text())["stages"]
+    # --limit 1 --max-tokens 2 are not the defaults: the result (and its stage) is named by them
+    assert stages["eval/arith-base-limit1-max2"]["status"] == "interrupted"
 
 
 @contextlib.contextmanager
@@ -433,6 +435,6 @@ def test_a_disk_that_fills_up_mid_eval_gets_the_eval_recorded_failed(run: Path, 
         code, _, err = qerl_in_process(capsys, "eval", "arith", "--run", str(small), "--checkpoint", "base",
                                        "--limit", "2", "--max-tokens", "2")
         assert_one_line(code, err, "out of disk space while writing", "eval/arith-base")
-        rec = json.loads((small / "manifest.json").read_text())["stages"]["eval/arith-base"]
+        rec = json.loads((small / "manifest.json").read_text())["stages"]["eval/arith-base-limit2-max2"]
         assert rec["status"] == "failed" and rec["error"].startswith("out of disk space while writing")
         assert sorted(p.name for p in small.iterdir() if p.name.startswith(".")) == [".lock"]  # no reserve left
