@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import signal
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -12,6 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Fail (instead of hanging the suite) when the body runs longer than ``seconds``."""
+    def expire(*_: object) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @contextlib.contextmanager

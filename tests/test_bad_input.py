@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import qerl_in_process
+from tests.helpers import deadline, qerl_in_process
 
 
 def assert_one_line(code: int, err: str, *needles: str) -> str:
@@ -84,21 +83,6 @@ def test_quantize_refuses_a_missing_tensor_over_a_quantized_run_and_keeps_its_re
 
 
 # ---- absurd model configs ----------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Fail (instead of hanging the suite) when the body runs longer than ``seconds``."""
-    def expire(*_: object) -> None:
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def moe_config(tiny_source: Path) -> dict:
     """A tiny Qwen3-MoE config.json (8 experts, 2 per token) with the tiny model's vocabulary."""
     from transformers import Qwen3MoeConfig

@@ -3,16 +3,13 @@ line and exit 2, never an internal error, a silently accepted value or a stall."
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from qerl_cli.errors import QerlError
-from tests.helpers import qerl_in_process
+from tests.helpers import deadline, qerl_in_process
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -26,21 +23,6 @@ def assert_one_line(code: int, err: str, *needles: str) -> None:
     assert "\n" not in line and "Traceback" not in line and "internal error" not in line, line
     for needle in needles:
         assert needle in line, line
-
-
-@contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Fail (instead of hanging the suite) when the body runs longer than ``seconds``."""
-    def expire(*_: object) -> None:
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def billion_laughs() -> bytes:
