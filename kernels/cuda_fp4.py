@@ -3,8 +3,9 @@
 The kernel reads the FP4 weight in the byte order qerl already keeps resident (`fp4.repack_fp4`, row or
 tiled), and the checkpoint block scales as they are: no second copy of anything. It is built on first
 use with nvcc (`-arch=sm_90a`) into a shared library under `~/.cache/qerl/cuda/` (or `QERL_CUDA_CACHE`),
-named by the hash of its source and flags, and called through ctypes on torch's current stream (so CUDA
-graphs capture it). docs/kernels.md says why it is a plain shared library rather than a torch extension.
+named by the hash of its source, the headers it includes and its flags (`nvcc_build`), and called through
+ctypes on torch's current stream (so CUDA graphs capture it). docs/kernels.md says why it is a plain shared
+library rather than a torch extension.
 
 `emulate_*` reproduce, with torch integer ops and 16-bit multiplies on the CPU, what each thread of the
 kernel computes from the same bytes: which 16 bytes a lane loads, how it decodes them, which scale pair
@@ -23,23 +24,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from qerl_kernels._common import num_sms
+from qerl_kernels.nvcc_build import CudaLibrary, hopper_available
 from qerl_kernels.options import kernel_options
-
-log = logging.getLogger("qerl.kernels")
 
 SRC = Path(__file__).parent / "cuda" / "fp4_gemm.cu"
 # --split-compile=0: the device code of its 95 kernels optimised in parallel on every core (same SASS, checked)
 NVCC_FLAGS = ("-O3", "-std=c++17", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", "--split-compile=0")
+LIBRARY = CudaLibrary("qerl_fp4_gemm", SRC, NVCC_FLAGS)
+source_hash, library_path, build = LIBRARY.source_hash, LIBRARY.library_path, LIBRARY.build  # names callers use
 # The built kernel configurations (keep in step with QERL_FP4_CONFIGS in fp4_gemm.cu): (MT 8-token tiles per
 # CTA, WN warps along N each on its own 16-row block, WK warps splitting K, PERM reads the permuted
 # activation copy made by a small first kernel instead of gathering 4-byte pairs from x).
@@ -67,42 +64,6 @@ _available: dict[int, bool] = {}  # device index -> usable (asked on every auto 
 
 
 # ---- build and load ------------------------------------------------------------------------------------
-def _nvcc() -> str | None:
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and (Path(root) / "bin" / "nvcc").exists():
-            return str(Path(root) / "bin" / "nvcc")
-    return shutil.which("nvcc")
-
-
-def source_hash() -> str:
-    h = hashlib.sha256(SRC.read_bytes())
-    h.update(" ".join(NVCC_FLAGS).encode())
-    return h.hexdigest()[:16]
-
-
-def library_path() -> Path:
-    return kernel_options().cuda_cache / f"qerl_fp4_gemm-{source_hash()}.so"
-
-
-def build() -> Path:
-    """Compile the library if this source has not been built yet (atomic: concurrent builders are safe)."""
-    path = library_path()
-    if path.exists():
-        return path
-    nvcc = _nvcc()
-    if nvcc is None:
-        raise RuntimeError("nvcc not found (set CUDA_HOME)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}.so")
-    cmd = [nvcc, *NVCC_FLAGS, "-o", str(tmp), str(SRC)]
-    log.info("building %s: %s", path.name, " ".join(cmd))
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({res.returncode}): {res.stderr[-2000:]}")
-    tmp.replace(path)
-    return path
-
-
 @functools.cache
 def _lib() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
@@ -128,21 +89,7 @@ def _lib() -> ctypes.CDLL:
 
 def available(device: torch.device | None = None) -> bool:
     """Hopper (sm_90) and the library builds/loads here; a failure is logged once and counts as absent."""
-    if _failed or not torch.cuda.is_available():
-        return False
-    idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    ok = _available.get(idx)
-    if ok is None:
-        ok = torch.cuda.get_device_capability(idx) == (9, 0)
-        if ok:
-            try:
-                _lib()
-            except Exception as exc:  # no nvcc, or it failed: the other backends stay
-                _failed.append(repr(exc)[:500])
-                log.warning("qerl CUDA FP4 kernel unavailable: %s", _failed[0])
-                ok = False
-        _available[idx] = ok
-    return ok
+    return hopper_available(device, _available, _failed, _lib, "qerl CUDA FP4 kernel")
 
 
 def unavailable_reason() -> str:

@@ -3,9 +3,10 @@
 persistent CTAs (NVFP4 weights in qerl's resident repacked layout, bf16/fp16 activations, M <= 16 tokens).
 
 Built on first use with nvcc into a shared library under the CUDA cache (`QERL_CUDA_CACHE`), named by the hash of its
-source and flags, called through ctypes on torch's current stream (CUDA graphs capture it), as `cuda_fp4` is. It
-reads the weights the other FP4 kernels read (`backends.kernel_state`: the in-place repack and the checkpoint block
-scales): no second copy. docs/decode.md ("The persistent decode layer") gives the design and the floors.
+source, its headers and flags (`nvcc_build`), called through ctypes on torch's current stream (CUDA graphs capture
+it), as `cuda_fp4` is. It reads the weights the other FP4 kernels read (`backends.kernel_state`: the in-place repack
+and the checkpoint block scales): no second copy. docs/decode.md ("The persistent decode layer") gives the design and
+the floors.
 
 `Schedule` mirrors the kernel's assignment (row blocks per CTA per GEMM stage, shrink units, the stage counters);
 `emulate_mlp_half` computes what the kernel computes on the CPU in the kernel's order (fp32 sums per 128-wide chunk,
@@ -18,22 +19,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from qerl_kernels._common import num_sms
-from qerl_kernels.options import kernel_options
-
-log = logging.getLogger("qerl.kernels")
+from qerl_kernels.nvcc_build import CudaLibrary, find_nvcc, hopper_available
 
 SRC = Path(__file__).parent / "cuda" / "decode_layer.cu"
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
               "-lineinfo")
+LIBRARY = CudaLibrary("qerl_decode_layer", SRC, NVCC_FLAGS)
 WARPS = 8  # NW in decode_layer.cu
 MAX_M = 16  # two 8-token tiles
 MAX_RANK = 256  # MAX_R
@@ -48,47 +44,12 @@ _counters: dict[int, torch.Tensor] = {}
 
 
 # ---- build and load ------------------------------------------------------------------------------------------
-def _nvcc() -> str | None:
-    from qerl_kernels import cuda_fp4
-
-    return cuda_fp4._nvcc()
-
-
-def source_hash() -> str:
-    h = hashlib.sha256(SRC.read_bytes())
-    h.update(" ".join(NVCC_FLAGS).encode())
-    return h.hexdigest()[:16]
-
-
-def library_path() -> Path:
-    return kernel_options().cuda_cache / f"qerl_decode_layer-{source_hash()}.so"
-
-
-def compile_command(out: Path, *, cubin: bool = False) -> list[str]:
-    """nvcc's command line for the library (or, `cubin`, the device code alone with ptxas' resource report)."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        raise RuntimeError("nvcc not found (set CUDA_HOME)")
-    if cubin:
-        return [nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-cubin",
-                "-o", str(out), str(SRC)]
-    return [nvcc, *NVCC_FLAGS, "-o", str(out), str(SRC)]
-
-
-def build() -> Path:
-    """Compile the library if this source has not been built yet (atomic: concurrent builders are safe)."""
-    path = library_path()
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}.so")
-    cmd = compile_command(tmp)
-    log.info("building %s: %s", path.name, " ".join(cmd))
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({res.returncode}): {res.stderr[-2000:]}")
-    tmp.replace(path)
-    return path
+# module-level names kept for callers and tests; the build itself is nvcc_build's
+_nvcc = find_nvcc
+source_hash = LIBRARY.source_hash
+library_path = LIBRARY.library_path
+compile_command = LIBRARY.compile_command
+build = LIBRARY.build
 
 
 @functools.cache
@@ -114,27 +75,18 @@ def ctas_per_sm(mt: int, bf16: bool) -> int:
     return n.value
 
 
+def _check_variants() -> None:
+    torch.cuda.init()
+    for mt in (1, 2):
+        for bf16 in (True, False):
+            if ctas_per_sm(mt, bf16) < 1:
+                raise RuntimeError(f"no CTA of variant mt={mt} fits on an SM")
+
+
 def available(device: torch.device | None = None) -> bool:
-    """Hopper (sm_90) and the library builds/loads here; a failure is logged once and counts as absent."""
-    if _failed or not torch.cuda.is_available():
-        return False
-    idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    ok = _available.get(idx)
-    if ok is None:
-        ok = torch.cuda.get_device_capability(idx) == (9, 0)
-        if ok:
-            try:
-                torch.cuda.init()
-                for mt in (1, 2):
-                    for bf16 in (True, False):
-                        if ctas_per_sm(mt, bf16) < 1:
-                            raise RuntimeError(f"no CTA of variant mt={mt} fits on an SM")
-            except Exception as exc:  # no nvcc, or it failed: the per-GEMM path stays
-                _failed.append(repr(exc)[:500])
-                log.warning("qerl persistent decode layer unavailable: %s", _failed[0])
-                ok = False
-        _available[idx] = ok
-    return ok
+    """Hopper (sm_90) and the library builds/loads here; a failure is logged once and counts as absent (the per-GEMM
+    path stays)."""
+    return hopper_available(device, _available, _failed, _check_variants, "qerl persistent decode layer")
 
 
 def unavailable_reason() -> str:

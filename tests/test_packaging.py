@@ -1,5 +1,6 @@
-"""The wheel ships everything a plain (non-editable) `pip install qerl` needs at run time: the train presets
-and the bundled task data. (.ci/run also installs that wheel in a fresh venv and runs the default train.)"""
+"""The wheel ships everything a plain (non-editable) `pip install qerl` needs at run time: the train presets,
+the bundled task data and the CUDA sources. (.ci/run also installs that wheel in a fresh venv and runs the default
+train.)"""
 
 from __future__ import annotations
 
@@ -29,3 +30,6 @@ def test_wheel_ships_the_presets_and_data(tmp_path: Path) -> None:
     for name in presets:
         assert f"qerl_cli/templates/{name}" in names, name
     assert "qerl_cli/data/gsm8k/test.jsonl" in names and "qerl_kernels/__init__.py" in names
+    # the CUDA sources nvcc builds on first use, with every header they include
+    for cu in (ROOT / "kernels" / "cuda").iterdir():
+        assert f"qerl_kernels/cuda/{cu.name}" in names, cu.name

@@ -32,16 +32,19 @@
 // path's shrink output). No atomics on data: every sum has a fixed order, reruns are bit-identical.
 //
 // The FP4 fragment math (resident repacked layout, K permutation, decode by mask/shift/lop3, the E4M3 scale pairs)
-// is that of fp4_gemm.cu (docs/kernels.md); the few device helpers it needs are repeated here so that this library
-// builds on its own in seconds. Intermediates written inside the launch are read with ordinary (coherent) loads,
+// is that of fp4_gemm.cu (docs/kernels.md); its device helpers are in fp4_frag.cuh, which both include, so that this
+// library still builds on its own in seconds. Intermediates written inside the launch are read with ordinary (coherent) loads,
 // never ld.global.nc.
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+#include "fp4_frag.cuh"
 
 namespace qerl_dl {
+
+using namespace qerl;  // the fragment and pipeline helpers of fp4_frag.cuh
 
 constexpr int NW = 8;        // warps per CTA
 constexpr int S = 4;         // cp.async ring stages per warp
@@ -74,58 +77,7 @@ struct MlpParams {
   int M, H, I, ld_attn, ld_h;
 };
 
-// ---- fragment math (as fp4_gemm.cu) ----------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-template <bool BF16>
-__device__ __forceinline__ uint32_t decode2(uint32_t q) {
-  return (q & 0x80008000u) | ((q & 0x70007000u) >> (BF16 ? 6 : 3));
-}
-template <bool BF16>
-__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  if constexpr (BF16) {
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-  } else {
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-  }
-  return d;
-}
-template <bool BF16>
-__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-  if constexpr (BF16) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-// slice i's packed NVFP4 scale pair, pre-multiplied so that code * scale comes out as value * 2^-8 (exact)
-template <bool BF16>
-__device__ __forceinline__ uint32_t scale_pair(uint2 raw, int i) {
-  const uint32_t word = i < 2 ? raw.x : raw.y;
-  const __nv_fp8x2_storage_t two = (__nv_fp8x2_storage_t)((word >> (16 * (i & 1))) & 0xffffu);
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
-  if constexpr (BF16) {
-    const __half2 hh(h);
-    const __nv_bfloat162 b = __floats2bfloat162_rn(__low2float(hh) * 0x1p118f, __high2float(hh) * 0x1p118f);
-    return *reinterpret_cast<const uint32_t*>(&b);
-  } else {
-    return mul2<false>((uint32_t)h.x | ((uint32_t)h.y << 16), 0x54005400u);
-  }
-}
-__device__ __forceinline__ uint4 b_frags(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3) {
-  return make_uint4(prmt(x0, x2, 0x5410u), prmt(x1, x3, 0x5410u), prmt(x0, x2, 0x7632u), prmt(x1, x3, 0x7632u));
-}
+// ---- activation values ------------------------------------------------------------------------------------------
 template <bool BF16>
 __device__ __forceinline__ float f16(uint16_t v) {
   if constexpr (BF16) {
@@ -147,27 +99,9 @@ __device__ __forceinline__ uint32_t ld32(const uint16_t* p) {  // coherent: p ma
 }
 
 // ---- memory pipeline and grid-wide counters ---------------------------------------------------------------------
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, uint64_t pol) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-               ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "l"(pol) : "memory");
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src, uint64_t pol) {
-  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2;"
-               ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "l"(pol) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // The CTA's part of a stage is written: make it visible at GPU scope, then count it.
 __device__ __forceinline__ void arrive(unsigned* c) {
@@ -361,8 +295,8 @@ __global__ void __launch_bounds__(NW * 32, 2) decode_mlp_kernel(const MlpParams 
     const int K = QERL_SEL(p, ig, K), tiled = QERL_SEL(p, ig, tiled);
     const int row = block_of(p, ig, spn(ig), ip) * 16;
     uint4* dst = ring + (slot * NW + warp) * 64;
-    cp_async16(dst + lane, weight_at(w, tiled, K, row + g, iu, q), pol);
-    cp_async16(dst + 32 + lane, weight_at(w, tiled, K, row + g + 8, iu, q), pol);
+    cp_async16_stream(dst + lane, weight_at(w, tiled, K, row + g, iu, q), pol);
+    cp_async16_stream(dst + 32 + lane, weight_at(w, tiled, K, row + g + 8, iu, q), pol);
     if (lane < 16) cp_async8(scs + (slot * NW + warp) * 16 + lane, s + (size_t)(row + lane) * (K >> 4) + iu * 8, pol);
     iu += NW;
     settle();
@@ -414,41 +348,15 @@ __global__ void __launch_bounds__(NW * 32, 2) decode_mlp_kernel(const MlpParams 
               bf[t] = make_uint4(0u, 0u, 0u, 0u);
             }
           }
-          const uint32_t spa = scale_pair<BF16>(sa, i), spb = scale_pair<BF16>(sb, i);
-          const uint32_t qa = wra[i], qb = wrb[i];
-          const uint32_t a0 = mul2<BF16>(decode2<BF16>(qa << 12), spa), a1 = mul2<BF16>(decode2<BF16>(qb << 12), spb);
-          const uint32_t a2 = mul2<BF16>(decode2<BF16>(qa << 4), spa), a3 = mul2<BF16>(decode2<BF16>(qb << 4), spb);
-          const uint32_t a4 = mul2<BF16>(decode2<BF16>(qa << 8), spa), a5 = mul2<BF16>(decode2<BF16>(qb << 8), spb);
-          const uint32_t a6 = mul2<BF16>(decode2<BF16>(qa), spa), a7 = mul2<BF16>(decode2<BF16>(qb), spb);
-#pragma unroll
-          for (int t = 0; t < MT; ++t) {
-            mma<BF16>(acc[t], a0, a1, a2, a3, bf[t].x, bf[t].y);
-            mma<BF16>(acc[t], a4, a5, a6, a7, bf[t].z, bf[t].w);
-          }
+          const uint32_t spa = scale_pair<true, BF16>(sa, i, 0), spb = scale_pair<true, BF16>(sb, i, 0);
+          slice_mma<MT, BF16>(acc, wra[i], wrb[i], spa, spb, bf);
         }
       }
-      float4* rw = red + (buf * NW + warp) * MT * 32;
-#pragma unroll
-      for (int t = 0; t < MT; ++t) {
-        rw[t * 32 + lane] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
-        acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-      }
+      put_partials<MT, NW>(red, buf, acc, warp, lane);
       __syncthreads();
       if (warp == pcount % NW) {
-        const float4* rr = red + buf * NW * MT * 32;
         float v[MT][4];
-#pragma unroll
-        for (int t = 0; t < MT; ++t) {
-          float4 s4 = rr[t * 32 + lane];
-#pragma unroll
-          for (int w = 1; w < NW; ++w) {  // warp order: deterministic
-            const float4 o = rr[(w * MT + t) * 32 + lane];
-            s4.x = __fadd_rn(s4.x, o.x), s4.y = __fadd_rn(s4.y, o.y);
-            s4.z = __fadd_rn(s4.z, o.z), s4.w = __fadd_rn(s4.w, o.w);
-          }
-          v[t][0] = __fmul_rn(s4.x, alpha), v[t][1] = __fmul_rn(s4.y, alpha);
-          v[t][2] = __fmul_rn(s4.z, alpha), v[t][3] = __fmul_rn(s4.w, alpha);
-        }
+        sum_partials<MT, NW>(v, red, buf, lane, [alpha](float x) { return __fmul_rn(x, alpha); });
         if (R > 0) {  // the LoRA expand: B_blk rows are operand A, h rows (shared memory) operand B
           const uint16_t* b0 = B + (size_t)(rb * 16 + g) * R + 2 * q;
           const uint16_t* b1 = b0 + (size_t)8 * R;
@@ -603,17 +511,7 @@ cudaError_t prepare(int& ctas_per_sm) {
 
 template <int MT, bool BF16>
 cudaError_t launch(const MlpParams& p, int ctas, cudaStream_t st, bool pdl) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(ctas);
-  cfg.blockDim = dim3(NW * 32);
-  cfg.dynamicSmemBytes = Smem<MT>::BYTES;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, decode_mlp_kernel<MT, BF16>, p);
+  return launch_ex(decode_mlp_kernel<MT, BF16>, dim3(ctas), dim3(NW * 32), Smem<MT>::BYTES, st, pdl, p);
 }
 
 }  // namespace qerl_dl

@@ -48,6 +48,7 @@ typedef unsigned long long uint64_t;
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+#include "fp4_frag.cuh"
 
 namespace qerl {
 
@@ -89,71 +90,6 @@ __device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) {
   uint32_t r;
   asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
   return r;
-}
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-// Nibble in the high 4 bits of each 16-bit half -> 16-bit float times 2^-126 (bf16) / 2^-14 (fp16).
-template <bool BF16>
-__device__ __forceinline__ uint32_t decode2(uint32_t q) {
-  return (q & 0x80008000u) | ((q & 0x70007000u) >> (BF16 ? 6 : 3));
-}
-template <bool BF16>
-__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  if constexpr (BF16) {
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-  } else {
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-  }
-  return d;
-}
-template <bool BF16>
-__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-  if constexpr (BF16) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-
-// The packed scale pair of 32-wide slice i of a chunk: (low half: k in [32i, 32i+16), high: [32i+16, 32i+32)).
-template <bool NV, bool BF16>
-__device__ __forceinline__ uint32_t scale_pair(uint2 raw, int i, int shift) {
-  if constexpr (NV) {
-    const uint32_t word = i < 2 ? raw.x : raw.y;
-    const __nv_fp8x2_storage_t two = (__nv_fp8x2_storage_t)((word >> (16 * (i & 1))) & 0xffffu);
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);  // .x = low byte, exact
-    if constexpr (BF16) {
-      const __half2 hh(h);  // from the raw bits (a __half built from h.x would convert the integer value)
-      const float lo = __low2float(hh) * 0x1p118f, hi = __high2float(hh) * 0x1p118f;
-      const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);  // exact: 4 significant bits
-      return *reinterpret_cast<const uint32_t*>(&b);
-    } else {
-      const uint32_t hh = (uint32_t)h.x | ((uint32_t)h.y << 16);
-      return mul2<false>(hh, 0x54005400u);  // * 2^6 (fp16 64.0), exact
-    }
-  } else {
-    const int e = (int)((raw.x >> (8 * i)) & 0xffu) + shift;
-    const uint32_t v = BF16 ? (uint32_t)min(max(e + 126, 0), 254) << 7 : (uint32_t)min(max(e - 98, 0), 30) << 10;
-    return v | (v << 16);
-  }
-}
-
-// B fragments of slice i for one 8-token tile: {V0.b0, V0.b1, V1.b0, V1.b1} from the four u32 pairs
-// x_j = x[tok][32i + 8j + 2q .. +1].
-__device__ __forceinline__ uint4 b_frags(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3) {
-  return make_uint4(prmt(x0, x2, 0x5410u), prmt(x1, x3, 0x5410u), prmt(x0, x2, 0x7632u), prmt(x1, x3, 0x7632u));
 }
 
 template <int MT, bool PERM>
@@ -252,37 +188,6 @@ template <bool NV>
 __device__ __forceinline__ float out_alpha(const Params& p) {
   return NV ? 256.0f / p.gs[0] : exp2f((float)(-p.shift));
 }
-
-// programmatic dependent launch: wait for the previous grid of the stream (and its memory), let the next start
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
-               : "memory");
-}
-// weights and block scales are read once per GEMM: marked first to leave L2, so that the activations, the LoRA
-// factors and the fix-up's pieces (re-read) stay
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ void cp_async16_stream(void* dst, const void* src, uint64_t pol) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-               ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "l"(pol) : "memory");
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src, uint64_t pol) {
-  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2;"
-               ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "l"(pol) : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, uint64_t pol) {
-  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, %2;"
-               ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "l"(pol) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // C fragments c[t] = {y[tok 2q][row g], y[2q+1][g], y[2q][g+8], y[2q+1][g+8]} of token tile t into a shared
 // [MT * 8 tokens][16 rows] block.
@@ -522,19 +427,6 @@ __device__ __forceinline__ void put_value(const Params& p, int c, const Portion&
   }
 }
 
-// The chunk math of the legacy kernel with the block-scale pairs already converted (spa/spb: slice i's pair).
-template <bool BF16>
-__device__ __forceinline__ void decode_slice(uint32_t (&a)[8], uint32_t qa, uint32_t qb, uint32_t spa, uint32_t spb) {
-  a[0] = mul2<BF16>(decode2<BF16>(qa << 12), spa);
-  a[1] = mul2<BF16>(decode2<BF16>(qb << 12), spb);
-  a[2] = mul2<BF16>(decode2<BF16>(qa << 4), spa);
-  a[3] = mul2<BF16>(decode2<BF16>(qb << 4), spb);
-  a[4] = mul2<BF16>(decode2<BF16>(qa << 8), spa);
-  a[5] = mul2<BF16>(decode2<BF16>(qb << 8), spb);
-  a[6] = mul2<BF16>(decode2<BF16>(qa), spa);
-  a[7] = mul2<BF16>(decode2<BF16>(qb), spb);
-}
-
 // All four packed scale pairs of a chunk for rows g (sa) and g+8 (sb): lane q converts pair q, the four lanes of
 // a row share them by shuffles (the legacy kernel converts all four in every lane).
 template <bool NV, bool BF16>
@@ -685,13 +577,7 @@ __global__ void __launch_bounds__(DW * 32, decode_ctas_per_sm<MT, S, PERM>()) fp
       for (int i = 0; i < 4; ++i) {
         uint4 bnext[MT];
         if (i < 3) ldb(bnext, i + 1);
-        uint32_t av[8];
-        decode_slice<BF16>(av, wra[i], wrb[i], spa[i], spb[i]);
-#pragma unroll
-        for (int t = 0; t < MT; ++t) {
-          mma<BF16>(acc[t], av[0], av[1], av[2], av[3], bcur[t].x, bcur[t].y);
-          mma<BF16>(acc[t], av[4], av[5], av[6], av[7], bcur[t].z, bcur[t].w);
-        }
+        slice_mma<MT, BF16>(acc, wra[i], wrb[i], spa[i], spb[i], bcur);
         if (i < 3) {
 #pragma unroll
           for (int t = 0; t < MT; ++t) bcur[t] = bnext[t];
@@ -699,6 +585,8 @@ __global__ void __launch_bounds__(DW * 32, decode_ctas_per_sm<MT, S, PERM>()) fp
       }
     }
     // the portion's end: every warp's partial (zeros where it had no unit) into shared memory
+    // (put_partials / sum_partials of fp4_frag.cuh, written out: through them ptxas allocates this kernel's registers
+    // differently)
     float4* rw = red + (buf * DW + warp) * MT * 32;
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
@@ -1012,24 +900,6 @@ cudaError_t launch_cfg(const Params& p, int mt, int wn, int wk, int perm, cudaSt
   QERL_FP4_CONFIGS(QERL_PICK)
 #undef QERL_PICK
   return cudaErrorInvalidValue;
-}
-
-// cudaLaunchKernelEx, with programmatic stream serialization when pdl: the kernel may start before the previous
-// kernel of the stream ends (it calls griddepcontrol.wait before reading anything that kernel wrote)
-template <typename... Args>
-cudaError_t launch_ex(void (*kern)(Args...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, bool pdl,
-                      Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kern, args...);
 }
 
 // more than 48 KB of dynamic shared memory needs the function's limit raised, once per device
