@@ -163,8 +163,11 @@ def _cgroup_base() -> Path | None:
     """The cgroup v2 directory qerl runs in, where it may make a child (root, or a delegated subtree)."""
     try:
         mounts = Path("/proc/self/mountinfo").read_text().splitlines()
-        own = next(line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::"))
-    except (OSError, StopIteration):
+        own = next((line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                    if line.startswith("0::")), None)
+    except OSError:
+        return None
+    if own is None:  # no cgroup v2 hierarchy for this process
         return None
     for line in mounts:
         left, _, right = line.partition(" - ")
