@@ -27,7 +27,7 @@ CARRY=${QERL_CARRY_DIR:-$PWD/out}
 CARRY_MIB=64
 checkout=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
 # out/whl travels with every call beside one part: it counts against the part too (packed first: `base embedded`)
-whl_kib=$(du -sk "$CARRY/whl" 2>/dev/null | cut -f1)
+whl_kib=$(du -sk "$CARRY/whl" 2>/dev/null | cut -f1 || true)
 PART=$(( ${QERL_PART_KIB:-$(( (CARRY_MIB << 10) - checkout / 1024 - ${whl_kib:-4096} - 2048 ))} << 10 ))  # 2 MiB spare
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
