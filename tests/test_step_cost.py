@@ -140,7 +140,9 @@ def test_kept_bytes_are_what_autograd_saves() -> None:
     bf16, nvfp4 = _saved_bytes_per_token("bf16"), _saved_bytes_per_token("nvfp4")
     assert bf16 == nvfp4
     layers = dims.layers * dims.act_bytes_per_token_layer(2)
-    assert layers < nvfp4 < 1.5 * layers
+    # above the modelled layers: the final norm, the selected rows, and CPU attention's own tensors (the packed
+    # sequences padded into one batch for one SDPA call keep their padded q/k/v and probabilities)
+    assert layers < nvfp4 < 1.75 * layers  # 1.62x measured with the padded CPU attention
 
 
 # ---- against the measured steps ----------------------------------------------------------------------------------

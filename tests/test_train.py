@@ -50,8 +50,9 @@ def test_dry_run_prints_resolved_config(run_dir: Path, capsys: pytest.CaptureFix
     code, out, err = cli(capsys, "train", "--run", str(run_dir), "--config", "quick_cpu", "--algo", "dapo", "--dry-run")
     assert code == 0, err
     assert "algo: dapo" in out and "epsilon_high: 0.28" in out and "dynamic_sampling: true" in out
-    # the memory plan for the run's model (CPU: no limit known; the preset's micro-batch 32 is kept)
-    assert "memory plan (64 sequences x" in out and "no limit known (CPU)" in out
+    # the memory plan for the run's model (CPU: host memory, no cap; the preset's micro-batch 32 is kept)
+    assert "memory plan (64 sequences x" in out and "host memory (CPU run; not capped)" in out
+    assert "on the GPU" not in out and "step time estimate: none on the CPU" in out
     assert "chosen: micro_batch_size 32, gradient_checkpointing false" in out
     assert not (run_dir / "train").exists()
 
