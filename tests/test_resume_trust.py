@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -252,14 +253,21 @@ def test_sigterm_checkpoints_the_step_in_flight_exits_143_and_resumes_exactly(se
     # a generous grace period: on a loaded machine the step in flight must still count as finishing in time
     proc = qerl("train", "--run", str(run), *setup["args"], "--sigterm-grace-s", "600", env={"SLOW_REWARD_S": "1"},
                 wait=False)
-    metrics_file = run / "train" / "metrics.jsonl"
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
     deadline = time.time() + 600
-    while not (metrics_file.exists() and metrics_file.read_text().strip()):  # step 1 logged: step 2 is running
+    # step 2's rollout has started (its console line on stdout; the slow reward keeps it running for seconds): the
+    # signal lands inside a step, not in the bookkeeping between two (a stop there checkpoints step 1, also right,
+    # but not what this test is about)
+    while not any(line.startswith("step 2/") for line in list(lines)):
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert time.time() < deadline
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=600)
+    err = proc.stderr.read()
+    proc.wait(timeout=600)
+    reader.join(timeout=60)
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err and "preempted (SIGTERM)" in err and "--resume" in err
     done = len(metrics(run))
