@@ -126,9 +126,11 @@ def test_eval_default_budget_leaves_room_for_the_tools_answer(run_dir: Path) -> 
     assert make_episodes("calculator", None, max_turns=4).default_budget(8) == 4 * 8 + 3 * 16
     result = run_eval(run_dir, "arith", checkpoint="base", limit=2, tools="calculator", max_turns=2)
     assert result["protocol"]["max_tokens"] == 32 and result["notices"] == []
+    # the default budget is no setting of the user's: the file is named by the limit and the turns only
+    assert result["settings"] == {"limit": 2, "max_turns": 2}
     assert result["scores"]["arith"]["accuracy"]["mean"] == 1.0 and result["episodes"]["steps"] == 2
     cut = run_eval(run_dir, "arith", checkpoint="base", limit=2, tools="calculator", max_turns=2, max_tokens=16)
-    assert cut["scores"]["arith"]["accuracy"]["mean"] == 0.0
+    assert cut["scores"]["arith"]["accuracy"]["mean"] == 0.0 and cut["settings"]["max_tokens"] == 16
     assert cut["notices"] == ["2 of 2 episodes ran out of the 16-token budget (model and observation tokens "
                               "together), 2 with the tool's answer cut; raise --max-tokens"]
 

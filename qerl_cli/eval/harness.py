@@ -337,6 +337,7 @@ class _EvalTask:
     kind: str
     max_new: int
     episodes: Any
+    default_max_new: int  # the budget without --max-tokens: the file name names max_new only where it differs
 
 
 def _load_eval_task(res: _Resolved, *, shots: int | None, chat_template: bool | None, limit: int | None,
@@ -356,15 +357,13 @@ def _load_eval_task(res: _Resolved, *, shots: int | None, chat_template: bool | 
     kind = task_obj.reward if res.task_kind == "jsonl" else res.task_kind
     if kind not in PRIMARY:
         raise QerlError(f"task {res.task_name} uses reward {kind!r}, which qerl eval cannot score")
-    if max_tokens is not None:
-        max_new = max_tokens
-    elif episodes is not None:
-        max_new = episodes.default_budget(task_obj.max_new_tokens,
+    if episodes is not None:
+        default = episodes.default_budget(task_obj.max_new_tokens,
                                           lambda t: tokenizer.encode(t, add_special_tokens=False))
     else:
-        max_new = task_obj.max_new_tokens
+        default = task_obj.max_new_tokens
     res.data_files = _data_files(res.task_name, task_obj.shots)
-    return _EvalTask(task_obj, kind, max_new, episodes)
+    return _EvalTask(task_obj, kind, default if max_tokens is None else max_tokens, episodes, default)
 
 
 def eval_settings(task_name: str, et: _EvalTask, *, limit: int | None, samples: int, temperature: float, seed: int,
@@ -375,12 +374,11 @@ def eval_settings(task_name: str, et: _EvalTask, *, limit: int | None, samples: 
     from qerl_cli.tasks.datasets import default_shots
 
     task = et.task
-    default_max_tokens = task.max_new_tokens * (max_turns if et.episodes else 1)
     differ = {
         "limit": limit,
         "samples": samples if samples != 1 else None,
         "temperature": temperature if temperature != (0.0 if samples == 1 else 1.0) else None,
-        "max_tokens": et.max_new if et.max_new != default_max_tokens else None,
+        "max_tokens": et.max_new if et.max_new != et.default_max_new else None,
         "shots": task.shots if task.shots != default_shots(task_name) else None,
         "chat_template": True if task.chat_template else None,
         "seed": seed if temperature > 0 and seed != 0 else None,
