@@ -132,7 +132,7 @@ class QuantLinear(nn.Module):
         # keyed by the tensors' storage and version: an in-place update (FlashRL's re-quantization, a part's rows
         # written through its view of the fused storage, load_state_dict) or a move makes a new copy
         key = (dtype, *((t.data_ptr(), t._version) for t in (getattr(self, n) for n in self.tensor_names)))
-        if self.dequantized_cache is None or getattr(self, "_dequantized_key", None) != key:
+        if self.dequantized_cache is None or self._dequantized_key != key:
             self.dequantized_cache = dequantize(self.quantized_weight, dtype)
             self._dequantized_key = key
         return self.dequantized_cache
