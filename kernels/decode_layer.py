@@ -8,11 +8,12 @@ it), as `cuda_fp4` is. It reads the weights the other FP4 kernels read (`backend
 and the checkpoint block scales): no second copy. docs/decode.md ("The persistent decode layer") gives the design and
 the floors.
 
-`Schedule` mirrors the kernel's assignment (row blocks per CTA per GEMM stage, shrink units, the stage counters);
-`emulate_mlp_half` computes what the kernel computes on the CPU in the kernel's order (fp32 sums per 128-wide chunk,
-per warp and across warps, the LoRA term per 16-wide rank block, the butterflies of the norm's sums) and rounds where
-it stores the activation dtype; `reference_mlp_half` is the present decode path's math (dequantized weights, torch
-matmuls), which the emulation must equal within the dtype's tolerance.
+`Schedule` mirrors the kernel's assignment (each warp's range of units per GEMM stage, the partials of every block,
+shrink units, the stage counters); `emulate_mlp_half` computes what the kernel computes on the CPU in the kernel's
+order (fp32 sums per 128-wide chunk, per warp range and across a block's warps in order, the LoRA term per 16-wide
+rank block, the butterflies of the norm's sums) and rounds where it stores the activation dtype;
+`reference_mlp_half` is the present decode path's math (dequantized weights, torch matmuls), which the emulation must
+equal within the dtype's tolerance.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from qerl_kernels.nvcc_build import CudaLibrary, find_nvcc, hopper_available
 SRC = Path(__file__).parent / "cuda" / "decode_layer.cu"
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
               "-lineinfo")
-LIBRARY = CudaLibrary("qerl_decode_layer", SRC, NVCC_FLAGS)
 WARPS = 8  # NW in decode_layer.cu
 MAX_M = 16  # two 8-token tiles
 MAX_RANK = 256  # MAX_R
@@ -37,13 +37,27 @@ NCNT = 6  # stage counters 0..4 and the launch's end counter
 SHRINK_SEGMENTS = 16  # a shrink's K is cut into at most this many segments (their partials are summed in order)
 STAGES = ("o shrink", "o GEMM + residual", "norm + gate/up shrink", "gate/up GEMM + SiLU*mul", "down shrink",
           "down GEMM")
+# the build's knobs (QERL_DL_S ring stages per warp, QERL_DL_MINB CTAs per SM the registers are budgeted for): the
+# default is the variant measured fastest (docs/decode.md); others are built on demand for the bench
+DEFAULT_VARIANT = (4, 2)
 
 _failed: list[str] = []
 _available: dict[int, bool] = {}
 _counters: dict[int, torch.Tensor] = {}
+_scratch: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
 # ---- build and load ------------------------------------------------------------------------------------------
+def library(variant: tuple[int, int] = DEFAULT_VARIANT) -> CudaLibrary:
+    """The shared library of one build variant (ring stages, CTAs per SM)."""
+    if tuple(variant) == DEFAULT_VARIANT:
+        return CudaLibrary("qerl_decode_layer", SRC, NVCC_FLAGS)
+    stages, minb = variant
+    return CudaLibrary(f"qerl_decode_layer_s{stages}b{minb}", SRC,
+                       (*NVCC_FLAGS, f"-DQERL_DL_S={stages}", f"-DQERL_DL_MINB={minb}"))
+
+
+LIBRARY = library()
 # module-level names kept for callers and tests; the build itself is nvcc_build's
 _nvcc = find_nvcc
 source_hash = LIBRARY.source_hash
@@ -53,26 +67,35 @@ build = LIBRARY.build
 
 
 @functools.cache
-def _lib() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build()))
+def _lib(variant: tuple[int, int] = DEFAULT_VARIANT) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(library(variant).build()))
     vp, ci = ctypes.c_void_p, ctypes.c_int
     lib.qerl_dl_prepare.argtypes = [ci, ci, ctypes.POINTER(ci)]
     lib.qerl_dl_prepare.restype = ci
     lib.qerl_dl_smem.argtypes = [ci]
     lib.qerl_dl_smem.restype = ci
+    lib.qerl_dl_stages.restype = ci
+    lib.qerl_dl_minb.restype = ci
     lib.qerl_dl_mlp.argtypes = [vp, vp] + [vp] * 9 + [ctypes.c_float] + [ci] * 9 + [vp]
     lib.qerl_dl_mlp.restype = ci
+    if (lib.qerl_dl_stages(), lib.qerl_dl_minb()) != tuple(variant):
+        raise RuntimeError(f"decode layer library {variant} reports another build")
     return lib
 
 
 @functools.cache
-def ctas_per_sm(mt: int, bf16: bool) -> int:
+def ctas_per_sm(mt: int, bf16: bool, variant: tuple[int, int] = DEFAULT_VARIANT) -> int:
     """Resident CTAs per SM of a variant (sets its shared-memory limit first: call outside graph capture)."""
     n = ctypes.c_int(0)
-    err = _lib().qerl_dl_prepare(mt, int(bf16), ctypes.byref(n))
+    err = _lib(variant).qerl_dl_prepare(mt, int(bf16), ctypes.byref(n))
     if err:
         raise RuntimeError(f"decode layer kernel: cudaError {err} preparing it")
     return n.value
+
+
+def default_ctas(device: torch.device, mt: int, bf16: bool, variant: tuple[int, int] = DEFAULT_VARIANT) -> int:
+    """The grid: every SM holds as many CTAs as the build budgets registers for (and shared memory allows)."""
+    return num_sms(device) * min(variant[1], ctas_per_sm(mt, bf16, variant))
 
 
 def _check_variants() -> None:
@@ -103,7 +126,7 @@ def shrink_chunks(k: int) -> int:
 @dataclass(frozen=True)
 class Schedule:
     """The kernel's work for one launch: hidden H, intermediate I, o's input width KO, LoRA ranks (0: none) of o,
-    gate/up and down, `ctas` CTAs."""
+    gate/up and down, `ctas` CTAs of WARPS warps."""
 
     m: int
     h: int
@@ -118,23 +141,56 @@ class Schedule:
     def n(self, gi: int) -> int:
         return (self.h, 2 * self.i, self.h)[gi]
 
-    def span(self, gi: int, c: int) -> tuple[int, int]:
-        """span_of: CTA c's (first, count) portions of GEMM stage gi (gate/up counts gate and up blocks)."""
-        nb = (self.i if gi == 1 else self.h) // 16
-        a, b = c * nb // self.ctas, (c + 1) * nb // self.ctas
-        return a, (2 * (b - a) if gi == 1 else b - a)
+    @property
+    def warps(self) -> int:
+        return self.ctas * WARPS
 
-    def blocks(self, gi: int, c: int) -> list[int]:
-        """block_of over CTA c's portions, in the order it runs them."""
-        first, count = self.span(gi, c)
-        ni = self.i // 16
+    def geo(self, gi: int) -> tuple[int, int, int]:
+        """geo_of: (blocks, units per block, K chunks); gate/up's blocks are the (gate j, up j) pairs."""
+        kc = self.k(gi) // 128
+        return (self.i // 16, 2 * kc, kc) if gi == 1 else (self.h // 16, kc, kc)
+
+    def units(self, gi: int) -> int:
+        nb, u, _ = self.geo(gi)
+        return nb * u
+
+    def sharing(self, gi: int) -> int:
+        """The warps that share stage gi's units: all, or one per unit where it has fewer units than warps."""
+        return min(self.warps, self.units(gi))
+
+    def range(self, gi: int, v: int) -> tuple[int, int]:
+        """range_first: warp v's units [first, end) of GEMM stage gi (empty past the sharing warps)."""
+        t, w = self.units(gi), self.sharing(gi)
+        if v >= w:
+            return t, t
+        return v * t // w, (v + 1) * t // w
+
+    def warp_of(self, gi: int, x: int) -> int:
+        """warp_of: the warp whose range holds unit x."""
+        t, w = self.units(gi), self.sharing(gi)
+        return ((x + 1) * w + t - 1) // t - 1
+
+    def unit(self, gi: int, x: int) -> tuple[int, int]:
+        """(first weight row of its 16, K chunk) of unit x (unit_row)."""
+        nb, u, kc = self.geo(gi)
+        b, within = divmod(x, u)
         if gi == 1:
-            return [((ni if p & 1 else 0) + first + (p >> 1)) for p in range(count)]
-        return [first + p for p in range(count)]
+            return ((self.i // 16 if within >= kc else 0) + b) * 16, within % kc
+        return b * 16, within
 
-    def warp_chunks(self, gi: int, warp: int) -> list[int]:
-        """The K chunks warp `warp` takes in every row block (round-robin)."""
-        return list(range(warp, self.k(gi) // 128, WARPS))
+    def parts(self, gi: int, b: int) -> list[tuple[int, int, int]]:
+        """(warp, first unit, end unit) of each partial of block b, in the order the finishing warp sums them."""
+        _, u, _ = self.geo(gi)
+        out = []
+        for v in range(self.warp_of(gi, b * u), self.warp_of(gi, b * u + u - 1) + 1):
+            first, end = self.range(gi, v)
+            out.append((v, max(first, b * u), min(end, (b + 1) * u)))
+        return out
+
+    def pmax(self, gi: int) -> int:
+        """The most partials of any block of stage gi (the scratch's slots per block)."""
+        nb, u, _ = self.geo(gi)
+        return max(self.warp_of(gi, b * u + u - 1) - self.warp_of(gi, b * u) + 1 for b in range(nb))
 
     def shrink_units(self, gi: int) -> list[tuple[int, int, int]]:
         """(global warp, 16-rank block, K segment) of every shrink unit of group gi."""
@@ -144,8 +200,7 @@ class Schedule:
         nrk = -(-r // 16)
         kseg = shrink_chunks(self.k(gi))
         nseg = -(-(self.k(gi) // 128) // kseg)
-        warps = self.ctas * WARPS
-        return [(u % warps, u % nrk, u // nrk) for u in range(nrk * nseg)]
+        return [(u % self.warps, u % nrk, u // nrk) for u in range(nrk * nseg)]
 
     def counters_after(self, stage: int) -> list[int]:
         """The counters once every CTA has finished `stage` (0..5) and none has started the next; after stage 5
@@ -203,6 +258,8 @@ def check_shapes(o: GemmArgs, gate_up: GemmArgs, down: GemmArgs, m: int) -> str 
         return "o/gate_up/down shapes do not chain"
     if h % 128 or i % 128 or o.k % 128:
         return "hidden, intermediate and o's input must be multiples of 128"
+    if not (o.tiled and gate_up.tiled and down.tiled):
+        return "weights in the tiled resident layout (rows a multiple of 64)"
     for g in (o, gate_up, down):
         if g.rank and (g.rank % 8 or g.rank > MAX_RANK or g.a.shape[1] != g.k or g.b.shape != (g.n, g.rank)):
             return f"LoRA rank {g.rank} (a multiple of 8 up to {MAX_RANK}, A [R, K], B [N, R])"
@@ -218,8 +275,40 @@ def _counter(device: torch.device) -> torch.Tensor:
     return cnt
 
 
+def scratch(device: torch.device, sch: Schedule, mt: int) -> tuple[torch.Tensor, ...]:
+    """Per GEMM stage: its partials' slots [blocks * pmax * halves * mt * 32 * 4] fp32 and its block counters
+    (zero between launches: each block's finishing warp resets its own), kept per device and shape. Made outside any
+    graph capture (`prepare`): a capture replays what it saw, and these must outlive it."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (idx, sch.h, sch.i, sch.ko, sch.ctas, mt)
+    got = _scratch.get(key)
+    if got is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode layer kernel: its scratch is made by decode_layer.prepare before graph capture")
+        got = []
+        for gi in range(3):
+            nb = sch.geo(gi)[0]
+            halves = 2 if gi == 1 else 1
+            got.append(torch.empty(nb * sch.pmax(gi) * halves * mt * 32 * 4, dtype=torch.float32, device=device))
+            got.append(torch.zeros(nb, dtype=torch.int32, device=device))
+        got = _scratch[key] = tuple(got)
+    return got
+
+
+def prepare(device: torch.device, o: GemmArgs, gate_up: GemmArgs, down: GemmArgs, dtype: torch.dtype,
+            variant: tuple[int, int] = DEFAULT_VARIANT) -> None:
+    """Everything a launch needs that a graph capture must not make: the variant's library and shared-memory limit,
+    and the scratch of both token tiles (1..8, 9..16 tokens)."""
+    bf16 = dtype == torch.bfloat16
+    for mt in (1, 2):
+        ctas = default_ctas(device, mt, bf16, variant)
+        scratch(device, Schedule(8 * mt, o.n, down.k, o.k, (o.rank, gate_up.rank, down.rank), ctas), mt)
+    _counter(device)
+
+
 def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: float, o: GemmArgs, gate_up: GemmArgs,
-             down: GemmArgs, *, pdl: bool | None = None, ctas: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             down: GemmArgs, *, pdl: bool | None = None, ctas: int | None = None,
+             variant: tuple[int, int] = DEFAULT_VARIANT) -> tuple[torch.Tensor, torch.Tensor]:
     """(h1, delta): h1 = h + o_proj(attn) (the residual stream after attention), delta = down(SiLU(gate) * up) of
     rmsnorm(h1) -- what the present path computes from `lp.o`, `add_norm` and the MLP -- in one launch. attn [M, KO],
     h [M, H] with unit column stride; returns new contiguous [M, H] tensors."""
@@ -238,14 +327,17 @@ def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: flo
     mt = 1 if m <= 8 else 2
     bf16 = dt == torch.bfloat16
     if ctas is None:
-        ctas = num_sms(dev) * min(2, ctas_per_sm(mt, bf16))
+        ctas = default_ctas(dev, mt, bf16, variant)
+    sch = Schedule(m, hd, i, o.k, (o.rank, gate_up.rank, down.rank), ctas)
+    parts = scratch(dev, sch, mt)
     h1 = torch.empty((m, hd), dtype=dt, device=dev)
-    x2 = torch.empty((m, hd), dtype=dt, device=dev)
+    # the GEMM inputs in mma fragment order (attn, the normed h1, act), 16 bytes per (tile, 32-wide slice, lane)
+    xp = torch.empty((mt * (o.k + hd + i) // 32 * 32, 4), dtype=torch.int32, device=dev)
     act = torch.empty((m, i), dtype=dt, device=dev)
     out = torch.empty((m, hd), dtype=dt, device=dev)
     ss = torch.empty((hd // 16, m), dtype=torch.float32, device=dev)
     ptrs, ints, keep = [], [], []
-    for g in (o, gate_up, down):
+    for gi, g in enumerate((o, gate_up, down)):
         kseg = shrink_chunks(g.k)
         nseg = -(-(g.k // 128) // kseg)
         hp = torch.empty((nseg, m, max(g.rank, 1)), dtype=torch.float32, device=dev)
@@ -254,15 +346,17 @@ def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: flo
         b = g.b.contiguous() if g.b is not None else None
         keep += [a, b]
         ptrs += [g.repacked.data_ptr(), g.scale.view(torch.uint8).data_ptr(), g.global_scale.data_ptr(),
-                 a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None, hp.data_ptr()]
-        ints += [g.n, g.k, int(g.tiled), g.rank, kseg, nseg]
-    gptr = (ctypes.c_void_p * 18)(*ptrs)
+                 a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None, hp.data_ptr(),
+                 parts[2 * gi].data_ptr(), parts[2 * gi + 1].data_ptr()]
+        ints += [g.n, g.k, g.rank, kseg, nseg, sch.pmax(gi)]
+    gptr = (ctypes.c_void_p * 24)(*ptrs)
     gint = (ctypes.c_int * 18)(*ints)
     nw = norm_w.contiguous()
     stream = torch.cuda.current_stream(dev).cuda_stream
-    err = _lib().qerl_dl_mlp(gptr, gint, attn.data_ptr(), h.data_ptr(), nw.data_ptr(), h1.data_ptr(), x2.data_ptr(),
-                             act.data_ptr(), out.data_ptr(), ss.data_ptr(), _counter(dev).data_ptr(), float(eps), m, hd,
-                             i, attn.stride(0), h.stride(0), mt, int(bf16), ctas, int(cuda_fp4.use_pdl(pdl)), stream)
+    err = _lib(variant).qerl_dl_mlp(gptr, gint, attn.data_ptr(), h.data_ptr(), nw.data_ptr(), h1.data_ptr(),
+                                    xp.data_ptr(), act.data_ptr(), out.data_ptr(), ss.data_ptr(),
+                                    _counter(dev).data_ptr(), float(eps), m, hd, i, attn.stride(0), h.stride(0), mt,
+                                    int(bf16), ctas, int(cuda_fp4.use_pdl(pdl)), stream)
     if err:
         raise RuntimeError(f"decode layer kernel: cudaError {err}")
     return h1, out
@@ -273,25 +367,33 @@ def _rnd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).float()
 
 
-def _gemm_fp32(x: torch.Tensor, g: GemmArgs, hl: torch.Tensor | None) -> torch.Tensor:
-    """fp32 [M, N] as the kernel's GEMM stage sums it: per 128-wide chunk, warp w sums its chunks (w, w+8, ...) in
-    order, the warps are summed in warp order, times alpha, then + the LoRA term one 16-wide rank block at a time."""
+def _gemm_fp32(x: torch.Tensor, g: GemmArgs, hl: torch.Tensor | None, sch: Schedule, gi: int) -> torch.Tensor:
+    """fp32 [M, N] as the kernel's GEMM stage sums it: per 16-row block, each warp's partial is the sum of its units'
+    128-wide chunk products in order; the partials are summed in warp order, times alpha, then + the LoRA term one
+    16-wide rank block at a time."""
     from qerl_kernels import cuda_fp4
 
     dt = x.dtype
     w16 = cuda_fp4.emulate_decode(g.repacked.cpu(), g.scale.cpu(), "nvfp4", dt, tiled=g.tiled).float()
     xf = x.float()
     kc = g.k // 128
-    chunks = [xf[:, c * 128:(c + 1) * 128] @ w16[:, c * 128:(c + 1) * 128].t() for c in range(kc)]
-    warps = []
-    for w in range(WARPS):
-        acc = torch.zeros(x.shape[0], g.n)
-        for c in range(w, kc, WARPS):
-            acc = acc + chunks[c]
-        warps.append(acc)
-    v = warps[0]
-    for acc in warps[1:]:
-        v = v + acc
+    chunks = torch.stack([xf[:, c * 128:(c + 1) * 128] @ w16[:, c * 128:(c + 1) * 128].t() for c in range(kc)])
+    v = torch.zeros(x.shape[0], g.n)
+    for b in range(sch.geo(gi)[0]):
+        halves: dict[int, torch.Tensor] = {}  # first row -> the block's sum of partials
+        for _, first, end in sch.parts(gi, b):
+            part: dict[int, torch.Tensor] = {}
+            for unit in range(first, end):
+                row, ch = sch.unit(gi, unit)
+                prod = chunks[ch][:, row:row + 16]
+                part[row] = prod if row not in part else part[row] + prod
+            rows = {sch.unit(gi, b * sch.geo(gi)[1])[0]} | ({sch.unit(gi, b * sch.geo(gi)[1] + kc)[0]} if gi == 1
+                                                           else set())
+            for row in rows:  # a partial that holds no unit of a half adds that half's zeros
+                p = part.get(row, torch.zeros(x.shape[0], 16))
+                halves[row] = p if row not in halves else halves[row] + p
+        for row, total in halves.items():
+            v[:, row:row + 16] = total
     alpha = torch.tensor(256.0, dtype=torch.float32) / g.global_scale.float().cpu().reshape(())
     v = v * alpha
     if hl is not None:
@@ -326,13 +428,14 @@ def _butterfly(v: torch.Tensor, offsets: tuple[int, ...]) -> torch.Tensor:
 
 
 def emulate_mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: float, o: GemmArgs,
-                     gate_up: GemmArgs, down: GemmArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h1, delta) computed as the kernel computes them, on the CPU (fp32 sums in the kernel's order, the dtype's
-    rounding where the kernel stores it)."""
+                     gate_up: GemmArgs, down: GemmArgs, ctas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h1, delta) computed as a launch of `ctas` CTAs computes them, on the CPU (fp32 sums in the kernel's order, the
+    dtype's rounding where the kernel stores it)."""
     dt = attn.dtype
     m, hd, i = attn.shape[0], o.n, down.k
+    sch = Schedule(m, hd, i, o.k, (o.rank, gate_up.rank, down.rank), ctas)
     # stages 0-1: o's shrink, o GEMM with the expand, the residual, the per-block sums of squares
-    yo = _rnd(_gemm_fp32(attn, o, _shrink(attn, o)), dt)
+    yo = _rnd(_gemm_fp32(attn, o, _shrink(attn, o), sch, 0), dt)
     h1 = _rnd(h.float() + yo, dt)
     sq = (h1 * h1).view(m, hd // 16, 2, 8)  # [tok, block, half (row g / g+8), g]
     ss = _butterfly(sq[:, :, 0] + sq[:, :, 1], (1, 2, 4))[..., 0]  # [tok, block]
@@ -345,11 +448,11 @@ def emulate_mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, 
     rs = 1.0 / torch.sqrt(tot / float(hd) + torch.tensor(eps, dtype=torch.float32))
     x2 = _rnd(norm_w.float() * _rnd(h1 * rs[:, None], dt), dt).to(dt)
     # stage 3: gate/up with SiLU * up
-    gu = _rnd(_gemm_fp32(x2, gate_up, _shrink(x2, gate_up)), dt)
+    gu = _rnd(_gemm_fp32(x2, gate_up, _shrink(x2, gate_up), sch, 1), dt)
     g_, u_ = gu[:, :i], gu[:, i:]
     act = _rnd(_rnd(g_ / (1.0 + torch.exp(-g_)), dt) * u_, dt).to(dt)
     # stages 4-5: down's shrink and GEMM
-    out = _gemm_fp32(act, down, _shrink(act, down)).to(dt)
+    out = _gemm_fp32(act, down, _shrink(act, down), sch, 2).to(dt)
     return h1.to(dt), out
 
 

@@ -64,12 +64,19 @@ def inputs(lay: dict, m: int, ko: int, h: int, dtype: torch.dtype, dev: str) -> 
 def present_path(attn: torch.Tensor, hres: torch.Tensor, lay: dict, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The present decode path's MLP half, launch by launch, as ModelRunner._layers runs it with the fused ops."""
     o, gu, dn = lay["args"]
-    ho = decode.lora_shrink(attn, o.a)
+    lora = o.a is not None
+    ho = decode.lora_shrink(attn, o.a) if lora else None
     yo = cuda_fp4.fp4_gemm(attn, o.repacked, o.scale, o.global_scale, "nvfp4", tiled=o.tiled, lora_h=ho, lora_b=o.b)
-    h1, x2, hg = decode.rmsnorm_shrink(hres, yo, lay["norm_w"], eps, gu.a)
+    if lora:
+        h1, x2, hg = decode.rmsnorm_shrink(hres, yo, lay["norm_w"], eps, gu.a)
+    else:
+        (h1, x2), hg = decode.add_rmsnorm(hres, yo, lay["norm_w"], eps), None
     y = cuda_fp4.fp4_gemm(x2, gu.repacked, gu.scale, gu.global_scale, "nvfp4", tiled=gu.tiled, lora_h=hg, lora_b=gu.b)
     i = dn.k
-    act, hd = decode.silu_mul_shrink(y[:, :i], y[:, i:], dn.a)
+    if lora:
+        act, hd = decode.silu_mul_shrink(y[:, :i], y[:, i:], dn.a)
+    else:
+        act, hd = decode.silu_mul(y[:, :i], y[:, i:]), None
     out = cuda_fp4.fp4_gemm(act, dn.repacked, dn.scale, dn.global_scale, "nvfp4", tiled=dn.tiled, lora_h=hd,
                             lora_b=dn.b)
     return h1, out
@@ -102,10 +109,10 @@ def graph_ms(fn, reps: int = 20, iters: int = 30) -> float:  # noqa: ANN001
 
 
 def copy_gbps(dev: str) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src), reps=5, iters=10)
-    return 2 * src.numel() / ms / 1e6
+    """The bandwidth every qerl bench divides by (bytes read + written by a bf16 device copy)."""
+    from qerl_cli.bench.harness import copy_bandwidth_gbps
+
+    return copy_bandwidth_gbps(torch.device(dev))
 
 
 def layer_bytes(lay: dict, m: int, h: int, ko: int, i: int) -> int:
@@ -131,7 +138,8 @@ def exactness(dev: str) -> list[dict]:
                 runs.append(dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"]))
             torch.cuda.synchronize()
             cnt = dl._counter(torch.device(dev)).cpu().tolist()
-            eh, eo = dl.emulate_mlp_half(attn.cpu(), hres.cpu(), lay["norm_w"].cpu(), 1e-6, *cpu_args)
+            ctas = dl.default_ctas(torch.device(dev), 1 if m <= 8 else 2, dtype == torch.bfloat16)
+            eh, eo = dl.emulate_mlp_half(attn.cpu(), hres.cpu(), lay["norm_w"].cpu(), 1e-6, *cpu_args, ctas)
             rh, ro = dl.reference_mlp_half(attn, hres, lay["norm_w"], 1e-6, tuple(lay["weights"]), tuple(lay["loras"]))
             (h1, out), (h1b, outb) = runs
             rows.append(dict(dtype=str(dtype), m=m, err_emul=max(rel(h1.cpu(), eh), rel(out.cpu(), eo)),
@@ -141,25 +149,56 @@ def exactness(dev: str) -> list[dict]:
     return rows
 
 
-def seven_b(dev: str) -> list[dict]:
+VARIANTS = ((4, 2), (8, 2), (2, 2), (4, 3))  # (ring stages per warp, CTAs per SM); the first is the default
+
+
+def seven_b(dev: str, ranks: tuple[int, int, int] = (32, 64, 32), ms: tuple[int, ...] = (1, 8, 16)) -> list[dict]:
     hd, ko, i = 3584, 3584, 18944
-    lay = make_layer(hd, ko, i, (32, 64, 32), torch.bfloat16, dev, 2, dense=False)
+    lay = make_layer(hd, ko, i, ranks, torch.bfloat16, dev, 2, dense=False)
     bw = copy_gbps(dev)
     rows = []
-    for m in (1, 8, 16):
+    for m in ms:
         attn, hres = inputs(lay, m, ko, hd, torch.bfloat16, dev)
-        h1, out = dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"])
         ph1, pout = present_path(attn, hres, lay, 1e-6)
-        err = max(rel(h1, ph1), rel(out, pout))
-        t_new = graph_ms(lambda: dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"]))  # noqa: B023
         t_old = graph_ms(lambda: present_path(attn, hres, lay, 1e-6))  # noqa: B023
         nbytes = layer_bytes(lay, m, hd, ko, i)
         floor = nbytes / bw / 1e6
-        rows.append(dict(m=m, err_vs_present=err, persistent_us=1e3 * t_new, present_us=1e3 * t_old,
-                         speedup=t_old / t_new, floor_us=1e3 * floor, mb=nbytes / 1e6,
-                         persistent_pct_floor=100 * floor / t_new, present_pct_floor=100 * floor / t_old,
-                         copy_gbps=bw))
+        row = dict(m=m, ranks=list(ranks), present_us=1e3 * t_old, floor_us=1e3 * floor, mb=nbytes / 1e6,
+                   present_pct_floor=100 * floor / t_old, copy_gbps=bw, variants={})
+        for var in VARIANTS:
+            h1, out = dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"], variant=var)
+            err = max(rel(h1, ph1), rel(out, pout))
+            t_new = graph_ms(lambda: dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"],  # noqa: B023
+                                                 variant=var))  # noqa: B023
+            row["variants"][f"s{var[0]}b{var[1]}"] = dict(us=1e3 * t_new, pct_floor=100 * floor / t_new,
+                                                         speedup=t_old / t_new, err_vs_present=err)
+        best = min(row["variants"].items(), key=lambda kv: kv[1]["us"])
+        row.update(best=best[0], persistent_us=best[1]["us"], persistent_pct_floor=best[1]["pct_floor"],
+                   speedup=best[1]["speedup"],
+                   err_vs_present=max(v["err_vs_present"] for v in row["variants"].values()))
+        rows.append(row)
     return rows
+
+
+def build_variants() -> None:
+    """nvcc for every variant at once (one process each) before anything is timed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(VARIANTS)) as pool:
+        list(pool.map(lambda v: dl.library(v).build(), VARIANTS))
+
+
+def ncu_once(dev: str) -> None:
+    """One launch of each 7B variant (M 1 and 8, LoRA on and off), no graphs: for `ncu --kernel-name
+    regex:decode_mlp`."""
+    hd, ko, i = 3584, 3584, 18944
+    for ranks in ((32, 64, 32), (0, 0, 0)):
+        lay = make_layer(hd, ko, i, ranks, torch.bfloat16, dev, 2, dense=False)
+        for m in (1, 8):
+            attn, hres = inputs(lay, m, ko, hd, torch.bfloat16, dev)
+            dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"])
+            present_path(attn, hres, lay, 1e-6)
+    torch.cuda.synchronize()
 
 
 def main() -> int:
@@ -167,10 +206,15 @@ def main() -> int:
     if not torch.cuda.is_available() or not dl.available(torch.device(dev)):
         print("decode layer kernel unavailable:", dl.unavailable_reason())
         return 2
+    if "--ncu" in sys.argv:
+        ncu_once(dev)
+        return 0
+    sys.argv = [a for a in sys.argv if not a.startswith("--")]
+    build_variants()
     result = {"exactness": exactness(dev)}
-    ok = all(r["err_emul"] < 1e-3 and r["err_present"] < 1e-2 and r["bit_equal_rerun"] and r["counters_zero"]
+    ok = all(r["err_emul"] < 5e-3 and r["err_present"] < 1e-2 and r["bit_equal_rerun"] and r["counters_zero"]
              for r in result["exactness"])
-    result["seven_b"] = seven_b(dev)
+    result["seven_b"] = seven_b(dev) + seven_b(dev, (0, 0, 0), (1, 8))
     ok = ok and all(r["err_vs_present"] < 1e-2 for r in result["seven_b"])
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
@@ -178,12 +222,13 @@ def main() -> int:
     for r in result["exactness"]:
         print(f"exact {r['dtype']:15s} M={r['m']:2d} err_emul={r['err_emul']:.2e} err_present={r['err_present']:.2e} "
               f"rerun_bits={r['bit_equal_rerun']} counters_zero={r['counters_zero']}")
-    print(f"{'M':>3} {'MB':>7} {'floor us':>9} {'persistent us':>14} {'%floor':>7} {'present us':>11} {'%floor':>7} "
-          f"{'speedup':>8} {'err':>9}")
+    print(f"{'M':>3} {'ranks':>9} {'MB':>7} {'floor us':>9} {'persistent us':>14} {'%floor':>7} {'present us':>11} "
+          f"{'%floor':>7} {'speedup':>8} {'err':>9}")
     for r in result["seven_b"]:
-        print(f"{r['m']:3d} {r['mb']:7.1f} {r['floor_us']:9.1f} {r['persistent_us']:14.1f} "
-              f"{r['persistent_pct_floor']:6.1f}% {r['present_us']:11.1f} {r['present_pct_floor']:6.1f}% "
-              f"{r['speedup']:7.2f}x {r['err_vs_present']:9.2e}")
+        print(f"{r['m']:3d} {'/'.join(map(str, r['ranks'])):>9} {r['mb']:7.1f} {r['floor_us']:9.1f} "
+              f"{r['persistent_us']:14.1f} {r['persistent_pct_floor']:6.1f}% {r['present_us']:11.1f} "
+              f"{r['present_pct_floor']:6.1f}% {r['speedup']:7.2f}x {r['err_vs_present']:9.2e} best {r['best']}: "
+              + " ".join(f"{k} {v['us']:.1f}" for k, v in r["variants"].items()))
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

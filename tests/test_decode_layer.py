@@ -52,12 +52,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("ranks", [(0, 0, 0), (16, 40, 24)])
-def test_emulation_equals_the_present_path_math(dtype: torch.dtype, ranks: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize(("ranks", "ctas"), [((0, 0, 0), 3), ((16, 40, 24), 1), ((16, 40, 24), 7)])
+def test_emulation_equals_the_present_path_math(dtype: torch.dtype, ranks: tuple[int, int, int], ctas: int) -> None:
+    """1 CTA: each warp holds several whole blocks; 3 and 7: blocks cut between up to 5 warps (gate/up pairs cut
+    inside their gate or their up half)."""
     lay = _layer(dtype, ranks)
     o, gu, dn = lay["args"]
     assert dl.check_shapes(o, gu, dn, lay["attn"].shape[0]) is None
-    h1, out = dl.emulate_mlp_half(lay["attn"], lay["h"], lay["norm_w"], 1e-6, o, gu, dn)
+    h1, out = dl.emulate_mlp_half(lay["attn"], lay["h"], lay["norm_w"], 1e-6, o, gu, dn, ctas)
     rh1, rout = dl.reference_mlp_half(lay["attn"], lay["h"], lay["norm_w"], 1e-6, tuple(lay["weights"]),
                                       tuple(lay["loras"]))
     assert h1.dtype == out.dtype == dtype and h1.shape == (5, H) and out.shape == (5, H)
@@ -74,11 +76,11 @@ def test_emulation_follows_each_input() -> None:
     """A wrong wire (the norm weight, the residual, the up half) would leave the emulation equal on a symmetric input;
     perturbing each input must move the output."""
     lay = _layer(torch.bfloat16, (8, 16, 8), seed=1)
-    base = dl.emulate_mlp_half(lay["attn"], lay["h"], lay["norm_w"], 1e-6, *lay["args"])[1]
+    base = dl.emulate_mlp_half(lay["attn"], lay["h"], lay["norm_w"], 1e-6, *lay["args"], 5)[1]
     for name in ("attn", "h", "norm_w"):
         moved = dict(lay)
         moved[name] = (lay[name].float() * 1.5).to(torch.bfloat16)
-        got = dl.emulate_mlp_half(moved["attn"], moved["h"], moved["norm_w"], 1e-6, *lay["args"])[1]
+        got = dl.emulate_mlp_half(moved["attn"], moved["h"], moved["norm_w"], 1e-6, *lay["args"], 5)[1]
         assert _rel(got, base) > 1e-2, name
 
 
@@ -91,21 +93,44 @@ def test_schedule_covers_every_weight_tile_once(ctas: int, m: int) -> None:
     sch = dl.Schedule(m=m, ranks=(32, 64, 32), ctas=ctas, **SEVEN_B)
     for gi in range(3):
         n, kc = sch.n(gi), sch.k(gi) // 128
-        # every chunk of a row block is taken by exactly one warp of the CTA holding it ...
-        assert sorted(ch for w in range(dl.WARPS) for ch in sch.warp_chunks(gi, w)) == list(range(kc))
-        # ... and every row block by exactly one CTA
-        seen = torch.zeros(n // 16, dtype=torch.int64)
-        for c in range(ctas):
-            blocks = sch.blocks(gi, c)
-            if gi == 1:  # gate block j and up block I/16 + j in the same CTA, gate first
-                assert blocks[0::2] == [b - sch.i // 16 for b in blocks[1::2]]
-            seen[blocks] += 1
+        nb, u, _ = sch.geo(gi)
+        # the warps' ranges tile the stage's units, and no warp streams more than one unit above the fair share
+        ranges = [sch.range(gi, v) for v in range(sch.warps)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == sch.units(gi) == n // 16 * kc
+        assert all(ranges[v][1] == ranges[v + 1][0] for v in range(sch.warps - 1))
+        assert max(e - f for f, e in ranges) - min(e - f for f, e in ranges) <= 1
+        # every (row block, chunk) tile once, and each block's partials are contiguous warps covering its units
+        seen = torch.zeros(n // 16, kc, dtype=torch.int64)
+        for b in range(nb):
+            parts = sch.parts(gi, b)
+            assert [p[1] for p in parts][0] == b * u and parts[-1][2] == (b + 1) * u
+            assert all(parts[k][2] == parts[k + 1][1] and parts[k][0] + 1 == parts[k + 1][0]
+                       for k in range(len(parts) - 1))
+            assert all(sch.warp_of(gi, f) == v == sch.warp_of(gi, e - 1) for v, f, e in parts)
+            assert len(parts) <= sch.pmax(gi)
+            rows = set()
+            for x in range(b * u, (b + 1) * u):
+                row, ch = sch.unit(gi, x)
+                seen[row // 16, ch] += 1
+                rows.add(row)
+            if gi == 1:  # pair b: gate block b first, then up block I/16 + b
+                assert [sch.unit(gi, b * u)[0], sch.unit(gi, b * u + kc)[0]] == [16 * b, 16 * (sch.i // 16 + b)]
         assert bool((seen == 1).all()), f"stage {gi}: tiles missed or doubled"
         units = sch.shrink_units(gi)
         nseg = -(-kc // dl.shrink_chunks(sch.k(gi)))
         want = sorted((rk, s) for s in range(nseg) for rk in range(sch.ranks[gi] // 16))
         assert sorted((rk, s) for _, rk, s in units) == want
         assert nseg <= dl.SHRINK_SEGMENTS
+
+
+def test_schedule_by_hand() -> None:
+    """7B o at 264 CTAs: 224 blocks x 28 chunks over 2112 warps, 2.97 units each; block 0's 28 units lie in
+    warps 0..9 (warp 9's range is [26, 29))."""
+    sch = dl.Schedule(m=8, ranks=(0, 0, 0), ctas=264, **SEVEN_B)
+    assert sch.geo(0) == (224, 28, 28) and sch.geo(1) == (1184, 56, 28) and sch.geo(2) == (224, 148, 148)
+    assert sch.range(0, 0) == (0, 2) and sch.range(0, 9) == (26, 29)
+    assert [p[0] for p in sch.parts(0, 0)] == list(range(10)) and sch.parts(0, 0)[-1] == (9, 26, 28)
+    assert sch.pmax(0) == 10  # brute force over the owner of each unit gives the same
 
 
 def test_stage_counters() -> None:

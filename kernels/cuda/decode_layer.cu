@@ -16,25 +16,31 @@
 // is written (release: __threadfence + atomicAdd; acquire: ld.acquire.gpu by one thread, then a CTA barrier). The
 // last CTA to finish the launch puts every counter back to zero, so a CUDA graph replays it with no reset kernel.
 //
-// Weights never depend on activations: every warp walks ONE issue cursor over the weight chunks of all three GEMM
-// stages (in the order it will consume them) and keeps S-1 chunks of it in flight in a cp.async ring in shared
-// memory, so the next GEMM's first chunks are already in flight while the CTA waits on a counter or runs a shrink;
-// at the start of the norm and down-shrink stages each CTA also prefetches the start of its next GEMM span into L2
-// (cp.async.bulk.prefetch.L2), while DRAM is otherwise idle.
+// GEMM work split (no CTA barrier inside a GEMM stage): a stage's weight is a row of units, one unit = one 128-wide
+// K chunk of one 16-row block, block-major (gate/up: per pair j, gate block j's chunks then up block I/16 + j's); the
+// W = CTAs x 8 warps of the grid take equal contiguous ranges of it, so every warp streams the same number of bytes
+// whatever the shape (row blocks are cut between warps). A warp sums its units of a block in fp32 in order and, at
+// the block's end or its range's, writes that partial (mma fragment order) to the stage's scratch slot (block, its
+// index among the block's warps) and counts it on the block's counter; the warp that counts last sums the block's
+// partials in index order (fixed: reruns are bit-identical), x alpha (2^8 / global scale), + the LoRA expand on the
+// tensor cores (h from shared memory, B_blk rows from global), and runs the stage's epilogue, then zeroes the
+// block's counter for the next launch.
 //
-// GEMM work split: CTA c of C takes the row blocks (16 output rows) [c NB / C, (c+1) NB / C) of a stage (gate/up:
-// pairs of the gate block j and the up block I/16 + j, so SiLU(gate) * up is formed in the same CTA); its 8 warps
-// take a block's 128-wide K chunks round-robin and their fp32 partials are summed in warp order through shared
-// memory by one warp (rotating), which runs the epilogue: x alpha (2^8 / global scale), + the LoRA expand on the
-// tensor cores (h from shared memory, B_blk rows from global), then the stage's own rounding and stores.
+// Weights never depend on activations: every warp walks ONE issue cursor over its units of all three GEMM stages (in
+// the order it will consume them) and keeps S-1 of them in flight in a cp.async ring in shared memory, so the next
+// GEMM's first units are already in flight while the CTA waits on a counter or runs a shrink; before each wait a warp
+// also prefetches the next units of its range into L2 (cp.async.bulk.prefetch.L2), while DRAM is otherwise idle, and
+// the launch starts by prefetching every LoRA factor into L2.
+//
 // Shrinks: units (16 rank rows, K segment of kseg chunks) over every warp of the grid; each writes fp32 partials
 // [seg][M][R]; the consuming GEMM stage sums them in segment order into shared memory (rounded like the present
-// path's shrink output). No atomics on data: every sum has a fixed order, reruns are bit-identical.
+// path's shrink output). No atomics on data: every sum has a fixed order.
 //
 // The FP4 fragment math (resident repacked layout, K permutation, decode by mask/shift/lop3, the E4M3 scale pairs)
 // is that of fp4_gemm.cu (docs/kernels.md); its device helpers are in fp4_frag.cuh, which both include, so that this
-// library still builds on its own in seconds. Intermediates written inside the launch are read with ordinary (coherent) loads,
-// never ld.global.nc.
+// library still builds on its own in seconds. Intermediates written inside the launch are read with ordinary
+// (coherent) loads or ld.global.cg, never ld.global.nc. Build-time knobs: QERL_DL_S (ring stages per warp) and
+// QERL_DL_MINB (CTAs per SM the registers are budgeted for).
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <cuda_fp16.h>
@@ -46,30 +52,41 @@ namespace qerl_dl {
 
 using namespace qerl;  // the fragment and pipeline helpers of fp4_frag.cuh
 
-constexpr int NW = 8;        // warps per CTA
-constexpr int S = 4;         // cp.async ring stages per warp
-constexpr int MAX_R = 256;   // LoRA rank sum of one group
-constexpr int NCNT = 6;      // counters: stages 0..4, then the launch's end
-constexpr int PF_BYTES = 64 * 1024;  // L2 prefetch per CTA at the start of a stage that streams no weights
+#ifndef QERL_DL_S
+#define QERL_DL_S 4
+#endif
+#ifndef QERL_DL_MINB
+#define QERL_DL_MINB 2
+#endif
+constexpr int NW = 8;            // warps per CTA
+constexpr int S = QERL_DL_S;     // cp.async ring stages per warp (a power of two: slots by mask)
+static_assert(S >= 2 && (S & (S - 1)) == 0, "QERL_DL_S: a power of two");
+constexpr int MINB = QERL_DL_MINB;
+constexpr int MAX_R = 256;       // LoRA rank sum of one group
+constexpr int NCNT = 6;          // counters: stages 0..4, then the launch's end
+constexpr int PF_UNITS = 8;      // units of its next range a warp prefetches into L2 before a wait
 
 struct Gemm {
-  const uint8_t* w;   // resident repacked weight [N, K/2] (tiled when N % 64 == 0, else row order)
+  const uint8_t* w;   // resident repacked weight [N, K/2], tiled (64-row groups)
   const uint8_t* s;   // checkpoint E4M3 block scales [N, K/16]
   const float* gs;    // NVFP4 global scale [1]
   const uint16_t* a;  // LoRA A_cat [R, K], activation dtype (null: no LoRA)
   const uint16_t* b;  // LoRA B_blk [N, R], scaling folded in
   float* hp;          // shrink partials [nseg][M][R] fp32
-  int N, K, tiled, R, kseg, nseg;
+  float4* part;       // GEMM partials [blocks][pmax][halves][MT][32] (mma fragment order)
+  unsigned* bcnt;     // [blocks] partials counted per block; zero between launches
+  int N, K, R, kseg, nseg, pmax;
 };
 
 struct MlpParams {
   Gemm g[3];             // o, gate/up (gate rows [0, I), up rows [I, 2I)), down
-  const uint16_t* attn;  // [M, H] rows ld_attn apart: o's input
+  const uint16_t* attn;  // [M, KO] rows ld_attn apart: o's input
   const uint16_t* hres;  // [M, H] rows ld_h apart: the residual stream before o
   const uint16_t* nw;    // [H] post-attention RMSNorm weight
   uint16_t* h1;          // [M, H] h + o (the residual stream after o)
-  uint16_t* x2;          // [M, H] normed
-  uint16_t* act;         // [M, I] SiLU(gate) * up
+  uint4* xp;             // the GEMM inputs in fragment order (see xp_index): attn [MT][KO/32][32], then x2 (the
+                         // normed h1) [MT][H/32][32], then act [MT][I/32][32]; zero past M
+  uint16_t* act;         // [M, I] SiLU(gate) * up (the down shrink's input)
   uint16_t* out;         // [M, H] the down projection (the next layer's residual delta)
   float* ss;             // [H/16][M] sums of h1^2 per o row block
   unsigned* cnt;         // [NCNT] zero between launches
@@ -98,9 +115,32 @@ __device__ __forceinline__ uint32_t ld32(const uint16_t* p) {  // coherent: p ma
   return *reinterpret_cast<const uint32_t*>(p);
 }
 
+// The mma B fragments of lane (g, q) for the 8 tokens of tile t and 32-wide slice kb of an input of K columns are
+// one uint4 (b_frags of the u32 pairs at 32kb + 8j + 2q, j = 0..3, of token 8t + g), stored at
+// xp[(t * K/32 + kb) * 32 + lane]: the GEMM stages read one 16-byte load per slice instead of four loads and four
+// byte permutes. Element (tok, k) of the input sits in that uint4's u32 (j even: x, j odd: y; +2 for odd k) half j/2.
+__device__ __forceinline__ size_t xp_index(int K, int t, int kb, int lane) {
+  return ((size_t)t * (K >> 5) + kb) * 32 + lane;
+}
+__device__ __forceinline__ uint16_t* xp_element(uint4* xp, int K, int tok, int k) {
+  const int w = k & 31, j = w >> 3, q = (w & 7) >> 1, word = (j & 1) + 2 * (w & 1);
+  uint4* at = xp + xp_index(K, tok >> 3, k >> 5, (tok & 7) * 4 + q);
+  return reinterpret_cast<uint16_t*>(reinterpret_cast<uint32_t*>(at) + word) + (j >> 1);
+}
+
 // ---- memory pipeline and grid-wide counters ---------------------------------------------------------------------
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+// This CTA's 1/C share of [p, p + bytes) into L2 (16-byte aligned pieces of at most 4 KiB, one per thread).
+__device__ __forceinline__ void prefetch_share(const void* p, size_t bytes, int c, int C) {
+  if (p == nullptr || bytes == 0) return;
+  const size_t lo = (bytes * c / C) & ~(size_t)15, hi = c + 1 == C ? bytes : (bytes * (c + 1) / C) & ~(size_t)15;
+  const unsigned char* b = static_cast<const unsigned char*>(p);
+  for (size_t off = lo + (size_t)threadIdx.x * 4096; off < hi; off += (size_t)blockDim.x * 4096) {
+    const size_t n = hi - off < 4096 ? hi - off : 4096;
+    if (n >= 16) prefetch_l2(b + off, (unsigned)(n & ~(size_t)15));
+  }
 }
 
 // The CTA's part of a stage is written: make it visible at GPU scope, then count it.
@@ -129,61 +169,39 @@ template <int MT>
 struct Smem {
   static constexpr int RING = S * NW * 1024;            // [S][NW][2 rows][32 lanes] uint4
   static constexpr int SC = S * NW * 16 * 8;            // [S][NW][16 rows] uint2 block scales
-  static constexpr int RED = 2 * NW * MT * 32 * 16;     // [2][NW][MT][32] float4 warp partials
+  static constexpr int CS = NW * 16 * 16;               // [NW][16 rows] uint4: the unit's scale pairs, converted
   static constexpr int HS = MT * 8 * MAX_R * 2;         // [MT*8 tokens][MAX_R] the group's LoRA h
-  static constexpr int GATE = MT * 8 * 16 * 4;          // [MT*8][16] the gate block's rounded values
   static constexpr int RS = 16 * 4;                     // [16] 1/rms per token
-  static constexpr int BYTES = RING + SC + RED + HS + GATE + RS;
+  static constexpr int BYTES = RING + SC + CS + HS + RS;
 };
 
-// Rows / K / pointers of GEMM stage gi without indexing the parameter array at run time (that would copy it to
-// local memory).
+// Fields of GEMM stage gi without indexing the parameter array at run time (that would copy it to local memory).
 #define QERL_SEL(p, gi, f) ((gi) == 0 ? (p).g[0].f : (gi) == 1 ? (p).g[1].f : (p).g[2].f)
 
-__device__ __forceinline__ const uint8_t* weight_at(const uint8_t* w, int tiled, int K, int r, int ch, int q) {
-  const int KC = K >> 7;
-  return tiled ? w + ((size_t)(r >> 6) * KC + ch) * 4096 + (r & 63) * 64 + q * 16
-               : w + (size_t)r * (K >> 1) + (size_t)ch * 64 + q * 16;
-}
-
-// The row blocks of GEMM stage gi held by CTA c: [first, first + count) portions; portion i is row block
-// rb(gi, i) (gate/up: gate block j, then up block I/16 + j, alternating).
-struct Span {
-  int first, count;
+// Stage geometry: blocks (gate/up: pairs), units per block, 128-wide K chunks, and the warps that share its units:
+// all W of the grid, or one per unit where the stage has fewer (so that every sharing warp holds at least one unit
+// and a block's partials come from consecutive warps). 32-bit: the host checks units * W < 2^31.
+struct Geo {
+  int nb, u, kc, t, we;
 };
-__device__ __forceinline__ Span span_of(const MlpParams& p, int gi, int c, int C) {
-  const int nb = gi == 1 ? p.I >> 4 : p.H >> 4;  // o, down: H/16 blocks; gate/up: I/16 pairs
-  const int a = (int)((long long)c * nb / C), b = (int)((long long)(c + 1) * nb / C);
-  return Span{a, gi == 1 ? 2 * (b - a) : b - a};
+__device__ __forceinline__ Geo geo_of(const MlpParams& p, int gi, int w) {
+  const int kc = QERL_SEL(p, gi, K) >> 7;
+  const int nb = gi == 1 ? p.I >> 4 : p.H >> 4, u = gi == 1 ? 2 * kc : kc, t = nb * u;
+  return Geo{nb, u, kc, t, t < w ? t : w};
 }
-__device__ __forceinline__ int block_of(const MlpParams& p, int gi, const Span& sp, int i) {
-  return gi == 1 ? ((i & 1) ? (p.I >> 4) : 0) + sp.first + (i >> 1) : sp.first + i;
+// Warp v's range of a stage's units: [first(v), first(v + 1)) (empty for v >= we); the warp whose range holds unit x.
+__device__ __forceinline__ int range_first(const Geo& G, int v) {
+  return v >= G.we ? G.t : (int)((unsigned)v * (unsigned)G.t / (unsigned)G.we);
 }
-
-// L2 prefetch of the first PF_BYTES of CTA's weight span of GEMM stage gi (gate/up: of both halves).
-__device__ __forceinline__ void prefetch_span(const MlpParams& p, int gi, const Span& sp) {
-  if (sp.count == 0) return;
-  const uint8_t* w = QERL_SEL(p, gi, w);
-  const int K = QERL_SEL(p, gi, K), tiled = QERL_SEL(p, gi, tiled);
-  const size_t row_bytes = (size_t)(K >> 1);
-  const int halves = gi == 1 ? 2 : 1;
-  const int blocks = gi == 1 ? sp.count / 2 : sp.count;
-  for (int hh = 0; hh < halves; ++hh) {
-    const int rb0 = block_of(p, gi, sp, hh), rb1 = rb0 + blocks;  // hh = 1: the up half's first block
-    size_t lo, hi;
-    if (tiled) {
-      lo = (size_t)(rb0 >> 2) * 64 * row_bytes;
-      hi = (size_t)(((rb1 - 1) >> 2) + 1) * 64 * row_bytes;
-    } else {
-      lo = (size_t)rb0 * 16 * row_bytes;
-      hi = (size_t)rb1 * 16 * row_bytes;
-    }
-    if (hi - lo > (size_t)PF_BYTES / halves) hi = lo + PF_BYTES / halves;
-    for (size_t off = lo + (size_t)threadIdx.x * 4096; off < hi; off += (size_t)blockDim.x * 4096) {
-      const size_t n = hi - off < 4096 ? hi - off : 4096;
-      prefetch_l2(w + off, (unsigned)n);
-    }
-  }
+__device__ __forceinline__ int warp_of(const Geo& G, int x) {
+  return (int)(((unsigned)(x + 1) * (unsigned)G.we + (unsigned)G.t - 1u) / (unsigned)G.t) - 1;
+}
+// Weight row (first of 16) of unit `within` of block b.
+__device__ __forceinline__ int unit_row(const MlpParams& p, int gi, const Geo& G, int b, int within) {
+  return gi == 1 ? ((within >= G.kc ? (p.I >> 4) : 0) + b) * 16 : b * 16;
+}
+__device__ __forceinline__ const uint8_t* weight_at(const uint8_t* w, int K, int r, int ch, int q) {
+  return w + ((size_t)(r >> 6) * (K >> 7) + ch) * 4096 + (r & 63) * 64 + q * 16;
 }
 
 // ---- shrinks: h[M, R] = x @ A^T, as fp32 partials per (16 rank rows, K segment) unit over all warps of the grid ---
@@ -221,6 +239,7 @@ __device__ void shrink_stage(const MlpParams& p, int gi, const float* rsm) {
 #pragma unroll
     for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
     const int c1 = (seg + 1) * kseg < KC ? (seg + 1) * kseg : KC;
+#pragma unroll 4
     for (int k0 = seg * kseg * 128; k0 < c1 * 128; k0 += 16) {
       const uint32_t a0 = __ldg(reinterpret_cast<const unsigned*>(a0p + k0));
       const uint32_t a2 = __ldg(reinterpret_cast<const unsigned*>(a0p + k0 + 8));
@@ -252,54 +271,123 @@ __device__ __forceinline__ void gather_h(const MlpParams& p, int gi, uint16_t* h
   const float* hp = QERL_SEL(p, gi, hp);
   for (int i = threadIdx.x; i < p.M * R; i += blockDim.x) {
     float v = 0.f;
-    for (int s = 0; s < nseg; ++s) v = __fadd_rn(v, hp[(size_t)s * p.M * R + i]);
+    for (int s = 0; s < nseg; ++s) v = __fadd_rn(v, __ldcg(hp + (size_t)s * p.M * R + i));
     hs[(i / R) * MAX_R + i % R] = r16<BF16>(v);
   }
   __syncthreads();
 }
 
+// v += h @ B_blk[row0 : row0 + 16]^T on the tensor cores: B_blk rows are operand A, h rows (shared memory) operand B.
+template <int MT, bool BF16>
+__device__ __forceinline__ void lora_expand(float (&v)[MT][4], const uint16_t* B, int R, int row0, const uint16_t* hs,
+                                            int M, int g, int q) {
+  const uint16_t* b0 = B + (size_t)(row0 + g) * R + 2 * q;
+  const uint16_t* b1 = b0 + (size_t)8 * R;
+#pragma unroll 4
+  for (int r0 = 0; r0 < R; r0 += 16) {
+    const bool hi = r0 + 8 < R;
+    const uint32_t a0 = __ldg(reinterpret_cast<const unsigned*>(b0 + r0));
+    const uint32_t a1 = __ldg(reinterpret_cast<const unsigned*>(b1 + r0));
+    const uint32_t a2 = hi ? __ldg(reinterpret_cast<const unsigned*>(b0 + r0 + 8)) : 0u;
+    const uint32_t a3 = hi ? __ldg(reinterpret_cast<const unsigned*>(b1 + r0 + 8)) : 0u;
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      const uint16_t* hr = hs + (t * 8 + g) * MAX_R + r0 + 2 * q;
+      const bool live = t * 8 + g < M;
+      const uint32_t x0 = live ? *reinterpret_cast<const uint32_t*>(hr) : 0u;
+      const uint32_t x1 = live && hi ? *reinterpret_cast<const uint32_t*>(hr + 8) : 0u;
+      mma<BF16>(v[t], a0, a1, a2, a3, x0, x1);
+    }
+  }
+}
+
+// Sum of a block's np partials of one half in index order, x alpha (fragment positions of this lane).
+template <int MT>
+__device__ __forceinline__ void sum_block(float (&v)[MT][4], const float4* slot0, int halves, int half, int np,
+                                          float alpha, int lane) {
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    float4 s4 = __ldcg(slot0 + (half * MT + t) * 32 + lane);
+    for (int i = 1; i < np; ++i) {
+      const float4 o = __ldcg(slot0 + ((size_t)(i * halves + half) * MT + t) * 32 + lane);
+      s4.x = __fadd_rn(s4.x, o.x);
+      s4.y = __fadd_rn(s4.y, o.y);
+      s4.z = __fadd_rn(s4.z, o.z);
+      s4.w = __fadd_rn(s4.w, o.w);
+    }
+    v[t][0] = __fmul_rn(s4.x, alpha);
+    v[t][1] = __fmul_rn(s4.y, alpha);
+    v[t][2] = __fmul_rn(s4.z, alpha);
+    v[t][3] = __fmul_rn(s4.w, alpha);
+  }
+}
+
 // ---- the persistent kernel --------------------------------------------------------------------------------------
 template <int MT, bool BF16>
-__global__ void __launch_bounds__(NW * 32, 2) decode_mlp_kernel(const MlpParams p) {
+__global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpParams p) {
   using L = Smem<MT>;
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);
   uint2* scs = reinterpret_cast<uint2*>(smem + L::RING);
-  float4* red = reinterpret_cast<float4*>(smem + L::RING + L::SC);
-  uint16_t* hs = reinterpret_cast<uint16_t*>(smem + L::RING + L::SC + L::RED);
-  float* gate = reinterpret_cast<float*>(smem + L::RING + L::SC + L::RED + L::HS);
-  float* rsm = reinterpret_cast<float*>(smem + L::RING + L::SC + L::RED + L::HS + L::GATE);
+  uint16_t* hs = reinterpret_cast<uint16_t*>(smem + L::RING + L::SC + L::CS);
+  float* rsm = reinterpret_cast<float*>(smem + L::RING + L::SC + L::CS + L::HS);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-  const int c = blockIdx.x, C = gridDim.x;
-  const Span sp0 = span_of(p, 0, c, C), sp1 = span_of(p, 1, c, C), sp2 = span_of(p, 2, c, C);
-  // a Span array indexed at run time would live in local memory (a stack frame in ptxas' report)
-  auto spn = [&](int gi) -> Span { return gi == 0 ? sp0 : gi == 1 ? sp1 : sp2; };
+  const int c = blockIdx.x, C = gridDim.x, W = C * NW, v = c * NW + warp;
+  uint32_t* cvt = reinterpret_cast<uint32_t*>(smem + L::RING + L::SC) + warp * 64;
 
-  // the issue cursor: GEMM stage ig (3: nothing left), portion ip, chunk iu (this warp's: warp + NW i)
-  int ig = 0, ip = 0, iu = warp;
+  // the issue cursor: GEMM stage ig (3: nothing left), block ib, unit iw within it, il units left in the range, and
+  // the unit's weight piece / scales; within a block's half the next unit is 4 KiB / 8 B further (one tiled chunk),
+  // so the stage's fields are read only where a block or a half starts
+  int ig = -1, ib = 0, iw = 0, il = 0, iu = 0, ikc = 0, isk = 0;
+  const uint8_t *iwp = nullptr, *isp = nullptr;
+  const uint64_t pol = evict_first_policy();
+  // the 16-row x 64-byte piece of a unit (tiled layout: contiguous) and its rows' block scales
+  auto unit_addr = [&](int gi, int b, int within, const uint8_t*& wp, const uint8_t*& sp) {
+    const int kc = QERL_SEL(p, gi, K) >> 7;
+    const int up = gi == 1 && within >= kc;
+    const int ch = up ? within - kc : within, row = ((up ? (p.I >> 4) : 0) + b) * 16;
+    wp = QERL_SEL(p, gi, w) + ((size_t)(row >> 6) * kc + ch) * 4096 + (row & 63) * 64;
+    sp = QERL_SEL(p, gi, s) + (size_t)row * (kc * 8) + ch * 8;
+  };
   auto settle = [&]() {
-    while (ig < 3) {
-      if (ip >= spn(ig).count) {
-        ++ig, ip = 0, iu = warp;
-      } else if (iu >= (QERL_SEL(p, ig, K) >> 7)) {
-        ++ip, iu = warp;
-      } else {
-        break;
+    while (ig < 3 && il == 0) {
+      if (++ig < 3) {
+        const Geo G = geo_of(p, ig, W);
+        const int first = range_first(G, v);
+        il = range_first(G, v + 1) - first;
+        ib = first / G.u;
+        iw = first - ib * G.u;
+        iu = G.u, ikc = G.kc, isk = G.kc * 8;
+        if (il > 0) unit_addr(ig, ib, iw, iwp, isp);
       }
     }
   };
-  const uint64_t pol = evict_first_policy();
   auto issue = [&](int slot) {
-    const uint8_t* w = QERL_SEL(p, ig, w);
-    const uint8_t* s = QERL_SEL(p, ig, s);
-    const int K = QERL_SEL(p, ig, K), tiled = QERL_SEL(p, ig, tiled);
-    const int row = block_of(p, ig, spn(ig), ip) * 16;
     uint4* dst = ring + (slot * NW + warp) * 64;
-    cp_async16_stream(dst + lane, weight_at(w, tiled, K, row + g, iu, q), pol);
-    cp_async16_stream(dst + 32 + lane, weight_at(w, tiled, K, row + g + 8, iu, q), pol);
-    if (lane < 16) cp_async8(scs + (slot * NW + warp) * 16 + lane, s + (size_t)(row + lane) * (K >> 4) + iu * 8, pol);
-    iu += NW;
-    settle();
+    cp_async16_stream(dst + lane, iwp + g * 64 + q * 16, pol);
+    cp_async16_stream(dst + 32 + lane, iwp + (g + 8) * 64 + q * 16, pol);
+    if (lane < 16) cp_async8(scs + (slot * NW + warp) * 16 + lane, isp + lane * isk, pol);
+    if (--il == 0) {
+      settle();
+    } else if (++iw == iu) {
+      ++ib, iw = 0;
+      unit_addr(ig, ib, 0, iwp, isp);
+    } else if (iw == ikc && ig == 1) {  // gate/up: the pair's up half starts
+      unit_addr(ig, ib, iw, iwp, isp);
+    } else {
+      iwp += 4096, isp += 8;
+    }
+  };
+  // L2 prefetch of the PF_UNITS units after the ring's of this warp's range of stage gi (lane i: unit i)
+  auto prefetch_next = [&](int gi) {
+    const Geo G = geo_of(p, gi, W);
+    const int x = range_first(G, v) + (S - 1) + lane;
+    if (lane < PF_UNITS && x < range_first(G, v + 1)) {
+      const uint8_t *wp, *sp;
+      const int b = x / G.u;
+      unit_addr(gi, b, x - b * G.u, wp, sp);
+      prefetch_l2(wp, 1024);
+    }
   };
   settle();
 #pragma unroll
@@ -307,143 +395,183 @@ __global__ void __launch_bounds__(NW * 32, 2) decode_mlp_kernel(const MlpParams 
     if (ig < 3) issue(st);
     cp_async_commit();
   }
+  // the LoRA factors do not depend on the previous kernel either
+#pragma unroll
+  for (int gi = 0; gi < 3; ++gi) {
+    const int R = QERL_SEL(p, gi, R);
+    if (R > 0) {
+      prefetch_share(QERL_SEL(p, gi, a), (size_t)R * QERL_SEL(p, gi, K) * 2, c, C);
+      prefetch_share(QERL_SEL(p, gi, b), (size_t)R * QERL_SEL(p, gi, N) * 2, c, C);
+    }
+  }
   pdl_launch();
   pdl_wait();
 
-  int j = 0, buf = 0, pcount = 0;  // ring position, reduction buffer, portions done (rotates the reducing warp)
+  int j = 0;  // ring position
   auto gemm_stage = [&](int gi) {
-    const int K = QERL_SEL(p, gi, K), KC = K >> 7, R = QERL_SEL(p, gi, R);
-    const uint16_t* x = gi == 0 ? p.attn : gi == 1 ? p.x2 : p.act;
-    const int ldx = gi == 0 ? p.ld_attn : gi == 1 ? p.H : p.I;
+    const Geo G = geo_of(p, gi, W);
+    const int u0 = range_first(G, v), u1 = range_first(G, v + 1);
+    const int R = QERL_SEL(p, gi, R), pmax = QERL_SEL(p, gi, pmax), halves = gi == 1 ? 2 : 1;
+    const int kx = QERL_SEL(p, gi, K);
+    const uint4* xp = p.xp + (gi == 0 ? 0 : (size_t)MT * (p.g[0].K >> 5) * 32) +
+                      (gi == 2 ? (size_t)MT * (p.H >> 5) * 32 : 0);
     const uint16_t* B = QERL_SEL(p, gi, b);
+    float4* part = QERL_SEL(p, gi, part);
+    unsigned* bcnt = QERL_SEL(p, gi, bcnt);
     const float alpha = 256.0f / *QERL_SEL(p, gi, gs);
-    const uint16_t* xrow[MT];
+    float acc0[MT][4], acc1[MT][4];  // gate/up: the gate half, the up half (other stages: acc0)
 #pragma unroll
-    for (int t = 0; t < MT; ++t) xrow[t] = t * 8 + g < p.M ? x + (size_t)(t * 8 + g) * ldx : nullptr;
-    float acc[MT][4];
+    for (int t = 0; t < MT; ++t) {
 #pragma unroll
-    for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-    for (int pi = 0; pi < spn(gi).count; ++pi, ++pcount) {
-      const int rb = block_of(p, gi, spn(gi), pi);
-      for (int u = warp; u < KC; u += NW, ++j) {
-        cp_async_wait<S - 2>();
-        __syncwarp();  // the slot's scales came from other lanes; the slot refilled next was read by all lanes
-        if (ig < 3) issue((j + S - 1) % S);
-        cp_async_commit();
-        const int sl = j % S;
-        const uint4* src = ring + (sl * NW + warp) * 64;
-        const uint4 wa = src[lane], wb = src[32 + lane];
-        const uint2* ss = scs + (sl * NW + warp) * 16;
-        const uint2 sa = ss[g], sb = ss[g + 8];
-        const uint32_t wra[4] = {wa.x, wa.y, wa.z, wa.w}, wrb[4] = {wb.x, wb.y, wb.z, wb.w};
+      for (int e = 0; e < 4; ++e) acc0[t][e] = acc1[t][e] = 0.f;
+    }
+    auto chunk = [&](float (&acc)[MT][4], int ch) {
+      cp_async_wait<S - 2>();
+      __syncwarp();  // the slot's scales came from other lanes; the slot refilled next was read by all lanes
+      if (ig < 3) issue((j + S - 1) & (S - 1));
+      cp_async_commit();
+      const int sl = j & (S - 1);
+      const uint4* src = ring + (sl * NW + warp) * 64;
+      const uint4 wa = src[lane], wb = src[32 + lane];
+      {  // the unit's 16 rows x 4 slices of scale pairs, converted once (lane: row lane/2, slices 2(lane&1) + 0/1)
+        const uint2 raw = scs[(sl * NW + warp) * 16 + (lane >> 1)];
+        const int i0 = 2 * (lane & 1);
+        *reinterpret_cast<uint2*>(cvt + (lane >> 1) * 4 + i0) =
+            make_uint2(scale_pair<true, BF16>(raw, i0, 0), scale_pair<true, BF16>(raw, i0 + 1, 0));
+      }
+      __syncwarp();
+      const uint4 ca = *reinterpret_cast<const uint4*>(cvt + g * 4);
+      const uint4 cb = *reinterpret_cast<const uint4*>(cvt + (g + 8) * 4);
+      const uint32_t sca[4] = {ca.x, ca.y, ca.z, ca.w}, scb[4] = {cb.x, cb.y, cb.z, cb.w};
+      const uint32_t wra[4] = {wa.x, wa.y, wa.z, wa.w}, wrb[4] = {wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          uint4 bf[MT];
+      for (int i = 0; i < 4; ++i) {
+        uint4 bf[MT];
 #pragma unroll
-          for (int t = 0; t < MT; ++t) {
-            if (xrow[t] != nullptr) {
-              const uint16_t* xb = xrow[t] + u * 128 + 32 * i + 2 * q;
-              bf[t] = b_frags(ld32(xb), ld32(xb + 8), ld32(xb + 16), ld32(xb + 24));
-            } else {
-              bf[t] = make_uint4(0u, 0u, 0u, 0u);
-            }
-          }
-          const uint32_t spa = scale_pair<true, BF16>(sa, i, 0), spb = scale_pair<true, BF16>(sb, i, 0);
-          slice_mma<MT, BF16>(acc, wra[i], wrb[i], spa, spb, bf);
+        for (int t = 0; t < MT; ++t) bf[t] = xp[xp_index(kx, t, ch * 4 + i, lane)];
+        slice_mma<MT, BF16>(acc, wra[i], wrb[i], sca[i], scb[i], bf);
+      }
+      ++j;
+    };
+    auto put = [&](float (&acc)[MT][4], float4* slot) {
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        slot[t * 32 + lane] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+        acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+      }
+    };
+    int b = u0 / G.u;
+    for (int u = u0; u < u1; ++b) {
+      const int bend = (b + 1) * G.u, stop = bend < u1 ? bend : u1;
+      for (int within = u - b * G.u; u < stop; ++u, ++within) {
+        if (within >= G.kc) {
+          chunk(acc1, within - G.kc);
+        } else {
+          chunk(acc0, within);
         }
       }
-      put_partials<MT, NW>(red, buf, acc, warp, lane);
-      __syncthreads();
-      if (warp == pcount % NW) {
-        float v[MT][4];
-        sum_partials<MT, NW>(v, red, buf, lane, [alpha](float x) { return __fmul_rn(x, alpha); });
-        if (R > 0) {  // the LoRA expand: B_blk rows are operand A, h rows (shared memory) operand B
-          const uint16_t* b0 = B + (size_t)(rb * 16 + g) * R + 2 * q;
-          const uint16_t* b1 = b0 + (size_t)8 * R;
-          for (int r0 = 0; r0 < R; r0 += 16) {
-            const bool hi = r0 + 8 < R;
-            const uint32_t a0 = __ldg(reinterpret_cast<const unsigned*>(b0 + r0));
-            const uint32_t a1 = __ldg(reinterpret_cast<const unsigned*>(b1 + r0));
-            const uint32_t a2 = hi ? __ldg(reinterpret_cast<const unsigned*>(b0 + r0 + 8)) : 0u;
-            const uint32_t a3 = hi ? __ldg(reinterpret_cast<const unsigned*>(b1 + r0 + 8)) : 0u;
+      // the block's partial from this warp, counted; the last of its warps finishes the block
+      const int vf = warp_of(G, b * G.u), np = warp_of(G, bend - 1) - vf + 1;
+      const float4* slot0 = part + (size_t)b * pmax * halves * MT * 32;
+      float4* mine = part + ((size_t)b * pmax + (v - vf)) * halves * MT * 32;
+      put(acc0, mine);
+      if (gi == 1) put(acc1, mine + MT * 32);
+      __threadfence();
+      __syncwarp();
+      unsigned old = 0;
+      if (lane == 0) old = atomicAdd(bcnt + b, 1u);
+      old = __shfl_sync(0xffffffffu, old, 0);
+      if (old + 1 < (unsigned)np) continue;
+      __threadfence();
+      if (lane == 0) bcnt[b] = 0u;  // every partial of the block is counted: none will touch it again this launch
+      float va[MT][4];
+      sum_block<MT>(va, slot0, halves, 0, np, alpha, lane);
+      const int rb = unit_row(p, gi, G, b, 0) >> 4;
+      if (R > 0) lora_expand<MT, BF16>(va, B, R, rb * 16, hs, p.M, g, q);
+      // va[t][e]: token t*8 + 2q + (e & 1), row rb*16 + g + 8*(e >> 1)
+      if (gi == 0) {  // h1 = h + rnd(o); sums of h1^2 over the block's 16 columns (a fixed butterfly)
 #pragma unroll
-            for (int t = 0; t < MT; ++t) {
-              const uint16_t* hr = hs + (t * 8 + g) * MAX_R + r0 + 2 * q;
-              const bool live = t * 8 + g < p.M;
-              const uint32_t x0 = live ? *reinterpret_cast<const uint32_t*>(hr) : 0u;
-              const uint32_t x1 = live && hi ? *reinterpret_cast<const uint32_t*>(hr + 8) : 0u;
-              mma<BF16>(v[t], a0, a1, a2, a3, x0, x1);
+        for (int t = 0; t < MT; ++t) {
+          float sq[2];
+#pragma unroll
+          for (int e2 = 0; e2 < 2; ++e2) {
+            const int tok = t * 8 + 2 * q + e2;
+            float s2 = 0.f;
+            if (tok < p.M) {
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) {
+                const int n = rb * 16 + g + 8 * hh;
+                const float y = f16<BF16>(r16<BF16>(va[t][e2 + 2 * hh]));
+                const uint16_t hv = r16<BF16>(__fadd_rn(f16<BF16>(p.hres[(size_t)tok * p.ld_h + n]), y));
+                p.h1[(size_t)tok * p.H + n] = hv;
+                const float hf = f16<BF16>(hv);
+                s2 = hh == 0 ? __fmul_rn(hf, hf) : __fadd_rn(s2, __fmul_rn(hf, hf));
+              }
             }
+            sq[e2] = s2;
           }
-        }
-        // v[t][e]: token t*8 + 2q + (e & 1), row rb*16 + g + 8*(e >> 1)
-        if (gi == 0) {  // h1 = h + rnd(o); sums of h1^2 over the block's 16 columns (a fixed butterfly)
 #pragma unroll
-          for (int t = 0; t < MT; ++t) {
-            float sq[2];
+          for (int off = 4; off < 32; off <<= 1) {  // over g: lanes q, q+4, ..., q+28
+            sq[0] = __fadd_rn(sq[0], __shfl_xor_sync(0xffffffffu, sq[0], off));
+            sq[1] = __fadd_rn(sq[1], __shfl_xor_sync(0xffffffffu, sq[1], off));
+          }
+          if (g == 0) {
 #pragma unroll
             for (int e2 = 0; e2 < 2; ++e2) {
               const int tok = t * 8 + 2 * q + e2;
-              float s2 = 0.f;
-              if (tok < p.M) {
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                  const int n = rb * 16 + g + 8 * hh;
-                  const float y = f16<BF16>(r16<BF16>(v[t][e2 + 2 * hh]));
-                  const uint16_t hv = r16<BF16>(__fadd_rn(f16<BF16>(p.hres[(size_t)tok * p.ld_h + n]), y));
-                  p.h1[(size_t)tok * p.H + n] = hv;
-                  const float hf = f16<BF16>(hv);
-                  s2 = hh == 0 ? __fmul_rn(hf, hf) : __fadd_rn(s2, __fmul_rn(hf, hf));
-                }
-              }
-              sq[e2] = s2;
-            }
-#pragma unroll
-            for (int off = 4; off < 32; off <<= 1) {  // over g: lanes q, q+4, ..., q+28
-              sq[0] = __fadd_rn(sq[0], __shfl_xor_sync(0xffffffffu, sq[0], off));
-              sq[1] = __fadd_rn(sq[1], __shfl_xor_sync(0xffffffffu, sq[1], off));
-            }
-            if (g == 0) {
-#pragma unroll
-              for (int e2 = 0; e2 < 2; ++e2) {
-                const int tok = t * 8 + 2 * q + e2;
-                if (tok < p.M) p.ss[(size_t)rb * p.M + tok] = sq[e2];
-              }
-            }
-          }
-        } else if (gi == 1) {
-          const int ni = p.I >> 4;
-#pragma unroll
-          for (int t = 0; t < MT; ++t) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int tok = t * 8 + 2 * q + (e & 1), row = g + 8 * (e >> 1);
-              const float y = f16<BF16>(r16<BF16>(v[t][e]));
-              if (rb < ni) {  // gate: kept for the up block that comes next in this CTA
-                gate[(t * 8 + 2 * q + (e & 1)) * 16 + row] = y;
-              } else if (tok < p.M) {
-                const float gt = gate[(t * 8 + 2 * q + (e & 1)) * 16 + row];
-                const float sl = f16<BF16>(r16<BF16>(__fdiv_rn(gt, __fadd_rn(1.0f, expf(-gt)))));
-                p.act[(size_t)tok * p.I + (rb - ni) * 16 + row] = r16<BF16>(__fmul_rn(sl, y));
-              }
-            }
-          }
-        } else {
-#pragma unroll
-          for (int t = 0; t < MT; ++t) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int tok = t * 8 + 2 * q + (e & 1);
-              if (tok < p.M) p.out[(size_t)tok * p.H + rb * 16 + g + 8 * (e >> 1)] = r16<BF16>(v[t][e]);
+              if (tok < p.M) p.ss[(size_t)rb * p.M + tok] = sq[e2];
             }
           }
         }
+      } else if (gi == 1) {  // act = rnd(rnd(silu(gate)) * up) for pair b
+        float vu[MT][4];
+        sum_block<MT>(vu, slot0, halves, 1, np, alpha, lane);
+        if (R > 0) lora_expand<MT, BF16>(vu, B, R, ((p.I >> 4) + b) * 16, hs, p.M, g, q);
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int tok = t * 8 + 2 * q + (e & 1);
+            if (tok < p.M) {
+              const float gt = f16<BF16>(r16<BF16>(va[t][e])), up = f16<BF16>(r16<BF16>(vu[t][e]));
+              const float sl = f16<BF16>(r16<BF16>(__fdiv_rn(gt, __fadd_rn(1.0f, expf(-gt)))));
+              const uint16_t a = r16<BF16>(__fmul_rn(sl, up));
+              const int k = b * 16 + g + 8 * (e >> 1);
+              p.act[(size_t)tok * p.I + k] = a;
+              *xp_element(p.xp + (size_t)MT * ((p.g[0].K >> 5) + (p.H >> 5)) * 32, p.I, tok, k) = a;
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int tok = t * 8 + 2 * q + (e & 1);
+            if (tok < p.M) p.out[(size_t)tok * p.H + rb * 16 + g + 8 * (e >> 1)] = r16<BF16>(va[t][e]);
+          }
+        }
       }
-      buf ^= 1;
     }
   };
 
-  // stage 0: o's shrink on the attention output
+  // stage 0: o's input in fragment order (zero past M; act's zero tiles too), o's shrink on it
+  {
+    const int ko = p.g[0].K, n = MT * (ko >> 5) * 32, na = MT * (p.I >> 5) * 32;
+    uint4* xpa = p.xp + (size_t)MT * ((ko >> 5) + (p.H >> 5)) * 32;
+    for (int id = (int)((long long)c * n / C) + (int)threadIdx.x; id < (int)((long long)(c + 1) * n / C);
+         id += blockDim.x) {
+      const int ln = id & 31, kb = (id >> 5) % (ko >> 5), t = (id >> 5) / (ko >> 5);
+      const int tok = t * 8 + (ln >> 2);
+      const uint16_t* b = p.attn + (size_t)tok * p.ld_attn + kb * 32 + 2 * (ln & 3);
+      p.xp[id] = tok < p.M ? b_frags(ld32(b), ld32(b + 8), ld32(b + 16), ld32(b + 24)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    // act's fragments of tokens past M stay zero (the gate/up epilogue writes only tokens < M)
+    for (int id = (int)((long long)c * na / C) + (int)threadIdx.x; id < (int)((long long)(c + 1) * na / C);
+         id += blockDim.x) {
+      if (((id >> 5) / (p.I >> 5)) * 8 + ((id & 31) >> 2) >= p.M) xpa[id] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
   shrink_stage<MT, BF16>(p, 0, rsm);
   arrive(p.cnt + 0);
   // stage 1: o GEMM, residual, sums of squares
@@ -452,24 +580,30 @@ __global__ void __launch_bounds__(NW * 32, 2) decode_mlp_kernel(const MlpParams 
   gemm_stage(0);
   arrive(p.cnt + 1);
   // stage 2: 1/rms per token, x2, gate/up's shrink
-  prefetch_span(p, 1, spn(1));
+  prefetch_next(1);
   wait_all(p.cnt + 1, C);
   if (warp < 2) {  // token warp + 2i: lane l sums blocks l, l+32, ... in order, then a butterfly
     for (int tok = warp; tok < p.M; tok += 2) {
       float s2 = 0.f;
-      for (int b = lane; b < (p.H >> 4); b += 32) s2 = __fadd_rn(s2, p.ss[(size_t)b * p.M + tok]);
+      for (int b = lane; b < (p.H >> 4); b += 32) s2 = __fadd_rn(s2, __ldcg(p.ss + (size_t)b * p.M + tok));
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) s2 = __fadd_rn(s2, __shfl_xor_sync(0xffffffffu, s2, off));
       if (lane == 0) rsm[tok] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s2, (float)p.H), p.eps)));
     }
   }
   __syncthreads();
-  {
-    const int pairs = p.M * (p.H >> 1);
-    const int a = (int)((long long)c * pairs / C), b = (int)((long long)(c + 1) * pairs / C);
-    for (int i = a + (int)threadIdx.x; i < b; i += blockDim.x) {
-      const int tok = i / (p.H >> 1), k = 2 * (i % (p.H >> 1));
-      *reinterpret_cast<uint32_t*>(p.x2 + (size_t)tok * p.H + k) = shrink_pair<MT, BF16>(p, 1, tok, k, rsm);
+  {  // x2 = rnd(w * rnd(h1 / rms)) in fragment order (zero past M), this CTA's share
+    const int n = MT * (p.H >> 5) * 32;
+    uint4* xp2 = p.xp + (size_t)MT * (p.g[0].K >> 5) * 32;
+    for (int id = (int)((long long)c * n / C) + (int)threadIdx.x; id < (int)((long long)(c + 1) * n / C);
+         id += blockDim.x) {
+      const int ln = id & 31, kb = (id >> 5) % (p.H >> 5), t = (id >> 5) / (p.H >> 5);
+      const int tok = t * 8 + (ln >> 2), k = kb * 32 + 2 * (ln & 3);
+      xp2[id] = tok < p.M ? b_frags(shrink_pair<MT, BF16>(p, 1, tok, k, rsm),
+                                    shrink_pair<MT, BF16>(p, 1, tok, k + 8, rsm),
+                                    shrink_pair<MT, BF16>(p, 1, tok, k + 16, rsm),
+                                    shrink_pair<MT, BF16>(p, 1, tok, k + 24, rsm))
+                          : make_uint4(0u, 0u, 0u, 0u);
     }
   }
   shrink_stage<MT, BF16>(p, 1, rsm);
@@ -480,7 +614,7 @@ __global__ void __launch_bounds__(NW * 32, 2) decode_mlp_kernel(const MlpParams 
   gemm_stage(1);
   arrive(p.cnt + 3);
   // stage 4: down's shrink
-  prefetch_span(p, 2, spn(2));
+  prefetch_next(2);
   wait_all(p.cnt + 3, C);
   shrink_stage<MT, BF16>(p, 2, rsm);
   arrive(p.cnt + 4);
@@ -530,30 +664,36 @@ int qerl_dl_prepare(int mt, int bf16, int* ctas_per_sm) {
 }
 
 int qerl_dl_smem(int mt) { return mt == 1 ? qerl_dl::Smem<1>::BYTES : qerl_dl::Smem<2>::BYTES; }
+// the build's knobs: ring stages per warp, CTAs per SM budgeted
+int qerl_dl_stages() { return qerl_dl::S; }
+int qerl_dl_minb() { return qerl_dl::MINB; }
 
-// One launch of the MLP half. Per GEMM g (o, gate/up, down): weight, scales, global scale, A_cat, B_blk, shrink
-// partials, N, K, tiled, R, kseg, nseg (R = 0: no LoRA). Preconditions (kernels/decode_layer.py checks them):
-// M <= 8 * mt <= 16, H % 128 == 0, I % 128 == 0, 4-byte aligned rows, R % 8 == 0 and R <= 256, cnt zeroed once.
+// One launch of the MLP half. Per GEMM g (o, gate/up, down), 8 pointers: weight, scales, global scale, A_cat, B_blk,
+// shrink partials, GEMM partials, block counters; 6 ints: N, K, R, kseg, nseg, pmax (R = 0: no LoRA).
+// Preconditions (kernels/decode_layer.py checks them): tiled weights (N % 64 == 0), M <= 8 * mt <= 16,
+// H % 128 == 0, I % 128 == 0, 4-byte aligned rows, R % 8 == 0 and R <= 256, cnt and block counters zeroed once.
 int qerl_dl_mlp(const void* const* gptr, const int* gint, const void* attn, const void* hres, const void* nw, void* h1,
-                void* x2, void* act, void* out, float* ss, unsigned* cnt, float eps, int M, int H, int I, int ld_attn,
+                void* xp, void* act, void* out, float* ss, unsigned* cnt, float eps, int M, int H, int I, int ld_attn,
                 int ld_h, int mt, int bf16, int ctas, int pdl, void* stream) {
   qerl_dl::MlpParams p{};
   for (int i = 0; i < 3; ++i) {
     qerl_dl::Gemm& g = p.g[i];
-    g.w = static_cast<const uint8_t*>(gptr[6 * i + 0]);
-    g.s = static_cast<const uint8_t*>(gptr[6 * i + 1]);
-    g.gs = static_cast<const float*>(gptr[6 * i + 2]);
-    g.a = static_cast<const uint16_t*>(gptr[6 * i + 3]);
-    g.b = static_cast<const uint16_t*>(gptr[6 * i + 4]);
-    g.hp = static_cast<float*>(const_cast<void*>(gptr[6 * i + 5]));
-    g.N = gint[6 * i + 0], g.K = gint[6 * i + 1], g.tiled = gint[6 * i + 2];
-    g.R = gint[6 * i + 3], g.kseg = gint[6 * i + 4], g.nseg = gint[6 * i + 5];
+    g.w = static_cast<const uint8_t*>(gptr[8 * i + 0]);
+    g.s = static_cast<const uint8_t*>(gptr[8 * i + 1]);
+    g.gs = static_cast<const float*>(gptr[8 * i + 2]);
+    g.a = static_cast<const uint16_t*>(gptr[8 * i + 3]);
+    g.b = static_cast<const uint16_t*>(gptr[8 * i + 4]);
+    g.hp = static_cast<float*>(const_cast<void*>(gptr[8 * i + 5]));
+    g.part = static_cast<float4*>(const_cast<void*>(gptr[8 * i + 6]));
+    g.bcnt = static_cast<unsigned*>(const_cast<void*>(gptr[8 * i + 7]));
+    g.N = gint[6 * i + 0], g.K = gint[6 * i + 1], g.R = gint[6 * i + 2];
+    g.kseg = gint[6 * i + 3], g.nseg = gint[6 * i + 4], g.pmax = gint[6 * i + 5];
   }
   p.attn = static_cast<const uint16_t*>(attn);
   p.hres = static_cast<const uint16_t*>(hres);
   p.nw = static_cast<const uint16_t*>(nw);
   p.h1 = static_cast<uint16_t*>(h1);
-  p.x2 = static_cast<uint16_t*>(x2);
+  p.xp = static_cast<uint4*>(xp);
   p.act = static_cast<uint16_t*>(act);
   p.out = static_cast<uint16_t*>(out);
   p.ss = ss;

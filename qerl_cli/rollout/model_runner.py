@@ -245,7 +245,9 @@ class ModelRunner:
         if not decode_layer.available(self.device):
             return
         for i, lp in enumerate(self.plan.layers):
-            self._mlp_args[i] = self._mlp_half_args(lp, decode_layer)
+            args = self._mlp_args[i] = self._mlp_half_args(lp, decode_layer)
+            if args is not None:
+                decode_layer.prepare(self.device, *args, self.dtype)
 
     @staticmethod
     def _mlp_half_args(lp: Any, decode_layer: Any) -> tuple | None:
