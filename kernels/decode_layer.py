@@ -30,13 +30,13 @@ from qerl_kernels.nvcc_build import CudaLibrary, find_nvcc, hopper_available
 SRC = Path(__file__).parent / "cuda" / "decode_layer.cu"
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
               "-lineinfo")
-WARPS = 8  # NW in decode_layer.cu
+WARPS = 8  # NW in decode_layer.cu: per CTA, GEMM_WARPS GEMM warps and one LoRA warp
+GEMM_WARPS = 7  # NG
 MAX_M = 16  # two 8-token tiles
-MAX_RANK = 256  # MAX_R
-NCNT = 6  # stage counters 0..4 and the launch's end counter
-SHRINK_SEGMENTS = 16  # a shrink's K is cut into at most this many segments (their partials are summed in order)
-STAGES = ("o shrink", "o GEMM + residual", "norm + gate/up shrink", "gate/up GEMM + SiLU*mul", "down shrink",
-          "down GEMM")
+MAX_RANK = 256  # the partials' scratch is sized for it
+NCNT = 10  # grid-wide counters: 3 GEMM phases, 3 shrinks' partials, 3 shrinks' h, the launch's end
+SHRINK_SEGMENTS = 64  # a shrink's K is cut into at most this many segments (their partials are summed in order)
+PHASES = ("o GEMM + residual", "norm (x2 in fragment order)", "gate/up GEMM + SiLU*mul", "down GEMM")
 # the build's knobs (QERL_DL_S ring stages per warp, QERL_DL_MINB CTAs per SM the registers are budgeted for): the
 # default is the variant measured fastest (docs/decode.md); others are built on demand for the bench
 DEFAULT_VARIANT = (4, 2)
@@ -143,7 +143,8 @@ class Schedule:
 
     @property
     def warps(self) -> int:
-        return self.ctas * WARPS
+        """The GEMM warps of the grid."""
+        return self.ctas * GEMM_WARPS
 
     def geo(self, gi: int) -> tuple[int, int, int]:
         """geo_of: (blocks, units per block, K chunks); gate/up's blocks are the (gate j, up j) pairs."""
@@ -193,21 +194,26 @@ class Schedule:
         return max(self.warp_of(gi, b * u + u - 1) - self.warp_of(gi, b * u) + 1 for b in range(nb))
 
     def shrink_units(self, gi: int) -> list[tuple[int, int, int]]:
-        """(global warp, 16-rank block, K segment) of every shrink unit of group gi."""
+        """(CTA whose LoRA warp computes it, 16-rank block, K segment) of every shrink unit of group gi."""
         r = self.ranks[gi]
         if r == 0:
             return []
         nrk = -(-r // 16)
         kseg = shrink_chunks(self.k(gi))
         nseg = -(-(self.k(gi) // 128) // kseg)
-        return [(u % self.warps, u % nrk, u // nrk) for u in range(nrk * nseg)]
+        return [(u % self.ctas, u % nrk, u // nrk) for u in range(nrk * nseg)]
 
-    def counters_after(self, stage: int) -> list[int]:
-        """The counters once every CTA has finished `stage` (0..5) and none has started the next; after stage 5
-        the last CTA has put them all back to zero."""
-        if stage >= len(STAGES) - 1:
-            return [0] * NCNT
-        return [self.ctas if s <= stage else 0 for s in range(NCNT)]
+    def h_share(self, gi: int, c: int) -> tuple[int, int]:
+        """The [first, end) of the M x R values of group gi's h that CTA c's LoRA warp sums."""
+        n = self.m * self.ranks[gi]
+        return c * n // self.ctas, (c + 1) * n // self.ctas
+
+    def counters_after(self, phase: int) -> list[int]:
+        """The GEMM warps' three phase counters (o, x2, gate/up) once every CTA has finished `phase` (0..3) and none
+        has started the next; after the last phase the last CTA has put every counter back to zero."""
+        if phase >= len(PHASES) - 1:
+            return [0] * 3
+        return [self.ctas if s <= phase else 0 for s in range(3)]
 
 
 # ---- the launch --------------------------------------------------------------------------------------------------
@@ -271,7 +277,7 @@ def _counter(device: torch.device) -> torch.Tensor:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     cnt = _counters.get(idx)
     if cnt is None:
-        cnt = _counters[idx] = torch.zeros(8, dtype=torch.int32, device=device)
+        cnt = _counters[idx] = torch.zeros(16, dtype=torch.int32, device=device)
     return cnt
 
 
@@ -331,8 +337,8 @@ def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: flo
     sch = Schedule(m, hd, i, o.k, (o.rank, gate_up.rank, down.rank), ctas)
     parts = scratch(dev, sch, mt)
     h1 = torch.empty((m, hd), dtype=dt, device=dev)
-    # the GEMM inputs in mma fragment order (attn, the normed h1, act), 16 bytes per (tile, 32-wide slice, lane)
-    xp = torch.empty((mt * (o.k + hd + i) // 32 * 32, 4), dtype=torch.int32, device=dev)
+    # gate/up's and down's inputs in mma fragment order (the normed h1, act), 16 bytes per (tile, 32-wide slice, lane)
+    xp = torch.empty((mt * (hd + i) // 32 * 32, 4), dtype=torch.int32, device=dev)
     act = torch.empty((m, i), dtype=dt, device=dev)
     out = torch.empty((m, hd), dtype=dt, device=dev)
     ss = torch.empty((hd // 16, m), dtype=torch.float32, device=dev)
@@ -341,15 +347,16 @@ def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: flo
         kseg = shrink_chunks(g.k)
         nseg = -(-(g.k // 128) // kseg)
         hp = torch.empty((nseg, m, max(g.rank, 1)), dtype=torch.float32, device=dev)
-        keep.append(hp)
+        hg = torch.empty((m, max(g.rank, 1)), dtype=dt, device=dev)
+        keep += [hp, hg]
         a = g.a.contiguous() if g.a is not None else None
         b = g.b.contiguous() if g.b is not None else None
         keep += [a, b]
         ptrs += [g.repacked.data_ptr(), g.scale.view(torch.uint8).data_ptr(), g.global_scale.data_ptr(),
                  a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None, hp.data_ptr(),
-                 parts[2 * gi].data_ptr(), parts[2 * gi + 1].data_ptr()]
+                 parts[2 * gi].data_ptr(), parts[2 * gi + 1].data_ptr(), hg.data_ptr()]
         ints += [g.n, g.k, g.rank, kseg, nseg, sch.pmax(gi)]
-    gptr = (ctypes.c_void_p * 24)(*ptrs)
+    gptr = (ctypes.c_void_p * 27)(*ptrs)
     gint = (ctypes.c_int * 18)(*ints)
     nw = norm_w.contiguous()
     stream = torch.cuda.current_stream(dev).cuda_stream

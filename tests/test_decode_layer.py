@@ -124,21 +124,46 @@ def test_schedule_covers_every_weight_tile_once(ctas: int, m: int) -> None:
 
 
 def test_schedule_by_hand() -> None:
-    """7B o at 264 CTAs: 224 blocks x 28 chunks over 2112 warps, 2.97 units each; block 0's 28 units lie in
-    warps 0..9 (warp 9's range is [26, 29))."""
+    """7B o at 264 CTAs: 224 blocks x 28 chunks = 6272 units over 264 x 7 = 1848 GEMM warps, 3.394 each: warp v
+    starts at floor(3.394 v), so block 0's units 0..27 lie in warps 0..8 (warp 8's range [27, 30) ends in block 1)."""
     sch = dl.Schedule(m=8, ranks=(0, 0, 0), ctas=264, **SEVEN_B)
+    assert sch.warps == 1848
     assert sch.geo(0) == (224, 28, 28) and sch.geo(1) == (1184, 56, 28) and sch.geo(2) == (224, 148, 148)
-    assert sch.range(0, 0) == (0, 2) and sch.range(0, 9) == (26, 29)
-    assert [p[0] for p in sch.parts(0, 0)] == list(range(10)) and sch.parts(0, 0)[-1] == (9, 26, 28)
-    assert sch.pmax(0) == 10  # brute force over the owner of each unit gives the same
+    assert sch.range(0, 0) == (0, 3) and sch.range(0, 3) == (10, 13) and sch.range(0, 8) == (27, 30)
+    assert sch.parts(0, 0)[0] == (0, 0, 3) and sch.parts(0, 0)[-1] == (8, 27, 28) and len(sch.parts(0, 0)) == 9
+    # the scratch's slots per block: the most warps any block spans, by brute force over every unit's owner
+    for gi in range(3):
+        t, w = sch.units(gi), sch.warps
+        owner = [0] * t
+        for v in range(w):
+            for x in range(v * t // w, (v + 1) * t // w):
+                owner[x] = v
+        u = sch.geo(gi)[1]
+        assert sch.pmax(gi) == max(len(set(owner[b * u:(b + 1) * u])) for b in range(sch.geo(gi)[0]))
 
 
-def test_stage_counters() -> None:
+def test_fewer_units_than_warps() -> None:
+    """A stage with fewer units than GEMM warps shares them one per warp (the rest idle), so that every warp between
+    a block's first and last holds one of its units (the finishing warp counts exactly the block's partials)."""
+    sch = dl.Schedule(m=5, ranks=(16, 40, 24), ctas=264, h=H, i=I, ko=KO)
+    for gi in range(3):
+        assert sch.sharing(gi) == min(sch.units(gi), sch.warps) < sch.warps
+        for b in range(sch.geo(gi)[0]):
+            assert all(e > f for _, f, e in sch.parts(gi, b))
+        assert sch.range(gi, sch.warps - 1) == (sch.units(gi), sch.units(gi))
+
+
+def test_phase_counters_and_lora_shares() -> None:
     sch = dl.Schedule(m=8, ranks=(32, 64, 32), ctas=264, **SEVEN_B)
-    assert len(dl.STAGES) == 6 and dl.NCNT == 6
-    for s in range(5):  # stage s done: counters 0..s hold the grid size, the rest (and the end counter) zero
-        assert sch.counters_after(s) == [264] * (s + 1) + [0] * (dl.NCNT - s - 1)
-    assert sch.counters_after(5) == [0] * dl.NCNT  # the last CTA reset them: a graph replays with no reset kernel
+    assert len(dl.PHASES) == 4 and dl.NCNT == 10
+    for s in range(3):  # phase s done: the counters of phases 0..s hold the grid size
+        assert sch.counters_after(s) == [264] * (s + 1) + [0] * (2 - s)
+    assert sch.counters_after(3) == [0, 0, 0]  # the last CTA reset them: a graph replays with no reset kernel
+    for gi in range(3):  # every h value summed by exactly one CTA's LoRA warp
+        shares = [sch.h_share(gi, c) for c in range(264)]
+        assert shares[0][0] == 0 and shares[-1][1] == 8 * sch.ranks[gi]
+        assert all(shares[c][1] == shares[c + 1][0] for c in range(263))
+        assert len(sch.shrink_units(gi)) <= 264  # one unit per LoRA warp at most: no warp runs two in series
 
 
 def _ptxas_report(folder: Path) -> str:

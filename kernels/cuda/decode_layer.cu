@@ -1,40 +1,43 @@
 // The MLP half of a decoder layer's decode step as ONE persistent launch (NVFP4 weights, bf16/fp16 activations,
-// M <= 16 tokens), for Hopper (sm_90a):
+// M <= 16 tokens), for Hopper (sm_90a). Seven GEMM warps per CTA stream the weights through three phases, a grid-wide
+// counter between them:
 //
-//   stage 0  o shrink       ho  = attn @ Ao^T                       (LoRA; partials per K segment)
-//   stage 1  o GEMM         h1  = h + rnd(attn @ Wo^T + ho Bo^T)    (+ per-row-block sums of h1^2)
-//   stage 2  norm + shrink  x2  = rnd(w * rnd(h1 * rs)),  hg = x2 @ Agu^T
-//   stage 3  gate/up GEMM   act = rnd(rnd(silu(g)) * u),  [g | u] = rnd(x2 @ Wgu^T + hg Bgu^T)
-//   stage 4  down shrink    hd  = act @ Ad^T
-//   stage 5  down GEMM      out = rnd(act @ Wd^T + hd Bd^T)
+//   o GEMM          h1  = h + rnd(attn @ Wo^T + ho Bo^T)    (+ per-row-block sums of h1^2)
+//   norm            x2  = rnd(w * rnd(h1 * rs))             (in mma fragment order)
+//   gate/up GEMM    act = rnd(rnd(silu(g)) * u),  [g | u] = rnd(x2 @ Wgu^T + hg Bgu^T)
+//   down GEMM       out = rnd(act @ Wd^T + hd Bd^T)
 //
+// while the CTA's eighth warp, the LoRA warp, computes the shrinks beside them: ho = attn @ Ao^T at once, hg once h1
+// is complete (x2 formed on the fly), hd once act is; each as fp32 partials per (16 rank rows, K segment) unit, then
+// summed in segment order and rounded (every CTA one share of the M x R values). A GEMM warp that finishes a row
+// block waits for its group's h only there, where it adds the expand, by which time it is normally long done.
 // (rnd: rounding to the activation dtype where the present decode path stores that dtype; docs/decode.md "The
 // persistent decode layer" gives the schedule and the floors, kernels/decode_layer.py its CPU emulation.)
 //
 // The grid is at most what is resident at once (the host sizes it from the occupancy), so CTAs may wait for one
-// another: a stage's consumers wait on a grid-wide counter that every CTA increments once when its part of the stage
-// is written (release: __threadfence + atomicAdd; acquire: ld.acquire.gpu by one thread, then a CTA barrier). The
-// last CTA to finish the launch puts every counter back to zero, so a CUDA graph replays it with no reset kernel.
+// another: a phase's consumers wait on a grid-wide counter that every CTA (its GEMM warps, or its LoRA warp)
+// increments once when its part is written (release: __threadfence + atomicAdd; acquire: ld.acquire.gpu by one thread,
+// then a named barrier or a warp sync). The last CTA to finish the launch puts every counter back to zero, so a CUDA
+// graph replays it with no reset kernel.
 //
 // GEMM work split (no CTA barrier inside a GEMM stage): a stage's weight is a row of units, one unit = one 128-wide
 // K chunk of one 16-row block, block-major (gate/up: per pair j, gate block j's chunks then up block I/16 + j's); the
-// W = CTAs x 8 warps of the grid take equal contiguous ranges of it, so every warp streams the same number of bytes
+// W = CTAs x 7 GEMM warps of the grid take equal contiguous ranges of it, so every warp streams the same number of bytes
 // whatever the shape (row blocks are cut between warps). A warp sums its units of a block in fp32 in order and, at
 // the block's end or its range's, writes that partial (mma fragment order) to the stage's scratch slot (block, its
 // index among the block's warps) and counts it on the block's counter; the warp that counts last sums the block's
 // partials in index order (fixed: reruns are bit-identical), x alpha (2^8 / global scale), + the LoRA expand on the
-// tensor cores (h from shared memory, B_blk rows from global), and runs the stage's epilogue, then zeroes the
-// block's counter for the next launch.
+// tensor cores (h and B_blk rows from global), and runs the stage's epilogue, then zeroes the block's counter for the
+// next launch.
 //
-// Weights never depend on activations: every warp walks ONE issue cursor over its units of all three GEMM stages (in
+// Weights never depend on activations: every GEMM warp walks ONE issue cursor over its units of all three GEMMs (in
 // the order it will consume them) and keeps S-1 of them in flight in a cp.async ring in shared memory, so the next
-// GEMM's first units are already in flight while the CTA waits on a counter or runs a shrink; before each wait a warp
-// also prefetches the next units of its range into L2 (cp.async.bulk.prefetch.L2), while DRAM is otherwise idle, and
-// the launch starts by prefetching every LoRA factor into L2.
+// GEMM's first units are already in flight while the CTA waits on a counter; before each wait a warp also prefetches
+// the next units of its range into L2 (cp.async.bulk.prefetch.L2), while DRAM is otherwise idle, and the launch
+// starts by prefetching every LoRA factor into L2.
 //
-// Shrinks: units (16 rank rows, K segment of kseg chunks) over every warp of the grid; each writes fp32 partials
-// [seg][M][R]; the consuming GEMM stage sums them in segment order into shared memory (rounded like the present
-// path's shrink output). No atomics on data: every sum has a fixed order.
+// Shrink units (16 rank rows, K segment of kseg chunks) go to the LoRA warps (CTA c: units c, c + C, ...); each
+// writes fp32 partials [seg][M][R]; no atomics on data: every sum has a fixed order.
 //
 // The FP4 fragment math (resident repacked layout, K permutation, decode by mask/shift/lop3, the E4M3 scale pairs)
 // is that of fp4_gemm.cu (docs/kernels.md); its device helpers are in fp4_frag.cuh, which both include, so that this
@@ -58,12 +61,15 @@ using namespace qerl;  // the fragment and pipeline helpers of fp4_frag.cuh
 #ifndef QERL_DL_MINB
 #define QERL_DL_MINB 2
 #endif
-constexpr int NW = 8;            // warps per CTA
+constexpr int NW = 8;            // warps per CTA: NG GEMM warps and one LoRA warp
+constexpr int NG = NW - 1;       // the GEMM warps (0 .. NG-1)
+constexpr int LW = NW - 1;       // the LoRA warp: the three shrinks, beside the GEMMs
 constexpr int S = QERL_DL_S;     // cp.async ring stages per warp (a power of two: slots by mask)
 static_assert(S >= 2 && (S & (S - 1)) == 0, "QERL_DL_S: a power of two");
 constexpr int MINB = QERL_DL_MINB;
-constexpr int MAX_R = 256;       // LoRA rank sum of one group
-constexpr int NCNT = 6;          // counters: stages 0..4, then the launch's end
+// grid-wide counters: GEMM phases done (o, x2 written, gate/up), shrink partials written (per group), h summed (per
+// group), the launch's end
+constexpr int C_O = 0, C_X2 = 1, C_GU = 2, C_S = 3, C_H = 6, C_END = 9, NCNT = 10;
 constexpr int PF_UNITS = 8;      // units of its next range a warp prefetches into L2 before a wait
 
 struct Gemm {
@@ -73,6 +79,7 @@ struct Gemm {
   const uint16_t* a;  // LoRA A_cat [R, K], activation dtype (null: no LoRA)
   const uint16_t* b;  // LoRA B_blk [N, R], scaling folded in
   float* hp;          // shrink partials [nseg][M][R] fp32
+  uint16_t* hg;       // h = x @ A^T [M][R], activation dtype (rounded like the present path's shrink output)
   float4* part;       // GEMM partials [blocks][pmax][halves][MT][32] (mma fragment order)
   unsigned* bcnt;     // [blocks] partials counted per block; zero between launches
   int N, K, R, kseg, nseg, pmax;
@@ -84,8 +91,8 @@ struct MlpParams {
   const uint16_t* hres;  // [M, H] rows ld_h apart: the residual stream before o
   const uint16_t* nw;    // [H] post-attention RMSNorm weight
   uint16_t* h1;          // [M, H] h + o (the residual stream after o)
-  uint4* xp;             // the GEMM inputs in fragment order (see xp_index): attn [MT][KO/32][32], then x2 (the
-                         // normed h1) [MT][H/32][32], then act [MT][I/32][32]; zero past M
+  uint4* xp;             // gate/up's and down's inputs in fragment order (see xp_index): x2 (the normed h1)
+                         // [MT][H/32][32], then act [MT][I/32][32]; zero past M
   uint16_t* act;         // [M, I] SiLU(gate) * up (the down shrink's input)
   uint16_t* out;         // [M, H] the down projection (the next layer's residual delta)
   float* ss;             // [H/16][M] sums of h1^2 per o row block
@@ -143,36 +150,47 @@ __device__ __forceinline__ void prefetch_share(const void* p, size_t bytes, int 
   }
 }
 
-// The CTA's part of a stage is written: make it visible at GPU scope, then count it.
-__device__ __forceinline__ void arrive(unsigned* c) {
-  __syncthreads();
+// Grid-wide phases: a part of a phase is written, made visible at GPU scope, then counted on the phase's counter; a
+// consumer polls the counter with acquire loads until it holds the grid size. The GEMM warps of a CTA count and wait
+// as one (named barrier 1), the LoRA warp on its own.
+__device__ __forceinline__ void poll(const unsigned* c, unsigned n) {
+  unsigned v;
+  for (;;) {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+    if (v >= n) break;
+    __nanosleep(32);
+  }
+}
+__device__ __forceinline__ void bar_gemm() { asm volatile("bar.sync 1, %0;" ::"n"(NG * 32) : "memory"); }
+__device__ __forceinline__ void arrive_gemm(unsigned* c) {
+  bar_gemm();
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(c, 1u);
   }
 }
-// Wait until every CTA has counted a stage (one thread polls with acquire loads; the barrier passes it on).
-__device__ __forceinline__ void wait_all(const unsigned* c, unsigned ctas) {
-  if (threadIdx.x == 0) {
-    unsigned v;
-    for (;;) {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
-      if (v >= ctas) break;
-      __nanosleep(32);
-    }
-  }
-  __syncthreads();
+__device__ __forceinline__ void wait_gemm(const unsigned* c, unsigned n) {
+  if (threadIdx.x == 0) poll(c, n);
+  bar_gemm();
+}
+__device__ __forceinline__ void arrive_warp(unsigned* c) {
+  __threadfence();
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) atomicAdd(c, 1u);
+}
+__device__ __forceinline__ void wait_warp(const unsigned* c, unsigned n) {
+  if ((threadIdx.x & 31) == 0) poll(c, n);
+  __syncwarp();
 }
 
 // ---- shared memory ----------------------------------------------------------------------------------------------
 template <int MT>
 struct Smem {
-  static constexpr int RING = S * NW * 1024;            // [S][NW][2 rows][32 lanes] uint4
-  static constexpr int SC = S * NW * 16 * 8;            // [S][NW][16 rows] uint2 block scales
-  static constexpr int CS = NW * 16 * 16;               // [NW][16 rows] uint4: the unit's scale pairs, converted
-  static constexpr int HS = MT * 8 * MAX_R * 2;         // [MT*8 tokens][MAX_R] the group's LoRA h
-  static constexpr int RS = 16 * 4;                     // [16] 1/rms per token
-  static constexpr int BYTES = RING + SC + CS + HS + RS;
+  static constexpr int RING = S * NG * 1024;            // [S][NG][2 rows][32 lanes] uint4
+  static constexpr int SC = S * NG * 16 * 8;            // [S][NG][16 rows] uint2 block scales
+  static constexpr int CS = NG * 16 * 16;               // [NG][16 rows] uint4: the unit's scale pairs, converted
+  static constexpr int RS = 2 * 16 * 4;                 // [2][16] 1/rms per token (GEMM warps, LoRA warp)
+  static constexpr int BYTES = RING + SC + CS + RS;
 };
 
 // Fields of GEMM stage gi without indexing the parameter array at run time (that would copy it to local memory).
@@ -221,7 +239,7 @@ __device__ __forceinline__ uint32_t shrink_pair(const MlpParams& p, int gi, int 
 }
 
 template <int MT, bool BF16>
-__device__ void shrink_stage(const MlpParams& p, int gi, const float* rsm) {
+__device__ void shrink_units(const MlpParams& p, int gi, const float* rsm, int first, int stride) {
   const int R = QERL_SEL(p, gi, R);
   if (R == 0) return;
   const uint16_t* A = QERL_SEL(p, gi, a);
@@ -229,7 +247,7 @@ __device__ void shrink_stage(const MlpParams& p, int gi, const float* rsm) {
   const int K = QERL_SEL(p, gi, K), kseg = QERL_SEL(p, gi, kseg), nseg = QERL_SEL(p, gi, nseg);
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int nrk = (R + 15) >> 4, units = nrk * nseg, KC = K >> 7;
-  for (int u = blockIdx.x * NW + (threadIdx.x >> 5); u < units; u += gridDim.x * NW) {
+  for (int u = first; u < units; u += stride) {
     const int rk = u % nrk, seg = u / nrk;
     const int r0 = rk * 16;
     const bool hi = r0 + 8 < R;
@@ -264,22 +282,26 @@ __device__ void shrink_stage(const MlpParams& p, int gi, const float* rsm) {
   }
 }
 
-// The group's h = (sum of its shrink partials in segment order), rounded to the activation dtype, into shared memory.
+// The group's h = (sum of its shrink partials in segment order), rounded to the activation dtype: this CTA's 1/C
+// share of its M x R values, by one warp.
 template <bool BF16>
-__device__ __forceinline__ void gather_h(const MlpParams& p, int gi, uint16_t* hs) {
-  const int R = QERL_SEL(p, gi, R), nseg = QERL_SEL(p, gi, nseg);
+__device__ __forceinline__ void sum_h(const MlpParams& p, int gi, int c, int C) {
+  const int R = QERL_SEL(p, gi, R), nseg = QERL_SEL(p, gi, nseg), n = p.M * R;
   const float* hp = QERL_SEL(p, gi, hp);
-  for (int i = threadIdx.x; i < p.M * R; i += blockDim.x) {
+  uint16_t* hg = QERL_SEL(p, gi, hg);
+  const int hi = (int)((long long)(c + 1) * n / C);
+  for (int i = (int)((long long)c * n / C) + (threadIdx.x & 31); i < hi; i += 32) {
     float v = 0.f;
-    for (int s = 0; s < nseg; ++s) v = __fadd_rn(v, __ldcg(hp + (size_t)s * p.M * R + i));
-    hs[(i / R) * MAX_R + i % R] = r16<BF16>(v);
+#pragma unroll 4
+    for (int s = 0; s < nseg; ++s) v = __fadd_rn(v, __ldcg(hp + (size_t)s * n + i));
+    hg[i] = r16<BF16>(v);
   }
-  __syncthreads();
 }
 
-// v += h @ B_blk[row0 : row0 + 16]^T on the tensor cores: B_blk rows are operand A, h rows (shared memory) operand B.
+// v += h @ B_blk[row0 : row0 + 16]^T on the tensor cores: B_blk rows are operand A, h rows (global, written in this
+// launch: coherent loads) operand B.
 template <int MT, bool BF16>
-__device__ __forceinline__ void lora_expand(float (&v)[MT][4], const uint16_t* B, int R, int row0, const uint16_t* hs,
+__device__ __forceinline__ void lora_expand(float (&v)[MT][4], const uint16_t* B, int R, int row0, const uint16_t* hg,
                                             int M, int g, int q) {
   const uint16_t* b0 = B + (size_t)(row0 + g) * R + 2 * q;
   const uint16_t* b1 = b0 + (size_t)8 * R;
@@ -292,10 +314,10 @@ __device__ __forceinline__ void lora_expand(float (&v)[MT][4], const uint16_t* B
     const uint32_t a3 = hi ? __ldg(reinterpret_cast<const unsigned*>(b1 + r0 + 8)) : 0u;
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
-      const uint16_t* hr = hs + (t * 8 + g) * MAX_R + r0 + 2 * q;
+      const uint16_t* hr = hg + (size_t)(t * 8 + g) * R + r0 + 2 * q;
       const bool live = t * 8 + g < M;
-      const uint32_t x0 = live ? *reinterpret_cast<const uint32_t*>(hr) : 0u;
-      const uint32_t x1 = live && hi ? *reinterpret_cast<const uint32_t*>(hr + 8) : 0u;
+      const uint32_t x0 = live ? ld32(hr) : 0u;
+      const uint32_t x1 = live && hi ? ld32(hr + 8) : 0u;
       mma<BF16>(v[t], a0, a1, a2, a3, x0, x1);
     }
   }
@@ -329,10 +351,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);
   uint2* scs = reinterpret_cast<uint2*>(smem + L::RING);
-  uint16_t* hs = reinterpret_cast<uint16_t*>(smem + L::RING + L::SC + L::CS);
-  float* rsm = reinterpret_cast<float*>(smem + L::RING + L::SC + L::CS + L::HS);
+  float* rsm = reinterpret_cast<float*>(smem + L::RING + L::SC + L::CS);  // [16] GEMM warps', then [16] LoRA warp's
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-  const int c = blockIdx.x, C = gridDim.x, W = C * NW, v = c * NW + warp;
+  const int c = blockIdx.x, C = gridDim.x, W = C * NG, v = c * NG + warp;  // v: this GEMM warp's index
   uint32_t* cvt = reinterpret_cast<uint32_t*>(smem + L::RING + L::SC) + warp * 64;
 
   // the issue cursor: GEMM stage ig (3: nothing left), block ib, unit iw within it, il units left in the range, and
@@ -363,10 +384,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     }
   };
   auto issue = [&](int slot) {
-    uint4* dst = ring + (slot * NW + warp) * 64;
+    uint4* dst = ring + (slot * NG + warp) * 64;
     cp_async16_stream(dst + lane, iwp + g * 64 + q * 16, pol);
     cp_async16_stream(dst + 32 + lane, iwp + (g + 8) * 64 + q * 16, pol);
-    if (lane < 16) cp_async8(scs + (slot * NW + warp) * 16 + lane, isp + lane * isk, pol);
+    if (lane < 16) cp_async8(scs + (slot * NG + warp) * 16 + lane, isp + lane * isk, pol);
     if (--il == 0) {
       settle();
     } else if (++iw == iu) {
@@ -389,11 +410,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       prefetch_l2(wp, 1024);
     }
   };
-  settle();
+  if (warp < NG) {
+    settle();
 #pragma unroll
-  for (int st = 0; st < S - 1; ++st) {  // the ring fills before the previous kernel of the stream is waited for
-    if (ig < 3) issue(st);
-    cp_async_commit();
+    for (int st = 0; st < S - 1; ++st) {  // the ring fills before the previous kernel of the stream is waited for
+      if (ig < 3) issue(st);
+      cp_async_commit();
+    }
   }
   // the LoRA factors do not depend on the previous kernel either
 #pragma unroll
@@ -413,8 +436,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     const int u0 = range_first(G, v), u1 = range_first(G, v + 1);
     const int R = QERL_SEL(p, gi, R), pmax = QERL_SEL(p, gi, pmax), halves = gi == 1 ? 2 : 1;
     const int kx = QERL_SEL(p, gi, K);
-    const uint4* xp = p.xp + (gi == 0 ? 0 : (size_t)MT * (p.g[0].K >> 5) * 32) +
-                      (gi == 2 ? (size_t)MT * (p.H >> 5) * 32 : 0);
+    const uint4* xp = p.xp + (gi == 2 ? (size_t)MT * (p.H >> 5) * 32 : 0);  // gi 0 reads attn as it is
+    const uint16_t* xrow[MT];  // o: attn rows (written by the previous kernel; no phase to put it in fragment order)
+#pragma unroll
+    for (int t = 0; t < MT; ++t) xrow[t] = t * 8 + g < p.M ? p.attn + (size_t)(t * 8 + g) * p.ld_attn : nullptr;
     const uint16_t* B = QERL_SEL(p, gi, b);
     float4* part = QERL_SEL(p, gi, part);
     unsigned* bcnt = QERL_SEL(p, gi, bcnt);
@@ -431,10 +456,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       if (ig < 3) issue((j + S - 1) & (S - 1));
       cp_async_commit();
       const int sl = j & (S - 1);
-      const uint4* src = ring + (sl * NW + warp) * 64;
+      const uint4* src = ring + (sl * NG + warp) * 64;
       const uint4 wa = src[lane], wb = src[32 + lane];
       {  // the unit's 16 rows x 4 slices of scale pairs, converted once (lane: row lane/2, slices 2(lane&1) + 0/1)
-        const uint2 raw = scs[(sl * NW + warp) * 16 + (lane >> 1)];
+        const uint2 raw = scs[(sl * NG + warp) * 16 + (lane >> 1)];
         const int i0 = 2 * (lane & 1);
         *reinterpret_cast<uint2*>(cvt + (lane >> 1) * 4 + i0) =
             make_uint2(scale_pair<true, BF16>(raw, i0, 0), scale_pair<true, BF16>(raw, i0 + 1, 0));
@@ -448,7 +473,16 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       for (int i = 0; i < 4; ++i) {
         uint4 bf[MT];
 #pragma unroll
-        for (int t = 0; t < MT; ++t) bf[t] = xp[xp_index(kx, t, ch * 4 + i, lane)];
+        for (int t = 0; t < MT; ++t) {
+          if (gi != 0) {
+            bf[t] = xp[xp_index(kx, t, ch * 4 + i, lane)];
+          } else if (xrow[t] != nullptr) {
+            const uint16_t* xb = xrow[t] + ch * 128 + 32 * i + 2 * q;
+            bf[t] = b_frags(ld32(xb), ld32(xb + 8), ld32(xb + 16), ld32(xb + 24));
+          } else {
+            bf[t] = make_uint4(0u, 0u, 0u, 0u);
+          }
+        }
         slice_mma<MT, BF16>(acc, wra[i], wrb[i], sca[i], scb[i], bf);
       }
       ++j;
@@ -487,7 +521,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       float va[MT][4];
       sum_block<MT>(va, slot0, halves, 0, np, alpha, lane);
       const int rb = unit_row(p, gi, G, b, 0) >> 4;
-      if (R > 0) lora_expand<MT, BF16>(va, B, R, rb * 16, hs, p.M, g, q);
+      if (R > 0) {  // h of the group is summed by the LoRA warps beside the GEMM (long done, as a rule)
+        wait_warp(p.cnt + C_H + gi, C);
+        lora_expand<MT, BF16>(va, B, R, rb * 16, QERL_SEL(p, gi, hg), p.M, g, q);
+      }
       // va[t][e]: token t*8 + 2q + (e & 1), row rb*16 + g + 8*(e >> 1)
       if (gi == 0) {  // h1 = h + rnd(o); sums of h1^2 over the block's 16 columns (a fixed butterfly)
 #pragma unroll
@@ -526,7 +563,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       } else if (gi == 1) {  // act = rnd(rnd(silu(gate)) * up) for pair b
         float vu[MT][4];
         sum_block<MT>(vu, slot0, halves, 1, np, alpha, lane);
-        if (R > 0) lora_expand<MT, BF16>(vu, B, R, ((p.I >> 4) + b) * 16, hs, p.M, g, q);
+        if (R > 0) lora_expand<MT, BF16>(vu, B, R, ((p.I >> 4) + b) * 16, p.g[1].hg, p.M, g, q);
 #pragma unroll
         for (int t = 0; t < MT; ++t) {
 #pragma unroll
@@ -538,7 +575,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
               const uint16_t a = r16<BF16>(__fmul_rn(sl, up));
               const int k = b * 16 + g + 8 * (e >> 1);
               p.act[(size_t)tok * p.I + k] = a;
-              *xp_element(p.xp + (size_t)MT * ((p.g[0].K >> 5) + (p.H >> 5)) * 32, p.I, tok, k) = a;
+              *xp_element(p.xp + (size_t)MT * (p.H >> 5) * 32, p.I, tok, k) = a;
             }
           }
         }
@@ -555,78 +592,83 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     }
   };
 
-  // stage 0: o's input in fragment order (zero past M; act's zero tiles too), o's shrink on it
-  {
-    const int ko = p.g[0].K, n = MT * (ko >> 5) * 32, na = MT * (p.I >> 5) * 32;
-    uint4* xpa = p.xp + (size_t)MT * ((ko >> 5) + (p.H >> 5)) * 32;
-    for (int id = (int)((long long)c * n / C) + (int)threadIdx.x; id < (int)((long long)(c + 1) * n / C);
-         id += blockDim.x) {
-      const int ln = id & 31, kb = (id >> 5) % (ko >> 5), t = (id >> 5) / (ko >> 5);
-      const int tok = t * 8 + (ln >> 2);
-      const uint16_t* b = p.attn + (size_t)tok * p.ld_attn + kb * 32 + 2 * (ln & 3);
-      p.xp[id] = tok < p.M ? b_frags(ld32(b), ld32(b + 8), ld32(b + 16), ld32(b + 24)) : make_uint4(0u, 0u, 0u, 0u);
-    }
-    // act's fragments of tokens past M stay zero (the gate/up epilogue writes only tokens < M)
-    for (int id = (int)((long long)c * na / C) + (int)threadIdx.x; id < (int)((long long)(c + 1) * na / C);
-         id += blockDim.x) {
-      if (((id >> 5) / (p.I >> 5)) * 8 + ((id & 31) >> 2) >= p.M) xpa[id] = make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
-  shrink_stage<MT, BF16>(p, 0, rsm);
-  arrive(p.cnt + 0);
-  // stage 1: o GEMM, residual, sums of squares
-  wait_all(p.cnt + 0, C);
-  if (p.g[0].R > 0) gather_h<BF16>(p, 0, hs);
-  gemm_stage(0);
-  arrive(p.cnt + 1);
-  // stage 2: 1/rms per token, x2, gate/up's shrink
-  prefetch_next(1);
-  wait_all(p.cnt + 1, C);
-  if (warp < 2) {  // token warp + 2i: lane l sums blocks l, l+32, ... in order, then a butterfly
-    for (int tok = warp; tok < p.M; tok += 2) {
-      float s2 = 0.f;
-      for (int b = lane; b < (p.H >> 4); b += 32) s2 = __fadd_rn(s2, __ldcg(p.ss + (size_t)b * p.M + tok));
+  if (warp == LW) {
+    // the LoRA warp: each shrink as soon as its input is complete, its partials summed into h by every CTA's share;
+    // the GEMM warps' finishing warps wait for h only where they add the expand
+    float* rsl = rsm + 16;
+#pragma unroll 1
+    for (int gi = 0; gi < 3; ++gi) {
+      if (QERL_SEL(p, gi, R) == 0) continue;
+      if (gi == 1) {  // x2 is formed from h1 on the fly: 1/rms per token once o is complete
+        wait_warp(p.cnt + C_O, C);
+        for (int tok = 0; tok < p.M; ++tok) {
+          float s2 = 0.f;
+          for (int b = lane; b < (p.H >> 4); b += 32) s2 = __fadd_rn(s2, __ldcg(p.ss + (size_t)b * p.M + tok));
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s2 = __fadd_rn(s2, __shfl_xor_sync(0xffffffffu, s2, off));
-      if (lane == 0) rsm[tok] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s2, (float)p.H), p.eps)));
+          for (int off = 16; off > 0; off >>= 1) s2 = __fadd_rn(s2, __shfl_xor_sync(0xffffffffu, s2, off));
+          if (lane == 0) rsl[tok] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s2, (float)p.H), p.eps)));
+        }
+        __syncwarp();
+      } else if (gi == 2) {
+        wait_warp(p.cnt + C_GU, C);
+      }
+      shrink_units<MT, BF16>(p, gi, rsl, c, C);
+      arrive_warp(p.cnt + C_S + gi);
+      wait_warp(p.cnt + C_S + gi, C);
+      sum_h<BF16>(p, gi, c, C);
+      arrive_warp(p.cnt + C_H + gi);
     }
-  }
-  __syncthreads();
-  {  // x2 = rnd(w * rnd(h1 / rms)) in fragment order (zero past M), this CTA's share
-    const int n = MT * (p.H >> 5) * 32;
-    uint4* xp2 = p.xp + (size_t)MT * (p.g[0].K >> 5) * 32;
-    for (int id = (int)((long long)c * n / C) + (int)threadIdx.x; id < (int)((long long)(c + 1) * n / C);
-         id += blockDim.x) {
-      const int ln = id & 31, kb = (id >> 5) % (p.H >> 5), t = (id >> 5) / (p.H >> 5);
-      const int tok = t * 8 + (ln >> 2), k = kb * 32 + 2 * (ln & 3);
-      xp2[id] = tok < p.M ? b_frags(shrink_pair<MT, BF16>(p, 1, tok, k, rsm),
-                                    shrink_pair<MT, BF16>(p, 1, tok, k + 8, rsm),
-                                    shrink_pair<MT, BF16>(p, 1, tok, k + 16, rsm),
-                                    shrink_pair<MT, BF16>(p, 1, tok, k + 24, rsm))
-                          : make_uint4(0u, 0u, 0u, 0u);
+  } else {
+    // o GEMM, residual, sums of squares
+    gemm_stage(0);
+    arrive_gemm(p.cnt + C_O);
+    // 1/rms per token, x2 in fragment order; act's fragments of tokens past M zeroed (the gate/up epilogue writes
+    // only tokens < M)
+    prefetch_next(1);
+    wait_gemm(p.cnt + C_O, C);
+    if (warp < 2) {  // token warp + 2i: lane l sums blocks l, l+32, ... in order, then a butterfly
+      for (int tok = warp; tok < p.M; tok += 2) {
+        float s2 = 0.f;
+        for (int b = lane; b < (p.H >> 4); b += 32) s2 = __fadd_rn(s2, __ldcg(p.ss + (size_t)b * p.M + tok));
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s2 = __fadd_rn(s2, __shfl_xor_sync(0xffffffffu, s2, off));
+        if (lane == 0) rsm[tok] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s2, (float)p.H), p.eps)));
+      }
     }
+    bar_gemm();
+    {
+      const int n = MT * (p.H >> 5) * 32, na = MT * (p.I >> 5) * 32;
+      for (int id = (int)((long long)c * n / C) + (int)threadIdx.x; id < (int)((long long)(c + 1) * n / C);
+           id += NG * 32) {
+        const int ln = id & 31, kb = (id >> 5) % (p.H >> 5), t = (id >> 5) / (p.H >> 5);
+        const int tok = t * 8 + (ln >> 2), k = kb * 32 + 2 * (ln & 3);
+        p.xp[id] = tok < p.M ? b_frags(shrink_pair<MT, BF16>(p, 1, tok, k, rsm),
+                                       shrink_pair<MT, BF16>(p, 1, tok, k + 8, rsm),
+                                       shrink_pair<MT, BF16>(p, 1, tok, k + 16, rsm),
+                                       shrink_pair<MT, BF16>(p, 1, tok, k + 24, rsm))
+                             : make_uint4(0u, 0u, 0u, 0u);
+      }
+      uint4* xpa = p.xp + n;
+      for (int id = (int)((long long)c * na / C) + (int)threadIdx.x; id < (int)((long long)(c + 1) * na / C);
+           id += NG * 32) {
+        if (((id >> 5) / (p.I >> 5)) * 8 + ((id & 31) >> 2) >= p.M) xpa[id] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    arrive_gemm(p.cnt + C_X2);
+    // gate/up GEMM with SiLU * up
+    wait_gemm(p.cnt + C_X2, C);
+    gemm_stage(1);
+    arrive_gemm(p.cnt + C_GU);
+    // down GEMM
+    prefetch_next(2);
+    wait_gemm(p.cnt + C_GU, C);
+    gemm_stage(2);
   }
-  shrink_stage<MT, BF16>(p, 1, rsm);
-  arrive(p.cnt + 2);
-  // stage 3: gate/up GEMM with SiLU * up
-  wait_all(p.cnt + 2, C);
-  if (p.g[1].R > 0) gather_h<BF16>(p, 1, hs);
-  gemm_stage(1);
-  arrive(p.cnt + 3);
-  // stage 4: down's shrink
-  prefetch_next(2);
-  wait_all(p.cnt + 3, C);
-  shrink_stage<MT, BF16>(p, 2, rsm);
-  arrive(p.cnt + 4);
-  // stage 5: down GEMM
-  wait_all(p.cnt + 4, C);
-  if (p.g[2].R > 0) gather_h<BF16>(p, 2, hs);
-  gemm_stage(2);
   // the launch's end: the last CTA (every other one is past its last wait) zeroes the counters for the next launch
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    if (atomicAdd(p.cnt + NCNT - 1, 1u) == (unsigned)C - 1) {
+    if (atomicAdd(p.cnt + C_END, 1u) == (unsigned)C - 1) {
 #pragma unroll
       for (int i = 0; i < NCNT; ++i) atomicExch(p.cnt + i, 0u);
       __threadfence();
@@ -668,8 +710,8 @@ int qerl_dl_smem(int mt) { return mt == 1 ? qerl_dl::Smem<1>::BYTES : qerl_dl::S
 int qerl_dl_stages() { return qerl_dl::S; }
 int qerl_dl_minb() { return qerl_dl::MINB; }
 
-// One launch of the MLP half. Per GEMM g (o, gate/up, down), 8 pointers: weight, scales, global scale, A_cat, B_blk,
-// shrink partials, GEMM partials, block counters; 6 ints: N, K, R, kseg, nseg, pmax (R = 0: no LoRA).
+// One launch of the MLP half. Per GEMM g (o, gate/up, down), 9 pointers: weight, scales, global scale, A_cat, B_blk,
+// shrink partials, GEMM partials, block counters, h; 6 ints: N, K, R, kseg, nseg, pmax (R = 0: no LoRA).
 // Preconditions (kernels/decode_layer.py checks them): tiled weights (N % 64 == 0), M <= 8 * mt <= 16,
 // H % 128 == 0, I % 128 == 0, 4-byte aligned rows, R % 8 == 0 and R <= 256, cnt and block counters zeroed once.
 int qerl_dl_mlp(const void* const* gptr, const int* gint, const void* attn, const void* hres, const void* nw, void* h1,
@@ -678,14 +720,15 @@ int qerl_dl_mlp(const void* const* gptr, const int* gint, const void* attn, cons
   qerl_dl::MlpParams p{};
   for (int i = 0; i < 3; ++i) {
     qerl_dl::Gemm& g = p.g[i];
-    g.w = static_cast<const uint8_t*>(gptr[8 * i + 0]);
-    g.s = static_cast<const uint8_t*>(gptr[8 * i + 1]);
-    g.gs = static_cast<const float*>(gptr[8 * i + 2]);
-    g.a = static_cast<const uint16_t*>(gptr[8 * i + 3]);
-    g.b = static_cast<const uint16_t*>(gptr[8 * i + 4]);
-    g.hp = static_cast<float*>(const_cast<void*>(gptr[8 * i + 5]));
-    g.part = static_cast<float4*>(const_cast<void*>(gptr[8 * i + 6]));
-    g.bcnt = static_cast<unsigned*>(const_cast<void*>(gptr[8 * i + 7]));
+    g.w = static_cast<const uint8_t*>(gptr[9 * i + 0]);
+    g.s = static_cast<const uint8_t*>(gptr[9 * i + 1]);
+    g.gs = static_cast<const float*>(gptr[9 * i + 2]);
+    g.a = static_cast<const uint16_t*>(gptr[9 * i + 3]);
+    g.b = static_cast<const uint16_t*>(gptr[9 * i + 4]);
+    g.hp = static_cast<float*>(const_cast<void*>(gptr[9 * i + 5]));
+    g.part = static_cast<float4*>(const_cast<void*>(gptr[9 * i + 6]));
+    g.bcnt = static_cast<unsigned*>(const_cast<void*>(gptr[9 * i + 7]));
+    g.hg = static_cast<uint16_t*>(const_cast<void*>(gptr[9 * i + 8]));
     g.N = gint[6 * i + 0], g.K = gint[6 * i + 1], g.R = gint[6 * i + 2];
     g.kseg = gint[6 * i + 3], g.nseg = gint[6 * i + 4], g.pmax = gint[6 * i + 5];
   }
