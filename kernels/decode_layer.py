@@ -33,6 +33,9 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-sh
 WARPS = 8  # NW in decode_layer.cu: per CTA, GEMM_WARPS GEMM warps and one LoRA warp
 GEMM_WARPS = 7  # NG
 MAX_M = 16  # two 8-token tiles
+# the engine takes the kernel up to this many tokens: at 9-16 the dispatcher's Triton GEMMs measured faster in the
+# 7B decode step (H200, 2026-11-29: graph step 5.73 vs 4.91 ms at batch 16; 4.43 vs 4.48 ms at batch 8)
+ENGINE_MAX_M = 8
 MAX_RANK = 256  # the partials' scratch is sized for it
 NCNT = 10  # grid-wide counters: 3 GEMM phases, 3 shrinks' partials, 3 shrinks' h, the launch's end
 SHRINK_SEGMENTS = 64  # a shrink's K is cut into at most this many segments (their partials are summed in order)

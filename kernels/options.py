@@ -154,9 +154,9 @@ class KernelOptions:
         "QERL_CUDA_PDL", True, parse_bool,
         "programmatic dependent launch of the CUDA FP4 kernel inside CUDA graphs; 0 never uses it")
     decode_layer: bool = option(
-        "QERL_DECODE_LAYER", False, parse_bool,
-        "the decode step's MLP half as one persistent NVFP4 kernel (kernels/cuda/decode_layer.cu) where it applies; "
-        "0 keeps the per-GEMM path")
+        "QERL_DECODE_LAYER", True, parse_bool,
+        "the decode step's MLP half as one persistent NVFP4 kernel (kernels/cuda/decode_layer.cu) where it applies "
+        "(Hopper, <= 8 tokens); 0 keeps the per-GEMM path")
     fp4_dequant_m: int = option(
         "QERL_FP4_DEQUANT_M", 512, parse_int,
         "rows from which the `qerl` backend dequantizes the FP4 weight and calls cuBLAS instead of the fused kernel")

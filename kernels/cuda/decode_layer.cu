@@ -282,6 +282,25 @@ __device__ void shrink_units(const MlpParams& p, int gi, const float* rsm, int f
   }
 }
 
+// 1/rms of token tok from the o blocks' sums of squares: lane l sums blocks l, l+32, ... in order (loaded 8 at a
+// time, so the L2 round trips overlap), then a butterfly over the 32 lanes. Every lane returns it.
+__device__ __forceinline__ float inv_rms(const MlpParams& p, int tok, int lane) {
+  const int nb = p.H >> 4;
+  float s2 = 0.f;
+  for (int b0 = lane; b0 < nb; b0 += 8 * 32) {
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = b0 + 32 * i < nb ? __ldcg(p.ss + (size_t)(b0 + 32 * i) * p.M + tok) : 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (b0 + 32 * i < nb) s2 = __fadd_rn(s2, v[i]);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s2 = __fadd_rn(s2, __shfl_xor_sync(0xffffffffu, s2, off));
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s2, (float)p.H), p.eps)));
+}
+
 // The group's h = (sum of its shrink partials in segment order), rounded to the activation dtype: this CTA's 1/C
 // share of its M x R values, by one warp.
 template <bool BF16>
@@ -444,13 +463,16 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     float4* part = QERL_SEL(p, gi, part);
     unsigned* bcnt = QERL_SEL(p, gi, bcnt);
     const float alpha = 256.0f / *QERL_SEL(p, gi, gs);
-    float acc0[MT][4], acc1[MT][4];  // gate/up: the gate half, the up half (other stages: acc0)
+    // gate/up: the gate half, the up half (other stages: acc0); with one token tile the odd 32-wide slices of a chunk
+    // go to a second accumulator (acc0x, acc1x), so that consecutive mma do not wait on each other's result
+    constexpr bool SPLIT = MT == 1;
+    float acc0[MT][4], acc1[MT][4], acc0x[MT][4], acc1x[MT][4];
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc0[t][e] = acc1[t][e] = 0.f;
+      for (int e = 0; e < 4; ++e) acc0[t][e] = acc1[t][e] = acc0x[t][e] = acc1x[t][e] = 0.f;
     }
-    auto chunk = [&](float (&acc)[MT][4], int ch) {
+    auto chunk = [&](float (&acc)[MT][4], float (&accx)[MT][4], int ch) {
       cp_async_wait<S - 2>();
       __syncwarp();  // the slot's scales came from other lanes; the slot refilled next was read by all lanes
       if (ig < 3) issue((j + S - 1) & (S - 1));
@@ -483,15 +505,25 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
             bf[t] = make_uint4(0u, 0u, 0u, 0u);
           }
         }
-        slice_mma<MT, BF16>(acc, wra[i], wrb[i], sca[i], scb[i], bf);
+        if (SPLIT && (i & 1)) {
+          slice_mma<MT, BF16>(accx, wra[i], wrb[i], sca[i], scb[i], bf);
+        } else {
+          slice_mma<MT, BF16>(acc, wra[i], wrb[i], sca[i], scb[i], bf);
+        }
       }
       ++j;
     };
-    auto put = [&](float (&acc)[MT][4], float4* slot) {
+    auto put = [&](float (&acc)[MT][4], float (&accx)[MT][4], float4* slot) {
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
-        slot[t * 32 + lane] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
-        acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+        if (SPLIT) {
+          slot[t * 32 + lane] = make_float4(__fadd_rn(acc[t][0], accx[t][0]), __fadd_rn(acc[t][1], accx[t][1]),
+                                            __fadd_rn(acc[t][2], accx[t][2]), __fadd_rn(acc[t][3], accx[t][3]));
+        } else {
+          slot[t * 32 + lane] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[t][e] = accx[t][e] = 0.f;
       }
     };
     int b = u0 / G.u;
@@ -499,17 +531,17 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       const int bend = (b + 1) * G.u, stop = bend < u1 ? bend : u1;
       for (int within = u - b * G.u; u < stop; ++u, ++within) {
         if (within >= G.kc) {
-          chunk(acc1, within - G.kc);
+          chunk(acc1, acc1x, within - G.kc);
         } else {
-          chunk(acc0, within);
+          chunk(acc0, acc0x, within);
         }
       }
       // the block's partial from this warp, counted; the last of its warps finishes the block
       const int vf = warp_of(G, b * G.u), np = warp_of(G, bend - 1) - vf + 1;
       const float4* slot0 = part + (size_t)b * pmax * halves * MT * 32;
       float4* mine = part + ((size_t)b * pmax + (v - vf)) * halves * MT * 32;
-      put(acc0, mine);
-      if (gi == 1) put(acc1, mine + MT * 32);
+      put(acc0, acc0x, mine);
+      if (gi == 1) put(acc1, acc1x, mine + MT * 32);
       __threadfence();
       __syncwarp();
       unsigned old = 0;
@@ -602,11 +634,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       if (gi == 1) {  // x2 is formed from h1 on the fly: 1/rms per token once o is complete
         wait_warp(p.cnt + C_O, C);
         for (int tok = 0; tok < p.M; ++tok) {
-          float s2 = 0.f;
-          for (int b = lane; b < (p.H >> 4); b += 32) s2 = __fadd_rn(s2, __ldcg(p.ss + (size_t)b * p.M + tok));
-#pragma unroll
-          for (int off = 16; off > 0; off >>= 1) s2 = __fadd_rn(s2, __shfl_xor_sync(0xffffffffu, s2, off));
-          if (lane == 0) rsl[tok] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s2, (float)p.H), p.eps)));
+          const float r = inv_rms(p, tok, lane);
+          if (lane == 0) rsl[tok] = r;
         }
         __syncwarp();
       } else if (gi == 2) {
@@ -626,14 +655,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     // only tokens < M)
     prefetch_next(1);
     wait_gemm(p.cnt + C_O, C);
-    if (warp < 2) {  // token warp + 2i: lane l sums blocks l, l+32, ... in order, then a butterfly
-      for (int tok = warp; tok < p.M; tok += 2) {
-        float s2 = 0.f;
-        for (int b = lane; b < (p.H >> 4); b += 32) s2 = __fadd_rn(s2, __ldcg(p.ss + (size_t)b * p.M + tok));
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s2 = __fadd_rn(s2, __shfl_xor_sync(0xffffffffu, s2, off));
-        if (lane == 0) rsm[tok] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s2, (float)p.H), p.eps)));
-      }
+    for (int tok = warp; tok < p.M; tok += NG) {  // token warp + NG i
+      const float r = inv_rms(p, tok, lane);
+      if (lane == 0) rsm[tok] = r;
     }
     bar_gemm();
     {

@@ -193,8 +193,8 @@ class ModelRunner:
         self.fuse_proj = opts.fused_proj
         self.ops = FusedOps(triton=fused_kernels and opts.fast_decode, fused_lora=self.fused_lora)
         self.plan: FastPlan | None = None
-        # the MLP half of each layer as one persistent NVFP4 launch (qerl_kernels.decode_layer) where it applies:
-        # opt-in (the decode_layer kernel option) until measured faster on the GPU
+        # the MLP half of each layer as one persistent NVFP4 launch (qerl_kernels.decode_layer) where it applies (the
+        # decode_layer kernel option; on by default: measured faster at <= 8 tokens)
         self.decode_layer = (opts.kernels.decode_layer and self.fast_lora and self.fused_lora
                              and self.device.type == "cuda")
         self._mlp_args: dict[int, tuple | None] = {}
@@ -261,11 +261,12 @@ class ModelRunner:
 
     def _mlp_half(self, i: int, h: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(h + o_proj(o), the MLP's output) by the persistent kernel, or None (the per-GEMM path runs)."""
+        from qerl_kernels import decode_layer
+
         args = self._mlp_args.get(i)
         rows = o.numel() // o.shape[-1]
-        if args is None or rows > 16 or o.dtype not in (torch.bfloat16, torch.float16):
+        if args is None or rows > decode_layer.ENGINE_MAX_M or o.dtype not in (torch.bfloat16, torch.float16):
             return None
-        from qerl_kernels import decode_layer
 
         name = f"model.layers.{i}.post_attention_layernorm"
         with region("qgemm"):
