@@ -27,7 +27,7 @@ from qerl_kernels.options import KernelOptions, choice, option, parse_bool, pars
 
 from qerl_cli.errors import QerlError
 
-DECODE_ATTN = ("sdpa", "flashinfer", "auto")
+DECODE_ATTN = ("sdpa", "flashinfer", "auto", "split")
 DIST_BACKENDS = ("nccl", "gloo")
 DEFAULT_DIST_TIMEOUT_S = 600.0
 
@@ -55,7 +55,8 @@ class RunOptions:
         "q/k/v and gate/up as one GEMM each in the decode step; 0: one GEMM per projection")
     decode_attn: str = option(
         "QERL_DECODE_ATTN", "sdpa", choice(*DECODE_ATTN),
-        "decode attention: cuDNN SDPA, FlashInfer's paged batch decode, or auto (measured per CUDA graph)")
+        "decode attention: cuDNN SDPA, FlashInfer's paged batch decode, auto (the faster of those two per CUDA graph) "
+        "or split (qerl's split-KV Triton kernels)")
     dist_backend: str | None = option(
         "QERL_DIST_BACKEND", None, choice(*DIST_BACKENDS),
         "torchrun's process-group backend; default NCCL on CUDA, gloo on CPU")

@@ -6,7 +6,8 @@ layer; CUDA events, median of triton's do_bench):
   * SDPA backends (cudnn, efficient, math; flash without a mask as a bound) as the engine calls them: the
     whole KV bucket with an additive mask, GQA folded onto the query axis;
   * FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` on the same cache viewed as pages
-    (``qerl_cli.rollout.attention``: the page table qerl builds, live keys only), when flashinfer imports.
+    (``qerl_cli.rollout.attention``: the page table qerl builds, live keys only), when flashinfer imports;
+  * qerl's split-KV decode (``qerl_kernels.decode_attention``, ``decode_attn=split``): live keys only.
 GB/s are of the live K/V bytes (what the step needs); ``bucket GB/s`` of what SDPA reads.
 Shapes: batch 8/64/256 x KV 512/2048/8192 for the Qwen2.5-7B (28 q heads over 4 KV heads, d 128) and -32B
 (40 over 8) layouts.
@@ -103,6 +104,19 @@ def attention_rows(fi: object | None) -> list[dict]:
                     except Exception as exc:  # noqa: BLE001
                         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                     rows.append(row)
+                row = {"shape": shape, "batch": b, "kv_len": kv, "backend": "qerl split"}
+                try:
+                    from qerl_kernels.decode_attention import split_kv_decode
+
+                    def split(q=q, ck=cache_k, cv=cache_v, pos=pos, kv=kv, d=d):  # noqa: ANN001, ANN202
+                        return split_kv_decode(q, ck, cv, pos, kv, d**-0.5)
+
+                    o = split()
+                    row["err"] = ((o.float().view(b, kvh, groups, d) - ref).norm() / ref.norm()).item()
+                    row["ms"] = bench_ms(split)
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                rows.append(row)
                 for r in rows:
                     if r.get("ms") and r["shape"] == shape and r["batch"] == b and r["kv_len"] == kv:
                         r["GBps"] = live / (r["ms"] * 1e-3) / 1e9

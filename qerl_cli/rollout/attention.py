@@ -18,11 +18,16 @@ The KV cache is ``[layers, slots, max_len, kv_heads, head_dim]`` and running seq
   schedule in pinned memory and copies it asynchronously, so a plan waits for the previous plan's copy to
   have run before overwriting that memory (an event per plan) - the host stays at most one step ahead.
 
+* ``split``: qerl's split-KV decode (``qerl_kernels.decode_attention``, two Triton kernels): each (row, KV head,
+  split) reads only the live keys of its split, once for the whole GQA group; the lengths come from the step's
+  device positions, so it needs no host plan and a graph captures it like SDPA.
+
 Which one runs: the ``decode_attn`` option (``QERL_DECODE_ATTN``, qerl_cli/options.py) = ``sdpa`` (default) |
-``flashinfer`` | ``auto`` (per CUDA graph, i.e. per batch bucket and KV bucket, the faster of the two timed on
-the live cache when the graph is first captured). ``flashinfer`` falls back to SDPA with one warning when the
-package does not import or its first call fails. FlashInfer is optional (``pip install flashinfer-python``; it
-JIT-builds its kernels with nvcc on first use) and is never imported unless asked for.
+``flashinfer`` | ``auto`` (per CUDA graph, i.e. per batch bucket and KV bucket, the faster of SDPA and FlashInfer
+timed on the live cache when the graph is first captured) | ``split``. ``flashinfer`` falls back to SDPA with one
+warning when the package does not import or its first call fails, ``split`` without CUDA. FlashInfer is optional
+(``pip install flashinfer-python``; it JIT-builds its kernels with nvcc on first use) and is never imported unless
+asked for.
 """
 
 from __future__ import annotations
@@ -33,11 +38,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from qerl_cli.options import DECODE_ATTN
+
 log = logging.getLogger("qerl.rollout")
 
-BACKENDS = ("sdpa", "flashinfer", "auto")
+BACKENDS = DECODE_ATTN
 PAGE_SIZE = 16  # divides the engine's cache length (a multiple of 64)
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch (its documented recommendation)
+
+
+def _interpreted() -> bool:
+    from qerl_kernels._common import INTERPRET
+
+    return INTERPRET
 
 
 def check_backend(name: str) -> str:
@@ -141,6 +154,11 @@ class DecodeAttention:
         self._wrappers: dict[int | None, Any] = {}  # batch bucket (graph mode) or None (eager) -> wrapper
         self._active: Any = None
         self._planned: torch.cuda.Event | None = None
+        if self.backend == "split":
+            if device.type != "cuda" and not _interpreted():
+                log.warning("decode attention split needs CUDA (or the Triton interpreter); using SDPA")
+                self.backend = "sdpa"
+            return
         if self.backend != "sdpa" and head_dim not in FLASHINFER_HEAD_DIMS:
             log.warning("FlashInfer decode takes head_dim %s only, this model has %d; decode attention uses SDPA",
                         "/".join(map(str, FLASHINFER_HEAD_DIMS)), head_dim)
@@ -151,7 +169,7 @@ class DecodeAttention:
     @property
     def needs_host_positions(self) -> bool:
         """Whether each step must be planned on the host with every row's position (FlashInfer may run)."""
-        return self.backend != "sdpa"
+        return self.backend in ("flashinfer", "auto")
 
     def _load(self) -> bool:
         if self.device.type != "cuda":
@@ -253,8 +271,12 @@ class DecodeAttention:
         return out
 
     def __call__(self, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, kv_len: int,
-                 mask: torch.Tensor | None) -> torch.Tensor:
-        """q [B, H, D] (RoPE applied, this step's K/V already written) -> [B, H, D]."""
+                 mask: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, D] (RoPE applied, this step's K/V already written at ``positions``) -> [B, H, D]."""
+        if self.backend == "split" and positions is not None:
+            from qerl_kernels.decode_attention import split_kv_decode
+
+            return split_kv_decode(q, layer_k, layer_v, positions, kv_len, self.scale)
         if self.current == "flashinfer" and self._active is not None:
             try:
                 return self._active.run(q, (cache_pages(layer_k), cache_pages(layer_v)))

@@ -506,7 +506,7 @@ class ModelRunner:
             with region("elementwise"):
                 q = self.ops.rope_kv_write(q, k, v, positions, rows, cos, sin, self.cos, self.sin, layer_k, layer_v)
             with region("attn"):
-                o = self.attention(q, layer_k, layer_v, kv_len, mask)
+                o = self.attention(q, layer_k, layer_v, kv_len, mask, positions)
             return o.reshape(b, 1, self.num_heads * self.head_dim)
 
         x = self._layers(self._embed(tokens[:, None]), cos, sin, attend, rope_in_attend=True)
