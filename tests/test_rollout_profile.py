@@ -94,7 +94,8 @@ def test_decode_step_bytes_by_hand() -> None:
     engine.runner.prepare()  # the projection plan (what generate() builds first)
     assert engine.num_slots == 3 and engine.runner.plan is not None  # the KV cache
     b, ctx, kv_len, e = 3, 10, 64, 4
-    got = decode_step_bytes(engine.runner, b, ctx, kv_len)["bytes"]
+    need = decode_step_bytes(engine.runner, b, ctx, kv_len)
+    got = need["bytes"]
     h, i, d, hq, hk, v, r, layers = 64, 96, 16, 4, 2, 101, 4, 2
     qkv_n = (hq + 2 * hk) * d  # 128
     per_layer_dense = (
@@ -118,3 +119,19 @@ def test_decode_step_bytes_by_hand() -> None:
     assert f["sampling"]["floor_ms"] == pytest.approx(b * v * e / 1e9)
     assert f["sampling"]["pct_of_floor"] == pytest.approx(100 * b * v * e / 1e9 / 0.002)
     assert f["attention"]["pct_of_floor"] is None and floors(got, {}, None)["LoRA"]["floor_ms"] is None
+    # FLOPs: 2 x rows x in x out per GEMM that runs (block-diagonal B_blk with its zeros), 4 x rows x live keys x
+    # heads x head_dim per layer of attention
+    fl = need["flops"]
+    assert fl["dense GEMM"] == layers * 2 * b * (h * qkv_n + h * h + h * 2 * i + i * h) + 2 * b * h * v
+    assert fl["LoRA"] == layers * 2 * b * ((h * 3 * r + h * r + h * 2 * r + i * r)
+                                           + (3 * r * qkv_n + r * h + 2 * r * 2 * i + r * h))
+    assert fl["attention"] == layers * 4 * b * (ctx + 1) * hq * d
+    assert need["total_flops"] == sum(fl.values()) and "sampling" not in fl
+    # at 1 GFLOP/s the FLOPs bind every GEMM category; at 1e6 TFLOP/s none does
+    slow = floors(got, {"dense GEMM": 1.0}, 1000.0, fl, 1e-3)
+    assert slow["dense GEMM"]["bound"] == "FLOPs"
+    assert slow["dense GEMM"]["floor_ms"] == pytest.approx(fl["dense GEMM"] / 1e9 * 1e3)
+    assert slow["sampling"]["bound"] == "bytes" and slow["sampling"]["flop_floor_ms"] == 0.0
+    fast = floors(got, {"dense GEMM": 1.0}, 1000.0, fl, 1e6)
+    assert fast["dense GEMM"]["bound"] == "bytes"
+    assert fast["dense GEMM"]["floor_ms"] == pytest.approx(got["dense GEMM"] / 1e12 * 1e3)

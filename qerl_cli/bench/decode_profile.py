@@ -110,14 +110,16 @@ def categorize_trace(trace: dict[str, Any]) -> dict[str, Any]:
 
 
 def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_reps: int = 20,
-                   trace_path: Path | None = None, copy_gbps: float | None = None) -> dict[str, Any]:
+                   trace_path: Path | None = None, copy_gbps: float | None = None,
+                   mma_tflops: float | None = None) -> dict[str, Any]:
     """Profile ``steps`` decode steps (+ sampling) of ``batch`` slots at ``context`` cached tokens.
 
     Needs an engine whose last ``generate`` left its KV cache, LoRA plan and norm buffers in place (call
     before ``release()``). Writes K/V at position ``context`` of slots ``0..batch-1`` (bench use only).
     Returns per-step milliseconds by category, the summed kernel time, the CUDA-graph-replayed step
     time at the same (batch, KV bucket) when the engine uses graphs, and per category the bytes the step
-    must move, the floor they set at ``copy_gbps`` (the run's measured copy bandwidth) and the % of it.
+    must move and the FLOPs it must do, the floor they set at ``copy_gbps`` (the run's measured copy bandwidth)
+    and ``mma_tflops`` (its measured BF16 matmul rate), the larger of the two, and the % of it.
     """
     from qerl_cli.rollout.sampling import SamplingParams, StepSampler
 
@@ -148,7 +150,7 @@ def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_
         graphs = getattr(engine, "_graphs", None)
         if graphs is not None:
             graph_ms = _graph_step_ms(graphs, sampler, tokens, positions, kv_len, uid, step, host, graph_reps)
-    return _report(prof, runner, batch, context, kv_len, steps, trace_path, copy_gbps, graph_ms,
+    return _report(prof, runner, batch, context, kv_len, steps, trace_path, (copy_gbps, mma_tflops), graph_ms,
                    bool(graphs is not None and sampler.capturable))
 
 
@@ -206,9 +208,12 @@ def chrome_trace(prof: Any) -> dict[str, Any]:
 
 
 def _report(prof: Any, runner: Any, batch: int, context: int, kv_len: int, steps: int, trace_path: Path | None,
-            copy_gbps: float | None, graph_ms: float | None, sampler_in_graph: bool) -> dict[str, Any]:
-    """The trace by category per step, against each category's byte floor."""
-    from qerl_cli.bench.roofline import decode_step_bytes, floors
+            rates: tuple[float | None, float | None], graph_ms: float | None,
+            sampler_in_graph: bool) -> dict[str, Any]:
+    """The trace by category per step, against each category's floor; ``rates``: (copy GB/s, matmul TFLOP/s)."""
+    from qerl_cli.bench.roofline import decode_step_bytes, floors, step_floor_ms
+
+    copy_gbps, mma_tflops = rates
 
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
@@ -224,10 +229,13 @@ def _report(prof: Any, runner: Any, batch: int, context: int, kv_len: int, steps
         "kv_len": kv_len,
         "steps": steps,
         "ms_per_step": ms,
-        "floors": floors(need["bytes"], ms, copy_gbps),
+        "floors": (cat_floors := floors(need["bytes"], ms, copy_gbps, need["flops"], mma_tflops)),
+        "step_floor_ms": step_floor_ms(cat_floors),
         "attention_read_bytes": need["attention_read_bytes"],
         "step_bytes": need["total_bytes"],
+        "step_flops": need["total_flops"],
         "copy_GBps": copy_gbps,
+        "mma_TFLOPs": mma_tflops,
         "sampler_in_graph": sampler_in_graph,
         "fused_lora": runner.ops.fused_lora,
         "attention_backend": runner.attention.current,

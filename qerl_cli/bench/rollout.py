@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from qerl_cli.bench import harness
+from qerl_cli.bench.flops import matmul_ceiling_tflops
 from qerl_cli.bench.harness import COUNT, figure, num, save_figure
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import FORMATS, get_format
@@ -274,7 +275,7 @@ def _adapters(model: nn.Module, lora: str) -> Any:
 def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, new_tokens: int, vocab: int,
               stop_ids: list[int] | None, device: torch.device, gpu_memory_utilization: float, seed: int,
               warmup: bool, prompts_n: int | None = None, generations: int = 1, lora: str = "on",
-              profile: bool = False, copy_gbps: float | None = None) -> dict[str, Any]:
+              profile: bool = False, rates: tuple[float | None, float | None] = (None, None)) -> dict[str, Any]:
     from qerl_cli.rollout import BuiltinEngine, SamplingParams
 
     engine = BuiltinEngine(model, tokenizer, max_batch_slots=batch, max_model_len=prompt_len + new_tokens,
@@ -305,7 +306,8 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
             if profile and device.type == "cuda":
                 from qerl_cli.bench.decode_profile import profile_decode
 
-                prof = profile_decode(engine, min(batch, slots), prompt_len + new_tokens // 2, copy_gbps=copy_gbps)
+                prof = profile_decode(engine, min(batch, slots), prompt_len + new_tokens // 2, copy_gbps=rates[0],
+                                      mma_tflops=rates[1])
     finally:
         engine.release()
     t, st = res.timings, res.stats
@@ -432,34 +434,39 @@ def tables(res: dict[str, Any]) -> list[Any]:
 
 
 def render_floor_table(res: dict[str, Any]) -> Any | None:
-    """A rich Table: per profiled cell and category, the byte floor (bytes it must move over the run's copy
-    bandwidth; qerl_cli/bench/roofline.py) and the % of it the measured kernel time reaches."""
+    """A rich Table: per profiled cell and category, its floor (bytes it must move over the run's copy bandwidth,
+    or FLOPs over the run's BF16 matmul rate where that is larger, marked f; qerl_cli/bench/roofline.py) and the %
+    of it the measured kernel time reaches."""
     from rich.table import Table
 
     from qerl_cli.bench.decode_profile import CATEGORIES
+    from qerl_cli.bench.roofline import step_floor_ms
 
     cells = [c for c in res["results"] if (c.get("profile") or {}).get("floors")]
     if not cells:
         return None
     cats = [k for k in CATEGORIES if k not in ("copies", "other")]
-    table = Table(title=f"decode step byte floors: floor ms (bytes / {num(res.get('copy_GBps'), COUNT)} GB/s copy "
-                        "bandwidth) and % of it reached; attention: live context (SDPA's KV bucket in KV read)")
+    mma = res.get("mma_TFLOPs")
+    rate = f" or FLOPs / {num(mma, COUNT)} TFLOP/s BF16 matmul, whichever is larger: f" if mma else ""
+    table = Table(title=f"decode step floors: floor ms (bytes / {num(res.get('copy_GBps'), COUNT)} GB/s copy "
+                        f"bandwidth{rate}) and % of it reached; attention: live context (SDPA's KV bucket in KV "
+                        "read)")
     for col in ("format", "batch", "LoRA", *cats, "KV read MB", "step"):
         table.add_column(col, justify="left" if col in ("format", "LoRA") else "right")
-    def cell(floor_ms: float | None, measured_ms: float | None) -> str:
+    def cell(floor_ms: float | None, measured_ms: float | None, bound: str | None = None) -> str:
         if floor_ms is None:
             return "-"
         pct = 100.0 * floor_ms / measured_ms if measured_ms else None
-        return f"{floor_ms:.3f} ({num(pct, '{:.0f}')}%)"
+        return f"{floor_ms:.3f}{' f' if bound == 'FLOPs' else ''} ({num(pct, '{:.0f}')}%)"
 
     for c in cells:
         p = c["profile"]
-        bw = p.get("copy_GBps")
-        step_floor = p["step_bytes"] / (bw * 1e9) * 1e3 if bw else None
+        fl = p["floors"]
         table.add_row(c["format"], str(c["batch"]), c.get("lora", "on"),
-                      *(cell(p["floors"].get(k, {}).get("floor_ms"), p["ms_per_step"].get(k)) for k in cats),
+                      *(cell(fl.get(k, {}).get("floor_ms"), p["ms_per_step"].get(k), fl.get(k, {}).get("bound"))
+                        for k in cats),
                       f"{p['attention_read_bytes'] / 1e6:,.0f}",
-                      cell(step_floor, p.get("graph_step_ms") or p["kernel_ms_per_step"]))
+                      cell(step_floor_ms(fl), p.get("graph_step_ms") or p["kernel_ms_per_step"]))
     return table
 
 
@@ -559,6 +566,7 @@ class _Workload:
     episodes: int = 0  # turns per synthetic episode (0: single-turn cells)
     tool_latency_ms: float = 50.0
     observation_tokens: int = 32
+    mma_TFLOPs: float | None = None  # the run's BF16 matmul rate (profiled runs): the FLOP floors' divisor
 
     def lora_label(self, lora: str) -> str:
         return lora if self.lora_rank else "none"
@@ -662,12 +670,13 @@ def bench_rollout(
                 "options": _resolved_options(),
                 "sampling": f"temperature 1.0, top_p 1, top_k off, n={num_generations}"})
     bw = harness.copy_bandwidth_gbps(device)
-    res.update({"gpu_total_gib": total_gib, "copy_GBps": bw, "models": {}})
+    mma = matmul_ceiling_tflops(device) if profile else None
+    res.update({"gpu_total_gib": total_gib, "copy_GBps": bw, "mma_TFLOPs": mma, "models": {}})
     if bw:
-        log(f"copy bandwidth {bw:,.0f} GB/s (read + write)")
+        log(f"copy bandwidth {bw:,.0f} GB/s (read + write)" + (f", BF16 matmul {mma:,.0f} TFLOP/s" if mma else ""))
     work = _Workload(device, prompt_len, new_tokens, lora_rank, ["fixed", "eos"] if eos_mode == "both" else [eos_mode],
                      lmodes, seed, warmup, prompts, num_generations, profile, gmu, bw, spec is not None, episodes,
-                     tool_latency_ms, observation_tokens)
+                     tool_latency_ms, observation_tokens, mma_TFLOPs=mma)
     cell_times: dict[tuple[int, str, str], float] = {}  # a cell's time in the last format: the next one's guess
     for fmt in fmts:
         cap = (memory_cap_gib or total_gib) if spec is not None and device.type == "cuda" else None
@@ -821,7 +830,7 @@ def _measure(m: _Model, work: _Workload, batch: int, mode: str, lora: str) -> di
     cell = _run_cell(m.model, m.tokenizer, batch=batch, prompt_len=work.prompt_len, new_tokens=work.new_tokens,
                      vocab=m.vocab, stop_ids=stop_ids, device=work.device, gpu_memory_utilization=work.gmu,
                      seed=work.seed, warmup=work.warmup, prompts_n=work.prompts, generations=work.num_generations,
-                     lora=lora, profile=work.profile, copy_gbps=work.copy_GBps)
+                     lora=lora, profile=work.profile, rates=(work.copy_GBps, work.mma_TFLOPs))
     if cell["num_slots"] >= batch:
         return {"status": "ok", **cell}
     # the cell ran, but with fewer sequences at once than its batch: say so, and why

@@ -1,4 +1,4 @@
-"""The byte floor of a decode step, per profile category: what each category's kernels must move.
+"""The floors of a decode step, per profile category: the bytes its kernels must move and the FLOPs they must do.
 
 ``qerl bench rollout --profile`` times a decode step's GPU kernels by category (``decode_profile.py``); this module
 says how many bytes each category has to read and write for that step, so the profile can show each
@@ -21,6 +21,14 @@ What is counted, for the step as the runner runs it now (its projection plan, fu
   (``kv_len`` positions per row, plus the mask), up to twice that. q in, o out.
 * sampling: one read of the logits (what the one-pass sampler reads; the torch path makes ~10 passes).
 * copies / other: nothing (the embedding gather and the step's tiny index tensors).
+
+FLOPs are counted for the same work, as it runs: 2 x rows x in x out per base GEMM (the lm_head too), 2 x rows x r x
+(in + out) per LoRA group (block-diagonal B_blk with its zeros: what the expand multiplies), 2 x 2 x rows x
+(context + 1) x heads x head_dim per layer of attention (q k^T and p v over the live keys), the routed experts of a
+sparse layer. A category's floor is the larger of bytes / copy bandwidth and FLOPs / the matrix rate of the path
+(the run's measured BF16 matmul rate: every kernel of the decode step multiplies on the BF16 tensor cores), so at
+large batches, where the GEMMs are bound by the tensor cores, the bench says so instead of showing a byte floor
+no kernel could reach.
 """
 
 from __future__ import annotations
@@ -57,31 +65,43 @@ def _add(out: dict[str, float], cat: str, nbytes: float) -> None:
     out[cat] = out.get(cat, 0.0) + float(nbytes)
 
 
-def group_bytes(g: ProjGroup, rows: int, elem: int, shrink_fused: bool, out: dict[str, float]) -> None:
-    """One projection group's base GEMM(s) and LoRA, by category. ``shrink_fused``: its shrink ran inside the
-    kernel that made its input (a norm or SiLU kernel), which reads ``A_cat`` instead of a GEMM."""
+def _gemm_flops(rows: int, k: int, n: int) -> float:
+    return 2.0 * rows * k * n
+
+
+def group_bytes(g: ProjGroup, rows: int, elem: int, shrink_fused: bool, out: dict[str, float],
+                flops: dict[str, float]) -> None:
+    """One projection group's base GEMM(s) and LoRA, by category: bytes into ``out``, FLOPs into ``flops``.
+    ``shrink_fused``: its shrink ran inside the kernel that made its input (a norm or SiLU kernel), which reads
+    ``A_cat`` instead of a GEMM."""
     base_cat = "quantized GEMM" if g.base_kind == "qgemm" else "dense GEMM"
     bases = [g.single] if g.single is not None else g.calls
     for m in bases:
         k, n = _in_out(m)
         _add(out, base_cat, module_bytes(m) + rows * (k + n) * elem)
+        _add(flops, base_cat, _gemm_flops(rows, k, n))
     if g.a_cat is None:
         return
-    r = g.a_cat.shape[0]
-    _add(out, "norm/RoPE/activation" if shrink_fused else "LoRA", (g.a_cat.numel() + rows * r) * elem)
+    r, k_in = g.a_cat.shape
+    shrink_cat = "norm/RoPE/activation" if shrink_fused else "LoRA"
+    _add(out, shrink_cat, (g.a_cat.numel() + rows * r) * elem)
+    _add(flops, shrink_cat, _gemm_flops(rows, k_in, r))
     if g.b_blk is not None:
         n = g.b_blk.shape[0]
+        expand_cat = base_cat if g.expand_in_epilogue else "LoRA"
         if g.expand_in_epilogue:
             _add(out, base_cat, (g.b_blk.numel() + rows * r) * elem)
         else:  # in-place addmm_: B, h, and the base output read and written again
             _add(out, "LoRA", (g.b_blk.numel() + rows * r + 2 * rows * n) * elem)
+        _add(flops, expand_cat, _gemm_flops(rows, r, n))
     else:
         for sb in g.sb:
             if sb is not None:
                 _add(out, "LoRA", (sb.numel() + rows * sb.shape[1] + 2 * rows * sb.shape[0]) * elem)
+                _add(flops, "LoRA", _gemm_flops(rows, sb.shape[1], sb.shape[0]))
 
 
-def moe_bytes(plan: Any, rows: int, elem: int, out: dict[str, float]) -> None:
+def moe_bytes(plan: Any, rows: int, elem: int, out: dict[str, float], flops: dict[str, float]) -> None:
     """A sparse MLP's router (dense) and experts: only the experts the step's ``rows`` tokens are routed to are read,
     their expected number under uniform routing (``moe.MoeDims.active_experts``), with their LoRA copies' rows."""
     from qerl_cli.moe import MoeDims
@@ -89,13 +109,16 @@ def moe_bytes(plan: Any, rows: int, elem: int, out: dict[str, float]) -> None:
     experts = plan.base
     e, h, i = experts.num_experts, experts.hidden, experts.intermediate
     _add(out, "dense GEMM", module_bytes(plan.gate) + rows * (h + e) * elem)
+    _add(flops, "dense GEMM", _gemm_flops(rows, h, e))
     active = MoeDims(e, int(plan.top_k), i).active_experts(rows) / e
     k = int(plan.top_k)
     base_cat = "quantized GEMM" if experts.format.quantized else "dense GEMM"
     _add(out, base_cat, experts.weight_nbytes * active + rows * k * (2 * h + 3 * i) * elem)
+    _add(flops, base_cat, _gemm_flops(rows * k, h, 3 * i))  # gate, up and down of each routed token
     for f in plan.lora.values():
         r = f.a.shape[1]
         _add(out, "LoRA", (f.a.numel() + f.b.numel()) * elem * active + rows * k * r * elem * 2)
+        _add(flops, "LoRA", 2.0 * rows * k * (f.a.numel() + f.b.numel()) / e)  # per expert: r x (in + out)
 
 
 def decode_step_bytes(runner: ModelRunner, batch: int, context: int, kv_len: int) -> dict[str, Any]:
@@ -108,6 +131,7 @@ def decode_step_bytes(runner: ModelRunner, batch: int, context: int, kv_len: int
     heads, kvh, d, layers = runner.num_heads, runner.num_kv_heads, runner.head_dim, runner.num_layers
     m = batch
     out: dict[str, float] = {}
+    fl: dict[str, float] = {}
     ops = runner.ops
     fused_rows = m <= ops.FUSED_SHRINK_MAX_ROWS
     norm_fused = ops.enabled["rmsnorm_shrink"] and fused_rows
@@ -116,24 +140,26 @@ def decode_step_bytes(runner: ModelRunner, batch: int, context: int, kv_len: int
     for i, layer in enumerate(runner.layers):
         lp = plan.layers[i] if plan is not None else None
         if lp is not None:
-            group_bytes(lp.qkv, m, elem, norm_fused, out)
-            group_bytes(lp.o, m, elem, False, out)
+            group_bytes(lp.qkv, m, elem, norm_fused, out, fl)
+            group_bytes(lp.o, m, elem, False, out, fl)
             if lp.gate_up is not None and lp.down is not None:
-                group_bytes(lp.gate_up, m, elem, norm_fused, out)
-                group_bytes(lp.down, m, elem, silu_fused, out)
+                group_bytes(lp.gate_up, m, elem, norm_fused, out, fl)
+                group_bytes(lp.down, m, elem, silu_fused, out, fl)
             elif lp.moe is not None:
-                moe_bytes(lp.moe, m, elem, out)
+                moe_bytes(lp.moe, m, elem, out, fl)
             else:
                 for mod in layer.mlp.modules():
                     if mod is not layer.mlp and not list(mod.children()):
                         k, n = _in_out(mod)
                         _add(out, "dense GEMM", module_bytes(mod) + m * (k + n) * elem)
+                        _add(fl, "dense GEMM", _gemm_flops(m, k, n))
         else:
             for mod in (layer.self_attn, layer.mlp):
                 for sub in mod.modules():
                     if not list(sub.children()) and _in_out(sub) != (0, 0):
                         k, n = _in_out(sub)
                         _add(out, "dense GEMM", module_bytes(sub) + m * (k + n) * elem)
+                        _add(fl, "dense GEMM", _gemm_flops(m, k, n))
         # two residual adds + RMSNorms (the first layer's input norm has no residual to add), SiLU * up
         _add(out, "norm/RoPE/activation", (8 - (1 if i == 0 else 0)) * m * hidden * elem + 2 * hidden * elem)
         _add(out, "norm/RoPE/activation", 3 * m * inter * elem)
@@ -142,21 +168,38 @@ def decode_step_bytes(runner: ModelRunner, batch: int, context: int, kv_len: int
         # RoPE + K/V write: q, k, v in; q out; k, v into the cache
         _add(out, "norm/RoPE/activation", m * ((heads + 2 * kvh) * d + heads * d) * elem + 2 * m * kvh * d * kv_elem)
         _add(out, "attention", 2 * m * (context + 1) * kvh * d * kv_elem + 2 * m * heads * d * elem)
+        _add(fl, "attention", 2 * _gemm_flops(m, (context + 1), heads * d))
     _add(out, "norm/RoPE/activation", 4 * m * hidden * elem + hidden * elem)  # the final norm
     vocab = runner.vocab_size
     _add(out, "dense GEMM", module_bytes(runner.lm_head) + m * (hidden + vocab) * elem)
+    _add(fl, "dense GEMM", _gemm_flops(m, hidden, vocab))
     _add(out, "sampling", m * vocab * elem)
     bucket = layers * (2 * m * kv_len * kvh * d * kv_elem + 2 * m * heads * d * elem + m * kv_len * elem)
-    return {"bytes": out, "attention_read_bytes": float(bucket), "total_bytes": sum(out.values())}
+    return {"bytes": out, "flops": fl, "attention_read_bytes": float(bucket), "total_bytes": sum(out.values()),
+            "total_flops": sum(fl.values())}
 
 
-def floors(step_bytes: dict[str, float], ms: dict[str, float], copy_gbps: float | None) -> dict[str, dict]:
-    """Per category: bytes, floor ms (bytes over the copy bandwidth) and the % of that floor the measured ms
-    reach (None without a bandwidth or a measured time)."""
+def floors(step_bytes: dict[str, float], ms: dict[str, float], copy_gbps: float | None,
+           step_flops: dict[str, float] | None = None, mma_tflops: float | None = None) -> dict[str, dict]:
+    """Per category: bytes, FLOPs, the byte floor (bytes over the copy bandwidth), the FLOP floor (FLOPs over the
+    matrix rate), ``floor_ms`` the larger of those known, ``bound`` which one it is, and the % of that floor the
+    measured ms reach (None without a bandwidth or a measured time)."""
     rows: dict[str, dict] = {}
     for cat, nbytes in step_bytes.items():
-        floor = nbytes / (copy_gbps * 1e9) * 1e3 if copy_gbps else None
+        byte_floor = nbytes / (copy_gbps * 1e9) * 1e3 if copy_gbps else None
+        nflops = (step_flops or {}).get(cat, 0.0)
+        flop_floor = nflops / (mma_tflops * 1e12) * 1e3 if mma_tflops and step_flops is not None else None
+        floor, bound = byte_floor, "bytes"
+        if flop_floor is not None and (floor is None or flop_floor > floor):
+            floor, bound = flop_floor, "FLOPs"
         t = ms.get(cat)
-        rows[cat] = {"bytes": nbytes, "floor_ms": floor,
+        rows[cat] = {"bytes": nbytes, "flops": nflops, "byte_floor_ms": byte_floor, "flop_floor_ms": flop_floor,
+                     "floor_ms": floor, "bound": bound if floor is not None else None,
                      "pct_of_floor": 100.0 * floor / t if floor is not None and t else None}
     return rows
+
+
+def step_floor_ms(cat_floors: dict[str, dict]) -> float | None:
+    """The whole step's floor: the sum of its categories' floors (each the larger of its bytes and FLOPs)."""
+    known = [f["floor_ms"] for f in cat_floors.values() if f.get("floor_ms") is not None]
+    return sum(known) if known else None
