@@ -312,3 +312,19 @@ def test_flashinfer_engine_runs_on_cuda(use_options, head_dim: int) -> None:  # 
     got = run(engine, greedy)[0]
     assert engine.runner.attention.current == "flashinfer" and engine.runner.attention.backend == "flashinfer"
     assert all(a[:4] == b[:4] for a, b in zip(got, want, strict=True))
+
+
+def test_split_kv_engine_runs_on_cuda(use_options) -> None:  # noqa: ANN001
+    """QERL_DECODE_ATTN=split end to end (CUDA graphs: the lengths are read on the device, no host plan): greedy
+    tokens follow the SDPA engine's (bf16; a near-tie may part them late, so only the first 4 of each prompt), and
+    fp32 tokens are equal."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
+    for dtype, first in ((torch.bfloat16, 4), (torch.float32, 16)):
+        model = random_model("llama", dtype, head_dim=128)
+        want = run(BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256), greedy)[0]
+        use_options(decode_attn="split")
+        engine = BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256)
+        got = run(engine, greedy)[0]
+        use_options(decode_attn="sdpa")
+        assert engine.runner.attention.backend == "split" and engine.use_graphs
+        assert all(a[:first] == b[:first] for a, b in zip(got, want, strict=True))

@@ -73,3 +73,30 @@ def test_engine_backend_matches_sdpa() -> None:
     got = att(q, k, v, 128, None, pos)
     want = sdpa_decode(q, k, v, 128, decode_mask(pos, 128, torch.float32), 0.125)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_greedy_tokens_equal_sdpa_on_cpu(use_options, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The builtin engine on CPU (the Triton interpreter runs the split kernels): a tiny fp32 Llama's greedy tokens
+    and log-probs with `decode_attn=split` are today's SDPA engine's, and the split kernels really ran."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qerl_cli.rollout import BuiltinEngine, SamplingParams
+    from tests.helpers import random_decoder
+
+    model = random_decoder(LlamaConfig, LlamaForCausalLM, vocab_size=97, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           max_position_embeddings=128, tie_word_embeddings=False)
+    prompts = [[5, 17, 3], [9, 9, 40, 2, 77, 13, 8], [60]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[])
+    want = BuiltinEngine(model, None, max_batch_slots=3, max_model_len=64).generate(prompts, greedy).samples
+    use_options(decode_attn="split")
+    calls = []
+    run_split = da.split_kv_decode
+    monkeypatch.setattr(da, "split_kv_decode", lambda *a, **k: calls.append(a[3].tolist()) or run_split(*a, **k))
+    engine = BuiltinEngine(model, None, max_batch_slots=3, max_model_len=64)
+    got = engine.generate(prompts, greedy).samples
+    assert engine.runner.attention.backend == "split"
+    assert len(calls) >= 2 * 7  # two layers per decode step, seven steps after the prefill's token
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
