@@ -33,3 +33,13 @@ def test_wheel_ships_the_presets_and_data(tmp_path: Path) -> None:
     # the CUDA sources nvcc builds on first use, with every header they include
     for cu in (ROOT / "kernels" / "cuda").iterdir():
         assert f"qerl_kernels/cuda/{cu.name}" in names, cu.name
+
+
+def test_every_package_is_listed_for_the_wheel() -> None:
+    """pyproject lists the packages by name: a new subpackage left out would be missing from a plain install."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(("qerl_cli", *p.parent.relative_to(ROOT / "qerl_cli").parts))
+             for p in (ROOT / "qerl_cli").rglob("__init__.py")}
+    assert found - listed == set(), "add to [tool.setuptools] packages"

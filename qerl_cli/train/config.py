@@ -20,7 +20,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.formats import FORMATS, rollout_formats
 from qerl_cli.precision import PRECISIONS
 from qerl_cli.tools import TOOL_NAMES
-from qerl_cli.train.losses import ALGOS
+from qerl_cli.train.algos import ALGORITHMS, Algorithm, get_algorithm
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -119,6 +119,11 @@ class TrainConfig:
     sharding: str = "auto"  # auto | none | ddp | fsdp2 (resolve_sharding; docs/distributed.md)
     fsdp_offload: bool = False  # fsdp2: sharded weights, grads and AdamW state in pinned host memory
 
+    @property
+    def algorithm(self) -> Algorithm:
+        """The RL algorithm object of ``algo`` (qerl_cli/train/algos/): ask it, never compare the name."""
+        return get_algorithm(self.algo)
+
     def resolved(self) -> TrainConfig:
         """A copy with the per-algorithm defaults filled in, so the manifest records what actually ran; ``self`` is
         left as asked (frozen). Each group of defaults reads the ones resolved before it."""
@@ -126,19 +131,11 @@ class TrainConfig:
             self,
             lr=1e-5 if self.lr is None else self.lr,
             lora_alpha=2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha,
-            scale_rewards=self.scale_rewards if self.scale_rewards is not None else (
-                "none" if self.algo == "dr_grpo" else "group"),
-            dynamic_sampling=self.algo == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling,
             max_episode_tokens=self.max_completion_length if self.max_episode_tokens is None and (
                 self.tools or self.env) else self.max_episode_tokens)
-        c = dataclasses.replace(c, overlong_buffer=_resolved_overlong_buffer(c), requant_scales=_resolved_requant(c))
+        c = dataclasses.replace(c, requant_scales=_resolved_requant(c))
         c = dataclasses.replace(c, **_resolved_correction(c))
-        from qerl_cli.train.losses import DEFAULT_CLIP, resolve_clip
-
-        if c.algo not in DEFAULT_CLIP:
-            return c
-        epsilon, epsilon_high = resolve_clip(c.algo, c.epsilon, c.epsilon_high)
-        return dataclasses.replace(c, epsilon=epsilon, epsilon_high=epsilon_high)
+        return dataclasses.replace(c, **c.algorithm.defaults(c))
 
     def validate(self) -> None:
         """Every field on its own (check_value), then the rules between fields; a QerlError names the flag."""
@@ -169,8 +166,7 @@ class TrainConfig:
                                 "--precision bf16")
         if self.fsdp_offload and self.sharding not in ("fsdp2", "auto"):
             raise QerlError("--fsdp-offload offloads FSDP2's sharded state: use it with --sharding fsdp2")
-        if self.num_generations < 2 and self.algo != "pg_seq_is":
-            raise QerlError("--num-generations must be >= 2: group-relative advantages need a group")
+        self.algorithm.validate(self)
         length, length_flag = ((self.max_episode_tokens, "--max-episode-tokens") if self.max_episode_tokens else
                                (self.max_completion_length, "--max-completion-length"))
         if self.overlong_buffer is not None and self.overlong_buffer > length:
@@ -196,13 +192,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _resolved_overlong_buffer(c: TrainConfig) -> int | None:
-    """DAPO's overlong buffer: a quarter of the length (an episode's is all of it, observations included)."""
-    if c.overlong_buffer is not None:
-        return c.overlong_buffer
-    return (c.max_episode_tokens or c.max_completion_length) // 4 if c.algo == "dapo" else 0
 
 
 def _resolved_requant(c: TrainConfig) -> str | None:
@@ -235,7 +224,7 @@ FIELD_NAMES = {f.name for f in dataclasses.fields(TrainConfig)}
 # `--name/--no-name` for booleans; comma-separated for lists) through `train_flags()`, so a new field needs
 # no CLI code; a field missing here still gets its flag, with its type as the help.
 FIELD_HELP: dict[str, str] = {
-    "algo": ", ".join(ALGOS),
+    "algo": ", ".join(ALGORITHMS),
     "task": "gsm8k, math, arith or jsonl:PATH",
     "reward": "Reward registry name, module:function or file.py:function (default: the task's).",
     "steps": "Optimizer steps; larger than a finished run's with --resume extends it.",
@@ -389,9 +378,9 @@ FIELD_RANGES: dict[str, str] = {
     "max_turns": ">= 1", "max_episode_tokens": ">= 1", "tool_timeout_s": "> 0", "tool_memory_mb": ">= 1",
     "tool_workers": ">= 1",
 }
-# logprob_backend's choices live with the torch code that runs them (field_choices)
+# logprob_backend's choices live with the torch code that runs them, algo's in the algorithm registry (field_choices)
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
-    "algo": ALGOS, "correction": CORRECTIONS, "finetune": FINETUNES, "rollout_quant": ROLLOUT_QUANTS,
+    "correction": CORRECTIONS, "finetune": FINETUNES, "rollout_quant": ROLLOUT_QUANTS,
     "requant_scales": REQUANT_SCALES, "sharding": SHARDINGS, "precision": PRECISIONS,
     "rollout_engine": ("builtin", "vllm"), "scale_rewards": SCALE_REWARDS, "tools": TOOL_NAMES,
 }
@@ -413,6 +402,8 @@ def shown(value: Any, limit: int = 60) -> str:
 
 
 def field_choices(name: str) -> tuple[str, ...] | None:
+    if name == "algo":
+        return tuple(ALGORITHMS)
     if name == "logprob_backend":
         from qerl_cli.train.logprobs import LOGPROB_BACKENDS
 

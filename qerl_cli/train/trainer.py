@@ -490,7 +490,7 @@ class Trainer:
                                         graded=self.cfg.env is None or self.cfg.reward is not None)
         assert raw.numel() == len(indices) * g
         shaped = raw.clone()
-        if self.cfg.algo == "dapo" and self.cfg.overlong_buffer:
+        if self.cfg.algorithm.overlong_penalty and self.cfg.overlong_buffer:
             from qerl_cli.train.advantages import dapo_overlong_penalty
 
             lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
@@ -743,7 +743,7 @@ class Trainer:
         bsz = batch.input_ids.shape[0]
         own = old.old is None
         isw = None if own or self.cfg.correction == "none" else self._is_weights(old.old, batch.rollout_logp, valid)
-        normalizer = self._loss_normalizer(batch)
+        normalizer = self.cfg.algorithm.normalizer(batch.mask, self.completion_tokens)
         self.model.train()
         t_fb = self.clock()
         self.optimizer.zero_grad(set_to_none=True)
@@ -791,7 +791,7 @@ class Trainer:
         else:
             old_part, isw_part = old.old[sl], None if isw is None else isw[sl]
         loss, m = policy_loss(
-            c.algo, logp, old_part, adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
+            c.algorithm, logp, old_part, adv[sl], part.mask, epsilon=c.epsilon, epsilon_high=c.epsilon_high,
             max_completion_length=self.completion_tokens, is_weights=isw_part,
             ref_logp=None if old.ref is None else old.ref[sl], beta=c.beta, rollout_logp=part.rollout_logp,
             loss_normalizer=normalizer)
@@ -807,12 +807,6 @@ class Trainer:
     def _is_weights(self, old_logp: torch.Tensor, rollout_logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The importance weights of --correction (pi_old over the rollout's mu), capped."""
         return is_weights(self.cfg.correction, old_logp, rollout_logp, valid, cap=self.cfg.correction_cap)[0]
-
-    def _loss_normalizer(self, batch: RolloutBatch) -> float:
-        """What the summed token losses are divided by: DAPO's tokens, Dr. GRPO's fixed length, else sequences."""
-        bsz = batch.input_ids.shape[0]
-        return {"dapo": batch.mask.sum().clamp(min=1).item(),
-                "dr_grpo": float(bsz * self.completion_tokens)}.get(self.cfg.algo, float(bsz))
 
     def nonfinite(self, what: str) -> NonFiniteLoss:
         """The error that stops a step with a NaN/inf, after the previous step's checkpoint write (if one is in
