@@ -19,7 +19,8 @@ loops over the experts and dequantizes one expert's weight at a time. docs/moe.m
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -358,10 +359,14 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int,
     return logits, top.to(logits.dtype), index
 
 
+RouteHook = Callable[[torch.Tensor], None]  # receives a forward's top-k expert index [T, k]
+
+
 class MoeBlock(nn.Module):
     """A sparse MLP: transformers' router module (``gate``, whose weight :func:`route` reads) and qerl's experts. In a
     training forward (training mode, gradients on) it records the routing (per-expert assignment counts and mean router
-    probabilities, on the device) for :func:`router_metrics`."""
+    probabilities, on the device) for :func:`router_metrics`. Under :func:`replay_routing` it takes the recorded
+    experts instead of its own top-k (routing replay, docs/moe.md)."""
 
     def __init__(self, gate: nn.Module, experts: nn.Module, top_k: int, norm_topk_prob: bool = True) -> None:
         super().__init__()
@@ -370,13 +375,24 @@ class MoeBlock(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.stats: dict[str, torch.Tensor] | None = None
+        self.replay: Replay | None = None
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, on_route: RouteHook | None = None) -> torch.Tensor:
+        """``on_route``: called with the top-k index the experts run with (the rollout engine records it)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         logits, weights, index = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+        own = index
+        if self.replay is not None:
+            self.replay.check(x.shape[0])
+            if self.replay.use:
+                weights, index = self.replay.apply(logits, own, self.norm_topk_prob)
         if self.training and torch.is_grad_enabled():  # the update's forwards, never a rollout running beside them
-            self.record(logits, index)
+            self.record(logits, own)
+            if self.replay is not None:
+                self.record_disagreement(self.replay.disagreement(own))
+        if on_route is not None:
+            on_route(index)
         return self.experts(x, index, weights).reshape(shape)
 
     @torch.no_grad()
@@ -390,6 +406,69 @@ class MoeBlock(nn.Module):
         self.stats["prob"] += torch.softmax(logits.float(), dim=-1).sum(0).double()
         self.stats["tokens"] += logits.shape[0]
 
+    @torch.no_grad()
+    def record_disagreement(self, differ_total: torch.Tensor) -> None:
+        """Adds (tokens whose own top-k set differs from the recorded one, tokens with a recorded set)."""
+        assert self.stats is not None
+        if "replay" not in self.stats:
+            self.stats["replay"] = torch.zeros(2, dtype=torch.float64, device=differ_total.device)
+        self.stats["replay"] += differ_total
+
+
+@dataclass
+class Replay:
+    """One layer's recorded top-k experts for the tokens of a forward, ``index`` [T, k] (int64; -1 on a token the
+    rollout did not route: padding, a completion's last token), and whether the forward takes them (``use``) or only
+    compares its own top-k with them (the disagreement metric with replay off)."""
+
+    index: torch.Tensor
+    use: bool = True
+
+    def check(self, tokens: int) -> None:
+        if self.index.shape[0] != tokens:
+            raise QerlError(f"routing replay: {self.index.shape[0]} recorded tokens for a forward of {tokens}; the "
+                            "routing must be laid out like the forward's input_ids")
+
+    def apply(self, logits: torch.Tensor, own: torch.Tensor, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, index) with the recorded experts where there are any (own top-k elsewhere): the weights are the
+        router's own probabilities at those experts, renormalised as :func:`route` does, so its gradient flows."""
+        rec = self.index.to(own.device)
+        index = torch.where(rec >= 0, rec, own)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top = probs.gather(-1, index)
+        if norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), index
+
+    def disagreement(self, own: torch.Tensor) -> torch.Tensor:
+        """[tokens whose own top-k set differs from the recorded set, tokens with a recorded set] (float64)."""
+        rec = self.index.to(own.device)
+        valid = (rec >= 0).all(-1)
+        differ = (own.sort(-1).values != rec.sort(-1).values).any(-1) & valid
+        return torch.stack([differ.sum(), valid.sum()]).double()
+
+
+@contextmanager
+def replay_routing(model: nn.Module, routing: torch.Tensor | None, replay: bool = True) -> Iterator[None]:
+    """Within: every :class:`MoeBlock` of ``model`` (the j-th in module order takes ``routing[..., j, :]``) routes the
+    forward's tokens with the rollout's recorded experts (``replay``; else it only measures the disagreement).
+    ``routing`` [..., layers, k] is laid out exactly like the forward's input_ids (padded [B, L] or packed [1, T]),
+    -1 where nothing was recorded. A backward that recomputes (activation checkpointing) must run inside too."""
+    blocks = moe_blocks(model)
+    if routing is None or not blocks:
+        yield
+        return
+    if routing.shape[-2] != len(blocks):
+        raise QerlError(f"routing replay: the routing has {routing.shape[-2]} layers, the model {len(blocks)}")
+    flat = routing.reshape(-1, *routing.shape[-2:]).long()
+    try:
+        for j, block in enumerate(blocks):
+            block.replay = Replay(flat[:, j], use=replay)
+        yield
+    finally:
+        for block in blocks:
+            block.replay = None
+
 
 def moe_blocks(model: nn.Module) -> list[MoeBlock]:
     return [m for m in model.modules() if isinstance(m, MoeBlock)]
@@ -400,12 +479,17 @@ def router_metrics(model: nn.Module) -> dict[str, float]:
     model). Per layer: the load of expert e is its assignment count over the mean count (1 = balanced);
     ``load_cv`` its coefficient of variation, ``load_max``/``load_min`` the extremes over layers and experts,
     ``aux_loss`` transformers' load-balancing loss ``E * sum_e (count_e / tokens) * mean_prob_e`` (k when
-    balanced), averaged over layers; ``dropped_tokens`` is 0: every assignment is computed (no capacity limit)."""
+    balanced), averaged over layers; ``dropped_tokens`` is 0: every assignment is computed (no capacity limit).
+    ``replay_disagreement`` (forwards under :func:`replay_routing` only): the share of (token, layer) top-k expert
+    sets the training forward's own router picks that differ from the ones the rollout recorded."""
     per_layer = []
+    replayed = []
     for block in moe_blocks(model):
         st, block.stats = block.stats, None
         if st is None or float(st["tokens"]) == 0:
             continue
+        if "replay" in st:
+            replayed.append(st["replay"])
         count, tokens = st["count"], st["tokens"]
         load = count / count.mean().clamp(min=1e-12)
         aux = count.numel() * (count / tokens * st["prob"] / tokens).sum()
@@ -413,9 +497,13 @@ def router_metrics(model: nn.Module) -> dict[str, float]:
     if not per_layer:
         return {}
     v = torch.stack(per_layer)
-    return {"router/load_cv": float(v[:, 0].mean()), "router/load_max": float(v[:, 1].max()),
-            "router/load_min": float(v[:, 2].min()), "router/aux_loss": float(v[:, 3].mean()),
-            "router/dropped_tokens": 0.0}
+    out = {"router/load_cv": float(v[:, 0].mean()), "router/load_max": float(v[:, 1].max()),
+           "router/load_min": float(v[:, 2].min()), "router/aux_loss": float(v[:, 3].mean()),
+           "router/dropped_tokens": 0.0}
+    if replayed:
+        differ, total = torch.stack(replayed).sum(0).tolist()
+        out["router/replay_disagreement"] = differ / total if total else 0.0
+    return out
 
 
 # ---- building the experts ----------------------------------------------------------------------------------------

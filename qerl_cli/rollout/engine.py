@@ -59,6 +59,10 @@ class Sample:
     # from the loss) and what each step returned; empty for a single-turn completion
     observation_spans: list[tuple[int, int]] = field(default_factory=list)
     steps: list[Any] = field(default_factory=list)
+    # a mixture of experts' routing as the engine computed it (routing replay, docs/moe.md): each sparse layer's
+    # top-k expert ids for every token the model ran, prompt then completion, [len(prompt) + len(token_ids) - 1,
+    # layers, k] (uint8, int16 past 256 experts; the last token was sampled, never run); None when not recorded
+    routing: torch.Tensor | None = None
 
     def model_mask(self) -> torch.Tensor:
         """float32 [len(token_ids)]: 1 on the tokens the model sampled, 0 on observation tokens."""
@@ -164,6 +168,8 @@ class BuiltinEngine:
             one kernel captured in the decode graph (``fused_sampling`` off: torch); ``decode_attn``
             (sdpa|flashinfer|auto) picks the decode attention (docs/decode.md).
         opts: the run's options (docs/options.md); default ``qerl_cli.options.options()``, read once here.
+        record_routing: for a mixture of experts, keep each sparse layer's top-k experts of every token in
+            ``Sample.routing`` (routing replay, docs/moe.md); nothing for a dense model.
     """
 
     def __init__(
@@ -181,6 +187,7 @@ class BuiltinEngine:
         fast_lora: bool = True,
         fused_kernels: bool | None = None,
         opts: RunOptions | None = None,
+        record_routing: bool = True,
     ) -> None:
         if max_batch_slots < 1:
             raise QerlError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
@@ -211,7 +218,9 @@ class BuiltinEngine:
             head_dim=self.runner.head_dim,
             max_len=cache_len,
             dtype=self.runner.dtype,
+            routing=self.runner.routing_shape if record_routing else None,
         )
+        self.runner.record_routing = record_routing and self.runner.routing_shape is not None
         self.kv_buckets = kv_len_buckets(cache_len)
         # the CUDA memory the cache was sized from (None on CPU): says why fewer slots than asked fit
         self.kv_room: KVBudget | None = None
@@ -387,6 +396,7 @@ class BuiltinEngine:
             entropies=torch.tensor(s.entropies, dtype=torch.float32) if sampling.entropy else None,
             observation_spans=s.observation_spans,
             steps=s.steps,
+            routing=s.routing.cpu() if s.routing is not None else None,
         )
 
     def _scheduler(self, episodes: EpisodeHooks | None, sampling: SamplingParams) -> Callable[..., Scheduler]:

@@ -124,6 +124,7 @@ class EpisodeScheduler(Scheduler):
         return self.decode(seq.tokens[seq.turn_start:])
 
     def _finished(self, slot: int, seq: Sequence) -> None:
+        self._keep_routing(slot, seq)  # a parked sequence's too: its resume writes it back beside its K/V
         turn = len(seq.steps) + 1
         if seq.finish_reason == "stop" and turn <= self.hooks.max_turns:
             text = self._turn_text(seq)
@@ -210,7 +211,7 @@ class EpisodeScheduler(Scheduler):
         starts = [seq.cache_len for seq, _ in back]
         feeds = [[seq.tokens[-1], *ids] for seq, ids in back]
         for j, (seq, _) in enumerate(back):
-            self.cache.write_prompt(b0 + j, *kv[id(seq)])
+            self.cache.write_prompt(b0 + j, *kv[id(seq)], seq.routing)
         width = max(len(f) for f in feeds)
         ids_t = torch.zeros((r, width), dtype=torch.int64)
         for j, f in enumerate(feeds):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -316,10 +317,13 @@ class MoePlan:
     def shadows(self) -> list[torch.Tensor]:
         return [t for f in self.lora.values() for t in (f.a, f.b)]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, on_route: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """``on_route``: given the top-k index (the engine records it for routing replay)."""
         x2 = x.reshape(-1, self.hidden)
         with region("dense"):
             _, weights, index = route(x2, self.gate.weight, self.top_k, self.norm_topk_prob)
+            if on_route is not None:
+                on_route(index)
         with region("qgemm"):
             return self.base(x2, index, weights, lora=self.lora).view(x.shape)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from qerl_cli.errors import QerlError
+from qerl_cli.rollout.routing import RoutingCache, RoutingShape
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,12 @@ class CacheShape:
     head_dim: int
     max_len: int
     dtype: torch.dtype
+    routing: RoutingShape | None = None  # a mixture of experts' recorded routing kept beside the K/V (routing.py)
 
     def bytes_per_slot(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.max_len * self.num_kv_heads * self.head_dim * elem
+        routing = self.routing.bytes_per_token() if self.routing is not None else 0
+        return (2 * self.num_layers * self.num_kv_heads * self.head_dim * elem + routing) * self.max_len
 
 
 def activation_reserve(*, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, layers: int,
@@ -117,7 +120,8 @@ def bucket_for(buckets: list[int], need: int, what: str) -> int:
 
 
 class KVCache:
-    """K and V tensors ``[layers, slots, max_len, kv_heads, head_dim]``; ``release()`` frees them."""
+    """K and V tensors ``[layers, slots, max_len, kv_heads, head_dim]`` and, for a mixture of experts whose routing
+    is recorded, its :class:`RoutingCache` (slot for slot); ``release()`` frees them."""
 
     def __init__(self, shape: CacheShape, num_slots: int, device: torch.device) -> None:
         self.shape = shape
@@ -125,17 +129,22 @@ class KVCache:
         dims = (shape.num_layers, num_slots, shape.max_len, shape.num_kv_heads, shape.head_dim)
         self.k: torch.Tensor | None = torch.zeros(dims, dtype=shape.dtype, device=device)
         self.v: torch.Tensor | None = torch.zeros(dims, dtype=shape.dtype, device=device)
+        self.routing: RoutingCache | None = (RoutingCache(shape.routing, num_slots, shape.max_len, device)
+                                             if shape.routing is not None else None)
 
     @property
     def allocated(self) -> bool:
         return self.k is not None
 
-    def write_prompt(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copy one prompt's K/V, each ``[layers, length, kv_heads, head_dim]``, into positions 0..length-1."""
+    def write_prompt(self, slot: int, k: torch.Tensor, v: torch.Tensor, routing: torch.Tensor | None = None) -> None:
+        """Copy one prompt's K/V, each ``[layers, length, kv_heads, head_dim]``, into positions 0..length-1 (and its
+        recorded routing ``[length, layers, k]`` when given)."""
         assert self.k is not None and self.v is not None
         length = k.shape[1]
         self.k[:, slot, :length].copy_(k)
         self.v[:, slot, :length].copy_(v)
+        if routing is not None and self.routing is not None:
+            self.routing.write_prompt(slot, routing)
 
     def read(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of positions 0..length-1 of one slot, each ``[layers, length, kv_heads, head_dim]``."""
@@ -147,7 +156,14 @@ class KVCache:
         assert self.k is not None and self.v is not None
         self.k[:, dst, :length].copy_(self.k[:, src, :length])
         self.v[:, dst, :length].copy_(self.v[:, src, :length])
+        if self.routing is not None:
+            self.routing.copy_slot(src, dst, length)
+
+    def read_routing(self, slot: int, length: int) -> torch.Tensor | None:
+        """A copy of the recorded routing of ``slot``'s first ``length`` positions, or None when none is kept."""
+        return self.routing.read(slot, length) if self.routing is not None else None
 
     def release(self) -> None:
         self.k = None
         self.v = None
+        self.routing = None

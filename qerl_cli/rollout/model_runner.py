@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.moe import MoeBlock
 from qerl_cli.options import RunOptions, options
 from qerl_cli.rollout.attention import DecodeAttention
 from qerl_cli.rollout.fast_layers import (
@@ -51,11 +52,14 @@ from qerl_cli.rollout.fast_layers import (
 )
 from qerl_cli.rollout.kv_cache import KVCache, bucket_for
 from qerl_cli.rollout.regions import region
+from qerl_cli.rollout.routing import RoutingShape
 from qerl_cli.rollout.sampling import StepSampler
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
 _PEFT_PREFIX = "base_model.model."
+# (sparse layer j, its top-k index [rows, k]) -> None: where a forward's routing is written (routing replay)
+RouteSink = Callable[[int, torch.Tensor], None]
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -113,6 +117,13 @@ class ModelRunner:
         self.cos = cos[0].to(self.dtype).contiguous()  # [cache_len, head_dim]
         self.sin = sin[0].to(self.dtype).contiguous()
         self.cache: KVCache | None = None
+        # a mixture of experts' routing (None: dense); recorded while ``record_routing`` (the engine's switch): the
+        # prefill's in ``prefill_routing`` [P, T, layers, k], the decode's and extend's into the cache's slots
+        self.routing_shape = RoutingShape.of_layers(self.layers)
+        self.record_routing = self.routing_shape is not None
+        self.prefill_routing: torch.Tensor | None = None
+        self._sparse_index = {i: j for j, i in enumerate(i for i, layer in enumerate(self.layers)
+                                                          if isinstance(getattr(layer, "mlp", None), MoeBlock))}
         # decode attention: cuDNN SDPA, or FlashInfer's paged batch decode (the decode_attn option; attention.py)
         self.attention = DecodeAttention(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                          head_dim=self.head_dim, scale=self.scale, max_len=self.cache_len,
@@ -328,12 +339,14 @@ class ModelRunner:
         sin: torch.Tensor,
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         rope_in_attend: bool = False,
+        route_sink: RouteSink | None = None,
     ) -> torch.Tensor:
         """Run every decoder layer on ``h`` [B, T, hidden] and return the FINAL-NORMED hidden states.
 
         ``attend(i, q, k, v)`` -> [B, T, heads*dim]; q/k/v arrive as [B, T, heads, head_dim] after q/k-norm
         (Qwen3) and, unless ``rope_in_attend``, RoPE (cos/sin broadcast to them). Each residual add is fused
         with the norm that reads its result (``ops.add_rms_norm``), the last one with the model's final norm.
+        ``route_sink`` gets each sparse layer's top-k expert index (the routing the engine records).
         """
         b, t = h.shape[:2]
         plan = self.plan
@@ -381,12 +394,39 @@ class ModelRunner:
                         act = self.ops.silu_mul(gate, up, mlp.act_fn)
                 delta = lp.down(act, hl)[0]
             elif lp is not None and lp.moe is not None:
-                delta = lp.moe(x)
+                delta = lp.moe(x, self._route_hook(route_sink, i))
+            elif isinstance(mlp, MoeBlock):
+                delta = mlp(x, on_route=self._route_hook(route_sink, i))
             elif self.ops.triton and is_silu_mlp(mlp):
                 delta = mlp.down_proj(self.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn))
             else:
                 delta = mlp(x)
         return self._add_norm("model.norm", h, delta)[1]
+
+    def _route_hook(self, sink: RouteSink | None, i: int) -> Callable[[torch.Tensor], None] | None:
+        if sink is None:
+            return None
+        j = self._sparse_index[i]
+        return lambda index: sink(j, index)
+
+    def _recording(self) -> bool:
+        return self.record_routing and self.routing_shape is not None
+
+    def _cache_sink(self, slots: torch.Tensor, positions: torch.Tensor,
+                    valid: torch.Tensor | None = None) -> RouteSink | None:
+        """Writes a step's top-k at (slot, position) of the cache's routing: ``slots``/``positions`` [R] or [R, M]
+        (a device tensor write, so a CUDA graph captures it); ``valid`` [R, M] leaves padding rows out."""
+        if not self._recording() or self.cache is None or self.cache.routing is None:
+            return None
+        buf = self.cache.routing.buf
+
+        def sink(j: int, index: torch.Tensor) -> None:
+            index = index.view(*slots.shape, -1)
+            if valid is not None:
+                buf[slots[valid], positions[valid], j] = index[valid].to(buf.dtype)
+            else:
+                buf[slots, positions, j] = index.to(buf.dtype)
+        return sink
 
     def _add_norm_shrink(self, name: str, h: torch.Tensor, delta: torch.Tensor | None,
                          group: ProjGroup | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -412,7 +452,8 @@ class ModelRunner:
 
         Returns the logits of each prompt's last token [P, V] and the K/V of every layer
         ``[layers, P, T, kv_heads, head_dim]`` (positions >= length are padding garbage, never copied).
-        The caller copies a prompt's K/V into as many slots as it has samples.
+        The caller copies a prompt's K/V into as many slots as it has samples (and, recording a mixture of experts'
+        routing, its ``prefill_routing`` rows).
         """
         p, t = ids.shape
         kv_shape = (self.num_layers, p, t, self.num_kv_heads, self.head_dim)
@@ -434,7 +475,16 @@ class ModelRunner:
             )
             return o.transpose(1, 2).reshape(p, t, self.num_heads * self.head_dim)
 
-        x = self._layers(self._embed(ids), cos, sin, attend)
+        sink = None
+        self.prefill_routing = None
+        if self._recording():
+            rs = self.routing_shape
+            routing = torch.empty((p, t, rs.layers, rs.top_k), dtype=rs.dtype, device=self.device)
+            self.prefill_routing = routing
+
+            def sink(j: int, index: torch.Tensor) -> None:
+                routing[:, :, j] = index.view(p, t, -1).to(routing.dtype)
+        x = self._layers(self._embed(ids), cos, sin, attend, route_sink=sink)
         last = x[torch.arange(p, device=self.device), lengths - 1]
         return self._logits(last), k_out, v_out
 
@@ -473,7 +523,8 @@ class ModelRunner:
                                                enable_gqa=self.groups > 1)
             return o.transpose(1, 2).reshape(r, m, self.num_heads * self.head_dim)
 
-        x = self._layers(self._embed(ids), cos, sin, attend)
+        slots = (first_slot + torch.arange(r, device=self.device))[:, None].expand(r, m)
+        x = self._layers(self._embed(ids), cos, sin, attend, route_sink=self._cache_sink(slots, pos, valid))
         last = x[torch.arange(r, device=self.device), lengths - 1]
         return self._logits(last)
 
@@ -509,7 +560,8 @@ class ModelRunner:
                 o = self.attention(q, layer_k, layer_v, kv_len, mask, positions)
             return o.reshape(b, 1, self.num_heads * self.head_dim)
 
-        x = self._layers(self._embed(tokens[:, None]), cos, sin, attend, rope_in_attend=True)
+        x = self._layers(self._embed(tokens[:, None]), cos, sin, attend, rope_in_attend=True,
+                         route_sink=self._cache_sink(rows, positions))
         return self._logits(x[:, 0])
 
 
@@ -677,4 +729,6 @@ def graph_fingerprint(runner: ModelRunner) -> tuple:
     cache = runner.cache
     if cache is not None and cache.k is not None and cache.v is not None:
         parts.append(("kv", cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape)))
+        if cache.routing is not None:  # the decode step writes the recorded routing there
+            parts.append(("routing", runner.record_routing, cache.routing.buf.data_ptr()))
     return tuple(parts)

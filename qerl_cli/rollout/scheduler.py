@@ -51,6 +51,9 @@ class Sequence:
     turn_end: int | None = None
     observation_spans: list[tuple[int, int]] = field(default_factory=list)
     steps: list[Any] = field(default_factory=list)
+    # a mixture of experts' recorded top-k per cached position [cache_len, layers, k] (routing replay), taken when
+    # the sequence leaves its slot; None for a dense model
+    routing: torch.Tensor | None = None
 
     @property
     def cache_len(self) -> int:
@@ -70,6 +73,7 @@ class _Stash:
     logits: torch.Tensor  # [V]
     k: torch.Tensor  # [layers, len, kv_heads, head_dim]
     v: torch.Tensor
+    routing: torch.Tensor | None = None  # [len, layers, k]
 
 
 class Scheduler:
@@ -170,7 +174,7 @@ class Scheduler:
         assert stash is not None
         while free > 0 and stash.next_sample < self.params.n:
             seq = self._new_sequence(stash.prompt_index, stash.next_sample)
-            self.cache.write_prompt(len(self.rows) + len(new), stash.k, stash.v)
+            self.cache.write_prompt(len(self.rows) + len(new), stash.k, stash.v, stash.routing)
             new.append(seq)
             logit_rows.append(stash.logits)
             stash.next_sample += 1
@@ -221,18 +225,21 @@ class Scheduler:
         self.stats["prefill_batches"] += 1
         self.stats["prefill_tokens"] += sum(lengths)
         self.stats["prefill_padded_tokens"] += len(batch) * width
+        routing = self.runner.prefill_routing
         for row, i in enumerate(batch):
             pk, pv = k[:, row, : lengths[row]], v[:, row, : lengths[row]]
+            pr = routing[row, : lengths[row]] if routing is not None else None
             sample = 0
             while sample < self.params.n and free > 0:
-                self.cache.write_prompt(len(self.rows) + len(new), pk, pv)
+                self.cache.write_prompt(len(self.rows) + len(new), pk, pv, pr)
                 new.append(self._new_sequence(i, sample))
                 logit_rows.append(logits[row])
                 sample += 1
                 free -= 1
             if sample < self.params.n:
                 # Only the last prompt of a batch can overflow: the batch was sized to the free slots.
-                self.stash = _Stash(i, sample, logits[row].clone(), pk.clone(), pv.clone())
+                self.stash = _Stash(i, sample, logits[row].clone(), pk.clone(), pv.clone(),
+                                    pr.clone() if pr is not None else None)
         return taken - free
 
     def _start(self, new: list[Sequence], logit_rows: list[torch.Tensor]) -> None:
@@ -357,4 +364,9 @@ class Scheduler:
 
     def _finished(self, slot: int, seq: Sequence) -> None:
         """A sequence in ``slot`` stopped; its slot is reused right after this returns."""
+        self._keep_routing(slot, seq)
         self.done.append(seq)
+
+    def _keep_routing(self, slot: int, seq: Sequence) -> None:
+        """The recorded routing of ``seq``'s cached positions, copied out of ``slot`` before the slot is reused."""
+        seq.routing = self.cache.read_routing(slot, seq.cache_len)

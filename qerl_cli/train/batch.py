@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,19 +30,42 @@ class RolloutBatch:
     lengths: torch.Tensor  # [B] completion lengths
     truncated: torch.Tensor  # [B] bool, hit max length without a stop
     sampled: torch.Tensor  # [B, T] float, 1 on the tokens the model sampled (not observations, not padding)
+    # a mixture of experts' routing as the rollout engine recorded it, laid out like input_ids: [B, L, layers, k]
+    # int16, -1 where nothing was recorded (padding, the last token); None without one (routing replay, docs/moe.md)
+    routing: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> RolloutBatch:
-        return RolloutBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return RolloutBatch(*(_map(getattr(self, f), lambda t: t.to(device)) for f in self.__dataclass_fields__))
 
     def rows(self, idx: slice) -> RolloutBatch:
-        return RolloutBatch(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+        return RolloutBatch(*(_map(getattr(self, f), lambda t: t[idx]) for f in self.__dataclass_fields__))
+
+
+def _map(t: torch.Tensor | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    return None if t is None else fn(t)
+
+
+def routing_rows(routings: list[torch.Tensor | None], lengths: list[int], width: int) -> torch.Tensor | None:
+    """The recorded routings ``[n_i, layers, k]`` (``Sample.routing``) as ``[B, width, layers, k]`` int16, right
+    padded like input_ids with -1 (no recorded experts: the forward routes those tokens itself); None unless every
+    sample has one."""
+    if not routings or any(r is None for r in routings):
+        return None
+    first = routings[0]
+    out = torch.full((len(routings), width, *first.shape[1:]), -1, dtype=torch.int16)
+    for i, (r, n) in enumerate(zip(routings, lengths, strict=True)):
+        m = min(n, r.shape[0])
+        out[i, :m] = r[:m].to(torch.int16)
+    return out
 
 
 def build_batch(prompts: list[list[int]], completions: list[list[int]], rollout_logps: list[torch.Tensor],
                 truncated: list[bool], pad_id: int, mask_truncated: bool = False,
-                model_masks: list[torch.Tensor] | None = None) -> RolloutBatch:
+                model_masks: list[torch.Tensor] | None = None,
+                routings: list[torch.Tensor | None] | None = None) -> RolloutBatch:
     """The padded batch; ``model_masks[i]`` (1 on model tokens, 0 on observation tokens: ``Sample.model_mask``)
-    for episodes, None for single-turn completions (every completion token is the model's)."""
+    for episodes, None for single-turn completions (every completion token is the model's). ``routings``: each
+    sample's recorded routing (``Sample.routing``) for routing replay."""
     b = len(prompts)
     t = max(1, max(len(c) for c in completions))
     lmax = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
@@ -60,8 +84,10 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], rollout_
             sampled[i, : len(c)] = 1.0 if model_masks is None else model_masks[i][: len(c)].float()
             mask[i, : len(c)] = 0.0 if (mask_truncated and truncated[i]) else sampled[i, : len(c)]
             mu[i, : len(c)] = lp[: len(c)].float() * sampled[i, : len(c)]
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
     return RolloutBatch(input_ids, attn, torch.tensor([len(p) for p in prompts]), comp, mask, mu,
-                        torch.tensor([len(c) for c in completions]), torch.tensor(truncated), sampled)
+                        torch.tensor([len(c) for c in completions]), torch.tensor(truncated), sampled,
+                        routing_rows(routings or [], lengths, lmax))
 
 
 def sampled_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float,

@@ -90,6 +90,7 @@ class TrainConfig:
     kernel_weight_copies: bool | None = None  # may FP4 kernels keep a second weight copy (humming)? None: the plan
     logprob_backend: str = "chunked"  # the update's log-probs: qerl's chunked path, or liger (fused linear + CE)
     pack_sequences: bool = True  # training forwards on the micro-batch's real tokens only (varlen attention)
+    routing_replay: bool | None = None  # MoE: the training forward routes as the rollout did (None: on, builtin engine)
     recompute_logprobs: bool = False  # pi_old from its own no-grad pass instead of the update forward's log-probs
     async_rollout: bool = False  # the next step's rollouts generated during this step's update (one step stale)
     keep_rollout_cache: bool | None = None  # builtin engine: keep KV cache + CUDA graphs between steps (None: plan)
@@ -132,7 +133,8 @@ class TrainConfig:
             lr=1e-5 if self.lr is None else self.lr,
             lora_alpha=2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha,
             max_episode_tokens=self.max_completion_length if self.max_episode_tokens is None and (
-                self.tools or self.env) else self.max_episode_tokens)
+                self.tools or self.env) else self.max_episode_tokens,
+            routing_replay=self.rollout_engine == "builtin" if self.routing_replay is None else self.routing_replay)
         c = dataclasses.replace(c, requant_scales=_resolved_requant(c))
         c = dataclasses.replace(c, **_resolved_correction(c))
         return dataclasses.replace(c, **c.algorithm.defaults(c))
@@ -154,6 +156,9 @@ class TrainConfig:
                             "use --beta 0 or --finetune lora")
         if self.rollout_quant != "none" and self.rollout_engine != "builtin":
             raise QerlError("--rollout-quant needs the builtin rollout engine (--rollout-engine builtin)")
+        if self.routing_replay and self.rollout_engine != "builtin":
+            raise QerlError("--routing-replay needs the routing the builtin rollout engine records; vLLM does not "
+                            "record it: use --rollout-engine builtin or --no-routing-replay")
         if self.sharding == "fsdp2":
             if self.finetune != "full":
                 raise QerlError("--sharding fsdp2 shards full fine-tuning (--finetune full); LoRA adapters are "
@@ -273,6 +278,9 @@ FIELD_HELP: dict[str, str] = {
                             "(humming) is faster (default: only when the step fits with it).",
     "logprob_backend": "chunked (qerl's, default) | liger (Liger-Kernel fused linear + cross-entropy; CUDA).",
     "pack_sequences": "Pack each micro-batch's sequences (no compute on padding; varlen attention).",
+    "routing_replay": "Mixture of experts: the training forwards take the experts the rollout's router picked for "
+                      "each token (the router's gradient still flows); default on with the builtin engine, off "
+                      "with vLLM, which cannot record them (docs/moe.md).",
     "async_rollout": "Generate the next step's rollouts on a second CUDA stream while this step trains: the rollout "
                      "policy is one update stale, corrected by --correction (default token_tis, C = 2; builtin "
                      "engine, LoRA, one process).",

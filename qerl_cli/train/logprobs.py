@@ -131,6 +131,12 @@ def liger_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
 LOGPROB_BACKENDS = ("chunked", "liger")
 
 
+def runs_packed(model: nn.Module, chunk_tokens: int, packed: bool) -> bool:
+    """Whether :func:`sampled_logprobs` feeds the decoder the packed row (else the padded batch): packing rides on
+    the chunked path only."""
+    return packed and chunk_tokens > 0 and plain_head(model) is not None
+
+
 def sampled_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float, with_entropy: bool = False,
                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS, packed: bool = False,
                      backend: str = "chunked") -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -177,4 +183,4 @@ def sampled_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float, 
 
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "LOGPROB_BACKENDS", "ChunkedLogProb", "chunked_token_logprobs",
-           "liger_token_logprobs", "plain_head", "sampled_logprobs"]
+           "liger_token_logprobs", "plain_head", "runs_packed", "sampled_logprobs"]

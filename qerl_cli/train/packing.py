@@ -52,11 +52,16 @@ class Packing:
     padded_tokens: int  # B * L of the padded batch
 
 
+def packed_rows(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, L, ...] laid out as the packed row [1, T, ...]: each row's first n_i positions, back to back (how
+    input_ids and a per-token tensor beside them, such as the recorded routing, are packed alike)."""
+    return x[attention_mask.bool()][None]
+
+
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packing:
     """The packed layout of a right-padded batch (``attention_mask`` 1 on the first n_i positions of row i)."""
     lengths = attention_mask.sum(dim=1).to(torch.int64)
     b, width = input_ids.shape
-    keep = attention_mask.bool()
     device = input_ids.device
     offsets = torch.zeros(b, dtype=torch.int64, device=device)
     if b > 1:
@@ -64,7 +69,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packing:
     cu = torch.zeros(b + 1, dtype=torch.int32, device=device)
     cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
     cols = torch.arange(width, device=device).expand(b, width)
-    return Packing(input_ids=input_ids[keep][None], position_ids=cols[keep][None], cu_seqlens=cu,
+    return Packing(input_ids=packed_rows(input_ids, attention_mask), position_ids=packed_rows(cols, attention_mask),
+                   cu_seqlens=cu,
                    max_len=int(lengths.max()), offsets=offsets, tokens=int(lengths.sum()), padded_tokens=b * width)
 
 
@@ -274,5 +280,5 @@ def packed_hidden(decoder: nn.Module, input_ids: torch.Tensor,
     return out.last_hidden_state[0], p
 
 
-__all__ = ["VARLEN_IMPL", "Packing", "enable_varlen_attention", "pack", "packed_hidden", "varlen_attention",
-           "varlen_kernel"]
+__all__ = ["VARLEN_IMPL", "Packing", "enable_varlen_attention", "pack", "packed_hidden", "packed_rows",
+           "varlen_attention", "varlen_kernel"]

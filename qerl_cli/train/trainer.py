@@ -10,8 +10,10 @@ stream, optimizer, scheduler, scaler and RNG states are restored from the checkp
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -55,6 +57,8 @@ from qerl_cli.train.phases import (
 )
 from qerl_cli.train.prompt_stream import PromptStream
 from qerl_cli.train.step_backend import LogProbs, StepBackend
+
+log = logging.getLogger("qerl.train")
 
 
 def nonfinite_cause(cfg: TrainConfig) -> str:
@@ -111,6 +115,7 @@ class Trainer:
     def __init__(self, run: RunDir, cfg: TrainConfig, *, device: str | None = None) -> None:
         self.run = run
         self.cfg = cfg.resolved()
+        self.routing_replay_asked = cfg.routing_replay  # None: the default (off with vLLM says so for a MoE)
         self.device = pick_device(device)
         self.dtype = dtype_of(self.cfg.precision)
         # resolved in setup() unless a model is injected (benches build theirs in memory)
@@ -244,9 +249,18 @@ class Trainer:
         run = self.settings
         self.keep_rollout_cache = run.keep_rollout_cache
         self._check_async_rollout()
+        self._note_routing_replay(rollout_model)
         self.engine = make_engine(self.cfg.rollout_engine, rollout_model, self.tokenizer, max_batch_slots=run.kv_slots,
                                   max_model_len=max_len, gpu_memory_utilization=run.gpu_memory_utilization,
                                   dtype=self.dtype, model_dir=self.model_dir)
+
+    def _note_routing_replay(self, model: torch.nn.Module) -> None:
+        """One line where a mixture of experts trains without routing replay because vLLM cannot record routing."""
+        from qerl_cli.moe import moe_blocks
+
+        if self.routing_replay_asked is None and not self.cfg.routing_replay and moe_blocks(model):
+            log.warning("routing replay is off: the vLLM rollout engine does not record the experts it routes to; "
+                        "the update routes every token anew (--rollout-engine builtin records them)")
 
     def _check_async_rollout(self) -> None:
         if not self.cfg.async_rollout:
@@ -626,7 +640,7 @@ class Trainer:
         batch = build_batch(prompt_ids, [s.token_ids for s in samples], [s.logprobs for s in samples], truncated,
                             pad, mask_truncated=self.cfg.mask_truncated_completions,
                             model_masks=None if self.episodes is None else [s.model_mask() for s in samples],
-                            ).to(self.device)
+                            routings=[getattr(s, "routing", None) for s in samples]).to(self.device)
         if self.episodes is not None:
             metrics.update(self.episodes.metrics(samples))
         lengths = batch.lengths.float()
@@ -689,13 +703,14 @@ class Trainer:
                     self.progress(f"no-grad pass, micro-batch {i // mb}/{-(-rows // mb)} done")
                 part = batch.rows(slice(i, i + mb))
                 if with_old:
-                    lp, e = sampled_logprobs(self.model, part, self.cfg.temperature, with_entropy=True,
-                                             chunk_tokens=self.cfg.logprob_chunk_tokens,
-                                             packed=self.cfg.pack_sequences)
+                    with self.replaying(part):
+                        lp, e = sampled_logprobs(self.model, part, self.cfg.temperature, with_entropy=True,
+                                                 chunk_tokens=self.cfg.logprob_chunk_tokens,
+                                                 packed=self.cfg.pack_sequences)
                     old.append(lp)
                     ent.append(e)
                 if with_ref:
-                    with self.model.disable_adapter():
+                    with self.model.disable_adapter(), self.replaying(part):
                         ref.append(sampled_logprobs(self.model, part, self.cfg.temperature,
                                                     chunk_tokens=self.cfg.logprob_chunk_tokens,
                                                     packed=self.cfg.pack_sequences)[0])
@@ -779,9 +794,23 @@ class Trainer:
                      ) -> tuple[float, dict[str, float], tuple[torch.Tensor, torch.Tensor] | None]:
         """Forward and backward of one micro-batch: its loss (0 for a stand-in pass), its loss metrics, and without
         a pi_old pass its own detached log-probs (its pi_old) and entropies."""
+        part = batch.rows(micro.rows)
+        with self.replaying(part):  # the backward too: a checkpointed layer recomputes its forward there
+            return self._forward_backward(part, micro, old, isw, adv, valid, normalizer)
+
+    def replaying(self, part: RolloutBatch) -> AbstractContextManager[None]:
+        """Routing replay (--routing-replay) around the forwards of ``part``; with it off only the disagreement
+        metric is measured (nothing at all without a recorded routing: dense models, vLLM)."""
+        from qerl_cli.train.replay import replaying
+
+        return replaying(self.model, part, chunk_tokens=self.cfg.logprob_chunk_tokens,
+                         packed=self.cfg.pack_sequences, replay=bool(self.cfg.routing_replay))
+
+    def _forward_backward(self, part: RolloutBatch, micro: Any, old: OldPolicy, isw: torch.Tensor | None,
+                          adv: torch.Tensor, valid: torch.Tensor, normalizer: float,
+                          ) -> tuple[float, dict[str, float], tuple[torch.Tensor, torch.Tensor] | None]:
         c = self.cfg
         sl = micro.rows
-        part = batch.rows(sl)
         own = old.old is None
         logp, ent = sampled_logprobs(self.model, part, c.temperature, chunk_tokens=c.logprob_chunk_tokens,
                                      packed=c.pack_sequences, backend=c.logprob_backend, with_entropy=own)
