@@ -263,3 +263,43 @@ def test_a_training_step_with_replay_logs_the_disagreement(moe_run, tmp_path) ->
     assert m["grad_norm"] > 0 and 0.0 <= m["router/replay_disagreement"] < 0.5
     manifest = json.loads((run / "manifest.json").read_text())
     assert '"routing_replay": true' in json.dumps(manifest)
+
+
+class _Turns:
+    """Episodes of 3 turns of 3 tokens, each followed by an observation of fixed token ids (no tokenizer needed)."""
+
+    stop: tuple[str, ...] = ()
+    max_turns = 3
+    turn_tokens = 3
+    workers = 2
+
+    def wants_step(self, prompt_index: int, sample_index: int, turn: int, text: str) -> bool:
+        return True
+
+    def step(self, prompt_index: int, sample_index: int, turn: int, text: str):  # noqa: ANN201
+        from qerl_cli.rollout.episode import StepResult
+
+        return StepResult(observation_ids=[11 + turn, 12 + prompt_index, 13 + sample_index])
+
+
+def test_episode_routing_follows_parked_and_resumed_sequences(rollout) -> None:
+    # observations are prefilled by extend() into slots the sequence did not start in (3 slots, 4 episodes); the
+    # recorded routing of the whole episode is still the training forward's own
+    from qerl_cli.rollout import BuiltinEngine, SamplingParams
+    from qerl_cli.train.batch import build_batch
+
+    model, _, _ = rollout
+    engine = BuiltinEngine(model, None, max_batch_slots=3, max_model_len=64, dtype=torch.float32)
+    res = engine.generate(PROMPTS[:2], SamplingParams(n=2, temperature=1.0, max_tokens=30, stop_token_ids=[],
+                                                      seed=1), episodes=_Turns())
+    samples = res.samples
+    assert all(len(s.observation_spans) == 2 for s in samples) and res.stats["resumes"] > 0
+    for s in samples:
+        assert s.routing.shape[0] == len(s.prompt_token_ids) + len(s.token_ids) - 1
+    batch = build_batch([s.prompt_token_ids for s in samples], [s.token_ids for s in samples],
+                        [s.logprobs for s in samples], [False] * len(samples), pad_id=0,
+                        model_masks=[s.model_mask() for s in samples], routings=[s.routing for s in samples])
+    router_metrics(model)
+    seen, _ = own_topk(model, batch, replay=False)
+    assert hand_disagreement(seen, batch.routing) == 0.0
+    assert router_metrics(model)["router/replay_disagreement"] == 0.0
