@@ -7,7 +7,7 @@ import contextlib
 import signal
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import pytest
@@ -147,3 +147,37 @@ def environ_uses(path: Path, *, writes: bool = False, skip: tuple[str, ...] = ()
                 and any(is_environ(c) for c in node.comparators):
             out.append((node.lineno, name(node.left)))
     return [(line, var) for line, var in out if line not in skipped]
+
+
+def name_decisions(source: str, names: Collection[str], kind: str, *, least: int = 1) -> list[tuple[int, str]]:
+    """(line, what) for every decision on one of ``names`` as a literal in ``source``: a comparison or membership
+    test with one (inline, or a module constant holding at least ``least`` of them), a `case` on one, a dict keyed
+    by at least ``least`` of them. Plain data (defaults, labels, a bench's grid, a conditional value) is not a
+    decision. ``kind`` names the names in the messages (e.g. "format", "algorithm")."""
+
+    def names_in(node: ast.AST | None) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value] if node.value in names else []
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return [n for e in node.elts for n in names_in(e)]
+        return []
+
+    tree = ast.parse(source)
+    constants = {t.id for node in tree.body if isinstance(node, ast.Assign | ast.AnnAssign)
+                 and len(names_in(node.value)) >= least
+                 for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for operand in (node.left, *node.comparators):
+                out += [(node.lineno, f"compares {n!r}") for n in names_in(operand)]
+                if isinstance(operand, ast.Name) and operand.id in constants:
+                    out.append((node.lineno, f"compares with {operand.id}, a list of {kind} names"))
+        elif isinstance(node, ast.MatchValue | ast.MatchSingleton):
+            out += [(node.lineno, f"matches {n!r}") for n in names_in(getattr(node, "value", None))]
+        elif isinstance(node, ast.Dict):
+            keys = [n for k in node.keys if k is not None for n in names_in(k)]
+            if keys and len(keys) >= least:
+                out.append((node.lineno, f"dict keyed by {keys}"))
+    return sorted(set(out))
+

@@ -4,45 +4,20 @@ comparison, a membership test, a `case` or a dict keyed by them is a decision th
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 from qerl_cli.train.algos import ALGORITHMS
 from qerl_cli.train.config import FIELD_HELP, field_choices
+from tests.helpers import name_decisions
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS_PACKAGE = "qerl_cli/train/algos/"
 
 
-def _names_in(node: ast.AST | None) -> list[str]:
-    """Algorithm names among a literal or a tuple/list/set of literals."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return [node.value] if node.value in ALGORITHMS else []
-    if isinstance(node, ast.Tuple | ast.List | ast.Set):
-        return [n for e in node.elts for n in _names_in(e)]
-    return []
-
-
 def algorithm_name_decisions(source: str) -> list[tuple[int, str]]:
-    """(line, what) for every decision on an algorithm-name literal in ``source``: a comparison or membership test
-    with one (inline, or a module constant holding any), a `case` on one, a dict keyed by one."""
-    tree = ast.parse(source)
-    constants = {t.id for node in tree.body if isinstance(node, ast.Assign | ast.AnnAssign) and _names_in(node.value)
-                 for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
-    out: list[tuple[int, str]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
-            for operand in (node.left, *node.comparators):
-                out += [(node.lineno, f"compares {n!r}") for n in _names_in(operand)]
-                if isinstance(operand, ast.Name) and operand.id in constants:
-                    out.append((node.lineno, f"compares with {operand.id}, a list of algorithm names"))
-        elif isinstance(node, ast.MatchValue):
-            out += [(node.lineno, f"matches {n!r}") for n in _names_in(node.value)]
-        elif isinstance(node, ast.Dict):
-            keys = [n for k in node.keys if k is not None for n in _names_in(k)]
-            if keys:
-                out.append((node.lineno, f"dict keyed by {keys}"))
-    return sorted(set(out))
+    """A comparison or membership test with an algorithm name (inline, or a module constant holding any), a `case`
+    on one, a dict keyed by one."""
+    return name_decisions(source, ALGORITHMS, "algorithm")
 
 
 def test_the_checker_finds_what_it_bans() -> None:

@@ -4,7 +4,6 @@ is found again from the quantization_config its own writer produces, and no code
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 from pathlib import Path
@@ -28,6 +27,7 @@ from qerl_cli.formats import (
     quantize,
     rollout_formats,
 )
+from tests.helpers import name_decisions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -217,36 +217,10 @@ def test_checkpoint_tensor_names_read_back() -> None:
 BENCH_ALLOWLIST: set[str] = {"qerl_cli/bench/kernel_selfcheck.py"}
 
 
-def _names_in(node: ast.AST) -> list[str]:
-    """Format names among a literal or a tuple/list/set of literals."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return [node.value] if node.value in FORMATS else []
-    if isinstance(node, ast.Tuple | ast.List | ast.Set):
-        return [n for e in node.elts for n in _names_in(e)]
-    return []
-
-
 def format_name_decisions(source: str) -> list[tuple[int, str]]:
-    """(line, what) for every decision on a format name literal in `source`: a comparison with one (or with
-    a tuple/list/set of them, inline or a module constant holding two or more), a `case` on one, a dict
-    keyed by two or more (one "bf16" key is a precision table). Plain data (defaults, labels) is fine."""
-    tree = ast.parse(source)
-    lists = {t.id for node in tree.body if isinstance(node, ast.Assign) and len(_names_in(node.value)) >= 2
-             for t in node.targets if isinstance(t, ast.Name)}
-    out: list[tuple[int, str]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
-            for operand in (node.left, *node.comparators):
-                out += [(node.lineno, f"compares {n!r}") for n in _names_in(operand)]
-                if isinstance(operand, ast.Name) and operand.id in lists:
-                    out.append((node.lineno, f"compares with {operand.id}, a list of format names"))
-        elif isinstance(node, ast.MatchValue | ast.MatchSingleton):
-            out += [(node.lineno, f"matches {n!r}") for n in _names_in(getattr(node, "value", None))]
-        elif isinstance(node, ast.Dict):
-            keys = [n for k in node.keys if k is not None for n in _names_in(k)]
-            if len(keys) >= 2:
-                out.append((node.lineno, f"dict keyed by {keys}"))
-    return sorted(set(out))
+    """A comparison with a format name (or with a tuple/list/set of them, inline or a module constant holding two
+    or more), a `case` on one, a dict keyed by two or more (one "bf16" key is a precision table)."""
+    return name_decisions(source, FORMATS, "format", least=2)
 
 
 def test_the_checker_finds_what_it_bans() -> None:
