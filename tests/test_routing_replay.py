@@ -303,3 +303,18 @@ def test_episode_routing_follows_parked_and_resumed_sequences(rollout) -> None:
     seen, _ = own_topk(model, batch, replay=False)
     assert hand_disagreement(seen, batch.routing) == 0.0
     assert router_metrics(model)["router/replay_disagreement"] == 0.0
+
+
+def test_memory_plan_counts_the_recorded_routing_per_slot(moe_run) -> None:  # noqa: ANN001
+    """The plan's bytes per cached token are the engine's: K and V plus the recorded top-k ids (uint8 here)."""
+    from qerl_cli.models import load_model
+    from qerl_cli.rollout import BuiltinEngine
+    from qerl_cli.train.model_dims import ModelDims
+
+    model, tok = load_model(str(moe_run / "model"), dtype=torch.float32)
+    engine = BuiltinEngine(model, tok, max_batch_slots=2, max_model_len=64, dtype=torch.float32)
+    dims = ModelDims.from_config(model.config)
+    routing = dims.layers * dims.top_k  # one byte per id: 8 experts
+    assert dims.experts == 8 and engine.shape.routing is not None and engine.shape.routing.dtype == torch.uint8
+    assert dims.kv_bytes_per_token(4) == 2 * dims.layers * dims.kv_heads * dims.head_dim * 4 + routing
+    assert engine.shape.bytes_per_slot() == engine.shape.max_len * dims.kv_bytes_per_token(4)

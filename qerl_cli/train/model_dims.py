@@ -102,7 +102,10 @@ class ModelDims:
         return self.layers * per_layer
 
     def kv_bytes_per_token(self, elem: int) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * elem
+        """A cached token's K and V, and in a mixture of experts the top-k expert ids the engine records beside them
+        for routing replay (one byte each up to 256 experts: rollout/routing.py)."""
+        routing = self.layers * self.top_k * (1 if self.experts <= 256 else 2) if self.experts else 0
+        return 2 * self.layers * self.kv_heads * self.head_dim * elem + routing
 
     def act_bytes_per_token_layer(self, elem: int) -> int:
         return (11 * self.hidden + 4 * self.active_intermediate + self.moe_token_extra) * elem
