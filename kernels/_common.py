@@ -77,10 +77,15 @@ def split_k_for(tiles: int, k: int, bk: int, sms: int, max_split: int = 16, wave
 _SMS: dict[int, int] = {}
 
 
+def device_index(device: torch.device | None) -> int:
+    """The CUDA device index ``device`` names, the current device where it names none."""
+    return device.index if device is not None and device.index is not None else torch.cuda.current_device()
+
+
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = device_index(device)
     if idx not in _SMS:
         _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SMS[idx]

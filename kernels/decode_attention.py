@@ -133,18 +133,21 @@ def split_kv_decode(q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tenso
     return out
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One row's decode attention in torch, fp32: q [H, d] over keys and values [n, kv_heads, d], query head h on
+    KV head ``h // (H / kv_heads)`` -> [H, d] in fp32."""
+    hq, d = q.shape
+    kvh = k.shape[1]
+    qi = q.float().view(kvh, hq // kvh, d)
+    att = torch.softmax(torch.einsum("kgd,nkd->kgn", qi, k.float()) * scale, dim=-1)
+    return torch.einsum("kgn,nkd->kgd", att, v.float()).reshape(hq, d)
+
+
 def reference(q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, positions: torch.Tensor,
               scale: float) -> torch.Tensor:
-    """The same attention in torch, fp32 softmax over row b's keys ``0..positions[b]``, query head h on KV head
-    ``h // (H / kv_heads)``."""
-    b, hq, d = q.shape
-    kvh = layer_k.shape[2]
+    """What :func:`split_kv_decode` computes, in torch: row b attends its keys ``0..positions[b]``."""
     out = torch.empty_like(q)
-    for i in range(b):
+    for i in range(q.shape[0]):
         n = int(positions[i]) + 1
-        k = layer_k[i, :n].float()  # [n, kvh, d]
-        v = layer_v[i, :n].float()
-        qi = q[i].float().view(kvh, hq // kvh, d)
-        att = torch.softmax(torch.einsum("kgd,nkd->kgn", qi, k) * scale, dim=-1)
-        out[i] = torch.einsum("kgn,nkd->kgd", att, v).reshape(hq, d).to(q.dtype)
+        out[i] = attend(q[i], layer_k[i, :n], layer_v[i, :n], scale).to(q.dtype)
     return out

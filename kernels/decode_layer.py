@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from qerl_kernels._common import num_sms
+from qerl_kernels._common import device_index, num_sms
 from qerl_kernels.nvcc_build import CudaLibrary, find_nvcc, hopper_available
 
 SRC = Path(__file__).parent / "cuda" / "decode_layer.cu"
@@ -47,7 +47,7 @@ DEFAULT_VARIANT = (4, 2)
 _failed: list[str] = []
 _available: dict[int, bool] = {}
 _counters: dict[int, torch.Tensor] = {}
-_scratch: dict[tuple, tuple[torch.Tensor, ...]] = {}
+_scratch: dict[tuple, Scratch] = {}
 
 
 # ---- build and load ------------------------------------------------------------------------------------------
@@ -277,30 +277,40 @@ def check_shapes(o: GemmArgs, gate_up: GemmArgs, down: GemmArgs, m: int) -> str 
 
 def _counter(device: torch.device) -> torch.Tensor:
     """The stage counters of a device: zero between launches (the kernel's last CTA resets them)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = device_index(device)
     cnt = _counters.get(idx)
     if cnt is None:
         cnt = _counters[idx] = torch.zeros(16, dtype=torch.int32, device=device)
     return cnt
 
 
-def scratch(device: torch.device, sch: Schedule, mt: int) -> tuple[torch.Tensor, ...]:
+@dataclass(frozen=True)
+class Scratch:
+    """A launch shape's scratch: per GEMM stage its partials' slots and block counters (``parts``: slots, counters,
+    slots, ...) and the slots per block (``pmax``), which the launch passes on."""
+
+    parts: tuple[torch.Tensor, ...]
+    pmax: tuple[int, int, int]
+
+
+def scratch(device: torch.device, sch: Schedule, mt: int) -> Scratch:
     """Per GEMM stage: its partials' slots [blocks * pmax * halves * mt * 32 * 4] fp32 and its block counters
-    (zero between launches: each block's finishing warp resets its own), kept per device and shape. Made outside any
-    graph capture (`prepare`): a capture replays what it saw, and these must outlive it."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, sch.h, sch.i, sch.ko, sch.ctas, mt)
+    (zero between launches: each block's finishing warp resets its own), kept per device and shape with the slots
+    per block (counted once: a Python walk over every block). Made outside any graph capture (`prepare`): a capture
+    replays what it saw, and these must outlive it."""
+    key = (device_index(device), sch.h, sch.i, sch.ko, sch.ctas, mt)
     got = _scratch.get(key)
     if got is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("decode layer kernel: its scratch is made by decode_layer.prepare before graph capture")
-        got = []
+        parts: list[torch.Tensor] = []
+        pmax = tuple(sch.pmax(gi) for gi in range(3))
         for gi in range(3):
             nb = sch.geo(gi)[0]
             halves = 2 if gi == 1 else 1
-            got.append(torch.empty(nb * sch.pmax(gi) * halves * mt * 32 * 4, dtype=torch.float32, device=device))
-            got.append(torch.zeros(nb, dtype=torch.int32, device=device))
-        got = _scratch[key] = tuple(got)
+            parts.append(torch.empty(nb * pmax[gi] * halves * mt * 32 * 4, dtype=torch.float32, device=device))
+            parts.append(torch.zeros(nb, dtype=torch.int32, device=device))
+        got = _scratch[key] = Scratch(tuple(parts), pmax)
     return got
 
 
@@ -337,8 +347,7 @@ def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: flo
     bf16 = dt == torch.bfloat16
     if ctas is None:
         ctas = default_ctas(dev, mt, bf16, variant)
-    sch = Schedule(m, hd, i, o.k, (o.rank, gate_up.rank, down.rank), ctas)
-    parts = scratch(dev, sch, mt)
+    scr = scratch(dev, Schedule(m, hd, i, o.k, (o.rank, gate_up.rank, down.rank), ctas), mt)
     h1 = torch.empty((m, hd), dtype=dt, device=dev)
     # gate/up's and down's inputs in mma fragment order (the normed h1, act), 16 bytes per (tile, 32-wide slice, lane)
     xp = torch.empty((mt * (hd + i) // 32 * 32, 4), dtype=torch.int32, device=dev)
@@ -357,8 +366,8 @@ def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: flo
         keep += [a, b]
         ptrs += [g.repacked.data_ptr(), g.scale.view(torch.uint8).data_ptr(), g.global_scale.data_ptr(),
                  a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None, hp.data_ptr(),
-                 parts[2 * gi].data_ptr(), parts[2 * gi + 1].data_ptr(), hg.data_ptr()]
-        ints += [g.n, g.k, g.rank, kseg, nseg, sch.pmax(gi)]
+                 scr.parts[2 * gi].data_ptr(), scr.parts[2 * gi + 1].data_ptr(), hg.data_ptr()]
+        ints += [g.n, g.k, g.rank, kseg, nseg, scr.pmax[gi]]
     gptr = (ctypes.c_void_p * 27)(*ptrs)
     gint = (ctypes.c_int * 18)(*ints)
     nw = norm_w.contiguous()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from qerl_kernels._common import device_index
 from qerl_kernels.options import kernel_options
 
 log = logging.getLogger("qerl.kernels")
@@ -96,7 +97,7 @@ def hopper_available(device: torch.device | None, seen: dict[int, bool], failed:
     calls a lookup; the first failure is kept in `failed`, logged once, and counts as absent for the process."""
     if failed or not torch.cuda.is_available():
         return False
-    idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    idx = device_index(device)
     ok = seen.get(idx)
     if ok is None:
         ok = torch.cuda.get_device_capability(idx) == (9, 0)

@@ -353,10 +353,15 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int,
     exactly as transformers' router computes it."""
     logits = F.linear(x, weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, index = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return logits, top.to(logits.dtype), index
+    index = torch.topk(probs, top_k, dim=-1).indices
+    return logits, gate_weights(probs, index, norm_topk_prob).to(logits.dtype), index
+
+
+def gate_weights(probs: torch.Tensor, index: torch.Tensor, norm_topk_prob: bool) -> torch.Tensor:
+    """The router's fp32 probabilities [T, E] at the experts ``index`` [T, k] that run, renormalised over the k when
+    ``norm_topk_prob``: the experts' output weights, whether the experts are the router's top-k or recorded ones."""
+    top = probs.gather(-1, index)
+    return top / top.sum(dim=-1, keepdim=True) if norm_topk_prob else top
 
 
 RouteHook = Callable[[torch.Tensor], None]  # receives a forward's top-k expert index [T, k]
@@ -435,10 +440,7 @@ class Replay:
         rec = self.index.to(own.device)
         index = torch.where(rec >= 0, rec, own)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top = probs.gather(-1, index)
-        if norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return top.to(logits.dtype), index
+        return gate_weights(probs, index, norm_topk_prob).to(logits.dtype), index
 
     def disagreement(self, own: torch.Tensor) -> torch.Tensor:
         """[tokens whose own top-k set differs from the recorded set, tokens with a recorded set] (float64)."""

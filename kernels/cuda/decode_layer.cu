@@ -218,9 +218,6 @@ __device__ __forceinline__ int warp_of(const Geo& G, int x) {
 __device__ __forceinline__ int unit_row(const MlpParams& p, int gi, const Geo& G, int b, int within) {
   return gi == 1 ? ((within >= G.kc ? (p.I >> 4) : 0) + b) * 16 : b * 16;
 }
-__device__ __forceinline__ const uint8_t* weight_at(const uint8_t* w, int K, int r, int ch, int q) {
-  return w + ((size_t)(r >> 6) * (K >> 7) + ch) * 4096 + (r & 63) * 64 + q * 16;
-}
 
 // ---- shrinks: h[M, R] = x @ A^T, as fp32 partials per (16 rank rows, K segment) unit over all warps of the grid ---
 // x is attn (gi 0), x2 formed from h1 on the fly (gi 1; the same bits as the x2 the stage writes) or act (gi 2).

@@ -88,11 +88,9 @@ def group_bytes(g: ProjGroup, rows: int, elem: int, shrink_fused: bool, out: dic
     _add(flops, shrink_cat, _gemm_flops(rows, k_in, r))
     if g.b_blk is not None:
         n = g.b_blk.shape[0]
-        expand_cat = base_cat if g.expand_in_epilogue else "LoRA"
-        if g.expand_in_epilogue:
-            _add(out, base_cat, (g.b_blk.numel() + rows * r) * elem)
-        else:  # in-place addmm_: B, h, and the base output read and written again
-            _add(out, "LoRA", (g.b_blk.numel() + rows * r + 2 * rows * n) * elem)
+        # in the GEMM's epilogue: B and h; an in-place addmm_ also reads and writes the base output again
+        expand_cat, rewrite = (base_cat, 0) if g.expand_in_epilogue else ("LoRA", 2 * rows * n)
+        _add(out, expand_cat, (g.b_blk.numel() + rows * r + rewrite) * elem)
         _add(flops, expand_cat, _gemm_flops(rows, r, n))
     else:
         for sb in g.sb:

@@ -97,18 +97,18 @@ def paged_decode_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     """What FlashInfer's batch decode returns for these arguments, in torch (float32 math): for row b, the keys
     and values of pages ``indices[indptr[b]:indptr[b+1]]`` in order, the last page cut to ``last_page_len[b]``;
     query head h attends KV head ``h // (H / kvh)``. q [B, H, D] -> [B, H, D] in q's dtype."""
-    b, hq, d = q.shape
+    from qerl_kernels.decode_attention import attend
+
+    b, _, d = q.shape
     kvh = k_pages.shape[2]
     page = k_pages.shape[1]
     out = torch.empty_like(q)
     for i in range(b):
         pg = indices[int(indptr[i]):int(indptr[i + 1])].long()
         n = (pg.numel() - 1) * page + int(last_page_len[i])
-        k = k_pages[pg].reshape(-1, kvh, d)[:n].float()  # [n, kvh, d]
-        v = v_pages[pg].reshape(-1, kvh, d)[:n].float()
-        qi = q[i].float().view(kvh, hq // kvh, d)
-        att = torch.softmax(torch.einsum("kgd,nkd->kgn", qi, k) * scale, dim=-1)
-        out[i] = torch.einsum("kgn,nkd->kgd", att, v).reshape(hq, d).to(q.dtype)
+        k = k_pages[pg].reshape(-1, kvh, d)[:n]  # [n, kvh, d]
+        v = v_pages[pg].reshape(-1, kvh, d)[:n]
+        out[i] = attend(q[i], k, v, scale).to(q.dtype)
     return out
 
 
