@@ -4,6 +4,8 @@ softmax over each row's live keys and to today's SDPA path, whatever the split; 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from qerl_kernels import decode_attention as da
@@ -11,11 +13,14 @@ from qerl_kernels import decode_attention as da
 from qerl_cli.rollout.attention import DecodeAttention, sdpa_decode
 from qerl_cli.rollout.model_runner import decode_mask
 
+# compiled kernels where the GPU tests run them (TRITON_INTERPRET=0), the interpreter on CPU otherwise
+DEV = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+
 
 def _cache(slots: int, max_len: int, kvh: int, d: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(slots, max_len, kvh, d, generator=g).to(dtype)
-    v = torch.randn(slots, max_len, kvh, d, generator=g).to(dtype)
+    k = torch.randn(slots, max_len, kvh, d, generator=g).to(DEV, dtype)
+    v = torch.randn(slots, max_len, kvh, d, generator=g).to(DEV, dtype)
     return k, v, g
 
 
@@ -32,8 +37,8 @@ def test_split_plan_by_hand() -> None:
                                                            (4, 4, 16, torch.float16)])
 def test_equals_softmax_over_live_keys(heads: int, kvh: int, d: int, dtype: torch.dtype) -> None:
     k, v, g = _cache(6, 384, kvh, d, dtype, 1)
-    pos = torch.tensor([0, 63, 64, 200, 255])  # one key; a block's edge; the bucket's last position
-    q = torch.randn(5, heads, d, generator=g).to(dtype)
+    pos = torch.tensor([0, 63, 64, 200, 255], device=DEV)  # one key; a block's edge; the bucket's last position
+    q = torch.randn(5, heads, d, generator=g).to(DEV, dtype)
     out = da.split_kv_decode(q, k, v, pos, 256, d**-0.5)
     ref = da.reference(q, k, v, pos, d**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -51,8 +56,8 @@ def test_equals_softmax_over_live_keys(heads: int, kvh: int, d: int, dtype: torc
 def test_same_result_for_any_split(monkeypatch: pytest.MonkeyPatch) -> None:
     """One split per row or one per 64-key block (most of them empty for a short row): the merge gives the same."""
     k, v, g = _cache(3, 512, 2, 32, torch.float32, 2)
-    pos = torch.tensor([5, 300, 511])
-    q = torch.randn(3, 4, 32, generator=g)
+    pos = torch.tensor([5, 300, 511], device=DEV)
+    q = torch.randn(3, 4, 32, generator=g).to(DEV)
     monkeypatch.setattr(da, "TARGET_PROGRAMS", 1)
     one = da.split_kv_decode(q, k, v, pos, 512, 0.2)
     monkeypatch.setattr(da, "TARGET_PROGRAMS", 10_000)
@@ -65,16 +70,17 @@ def test_same_result_for_any_split(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_engine_backend_matches_sdpa() -> None:
     """`decode_attn=split` in the runner's DecodeAttention: what today's SDPA path returns for the step's mask."""
     k, v, g = _cache(4, 256, 2, 64, torch.float32, 3)
-    pos = torch.tensor([3, 100, 127, 64])
-    q = torch.randn(4, 8, 64, generator=g)
+    pos = torch.tensor([3, 100, 127, 64], device=DEV)
+    q = torch.randn(4, 8, 64, generator=g).to(DEV)
     att = DecodeAttention(num_heads=8, num_kv_heads=2, head_dim=64, scale=0.125, max_len=256, dtype=torch.float32,
-                          device=torch.device("cpu"), backend="split")
+                          device=DEV, backend="split")
     assert att.backend == "split" and not att.needs_host_positions
     got = att(q, k, v, 128, None, pos)
     want = sdpa_decode(q, k, v, 128, decode_mask(pos, 128, torch.float32), 0.125)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(DEV.type == "cuda", reason="the CUDA engine's split backend: tests/test_rollout_cuda.py")
 def test_engine_greedy_tokens_equal_sdpa_on_cpu(use_options, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """The builtin engine on CPU (the Triton interpreter runs the split kernels): a tiny fp32 Llama's greedy tokens
     and log-probs with `decode_attn=split` are today's SDPA engine's, and the split kernels really ran."""

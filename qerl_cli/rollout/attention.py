@@ -158,6 +158,7 @@ class DecodeAttention:
             if device.type != "cuda" and not _interpreted():
                 log.warning("decode attention split needs CUDA (or the Triton interpreter); using SDPA")
                 self.backend = "sdpa"
+            self.current = self.backend
             return
         if self.backend != "sdpa" and head_dim not in FLASHINFER_HEAD_DIMS:
             log.warning("FlashInfer decode takes head_dim %s only, this model has %d; decode attention uses SDPA",
