@@ -46,7 +46,7 @@ from qerl_cli.train.async_queue import GroupItem, IdleClock, PromptPool, QueueFa
 
 TRAIN, ROLLOUT = "train", "rollout"
 HEARTBEAT_S = 0.5  # a rollout rank's heartbeat period
-HEARTBEAT_TIMEOUT_S = 10.0  # no heartbeat for this long (or the process group timeout, if shorter): the rank died
+HEARTBEAT_TIMEOUT_S = 5.0  # no heartbeat for this long (or the process group timeout, if shorter): the rank died
 GOODBYE_TIMEOUT_S = 120.0  # at the stop, how long rank 0 waits for each rollout rank to finish its chunk
 _TAG_HEAD, _TAG_BODY = 11, 12  # rollout -> hub
 _TAG_REPLY_HEAD, _TAG_REPLY_BODY = 13, 14  # hub -> rollout
@@ -238,6 +238,8 @@ class TrainerSource:
         self.totals = {"dropped_stale": 0, "dropped_zero_std": 0}
         self.last_step_end = time.perf_counter()
         self.failed_line: str | None = None
+        self.closing = threading.Event()
+        self.watcher: threading.Thread | None = None
         if not self.is_hub:
             return
         cfg = trainer.cfg
@@ -316,6 +318,9 @@ class TrainerSource:
         if not self.is_hub:
             return {}
         self.hub.stop_reason = reason
+        self.closing.set()
+        if self.watcher is not None:
+            self.watcher.join()
         done = True
         if clean:
             self.publisher.publish(self.publisher.version, stop=True)  # ends the rollout ranks' receiving threads
@@ -452,7 +457,7 @@ def session(trainer: Any, roles: Roles | None, rec: Any, stop: Any) -> Iterator[
                               # what each role holds (both are planned alike today; docs/distributed.md)
                               "roles": {"train": "adapters, optimizer, gradients; its engine stays unused",
                                         "rollout": "adapters and the engine's KV cache; no optimizer step runs"}}
-        _watch_peer_signals(source, stop)
+        source.watcher = _watch_peer_signals(source, stop)
     reason, clean = "done", True
     try:
         yield
@@ -472,17 +477,18 @@ def session(trainer: Any, roles: Roles | None, rec: Any, stop: Any) -> Iterator[
             rec.extra["async"].update(record)
 
 
-def _watch_peer_signals(source: TrainerSource, stop: Any) -> None:
+def _watch_peer_signals(source: TrainerSource, stop: Any) -> threading.Thread:
     """A rollout rank's SIGTERM/SIGINT becomes this process's stop request (the trainers then agree on it as on
-    their own, at the next step boundary)."""
+    their own, at the next step boundary). The thread ends at the stop (joined by :meth:`TrainerSource.close`)."""
 
     def watch() -> None:
-        while source.hub.stop_reason is None:
+        while not source.closing.wait(0.1):
             sig = source.hub.peer_signal
             if sig is not None:
                 stop.requested = True
                 stop.preempted = stop.preempted or sig == "SIGTERM"
                 return
-            time.sleep(0.1)
 
-    threading.Thread(target=watch, name="qerl-peer-signals", daemon=True).start()
+    thread = threading.Thread(target=watch, name="qerl-peer-signals", daemon=True)
+    thread.start()
+    return thread
