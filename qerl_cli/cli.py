@@ -162,6 +162,11 @@ def _train(run: Path, config: str | None, set_: list[str] | None, dry_run: bool,
     from qerl_cli.train.presets import choose_preset
 
     in_torchrun = "LOCAL_RANK" in os.environ
+    rollout_gpus = fields.get("rollout_gpus")
+    if rollout_gpus and not dry_run:  # a split that cannot work is refused before torchrun starts N processes
+        from qerl_cli.train.disagg import check_split
+
+        check_split(rollout_gpus, gpus if gpus is not None else int(os.environ.get("WORLD_SIZE", "1")))
     if gpus is not None and not in_torchrun and not dry_run:
         if _launch_gpus(gpus):
             return

@@ -38,6 +38,8 @@
 #   ncu         Nsight Compute counters of the decode step's kernels by category (scripts/ncu_decode_step.py)
 #   scale       data-parallel scaling of one LoRA RL step (python -m qerl_cli.bench.scale under torchrun) at each
 #               of QERL_SCALE_WORLDS ("1 2 4") GPUs that are visible, with QERL_SCALE_ARGS; then the table
+#   async       sync 1 GPU vs sync DDP vs the async rollout/trainer split on QERL_ASYNC_GPUS (2) GPUs
+#               (python -m qerl_cli.bench.async_scale; QERL_ASYNC_ARGS, e.g. "--smoke"); the table in $OUT/async_scale
 #   fsdp        the same for FSDP2 full fine-tuning with INT8 rollouts at QERL_FSDP_WORLDS ("1 2"), QERL_FSDP_ARGS;
 #               the 1-GPU run offloads to host memory on a card under 120 GiB (QERL_FSDP_OFFLOAD1=auto|0|1)
 #   evidence    the evidence study (docs/evidence.md): many `qerl bench sanity` processes on the one GPU, then
@@ -296,6 +298,16 @@ stage_scale() {
   # shellcheck disable=SC2086
   worlds scale "${QERL_SCALE_WORLDS:-1 2 4}" --shape qwen2.5-7b --format nvfp4 ${QERL_SCALE_ARGS:---batch-prompts-per-rank \
 8 --num-generations 8 --prompt-len 256 --new-tokens 256 --lora-rank 32 --micro-batch-size 8 --steps 3 --warmup 1}
+}
+stage_async() {
+  # synchronous 1 GPU, synchronous DDP and the async split (--rollout-gpus) on the same GPUs, one table
+  # (docs/distributed.md); QERL_ASYNC_ARGS replaces the workload (default: the 7B workload)
+  local l=$(( $(left) - 15 ))
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  stamp "async: ${QERL_ASYNC_GPUS:-2} GPUs (limit ${l}s)"
+  # shellcheck disable=SC2086
+  (cd "$T" && timeout "$l" python3 -m qerl_cli.bench.async_scale --gpus "${QERL_ASYNC_GPUS:-2}" \
+    --out "$OUT/async_scale" ${QERL_ASYNC_ARGS:-} 2>&1 | grep -v "^W[0-9]" | tail -n 40)
 }
 stage_fsdp() {
   local mib ngpu offload=${QERL_FSDP_OFFLOAD1:-auto} ws=${QERL_FSDP_WORLDS:-1 2}

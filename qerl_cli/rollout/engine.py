@@ -63,6 +63,8 @@ class Sample:
     # top-k expert ids for every token the model ran, prompt then completion, [len(prompt) + len(token_ids) - 1,
     # layers, k] (uint8, int16 past 256 experts; the last token was sampled, never run); None when not recorded
     routing: torch.Tensor | None = None
+    # --rollout-gpus (train/disagg.py): the adapter version (optimizer steps seen) that sampled it; None otherwise
+    policy_version: int | None = None
 
     def model_mask(self) -> torch.Tensor:
         """float32 [len(token_ids)]: 1 on the tokens the model sampled, 0 on observation tokens."""

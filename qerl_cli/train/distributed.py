@@ -80,6 +80,10 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     backend: str | None = None
+    # --rollout-gpus (train/disagg.py): the trainers' own process group (None: every rank of the job) and the
+    # job's size, when the collectives below cover only some of its ranks
+    group: Any = None
+    job_size: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -99,16 +103,16 @@ class DistContext:
     def barrier(self) -> None:
         if self.enabled:
             if self.backend == "nccl":
-                dist.barrier(device_ids=[self.local_rank])
+                dist.barrier(device_ids=[self.local_rank], group=self.group)
             else:
-                dist.barrier()
+                dist.barrier(group=self.group)
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """``obj`` of every rank, in rank order (picklable objects; CPU tensors inside are fine)."""
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -116,22 +120,24 @@ class DistContext:
         if not self.enabled:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.group)  # global rank 0 is rank 0 of every group here
         return box[0]
 
     def any_true(self, flag: bool) -> bool:
         if not self.enabled:
             return flag
         t = torch.tensor([int(flag)], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
     @contextlib.contextmanager
     def agree(self, what: str) -> Iterator[None]:
         """Run a block on every rank, then make all ranks agree it worked: a failure on any rank raises on
         every rank (rank 0 prints the reason, the others exit quietly), instead of leaving the healthy
-        ranks blocked in the next collective until the timeout."""
-        if not self.enabled:
+        ranks blocked in the next collective until the timeout. With --rollout-gpus it covers the whole job (the
+        rollout ranks too), not only the trainers' group."""
+        job = max(self.world_size, self.job_size)
+        if job <= 1:
             yield
             return
         err: BaseException | None = None
@@ -139,12 +145,14 @@ class DistContext:
             yield
         except Exception as exc:  # noqa: BLE001 - re-raised below on this rank
             err = exc
-        errors = self.gather_objects(None if err is None else f"{err.__class__.__name__}: {err}"
-                                     if not isinstance(err, QerlError) else str(err))
+        mine = None if err is None else f"{err.__class__.__name__}: {err}" if not isinstance(err, QerlError) \
+            else str(err)
+        errors: list[Any] = [None] * job
+        dist.all_gather_object(errors, mine)
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if not failed:
             return
-        if not self.is_main:  # rank 0 says why; the others leave quietly
+        if dist.get_rank() != 0:  # rank 0 says why; the others leave quietly
             raise DistributedAbort(f"{what} failed on rank {failed[0][0]}") from err
         if err is not None:
             raise err
@@ -351,7 +359,7 @@ def reduce_gradients(params: list[torch.nn.Parameter], ctx: DistContext) -> None
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
     for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
         p.grad = g.view_as(p)
 

@@ -136,7 +136,10 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
     """Run `cfg.steps` RL steps on the run's quantized model; resumable with `resume=True` (from `latest`) or
     ``resume_from="step_N"`` (an earlier checkpoint: what the run wrote after it is set aside, not deleted).
     ``preset``: the preset the configuration started from, recorded in the manifest."""
+    from qerl_cli.train import disagg
+
     run = RunDir(run_dir, create=False)
+    roles = disagg.init_roles(cfg.rollout_gpus)  # --rollout-gpus: this rank trains or rolls out (train/disagg.py)
     trainer = Trainer(run, cfg, device=device or trainer_device())
     inputs = _model_inputs(run)
     resume = resume or resume_from is not None
@@ -151,15 +154,19 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
     # the memory plan from the model's config: a run that cannot fit is refused here, before the stage starts and
     # before any weight is loaded (setup() plans again with the measured weights)
     trainer.plan_run_memory()
+    if roles is not None and roles.role == disagg.ROLLOUT:  # no stage, no writes: it generates until told to stop
+        disagg.run_rollout_rank(trainer, roles, start_from, resume)
+        return TrainResult(run.path, trainer.step, [], None)
     with _stage(run, trainer, inputs) as rec, \
             GracefulStop(trainer.cfg.sigterm_grace_s, can_abandon=not trainer.dist.enabled) as stop:
         start = _start(run, trainer, rec, stop, start_from, resume, resume_from)
         _record_setup(rec, trainer, preset)
         if on_setup:
             on_setup(trainer)
-        steps = StageSteps(run, trainer, rec, stop, start)
-        steps.loop(on_step)
-        result = steps.finish(extended)
+        with disagg.session(trainer, roles, rec, stop):  # a no-op unless --rollout-gpus
+            steps = StageSteps(run, trainer, rec, stop, start)
+            steps.loop(on_step)
+            result = steps.finish(extended)
     return result
 
 

@@ -122,6 +122,8 @@ class Trainer:
         self.model_dir: Path | None = None
         self.last_checkpoint_s = 0.0
         self.pending: Any = None  # --async-rollout: the next step's rollouts in flight (train/async_rollout.py)
+        # --rollout-gpus: the rollout ranks' groups and the adapter publishing (train/disagg.py's TrainerSource)
+        self.rollout_source: Any = None
         self.rollout_step, self.rollout_concurrent = 0, False  # the step the engine is generating for, and how
         self.noise_metrics: dict[str, Any] = {}  # the AQN draw of the rollouts being collected
         self.last_checkpoint_parts: dict[str, float] = {}  # its seconds by part (background writes)
@@ -519,13 +521,18 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
         rollouts = self.take_rollouts()
         self.start_next_rollouts()
-        return self.update_on(rollouts)
+        metrics = self.update_on(rollouts)
+        if self.rollout_source is not None:  # --rollout-gpus: the new adapters go to the rollout ranks now
+            metrics.update(self.rollout_source.published(self))
+        return metrics
 
     def take_rollouts(self) -> Rollouts:
         """This step's rollouts: those --async-rollout collected during the previous update, else collected now."""
         if self.pending is not None:
             rollouts, self.pending = self.pending.take(), None
             return rollouts
+        if self.rollout_source is not None:  # --rollout-gpus: what the rollout ranks generated (train/disagg.py)
+            return self.rollout_source.take(self)
         return self.collect_rollouts(self.step, self.rollout_noise(self.step))
 
     def start_next_rollouts(self) -> None:
@@ -888,6 +895,7 @@ class Trainer:
                     "advantage": adv[k].item(), "length": len(s.token_ids), "finish_reason": s.finish_reason,
                     "logprob_sum": float(lp.sum()) if lp.numel() else 0.0,
                     "logprob_min": float(lp.min()) if lp.numel() else 0.0,
+                    **({} if getattr(s, "policy_version", None) is None else {"version": s.policy_version}),
                     **({} if self.episodes is None else {"turns": self.episodes.record(s, self.decode)}),
                 }))
                 k += 1

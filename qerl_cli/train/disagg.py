@@ -1,0 +1,494 @@
+"""Asynchronous RL across GPUs with adapter-only sync (``--rollout-gpus R``, issue 46; docs/distributed.md).
+
+Under torchrun with N processes, ranks 0..N-R-1 train and ranks N-R..N-1 only roll out:
+
+* rollout ranks run the builtin engine in a loop: ask trainer rank 0 for a chunk of prompts, generate all
+  ``num_generations`` samples of each prompt in one engine call (the engine refills its slots as sequences
+  finish), score them, send the scored groups back with the adapter version that sampled them, ask again;
+* trainer rank 0 runs a *hub* thread that answers those requests (gloo point-to-point on a process group of its
+  own: pickled groups, CPU only): groups go into the :class:`~qerl_cli.train.async_queue.SampleQueue`, prompts
+  come out of a pool that only the training thread refills from the trainer's PromptStream;
+* each step, trainer rank 0 takes ``batch_prompts`` groups the staleness gate lets through (``--max-staleness``),
+  hands them to the other trainers (one broadcast on the trainers' process group), and the trainers run the same
+  update as the synchronous data-parallel mode on them (row shards, one gradient all-reduce among trainers only);
+* after the update, trainer rank 0 publishes the new adapters to the rollout ranks (train/adapter_sync.py);
+* a rollout rank beats a heartbeat counter on the c10d store; a rank whose counter stops is named in one line
+  and the run stops (no hang on a dead peer);
+* a stop (steps done, Ctrl-C, SIGTERM on ANY rank) ends the trainers at a step boundary as in the synchronous
+  mode; a rollout rank's signal reaches the trainers through its next request. Then the hub tells each rollout
+  rank to stop at its next request and the groups still queued are dropped and counted (manifest
+  ``train.extra.async``): nothing is lost without a count.
+
+Why this layout: the rollout is decode-bound and the update compute-bound; on separate GPUs neither waits for the
+other except through the staleness bound, and only the LoRA factors cross between them. Checkpoints are the
+trainers' (no rollout-rank state), so a run resumes on any world size and role split, or synchronously.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qerl_cli.errors import Preempted, QerlError
+from qerl_cli.options import options
+from qerl_cli.train import distributed
+from qerl_cli.train.adapter_sync import AdapterPublisher, AdapterSubscriber
+from qerl_cli.train.async_queue import GroupItem, IdleClock, PromptPool, QueueFailed, SampleQueue
+
+TRAIN, ROLLOUT = "train", "rollout"
+HEARTBEAT_S = 0.5  # a rollout rank's heartbeat period
+HEARTBEAT_TIMEOUT_S = 5.0  # no heartbeat for this long (or the process group timeout, if shorter): the rank died
+GOODBYE_TIMEOUT_S = 120.0  # at the stop, how long rank 0 waits for each rollout rank to finish its chunk
+_TAG_HEAD, _TAG_BODY = 11, 12  # rollout -> hub
+_TAG_REPLY_HEAD, _TAG_REPLY_BODY = 13, 14  # hub -> rollout
+
+
+def check_split(rollout_gpus: int, world_size: int) -> None:
+    """One line for a role split that cannot work."""
+    if rollout_gpus <= 0:
+        return
+    if world_size <= 1:
+        raise QerlError(f"--rollout-gpus {rollout_gpus} splits the GPUs of a multi-process run: add --gpus N with "
+                        f"N > {rollout_gpus} (or run under torchrun --nproc-per-node N)")
+    if rollout_gpus >= world_size:
+        raise QerlError(f"--rollout-gpus {rollout_gpus} leaves no trainer among {world_size} processes: use "
+                        f"--rollout-gpus <= {world_size - 1}")
+
+
+@dataclass
+class Roles:
+    """This process's role and the process groups of the split (created on every rank, in the same order)."""
+
+    rank: int
+    world_size: int
+    trainers: int
+    train_group: Any
+    sync_group: Any  # rank 0 + rollout ranks, the job's backend: adapter broadcasts
+    flow_group: Any  # rank 0 + rollout ranks, gloo: requests, prompts and scored groups
+
+    @property
+    def role(self) -> str:
+        return TRAIN if self.rank < self.trainers else ROLLOUT
+
+    @property
+    def rollout_ranks(self) -> list[int]:
+        return list(range(self.trainers, self.world_size))
+
+    def record(self) -> dict[str, Any]:
+        return {"trainer_ranks": list(range(self.trainers)), "rollout_ranks": self.rollout_ranks}
+
+
+def init_roles(rollout_gpus: int) -> Roles | None:
+    """Split the job (None without --rollout-gpus): the groups, and this process's DistContext set to its role's
+    (trainers: their own group; a rollout rank: a 1-process context, so its Trainer never joins a collective)."""
+    if not rollout_gpus:
+        return None
+    ctx = distributed.current()
+    check_split(rollout_gpus, ctx.world_size)
+    world, trainers = ctx.world_size, ctx.world_size - rollout_gpus
+    train_group = dist.new_group(list(range(trainers)))
+    sync_group = dist.new_group([0, *range(trainers, world)])
+    flow_group = dist.new_group([0, *range(trainers, world)], backend="gloo")
+    roles = Roles(ctx.rank, world, trainers, train_group, sync_group, flow_group)
+    sub = distributed.DistContext(rank=ctx.rank, world_size=trainers if roles.role == TRAIN else 1,
+                                  local_rank=ctx.local_rank, backend=ctx.backend,
+                                  group=train_group if roles.role == TRAIN else None, job_size=world)
+    distributed._CTX = sub  # the Trainer reads its context from current() (train/distributed.py)
+    return roles
+
+
+# ---- messages: pickled objects over gloo point-to-point (only between qerl's own processes, in memory) --------
+def send_obj(obj: Any, dst: int, group: Any, tags: tuple[int, int]) -> None:
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    dist.send(torch.tensor([data.numel()], dtype=torch.long), dst=dst, group=group, tag=tags[0])
+    dist.send(data, dst=dst, group=group, tag=tags[1])
+
+
+def recv_obj(src: int | None, group: Any, tags: tuple[int, int]) -> tuple[Any, int]:
+    """(object, sender); ``src`` None: from any sender (its body is then read from that same sender)."""
+    head = torch.zeros(1, dtype=torch.long)
+    sender = dist.recv(head, src=src, group=group, tag=tags[0])
+    body = torch.empty(int(head.item()), dtype=torch.uint8)
+    dist.recv(body, src=sender, group=group, tag=tags[1])
+    return pickle.loads(body.numpy().tobytes()), sender  # noqa: S301 - our own ranks' messages
+
+
+# ---- heartbeats -------------------------------------------------------------------------------------------------
+def _heartbeat_key(rank: int) -> str:
+    return f"qerl/async/heartbeat/{rank}"
+
+
+class Heartbeat:
+    """A rollout rank's thread adding 1 to its store counter every HEARTBEAT_S (stopped by :meth:`stop`)."""
+
+    def __init__(self, rank: int) -> None:
+        self._store = dist.distributed_c10d._get_default_store()
+        self._key = _heartbeat_key(rank)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="qerl-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(HEARTBEAT_S):
+            with contextlib.suppress(Exception):  # a store hiccup is not a death; the watcher decides
+                self._store.add(self._key, 1)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+
+class HeartbeatWatch:
+    """Trainer rank 0's view of the rollout ranks' heartbeats: the first rank silent for too long."""
+
+    def __init__(self, ranks: list[int], timeout_s: float) -> None:
+        self._store = dist.distributed_c10d._get_default_store()
+        self.timeout_s = timeout_s
+        now = time.monotonic()
+        self._seen = {r: (-1, now) for r in ranks}
+
+    def silent(self, gone: set[int]) -> int | None:
+        now = time.monotonic()
+        for r, (count, since) in self._seen.items():
+            if r in gone:
+                continue
+            c = int(self._store.add(_heartbeat_key(r), 0))
+            if c != count:
+                self._seen[r] = (c, now)
+            elif now - since > self.timeout_s:
+                return r
+        return None
+
+
+# ---- trainer rank 0: the hub thread -------------------------------------------------------------------------
+class Hub:
+    """Answers the rollout ranks' requests (one thread on trainer rank 0); see the module docstring."""
+
+    def __init__(self, roles: Roles, queue: SampleQueue, pool: PromptPool, clock: IdleClock) -> None:
+        self.roles, self.queue, self.pool, self.clock = roles, queue, pool, clock
+        self.stop_reason: str | None = None  # set at the stop: every later request is answered with it
+        self.peer_signal: str | None = None  # a rollout rank's SIGTERM/SIGINT, for the trainers' stop check
+        self.error: str | None = None
+        self.goodbyes: set[int] = set()
+        self.timings: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="qerl-async-hub", daemon=True)
+        self._thread.start()
+
+    def take_timings(self) -> dict[str, float]:
+        with self._lock:
+            out, self.timings = self.timings, {}
+            return out
+
+    def _run(self) -> None:
+        try:
+            while len(self.goodbyes) < len(self.roles.rollout_ranks):
+                msg, src = recv_obj(None, self.roles.flow_group, (_TAG_HEAD, _TAG_BODY))
+                self._handle(msg, src)
+        except Exception as exc:  # noqa: BLE001 - reported to the training thread's wait
+            self.error = f"the sample flow from the rollout ranks failed: {exc.__class__.__name__}: {exc}"
+
+    def _handle(self, msg: dict[str, Any], src: int) -> None:
+        groups: list[GroupItem] = msg.get("groups", [])
+        if groups:
+            self.queue.put(groups)
+        self.pool.returned(msg.get("prompts_done", 0))
+        self.clock.add(msg.get("busy_s", 0.0), msg.get("idle_s", 0.0))
+        with self._lock:
+            for k, v in msg.get("timings", {}).items():
+                self.timings[k] = self.timings.get(k, 0.0) + v
+        if msg.get("signal") and self.peer_signal is None:
+            self.peer_signal = msg["signal"]
+        if msg.get("error"):
+            self.error = f"rollout rank {src} failed: {msg['error']}"
+            self.goodbyes.add(src)
+            return
+        if self.stop_reason is not None:
+            send_obj({"stop": self.stop_reason}, src, self.roles.flow_group, (_TAG_REPLY_HEAD, _TAG_REPLY_BODY))
+            self.goodbyes.add(src)
+            return
+        chunk, prompts = self.pool.hand_out()
+        send_obj({"chunk": chunk, "prompts": prompts}, src, self.roles.flow_group, (_TAG_REPLY_HEAD, _TAG_REPLY_BODY))
+
+    def wait_goodbyes(self, timeout_s: float) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
+# ---- the trainers' side: where a step's rollouts come from -----------------------------------------------------
+class TrainerSource:
+    """The trainer's ``rollout_source`` (Trainer.take_rollouts asks it instead of generating): the staleness-gated
+    groups of each step, and the adapters published after each update."""
+
+    def __init__(self, trainer: Any, roles: Roles, max_staleness: int) -> None:
+        self.roles = roles
+        self.ctx = trainer.dist
+        self.is_hub = roles.rank == 0
+        self.max_staleness = max_staleness
+        self.batch_prompts = trainer.cfg.batch_prompts
+        self.totals = {"dropped_stale": 0, "dropped_zero_std": 0}
+        self.last_step_end = time.perf_counter()
+        self.failed_line: str | None = None
+        self.closing = threading.Event()
+        self.watcher: threading.Thread | None = None
+        if not self.is_hub:
+            return
+        cfg = trainer.cfg
+        self.queue = SampleQueue(max_staleness, drop_zero_std=bool(cfg.dynamic_sampling))
+        # chunks of at most a rollout rank's share of one step: small enough that the ranks share each step's prompts
+        # and pick up a new adapter version soon, large enough to fill the engine's slots
+        share = -(-cfg.batch_prompts // len(roles.rollout_ranks))
+        self.pool = PromptPool(chunk=max(1, share))
+        self.stream = trainer.stream
+        self.clock = IdleClock()
+        self.publisher = AdapterPublisher(trainer.params, roles.sync_group, trainer.device)
+        self.watch = HeartbeatWatch(roles.rollout_ranks, min(HEARTBEAT_TIMEOUT_S, options().dist_timeout_s))
+        self.top_up()  # the rollout ranks have prompts from their first request on
+        self.hub = Hub(roles, self.queue, self.pool, self.clock)
+        self.publisher.publish(trainer.step)  # every rollout rank starts from the trainers' adapters, exactly
+
+    def top_up(self) -> None:
+        """Keep this step's prompts and the next step's handed out or ready (the staleness bound makes more
+        pointless: they would be dropped); called on the training thread only."""
+        self.pool.top_up(2 * self.batch_prompts, self.queue.snapshot().queued, self.stream.take)
+
+    def failed(self) -> str | None:
+        if self.hub.error is not None:
+            return self.hub.error
+        r = self.watch.silent(self.hub.goodbyes)
+        if r is not None:
+            return (f"rollout rank {r} stopped responding (no heartbeat for {self.watch.timeout_s:.0f} s): it died or "
+                    "hangs; the last checkpoint is intact (--resume, on any role split)")
+        return None
+
+    def take(self, trainer: Any) -> Any:
+        from qerl_cli.train.trainer import Rollouts, rollout_metrics
+
+        payload: Any = None
+        if self.is_hub:
+            t0 = time.perf_counter()
+            try:
+                items, dropped = self.queue.take(self.batch_prompts, trainer.step, failed=self.failed,
+                                                 on_wait=self.top_up)
+            except QueueFailed as exc:
+                self.failed_line = str(exc)
+                raise QerlError(str(exc)) from None
+            self.top_up()
+            wait_s = time.perf_counter() - t0
+            for k, v in dropped.items():
+                self.totals[k] += v
+            t = self.hub.take_timings()
+            timing = {k: t.get(k, 0.0) for k in ("tokens", "prefill_s", "decode_s", "decode_steps")}
+            staleness = [trainer.step - g.version for g in items]
+            metrics = {**rollout_metrics(wait_s, timing),
+                       "async/staleness_mean": sum(staleness) / len(staleness),
+                       "async/staleness_max": float(max(staleness)),
+                       "async/dropped_stale": float(dropped["dropped_stale"]),
+                       "async/dropped_stale_total": float(self.totals["dropped_stale"]),
+                       "async/dropped_zero_std": float(dropped["dropped_zero_std"]),
+                       "async/rollout_idle_frac": self.clock.read(), "async/wait_s": wait_s}
+            payload = ([(g.prompt_index, g.samples, g.raw, g.shaped, g.version) for g in items], metrics)
+        if self.ctx.enabled:  # every trainer trains on the same groups (row shards of one batch)
+            payload = self.ctx.broadcast_object(payload)
+        groups, metrics = payload
+        return Rollouts(trainer.step, min(g[4] for g in groups), [g[:4] for g in groups], metrics)
+
+    def published(self, trainer: Any) -> dict[str, float]:
+        """After the update: the new adapters to the rollout ranks; the step's async/* metrics of it."""
+        now = time.perf_counter()
+        step_s, self.last_step_end = now - self.last_step_end, now
+        if not self.is_hub:
+            return {}
+        sync_s = self.publisher.publish(trainer.step)
+        return {"async/sync_s": sync_s, "async/adapter_version": float(trainer.step),
+                "async/sync_share": sync_s / max(step_s, 1e-9)}
+
+    def close(self, reason: str, *, clean: bool) -> dict[str, Any]:
+        """The stop: the rollout ranks told (``clean``: they answer; after a failure nobody waits on them), what was
+        still queued dropped and counted; the manifest's record of it."""
+        if not self.is_hub:
+            return {}
+        self.hub.stop_reason = reason
+        self.closing.set()
+        if self.watcher is not None:
+            self.watcher.join()
+        done = True
+        if clean:
+            self.publisher.publish(self.publisher.version, stop=True)  # ends the rollout ranks' receiving threads
+            done = self.hub.wait_goodbyes(GOODBYE_TIMEOUT_S)
+        acc = self.queue.close()
+        return {**acc.to_dict(), "all_rollout_ranks_stopped": done, "stop": reason}
+
+
+# ---- the rollout ranks ------------------------------------------------------------------------------------------
+class _Signals:
+    """A rollout rank's Ctrl-C / SIGTERM: noted and passed to the trainers with the next request (they stop the
+    run at a step boundary and then tell this rank to stop); never an exception in the middle of a chunk."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.sent = False
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):
+                self._old[sig] = signal.signal(sig, self._on)
+        return self
+
+    def _on(self, signum: int, frame: Any) -> None:
+        self.name = self.name or signal.Signals(signum).name
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def take(self) -> str | None:
+        if self.name is None or self.sent:
+            return None
+        self.sent = True
+        return self.name
+
+
+def generate_chunk(trainer: Any, prompts: list[int], chunk: int, version: int, overrides: Any,
+                   rank: int) -> tuple[list[GroupItem], dict[str, float]]:
+    """One engine call over ``prompts`` (all samples of each), scored: one group per prompt, all of ``version``."""
+    trainer.rollout_step = chunk  # the chunk's number seeds its sampling (rollout_seed(seed, chunk, 0))
+    res = trainer.generate(prompts, 0, overrides)
+    raw, shaped = trainer.score(prompts, res.samples)
+    g = trainer.cfg.num_generations
+    items = []
+    for p, idx in enumerate(prompts):
+        own = trainer.prompt_ids[idx]
+        # the prompt's tokens are known to the trainers: not shipped (an episode's own prompt would be)
+        ss = [replace(s, prompt_token_ids=[] if s.prompt_token_ids == own else s.prompt_token_ids,
+                      policy_version=version) for s in res.samples[p * g:(p + 1) * g]]
+        items.append(GroupItem(idx, ss, raw[p * g:(p + 1) * g], shaped[p * g:(p + 1) * g], version, rank,
+                               sum(len(s.token_ids) for s in ss)))
+    timings = {k: float(res.timings.get(k, 0.0)) for k in ("tokens", "prefill_s", "decode_s")}
+    timings["decode_steps"] = float(res.stats.get("decode_steps", 0))
+    return items, timings
+
+
+def rollout_loop(trainer: Any, roles: Roles) -> str:
+    """A rollout rank's life after setup: chunks until the trainers say stop; the stop's reason."""
+    sub = AdapterSubscriber(trainer.params, roles.sync_group, trainer.device, version=-1)
+    beat = Heartbeat(roles.rank)
+    version = trainer.step
+    overrides = trainer.rollout_noise(version)
+    out: dict[str, Any] = {}
+    tags = (_TAG_HEAD, _TAG_BODY)
+    try:
+        with _Signals() as sig:
+            while True:
+                out["signal"] = sig.take()
+                send_obj(out, 0, roles.flow_group, tags)
+                reply, _ = recv_obj(0, roles.flow_group, (_TAG_REPLY_HEAD, _TAG_REPLY_BODY))
+                if "stop" in reply:
+                    break
+                if sub.error is not None:
+                    raise QerlError(f"receiving adapters failed: {sub.error}")
+                v = sub.apply()
+                if v is not None and v != version:
+                    version = v
+                    overrides = trainer.rollout_noise(version)  # AQN: the noise of this version's step
+                if not reply["prompts"]:  # the staleness bound holds the rollout back: wait for the trainers
+                    t = time.perf_counter()
+                    time.sleep(0.05)
+                    out = {"idle_s": time.perf_counter() - t}
+                    continue
+                t = time.perf_counter()
+                items, timings = generate_chunk(trainer, reply["prompts"], reply["chunk"], version, overrides,
+                                                roles.rank)
+                out = {"groups": items, "prompts_done": len(reply["prompts"]), "timings": timings,
+                       "busy_s": time.perf_counter() - t}
+    except Exception as exc:
+        # the trainers stop the run with this line (rank 0 prints it); this rank leaves quietly
+        with contextlib.suppress(Exception):
+            send_obj({"error": str(exc) if isinstance(exc, QerlError) else f"{exc.__class__.__name__}: {exc}"}, 0,
+                     roles.flow_group, tags)
+        raise distributed.DistributedAbort(f"rollout rank {roles.rank} failed") from exc
+    finally:
+        beat.stop()
+    sub.join(GOODBYE_TIMEOUT_S)
+    return reply["stop"]
+
+
+def run_rollout_rank(trainer: Any, roles: Roles, start_from: Any, resume: bool) -> None:
+    """What a rollout rank runs instead of the stage: the same setup and resume as the trainers (agreed with them:
+    a failure anywhere stops every rank with one line), then :func:`rollout_loop`; it ends as the trainers did."""
+    ctx = trainer.dist
+    with ctx.agree("setup"):
+        trainer.setup()
+    with ctx.agree("setup"):
+        if resume:
+            trainer.resume(*start_from) if start_from is not None else trainer.resume()
+    reason = rollout_loop(trainer, roles)
+    if reason == "SIGTERM":
+        raise Preempted("preempted (SIGTERM)")
+    if reason == "SIGINT":
+        raise KeyboardInterrupt
+    if reason == "error":
+        raise distributed.DistributedAbort("the trainers failed")
+
+
+@contextlib.contextmanager
+def session(trainer: Any, roles: Roles | None, rec: Any, stop: Any) -> Iterator[None]:
+    """Around the trainers' steps (after setup and resume): the rollout source attached, and at the end closed (the
+    rollout ranks stopped, the queue accounted in the manifest's ``train.extra.async``). A rollout rank's signal is
+    passed to ``stop`` (the GracefulStop) as if this process had received it."""
+    if roles is None:
+        yield
+        return
+    source = TrainerSource(trainer, roles, trainer.cfg.max_staleness)
+    trainer.rollout_source = source
+    if trainer.dist.is_main:
+        rec.extra["async"] = {**roles.record(), "max_staleness": trainer.cfg.max_staleness,
+                              "correction": trainer.cfg.correction, "correction_cap": trainer.cfg.correction_cap,
+                              # what each role holds (both are planned alike today; docs/distributed.md)
+                              "roles": {"train": "adapters, optimizer, gradients; its engine stays unused",
+                                        "rollout": "adapters and the engine's KV cache; no optimizer step runs"}}
+        source.watcher = _watch_peer_signals(source, stop)
+    reason, clean = "done", True
+    try:
+        yield
+    except Preempted:
+        reason = "SIGTERM"
+        raise
+    except KeyboardInterrupt:
+        reason = "SIGINT"
+        raise
+    except BaseException:
+        reason, clean = "error", False
+        raise
+    finally:
+        record = source.close(reason, clean=clean and source.failed_line is None)
+        trainer.rollout_source = None
+        if trainer.dist.is_main:
+            rec.extra["async"].update(record)
+
+
+def _watch_peer_signals(source: TrainerSource, stop: Any) -> threading.Thread:
+    """A rollout rank's SIGTERM/SIGINT becomes this process's stop request (the trainers then agree on it as on
+    their own, at the next step boundary). The thread ends at the stop (joined by :meth:`TrainerSource.close`)."""
+
+    def watch() -> None:
+        while not source.closing.wait(0.1):
+            sig = source.hub.peer_signal
+            if sig is not None:
+                stop.requested = True
+                stop.preempted = stop.preempted or sig == "SIGTERM"
+                return
+
+    thread = threading.Thread(target=watch, name="qerl-peer-signals", daemon=True)
+    thread.start()
+    return thread
