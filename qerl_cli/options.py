@@ -27,7 +27,7 @@ from qerl_kernels.options import KernelOptions, choice, option, parse_bool, pars
 
 from qerl_cli.errors import QerlError
 
-DECODE_ATTN = ("sdpa", "flashinfer", "auto", "split")
+DECODE_ATTN = ("auto", "split", "sdpa", "flashinfer")
 DIST_BACKENDS = ("nccl", "gloo")
 DEFAULT_DIST_TIMEOUT_S = 600.0
 
@@ -54,9 +54,9 @@ class RunOptions:
         "QERL_FUSED_PROJ", True, parse_bool,
         "q/k/v and gate/up as one GEMM each in the decode step; 0: one GEMM per projection")
     decode_attn: str = option(
-        "QERL_DECODE_ATTN", "sdpa", choice(*DECODE_ATTN),
-        "decode attention: cuDNN SDPA, FlashInfer's paged batch decode, auto (the faster of those two per CUDA graph) "
-        "or split (qerl's split-KV Triton kernels)")
+        "QERL_DECODE_ATTN", "auto", choice(*DECODE_ATTN),
+        "decode attention: auto (on CUDA qerl's split-KV kernels, timed against FlashInfer per CUDA graph where it "
+        "imports; SDPA elsewhere), split, cuDNN SDPA, or FlashInfer's paged batch decode")
     dist_backend: str | None = option(
         "QERL_DIST_BACKEND", None, choice(*DIST_BACKENDS),
         "torchrun's process-group backend; default NCCL on CUDA, gloo on CPU")

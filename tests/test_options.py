@@ -65,14 +65,14 @@ def test_the_environment_is_parsed_into_typed_values() -> None:
                                       "QERL_DECODE_ATTN": "", "QERL_CACHE_DIR": "/tmp/c",
                                       "QERL_FP4_DEQUANT_M": "256", "QERL_DISPATCH_CANDIDATES": "triton, cublas"})
     assert opts.fast_decode is False and opts.fused_lora is True and opts.dist_timeout_s == 30.0
-    assert opts.decode_attn == "sdpa" and opts.cache_dir == Path("/tmp/c")  # empty: the default
+    assert opts.decode_attn == "auto" and opts.cache_dir == Path("/tmp/c")  # empty: the default
     assert opts.kernels.fp4_dequant_m == 256 and opts.kernels.dispatch_candidates == ("triton", "cublas")
     assert ropts.RunOptions.from_env({}) == ropts.RunOptions()
 
 
 @pytest.mark.parametrize(("env", "value", "error", "says"), [
     ("QERL_FAST_DECODE", "maybe", QerlError, "use 1 or 0"),
-    ("QERL_DECODE_ATTN", "fast", QerlError, "choose one of sdpa, flashinfer, auto"),
+    ("QERL_DECODE_ATTN", "fast", QerlError, "choose one of auto, split, sdpa, flashinfer"),
     ("QERL_DIST_BACKEND", "mpi", QerlError, "choose one of nccl, gloo"),
     ("QERL_DIST_TIMEOUT_S", "-1", QerlError, "seconds > 0"),
     ("QERL_FP4_DEQUANT_M", "abc", KernelSettingError, "whole number"),

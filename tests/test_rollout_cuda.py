@@ -125,7 +125,7 @@ def _default_switches(use_options) -> None:  # noqa: ANN001
     """The default decode path, whatever switches the process was started with (`scripts/gpu.sh gputests` runs
     this file under each decode switch in QERL_GPU_TEST_ENVS; tests of the defaults test the defaults)."""
     use_options(fused_lora=True, fused_sampling=True, cuda_fp4_plans="stream", cuda_pdl=True, fast_decode=True,
-                decode_attn="sdpa")
+                decode_attn="auto")
 
 
 def test_fast_decode_path_on_cuda(use_options) -> None:  # noqa: ANN001
@@ -306,6 +306,7 @@ def test_flashinfer_engine_runs_on_cuda(use_options, head_dim: int) -> None:  # 
     pytest.importorskip("flashinfer")
     model = random_model("llama", torch.bfloat16, head_dim=head_dim)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
+    use_options(decode_attn="sdpa")
     want = run(BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256), greedy)[0]
     use_options(decode_attn="flashinfer")
     engine = BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256)
@@ -321,10 +322,10 @@ def test_split_kv_engine_runs_on_cuda(use_options) -> None:  # noqa: ANN001
     greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
     for dtype, first in ((torch.bfloat16, 4), (torch.float32, 16)):
         model = random_model("llama", dtype, head_dim=128)
+        use_options(decode_attn="sdpa")
         want = run(BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256), greedy)[0]
         use_options(decode_attn="split")
         engine = BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256)
         got = run(engine, greedy)[0]
-        use_options(decode_attn="sdpa")
         assert engine.runner.attention.backend == "split" and engine.use_graphs
         assert all(a[:first] == b[:first] for a, b in zip(got, want, strict=True))

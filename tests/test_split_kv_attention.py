@@ -106,3 +106,21 @@ def test_engine_greedy_tokens_equal_sdpa_on_cpu(use_options, monkeypatch: pytest
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids
         assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_auto_is_sdpa_off_cuda() -> None:
+    """The default (`auto`) never runs the split kernels in the interpreter: SDPA on a CPU engine."""
+    att = DecodeAttention(num_heads=8, num_kv_heads=2, head_dim=64, scale=0.125, max_len=256, dtype=torch.float32,
+                          device=torch.device("cpu"), backend="auto")
+    assert att.backend == att.current == "sdpa" and not att.needs_host_positions
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="CUDA")
+def test_auto_is_split_on_cuda_without_flashinfer() -> None:
+    """`auto` on CUDA: the split kernels, with no host plan where FlashInfer is absent (timed against it when not)."""
+    import importlib.util
+
+    att = DecodeAttention(num_heads=8, num_kv_heads=2, head_dim=128, scale=0.125, max_len=256, dtype=torch.bfloat16,
+                          device=DEV, backend="auto")
+    assert att.current == "split"
+    assert att.backend == ("auto" if importlib.util.find_spec("flashinfer") else "split")
