@@ -169,6 +169,9 @@ class KernelOptions:
     fp8_act_min_m: int = option(
         "QERL_FP8_ACT_MIN_M", 64, parse_int,
         "rows from which QERL_FP8_ACT=auto quantizes the activations to FP8")
+    fp4_repack: bool = option(
+        "QERL_FP4_REPACK", True, parse_bool,
+        "repack FP4 weights in place at load into the faster kernel layout; 0 keeps the checkpoint order")
     w4a8: bool = option(
         "QERL_W4A8", False, parse_bool,
         "NVFP4/MXFP4 forwards without autograd from QERL_W4A8_MIN_M rows on the FP8 tensor cores (W4A8: FP8 "
@@ -176,9 +179,6 @@ class KernelOptions:
     w4a8_min_m: int = option(
         "QERL_W4A8_MIN_M", 64, parse_int,
         "rows from which QERL_W4A8=1 runs the W4A8 kernel")
-    fp4_repack: bool = option(
-        "QERL_FP4_REPACK", True, parse_bool,
-        "repack FP4 weights in place at load into the faster kernel layout; 0 keeps the checkpoint order")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str | None]) -> KernelOptions:
