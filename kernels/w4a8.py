@@ -119,7 +119,8 @@ def _round_e4m3(v):
     # fraction bits to drop: 20 for normal E4M3 (3 kept), one more per binade below 2**-6 (subnormal grid 2**-9)
     drop = 20 + tl.minimum(tl.maximum(-6 - exp, 0), 3)
     one = tl.full(bits.shape, 1, tl.int32)
-    lsb = (mag >> drop) & 1
+    # the kept last bit decides ties; at drop 23 (2**-9 <= |v| < 2**-8) it is the implicit leading one
+    lsb = tl.where(drop >= 23, 1, (mag >> drop) & 1)
     rounded = (mag + (one << (drop - 1)) - 1 + lsb) & ~((one << drop) - 1)
     # below 2**-9 the grid is {0, 2**-9}: round up past the midpoint 2**-10 (a tie goes to the even 0)
     rounded = tl.where(exp <= -10, tl.where(mag > 0x3A800000, 0x3B000000, 0), rounded)  # 2**-10, 2**-9
