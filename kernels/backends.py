@@ -195,7 +195,8 @@ def use_w4a8(x: torch.Tensor, st: KernelState) -> bool:
     return torch.cuda.get_device_capability(x.device) >= (8, 9)
 
 
-def w4a8_forward(x: torch.Tensor, module: nn.Module, *, precise: bool = True, tune: bool = True) -> torch.Tensor:
+def w4a8_forward(x: torch.Tensor, module: nn.Module, *, precise: bool = True, swap: bool = True,
+                 tune: bool = True) -> torch.Tensor:
     """The W4A8 kernel (kernels/w4a8.py) on the module's resident repack and its bf16-format block scales (the
     set the W4A16 kernel reads for bf16 activations; the per-channel W4A8 numbers, 8 bytes per row, are derived
     once and cached). Bias included."""
@@ -210,7 +211,7 @@ def w4a8_forward(x: torch.Tensor, module: nn.Module, *, precise: bool = True, tu
         sc = st.extra["w4a8"] = w4a8_scales(t["weight_scale"], t.get("weight_global_scale"), st.fmt, st.shift)
     ks = block_scales(module, st, torch.bfloat16)
     return w4a8_matmul(x, st.repacked, ks, sc, st.fmt, tiled=st.tiled, bias=module.bias, tune=tune,
-                       precise=precise, sms=num_sms(x.device))
+                       precise=precise, swap=swap, sms=num_sms(x.device))
 
 
 def fp4_fused(x: torch.Tensor, module: nn.Module, cfg: TileConfig | None = None) -> torch.Tensor:

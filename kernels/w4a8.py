@@ -169,9 +169,9 @@ def _w4a8_kernel(xq_ptr, sx_ptr, w_ptr, ks_ptr, wmul_ptr, cs_ptr, bias_ptr, y_pt
                  NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                  F32: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TILED: tl.constexpr,
-                 PRECISE: tl.constexpr):
-    # swap-AB: the decoded weight tile is the wgmma's A operand straight from registers (no shared-memory
-    # round trip for the widened bytes); the FP8 activations are B, K-major as FP8 wgmma requires
+                 PRECISE: tl.constexpr, SWAP: tl.constexpr):
+    # SWAP (swap-AB): the decoded weight tile is the wgmma's A operand from registers; otherwise the activations
+    # are A and the widened weight goes through shared memory as B (both K-major, as FP8 wgmma requires)
     pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -181,7 +181,10 @@ def _w4a8_kernel(xq_ptr, sx_ptr, w_ptr, ks_ptr, wmul_ptr, cs_ptr, bias_ptr, y_pt
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
     wmul = tl.load(wmul_ptr + offs_n, mask=n_mask, other=0.0)
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
         # code * s * 2**F, exact in fp32 (F32) or bf16; times 2**(e - F) is exact too; the cast is the one rounding
         w = _fp4_tile_v2(w_ptr, ks_ptr, offs_n, k0, N, K, BN, BK, NVFP4, F32, False, EVEN_N, EVEN_K, TILED)
@@ -193,10 +196,16 @@ def _w4a8_kernel(xq_ptr, sx_ptr, w_ptr, ks_ptr, wmul_ptr, cs_ptr, bias_ptr, y_pt
         else:
             xb = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < K), other=0)
         x8 = xb.to(tl.float8e4nv, bitcast=True)
-        if PRECISE:
-            acc = tl.dot(w8, tl.trans(x8), acc, max_num_imprecise_acc=BK)
+        if SWAP:
+            a, b = w8, tl.trans(x8)
         else:
-            acc = tl.dot(w8, tl.trans(x8), acc)
+            a, b = x8, tl.trans(w8)
+        if PRECISE:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+        else:
+            acc = tl.dot(a, b, acc)
+    if not SWAP:
+        acc = tl.trans(acc)
     cs = tl.load(cs_ptr + offs_n, mask=n_mask, other=0.0)
     sx = tl.load(sx_ptr + offs_m, mask=m_mask, other=0.0)
     acc = (acc * cs[:, None]) * sx[None, :]
@@ -238,13 +247,13 @@ _TUNED: dict[tuple, TileConfig] = {}
 _TUNE_LOCK = threading.Lock()
 
 
-def tuned_config(run, m: int, n: int, k: int, sms: int, tune: bool) -> TileConfig:  # noqa: ANN001
+def tuned_config(run, m: int, n: int, k: int, sms: int, tune: bool, tag: tuple = ()) -> TileConfig:  # noqa: ANN001
     """The config for (M bucket, N, K): the default, or (tune, on the GPU) the fastest candidate by
     `triton.testing.do_bench`, measured once per process (`run(cfg)` launches one)."""
     cands = candidate_configs(m, n, k, sms)
     if not tune or INTERPRET or torch.cuda.is_current_stream_capturing():
-        return _TUNED.get((m_bucket(m), n, k), cands[0])
-    key = (m_bucket(m), n, k)
+        return _TUNED.get((m_bucket(m), n, k, tag), cands[0])
+    key = (m_bucket(m), n, k, tag)
     with _TUNE_LOCK:
         if key not in _TUNED:
             times = [triton.testing.do_bench(lambda c=c: run(c), warmup=5, rep=20, return_mode="median")
@@ -256,7 +265,7 @@ def tuned_config(run, m: int, n: int, k: int, sms: int, tune: bool) -> TileConfi
 # ---- host side -----------------------------------------------------------------------------------
 def w4a8_matmul(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor, scales: W4A8Scales, fmt: str,
                 *, tiled: bool = False, bias: torch.Tensor | None = None, cfg: TileConfig | None = None,
-                tune: bool = False, precise: bool = True, sms: int = 132) -> torch.Tensor:
+                tune: bool = False, precise: bool = True, swap: bool = True, sms: int = 132) -> torch.Tensor:
     """y[M, N] = x @ dequant(W)^T (+ bias) on the FP8 tensor cores, y in x's dtype.
 
     `repacked` is `fp4.repack_fp4(packed, tiled)`, `kscales` the matching `fp4.kernel_scales(scale, fmt, bf16,
@@ -282,12 +291,12 @@ def w4a8_matmul(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor, 
             m, n, k, xb.stride(0), y.stride(0), k_split,
             NVFP4=fmt == "nvfp4", HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
             BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=8, F32=f32_path(x), EVEN_N=n % c.bn == 0, EVEN_K=k % c.bk == 0,
-            TILED=tiled, PRECISE=precise, num_warps=c.warps, num_stages=c.stages)
+            TILED=tiled, PRECISE=precise, SWAP=swap, num_warps=c.warps, num_stages=c.stages)
         if split > 1:
             splitk_reduce(ws, bias, y, split)
         return y
 
-    return run(cfg if cfg is not None else tuned_config(run, m, n, k, sms, tune))
+    return run(cfg if cfg is not None else tuned_config(run, m, n, k, sms, tune, (precise, swap)))
 
 
 # ---- the torch model of the kernel's arithmetic ----------------------------------------------------

@@ -10,10 +10,11 @@ replay, so weights come from HBM):
 * `humming-w4a16`, `humming-w4a8`: humming-kernels if importable (its W4A8 = `humming_peer.build(act="fp8")`;
   when humming refuses a format with FP8 activations, the error is recorded instead of a time);
 * `w4a8`, `w4a8-imprecise`: kernels/w4a8.py, tile config timed among its few candidates first; `-imprecise`
-  lets the FP8 wgmma accumulate the whole K in its own (shorter) accumulator.
+  lets the FP8 wgmma accumulate the whole K in its own (shorter) accumulator, `-noswap` puts the activations on
+  the wgmma's A side and the widened weight in shared memory.
 Each line: us, TFLOP/s, the FLOP floor (at the measured BF16 or FP8 dense rate), the byte floor (weight + scales +
-activations + output at the measured copy bandwidth), % of max(floors), and the relative Frobenius error against
-the exact x @ dequant(W)^T in float64. JSON to argv[1]; a table last. Runs in ~2-4 minutes.
+activations + output at the measured read bandwidth of a 2 GB sum), % of max(floors), and the relative Frobenius
+error against the exact x @ dequant(W)^T in float64. JSON to argv[1]; a table last. Runs in ~2-4 minutes.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def graph_us(fn: Callable[[], Any]) -> float:
 
 
 def peaks() -> dict[str, float]:
-    """Measured dense rates (TFLOP/s) of BF16 and FP8 (torch._scaled_mm) 8192^3 products, and copy GB/s."""
+    """Measured dense rates (TFLOP/s) of BF16 and FP8 (torch._scaled_mm) 8192^3 products, and read GB/s."""
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -62,9 +63,8 @@ def peaks() -> dict[str, float]:
     one = torch.ones((), device="cuda")
     fp8 = 2 * n**3 / graph_us(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
                                                          out_dtype=torch.bfloat16)) / 1e6
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    gbs = 2 * src.numel() / graph_us(lambda: dst.copy_(src)) / 1e3
+    src = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GB, read once by a sum
+    gbs = 2 * src.numel() / graph_us(lambda: src.sum()) / 1e3
     return {"bf16_tflops": bf16, "fp8_tflops": fp8, "copy_gbs": gbs}
 
 
@@ -95,6 +95,7 @@ def bench_shape(fmt: str, name: str, pk: dict[str, float], use_humming: bool, wi
         "w4a16-cublas": lambda x: ql.dequant_linear(x, mod),
         "w4a8": lambda x: ql.w4a8_forward(x, mod),
         "w4a8-imprecise": lambda x: ql.w4a8_forward(x, mod, precise=False),
+        "w4a8-noswap": lambda x: ql.w4a8_forward(x, mod, swap=False),
     }
     probe = torch.zeros(1, k, device="cuda", dtype=torch.bfloat16)
     if with_cuda and ql.cuda_supported(mod, probe):
@@ -155,7 +156,7 @@ def main() -> None:
     torch.manual_seed(0)
     pk = peaks()
     print(f"peaks: bf16 {pk['bf16_tflops']:.0f} TFLOP/s, fp8 {pk['fp8_tflops']:.0f} TFLOP/s, "
-          f"copy {pk['copy_gbs']:.0f} GB/s", flush=True)
+          f"read {pk['copy_gbs']:.0f} GB/s", flush=True)
     use_humming = not args.no_humming and humming_peer.available()
     rows: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
