@@ -166,7 +166,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "humming": humming_peer.version() if use_humming else None, "peaks": pk, "rows": rows,
-              "errors": errors, "w4a8_tiles": {f"M<={b}/N{n}/K{k}": c.key() for (b, n, k), c in _TUNED.items()},
+              "errors": errors, "w4a8_tiles": {f"M<={b}/N{n}/K{k}/precise{p}/swap{s}": c.key()
+                             for (b, n, k, (p, s)), c in _TUNED.items()},
               "m_buckets": list(M_BUCKETS), "seconds": time.time() - t_start}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
