@@ -195,7 +195,7 @@ def use_w4a8(x: torch.Tensor, st: KernelState) -> bool:
     return torch.cuda.get_device_capability(x.device) >= (8, 9)
 
 
-def w4a8_forward(x: torch.Tensor, module: nn.Module, *, precise: bool = True, swap: bool = True,
+def w4a8_forward(x: torch.Tensor, module: nn.Module, *, precise: bool = True, swap: bool = False,
                  tune: bool = True) -> torch.Tensor:
     """The W4A8 kernel (kernels/w4a8.py) on the module's resident repack and its bf16-format block scales (the
     set the W4A16 kernel reads for bf16 activations; the per-channel W4A8 numbers, 8 bytes per row, are derived

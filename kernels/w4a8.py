@@ -265,7 +265,7 @@ def tuned_config(run, m: int, n: int, k: int, sms: int, tune: bool, tag: tuple =
 # ---- host side -----------------------------------------------------------------------------------
 def w4a8_matmul(x: torch.Tensor, repacked: torch.Tensor, kscales: torch.Tensor, scales: W4A8Scales, fmt: str,
                 *, tiled: bool = False, bias: torch.Tensor | None = None, cfg: TileConfig | None = None,
-                tune: bool = False, precise: bool = True, swap: bool = True, sms: int = 132) -> torch.Tensor:
+                tune: bool = False, precise: bool = True, swap: bool = False, sms: int = 132) -> torch.Tensor:
     """y[M, N] = x @ dequant(W)^T (+ bias) on the FP8 tensor cores, y in x's dtype.
 
     `repacked` is `fp4.repack_fp4(packed, tiled)`, `kscales` the matching `fp4.kernel_scales(scale, fmt, bf16,

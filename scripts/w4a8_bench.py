@@ -10,8 +10,8 @@ replay, so weights come from HBM):
 * `humming-w4a16`, `humming-w4a8`: humming-kernels if importable (its W4A8 = `humming_peer.build(act="fp8")`;
   when humming refuses a format with FP8 activations, the error is recorded instead of a time);
 * `w4a8`, `w4a8-imprecise`: kernels/w4a8.py, tile config timed among its few candidates first; `-imprecise`
-  lets the FP8 wgmma accumulate the whole K in its own (shorter) accumulator, `-noswap` puts the activations on
-  the wgmma's A side and the widened weight in shared memory.
+  lets the FP8 wgmma accumulate the whole K in its own (shorter) accumulator, `-swap` puts the widened weight on
+  the wgmma's A side from registers (default: activations as A, weight through shared memory).
 Each line: us, TFLOP/s, the FLOP floor (at the measured BF16 or FP8 dense rate), the byte floor (weight + scales +
 activations + output at the measured read bandwidth of a 2 GB sum), % of max(floors), and the relative Frobenius
 error against the exact x @ dequant(W)^T in float64. JSON to argv[1]; a table last. Runs in ~2-4 minutes.
@@ -95,7 +95,7 @@ def bench_shape(fmt: str, name: str, pk: dict[str, float], use_humming: bool, wi
         "w4a16-cublas": lambda x: ql.dequant_linear(x, mod),
         "w4a8": lambda x: ql.w4a8_forward(x, mod),
         "w4a8-imprecise": lambda x: ql.w4a8_forward(x, mod, precise=False),
-        "w4a8-noswap": lambda x: ql.w4a8_forward(x, mod, swap=False),
+        "w4a8-swap": lambda x: ql.w4a8_forward(x, mod, swap=True),
     }
     probe = torch.zeros(1, k, device="cuda", dtype=torch.bfloat16)
     if with_cuda and ql.cuda_supported(mod, probe):

@@ -39,10 +39,10 @@ def _weights(fmt: str, n: int, k: int, seed: int):
 
 
 def _run(x: torch.Tensor, fmt: str, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
-         cfg: TileConfig, *, tiled: bool = True, bias: torch.Tensor | None = None) -> torch.Tensor:
+         cfg: TileConfig, *, tiled: bool = True, bias: torch.Tensor | None = None, swap: bool = False) -> torch.Tensor:
     sc = w4a8_scales(scale, gs, fmt)
     ks = kernel_scales(scale, fmt, torch.float32, 0, tiled=tiled)
-    return w4a8_matmul(x, repack_fp4(packed, tiled), ks, sc, fmt, tiled=tiled, bias=bias, cfg=cfg)
+    return w4a8_matmul(x, repack_fp4(packed, tiled), ks, sc, fmt, tiled=tiled, bias=bias, cfg=cfg, swap=swap)
 
 
 def _accumulation_tol(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, fmt: str, sc) -> torch.Tensor:
@@ -56,17 +56,18 @@ def test_interpreter_is_on() -> None:
     assert INTERPRET
 
 
+@pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize(("m", "n", "k", "cfg", "tiled"), [
     (5, 64, 256, TileConfig(16, 32, 128), True),  # M below the tile (masked rows)
     (37, 64, 384, TileConfig(32, 64, 128, split_k=2), True),  # M not a multiple of BM, two K slices
     (20, 40, 256, TileConfig(16, 32, 256), False),  # N not a multiple of BN, checkpoint-row repack (not tiled)
 ])
-def test_kernel_equals_emulation(fmt: str, m: int, n: int, k: int, cfg: TileConfig, tiled: bool) -> None:
+def test_kernel_equals_emulation(fmt: str, m: int, n: int, k: int, cfg: TileConfig, tiled: bool, swap: bool) -> None:
     packed, scale, gs, _, g = _weights(fmt, n, k, seed=m)
     x = torch.randn(m, k, generator=g) * 3.0
     bias = torch.randn(n, generator=g)
-    y = _run(x, fmt, packed, scale, gs, cfg, tiled=tiled, bias=bias)
+    y = _run(x, fmt, packed, scale, gs, cfg, tiled=tiled, bias=bias, swap=swap)
     sc = w4a8_scales(scale, gs, fmt)
     em = w4a8_emulate(x, packed, scale, sc, fmt, bias=bias)
     assert y.shape == (m, n) and torch.isfinite(y).all()
