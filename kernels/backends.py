@@ -184,6 +184,36 @@ def use_fp8_activations(x: torch.Tensor, st: KernelState) -> bool:
     return mode == "1" or x.shape[0] >= opts.fp8_act_min_m
 
 
+def use_w4a8(x: torch.Tensor, st: KernelState) -> bool:
+    """QERL_W4A8=1, an FP4 module holding the repacked layout, a CUDA sm_89+ GPU, 16-bit activations and M at or
+    above QERL_W4A8_MIN_M (callers ask only for forwards without autograd)."""
+    opts = kernel_options()
+    if not opts.w4a8 or st.fmt not in FP4_FORMATS or st.repacked is None or x.shape[0] < opts.w4a8_min_m:
+        return False
+    if INTERPRET or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+def w4a8_forward(x: torch.Tensor, module: nn.Module, *, precise: bool = True, swap: bool = False,
+                 tune: bool = True) -> torch.Tensor:
+    """The W4A8 kernel (kernels/w4a8.py) on the module's resident repack and its bf16-format block scales (the
+    set the W4A16 kernel reads for bf16 activations; the per-channel W4A8 numbers, 8 bytes per row, are derived
+    once and cached). Bias included."""
+    from qerl_kernels.w4a8 import w4a8_matmul, w4a8_scales
+
+    st = kernel_state(module)
+    if st.repacked is None:
+        raise ValueError("W4A8 reads the repacked FP4 layout (K % 128 == 0, QERL_FP4_REPACK=1)")
+    t = st.tensors
+    sc = st.extra.get("w4a8")
+    if sc is None:
+        sc = st.extra["w4a8"] = w4a8_scales(t["weight_scale"], t.get("weight_global_scale"), st.fmt, st.shift)
+    ks = block_scales(module, st, torch.bfloat16)
+    return w4a8_matmul(x, st.repacked, ks, sc, st.fmt, tiled=st.tiled, bias=module.bias, tune=tune,
+                       precise=precise, swap=swap, sms=num_sms(x.device))
+
+
 def fp4_fused(x: torch.Tensor, module: nn.Module, cfg: TileConfig | None = None) -> torch.Tensor:
     """The fused FP4 kernel (repacked layout when the state has it), bias included."""
     st = kernel_state(module)

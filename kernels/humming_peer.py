@@ -47,18 +47,30 @@ def version() -> str | None:
         return None
 
 
+# humming's own input schema: activations quantized to E4M3 per token inside its forward (its W4A8 path)
+_FP8_INPUT = {"quant_method": "humming", "dtype": "float8e4m3", "quant_mode": "dynamic_token"}
+ACTS = ("bf16", "fp8")
+
+
 def build(tensors: dict[str, torch.Tensor], fmt: str, n: int, k: int, *, bias: torch.Tensor | None = None,
-          dtype: torch.dtype = torch.bfloat16) -> Any:
-    """A transformed `humming.layer.HummingLayer` computing x @ dequant(W)^T (+ bias) on the tensors' GPU."""
+          dtype: torch.dtype = torch.bfloat16, act: str = "bf16") -> Any:
+    """A transformed `humming.layer.HummingLayer` computing x @ dequant(W)^T (+ bias) on the tensors' GPU.
+
+    `act="fp8"` asks humming for its W4A8 path (dynamic per-token E4M3 activations, `_FP8_INPUT`); whether it
+    accepts a format's block scales with FP8 activations on this GPU is humming's decision, raised here as its
+    own error (scripts/w4a8_bench.py records it)."""
     from humming.layer import HummingLayer
 
     if fmt not in _CT_CONFIG:
         raise ValueError(f"humming peer covers {', '.join(FORMATS)}, not {fmt!r}")
+    if act not in ACTS:
+        raise ValueError(f"humming peer activations: {', '.join(ACTS)}, not {act!r}")
     device = tensors["weight_packed"].device
+    extra = {"input_config": dict(_FP8_INPUT)} if act == "fp8" else {}
     with torch.device(device):
         layer = HummingLayer(shape_n=n, shape_k=k, weight_config={"quant_method": "compressed-tensors",
                                                                    **_CT_CONFIG[fmt]},
-                             has_bias=bias is not None, torch_dtype=dtype)
+                             has_bias=bias is not None, torch_dtype=dtype, **extra)
     state = {name: t for name, t in tensors.items() if name in ("weight_packed", "weight_scale",
                                                                  "weight_global_scale")}
     if bias is not None:

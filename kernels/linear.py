@@ -43,9 +43,12 @@ from qerl_kernels.backends import (
     kernel_state,
     linear_backward_dx,
     use_fp8_activations,
+    use_w4a8,
+    w4a8_forward,
     w8_config,
 )
 from qerl_kernels.dispatch import BACKENDS, get_backend, set_backend  # noqa: F401 - the override API
+from qerl_kernels.options import kernel_options
 from qerl_kernels.w8 import fp8_scaled_matmul, w8_matmul
 from torch import nn
 
@@ -91,6 +94,9 @@ def forward_with_lora(x: torch.Tensor, module: nn.Module, lora_h: torch.Tensor, 
     if module.fmt not in FP4_FORMATS or INTERPRET or not x.is_cuda:
         y = module(x)
         return y.addmm_(lora_h, lora_b.t())
+    if kernel_options().w4a8 and use_w4a8(x, kernel_state(module)):
+        dispatch.record_ran(module, "w4a8")
+        return w4a8_forward(x, module).addmm_(lora_h, lora_b.t())
     backend = dispatch.choose(module, x, lora_rank=lora_h.shape[1])
     if backend == "cuda" and cuda_lora_supported(module, x, lora_h.shape[1]):
         dispatch.record_ran(module, "cuda+lora")
@@ -142,6 +148,10 @@ def quant_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor | None:
         x2 = x2.contiguous()
     if torch.is_grad_enabled() and x.requires_grad:
         y = QuantLinearFunction.apply(x2, module)
+    elif kernel_options().w4a8 and module.fmt in FP4_FORMATS and use_w4a8(x2, kernel_state(module)):
+        # W4A8 only where no gradient flows (the rollout): the training forward keeps W4A16's exactness
+        dispatch.record_ran(module, "w4a8")
+        y = w4a8_forward(x2, module)
     else:
         y = linear_forward(x2, module)
     return y.reshape(*lead, module.out_features)

@@ -172,6 +172,13 @@ class KernelOptions:
     fp4_repack: bool = option(
         "QERL_FP4_REPACK", True, parse_bool,
         "repack FP4 weights in place at load into the faster kernel layout; 0 keeps the checkpoint order")
+    w4a8: bool = option(
+        "QERL_W4A8", False, parse_bool,
+        "NVFP4/MXFP4 forwards without autograd from QERL_W4A8_MIN_M rows on the FP8 tensor cores (W4A8: FP8 "
+        "activations, weights rounded to E4M3; kernels/w4a8.py); 0 keeps W4A16")
+    w4a8_min_m: int = option(
+        "QERL_W4A8_MIN_M", 64, parse_int,
+        "rows from which QERL_W4A8=1 runs the W4A8 kernel")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str | None]) -> KernelOptions:
@@ -206,6 +213,8 @@ def read_environment() -> dict[str, str | None]:
         "QERL_FP8_ACT": os.environ.get("QERL_FP8_ACT"),
         "QERL_FP8_ACT_MIN_M": os.environ.get("QERL_FP8_ACT_MIN_M"),
         "QERL_FP4_REPACK": os.environ.get("QERL_FP4_REPACK"),
+        "QERL_W4A8": os.environ.get("QERL_W4A8"),
+        "QERL_W4A8_MIN_M": os.environ.get("QERL_W4A8_MIN_M"),
     }
 
 
