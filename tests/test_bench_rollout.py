@@ -107,6 +107,26 @@ def test_roofline_arithmetic():
     assert eos_cell["roofline_tok_s"] is None
 
 
+def test_compute_aware_roofline_takes_the_larger_floor_per_category():
+    """Batch 256: the GEMM needs 1 GB (0.25 ms at 4000 GB/s) but 3 TFLOP (4 ms at 750 TFLOP/s), attention 2 GB
+    (0.5 ms) and 10 GFLOP: step floor 4.5 ms -> 256 / 4.5 ms = 56,889 tok/s; at 20,000 tok/s that is 35.2%."""
+    from qerl_cli.bench.roofline import floors, step_floor_ms
+    from qerl_cli.bench.rollout import _compute_aware_roofline
+
+    fl = floors({"quantized GEMM": 1e9, "attention": 2e9}, {"quantized GEMM": 6.0, "attention": 1.0}, 4000.0,
+                {"quantized GEMM": 3e12, "attention": 1e10}, 750.0)
+    assert fl["quantized GEMM"]["bound"] == "FLOPs" and fl["attention"]["bound"] == "bytes"
+    cell = {"status": "ok", "mode": "fixed", "batch": 256, "decode_tok_s": 20_000.0,
+            "profile": {"step_floor_ms": step_floor_ms(fl)}}
+    _compute_aware_roofline(cell)
+    assert cell["profile"]["step_floor_ms"] == pytest.approx(4.5)
+    assert cell["roofline_ca_tok_s"] == pytest.approx(256 / 4.5e-3)
+    assert cell["pct_roofline_ca"] == pytest.approx(100 * 20_000 * 4.5e-3 / 256)
+    unprofiled = {"status": "ok", "mode": "fixed", "batch": 8, "decode_tok_s": 1.0}
+    _compute_aware_roofline(unprofiled)
+    assert unprofiled["pct_roofline_ca"] is None
+
+
 def test_eos_stop_set_gives_realistic_lengths():
     assert bench_stop_ids("fixed", 1000, 100, [7], from_shape=True) == []
     assert bench_stop_ids("eos", 1000, 100, [7], from_shape=False) == [7]

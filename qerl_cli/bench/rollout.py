@@ -358,6 +358,19 @@ def _roofline(cell: dict[str, Any], *, batch: int, bytes_: dict[str, int], kv_pe
     cell["pct_roofline"] = 100.0 * cell["decode_tok_s"] / roof if cell["decode_tok_s"] else None
 
 
+def _compute_aware_roofline(cell: dict[str, Any]) -> None:
+    """The profiled cell's roofline counting FLOPs too: batch over the step floor, the sum over categories of the
+    larger of bytes / bandwidth and FLOPs / the run's matmul rate (qerl_cli/bench/roofline.py). At batch >= 64 the
+    quantized GEMMs are bound by the MMA rate, so the byte roofline alone asks for the impossible there."""
+    floor = (cell.get("profile") or {}).get("step_floor_ms")
+    cell["roofline_ca_tok_s"] = cell["pct_roofline_ca"] = None
+    if not floor or cell.get("status") != "ok" or cell.get("mode") != "fixed":
+        return
+    cell["roofline_ca_tok_s"] = cell["batch"] * 1e3 / floor
+    if cell.get("decode_tok_s"):
+        cell["pct_roofline_ca"] = 100.0 * cell["decode_tok_s"] / cell["roofline_ca_tok_s"]
+
+
 def _unquantized(name: str) -> bool:
     """A format that keeps the weights as they are (the BF16 baseline)."""
     fmt = FORMATS.get(name)
@@ -414,7 +427,7 @@ def render_table(res: dict[str, Any]) -> Any:
     table = Table(title=f"qerl bench rollout: {model}, {res['config']['prompt_len']} prompt + "
                         f"{res['config']['new_tokens']} new tokens, LoRA r={res['config']['lora_rank']}, {gpu}")
     cols = ("format", "linears", "batch", "mode", "LoRA", "seqs", "prefill tok/s", "decode tok/s", "ms/step",
-            "e2e tok/s", "TTFT s", "peak GiB", "roofline tok/s", "% roofline", "status")
+            "e2e tok/s", "TTFT s", "peak GiB", "roofline tok/s", "% roofline", "% compute-aware", "status")
     for c in cols:
         table.add_column(c, justify="left" if c in ("format", "linears", "mode", "LoRA", "status") else "right")
     for c in res["results"]:
@@ -423,7 +436,8 @@ def render_table(res: dict[str, Any]) -> Any:
                       num(c.get("decode_tok_s"), COUNT), num(c.get("decode_ms_per_step"), "{:.2f}"),
                       num(c.get("e2e_tok_s"), COUNT), num(c.get("ttft_s"), "{:.3f}"),
                       num(c.get("peak_reserved_gib") or c.get("peak_mem_gib"), "{:.1f}"),
-                      num(c.get("roofline_tok_s"), COUNT), num(c.get("pct_roofline"), "{:.1f}"), c["status"])
+                      num(c.get("roofline_tok_s"), COUNT), num(c.get("pct_roofline"), "{:.1f}"),
+                      num(c.get("pct_roofline_ca"), "{:.1f}"), c["status"])
     return table
 
 
@@ -507,7 +521,9 @@ def short_summary(res: dict[str, Any]) -> list[str]:
     for c in res["results"]:
         if c.get("speedup_vs_bf16") is not None and not _unquantized(c["format"]):
             lines.append(f"{c['format']} batch {c['batch']}{' LoRA off' if c.get('lora') == 'off' else ''}: decode "
-                         f"{c['speedup_vs_bf16']:.2f}x qerl bf16, {num(c.get('pct_roofline'), '{:.1f}')}% of roofline")
+                         f"{c['speedup_vs_bf16']:.2f}x qerl bf16, {num(c.get('pct_roofline'), '{:.1f}')}% of roofline"
+                         + (f" (bytes), {c['pct_roofline_ca']:.1f}% of the compute-aware one"
+                            if c.get("pct_roofline_ca") is not None else ""))
     lines += [f"JSON: {res['files']['json']}", f"plot: {res['files']['plot']}"]  # one path a line: 80 columns
     return lines
 
@@ -857,6 +873,7 @@ def _finish(res: dict[str, Any], fmts: list[str], budget: harness.Budget) -> Non
     for c in res["results"]:
         c.setdefault("roofline_tok_s", None)
         c.setdefault("pct_roofline", None)
+        _compute_aware_roofline(c)
     res["lora_shares"] = lora_shares(res)
     speedups_vs_bf16(res)
     res["wall_s"] = budget.elapsed()
