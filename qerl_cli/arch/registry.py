@@ -5,13 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from qerl_cli.arch import dense, qwen3_moe
-from qerl_cli.arch.spec import ArchSpec
+from qerl_cli.arch.spec import ArchSpec, Projections
 from qerl_cli.errors import QerlError
 
 _SPECS: dict[str, ArchSpec] = {s.model_type: s for s in (*dense.SPECS, *qwen3_moe.SPECS)}
 
-# lora_targets' default before a model is known: every built-in architecture's seven projections are these
-DEFAULT_LORA_TARGETS: tuple[str, ...] = dense.PROJECTIONS.names
+# every built-in architecture names its projections as transformers' dense decoders do: the vocabulary of
+# lora_targets (its default, run configs, the CLI), which another architecture maps by role (lora.arch_targets), and
+# what a model's dimensions are keyed by when built without a config (the memory plan's tests and benches)
+DEFAULT_PROJECTIONS: Projections = dense.PROJECTIONS
+DEFAULT_LORA_TARGETS: tuple[str, ...] = DEFAULT_PROJECTIONS.names
 
 
 def register(spec: ArchSpec, *, replace: bool = False) -> ArchSpec:
@@ -33,18 +36,20 @@ def model_types() -> tuple[str, ...]:
 
 
 def _model_type(config_or_model: Any) -> str | None:
-    # a model (transformers', peft's, qerl's wrappers all expose .config) or its config
+    # a model_type itself, a model (transformers', peft's, qerl's wrappers all expose .config) or its config
+    if isinstance(config_or_model, str):
+        return config_or_model
     config = getattr(config_or_model, "config", config_or_model)
     return getattr(config, "model_type", None)
 
 
 def find_spec(config_or_model: Any) -> ArchSpec | None:
-    """The spec of a model or config, or None where qerl has none (callers with a generic fallback)."""
+    """The spec of a model, a config or a model_type, or None where qerl has none (callers with a generic fallback)."""
     return _SPECS.get(_model_type(config_or_model) or "")
 
 
 def spec_for(config_or_model: Any) -> ArchSpec:
-    """The spec of a model or config; an unknown ``model_type`` is one error that says how to add it."""
+    """The spec of a model, a config or a model_type; an unknown ``model_type`` is one error that says how to add it."""
     spec = find_spec(config_or_model)
     if spec is None:
         raise QerlError(f"qerl has no architecture for model_type {_model_type(config_or_model)!r} (it runs "
@@ -53,4 +58,5 @@ def spec_for(config_or_model: Any) -> ArchSpec:
     return spec
 
 
-__all__ = ["DEFAULT_LORA_TARGETS", "find_spec", "model_types", "register", "spec_for", "unregister"]
+__all__ = ["DEFAULT_LORA_TARGETS", "DEFAULT_PROJECTIONS", "find_spec",
+           "model_types", "register", "spec_for", "unregister"]

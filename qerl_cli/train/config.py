@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from qerl_cli.arch import DEFAULT_LORA_TARGETS
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import FORMATS, rollout_formats
 from qerl_cli.precision import PRECISIONS
@@ -60,9 +61,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     lora_rank: int = 32
     lora_alpha: float | None = None  # default 2 * rank
-    lora_targets: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
     lora_dropout: float = 0.0
     beta: float = 0.0
     epsilon: float | None = None  # default per algo (grpo 0.2; gspo 3e-4)
