@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from qerl_cli.arch import dense, qwen3_moe
@@ -31,8 +32,9 @@ def unregister(model_type: str) -> None:
     _SPECS.pop(model_type, None)
 
 
-def model_types() -> tuple[str, ...]:
-    return tuple(sorted(_SPECS))
+def model_types(where: Callable[[ArchSpec], bool] | None = None) -> tuple[str, ...]:
+    """The registered model types (those whose spec passes ``where``), sorted."""
+    return tuple(sorted(t for t, s in _SPECS.items() if where is None or where(s)))
 
 
 def _model_type(config_or_model: Any) -> str | None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl_cli.arch import spec_for
 from qerl_cli.errors import QerlError
 
 
@@ -72,18 +73,14 @@ def aqn_sigma(
 
 
 def find_aqn_norms(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameter name -> weight of every norm that feeds q/k/v or gate/up, found by layer structure."""
+    """Parameter name -> weight of every norm that feeds q/k/v or gate/up: in each decoder layer, the two its
+    architecture declares (``ArchSpec.aqn_norms``)."""
+    norms = spec_for(model).aqn_norms
     found: dict[str, nn.Parameter] = {}
     for layer_name, layer in model.named_modules():
-        if not all(hasattr(layer, a) for a in ("input_layernorm", "self_attn", "mlp")):
+        if not all(hasattr(layer, a) for a in (*norms, "self_attn", "mlp")):
             continue
-        mlp_norm_attr = (
-            "pre_feedforward_layernorm" if hasattr(layer, "pre_feedforward_layernorm")
-            else "post_attention_layernorm"
-        )
-        if not hasattr(layer, mlp_norm_attr):
-            continue
-        for attr in ("input_layernorm", mlp_norm_attr):
+        for attr in norms:
             weight = getattr(getattr(layer, attr), "weight", None)
             if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
                 raise QerlError(
