@@ -61,4 +61,5 @@ def test_no_architecture_is_decided_outside_the_arch_package() -> None:
                 continue
             offenders += [f"{rel}:{line}: {what}" for line, what in arch_decisions(path.read_text())]
     assert not offenders, ("ask the architecture's spec (qerl_cli.arch.spec_for(config_or_model)) instead; a new "
-                           "architecture is a module under qerl_cli/arch/ (docs/DEVELOPING.md):\n" + "\n".join(offenders))
+                           "architecture is a module under qerl_cli/arch/ (docs/DEVELOPING.md):\n"
+                           + "\n".join(offenders))
