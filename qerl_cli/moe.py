@@ -567,10 +567,11 @@ def experts_from_checkpoint(state: dict[str, torch.Tensor], prefix: str, config:
     (unquantized experts, which ``--ignore`` leaves so, in the plain format whatever the checkpoint's)."""
     from qerl_cli.formats import FORMATS
 
-    if spec.quantized and f"{prefix}.0.gate_proj.weight" in state:
+    if spec.quantized and f"{prefix}.0.{CHECKPOINT_PARTS[GATE_UP][0]}.weight" in state:
         spec = next((f for f in FORMATS.values() if not f.quantized), spec)
         group_size, act_quant = None, None
-    e_count, inter, hidden = int(config.num_experts), int(config.moe_intermediate_size), int(config.hidden_size)
+    dims = find_spec(config).dims(config)
+    e_count, inter, hidden = dims.experts, dims.intermediate, dims.hidden
     tensors: dict[str, dict[str, list[torch.Tensor]]] = {p: {} for p in PROJECTIONS}
     shape_tensor = False
     for e in range(e_count):

@@ -7,6 +7,7 @@ default, a label: all of them come from the spec, so a renamed architecture chan
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from qerl_cli.arch import model_types
@@ -16,13 +17,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("qerl_cli", "kernels")
 ARCH_PACKAGE = "qerl_cli/arch/"
 PROJECTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a projection name as a whole string or a dotted part of one (an f-string's ".0.gate_proj.weight" too)
+PROJECTION_PART = re.compile(rf"(^|\.)({'|'.join(PROJECTION_NAMES)})(\.|$)")
 
 
 def arch_decisions(source: str) -> list[tuple[int, str]]:
     """Decisions on a model type (inline, or a module constant holding any), comparisons of a ``model_type``
     attribute or variable, and projection names as string literals."""
     found = name_decisions(source, model_types(), "model type")
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    # a docstring may name a projection to explain the code; only the code's own strings are spellings
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             for operand in (node.left, *node.comparators):
                 if (isinstance(operand, ast.Attribute) and operand.attr == "model_type") or (
@@ -30,7 +36,8 @@ def arch_decisions(source: str) -> list[tuple[int, str]]:
                         isinstance(operand, ast.Call) and any(isinstance(a, ast.Constant) and a.value == "model_type"
                                                               for a in operand.args)):
                     found.append((node.lineno, "compares a model_type"))
-        elif isinstance(node, ast.Constant) and node.value in PROJECTION_NAMES:
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                and PROJECTION_PART.search(node.value):
             found.append((node.lineno, f"spells {node.value!r}"))
     return sorted(set(found))
 
@@ -45,10 +52,12 @@ def test_the_checker_finds_what_it_bans() -> None:
         'if t not in TYPES: pass\n'
         'targets = ["q_proj", "v_proj"]\n'
         'name = f"mlp.{p.down}"\n'
+        'key = f"{prefix}.0.gate_proj.weight"\n'
+        '"""A docstring may say q_proj."""\n'
         'label = "llama" if a else "qwen2"\n'
         'ok = fmt == "nvfp4"\n')
     # a conditional label, a projection name from a spec and other names are not decisions
-    assert [line for line, _ in found] == [1, 1, 2, 3, 5, 7, 8, 8]
+    assert [line for line, _ in found] == [1, 1, 2, 3, 5, 7, 8, 8, 10]
     assert {what.split()[0] for _, what in found} == {"compares", "dict", "matches", "spells"}
 
 
