@@ -747,7 +747,7 @@ def plan_for_config(cfg: Any, model_config: Any, *, weights: int | WeightBytes, 
     ``extra_weight_copies`` fixes that decision (taken before the weights were built); ``rates``: the device's
     measured rates (default: its name's)."""
     capacity, total = device_capacity(device, cfg.gpu_memory_gib)
-    if cfg.finetune != "lora" or cfg.rollout_quant != "none":
+    if cfg.finetune != "lora" or cfg.rollout_format is not None:
         capacity = None  # full fine-tuning / a second quantized copy: not modelled, settings as given
     copies = cfg.kernel_weight_copies if cfg.kernel_weight_copies is not None else extra_weight_copies
     plan = plan_memory(
