@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from qerl_cli.arch import spec_for
+from qerl_cli.arch import layout_of, spec_for
 from qerl_cli.checkpoint import (
     QERL_META,
     check_patterns,
@@ -109,7 +109,7 @@ def _rtn_state(hf_model: torch.nn.Module, targets: dict[str, torch.nn.Module], e
                progress: Callable[[str, int, int], None] | None) -> dict[str, torch.Tensor]:
     """Round-to-nearest: the checkpoint's state dict (quantized targets, everything else in `out_dtype`); each
     layer's error goes to `result.layers`."""
-    global_scales = fused_global_scales(targets, spec_for(hf_model).projections) if spec.global_scale else {}
+    global_scales = fused_global_scales(targets, layout_of(hf_model).projections) if spec.global_scale else {}
     state: dict[str, torch.Tensor] = {}
     for i, (name, linear) in enumerate(targets.items()):
         if progress:

@@ -4,7 +4,9 @@
 from qerl_cli.arch.registry import (
     DEFAULT_LORA_TARGETS,
     DEFAULT_PROJECTIONS,
+    GENERIC_DENSE,
     find_spec,
+    layout_of,
     model_types,
     register,
     spec_for,
@@ -12,5 +14,5 @@ from qerl_cli.arch.registry import (
 )
 from qerl_cli.arch.spec import ArchDims, ArchSpec, MoeSpec, Projections
 
-__all__ = ["DEFAULT_LORA_TARGETS", "DEFAULT_PROJECTIONS", "ArchDims", "ArchSpec", "MoeSpec", "Projections",
-           "find_spec", "model_types", "register", "spec_for", "unregister"]
+__all__ = ["DEFAULT_LORA_TARGETS", "DEFAULT_PROJECTIONS", "GENERIC_DENSE", "ArchDims", "ArchSpec", "MoeSpec",
+           "Projections", "find_spec", "layout_of", "model_types", "register", "spec_for", "unregister"]

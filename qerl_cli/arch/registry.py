@@ -16,6 +16,9 @@ _SPECS: dict[str, ArchSpec] = {s.model_type: s for s in (*dense.SPECS, *qwen3_mo
 # what a model's dimensions are keyed by when built without a config (the memory plan's tests and benches)
 DEFAULT_PROJECTIONS: Projections = dense.PROJECTIONS
 DEFAULT_LORA_TARGETS: tuple[str, ...] = DEFAULT_PROJECTIONS.names
+# what sizes a config qerl has no spec for (a hand-written one, a model another engine runs): a dense decoder of the
+# built-in layout, its q/k/v bias as the config's attention_bias says; only sizing reads it, never the engine
+GENERIC_DENSE: ArchSpec = dense.LLAMA
 
 
 def register(spec: ArchSpec, *, replace: bool = False) -> ArchSpec:
@@ -50,6 +53,12 @@ def find_spec(config_or_model: Any) -> ArchSpec | None:
     return _SPECS.get(_model_type(config_or_model) or "")
 
 
+def layout_of(config_or_model: Any) -> ArchSpec:
+    """The spec, or the generic dense layout where there is none: for what only reads the layout (sizes, the groups
+    a checkpoint writer shares a scale across), which worked on any transformers decoder before and still does."""
+    return find_spec(config_or_model) or GENERIC_DENSE
+
+
 def spec_for(config_or_model: Any) -> ArchSpec:
     """The spec of a model, a config or a model_type; an unknown ``model_type`` is one error that says how to add it."""
     spec = find_spec(config_or_model)
@@ -60,5 +69,5 @@ def spec_for(config_or_model: Any) -> ArchSpec:
     return spec
 
 
-__all__ = ["DEFAULT_LORA_TARGETS", "DEFAULT_PROJECTIONS", "find_spec",
-           "model_types", "register", "spec_for", "unregister"]
+__all__ = ["DEFAULT_LORA_TARGETS", "DEFAULT_PROJECTIONS", "GENERIC_DENSE", "find_spec",
+           "layout_of", "model_types", "register", "spec_for", "unregister"]

@@ -76,7 +76,7 @@ def _check_args(precisions: Iterable[str], formats: Iterable[str], task: str, pr
 def _cast_copy(base: nn.Module, fmt: str, dtype: torch.dtype,
                cache: dict[tuple[str, Any], dict[str, Any]] | None = None) -> nn.Module:
     """A copy of the fp32 ``base`` in ``dtype`` with its target linears quantized to ``fmt`` (from fp32)."""
-    from qerl_cli.arch import spec_for
+    from qerl_cli.arch import layout_of
     from qerl_cli.bench.shapes import set_module
     from qerl_cli.checkpoint import fused_global_scales, target_linears
     from qerl_cli.formats import get_format, quantize
@@ -96,7 +96,7 @@ def _cast_copy(base: nn.Module, fmt: str, dtype: torch.dtype,
         key = (fmt, dtype if spec.scales_follow_dtype else None)
         qws = cache.get(key) if cache is not None else None
         if qws is None:
-            scales = fused_global_scales(targets, spec_for(base).projections) if spec.global_scale else {}
+            scales = fused_global_scales(targets, layout_of(base).projections) if spec.global_scale else {}
             qws = {name: quantize(lin.weight.detach(), fmt, global_scale=scales.get(name), dtype=dtype)
                    for name, lin in targets.items()}
             if cache is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qerl_cli.arch import DEFAULT_PROJECTIONS, Projections, spec_for
+from qerl_cli.arch import DEFAULT_PROJECTIONS, Projections, layout_of
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelDims:
-        spec = spec_for(cfg)
+        # a config without a spec is sized as a dense decoder (the plan of a model vLLM runs, a hand-written config)
+        spec = layout_of(cfg)
         d = spec.dims(cfg)
         return cls(d.hidden, d.intermediate, d.layers, d.heads, d.kv_heads, d.head_dim, d.vocab, d.experts, d.top_k,
                    d.qkv_bias, d.qk_norm, spec.projections)
