@@ -1,6 +1,9 @@
 """The persistent decode layer (`kernels/cuda/decode_layer.cu`): the MLP half of a decoder layer's decode step -- o
 + residual, RMSNorm, gate/up + SiLU*mul, down, with the LoRA shrinks and expands inside -- as ONE launch of
-persistent CTAs (NVFP4 weights in qerl's resident repacked layout, bf16/fp16 activations, M <= 16 tokens).
+persistent CTAs (NVFP4 weights in qerl's resident repacked layout, bf16/fp16 activations, M <= 16 tokens); and the
+attention half before the attention (`kernels/cuda/decode_attn.cu`: residual + RMSNorm, the fused q/k/v with LoRA and
+bias, RoPE + KV-cache write) as one more (`attn_half`, `AttnSchedule`, `emulate_attn_half`, `reference_attn_half`; the
+section at the end), on the same device machinery (`kernels/cuda/decode_common.cuh`).
 
 Built on first use with nvcc into a shared library under the CUDA cache (`QERL_CUDA_CACHE`), named by the hash of its
 source, its headers and flags (`nvcc_build`), called through ctypes on torch's current stream (CUDA graphs capture
