@@ -1,6 +1,9 @@
 """The persistent decode layer (`kernels/cuda/decode_layer.cu`): the MLP half of a decoder layer's decode step -- o
 + residual, RMSNorm, gate/up + SiLU*mul, down, with the LoRA shrinks and expands inside -- as ONE launch of
-persistent CTAs (NVFP4 weights in qerl's resident repacked layout, bf16/fp16 activations, M <= 16 tokens).
+persistent CTAs (NVFP4 weights in qerl's resident repacked layout, bf16/fp16 activations, M <= 16 tokens); and the
+attention half before the attention (`kernels/cuda/decode_attn.cu`: residual + RMSNorm, the fused q/k/v with LoRA and
+bias, RoPE + KV-cache write) as one more (`attn_half`, `AttnSchedule`, `emulate_attn_half`, `reference_attn_half`; the
+section at the end), on the same device machinery (`kernels/cuda/decode_common.cuh`).
 
 Built on first use with nvcc into a shared library under the CUDA cache (`QERL_CUDA_CACHE`), named by the hash of its
 source, its headers and flags (`nvcc_build`), called through ctypes on torch's current stream (CUDA graphs capture
@@ -181,6 +184,11 @@ class Schedule:
         if gi == 1:
             return ((self.i // 16 if within >= kc else 0) + b) * 16, within % kc
         return b * 16, within
+
+    def block_rows(self, gi: int, b: int) -> list[int]:
+        """First weight row of each half of block b (gate/up: the gate block's, then the up block's)."""
+        _, u, kc = self.geo(gi)
+        return [self.unit(gi, b * u)[0]] + ([self.unit(gi, b * u + kc)[0]] if gi == 1 else [])
 
     def parts(self, gi: int, b: int) -> list[tuple[int, int, int]]:
         """(warp, first unit, end unit) of each partial of block b, in the order the finishing warp sums them."""
@@ -406,9 +414,7 @@ def _gemm_fp32(x: torch.Tensor, g: GemmArgs, hl: torch.Tensor | None, sch: Sched
                 row, ch = sch.unit(gi, unit)
                 prod = chunks[ch][:, row:row + 16]
                 part[row] = prod if row not in part else part[row] + prod
-            rows = {sch.unit(gi, b * sch.geo(gi)[1])[0]} | ({sch.unit(gi, b * sch.geo(gi)[1] + kc)[0]} if gi == 1
-                                                           else set())
-            for row in rows:  # a partial that holds no unit of a half adds that half's zeros
+            for row in sch.block_rows(gi, b):  # a partial that holds no unit of a half adds that half's zeros
                 p = part.get(row, torch.zeros(x.shape[0], 16))
                 halves[row] = p if row not in halves else halves[row] + p
         for row, total in halves.items():
@@ -446,6 +452,17 @@ def _butterfly(v: torch.Tensor, offsets: tuple[int, ...]) -> torch.Tensor:
     return v
 
 
+def _inv_rms(ss: torch.Tensor, hd: int, eps: float) -> torch.Tensor:
+    """inv_rms_of: per token, lane l sums the blocks' sums of squares ss [M, H/16] l, l+32, ... in order, then a
+    butterfly over the 32 lanes; 1 / sqrt(total / H + eps), each step rounded in fp32."""
+    m, nb = ss.shape
+    lanes = torch.zeros(m, 32)
+    for b in range(nb):
+        lanes[:, b % 32] = lanes[:, b % 32] + ss[:, b]
+    tot = _butterfly(lanes, (16, 8, 4, 2, 1))[:, 0]
+    return 1.0 / torch.sqrt(tot / float(hd) + torch.tensor(eps, dtype=torch.float32))
+
+
 def emulate_mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: float, o: GemmArgs,
                      gate_up: GemmArgs, down: GemmArgs, ctas: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(h1, delta) computed as a launch of `ctas` CTAs computes them, on the CPU (fp32 sums in the kernel's order, the
@@ -458,13 +475,7 @@ def emulate_mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, 
     h1 = _rnd(h.float() + yo, dt)
     sq = (h1 * h1).view(m, hd // 16, 2, 8)  # [tok, block, half (row g / g+8), g]
     ss = _butterfly(sq[:, :, 0] + sq[:, :, 1], (1, 2, 4))[..., 0]  # [tok, block]
-    # stage 2: lane l sums blocks l, l+32, ... in order, then a butterfly over the 32 lanes
-    nb = hd // 16
-    lanes = torch.zeros(m, 32)
-    for b in range(nb):
-        lanes[:, b % 32] = lanes[:, b % 32] + ss[:, b]
-    tot = _butterfly(lanes, (16, 8, 4, 2, 1))[:, 0]
-    rs = 1.0 / torch.sqrt(tot / float(hd) + torch.tensor(eps, dtype=torch.float32))
+    rs = _inv_rms(ss, hd, eps)
     x2 = _rnd(norm_w.float() * _rnd(h1 * rs[:, None], dt), dt).to(dt)
     # stage 3: gate/up with SiLU * up
     gu = _rnd(_gemm_fp32(x2, gate_up, _shrink(x2, gate_up), sch, 1), dt)
@@ -501,3 +512,383 @@ def reference_mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor
     g_, u_ = gu[:, :i].float(), gu[:, i:].float()
     act = ((g_ / (1.0 + torch.exp(-g_))).to(dt).float() * u_).to(dt)
     return h1, linear(act, weights[2], loras[2])
+
+
+# ==== the attention half (kernels/cuda/decode_attn.cu) ============================================================
+# Residual add + RMSNorm, the fused q/k/v GEMM with its LoRA and bias, RoPE and the KV-cache write as ONE launch on the
+# same machinery (decode_common.cuh). Its GEMM's "blocks" are RoPE pairs: rows [hd*D + 16j, +16) and the same + D/2
+# of one head (q, k and v heads alike), so the warp that finishes a pair holds both halves rotate_half mixes.
+ATTN_SRC = Path(__file__).parent / "cuda" / "decode_attn.cu"
+ATTN_NCNT = 4  # residual written, shrink partials written, h summed, the launch's end
+ATTN_PHASES = ("residual + sums of squares", "qkv GEMM + bias + RoPE + KV write")
+
+_attn_failed: list[str] = []
+_attn_available: dict[int, bool] = {}
+_attn_counters: dict[int, torch.Tensor] = {}
+
+
+def attn_library(variant: tuple[int, int] = DEFAULT_VARIANT) -> CudaLibrary:
+    """The attention half's shared library of one build variant (ring stages, CTAs per SM)."""
+    if tuple(variant) == DEFAULT_VARIANT:
+        return CudaLibrary("qerl_decode_attn", ATTN_SRC, NVCC_FLAGS)
+    stages, minb = variant
+    return CudaLibrary(f"qerl_decode_attn_s{stages}b{minb}", ATTN_SRC,
+                       (*NVCC_FLAGS, f"-DQERL_DL_S={stages}", f"-DQERL_DL_MINB={minb}"))
+
+
+ATTN_LIBRARY = attn_library()
+
+
+@functools.cache
+def _attn_lib(variant: tuple[int, int] = DEFAULT_VARIANT) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(attn_library(variant).build()))
+    vp, ci, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    lib.qerl_da_prepare.argtypes = [ci, ci, ctypes.POINTER(ci)]
+    lib.qerl_da_prepare.restype = ci
+    lib.qerl_da_stages.restype = ci
+    lib.qerl_da_minb.restype = ci
+    lib.qerl_da_attn.argtypes = [vp] * 14 + [ll] * 4 + [vp, ctypes.c_float] + [ci] * 12 + [vp]
+    lib.qerl_da_attn.restype = ci
+    if (lib.qerl_da_stages(), lib.qerl_da_minb()) != tuple(variant):
+        raise RuntimeError(f"decode attention-half library {variant} reports another build")
+    return lib
+
+
+@functools.cache
+def attn_ctas_per_sm(mt: int, bf16: bool, variant: tuple[int, int] = DEFAULT_VARIANT) -> int:
+    """Resident CTAs per SM of an attention-half variant (sets its shared-memory limit: call outside capture)."""
+    n = ctypes.c_int(0)
+    err = _attn_lib(variant).qerl_da_prepare(mt, int(bf16), ctypes.byref(n))
+    if err:
+        raise RuntimeError(f"decode attention-half kernel: cudaError {err} preparing it")
+    return n.value
+
+
+def attn_default_ctas(device: torch.device, mt: int, bf16: bool,
+                      variant: tuple[int, int] = DEFAULT_VARIANT) -> int:
+    return num_sms(device) * min(variant[1], attn_ctas_per_sm(mt, bf16, variant))
+
+
+def _check_attn_variants() -> None:
+    torch.cuda.init()
+    for mt in (1, 2):
+        for bf16 in (True, False):
+            if attn_ctas_per_sm(mt, bf16) < 1:
+                raise RuntimeError(f"no attention-half CTA of variant mt={mt} fits on an SM")
+
+
+def attn_available(device: torch.device | None = None) -> bool:
+    """Hopper and the attention half's library builds/loads here (a failure is logged once: the per-op path stays)."""
+    return hopper_available(device, _attn_available, _attn_failed, _check_attn_variants,
+                            "qerl persistent decode attention half")
+
+
+def attn_unavailable_reason() -> str:
+    return _attn_failed[0] if _attn_failed else "not an sm_90 GPU"
+
+
+@dataclass(frozen=True)
+class AttnSchedule:
+    """The attention half's work for one launch: hidden H, hq query and hk KV heads of head_dim d, the q/k/v LoRA rank
+    (0: none), `ctas` CTAs. One GEMM stage (gi 0 only: the methods keep `Schedule`'s signatures so that the emulation's
+    GEMM order is computed by the same code) whose blocks are RoPE pairs."""
+
+    m: int
+    h: int
+    hq: int
+    hk: int
+    d: int
+    rank: int
+    ctas: int
+
+    @property
+    def n(self) -> int:
+        return (self.hq + 2 * self.hk) * self.d
+
+    @property
+    def warps(self) -> int:
+        return self.ctas * GEMM_WARPS
+
+    def k(self, gi: int = 0) -> int:
+        return self.h
+
+    def geo(self, gi: int = 0) -> tuple[int, int, int]:
+        """attn_geo: (pairs, units per pair, K chunks)."""
+        kc = self.h // 128
+        return self.n // 32, 2 * kc, kc
+
+    def units(self, gi: int = 0) -> int:
+        nb, u, _ = self.geo()
+        return nb * u
+
+    def sharing(self, gi: int = 0) -> int:
+        return min(self.warps, self.units())
+
+    def range(self, gi: int, v: int) -> tuple[int, int]:
+        t, w = self.units(), self.sharing()
+        if v >= w:
+            return t, t
+        return v * t // w, (v + 1) * t // w
+
+    def warp_of(self, gi: int, x: int) -> int:
+        t, w = self.units(), self.sharing()
+        return ((x + 1) * w + t - 1) // t - 1
+
+    def pair_row(self, b: int, half: int) -> int:
+        """pair_row: first weight row of half `half` of pair b (head b // (d/32), block b % (d/32) of its first
+        half; the second half D/2 rows further)."""
+        per = self.d // 32
+        return (b // per) * self.d + (b % per) * 16 + half * (self.d // 2)
+
+    def unit(self, gi: int, x: int) -> tuple[int, int]:
+        _, u, kc = self.geo()
+        b, within = divmod(x, u)
+        return self.pair_row(b, int(within >= kc)), within % kc
+
+    def block_rows(self, gi: int, b: int) -> list[int]:
+        return [self.pair_row(b, 0), self.pair_row(b, 1)]
+
+    def parts(self, gi: int, b: int) -> list[tuple[int, int, int]]:
+        _, u, _ = self.geo()
+        out = []
+        for v in range(self.warp_of(gi, b * u), self.warp_of(gi, b * u + u - 1) + 1):
+            first, end = self.range(gi, v)
+            out.append((v, max(first, b * u), min(end, (b + 1) * u)))
+        return out
+
+    def pmax(self, gi: int = 0) -> int:
+        nb, u, _ = self.geo()
+        return max(self.warp_of(gi, b * u + u - 1) - self.warp_of(gi, b * u) + 1 for b in range(nb))
+
+    def residual_share(self, c: int) -> tuple[int, int]:
+        """The [first, end) of the M x H/16 (token, 16-column block) items whose residual CTA c writes."""
+        n = self.m * (self.h // 16)
+        return c * n // self.ctas, (c + 1) * n // self.ctas
+
+    def shrink_units(self, gi: int = 0) -> list[tuple[int, int, int]]:
+        if self.rank == 0:
+            return []
+        nrk = -(-self.rank // 16)
+        kc = self.h // 128
+        nseg = -(-kc // shrink_chunks(self.h))
+        return [(u % self.ctas, u % nrk, u // nrk) for u in range(nrk * nseg)]
+
+    def h_share(self, gi: int, c: int) -> tuple[int, int]:
+        n = self.m * self.rank
+        return c * n // self.ctas, (c + 1) * n // self.ctas
+
+
+def attn_gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None,
+                   b: torch.Tensor | None = None) -> tuple[GemmArgs, torch.Tensor | None] | None:
+    """The attention-half kernel's view of the fused q/k/v NVFP4 `QuantLinear` (resident repack) and its bias as the
+    cuda FP4 GEMM adds it (fp32, after the LoRA term), or None."""
+    from qerl_kernels.backends import kernel_state
+
+    if getattr(module, "fmt", None) != "nvfp4":
+        return None
+    st = kernel_state(module)
+    if st.repacked is None:
+        return None
+    t = st.tensors
+    bias = getattr(module, "bias", None)
+    bias32 = None if bias is None else bias.detach().float().contiguous()
+    return (GemmArgs(st.repacked, t["weight_scale"], t["weight_global_scale"].float().reshape(1), bool(st.tiled), a, b),
+            bias32)
+
+
+def attn_check_shapes(qkv: GemmArgs, m: int, hq: int, hk: int, d: int) -> str | None:
+    """Why the attention-half kernel does not take this q/k/v GEMM at m tokens (None: it does)."""
+    if not 1 <= m <= MAX_M:
+        return f"{m} tokens (the kernel takes 1..{MAX_M})"
+    if d % 32 or hq < 1 or hk < 1 or qkv.n != (hq + 2 * hk) * d:
+        return f"q/k/v rows {qkv.n} != ({hq} + 2 x {hk}) x head_dim {d} with head_dim a multiple of 32"
+    if qkv.k % 128:
+        return "hidden must be a multiple of 128"
+    if not qkv.tiled:
+        return "weight in the tiled resident layout (rows a multiple of 64)"
+    if qkv.rank and (qkv.rank % 8 or qkv.rank > MAX_RANK or qkv.a.shape[1] != qkv.k
+                     or qkv.b.shape != (qkv.n, qkv.rank)):
+        return f"LoRA rank {qkv.rank} (a multiple of 8 up to {MAX_RANK}, A [R, K], B [N, R])"
+    return None
+
+
+def _attn_counter(device: torch.device) -> torch.Tensor:
+    idx = device_index(device)
+    cnt = _attn_counters.get(idx)
+    if cnt is None:
+        cnt = _attn_counters[idx] = torch.zeros(16, dtype=torch.int32, device=device)
+    return cnt
+
+
+def attn_scratch(device: torch.device, sch: AttnSchedule, mt: int) -> Scratch:
+    """The GEMM's partials' slots [pairs * pmax * 2 halves * mt * 32 * 4] fp32 and its pair counters (zero between
+    launches), per device and shape; made outside any graph capture (`attn_prepare`)."""
+    key = ("attn", device_index(device), sch.h, sch.hq, sch.hk, sch.d, sch.ctas, mt)
+    got = _scratch.get(key)
+    if got is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode attention-half kernel: its scratch is made by attn_prepare before capture")
+        pmax = sch.pmax()
+        nb = sch.geo()[0]
+        parts = (torch.empty(nb * pmax * 2 * mt * 32 * 4, dtype=torch.float32, device=device),
+                 torch.zeros(nb, dtype=torch.int32, device=device))
+        got = _scratch[key] = Scratch(parts, (pmax, 0, 0))
+    return got
+
+
+def attn_prepare(device: torch.device, qkv: GemmArgs, hq: int, hk: int, d: int, dtype: torch.dtype,
+                 variant: tuple[int, int] = DEFAULT_VARIANT) -> None:
+    """The library, shared-memory limit, scratch of both token tiles and the counters: before any graph capture."""
+    bf16 = dtype == torch.bfloat16
+    for mt in (1, 2):
+        ctas = attn_default_ctas(device, mt, bf16, variant)
+        attn_scratch(device, AttnSchedule(8 * mt, qkv.k, hq, hk, d, qkv.rank, ctas), mt)
+    _attn_counter(device)
+
+
+def attn_half(h: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, qkv: GemmArgs,
+              bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+              cache_k: torch.Tensor, cache_v: torch.Tensor, hq: int, *, pdl: bool | None = None,
+              ctas: int | None = None, variant: tuple[int, int] = DEFAULT_VARIANT,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hn, q): hn = h + delta (h itself with no delta), q = RoPE(q part of qkv(rmsnorm(hn))) [M, hq, D]; k (rotated)
+    and v written into the layer's cache [slots, max_len, hk, D] at (token m's slot m, positions[m]) -- what the
+    present decode step computes with add_rmsnorm + the LoRA shrink, the q/k/v GEMM with its expand and bias, and
+    rope_kv_write -- in one launch. h/delta [M, H] (unit column stride, even row stride), cos/sin [max_len, D] tables
+    of the activation dtype, positions int64 [M], bias fp32 [N] or None."""
+    from qerl_kernels import cuda_fp4
+
+    m, hd = h.shape
+    hk, d = cache_k.shape[-2], cache_k.shape[-1]
+    why = attn_check_shapes(qkv, m, hq, hk, d)
+    if why is None and qkv.k != hd:
+        why = f"q/k/v input {qkv.k} != hidden {hd}"
+    if why is not None:
+        raise ValueError(f"decode attention-half kernel: {why}")
+    dt = h.dtype
+    if dt not in (torch.bfloat16, torch.float16) or norm_w.dtype != dt or cos.dtype != dt or sin.dtype != dt \
+            or cache_k.dtype != dt or cache_v.dtype != dt or (delta is not None and delta.dtype != dt):
+        raise ValueError("decode attention-half kernel: bf16/fp16 activations, norm weight, tables and cache of one "
+                         "dtype")
+    if h.stride(1) != 1 or h.stride(0) % 2 or (delta is not None and (delta.stride(1) != 1 or delta.stride(0) % 2)):
+        raise ValueError("decode attention-half kernel: rows with unit column stride and even row stride")
+    for c in (cache_k, cache_v):
+        if c.dim() != 4 or c.stride(3) != 1 or c.stride(2) != d or c.shape[0] < m:
+            raise ValueError("decode attention-half kernel: cache [slots >= M, max_len, hk, D] with packed heads")
+    if cos.stride(1) != 1 or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0) or cos.shape[1] != d:
+        raise ValueError("decode attention-half kernel: cos/sin tables [max_len, D] of one row stride")
+    if positions.dtype != torch.int64 or positions.shape != (m,):
+        raise ValueError("decode attention-half kernel: positions int64 [M]")
+    dev = h.device
+    mt = 1 if m <= 8 else 2
+    bf16 = dt == torch.bfloat16
+    if ctas is None:
+        ctas = attn_default_ctas(dev, mt, bf16, variant)
+    scr = attn_scratch(dev, AttnSchedule(m, hd, hq, hk, d, qkv.rank, ctas), mt)
+    hout = torch.empty((m, hd), dtype=dt, device=dev) if delta is not None else h
+    q = torch.empty((m, hq, d), dtype=dt, device=dev)
+    ss = torch.empty((hd // 16, m), dtype=torch.float32, device=dev)
+    kseg = shrink_chunks(qkv.k)
+    nseg = -(-(qkv.k // 128) // kseg)
+    hp = torch.empty((nseg, m, max(qkv.rank, 1)), dtype=torch.float32, device=dev)
+    hg = torch.empty((m, max(qkv.rank, 1)), dtype=dt, device=dev)
+    a = qkv.a.contiguous() if qkv.a is not None else None
+    b = qkv.b.contiguous() if qkv.b is not None else None
+    gptr = (ctypes.c_void_p * 9)(qkv.repacked.data_ptr(), qkv.scale.view(torch.uint8).data_ptr(),
+                                 qkv.global_scale.data_ptr(), a.data_ptr() if a is not None else None,
+                                 b.data_ptr() if b is not None else None, hp.data_ptr(), scr.parts[0].data_ptr(),
+                                 scr.parts[1].data_ptr(), hg.data_ptr())
+    gint = (ctypes.c_int * 6)(qkv.n, qkv.k, qkv.rank, kseg, nseg, scr.pmax[0])
+    nw = norm_w.contiguous()
+    b32 = bias.float().contiguous() if bias is not None else None
+    pos = positions.contiguous()
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    err = _attn_lib(variant).qerl_da_attn(
+        gptr, gint, b32.data_ptr() if b32 is not None else None, h.data_ptr(),
+        delta.data_ptr() if delta is not None else None, nw.data_ptr(),
+        hout.data_ptr() if delta is not None else None, ss.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        pos.data_ptr(), q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(0), cache_k.stride(1),
+        cache_v.stride(0), cache_v.stride(1), _attn_counter(dev).data_ptr(), float(eps), m, hd, hq, hk, d,
+        h.stride(0), delta.stride(0) if delta is not None else 0, cos.stride(0), mt, int(bf16), ctas,
+        int(cuda_fp4.use_pdl(pdl)), stream)
+    if err:
+        raise RuntimeError(f"decode attention-half kernel: cudaError {err}")
+    return hout, q
+
+
+# ---- CPU: the attention half in the kernel's order, and the present path's math --------------------------------
+def rope_pairs(y1: torch.Tensor, y2: torch.Tensor, c1: torch.Tensor, s1: torch.Tensor, c2: torch.Tensor,
+               s2: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's (and rope_kv_write's) RoPE of element i (y1) and i + D/2 (y2): each product rounded to the
+    activation dtype, their fp32 sum rounded (fp32 tensors holding dtype values in and out)."""
+    o1 = _rnd(_rnd(y1 * c1, dtype) + _rnd(-y2 * s1, dtype), dtype)
+    o2 = _rnd(_rnd(y2 * c2, dtype) + _rnd(y1 * s2, dtype), dtype)
+    return o1, o2
+
+
+def emulate_attn_half(h: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, qkv: GemmArgs,
+                      bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      cache_k: torch.Tensor, cache_v: torch.Tensor, hq: int, ctas: int,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hn, q) and the cache writes as a launch of `ctas` CTAs computes them, on the CPU: the residual in the dtype,
+    each block's sum of squares in column order, `inv_rms_of`'s order, x = rnd(w * rnd(hn * rs)), the shrink per
+    segment, the GEMM's fp32 sums per warp range and across a pair's warps in order (`_gemm_fp32`), + bias in fp32,
+    rounded once, RoPE with rope_kv_write's roundings. Writes k and v into cache_k/cache_v (in place, as the kernel)."""
+    dt = h.dtype
+    m, hd = h.shape
+    hk, d = cache_k.shape[-2], cache_k.shape[-1]
+    sch = AttnSchedule(m, hd, hq, hk, d, qkv.rank, ctas)
+    hn = _rnd(h.float() + delta.float(), dt) if delta is not None else h.float()
+    sq = (hn * hn).view(m, hd // 16, 16)
+    ss = sq[..., 0]
+    for k in range(1, 16):  # residual_share: one thread per (token, block), columns in order
+        ss = ss + sq[..., k]
+    rs = _inv_rms(ss, hd, eps)
+    x = _rnd(norm_w.float() * _rnd(hn * rs[:, None], dt), dt).to(dt)
+    v = _gemm_fp32(x, qkv, _shrink(x, qkv), sch, 0)
+    if bias is not None:
+        v = v + bias.float().cpu()[None, :]
+    y = _rnd(v, dt).view(m, hq + 2 * hk, d)
+    half = d // 2
+    c = cos.float().cpu()[positions.cpu()]  # [M, D]
+    s = sin.float().cpu()[positions.cpu()]
+    rot = y[:, :hq + hk]
+    o1, o2 = rope_pairs(rot[..., :half], rot[..., half:], c[:, None, :half], s[:, None, :half], c[:, None, half:],
+                        s[:, None, half:], dt)
+    rot = torch.cat([o1, o2], dim=-1)
+    rows = torch.arange(m)
+    cache_k[rows, positions.cpu()] = rot[:, hq:].to(dt)
+    cache_v[rows, positions.cpu()] = y[:, hq + hk:].to(dt)
+    return hn.to(dt), rot[:, :hq].to(dt).contiguous()
+
+
+def reference_attn_half(h: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                        weight: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
+                        bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                        cache_k: torch.Tensor, cache_v: torch.Tensor, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The present decode step's math from the dequantized fp32 q/k/v weight: `add_rms_norm` (h + delta in the dtype,
+    transformers' RMSNorm), the shrink rounded to the dtype, the GEMM + expand + bias rounded once, and the torch form
+    of rope_kv_write (`apply_rope_ref` on the tables at each position, `index_put_` into the cache)."""
+    dt = h.dtype
+    m = h.shape[0]
+    hk, d = cache_k.shape[-2], cache_k.shape[-1]
+    hn = (h.float() + delta.float()).to(dt) if delta is not None else h
+    hf = hn.float()
+    x = norm_w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    y = x.float() @ weight.float().t()
+    if lora is not None:
+        y = y + _rnd(x.float() @ lora[0].float().t(), dt) @ lora[1].float().t()
+    if bias is not None:
+        y = y + bias.float()[None, :]
+    y = y.to(dt).view(m, 1, hq + 2 * hk, d)
+    cg, sg = cos[positions][:, None, None, :], sin[positions][:, None, None, :]
+
+    def rope(t: torch.Tensor) -> torch.Tensor:  # fast_layers.apply_rope_ref
+        half = t.shape[-1] // 2
+        return t * cg + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sg
+
+    q = rope(y[:, :, :hq])[:, 0]
+    rows = torch.arange(m, device=h.device)
+    cache_k.index_put_((rows, positions), rope(y[:, :, hq:hq + hk])[:, 0])
+    cache_v.index_put_((rows, positions), y[:, 0, hq + hk:])
+    return hn, q

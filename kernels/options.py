@@ -157,6 +157,11 @@ class KernelOptions:
         "QERL_DECODE_LAYER", True, parse_bool,
         "the decode step's MLP half as one persistent NVFP4 kernel (kernels/cuda/decode_layer.cu) where it applies "
         "(Hopper, <= 8 tokens); 0 keeps the per-GEMM path")
+    decode_layer_attn: bool = option(
+        "QERL_DECODE_LAYER_ATTN", False, parse_bool,
+        "the decode step's attention half before the attention (residual + RMSNorm, q/k/v + LoRA + bias, RoPE + KV "
+        "write) as one persistent NVFP4 kernel (kernels/cuda/decode_attn.cu) where it applies (Hopper, <= 8 tokens); "
+        "off until measured")
     fp4_dequant_m: int = option(
         "QERL_FP4_DEQUANT_M", 512, parse_int,
         "rows from which the `qerl` backend dequantizes the FP4 weight and calls cuBLAS instead of the fused kernel")
@@ -208,6 +213,7 @@ def read_environment() -> dict[str, str | None]:
         "QERL_CUDA_FP4_PLANS": os.environ.get("QERL_CUDA_FP4_PLANS"),
         "QERL_CUDA_PDL": os.environ.get("QERL_CUDA_PDL"),
         "QERL_DECODE_LAYER": os.environ.get("QERL_DECODE_LAYER"),
+        "QERL_DECODE_LAYER_ATTN": os.environ.get("QERL_DECODE_LAYER_ATTN"),
         "QERL_FP4_DEQUANT_M": os.environ.get("QERL_FP4_DEQUANT_M"),
         "QERL_FP4_DEQUANT_T_M": os.environ.get("QERL_FP4_DEQUANT_T_M"),
         "QERL_FP8_ACT": os.environ.get("QERL_FP8_ACT"),

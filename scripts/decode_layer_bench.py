@@ -11,6 +11,14 @@
    timed as the median of CUDA-graph replays (20 layers per graph, CUDA events), and the layer's byte floor (NVFP4
    weights + E4M3 scales + LoRA A/B + activations) against the benches' device copy bandwidth.
 
+3. The attention half (`attn_half`, decode_attn.cu): exactness on a tiny GQA layer (hidden 256, 4/2 heads x 64,
+   LoRA rank 24, with and without the q/k/v bias, with and without the previous layer's delta) at M = 1, 3, 8, 13,
+   bf16 and fp16: q, hn and the written K/V rows against `emulate_attn_half` (< 5e-3) and `reference_attn_half`
+   (< 1e-2), reruns bit-equal, counters back to zero, no cache row but (m, positions[m]) touched. Then the 7B q/k/v
+   (4608 x 3584, 28/4 heads x 128, bias, LoRA r96 = 3 x 32) at M = 1, 8 against today's 4 launches (`add_rmsnorm`,
+   Triton `lora_shrink`, `cuda_fp4.fp4_gemm` with the LoRA epilogue and bias, `rope_kv_write`): rel. error of q / K /
+   V / hn, graph-replay us (20 layers per graph), and the byte floor. `--attn` runs only this part.
+
 `--ncu`: one launch of each 7B case (M 1 and 8, LoRA on and off) and of the present path, no graphs, for
 `ncu --kernel-name regex:"decode_mlp|fp4_decode" ...`.
 
@@ -204,6 +212,183 @@ def ncu_once(dev: str) -> None:
     torch.cuda.synchronize()
 
 
+# ---- the attention half ------------------------------------------------------------------------------------------
+def make_attn_layer(h: int, hq: int, hk: int, d: int, rank: int, bias: bool, dtype: torch.dtype, dev: str, seed: int,
+                    dense: bool, max_len: int = 512) -> dict:
+    """A random NVFP4 fused q/k/v, LoRA (A_cat [rank, H], B_blk [N, rank]), fp32 bias, RoPE tables [max_len, d]."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    n = (hq + 2 * hk) * d
+    w = torch.randn(n, h, generator=g, device=dev) * h**-0.5
+    qw = quantize(w, "nvfp4")
+    t = qw.tensors
+    a = (torch.randn(rank, h, generator=g, device=dev) * h**-0.5).to(dtype) if rank else None
+    b = (torch.randn(n, rank, generator=g, device=dev) * 0.3).to(dtype) if rank else None
+    args = dl.GemmArgs(repack_fp4(t["weight_packed"], tiled=True).contiguous(), t["weight_scale"],
+                       t["weight_global_scale"].float().reshape(1), True, a, b)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    ang = torch.arange(max_len, device=dev).float()[:, None] * inv[None, :]
+    emb = torch.cat([ang, ang], dim=-1)
+    return dict(args=args, weight=dequantize(qw, torch.float32) if dense else None,
+                lora=None if a is None else (a, b),
+                bias=(torch.randn(n, generator=g, device=dev) * 0.5).to(dtype).float() if bias else None,
+                norm_w=(1 + 0.1 * torch.randn(h, generator=g, device=dev)).to(dtype),
+                cos=emb.cos().to(dtype).contiguous(), sin=emb.sin().to(dtype).contiguous(), gen=g, hq=hq, hk=hk, d=d,
+                h=h, max_len=max_len)
+
+
+def attn_inputs(lay: dict, m: int, dtype: torch.dtype, dev: str, delta: bool = True, slots: int = 16) -> tuple:
+    g = lay["gen"]
+    h = (torch.randn(m, lay["h"], generator=g, device=dev) * 2).to(dtype)
+    d = torch.randn(m, lay["h"], generator=g, device=dev).to(dtype) if delta else None
+    pos = torch.randperm(lay["max_len"], generator=g, device=dev)[:m].to(torch.int64)
+    shape = (slots, lay["max_len"], lay["hk"], lay["d"])
+    return h, d, pos, torch.randn(shape, generator=g, device=dev).to(dtype), torch.randn(shape, generator=g,
+                                                                                        device=dev).to(dtype)
+
+
+def attn_present_path(h: torch.Tensor, delta: torch.Tensor | None, pos: torch.Tensor, ck: torch.Tensor,
+                      cv: torch.Tensor, lay: dict, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Today's attention half before the attention, launch by launch, as ModelRunner._layers runs it with the fused
+    ops at decode: add_rmsnorm, the Triton shrink, the cuda FP4 GEMM with its LoRA epilogue and bias, rope_kv_write."""
+    qkv = lay["args"]
+    hq, hk, d = lay["hq"], lay["hk"], lay["d"]
+    if delta is not None:
+        hn, x = decode.add_rmsnorm(h, delta, lay["norm_w"], eps)
+    else:
+        hn, x = h, decode.add_rmsnorm(h, None, lay["norm_w"], eps)[1]
+    hl = decode.lora_shrink(x, qkv.a) if qkv.a is not None else None
+    y = cuda_fp4.fp4_gemm(x, qkv.repacked, qkv.scale, qkv.global_scale, "nvfp4", tiled=qkv.tiled, bias=lay["bias"],
+                          lora_h=hl, lora_b=qkv.b)
+    q = decode.rope_kv_write(y[:, :hq * d], y[:, hq * d:(hq + hk) * d], y[:, (hq + hk) * d:], pos, lay["cos"],
+                             lay["sin"], ck, cv)
+    return hn, q
+
+
+def _attn_kernel(h: torch.Tensor, delta: torch.Tensor | None, pos: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,
+                 lay: dict, eps: float, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+    return dl.attn_half(h, delta, lay["norm_w"], eps, lay["args"], lay["bias"], lay["cos"], lay["sin"], pos, ck, cv,
+                        lay["hq"], **kw)
+
+
+def attn_exactness(dev: str) -> list[dict]:
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for bias in (True, False):
+            lay = make_attn_layer(256, 4, 2, 64, 24, bias, dtype, dev, 3, dense=True, max_len=40)
+            g = lay["args"]
+            cpu_args = dl.GemmArgs(g.repacked.cpu(), g.scale.cpu(), g.global_scale.cpu(), g.tiled, g.a.cpu(),
+                                   g.b.cpu())
+            for m in (1, 3, 8, 13):
+                for with_delta in (True, False):
+                    h, d, pos, ck, cv = attn_inputs(lay, m, dtype, dev, with_delta)
+                    k0, v0 = ck.clone(), cv.clone()
+                    runs = []
+                    for _ in range(2):
+                        kk, vv = k0.clone(), v0.clone()
+                        hn, q = _attn_kernel(h, d, pos, kk, vv, lay, 1e-6)
+                        runs.append((hn, q, kk, vv))
+                    torch.cuda.synchronize()
+                    cnt = dl._attn_counter(torch.device(dev)).cpu().tolist()
+                    ctas = dl.attn_default_ctas(torch.device(dev), 1 if m <= 8 else 2, dtype == torch.bfloat16)
+                    ek, ev = k0.cpu(), v0.cpu()
+                    ehn, eq = dl.emulate_attn_half(h.cpu(), None if d is None else d.cpu(), lay["norm_w"].cpu(),
+                                                   1e-6, cpu_args, None if lay["bias"] is None else lay["bias"].cpu(),
+                                                   lay["cos"].cpu(), lay["sin"].cpu(), pos.cpu(), ek, ev, 4, ctas)
+                    rk, rv = k0.clone(), v0.clone()
+                    rhn, rq = dl.reference_attn_half(h, d, lay["norm_w"], 1e-6, lay["weight"], lay["lora"],
+                                                     lay["bias"], lay["cos"], lay["sin"], pos, rk, rv, 4)
+                    hn, q, kk, vv = runs[0]
+                    r = torch.arange(m, device=dev)
+                    rc, pc = r.cpu(), pos.cpu()
+                    touched = torch.zeros(k0.shape[:2], dtype=torch.bool, device=dev)
+                    touched[r, pos] = True
+                    rows.append(dict(
+                        dtype=str(dtype), m=m, bias=bias, delta=with_delta,
+                        err_emul=max(rel(q.cpu(), eq), rel(hn.cpu(), ehn), rel(kk[r, pos].cpu(), ek[rc, pc]),
+                                     rel(vv[r, pos].cpu(), ev[rc, pc])),
+                        err_present=max(rel(q, rq), rel(hn, rhn), rel(kk[r, pos], rk[r, pos]),
+                                        rel(vv[r, pos], rv[r, pos])),
+                        others_untouched=bool(torch.equal(kk[~touched], k0[~touched])
+                                              and torch.equal(vv[~touched], v0[~touched])),
+                        bit_equal_rerun=all(torch.equal(x, y) for x, y in zip(runs[0], runs[1], strict=True)),
+                        counters_zero=all(c == 0 for c in cnt)))
+    return rows
+
+
+def attn_bytes(lay: dict, m: int) -> int:
+    g = lay["args"]
+    total = g.repacked.numel() + g.scale.numel() + (2 * (g.a.numel() + g.b.numel()) if g.a is not None else 0)
+    total += 4 * lay["bias"].numel() if lay["bias"] is not None else 0
+    h, hq, hk, d = lay["h"], lay["hq"], lay["hk"], lay["d"]
+    # h, delta in; hn out; norm weight; q out, K/V rows written; cos/sin rows read
+    return total + 2 * (3 * m * h + h + m * (hq + 2 * hk) * d + 2 * m * d)
+
+
+def attn_seven_b(dev: str, rank: int = 96, ms: tuple[int, ...] = (1, 8)) -> list[dict]:
+    lay = make_attn_layer(3584, 28, 4, 128, rank, True, torch.bfloat16, dev, 4, dense=False)
+    bw = copy_gbps(dev)
+    rows = []
+    for m in ms:
+        h, d, pos, ck, cv = attn_inputs(lay, m, torch.bfloat16, dev)
+        pk, pv = ck.clone(), cv.clone()
+        phn, pq = attn_present_path(h, d, pos, pk, pv, lay, 1e-6)
+        kk, vv = ck.clone(), cv.clone()
+        hn, q = _attn_kernel(h, d, pos, kk, vv, lay, 1e-6)
+        r = torch.arange(m, device=dev)
+        err = dict(q=rel(q, pq), k=rel(kk[r, pos], pk[r, pos]), v=rel(vv[r, pos], pv[r, pos]), h=rel(hn, phn))
+        t_old = graph_ms(lambda: attn_present_path(h, d, pos, pk, pv, lay, 1e-6))  # noqa: B023
+        row = dict(m=m, rank=rank, present_us=1e3 * t_old, err=err, err_vs_present=max(err.values()), variants={})
+        nbytes = attn_bytes(lay, m)
+        floor = nbytes / bw / 1e6
+        row.update(mb=nbytes / 1e6, floor_us=1e3 * floor, present_pct_floor=100 * floor / t_old, copy_gbps=bw)
+        for var in VARIANTS:
+            t_new = graph_ms(lambda: _attn_kernel(h, d, pos, kk, vv, lay, 1e-6, variant=var))  # noqa: B023
+            row["variants"][f"s{var[0]}b{var[1]}"] = dict(us=1e3 * t_new, pct_floor=100 * floor / t_new,
+                                                         speedup=t_old / t_new)
+        best = min(row["variants"].items(), key=lambda kv: kv[1]["us"])
+        row.update(best=best[0], persistent_us=best[1]["us"], persistent_pct_floor=best[1]["pct_floor"],
+                   speedup=best[1]["speedup"])
+        rows.append(row)
+    return rows
+
+
+def attn_report(result: dict) -> bool:
+    ok = all(r["err_emul"] < 5e-3 and r["err_present"] < 1e-2 and r["bit_equal_rerun"] and r["counters_zero"]
+             and r["others_untouched"] for r in result["attn_exactness"])
+    ok = ok and all(r["err_vs_present"] < 1e-2 for r in result["attn_seven_b"])
+    for r in result["attn_exactness"]:
+        print(f"attn exact {r['dtype']:15s} M={r['m']:2d} bias={r['bias']!s:5} delta={r['delta']!s:5} "
+              f"err_emul={r['err_emul']:.2e} err_present={r['err_present']:.2e} rerun_bits={r['bit_equal_rerun']} "
+              f"counters_zero={r['counters_zero']} others_untouched={r['others_untouched']}")
+    print(f"attn half 7B: {'M':>3} {'rank':>4} {'MB':>6} {'floor us':>9} {'persistent us':>14} {'%floor':>7} "
+          f"{'present us':>11} {'%floor':>7} {'speedup':>8} {'err q/k/v/h':>30}")
+    for r in result["attn_seven_b"]:
+        e = r["err"]
+        print(f"             {r['m']:3d} {r['rank']:4d} {r['mb']:6.1f} {r['floor_us']:9.2f} {r['persistent_us']:14.2f} "
+              f"{r['persistent_pct_floor']:6.1f}% {r['present_us']:11.2f} {r['present_pct_floor']:6.1f}% "
+              f"{r['speedup']:7.2f}x {e['q']:.1e}/{e['k']:.1e}/{e['v']:.1e}/{e['h']:.1e} best {r['best']}: "
+              + " ".join(f"{k} {v['us']:.1f}" for k, v in r["variants"].items()))
+    return ok
+
+
+def attn_only(dev: str) -> int:
+    if not dl.attn_available(torch.device(dev)):
+        print("decode attention-half kernel unavailable:", dl.attn_unavailable_reason())
+        return 2
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(VARIANTS)) as pool:
+        list(pool.map(lambda v: dl.attn_library(v).build(), VARIANTS))
+    result = {"attn_exactness": attn_exactness(dev), "attn_seven_b": attn_seven_b(dev) + attn_seven_b(dev, 0)}
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if args:
+        with open(args[0], "w") as f:
+            json.dump(result, f, indent=1)
+    ok = attn_report(result)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
 def main() -> int:
     dev = "cuda"
     if not torch.cuda.is_available() or not dl.available(torch.device(dev)):
@@ -212,6 +397,8 @@ def main() -> int:
     if "--ncu" in sys.argv:
         ncu_once(dev)
         return 0
+    if "--attn" in sys.argv:
+        return attn_only(dev)
     sys.argv = [a for a in sys.argv if not a.startswith("--")]
     build_variants()
     result = {"exactness": exactness(dev)}

@@ -41,49 +41,17 @@
 //
 // The FP4 fragment math (resident repacked layout, K permutation, decode by mask/shift/lop3, the E4M3 scale pairs)
 // is that of fp4_gemm.cu (docs/kernels.md); its device helpers are in fp4_frag.cuh, which both include, so that this
-// library still builds on its own in seconds. Intermediates written inside the launch are read with ordinary
+// library still builds on its own in seconds; what it shares with the attention half (decode_attn.cu) is in
+// decode_common.cuh. Intermediates written inside the launch are read with ordinary
 // (coherent) loads or ld.global.cg, never ld.global.nc. Build-time knobs: QERL_DL_S (ring stages per warp) and
 // QERL_DL_MINB (CTAs per SM the registers are budgeted for).
-#include <cuda_runtime.h>
-#include <stdint.h>
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
-#include "fp4_frag.cuh"
+#include "decode_common.cuh"
 
 namespace qerl_dl {
 
-using namespace qerl;  // the fragment and pipeline helpers of fp4_frag.cuh
-
-#ifndef QERL_DL_S
-#define QERL_DL_S 4
-#endif
-#ifndef QERL_DL_MINB
-#define QERL_DL_MINB 2
-#endif
-constexpr int NW = 8;            // warps per CTA: NG GEMM warps and one LoRA warp
-constexpr int NG = NW - 1;       // the GEMM warps (0 .. NG-1)
-constexpr int LW = NW - 1;       // the LoRA warp: the three shrinks, beside the GEMMs
-constexpr int S = QERL_DL_S;     // cp.async ring stages per warp (a power of two: slots by mask)
-static_assert(S >= 2 && (S & (S - 1)) == 0, "QERL_DL_S: a power of two");
-constexpr int MINB = QERL_DL_MINB;
 // grid-wide counters: GEMM phases done (o, x2 written, gate/up), shrink partials written (per group), h summed (per
 // group), the launch's end
 constexpr int C_O = 0, C_X2 = 1, C_GU = 2, C_S = 3, C_H = 6, C_END = 9, NCNT = 10;
-constexpr int PF_UNITS = 8;      // units of its next range a warp prefetches into L2 before a wait
-
-struct Gemm {
-  const uint8_t* w;   // resident repacked weight [N, K/2], tiled (64-row groups)
-  const uint8_t* s;   // checkpoint E4M3 block scales [N, K/16]
-  const float* gs;    // NVFP4 global scale [1]
-  const uint16_t* a;  // LoRA A_cat [R, K], activation dtype (null: no LoRA)
-  const uint16_t* b;  // LoRA B_blk [N, R], scaling folded in
-  float* hp;          // shrink partials [nseg][M][R] fp32
-  uint16_t* hg;       // h = x @ A^T [M][R], activation dtype (rounded like the present path's shrink output)
-  float4* part;       // GEMM partials [blocks][pmax][halves][MT][32] (mma fragment order)
-  unsigned* bcnt;     // [blocks] partials counted per block; zero between launches
-  int N, K, R, kseg, nseg, pmax;
-};
 
 struct MlpParams {
   Gemm g[3];             // o, gate/up (gate rows [0, I), up rows [I, 2I)), down
@@ -101,263 +69,47 @@ struct MlpParams {
   int M, H, I, ld_attn, ld_h;
 };
 
-// ---- activation values ------------------------------------------------------------------------------------------
-template <bool BF16>
-__device__ __forceinline__ float f16(uint16_t v) {
-  if constexpr (BF16) {
-    return __uint_as_float((uint32_t)v << 16);
-  } else {
-    return __half2float(__ushort_as_half(v));
-  }
-}
-template <bool BF16>
-__device__ __forceinline__ uint16_t r16(float v) {
-  if constexpr (BF16) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  } else {
-    return __half_as_ushort(__float2half_rn(v));
-  }
-}
-__device__ __forceinline__ uint32_t ld32(const uint16_t* p) {  // coherent: p may have been written in this launch
-  return *reinterpret_cast<const uint32_t*>(p);
-}
-
-// The mma B fragments of lane (g, q) for the 8 tokens of tile t and 32-wide slice kb of an input of K columns are
-// one uint4 (b_frags of the u32 pairs at 32kb + 8j + 2q, j = 0..3, of token 8t + g), stored at
-// xp[(t * K/32 + kb) * 32 + lane]: the GEMM stages read one 16-byte load per slice instead of four loads and four
-// byte permutes. Element (tok, k) of the input sits in that uint4's u32 (j even: x, j odd: y; +2 for odd k) half j/2.
-__device__ __forceinline__ size_t xp_index(int K, int t, int kb, int lane) {
-  return ((size_t)t * (K >> 5) + kb) * 32 + lane;
-}
-__device__ __forceinline__ uint16_t* xp_element(uint4* xp, int K, int tok, int k) {
-  const int w = k & 31, j = w >> 3, q = (w & 7) >> 1, word = (j & 1) + 2 * (w & 1);
-  uint4* at = xp + xp_index(K, tok >> 3, k >> 5, (tok & 7) * 4 + q);
-  return reinterpret_cast<uint16_t*>(reinterpret_cast<uint32_t*>(at) + word) + (j >> 1);
-}
-
-// ---- memory pipeline and grid-wide counters ---------------------------------------------------------------------
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-// This CTA's 1/C share of [p, p + bytes) into L2 (16-byte aligned pieces of at most 4 KiB, one per thread).
-__device__ __forceinline__ void prefetch_share(const void* p, size_t bytes, int c, int C) {
-  if (p == nullptr || bytes == 0) return;
-  const size_t lo = (bytes * c / C) & ~(size_t)15, hi = c + 1 == C ? bytes : (bytes * (c + 1) / C) & ~(size_t)15;
-  const unsigned char* b = static_cast<const unsigned char*>(p);
-  for (size_t off = lo + (size_t)threadIdx.x * 4096; off < hi; off += (size_t)blockDim.x * 4096) {
-    const size_t n = hi - off < 4096 ? hi - off : 4096;
-    if (n >= 16) prefetch_l2(b + off, (unsigned)(n & ~(size_t)15));
-  }
-}
-
-// Grid-wide phases: a part of a phase is written, made visible at GPU scope, then counted on the phase's counter; a
-// consumer polls the counter with acquire loads until it holds the grid size. The GEMM warps of a CTA count and wait
-// as one (named barrier 1), the LoRA warp on its own.
-__device__ __forceinline__ void poll(const unsigned* c, unsigned n) {
-  unsigned v;
-  for (;;) {
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
-    if (v >= n) break;
-    __nanosleep(32);
-  }
-}
-__device__ __forceinline__ void bar_gemm() { asm volatile("bar.sync 1, %0;" ::"n"(NG * 32) : "memory"); }
-__device__ __forceinline__ void arrive_gemm(unsigned* c) {
-  bar_gemm();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(c, 1u);
-  }
-}
-__device__ __forceinline__ void wait_gemm(const unsigned* c, unsigned n) {
-  if (threadIdx.x == 0) poll(c, n);
-  bar_gemm();
-}
-__device__ __forceinline__ void arrive_warp(unsigned* c) {
-  __threadfence();
-  __syncwarp();
-  if ((threadIdx.x & 31) == 0) atomicAdd(c, 1u);
-}
-__device__ __forceinline__ void wait_warp(const unsigned* c, unsigned n) {
-  if ((threadIdx.x & 31) == 0) poll(c, n);
-  __syncwarp();
-}
-
-// ---- shared memory ----------------------------------------------------------------------------------------------
-template <int MT>
-struct Smem {
-  static constexpr int RING = S * NG * 1024;            // [S][NG][2 rows][32 lanes] uint4
-  static constexpr int SC = S * NG * 16 * 8;            // [S][NG][16 rows] uint2 block scales
-  static constexpr int CS = NG * 16 * 16;               // [NG][16 rows] uint4: the unit's scale pairs, converted
-  static constexpr int RS = 2 * 16 * 4;                 // [2][16] 1/rms per token (GEMM warps, LoRA warp)
-  static constexpr int BYTES = RING + SC + CS + RS;
-};
-
 // Fields of GEMM stage gi without indexing the parameter array at run time (that would copy it to local memory).
 #define QERL_SEL(p, gi, f) ((gi) == 0 ? (p).g[0].f : (gi) == 1 ? (p).g[1].f : (p).g[2].f)
 
-// Stage geometry: blocks (gate/up: pairs), units per block, 128-wide K chunks, and the warps that share its units:
-// all W of the grid, or one per unit where the stage has fewer (so that every sharing warp holds at least one unit
-// and a block's partials come from consecutive warps). 32-bit: the host checks units * W < 2^31.
-struct Geo {
-  int nb, u, kc, t, we;
-};
 __device__ __forceinline__ Geo geo_of(const MlpParams& p, int gi, int w) {
   const int kc = QERL_SEL(p, gi, K) >> 7;
   const int nb = gi == 1 ? p.I >> 4 : p.H >> 4, u = gi == 1 ? 2 * kc : kc, t = nb * u;
   return Geo{nb, u, kc, t, t < w ? t : w};
-}
-// Warp v's range of a stage's units: [first(v), first(v + 1)) (empty for v >= we); the warp whose range holds unit x.
-__device__ __forceinline__ int range_first(const Geo& G, int v) {
-  return v >= G.we ? G.t : (int)((unsigned)v * (unsigned)G.t / (unsigned)G.we);
-}
-__device__ __forceinline__ int warp_of(const Geo& G, int x) {
-  return (int)(((unsigned)(x + 1) * (unsigned)G.we + (unsigned)G.t - 1u) / (unsigned)G.t) - 1;
 }
 // Weight row (first of 16) of unit `within` of block b.
 __device__ __forceinline__ int unit_row(const MlpParams& p, int gi, const Geo& G, int b, int within) {
   return gi == 1 ? ((within >= G.kc ? (p.I >> 4) : 0) + b) * 16 : b * 16;
 }
 
-// ---- shrinks: h[M, R] = x @ A^T, as fp32 partials per (16 rank rows, K segment) unit over all warps of the grid ---
-// x is attn (gi 0), x2 formed from h1 on the fly (gi 1; the same bits as the x2 the stage writes) or act (gi 2).
+// ---- shrinks of the three groups (shrink_run): x is attn (gi 0), x2 formed from h1 on the fly (gi 1; the same bits
+// as the x2 the stage writes) or act (gi 2)
 template <int MT, bool BF16>
 __device__ __forceinline__ uint32_t shrink_pair(const MlpParams& p, int gi, int tok, int k, const float* rsm) {
   if (tok >= p.M) return 0u;
   if (gi == 0) return ld32(p.attn + (size_t)tok * p.ld_attn + k);
   if (gi == 2) return ld32(p.act + (size_t)tok * p.I + k);
-  const uint32_t hv = ld32(p.h1 + (size_t)tok * p.H + k), wv = *reinterpret_cast<const uint32_t*>(p.nw + k);
-  const float r = rsm[tok];
-  const uint16_t lo = r16<BF16>(__fmul_rn(f16<BF16>((uint16_t)(wv & 0xffffu)),
-                                          f16<BF16>(r16<BF16>(__fmul_rn(f16<BF16>((uint16_t)(hv & 0xffffu)), r)))));
-  const uint16_t hi = r16<BF16>(__fmul_rn(f16<BF16>((uint16_t)(wv >> 16)),
-                                          f16<BF16>(r16<BF16>(__fmul_rn(f16<BF16>((uint16_t)(hv >> 16)), r)))));
-  return (uint32_t)lo | ((uint32_t)hi << 16);
+  return norm_pair<BF16>(ld32(p.h1 + (size_t)tok * p.H + k), *reinterpret_cast<const uint32_t*>(p.nw + k), rsm[tok]);
 }
 
 template <int MT, bool BF16>
 __device__ void shrink_units(const MlpParams& p, int gi, const float* rsm, int first, int stride) {
   const int R = QERL_SEL(p, gi, R);
   if (R == 0) return;
-  const uint16_t* A = QERL_SEL(p, gi, a);
-  float* hp = QERL_SEL(p, gi, hp);
-  const int K = QERL_SEL(p, gi, K), kseg = QERL_SEL(p, gi, kseg), nseg = QERL_SEL(p, gi, nseg);
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const int nrk = (R + 15) >> 4, units = nrk * nseg, KC = K >> 7;
-  for (int u = first; u < units; u += stride) {
-    const int rk = u % nrk, seg = u / nrk;
-    const int r0 = rk * 16;
-    const bool hi = r0 + 8 < R;
-    const uint16_t* a0p = A + (size_t)(r0 + g) * K + 2 * q;
-    const uint16_t* a1p = a0p + (size_t)8 * K;
-    float acc[MT][4];
-#pragma unroll
-    for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-    const int c1 = (seg + 1) * kseg < KC ? (seg + 1) * kseg : KC;
-#pragma unroll 4
-    for (int k0 = seg * kseg * 128; k0 < c1 * 128; k0 += 16) {
-      const uint32_t a0 = __ldg(reinterpret_cast<const unsigned*>(a0p + k0));
-      const uint32_t a2 = __ldg(reinterpret_cast<const unsigned*>(a0p + k0 + 8));
-      const uint32_t a1 = hi ? __ldg(reinterpret_cast<const unsigned*>(a1p + k0)) : 0u;
-      const uint32_t a3 = hi ? __ldg(reinterpret_cast<const unsigned*>(a1p + k0 + 8)) : 0u;
-#pragma unroll
-      for (int t = 0; t < MT; ++t) {
-        const int tok = t * 8 + g;
-        const uint32_t b0 = shrink_pair<MT, BF16>(p, gi, tok, k0 + 2 * q, rsm);
-        const uint32_t b1 = shrink_pair<MT, BF16>(p, gi, tok, k0 + 8 + 2 * q, rsm);
-        mma<BF16>(acc[t], a0, a1, a2, a3, b0, b1);
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < MT; ++t) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = t * 8 + 2 * q + (e & 1), r = r0 + g + (e >> 1) * 8;
-        if (tok < p.M && r < R) hp[((size_t)seg * p.M + tok) * R + r] = acc[t][e];
-      }
-    }
-  }
+  shrink_run<MT, BF16>(QERL_SEL(p, gi, a), QERL_SEL(p, gi, hp), QERL_SEL(p, gi, K), R, QERL_SEL(p, gi, kseg),
+                       QERL_SEL(p, gi, nseg), p.M, first, stride,
+                       [&](int tok, int k) { return shrink_pair<MT, BF16>(p, gi, tok, k, rsm); });
 }
 
-// 1/rms of token tok from the o blocks' sums of squares: lane l sums blocks l, l+32, ... in order (loaded 8 at a
-// time, so the L2 round trips overlap), then a butterfly over the 32 lanes. Every lane returns it.
+// 1/rms of token tok from the o blocks' sums of squares (every lane returns it).
 __device__ __forceinline__ float inv_rms(const MlpParams& p, int tok, int lane) {
-  const int nb = p.H >> 4;
-  float s2 = 0.f;
-  for (int b0 = lane; b0 < nb; b0 += 8 * 32) {
-    float v[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = b0 + 32 * i < nb ? __ldcg(p.ss + (size_t)(b0 + 32 * i) * p.M + tok) : 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      if (b0 + 32 * i < nb) s2 = __fadd_rn(s2, v[i]);
-    }
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) s2 = __fadd_rn(s2, __shfl_xor_sync(0xffffffffu, s2, off));
-  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s2, (float)p.H), p.eps)));
+  return inv_rms_of(p.ss, p.H, p.M, p.eps, tok, lane);
 }
 
-// The group's h = (sum of its shrink partials in segment order), rounded to the activation dtype: this CTA's 1/C
-// share of its M x R values, by one warp.
+// The group's h, rounded to the activation dtype: this CTA's 1/C share of its M x R values, by one warp.
 template <bool BF16>
 __device__ __forceinline__ void sum_h(const MlpParams& p, int gi, int c, int C) {
-  const int R = QERL_SEL(p, gi, R), nseg = QERL_SEL(p, gi, nseg), n = p.M * R;
-  const float* hp = QERL_SEL(p, gi, hp);
-  uint16_t* hg = QERL_SEL(p, gi, hg);
-  const int hi = (int)((long long)(c + 1) * n / C);
-  for (int i = (int)((long long)c * n / C) + (threadIdx.x & 31); i < hi; i += 32) {
-    float v = 0.f;
-#pragma unroll 4
-    for (int s = 0; s < nseg; ++s) v = __fadd_rn(v, __ldcg(hp + (size_t)s * n + i));
-    hg[i] = r16<BF16>(v);
-  }
-}
-
-// v += h @ B_blk[row0 : row0 + 16]^T on the tensor cores: B_blk rows are operand A, h rows (global, written in this
-// launch: coherent loads) operand B.
-template <int MT, bool BF16>
-__device__ __forceinline__ void lora_expand(float (&v)[MT][4], const uint16_t* B, int R, int row0, const uint16_t* hg,
-                                            int M, int g, int q) {
-  const uint16_t* b0 = B + (size_t)(row0 + g) * R + 2 * q;
-  const uint16_t* b1 = b0 + (size_t)8 * R;
-#pragma unroll 4
-  for (int r0 = 0; r0 < R; r0 += 16) {
-    const bool hi = r0 + 8 < R;
-    const uint32_t a0 = __ldg(reinterpret_cast<const unsigned*>(b0 + r0));
-    const uint32_t a1 = __ldg(reinterpret_cast<const unsigned*>(b1 + r0));
-    const uint32_t a2 = hi ? __ldg(reinterpret_cast<const unsigned*>(b0 + r0 + 8)) : 0u;
-    const uint32_t a3 = hi ? __ldg(reinterpret_cast<const unsigned*>(b1 + r0 + 8)) : 0u;
-#pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      const uint16_t* hr = hg + (size_t)(t * 8 + g) * R + r0 + 2 * q;
-      const bool live = t * 8 + g < M;
-      const uint32_t x0 = live ? ld32(hr) : 0u;
-      const uint32_t x1 = live && hi ? ld32(hr + 8) : 0u;
-      mma<BF16>(v[t], a0, a1, a2, a3, x0, x1);
-    }
-  }
-}
-
-// Sum of a block's np partials of one half in index order, x alpha (fragment positions of this lane).
-template <int MT>
-__device__ __forceinline__ void sum_block(float (&v)[MT][4], const float4* slot0, int halves, int half, int np,
-                                          float alpha, int lane) {
-#pragma unroll
-  for (int t = 0; t < MT; ++t) {
-    float4 s4 = __ldcg(slot0 + (half * MT + t) * 32 + lane);
-    for (int i = 1; i < np; ++i) {
-      const float4 o = __ldcg(slot0 + ((size_t)(i * halves + half) * MT + t) * 32 + lane);
-      s4.x = __fadd_rn(s4.x, o.x);
-      s4.y = __fadd_rn(s4.y, o.y);
-      s4.z = __fadd_rn(s4.z, o.z);
-      s4.w = __fadd_rn(s4.w, o.w);
-    }
-    v[t][0] = __fmul_rn(s4.x, alpha);
-    v[t][1] = __fmul_rn(s4.y, alpha);
-    v[t][2] = __fmul_rn(s4.z, alpha);
-    v[t][3] = __fmul_rn(s4.w, alpha);
-  }
+  sum_h_share<BF16>(QERL_SEL(p, gi, hp), QERL_SEL(p, gi, hg), QERL_SEL(p, gi, nseg), p.M * QERL_SEL(p, gi, R), c, C);
 }
 
 // ---- the persistent kernel --------------------------------------------------------------------------------------
@@ -685,16 +437,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     wait_gemm(p.cnt + C_GU, C);
     gemm_stage(2);
   }
-  // the launch's end: the last CTA (every other one is past its last wait) zeroes the counters for the next launch
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(p.cnt + C_END, 1u) == (unsigned)C - 1) {
-#pragma unroll
-      for (int i = 0; i < NCNT; ++i) atomicExch(p.cnt + i, 0u);
-      __threadfence();
-    }
-  }
+  end_of_launch<NCNT>(p.cnt, C_END);
 }
 
 template <int MT, bool BF16>

@@ -214,6 +214,12 @@ class ModelRunner:
         self.decode_layer = (opts.kernels.decode_layer and self.fast_lora and self.fused_lora
                              and self.device.type == "cuda")
         self._mlp_args: dict[int, tuple | None] = {}
+        # the attention half before the attention (residual + RMSNorm, q/k/v with LoRA and bias, RoPE + KV write) as
+        # one persistent launch (the decode_layer_attn kernel option; off until measured). Not with Qwen3's q/k norm,
+        # which sits between the q/k/v GEMM and RoPE.
+        self.decode_layer_attn = (opts.kernels.decode_layer_attn and self.fast_lora and self.fused_lora
+                                  and self.device.type == "cuda" and self.qk_norm is None)
+        self._attn_args: dict[int, tuple | None] = {}
 
     def prepare(self) -> None:
         """Called at the start of every rollout: (re)build the projection plan when a LoRA switch changed,
@@ -248,22 +254,28 @@ class ModelRunner:
             dispatch.prepare(mods, self.dtype)
 
     def _prepare_decode_layer(self) -> None:
-        """Per layer, the persistent MLP-half kernel's view of o, gate/up and down (resident repacks, LoRA shadows) or
-        None where it does not apply; made eagerly here, before any graph capture (the in-place repack, the kernel's
-        shared-memory limit)."""
+        """Per layer, the persistent MLP-half kernel's view of o, gate/up and down (resident repacks, LoRA shadows) and
+        the attention-half kernel's of the fused q/k/v (with its bias), or None where they do not apply; made eagerly
+        here, before any graph capture (the in-place repack, the kernels' shared-memory limits, their scratch)."""
         self._mlp_args = {}
-        if not self.decode_layer or self.plan is None:
+        self._attn_args = {}
+        if not (self.decode_layer or self.decode_layer_attn) or self.plan is None:
             return
         try:
             from qerl_kernels import decode_layer
         except ImportError:
             return
-        if not decode_layer.available(self.device):
-            return
-        for i, lp in enumerate(self.plan.layers):
-            args = self._mlp_args[i] = self._mlp_half_args(lp, decode_layer)
-            if args is not None:
-                decode_layer.prepare(self.device, *args, self.dtype)
+        if self.decode_layer and decode_layer.available(self.device):
+            for i, lp in enumerate(self.plan.layers):
+                args = self._mlp_args[i] = self._mlp_half_args(lp, decode_layer)
+                if args is not None:
+                    decode_layer.prepare(self.device, *args, self.dtype)
+        if self.decode_layer_attn and decode_layer.attn_available(self.device):
+            for i, lp in enumerate(self.plan.layers):
+                got = self._attn_args[i] = self._attn_half_args(lp, decode_layer)
+                if got is not None:
+                    decode_layer.attn_prepare(self.device, got[0], self.num_heads, self.num_kv_heads, self.head_dim,
+                                              self.dtype)
 
     @staticmethod
     def _mlp_half_args(lp: Any, decode_layer: Any) -> tuple | None:
@@ -274,6 +286,37 @@ class ModelRunner:
         if any(a is None for a in args) or decode_layer.check_shapes(*args, 1) is not None:
             return None
         return args
+
+    def _attn_half_args(self, lp: Any, decode_layer: Any) -> tuple | None:
+        """(q/k/v GemmArgs, fp32 bias or None) of a layer whose q/k/v is one NVFP4 GEMM the kernel takes, else None."""
+        g = lp.qkv
+        if g is None or g.single is None or len(g.modules) != 3 or (g.a_cat is not None and g.b_blk is None):
+            return None
+        got = decode_layer.attn_gemm_args(g.single, g.a_cat, g.b_blk)
+        if got is None or got[0].k != self.config.hidden_size or decode_layer.attn_check_shapes(
+                got[0], 1, self.num_heads, self.num_kv_heads, self.head_dim) is not None:
+            return None
+        return got
+
+    def _attn_half(self, i: int, h: torch.Tensor, delta: torch.Tensor | None,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h + delta, RoPE'd q [B, heads, D]) with k and v written into layer i's cache at each slot's position, by
+        the persistent attention-half kernel; None: the per-op path runs (nothing was computed or written)."""
+        from qerl_kernels import decode_layer
+
+        got = self._attn_args.get(i)
+        rows = h.numel() // h.shape[-1]
+        cache = self.cache
+        if (got is None or cache is None or cache.k is None or cache.v is None or rows > decode_layer.ENGINE_MAX_M
+                or h.dtype not in (torch.bfloat16, torch.float16) or self.cos.dtype != h.dtype
+                or positions.shape != (rows,) or positions.dtype != torch.int64):
+            return None
+        name = f"model.layers.{i}.{self.attn_norm}"
+        with region("qgemm"):
+            hn, q = decode_layer.attn_half(h.reshape(rows, -1), None if delta is None else delta.reshape(rows, -1),
+                                           self.norm_w[name], self.norm_eps[name], got[0], got[1], self.cos,
+                                           self.sin, positions, cache.k[i], cache.v[i], self.num_heads)
+        return hn.view(h.shape), q
 
     def _mlp_half(self, i: int, h: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(h + o_proj(o), the MLP's output) by the persistent kernel, or None (the per-GEMM path runs)."""
@@ -342,9 +385,10 @@ class ModelRunner:
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        attend: Callable[[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor],
         rope_in_attend: bool = False,
         route_sink: RouteSink | None = None,
+        decode_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run every decoder layer on ``h`` [B, T, hidden] and return the FINAL-NORMED hidden states.
 
@@ -352,6 +396,9 @@ class ModelRunner:
         (Qwen3) and, unless ``rope_in_attend``, RoPE (cos/sin broadcast to them). Each residual add is fused
         with the norm that reads its result (``ops.add_rms_norm``), the last one with the model's final norm.
         ``route_sink`` gets each sparse layer's top-k expert index (the routing the engine records).
+        ``decode_positions`` (the decode step's, one token per slot): where the persistent attention half applies it
+        does the residual add, norm, q/k/v, RoPE and the KV write, and ``attend(i, q, None, None)`` gets the rotated
+        q [B, heads, D].
         """
         b, t = h.shape[:2]
         plan = self.plan
@@ -359,21 +406,27 @@ class ModelRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             lp = plan.layers[i] if plan is not None else None
-            h, x, hl = self._add_norm_shrink(f"model.layers.{i}.{self.attn_norm}", h, delta, lp and lp.qkv)
-            if lp is not None:
-                q, k, v = lp.qkv(x, hl)
+            fused_attn = (self._attn_half(i, h, delta, decode_positions)
+                          if decode_positions is not None and lp is not None and self._attn_args else None)
+            if fused_attn is not None:
+                h, q = fused_attn
+                o = attend(i, q, None, None)
             else:
-                q, k, v = (getattr(attn, name)(x) for name in self.proj.qkv)
-            q = q.view(b, t, self.num_heads, self.head_dim)
-            k = k.view(b, t, self.num_kv_heads, self.head_dim)
-            v = v.view(b, t, self.num_kv_heads, self.head_dim)
-            if self.qk_norm is not None:
-                q = self._norm(f"model.layers.{i}.self_attn.{self.qk_norm[0]}", q)
-                k = self._norm(f"model.layers.{i}.self_attn.{self.qk_norm[1]}", k)
-            if not rope_in_attend:
-                q = _apply_rope(q, cos, sin)
-                k = _apply_rope(k, cos, sin)
-            o = attend(i, q, k, v)
+                h, x, hl = self._add_norm_shrink(f"model.layers.{i}.{self.attn_norm}", h, delta, lp and lp.qkv)
+                if lp is not None:
+                    q, k, v = lp.qkv(x, hl)
+                else:
+                    q, k, v = (getattr(attn, name)(x) for name in self.proj.qkv)
+                q = q.view(b, t, self.num_heads, self.head_dim)
+                k = k.view(b, t, self.num_kv_heads, self.head_dim)
+                v = v.view(b, t, self.num_kv_heads, self.head_dim)
+                if self.qk_norm is not None:
+                    q = self._norm(f"model.layers.{i}.self_attn.{self.qk_norm[0]}", q)
+                    k = self._norm(f"model.layers.{i}.self_attn.{self.qk_norm[1]}", k)
+                if not rope_in_attend:
+                    q = _apply_rope(q, cos, sin)
+                    k = _apply_rope(k, cos, sin)
+                o = attend(i, q, k, v)
             fused_mlp = self._mlp_half(i, h, o) if lp is not None and self._mlp_args else None
             if fused_mlp is not None:
                 h, delta = fused_mlp
@@ -558,17 +611,20 @@ class ModelRunner:
         sin = self.sin[positions][:, None, None, :]
         mask = decode_mask(positions, kv_len, self.dtype)
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
             layer_k, layer_v = cache_k[i], cache_v[i]
-            # RoPE of q and k and the cache write of k and v at each slot's position: one kernel on CUDA
-            with region("elementwise"):
-                q = self.ops.rope_kv_write(q, k, v, positions, rows, cos, sin, self.cos, self.sin, layer_k, layer_v)
+            if k is not None and v is not None:
+                # RoPE of q and k and the cache write of k and v at each slot's position: one kernel on CUDA (k None:
+                # the persistent attention half did both, q is rotated)
+                with region("elementwise"):
+                    q = self.ops.rope_kv_write(q, k, v, positions, rows, cos, sin, self.cos, self.sin, layer_k,
+                                               layer_v)
             with region("attn"):
                 o = self.attention(q, layer_k, layer_v, kv_len, mask, positions)
             return o.reshape(b, 1, self.num_heads * self.head_dim)
 
         x = self._layers(self._embed(tokens[:, None]), cos, sin, attend, rope_in_attend=True,
-                         route_sink=self._cache_sink(rows, positions))
+                         route_sink=self._cache_sink(rows, positions), decode_positions=positions)
         return self._logits(x[:, 0])
 
 

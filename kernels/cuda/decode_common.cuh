@@ -1,0 +1,299 @@
+// The device code shared by the persistent decode-layer kernels (decode_layer.cu: the MLP half; decode_attn.cu: the
+// attention half): the CTA's warp roles and ring, activation values and the mma-fragment input layout, the grid-wide
+// counters, the balanced unit ranges, the LoRA shrink units / h sums / expand, the fix-up's partial sums and the
+// 1/rms of a token. Both kernels include it (nvcc_build hashes it into both libraries); docs/decode.md ("The
+// persistent decode layer") describes the machinery.
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include "fp4_frag.cuh"
+
+namespace qerl_dl {
+
+using namespace qerl;  // the fragment and pipeline helpers of fp4_frag.cuh
+
+#ifndef QERL_DL_S
+#define QERL_DL_S 4
+#endif
+#ifndef QERL_DL_MINB
+#define QERL_DL_MINB 2
+#endif
+constexpr int NW = 8;            // warps per CTA: NG GEMM warps and one LoRA warp
+constexpr int NG = NW - 1;       // the GEMM warps (0 .. NG-1)
+constexpr int LW = NW - 1;       // the LoRA warp: the three shrinks, beside the GEMMs
+constexpr int S = QERL_DL_S;     // cp.async ring stages per warp (a power of two: slots by mask)
+static_assert(S >= 2 && (S & (S - 1)) == 0, "QERL_DL_S: a power of two");
+constexpr int MINB = QERL_DL_MINB;
+constexpr int PF_UNITS = 8;      // units of its next range a warp prefetches into L2 before a wait
+
+struct Gemm {
+  const uint8_t* w;   // resident repacked weight [N, K/2], tiled (64-row groups)
+  const uint8_t* s;   // checkpoint E4M3 block scales [N, K/16]
+  const float* gs;    // NVFP4 global scale [1]
+  const uint16_t* a;  // LoRA A_cat [R, K], activation dtype (null: no LoRA)
+  const uint16_t* b;  // LoRA B_blk [N, R], scaling folded in
+  float* hp;          // shrink partials [nseg][M][R] fp32
+  uint16_t* hg;       // h = x @ A^T [M][R], activation dtype (rounded like the present path's shrink output)
+  float4* part;       // GEMM partials [blocks][pmax][halves][MT][32] (mma fragment order)
+  unsigned* bcnt;     // [blocks] partials counted per block; zero between launches
+  int N, K, R, kseg, nseg, pmax;
+};
+
+// ---- activation values ------------------------------------------------------------------------------------------
+template <bool BF16>
+__device__ __forceinline__ float f16(uint16_t v) {
+  if constexpr (BF16) {
+    return __uint_as_float((uint32_t)v << 16);
+  } else {
+    return __half2float(__ushort_as_half(v));
+  }
+}
+template <bool BF16>
+__device__ __forceinline__ uint16_t r16(float v) {
+  if constexpr (BF16) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  } else {
+    return __half_as_ushort(__float2half_rn(v));
+  }
+}
+__device__ __forceinline__ uint32_t ld32(const uint16_t* p) {  // coherent: p may have been written in this launch
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// The mma B fragments of lane (g, q) for the 8 tokens of tile t and 32-wide slice kb of an input of K columns are
+// one uint4 (b_frags of the u32 pairs at 32kb + 8j + 2q, j = 0..3, of token 8t + g), stored at
+// xp[(t * K/32 + kb) * 32 + lane]: the GEMM stages read one 16-byte load per slice instead of four loads and four
+// byte permutes. Element (tok, k) of the input sits in that uint4's u32 (j even: x, j odd: y; +2 for odd k) half j/2.
+__device__ __forceinline__ size_t xp_index(int K, int t, int kb, int lane) {
+  return ((size_t)t * (K >> 5) + kb) * 32 + lane;
+}
+__device__ __forceinline__ uint16_t* xp_element(uint4* xp, int K, int tok, int k) {
+  const int w = k & 31, j = w >> 3, q = (w & 7) >> 1, word = (j & 1) + 2 * (w & 1);
+  uint4* at = xp + xp_index(K, tok >> 3, k >> 5, (tok & 7) * 4 + q);
+  return reinterpret_cast<uint16_t*>(reinterpret_cast<uint32_t*>(at) + word) + (j >> 1);
+}
+
+// ---- memory pipeline and grid-wide counters ---------------------------------------------------------------------
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+// This CTA's 1/C share of [p, p + bytes) into L2 (16-byte aligned pieces of at most 4 KiB, one per thread).
+__device__ __forceinline__ void prefetch_share(const void* p, size_t bytes, int c, int C) {
+  if (p == nullptr || bytes == 0) return;
+  const size_t lo = (bytes * c / C) & ~(size_t)15, hi = c + 1 == C ? bytes : (bytes * (c + 1) / C) & ~(size_t)15;
+  const unsigned char* b = static_cast<const unsigned char*>(p);
+  for (size_t off = lo + (size_t)threadIdx.x * 4096; off < hi; off += (size_t)blockDim.x * 4096) {
+    const size_t n = hi - off < 4096 ? hi - off : 4096;
+    if (n >= 16) prefetch_l2(b + off, (unsigned)(n & ~(size_t)15));
+  }
+}
+
+// Grid-wide phases: a part of a phase is written, made visible at GPU scope, then counted on the phase's counter; a
+// consumer polls the counter with acquire loads until it holds the grid size. The GEMM warps of a CTA count and wait
+// as one (named barrier 1), the LoRA warp on its own.
+__device__ __forceinline__ void poll(const unsigned* c, unsigned n) {
+  unsigned v;
+  for (;;) {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+    if (v >= n) break;
+    __nanosleep(32);
+  }
+}
+__device__ __forceinline__ void bar_gemm() { asm volatile("bar.sync 1, %0;" ::"n"(NG * 32) : "memory"); }
+__device__ __forceinline__ void arrive_gemm(unsigned* c) {
+  bar_gemm();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(c, 1u);
+  }
+}
+__device__ __forceinline__ void wait_gemm(const unsigned* c, unsigned n) {
+  if (threadIdx.x == 0) poll(c, n);
+  bar_gemm();
+}
+__device__ __forceinline__ void arrive_warp(unsigned* c) {
+  __threadfence();
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) atomicAdd(c, 1u);
+}
+__device__ __forceinline__ void wait_warp(const unsigned* c, unsigned n) {
+  if ((threadIdx.x & 31) == 0) poll(c, n);
+  __syncwarp();
+}
+
+// ---- shared memory ----------------------------------------------------------------------------------------------
+template <int MT>
+struct Smem {
+  static constexpr int RING = S * NG * 1024;            // [S][NG][2 rows][32 lanes] uint4
+  static constexpr int SC = S * NG * 16 * 8;            // [S][NG][16 rows] uint2 block scales
+  static constexpr int CS = NG * 16 * 16;               // [NG][16 rows] uint4: the unit's scale pairs, converted
+  static constexpr int RS = 2 * 16 * 4;                 // [2][16] 1/rms per token (GEMM warps, LoRA warp)
+  static constexpr int BYTES = RING + SC + CS + RS;
+};
+
+// Stage geometry: blocks (gate/up: pairs), units per block, 128-wide K chunks, and the warps that share its units:
+// all W of the grid, or one per unit where the stage has fewer (so that every sharing warp holds at least one unit
+// and a block's partials come from consecutive warps). 32-bit: the host checks units * W < 2^31.
+struct Geo {
+  int nb, u, kc, t, we;
+};
+// Warp v's range of a stage's units: [first(v), first(v + 1)) (empty for v >= we); the warp whose range holds unit x.
+__device__ __forceinline__ int range_first(const Geo& G, int v) {
+  return v >= G.we ? G.t : (int)((unsigned)v * (unsigned)G.t / (unsigned)G.we);
+}
+__device__ __forceinline__ int warp_of(const Geo& G, int x) {
+  return (int)(((unsigned)(x + 1) * (unsigned)G.we + (unsigned)G.t - 1u) / (unsigned)G.t) - 1;
+}
+
+// ---- shrinks: h[M, R] = x @ A^T, as fp32 partials per (16 rank rows, K segment) unit over all warps of the grid ---
+// The units first, first + stride, ... of an A [R, K] (K segment = kseg 128-wide chunks, nseg of them): fp32 partials
+// [seg][M][R] written to hp; xpair(tok, k) gives the u32 of x's (tok, k), (tok, k + 1) (0 past M), so that each
+// kernel forms its input on the fly with the bits its own phases write.
+template <int MT, bool BF16, typename XPair>
+__device__ __forceinline__ void shrink_run(const uint16_t* A, float* hp, int K, int R, int kseg, int nseg, int M,
+                                           int first, int stride, XPair xpair) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int nrk = (R + 15) >> 4, units = nrk * nseg, KC = K >> 7;
+  for (int u = first; u < units; u += stride) {
+    const int rk = u % nrk, seg = u / nrk;
+    const int r0 = rk * 16;
+    const bool hi = r0 + 8 < R;
+    const uint16_t* a0p = A + (size_t)(r0 + g) * K + 2 * q;
+    const uint16_t* a1p = a0p + (size_t)8 * K;
+    float acc[MT][4];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    const int c1 = (seg + 1) * kseg < KC ? (seg + 1) * kseg : KC;
+#pragma unroll 4
+    for (int k0 = seg * kseg * 128; k0 < c1 * 128; k0 += 16) {
+      const uint32_t a0 = __ldg(reinterpret_cast<const unsigned*>(a0p + k0));
+      const uint32_t a2 = __ldg(reinterpret_cast<const unsigned*>(a0p + k0 + 8));
+      const uint32_t a1 = hi ? __ldg(reinterpret_cast<const unsigned*>(a1p + k0)) : 0u;
+      const uint32_t a3 = hi ? __ldg(reinterpret_cast<const unsigned*>(a1p + k0 + 8)) : 0u;
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        const int tok = t * 8 + g;
+        const uint32_t b0 = xpair(tok, k0 + 2 * q);
+        const uint32_t b1 = xpair(tok, k0 + 8 + 2 * q);
+        mma<BF16>(acc[t], a0, a1, a2, a3, b0, b1);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = t * 8 + 2 * q + (e & 1), r = r0 + g + (e >> 1) * 8;
+        if (tok < M && r < R) hp[((size_t)seg * M + tok) * R + r] = acc[t][e];
+      }
+    }
+  }
+}
+
+// The RMSNorm output pair x = rnd(w * rnd(h * r)) of h pair hv and weight pair wv (the present path's roundings).
+template <bool BF16>
+__device__ __forceinline__ uint32_t norm_pair(uint32_t hv, uint32_t wv, float r) {
+  const uint16_t lo = r16<BF16>(__fmul_rn(f16<BF16>((uint16_t)(wv & 0xffffu)),
+                                          f16<BF16>(r16<BF16>(__fmul_rn(f16<BF16>((uint16_t)(hv & 0xffffu)), r)))));
+  const uint16_t hi = r16<BF16>(__fmul_rn(f16<BF16>((uint16_t)(wv >> 16)),
+                                          f16<BF16>(r16<BF16>(__fmul_rn(f16<BF16>((uint16_t)(hv >> 16)), r)))));
+  return (uint32_t)lo | ((uint32_t)hi << 16);
+}
+
+// 1/rms of token tok from the per-16-column-block sums of squares ss [H/16][M]: lane l sums blocks l, l+32, ... in
+// order (loaded 8 at a time, so the L2 round trips overlap), then a butterfly over the 32 lanes. Every lane returns
+// it.
+__device__ __forceinline__ float inv_rms_of(const float* ss, int H, int M, float eps, int tok, int lane) {
+  const int nb = H >> 4;
+  float s2 = 0.f;
+  for (int b0 = lane; b0 < nb; b0 += 8 * 32) {
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = b0 + 32 * i < nb ? __ldcg(ss + (size_t)(b0 + 32 * i) * M + tok) : 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (b0 + 32 * i < nb) s2 = __fadd_rn(s2, v[i]);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s2 = __fadd_rn(s2, __shfl_xor_sync(0xffffffffu, s2, off));
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s2, (float)H), eps)));
+}
+
+// A group's h = (sum of its shrink partials hp [nseg][n] in segment order), rounded to the activation dtype: this
+// CTA's 1/C share of its n = M x R values, by one warp.
+template <bool BF16>
+__device__ __forceinline__ void sum_h_share(const float* hp, uint16_t* hg, int nseg, int n, int c, int C) {
+  const int hi = (int)((long long)(c + 1) * n / C);
+  for (int i = (int)((long long)c * n / C) + (threadIdx.x & 31); i < hi; i += 32) {
+    float v = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < nseg; ++s) v = __fadd_rn(v, __ldcg(hp + (size_t)s * n + i));
+    hg[i] = r16<BF16>(v);
+  }
+}
+
+// launch: coherent loads) operand B.
+template <int MT, bool BF16>
+__device__ __forceinline__ void lora_expand(float (&v)[MT][4], const uint16_t* B, int R, int row0, const uint16_t* hg,
+                                            int M, int g, int q) {
+  const uint16_t* b0 = B + (size_t)(row0 + g) * R + 2 * q;
+  const uint16_t* b1 = b0 + (size_t)8 * R;
+#pragma unroll 4
+  for (int r0 = 0; r0 < R; r0 += 16) {
+    const bool hi = r0 + 8 < R;
+    const uint32_t a0 = __ldg(reinterpret_cast<const unsigned*>(b0 + r0));
+    const uint32_t a1 = __ldg(reinterpret_cast<const unsigned*>(b1 + r0));
+    const uint32_t a2 = hi ? __ldg(reinterpret_cast<const unsigned*>(b0 + r0 + 8)) : 0u;
+    const uint32_t a3 = hi ? __ldg(reinterpret_cast<const unsigned*>(b1 + r0 + 8)) : 0u;
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      const uint16_t* hr = hg + (size_t)(t * 8 + g) * R + r0 + 2 * q;
+      const bool live = t * 8 + g < M;
+      const uint32_t x0 = live ? ld32(hr) : 0u;
+      const uint32_t x1 = live && hi ? ld32(hr + 8) : 0u;
+      mma<BF16>(v[t], a0, a1, a2, a3, x0, x1);
+    }
+  }
+}
+
+// Sum of a block's np partials of one half in index order, x alpha (fragment positions of this lane).
+template <int MT>
+__device__ __forceinline__ void sum_block(float (&v)[MT][4], const float4* slot0, int halves, int half, int np,
+                                          float alpha, int lane) {
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    float4 s4 = __ldcg(slot0 + (half * MT + t) * 32 + lane);
+    for (int i = 1; i < np; ++i) {
+      const float4 o = __ldcg(slot0 + ((size_t)(i * halves + half) * MT + t) * 32 + lane);
+      s4.x = __fadd_rn(s4.x, o.x);
+      s4.y = __fadd_rn(s4.y, o.y);
+      s4.z = __fadd_rn(s4.z, o.z);
+      s4.w = __fadd_rn(s4.w, o.w);
+    }
+    v[t][0] = __fmul_rn(s4.x, alpha);
+    v[t][1] = __fmul_rn(s4.y, alpha);
+    v[t][2] = __fmul_rn(s4.z, alpha);
+    v[t][3] = __fmul_rn(s4.w, alpha);
+  }
+}
+
+
+// The launch's end: the last CTA (every other one is past its last wait) zeroes the N counters for the next launch,
+// so a CUDA graph replays the kernel with no reset kernel. cnt[end] counts the CTAs that got here.
+template <int N>
+__device__ __forceinline__ void end_of_launch(unsigned* cnt, int end) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(cnt + end, 1u) == gridDim.x - 1) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) atomicExch(cnt + i, 0u);
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace qerl_dl
