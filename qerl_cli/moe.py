@@ -311,7 +311,7 @@ def _backward_loop(experts: MoeExperts, proj: str, x: torch.Tensor, dy: torch.Te
             if need_b:
                 db[e] += ((g.t() @ (xin @ ae.t())) * s).float()
     if dx is not None and x_div > 1:  # several assignments read one token: summed in a fixed order
-        dx = dx.view(x.shape[0], x_div, -1).sum(1)
+        dx = dx.view(x.shape[0], x_div, x.shape[1]).sum(1)
     return dx, None if da is None else da.to(a.dtype), None if db is None else db.to(b.dtype)
 
 
@@ -338,7 +338,7 @@ def _backward_grouped(experts: MoeExperts, proj: str, x: torch.Tensor, dy: torch
         kind, w = _grouped_weight(experts, proj, dy)
         dx = grouped_linear_t(dy, rows, bexp, kind=kind, **w, lora_u=u if lora else None, lora_a=ad)
         if x_div > 1:  # several assignments read one token: summed in a fixed order, as the loop does
-            dx = dx.view(x.shape[0], x_div, -1).sum(1)
+            dx = dx.view(x.shape[0], x_div, x.shape[1]).sum(1)
         dx = dx.to(x.dtype)
     if lora and (need_a or need_b):
         starts = expert_block_starts(bexp, experts.num_experts)
