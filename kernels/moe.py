@@ -11,6 +11,11 @@ checkpoint's byte order through ``fp4.fp4_tile``) and writes its outputs in assi
 expand ``h[a] @ B_e^T`` (h from a dense grouped call with N = rank) is added in the epilogue, so the adapter costs
 one small launch and no pass over the output.
 
+The backward runs on the same layout: ``grouped_linear_t`` is the transpose (``dx[a] = dy[a] @ W_e``, one program
+per (block, K tile) reducing over N through the same weight tiles, a LoRA ``u[a] @ A_e`` in the epilogue) and
+``segment_outer`` the per-expert sums ``sum_a L[a]^T R[a]`` over each expert's blocks in order (the LoRA factors'
+gradients), both deterministic: every output tile has one program and one summation order, no atomics.
+
 Weights: dense ``[E, N, K]``; FP4 ``packed [E, N, K/2]`` uint8 (element 2j in the low nibble), ``scale [E, N, K/G]``
 (E4M3 for NVFP4, E8M0 for MXFP4), NVFP4's ``global_scale [E]`` float32. Accumulation is fp32; under the
 interpreter everything is fp32 (see ``_common``).

@@ -14,7 +14,9 @@ The computation (:class:`ExpertProjection`): the top-k assignments are sorted by
 one grouped GEMM over all experts (``qerl_kernels.moe.grouped_linear`` on CUDA: no host sync, so it runs inside the
 decode CUDA graph; a per-expert loop elsewhere), with the LoRA delta of each assignment's own expert, and the
 down-projection outputs are summed with the routing weights. The backward (training; frozen base, LoRA gradients)
-loops over the experts and dequantizes one expert's weight at a time. docs/moe.md.
+runs wherever the grouped forward runs as grouped kernels on the same sorted rows (``grouped_linear_t`` for dX,
+``segment_outer`` for the factors' gradients); elsewhere it loops over the experts, dequantizing one expert's weight
+at a time (the reference). docs/moe.md.
 """
 
 from __future__ import annotations
@@ -259,7 +261,8 @@ class Routing:
 class ExpertProjection(torch.autograd.Function):
     """y [T*k, N] in assignment order: each assignment's input row (x row ``a // x_div``) through its expert's
     weight of one projection, plus its expert's LoRA delta. Gradients reach x and the LoRA factors (the base is
-    frozen); the backward dequantizes one expert at a time."""
+    frozen): grouped kernels when ``routing.kernels`` (:func:`_backward_grouped`), else one expert at a time
+    (:func:`_backward_loop`)."""
 
     @staticmethod
     def run(experts: MoeExperts, proj: str, x: torch.Tensor, routing: Routing, x_div: int,
