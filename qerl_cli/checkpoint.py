@@ -20,14 +20,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from qerl_cli.arch import Projections
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import WeightFormat, dequantize, detect
 from qerl_cli.qlinear import QuantLinear
 
 QERL_META = "qerl_quant.json"
 SHARD_BYTES = 4 * 2**30
-# Layers that vLLM fuses into one GEMM must share one NVFP4 global scale.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def matches(name: str, patterns: list[str]) -> bool:
@@ -67,15 +66,16 @@ def target_linears(model: nn.Module, ignore: list[str]) -> tuple[dict[str, nn.Li
     return targets, skipped
 
 
-def fused_global_scales(targets: dict[str, nn.Linear]) -> dict[str, torch.Tensor]:
-    """NVFP4 global scale per layer, shared (max amax) across q/k/v and across gate/up."""
+def fused_global_scales(targets: dict[str, nn.Linear], projections: Projections) -> dict[str, torch.Tensor]:
+    """NVFP4 global scale per layer, shared (max amax) within each group the architecture fuses (q/k/v, gate/up):
+    vLLM runs a fused group as one GEMM, which reads one global scale."""
     from qerl_cli.formats import nvfp4_global_scale
 
     amax = {n: m.weight.detach().float().abs().max() for n, m in targets.items()}
     scales: dict[str, torch.Tensor] = {}
     for name in targets:
         parent, _, leaf = name.rpartition(".")
-        group = next((g for g in FUSED_GROUPS if leaf in g), (leaf,))
+        group = projections.fused_group(leaf)
         members = [f"{parent}.{g}" if parent else g for g in group if (f"{parent}.{g}" if parent else g) in targets]
         scales[name] = nvfp4_global_scale(max(amax[m] for m in members))
     return scales

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from qerl_cli.bench.mismatch_settings import DEFAULTS as MISMATCH
 from qerl_cli.errors import Preempted, QerlError, path_error
 
 app = typer.Typer(
@@ -393,19 +394,19 @@ def bench_rollout(
 @bench_app.command("mismatch", short_help="Training-inference mismatch per precision and format.")
 def bench_mismatch(
     run: Annotated[Path | None, _run_opt("Use the run's quantized model (else the embedded model).")] = None,
-    precisions: Annotated[str, Opt(help="Comma-separated: bf16,fp16,fp32")] = "bf16,fp16,fp32",
-    formats: Annotated[str, Opt(help="Comma-separated formats (embedded model).")] = "bf16,nvfp4,mxfp4,int8,fp8",
-    task: str = "arith",
-    prompts: int = 16,
-    samples: int = 4,
-    max_tokens: int = 32,
-    temperature: float = 1.0,
-    seed: int = 0,
+    precisions: Annotated[str, Opt(help="Comma-separated: bf16,fp16,fp32")] = ",".join(MISMATCH.precisions),
+    formats: Annotated[str, Opt(help="Comma-separated formats (embedded model).")] = ",".join(MISMATCH.formats),
+    task: str = MISMATCH.task,
+    prompts: int = MISMATCH.prompts,
+    samples: int = MISMATCH.samples,
+    max_tokens: int = MISMATCH.max_tokens,
+    temperature: float = MISMATCH.temperature,
+    seed: int = MISMATCH.seed,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench, else ./qerl-bench/mismatch-DATE-TIME).")]
     = None,
     shape: Annotated[str | None, Opt(help="Random model of this shape, e.g. qwen2.5-7b.")] = None,
-    device: Annotated[str, Opt(help="cpu | cuda")] = "cpu",
-    prompt_len: Annotated[int, Opt(help="Random prompt length with --shape.")] = 64,
+    device: Annotated[str, Opt(help="cpu | cuda")] = MISMATCH.device,
+    prompt_len: Annotated[int, Opt(help="Random prompt length with --shape.")] = MISMATCH.prompt_len,
 ) -> None:
     """Training-inference mismatch (k1, k3, max |dp|, sequence log-ratio) per precision x format, with plots."""
     from qerl_cli.bench.mismatch import bench_mismatch as run_bench

@@ -28,15 +28,16 @@ from peft.tuners.lora.layer import LoraLayer
 from peft.tuners.lora.layer import ParamWrapper as PeftParamWrapper
 from torch import nn
 
+from qerl_cli.arch import DEFAULT_LORA_TARGETS, find_spec
 from qerl_cli.errors import QerlError
 from qerl_cli.lora_linear import FastLoraForward
 from qerl_cli.manifest import read_regular_text
 from qerl_cli.moe import CHECKPOINT_PARTS, PROJECTIONS, LoraFactors, MoeExperts
 from qerl_cli.qlinear import QuantLinear
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# the module targets that put a LoRA on a stacked expert projection (gate and up are one fused projection)
-EXPERT_TARGETS = {"gate_up_proj": ("gate_proj", "up_proj", "gate_up_proj"), "down_proj": ("down_proj",)}
+# the module targets that put a LoRA on a stacked expert projection: its own name or a per-expert linear it is
+# written as (gate and up are one fused projection)
+EXPERT_TARGETS = {p: (*parts, p) for p, parts in CHECKPOINT_PARTS.items()}
 
 
 def _move_adapter(layer: nn.Module, adapter_name: str, target: torch.device) -> None:
@@ -222,10 +223,21 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p for name, p in model.named_parameters() if "lora_" in name}
 
 
+def arch_targets(model: nn.Module, targets: list[str]) -> list[str]:
+    """``targets`` in the model's own projection names: lora_targets are written in the built-in architectures'
+    names (the default, run configs, the CLI), which an architecture that names its projections otherwise maps by
+    role (its q for q_proj, ...); any other name is a module name of its own and stays."""
+    spec = find_spec(model)
+    if spec is None:
+        return targets
+    own = dict(zip(DEFAULT_LORA_TARGETS, spec.projections.names, strict=True))
+    return [own.get(t, t) for t in targets]
+
+
 def make_lora_config(rank: int = 32, alpha: float | None = None, targets: list[str] | tuple[str, ...] | None = None,
                      dropout: float = 0.0) -> LoraConfig:
     cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
-                     target_modules=list(targets or DEFAULT_TARGETS), lora_dropout=dropout, bias="none",
+                     target_modules=list(targets or DEFAULT_LORA_TARGETS), lora_dropout=dropout, bias="none",
                      task_type="CAUSAL_LM")
     cfg._register_custom_module(CUSTOM_LAYERS)
     return cfg
@@ -235,7 +247,9 @@ def attach_lora(model: nn.Module, config: LoraConfig, seed: int | None = None) -
     """Wrap `model` with fresh adapters; only the adapters are trainable afterwards."""
     for p in model.parameters():
         p.requires_grad_(False)
-    targets = list(config.target_modules or ())
+    targets = arch_targets(model, list(config.target_modules or ()))
+    if set(targets) != set(config.target_modules or ()):
+        config.target_modules = set(targets)
     experts = expert_parameters(model, targets)
     if experts:
         if config.lora_dropout:

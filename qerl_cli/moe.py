@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qerl_cli.arch import find_spec
+from qerl_cli.arch.qwen3_moe import QWEN3_MOE
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import (
     QuantizedWeight,
@@ -40,18 +42,21 @@ from qerl_cli.formats import (
     nvfp4_global_scale,
 )
 
-MOE_MODEL_TYPES = ("qwen3_moe",)
-PROJECTIONS = ("gate_up_proj", "down_proj")
-# the per-expert linears of a projection on disk (gate rows first in the fused gate_up)
-CHECKPOINT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# qerl's experts hold the layout Qwen3-MoE declares (transformers' fused expert parameters, qerl_cli/arch/qwen3_moe.py):
+# the stacked parameters' names and the per-expert linears each is written as on disk (gate rows first in gate_up)
+GATE_UP, DOWN = QWEN3_MOE.moe.gate_up, QWEN3_MOE.moe.down
+PROJECTIONS = (GATE_UP, DOWN)
+CHECKPOINT_PARTS = QWEN3_MOE.expert_parts()
 # one tensor per expert, the same for its gate and up (NVFP4's global scale, NF4's code table)
 _SHARED = ("weight_global_scale", "quant_map")
 _SHAPE = "weight_shape"  # a layer's [N, K] (INT4): rebuilt per expert when written, not kept
 
 
 def is_moe_config(config: Any) -> bool:
-    """Whether a transformers config is a mixture of experts qerl runs (Qwen3-MoE with experts)."""
-    return getattr(config, "model_type", None) in MOE_MODEL_TYPES and int(getattr(config, "num_experts", 0) or 0) > 0
+    """Whether a transformers config is a mixture of experts qerl runs (its architecture has a sparse block, and the
+    config gives it experts)."""
+    spec = find_spec(config)
+    return spec is not None and spec.experts(config) > 0
 
 
 def check_moe_config(config: Any) -> None:
@@ -75,7 +80,8 @@ class MoeDims:
     def from_config(cls, config: Any) -> MoeDims | None:
         if not is_moe_config(config):
             return None
-        return cls(int(config.num_experts), int(config.num_experts_per_tok), int(config.moe_intermediate_size))
+        dims = find_spec(config).dims(config)
+        return cls(dims.experts, dims.top_k, dims.intermediate)
 
     def active_experts(self, tokens: int) -> float:
         """Expected distinct experts one layer reads for ``tokens`` routed tokens, routing uniform at random:
@@ -125,7 +131,7 @@ class MoeExperts(nn.Module):
 
     def projection_shape(self, proj: str) -> tuple[int, int, int]:
         """(experts, out N, in K) of ``proj``."""
-        if proj == "gate_up_proj":
+        if proj == GATE_UP:
             return self.num_experts, 2 * self.intermediate, self.hidden
         return self.num_experts, self.hidden, self.intermediate
 
@@ -190,10 +196,10 @@ class MoeExperts(nn.Module):
         lora = lora or {}
         t, k = top_k_index.shape
         routing = Routing(top_k_index.reshape(-1), self.num_experts, kernels=self.kernel_kind(hidden) is not None)
-        gu = ExpertProjection.run(self, "gate_up_proj", hidden, routing, k, lora.get("gate_up_proj"))
+        gu = ExpertProjection.run(self, GATE_UP, hidden, routing, k, lora.get(GATE_UP))
         gate, up = gu[:, :self.intermediate], gu[:, self.intermediate:]
         act = F.silu(gate) * up
-        down = ExpertProjection.run(self, "down_proj", act, routing, 1, lora.get("down_proj"))
+        down = ExpertProjection.run(self, DOWN, act, routing, 1, lora.get(DOWN))
         return (down.view(t, k, -1) * top_k_weights.to(down.dtype).unsqueeze(-1)).sum(1)
 
     def kernel_kind(self, x: torch.Tensor) -> str | None:
@@ -578,7 +584,7 @@ def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, fmt: str | Weigh
     tensors: dict[str, dict[str, list[torch.Tensor]]] = {p: {} for p in PROJECTIONS}
     shape_tensor = False
     for i in range(e):
-        for proj, w in (("gate_up_proj", gate_up[i]), ("down_proj", down[i])):
+        for proj, w in ((GATE_UP, gate_up[i]), (DOWN, down[i])):
             w = w.detach().float()
             parts = w.chunk(len(CHECKPOINT_PARTS[proj]))
             gs = nvfp4_global_scale(w.abs().max()) if spec.global_scale else None
@@ -619,10 +625,11 @@ def experts_from_checkpoint(state: dict[str, torch.Tensor], prefix: str, config:
     (unquantized experts, which ``--ignore`` leaves so, in the plain format whatever the checkpoint's)."""
     from qerl_cli.formats import FORMATS
 
-    if spec.quantized and f"{prefix}.0.gate_proj.weight" in state:
+    if spec.quantized and f"{prefix}.0.{CHECKPOINT_PARTS[GATE_UP][0]}.weight" in state:
         spec = next((f for f in FORMATS.values() if not f.quantized), spec)
         group_size, act_quant = None, None
-    e_count, inter, hidden = int(config.num_experts), int(config.moe_intermediate_size), int(config.hidden_size)
+    dims = find_spec(config).dims(config)
+    e_count, inter, hidden = dims.experts, dims.intermediate, dims.hidden
     tensors: dict[str, dict[str, list[torch.Tensor]]] = {p: {} for p in PROJECTIONS}
     shape_tensor = False
     for e in range(e_count):
@@ -647,22 +654,30 @@ def experts_from_checkpoint(state: dict[str, torch.Tensor], prefix: str, config:
 
 
 def sparse_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every sparse MLP of a transformers MoE model (its own block or qerl's)."""
-    return [(n, m) for n, m in model.named_modules() if hasattr(m, "gate") and hasattr(m, "experts")
-            and (isinstance(m, MoeBlock) or hasattr(m.experts, "gate_up_proj"))]
+    """(name, module) of every sparse MLP of a transformers MoE model (its own block or qerl's), by the router and
+    experts attributes its architecture declares."""
+    spec = find_spec(model)
+    moe = spec.moe if spec is not None else None
+    if moe is None:
+        return []
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoeBlock) or (
+        hasattr(m, moe.router) and hasattr(getattr(m, moe.experts, None), moe.gate_up))]
 
 
 def adopt(model: nn.Module, make_experts: Any) -> list[str]:
     """Replace every sparse MLP of ``model`` by a :class:`MoeBlock` keeping its router; ``make_experts(name, block)``
     returns the layer's :class:`MoeExperts`. Returns the experts' module names."""
     check_moe_config(model.config)
+    spec = find_spec(model)
+    top_k = spec.dims(model.config).top_k if spec is not None else 0
     names = []
     for name, block in sparse_layers(model):
         if isinstance(block, MoeBlock):
             continue
         parent, _, leaf = name.rpartition(".")
         experts = make_experts(name, block)
-        setattr(model.get_submodule(parent), leaf, MoeBlock(block.gate, experts, int(model.config.num_experts_per_tok),
+        router = getattr(block, spec.moe.router)
+        setattr(model.get_submodule(parent), leaf, MoeBlock(router, experts, top_k,
                                                             bool(getattr(model.config, "norm_topk_prob", True))))
         names.append(f"{name}.experts")
     return names

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from qerl_cli.arch import layout_of, spec_for
 from qerl_cli.checkpoint import (
     QERL_META,
     check_patterns,
@@ -108,7 +109,7 @@ def _rtn_state(hf_model: torch.nn.Module, targets: dict[str, torch.nn.Module], e
                progress: Callable[[str, int, int], None] | None) -> dict[str, torch.Tensor]:
     """Round-to-nearest: the checkpoint's state dict (quantized targets, everything else in `out_dtype`); each
     layer's error goes to `result.layers`."""
-    global_scales = fused_global_scales(targets) if spec.global_scale else {}
+    global_scales = fused_global_scales(targets, layout_of(hf_model).projections) if spec.global_scale else {}
     state: dict[str, torch.Tensor] = {}
     for i, (name, linear) in enumerate(targets.items()):
         if progress:
@@ -247,11 +248,12 @@ def expert_linears(model: torch.nn.Module, ignore: list[str], spec: WeightFormat
     if spec.quantized and spec.ct_format is None:
         raise QerlError(f"{spec.name} has no mixture-of-experts layout that vLLM or transformers reads: choose a "
                         "compressed-tensors format (nvfp4, mxfp4, int4, int8, fp8) or bf16")
+    moe = spec_for(model).moe
     for layer, block in sparse_layers(model):
-        out.skipped.append(f"{layer}.gate")
-        out.prefixes += (f"{layer}.experts.",)
-        stacks = dense_experts(block.experts)
-        linears = {f"{layer}.experts.{e}.{part}": view for proj, parts in CHECKPOINT_PARTS.items()
+        out.skipped.append(f"{layer}.{moe.router}")
+        out.prefixes += (f"{layer}.{moe.experts}.",)
+        stacks = dense_experts(getattr(block, moe.experts))
+        linears = {f"{layer}.{moe.experts}.{e}.{part}": view for proj, parts in CHECKPOINT_PARTS.items()
                    for e, w in enumerate(stacks[proj]) for part, view in zip(parts, w.chunk(len(parts)), strict=True)}
         ignored = [n for n in linears if matches(n, ignore)]
         if ignored and len(ignored) < len(linears):  # one layer's experts are one stack in one format

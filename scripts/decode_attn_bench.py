@@ -10,8 +10,8 @@ layer; CUDA events, median of triton's do_bench):
   * qerl's split-KV decode (``qerl_kernels.decode_attention``, ``decode_attn=split``): live keys only.
 GB/s are of the live K/V bytes (what the step needs); ``bucket GB/s`` of what SDPA reads.
 Times are per call from CUDA-graph replays (as the engine runs the step), launch-by-launch where a call
-cannot be captured. Shapes: batch 8/64/256 x KV 512/2048/8192 for the Qwen2.5-7B (28 q heads over 4 KV heads, d 128) and -32B
-(40 over 8) layouts.
+cannot be captured. Shapes: batch 8/64/256 x KV 512-8192 for the Qwen2.5-7B (28 q heads over 4 KV heads, d 128)
+and -32B (40 over 8) layouts.
 
 Sampling over [batch, 152064] bf16 logits, batch 8/64/256: qerl's torch path, qerl's one-pass kernel
 (temperature 1, and 0.7), qerl's top-p 0.9 / top-k 50 (torch filter + the one pass), FlashInfer's

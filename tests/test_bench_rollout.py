@@ -110,8 +110,8 @@ def test_roofline_arithmetic():
 def test_compute_aware_roofline_takes_the_larger_floor_per_category():
     """Batch 256: the GEMM needs 1 GB (0.25 ms at 4000 GB/s) but 3 TFLOP (4 ms at 750 TFLOP/s), attention 2 GB
     (0.5 ms) and 10 GFLOP: step floor 4.5 ms -> 256 / 4.5 ms = 56,889 tok/s; at 20,000 tok/s that is 35.2%."""
-    from qerl_cli.bench.roofline import floors, step_floor_ms
     from qerl_cli.bench.rollout import _compute_aware_roofline
+    from qerl_cli.bench.roofline import floors, step_floor_ms
 
     fl = floors({"quantized GEMM": 1e9, "attention": 2e9}, {"quantized GEMM": 6.0, "attention": 1.0}, 4000.0,
                 {"quantized GEMM": 3e12, "attention": 1e10}, 750.0)

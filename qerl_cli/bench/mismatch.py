@@ -37,11 +37,12 @@ from torch import nn
 
 from qerl_cli.bench import harness
 from qerl_cli.bench.harness import SCI, figure, num, save_figure
+from qerl_cli.bench.mismatch_settings import DEFAULTS
 from qerl_cli.errors import QerlError
 from qerl_cli.precision import PRECISIONS, dtype_of
 
-DEFAULT_PRECISIONS = ("bf16", "fp16", "fp32")
-DEFAULT_FORMATS = ("bf16", "nvfp4", "mxfp4", "int8", "fp8")
+DEFAULT_PRECISIONS = DEFAULTS.precisions
+DEFAULT_FORMATS = DEFAULTS.formats
 TASKS = ("arith", "gsm8k")
 SCHEMA = 1
 _SCATTER_POINTS = 4000  # token pairs kept per cell for the scatter plot (not written to JSON)
@@ -75,6 +76,7 @@ def _check_args(precisions: Iterable[str], formats: Iterable[str], task: str, pr
 def _cast_copy(base: nn.Module, fmt: str, dtype: torch.dtype,
                cache: dict[tuple[str, Any], dict[str, Any]] | None = None) -> nn.Module:
     """A copy of the fp32 ``base`` in ``dtype`` with its target linears quantized to ``fmt`` (from fp32)."""
+    from qerl_cli.arch import layout_of
     from qerl_cli.bench.shapes import set_module
     from qerl_cli.checkpoint import fused_global_scales, target_linears
     from qerl_cli.formats import get_format, quantize
@@ -94,7 +96,7 @@ def _cast_copy(base: nn.Module, fmt: str, dtype: torch.dtype,
         key = (fmt, dtype if spec.scales_follow_dtype else None)
         qws = cache.get(key) if cache is not None else None
         if qws is None:
-            scales = fused_global_scales(targets) if spec.global_scale else {}
+            scales = fused_global_scales(targets, layout_of(base).projections) if spec.global_scale else {}
             qws = {name: quantize(lin.weight.detach(), fmt, global_scale=scales.get(name), dtype=dtype)
                    for name, lin in targets.items()}
             if cache is not None:
@@ -207,16 +209,16 @@ def bench_mismatch(
     run_dir: Path | None = None,
     precisions: Iterable[str] = DEFAULT_PRECISIONS,
     formats: Iterable[str] = DEFAULT_FORMATS,
-    task: str = "arith",
-    prompts: int = 16,
-    samples: int = 4,
-    max_tokens: int = 32,
-    temperature: float = 1.0,
-    seed: int = 0,
+    task: str = DEFAULTS.task,
+    prompts: int = DEFAULTS.prompts,
+    samples: int = DEFAULTS.samples,
+    max_tokens: int = DEFAULTS.max_tokens,
+    temperature: float = DEFAULTS.temperature,
+    seed: int = DEFAULTS.seed,
     out_dir: Path | None = None,
     shape: str | None = None,
-    device: str = "cpu",
-    prompt_len: int = 64,
+    device: str = DEFAULTS.device,
+    prompt_len: int = DEFAULTS.prompt_len,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measure pi-vs-mu mismatch for every (format, precision); write JSON + 2 PNGs; return the result.

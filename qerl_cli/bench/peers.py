@@ -34,8 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl_cli.arch import DEFAULT_LORA_TARGETS
+
 TRL_RUNNER = Path(__file__).with_name("trl_runner.py")
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS = list(DEFAULT_LORA_TARGETS)
 
 
 def word_tokenizer(vocab: int, out: Path, eos_id: int | None = None) -> None:

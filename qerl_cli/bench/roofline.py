@@ -161,7 +161,7 @@ def decode_step_bytes(runner: ModelRunner, batch: int, context: int, kv_len: int
         # two residual adds + RMSNorms (the first layer's input norm has no residual to add), SiLU * up
         _add(out, "norm/RoPE/activation", (8 - (1 if i == 0 else 0)) * m * hidden * elem + 2 * hidden * elem)
         _add(out, "norm/RoPE/activation", 3 * m * inter * elem)
-        if runner.has_qk_norm:
+        if runner.qk_norm is not None:
             _add(out, "norm/RoPE/activation", 2 * m * (heads + kvh) * d * elem)
         # RoPE + K/V write: q, k, v in; q out; k, v into the cache
         _add(out, "norm/RoPE/activation", m * ((heads + 2 * kvh) * d + heads * d) * elem + 2 * m * kvh * d * kv_elem)

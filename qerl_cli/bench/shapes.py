@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl_cli.arch import Projections, spec_for
 from qerl_cli.errors import QerlError
 
 WEIGHT_STD = 0.02
@@ -53,15 +54,17 @@ class ModelShape:
         """(name, out N, in K) of one decoder layer's linears, as the model holds them (unfused); of a mixture of
         experts, one expert's projections (``linear_counts`` says how many)."""
         d, kv = self.head_dim, self.kv_heads * self.head_dim
-        mlp = "mlp.experts" if self.experts else "mlp"
+        spec = spec_for(self.family)
+        p = spec.projections
+        mlp = f"mlp.{spec.moe.experts}" if self.experts and spec.moe is not None else "mlp"
         return [
-            ("self_attn.q_proj", self.heads * d, self.hidden),
-            ("self_attn.k_proj", kv, self.hidden),
-            ("self_attn.v_proj", kv, self.hidden),
-            ("self_attn.o_proj", self.hidden, self.heads * d),
-            (f"{mlp}.gate_proj", self.intermediate, self.hidden),
-            (f"{mlp}.up_proj", self.intermediate, self.hidden),
-            (f"{mlp}.down_proj", self.hidden, self.intermediate),
+            (f"self_attn.{p.q}", self.heads * d, self.hidden),
+            (f"self_attn.{p.k}", kv, self.hidden),
+            (f"self_attn.{p.v}", kv, self.hidden),
+            (f"self_attn.{p.o}", self.hidden, self.heads * d),
+            (f"{mlp}.{p.gate}", self.intermediate, self.hidden),
+            (f"{mlp}.{p.up}", self.intermediate, self.hidden),
+            (f"{mlp}.{p.down}", self.hidden, self.intermediate),
         ]
 
     def linear_counts(self) -> list[tuple[str, int, int, int]]:
@@ -78,7 +81,7 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * elem
 
     def config(self) -> Any:
-        from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
+        from transformers import AutoConfig
 
         common = dict(
             hidden_size=self.hidden,
@@ -92,16 +95,13 @@ class ModelShape:
             rms_norm_eps=1e-6,
             initializer_range=WEIGHT_STD,
         )
-        if self.family == "qwen2":
-            cfg = Qwen2Config(**common, rope_theta=self.rope_theta, use_sliding_window=False)
-        elif self.family == "llama":
-            cfg = LlamaConfig(**common, rope_theta=self.rope_theta, head_dim=self.head_dim)
-        elif self.family == "qwen3_moe":
-            cfg = Qwen3MoeConfig(**common, rope_theta=self.rope_theta, head_dim=self.head_dim, num_experts=self.experts,
-                                 num_experts_per_tok=self.top_k, moe_intermediate_size=self.intermediate,
-                                 norm_topk_prob=True)
-        else:
-            raise QerlError(f"unknown model family {self.family!r}")
+        moe = spec_for(self.family).moe  # an unknown family is the registry's error
+        if self.experts and moe is not None:
+            common |= {moe.num_experts_key: self.experts, moe.top_k_key: self.top_k,
+                       moe.intermediate_key: self.intermediate, "norm_topk_prob": True}
+        # the family is the transformers model_type; Qwen2's attention ignores head_dim (it is hidden / heads there)
+        cfg = AutoConfig.for_model(self.family, **common, rope_theta=self.rope_theta, head_dim=self.head_dim,
+                                   use_sliding_window=False)
         cfg.eos_token_id = self.vocab - 1
         cfg.architectures = [type(cfg).__name__.removesuffix("Config") + "ForCausalLM"]  # as the models' config.json
         return cfg
@@ -135,7 +135,8 @@ def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
 
-def _quantized(linears: dict[str, nn.Linear], fmt: str, dtype: torch.dtype) -> dict[str, nn.Module]:
+def _quantized(linears: dict[str, nn.Linear], fmt: str, dtype: torch.dtype,
+               projections: Projections) -> dict[str, nn.Module]:
     """Quantize a layer's freshly drawn linears (nvfp4: one global scale per fused q/k/v and gate/up).
 
     Off CUDA there are no kernels: each frozen weight is dequantized once and cached, as
@@ -148,7 +149,7 @@ def _quantized(linears: dict[str, nn.Linear], fmt: str, dtype: torch.dtype) -> d
     from qerl_cli.checkpoint import fused_global_scales
     from qerl_cli.qlinear import QuantLinear
 
-    scales = fused_global_scales(linears) if spec.global_scale else {}
+    scales = fused_global_scales(linears, projections) if spec.global_scale else {}
     out: dict[str, nn.Module] = {}
     for name, lin in linears.items():
         ql = QuantLinear.from_linear(lin, spec, global_scale=scales.get(name), dtype=dtype)
@@ -232,7 +233,7 @@ def build_random_model(shape: str | ModelShape, fmt: str, device: str | torch.de
             if lin.bias is not None:
                 lin.bias.normal_(0.0, WEIGHT_STD, generator=gen)
             fresh[f"{prefix}.{sub}"] = lin
-        for name, module in _quantized(fresh, fmt, dtype).items():
+        for name, module in _quantized(fresh, fmt, dtype, spec_for(config).projections).items():
             set_module(model, name, module)
         del fresh  # the bf16 draws of this layer are garbage now (unless the format is bf16)
         if spec.experts:

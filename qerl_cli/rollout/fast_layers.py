@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qerl_cli.arch import ArchSpec
 from qerl_cli.errors import QerlError
 from qerl_cli.moe import MoeBlock, route
 from qerl_cli.rollout.regions import region
@@ -337,30 +338,30 @@ class LayerPlan:
     moe: MoePlan | None = None  # a sparse MLP
 
 
-# transformers' MLPs whose forward is exactly down(act(gate(x)) * up(x))
-_GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP")
-
-
-def is_silu_mlp(mlp: nn.Module) -> bool:
+def is_silu_mlp(mlp: nn.Module, arch: ArchSpec) -> bool:
+    """Whether ``mlp`` computes exactly down(silu(gate(x)) * up(x)): a class its architecture declares gated
+    (``ArchSpec.gated_mlps``), with a SiLU activation."""
     act = getattr(mlp, "act_fn", None)
     silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"  # transformers' ACT2FN["silu"]
-    return type(mlp).__name__ in _GATED_MLPS and silu
+    return type(mlp).__name__ in arch.gated_mlps and silu
 
 
 class FastPlan:
     """Per-layer projection groups of a Llama/Qwen decoder stack (see the module docstring)."""
 
-    def __init__(self, layers: list[nn.Module], dtype: torch.dtype, device: torch.device,
+    def __init__(self, layers: list[nn.Module], dtype: torch.dtype, device: torch.device, arch: ArchSpec,
                  epilogue: bool = False, fuse: bool = True) -> None:
-        """``fuse``: q/k/v and gate/up as one GEMM each where their bases can share one (``fuse_bases``)."""
+        """``arch``: the layers' architecture (its projection names and gated MLPs); ``fuse``: q/k/v and gate/up as
+        one GEMM each where their bases can share one (``fuse_bases``)."""
         self.layers: list[LayerPlan] = []
+        p = arch.projections
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = ProjGroup([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device, fuse=fuse, epilogue=epilogue)
-            o = ProjGroup([attn.o_proj], dtype, device, epilogue=epilogue)
-            if is_silu_mlp(mlp):
-                gate_up = ProjGroup([mlp.gate_proj, mlp.up_proj], dtype, device, fuse=fuse, epilogue=epilogue)
-                down = ProjGroup([mlp.down_proj], dtype, device, epilogue=epilogue)
+            qkv = ProjGroup([getattr(attn, n) for n in p.qkv], dtype, device, fuse=fuse, epilogue=epilogue)
+            o = ProjGroup([getattr(attn, p.o)], dtype, device, epilogue=epilogue)
+            if is_silu_mlp(mlp, arch):
+                gate_up = ProjGroup([getattr(mlp, n) for n in p.gate_up], dtype, device, fuse=fuse, epilogue=epilogue)
+                down = ProjGroup([getattr(mlp, p.down)], dtype, device, epilogue=epilogue)
             else:
                 gate_up = down = None
             moe = MoePlan(mlp, dtype, device) if isinstance(mlp, MoeBlock) else None

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qerl_cli.arch import ArchSpec, find_spec, model_types
 from qerl_cli.errors import QerlError
 from qerl_cli.moe import MoeBlock
 from qerl_cli.options import RunOptions, options
@@ -55,7 +56,6 @@ from qerl_cli.rollout.regions import region
 from qerl_cli.rollout.routing import RoutingShape
 from qerl_cli.rollout.sampling import StepSampler
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
 _PEFT_PREFIX = "base_model.model."
 # (sparse layer j, its top-k index [rows, k]) -> None: where a forward's routing is written (routing replay)
@@ -106,7 +106,10 @@ class ModelRunner:
         opts = opts or options()
         self.lm = unwrap_causal_lm(model)
         self.config = self.lm.config
-        self._check_supported(self.config)
+        # what the forward calls by name: the architecture's projections, norms and q/k norms (qerl_cli/arch)
+        self.arch = self._check_supported(self.config)
+        self.proj = self.arch.projections
+        self.attn_norm, self.mlp_norm = self.arch.aqn_norms
         inner = self.lm.model
         self._read_shapes(inner, dtype, max_len, cache_len)
         self._collect_norms(inner)
@@ -135,11 +138,13 @@ class ModelRunner:
         self._choose_fast_path(opts, fast_lora, fused_kernels)
 
     @staticmethod
-    def _check_supported(cfg: Any) -> None:
-        """Refuse what the runner does not reproduce (other architectures, sliding windows, length-dependent RoPE)."""
-        if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+    def _check_supported(cfg: Any) -> ArchSpec:
+        """The architecture's spec; refuses what the runner does not reproduce (architectures whose spec says so or
+        that have none, sliding windows, length-dependent RoPE)."""
+        spec = find_spec(cfg)
+        if spec is None or not spec.engine:
             raise QerlError(
-                f"the builtin rollout engine supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                f"the builtin rollout engine supports model types {', '.join(model_types(lambda s: s.engine))}; "
                 f"got {getattr(cfg, 'model_type', None)!r}"
             )
         if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])) or getattr(
@@ -149,6 +154,7 @@ class ModelRunner:
         rope = _rope_type(cfg)
         if rope in _UNSUPPORTED_ROPE:
             raise QerlError(f"rope type {rope!r} depends on the sequence length; the builtin engine refuses it")
+        return spec
 
     def _read_shapes(self, inner: nn.Module, dtype: torch.dtype | None, max_len: int, cache_len: int | None) -> None:
         """The modules the forward calls and the attention geometry, dtype, device and lengths."""
@@ -163,7 +169,7 @@ class ModelRunner:
         self.head_dim = int(getattr(attn0, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.groups = self.num_heads // self.num_kv_heads
         self.scale = float(getattr(attn0, "scaling", self.head_dim**-0.5))
-        self.has_qk_norm = hasattr(attn0, "q_norm") and hasattr(attn0, "k_norm")
+        self.qk_norm = self.arch.qk_norm  # (q's, k's) attribute names, or None
         self.vocab_size = int(cfg.vocab_size)
         weight = self.embed_tokens.weight
         self.device = weight.device
@@ -179,11 +185,10 @@ class ModelRunner:
         default_eps = float(getattr(self.config, "rms_norm_eps", 1e-6))
         self.norm_modules: dict[str, nn.Module] = {"model.norm": inner.norm}
         for i, layer in enumerate(self.layers):
-            self.norm_modules[f"model.layers.{i}.input_layernorm"] = layer.input_layernorm
-            self.norm_modules[f"model.layers.{i}.post_attention_layernorm"] = layer.post_attention_layernorm
-            if self.has_qk_norm:
-                self.norm_modules[f"model.layers.{i}.self_attn.q_norm"] = layer.self_attn.q_norm
-                self.norm_modules[f"model.layers.{i}.self_attn.k_norm"] = layer.self_attn.k_norm
+            for attr in (self.attn_norm, self.mlp_norm):
+                self.norm_modules[f"model.layers.{i}.{attr}"] = getattr(layer, attr)
+            for attr in self.qk_norm or ():
+                self.norm_modules[f"model.layers.{i}.self_attn.{attr}"] = getattr(layer.self_attn, attr)
         self.norm_eps = {name: _norm_eps(m, default_eps) for name, m in self.norm_modules.items()}
         # Name -> weight used by the forward; set by bind_norms() at the start of every generate().
         self.norm_w: dict[str, torch.Tensor] = {}
@@ -218,7 +223,7 @@ class ModelRunner:
             return
         sig = signature(self.layers)
         if self.plan is None or self.plan.signature != sig:
-            self.plan = FastPlan(self.layers, self.dtype, self.device, fuse=self.fuse_proj,
+            self.plan = FastPlan(self.layers, self.dtype, self.device, self.arch, fuse=self.fuse_proj,
                                  epilogue=self.fused_lora and self.device.type == "cuda")
             self._prepare_kernels()
         else:
@@ -279,7 +284,7 @@ class ModelRunner:
         if args is None or rows > decode_layer.ENGINE_MAX_M or o.dtype not in (torch.bfloat16, torch.float16):
             return None
 
-        name = f"model.layers.{i}.post_attention_layernorm"
+        name = f"model.layers.{i}.{self.mlp_norm}"
         with region("qgemm"):
             h1, delta = decode_layer.mlp_half(o.reshape(rows, -1), h.reshape(rows, -1), self.norm_w[name],
                                               self.norm_eps[name], *args)
@@ -354,17 +359,17 @@ class ModelRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             lp = plan.layers[i] if plan is not None else None
-            h, x, hl = self._add_norm_shrink(f"model.layers.{i}.input_layernorm", h, delta, lp and lp.qkv)
+            h, x, hl = self._add_norm_shrink(f"model.layers.{i}.{self.attn_norm}", h, delta, lp and lp.qkv)
             if lp is not None:
                 q, k, v = lp.qkv(x, hl)
             else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+                q, k, v = (getattr(attn, name)(x) for name in self.proj.qkv)
             q = q.view(b, t, self.num_heads, self.head_dim)
             k = k.view(b, t, self.num_kv_heads, self.head_dim)
             v = v.view(b, t, self.num_kv_heads, self.head_dim)
-            if self.has_qk_norm:
-                q = self._norm(f"model.layers.{i}.self_attn.q_norm", q)
-                k = self._norm(f"model.layers.{i}.self_attn.k_norm", k)
+            if self.qk_norm is not None:
+                q = self._norm(f"model.layers.{i}.self_attn.{self.qk_norm[0]}", q)
+                k = self._norm(f"model.layers.{i}.self_attn.{self.qk_norm[1]}", k)
             if not rope_in_attend:
                 q = _apply_rope(q, cos, sin)
                 k = _apply_rope(k, cos, sin)
@@ -380,8 +385,8 @@ class ModelRunner:
                         hl = self.ops.lora_shrink(o, lp.o.a_cat)
                 delta = lp.o(o, hl)[0]
             else:
-                delta = attn.o_proj(o)
-            h, x, hl = self._add_norm_shrink(f"model.layers.{i}.post_attention_layernorm", h, delta,
+                delta = getattr(attn, self.proj.o)(o)
+            h, x, hl = self._add_norm_shrink(f"model.layers.{i}.{self.mlp_norm}", h, delta,
                                              lp and lp.gate_up)
             mlp = layer.mlp
             if lp is not None and lp.gate_up is not None and lp.down is not None:
@@ -397,8 +402,10 @@ class ModelRunner:
                 delta = lp.moe(x, self._route_hook(route_sink, i))
             elif isinstance(mlp, MoeBlock):
                 delta = mlp(x, on_route=self._route_hook(route_sink, i))
-            elif self.ops.triton and is_silu_mlp(mlp):
-                delta = mlp.down_proj(self.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn))
+            elif self.ops.triton and is_silu_mlp(mlp, self.arch):
+                p = self.proj
+                gate, up, down = getattr(mlp, p.gate), getattr(mlp, p.up), getattr(mlp, p.down)
+                delta = down(self.ops.silu_mul(gate(x), up(x), mlp.act_fn))
             else:
                 delta = mlp(x)
         return self._add_norm("model.norm", h, delta)[1]

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl_cli.arch import find_spec
 from qerl_cli.errors import QerlError
 
 
@@ -71,19 +72,27 @@ def aqn_sigma(
     return float(sigma_start * (sigma_end / sigma_start) ** ((k - 1) / (stages - 2)))
 
 
+def _structural_norms(layer: nn.Module) -> tuple[str, str] | None:
+    """The pre-attention and pre-MLP norms of a decoder layer recognised by its attributes (a Gemma-style layer
+    has a pre-feedforward norm of its own), or None."""
+    if not all(hasattr(layer, a) for a in ("input_layernorm", "self_attn", "mlp")):
+        return None
+    gemma = hasattr(layer, "pre_feedforward_layernorm")
+    mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
+    return ("input_layernorm", mlp_norm) if hasattr(layer, mlp_norm) else None
+
+
 def find_aqn_norms(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameter name -> weight of every norm that feeds q/k/v or gate/up, found by layer structure."""
+    """Parameter name -> weight of every norm that feeds q/k/v or gate/up: in each decoder layer, the two its
+    architecture declares (``ArchSpec.aqn_norms``); in a model without a known architecture (no transformers config,
+    e.g. a module tree built by hand), found by the layer's structure."""
+    spec = find_spec(model)
     found: dict[str, nn.Parameter] = {}
     for layer_name, layer in model.named_modules():
-        if not all(hasattr(layer, a) for a in ("input_layernorm", "self_attn", "mlp")):
+        norms = spec.aqn_norms if spec is not None else _structural_norms(layer)
+        if norms is None or not all(hasattr(layer, a) for a in (*norms, "self_attn", "mlp")):
             continue
-        mlp_norm_attr = (
-            "pre_feedforward_layernorm" if hasattr(layer, "pre_feedforward_layernorm")
-            else "post_attention_layernorm"
-        )
-        if not hasattr(layer, mlp_norm_attr):
-            continue
-        for attr in ("input_layernorm", mlp_norm_attr):
+        for attr in norms:
             weight = getattr(getattr(layer, attr), "weight", None)
             if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
                 raise QerlError(

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from qerl_cli.arch import DEFAULT_LORA_TARGETS
 from qerl_cli.errors import QerlError
-from qerl_cli.formats import FORMATS, rollout_formats
+from qerl_cli.formats import FORMATS, WeightFormat, get_format, rollout_formats
 from qerl_cli.precision import PRECISIONS
 from qerl_cli.tools import TOOL_NAMES
 from qerl_cli.train.algos import ALGORITHMS, Algorithm, get_algorithm
@@ -32,7 +33,10 @@ FINETUNES = ("lora", "full")
 # replicated on every torchrun rank with summed gradients ("ddp"), or sharded with FSDP2 ("fsdp2").
 # "auto": fsdp2 for --finetune full under torchrun, ddp for LoRA under torchrun, none on one process.
 SHARDINGS = ("auto", "none", "ddp", "fsdp2")
-ROLLOUT_QUANTS = ("none", *rollout_formats())
+# rollout_quant's value for no FlashRL copy (the rollouts run the trained weights); any other is a format name,
+# which the config resolves to its format object (TrainConfig.rollout_format), so nothing compares this string
+NO_ROLLOUT_QUANT = "none"
+ROLLOUT_QUANTS = (NO_ROLLOUT_QUANT, *rollout_formats())
 REQUANT_SCALES = ("fixed", "dynamic")
 FLASHRL_IS_CAP = 2.0  # FlashRL's token-TIS cap C
 
@@ -60,9 +64,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     lora_rank: int = 32
     lora_alpha: float | None = None  # default 2 * rank
-    lora_targets: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
     lora_dropout: float = 0.0
     beta: float = 0.0
     epsilon: float | None = None  # default per algo (grpo 0.2; gspo 3e-4)
@@ -118,7 +120,7 @@ class TrainConfig:
     log_rollouts: bool = True
     log_sampling_entropy: bool = False  # sampling/entropy (rollouts then sample in torch, not the fused kernel)
     finetune: str = "lora"  # lora | full (all weights but embeddings/lm_head; see docs/flashrl.md)
-    rollout_quant: str = "none"  # FlashRL: rollouts on a quantized copy re-quantized after every update
+    rollout_quant: str = NO_ROLLOUT_QUANT  # FlashRL: rollouts on a quantized copy re-quantized after every update
     requant_scales: str | None = None  # default: fixed for int8 (calibrated once), dynamic otherwise
     sharding: str = "auto"  # auto | none | ddp | fsdp2 (resolve_sharding; docs/distributed.md)
     fsdp_offload: bool = False  # fsdp2: sharded weights, grads and AdamW state in pinned host memory
@@ -127,6 +129,12 @@ class TrainConfig:
     def algorithm(self) -> Algorithm:
         """The RL algorithm object of ``algo`` (qerl_cli/train/algos/): ask it, never compare the name."""
         return get_algorithm(self.algo)
+
+    @property
+    def rollout_format(self) -> WeightFormat | None:
+        """The weight format of FlashRL's rollout copy (``rollout_quant``), None without one: ask it, never compare
+        the string (the field stays the name: run configs and manifests record it so)."""
+        return None if self.rollout_quant == NO_ROLLOUT_QUANT else get_format(self.rollout_quant)
 
     def resolved(self) -> TrainConfig:
         """A copy with the per-algorithm defaults filled in, so the manifest records what actually ran; ``self`` is
@@ -147,17 +155,17 @@ class TrainConfig:
         for name in field_types():
             check_value(name, getattr(self, name))
         if self.requant_scales is not None:
-            if self.rollout_quant == "none":
+            if self.rollout_format is None:
                 raise QerlError(f"--requant-scales only applies with --rollout-quant {'|'.join(rollout_formats())}")
             fixed = [n for n in ROLLOUT_QUANTS if n in FORMATS and FORMATS[n].fixed_scales]
-            if self.requant_scales == "fixed" and self.rollout_quant not in fixed:
+            if self.requant_scales == "fixed" and not self.rollout_format.fixed_scales:
                 raise QerlError(f"--requant-scales fixed is for --rollout-quant {', '.join(fixed)} only "
                                 f"({self.rollout_quant} "
                                 "scales are recomputed at every update): use --requant-scales dynamic")
         if self.finetune == "full" and self.beta > 0:
             raise QerlError("--beta > 0 needs a frozen reference model, which --finetune full does not keep: "
                             "use --beta 0 or --finetune lora")
-        if self.rollout_quant != "none" and self.rollout_engine != "builtin":
+        if self.rollout_format is not None and self.rollout_engine != "builtin":
             raise QerlError("--rollout-quant needs the builtin rollout engine (--rollout-engine builtin)")
         if self.routing_replay and self.rollout_engine != "builtin":
             raise QerlError("--routing-replay needs the routing the builtin rollout engine records; vLLM does not "
@@ -166,7 +174,7 @@ class TrainConfig:
             if self.finetune != "full":
                 raise QerlError("--sharding fsdp2 shards full fine-tuning (--finetune full); LoRA adapters are "
                                 "small and replicate: use --sharding ddp (the default under torchrun)")
-            if self.rollout_quant == "none":
+            if self.rollout_format is None:
                 raise QerlError("--sharding fsdp2 rolls out from a quantized copy of the sharded weights: add "
                                 f"--rollout-quant {'|'.join(rollout_formats())}")
             if self.precision == "fp16":
@@ -195,7 +203,7 @@ class TrainConfig:
                             "keep an importance correction (--correction token_tis, the default with it, or a "
                             "sequence-level one)")
         blockers = {"--rollout-engine vllm": self.rollout_engine != "builtin", "--finetune full": self.finetune
-                    != "lora", "--rollout-quant": self.rollout_quant != "none", "--tools/--env": bool(
+                    != "lora", "--rollout-quant": self.rollout_format is not None, "--tools/--env": bool(
                         self.tools or self.env), "--async-rollout": self.async_rollout}
         bad = [k for k, v in blockers.items() if v]
         if bad:
@@ -208,7 +216,7 @@ class TrainConfig:
             raise QerlError("--async-rollout samples with the policy one update old: keep an importance correction "
                             "(--correction token_tis, the default with it)")
         blockers = {"--rollout-engine vllm": self.rollout_engine != "builtin", "--finetune full": self.finetune
-                    != "lora", "--rollout-quant": self.rollout_quant != "none", "--tools/--env": bool(
+                    != "lora", "--rollout-quant": self.rollout_format is not None, "--tools/--env": bool(
                         self.tools or self.env), "--lora-dropout > 0": self.lora_dropout > 0}
         bad = [k for k, v in blockers.items() if v]
         if bad:
@@ -221,10 +229,13 @@ class TrainConfig:
 
 def _resolved_requant(c: TrainConfig) -> str | None:
     """Fixed scales where the rollout format calibrates once, else dynamic (an unknown name: validate() says)."""
-    if c.rollout_quant == "none" or c.requant_scales is not None:
+    if c.requant_scales is not None:
         return c.requant_scales
-    spec = FORMATS.get(c.rollout_quant)
-    return "fixed" if spec is not None and spec.fixed_scales else "dynamic"
+    try:
+        spec = c.rollout_format
+    except QerlError:  # an unknown name: validate() says
+        return "dynamic"
+    return None if spec is None else "fixed" if spec.fixed_scales else "dynamic"
 
 
 def _resolved_correction(c: TrainConfig) -> dict[str, Any]:
@@ -232,7 +243,7 @@ def _resolved_correction(c: TrainConfig) -> dict[str, Any]:
     --async-rollout (sampled by the policy one update old) the same, unless told otherwise."""
     correction, cap = c.correction, c.correction_cap
     if correction is None:
-        correction = "token_tis" if c.rollout_quant != "none" or c.async_rollout or c.rollout_gpus else "none"
+        correction = "token_tis" if c.rollout_format is not None or c.async_rollout or c.rollout_gpus else "none"
         if correction == "token_tis" and cap is None:
             cap = FLASHRL_IS_CAP
     if cap is None and correction != "none":

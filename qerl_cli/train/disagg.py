@@ -46,7 +46,10 @@ from qerl_cli.train.async_queue import GroupItem, IdleClock, PromptPool, QueueFa
 
 TRAIN, ROLLOUT = "train", "rollout"
 HEARTBEAT_S = 0.5  # a rollout rank's heartbeat period
-HEARTBEAT_TIMEOUT_S = 5.0  # no heartbeat for this long (or the process group timeout, if shorter): the rank died
+# no heartbeat for this long (or the process group timeout, if shorter): the rank died. Long enough for a live rank
+# whose heartbeat thread waits on the GIL through a Triton compile (seconds each), short enough to name the dead
+# rank before torchrun's agent tears the job down (~30 s after a worker dies)
+HEARTBEAT_TIMEOUT_S = 20.0
 GOODBYE_TIMEOUT_S = 120.0  # at the stop, how long rank 0 waits for each rollout rank to finish its chunk
 _TAG_HEAD, _TAG_BODY = 11, 12  # rollout -> hub
 _TAG_REPLY_HEAD, _TAG_REPLY_BODY = 13, 14  # hub -> rollout

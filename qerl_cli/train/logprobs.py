@@ -15,9 +15,9 @@ the backward is then ``grad_h = grad_out[:, None] * J``. The arithmetic per row 
 path (logits in the model dtype, then fp32 / T, log-softmax, gather), so in fp32 the two agree to
 rounding (tests/test_logprobs.py: 1e-6 on log-probs, entropies and LoRA gradients).
 
-The chunked path is taken for the plain decoder + linear-head models qerl trains (every model type the builtin
-rollout engine runs, dense and mixture of experts, and Mistral); any other model, or an ``lm_head`` that is
-trainable or not a plain ``nn.Linear``, falls back to the direct computation.
+The chunked path is taken for the plain decoder + linear-head models qerl trains (an architecture whose spec
+declares ``plain_head``, qerl_cli/arch); any other model, or an ``lm_head`` that is trainable or not a plain
+``nn.Linear``, falls back to the direct computation.
 """
 
 from __future__ import annotations
@@ -27,15 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl_cli.arch import find_spec
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.model_runner import SUPPORTED_MODEL_TYPES
 from qerl_cli.train.batch import RolloutBatch
 from qerl_cli.train.batch import sampled_logprobs as full_sampled_logprobs
 
-# Model types whose logits are exactly lm_head(final hidden state), no soft-capping or scaling. The builtin engine
-# samples from lm_head(final hidden state) for every type it runs, so those are plain by construction and a type
-# added there is chunked here too. Mistral's head is plain as well, though the builtin engine does not run it.
-PLAIN_HEAD_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, "mistral")
 DEFAULT_CHUNK_TOKENS = 512
 
 
@@ -48,7 +44,8 @@ def plain_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     """(decoder, lm_head) when the logits are exactly ``lm_head(decoder(...).last_hidden_state)``."""
     causal = _causal_lm(model)
     config = getattr(causal, "config", None)
-    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+    spec = find_spec(config)
+    if spec is None or not spec.plain_head:  # soft-capped or scaled logits, or an architecture qerl does not know
         return None
     head = getattr(causal, "lm_head", None)
     decoder = getattr(causal, "model", None)

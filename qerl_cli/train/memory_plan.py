@@ -71,7 +71,7 @@ from typing import Any
 from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import QerlError
 from qerl_cli.precision import dtype_of
-from qerl_cli.train.model_dims import PROJECTION_GROUPS, ModelDims
+from qerl_cli.train.model_dims import ModelDims
 from qerl_cli.train.phases import (
     AQN,
     CHECKPOINT,
@@ -165,24 +165,23 @@ def weight_bytes(model_config: Any, fmt: str, elem: int, *, kernels: bool, store
 
     spec = get_format(fmt)
     d = ModelDims.from_config(model_config)
-    bias = bool(getattr(model_config, "attention_bias", getattr(model_config, "model_type", "") == "qwen2"))
     shapes = d.linear_shapes()
+    qkv = d.projections.qkv
     linears = derived = extra = dense = 0
     for name, (k, n) in shapes.items():
         copies = d.mlp_copies(name)
         linears += copies * linear_bytes(fmt, n, k, elem)
         dense += copies * n * k * elem
         if kernels and copies == 1:  # the experts' grouped kernel reads the stored tensors as they are
-            has_bias = bias and name in PROJECTION_GROUPS[0]
+            has_bias = d.qkv_bias and name in qkv
             derived += kernel_dispatch.derived_bytes(fmt, n, k, elem, has_bias)
             extra += kernel_dispatch.extra_copy_bytes(fmt, n, k)
     if kernels:  # the rollout's fused q/k/v and gate/up may get a peer copy of their own
-        for group in (PROJECTION_GROUPS[0], PROJECTION_GROUPS[2])[:1 if d.experts else 2]:
+        for group in d.projections.fused[:1 if d.experts else 2]:
             extra += kernel_dispatch.extra_copy_bytes(fmt, sum(shapes[t][1] for t in group), shapes[group[0]][0])
     linears += d.experts * d.hidden * elem  # the routers, kept in the model dtype
-    biases = sum(shapes[t][1] for t in PROJECTION_GROUPS[0]) * elem if bias else 0
-    qk_norms = getattr(model_config, "model_type", "") in ("qwen3", "qwen3_moe")
-    norms = (2 * d.hidden + (2 * d.head_dim if qk_norms else 0)) * elem
+    biases = sum(shapes[t][1] for t in qkv) * elem if d.qkv_bias else 0
+    norms = (2 * d.hidden + (2 * d.head_dim if d.qk_norm else 0)) * elem
     embed = d.vocab * d.hidden * elem
     head = 0 if getattr(model_config, "tie_word_embeddings", False) else embed
     rotary = d.head_dim * 4  # the rotary embedding's fp32 inv_freq and original_inv_freq buffers
@@ -748,7 +747,7 @@ def plan_for_config(cfg: Any, model_config: Any, *, weights: int | WeightBytes, 
     ``extra_weight_copies`` fixes that decision (taken before the weights were built); ``rates``: the device's
     measured rates (default: its name's)."""
     capacity, total = device_capacity(device, cfg.gpu_memory_gib)
-    if cfg.finetune != "lora" or cfg.rollout_quant != "none":
+    if cfg.finetune != "lora" or cfg.rollout_format is not None:
         capacity = None  # full fine-tuning / a second quantized copy: not modelled, settings as given
     copies = cfg.kernel_weight_copies if cfg.kernel_weight_copies is not None else extra_weight_copies
     plan = plan_memory(

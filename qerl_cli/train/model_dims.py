@@ -1,6 +1,7 @@
 """A decoder's dimensions, from its config: what the memory plan and the step's cost model are computed from.
 
-Shapes only (no weight is built): the seven projections LoRA may target, their adapter and shadow sizes, the KV
+Shapes only (no weight is built), read through the model's architecture spec (qerl_cli/arch): the seven projections
+LoRA may target (under the architecture's names), their adapter and shadow sizes, the KV
 bytes per token, what autograd keeps per token and layer, and the FLOPs of a forward and a backward
 (multiply-add = 2 FLOPs). Lower than both ``memory_plan.py`` and ``step_cost.py``, which import it.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+from qerl_cli.arch import DEFAULT_PROJECTIONS, Projections, layout_of
 
 
 @dataclass(frozen=True)
@@ -24,18 +25,17 @@ class ModelDims:
     vocab: int
     experts: int = 0  # mixture of experts: experts per layer, all resident (0: a dense MLP)
     top_k: int = 0  # ... and experts per token
+    qkv_bias: bool = False
+    qk_norm: bool = False  # per-head q/k RMSNorms (Qwen3)
+    projections: Projections = DEFAULT_PROJECTIONS  # the architecture's names, which the LoRA targets use
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelDims:
-        from qerl_cli.moe import MoeDims
-
-        heads = int(cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        moe = MoeDims.from_config(cfg)
-        inter = moe.intermediate if moe is not None else int(cfg.intermediate_size)
-        return cls(int(cfg.hidden_size), inter, int(cfg.num_hidden_layers), heads,
-                   int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim, int(cfg.vocab_size),
-                   moe.experts if moe else 0, moe.top_k if moe else 0)
+        # a config without a spec is sized as a dense decoder (the plan of a model vLLM runs, a hand-written config)
+        spec = layout_of(cfg)
+        d = spec.dims(cfg)
+        return cls(d.hidden, d.intermediate, d.layers, d.heads, d.kv_heads, d.head_dim, d.vocab, d.experts, d.top_k,
+                   d.qkv_bias, d.qk_norm, spec.projections)
 
     @property
     def active_intermediate(self) -> int:
@@ -59,14 +59,14 @@ class ModelDims:
 
     def mlp_copies(self, target: str) -> int:
         """How many of a projection each layer holds: every expert's MLP projection, one of anything else."""
-        return self.experts if self.experts and target in PROJECTION_GROUPS[2] + PROJECTION_GROUPS[3] else 1
+        return self.experts if self.experts and target in self.projections.mlp else 1
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each projection LoRA may target."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         h, i = self.hidden, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        p = self.projections
+        return {p.q: (h, q), p.k: (h, kv), p.v: (h, kv), p.o: (q, h), p.gate: (h, i), p.up: (h, i), p.down: (i, h)}
 
     def linear_weights(self) -> int:
         """Weights of every decoder linear a token runs through (the frozen GEMMs of a forward: of a mixture of
@@ -78,11 +78,12 @@ class ModelDims:
     def lora_params(self, rank: int, targets: list[str]) -> int:
         shapes = self.linear_shapes()
         if self.experts:  # peft's LoRA on the stacked experts: gate and up are one fused projection
-            mlp = PROJECTION_GROUPS[2] + PROJECTION_GROUPS[3]
+            mlp = self.projections.mlp
             attn = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes and t not in mlp)
-            gate_up = any(t in targets for t in PROJECTION_GROUPS[2])
+            gate_up = any(t in targets for t in self.projections.gate_up)
+            down = self.projections.down in targets
             h, i = self.hidden, self.intermediate
-            experts = self.experts * rank * ((h + 2 * i if gate_up else 0) + (i + h if "down_proj" in targets else 0))
+            experts = self.experts * rank * ((h + 2 * i if gate_up else 0) + (i + h if down else 0))
             return self.layers * (attn + experts)
         return self.layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
 
@@ -93,7 +94,7 @@ class ModelDims:
         per_layer = 0
         if self.experts:  # the experts' copies are their factors in dtype, [E, r, K] and [E, N, r]
             per_layer = self.lora_params(rank, [t for t in targets if self.mlp_copies(t) > 1]) // self.layers
-        for group in PROJECTION_GROUPS:
+        for group in self.projections.groups:
             if self.experts and self.mlp_copies(group[0]) > 1:
                 continue
             r = rank * sum(1 for t in group if t in targets)
@@ -122,7 +123,7 @@ class ModelDims:
         shapes = self.linear_shapes()
         per_target = sum((4 * shapes[t][0] + 4 * rank) for t in targets if t in shapes)
         shared = sum(elem * shapes[g[0]][0] + elem * rank * sum(1 for t in g if t in targets)
-                     for g in PROJECTION_GROUPS if any(t in targets for t in g))
+                     for g in self.projections.groups if any(t in targets for t in g))
         return max(0, per_target - shared)
 
     def grad_bytes_per_token_layer(self, elem: int) -> int:
@@ -150,4 +151,4 @@ class ModelDims:
                 "head": forward["head"]}
 
 
-__all__ = ["PROJECTION_GROUPS", "ModelDims"]
+__all__ = ["ModelDims"]

@@ -41,7 +41,7 @@ class TrainingMode:
     # ---- build ----------------------------------------------------------------------------------
     def check_base(self, base: nn.Module) -> None:
         """Full fine-tuning and FlashRL's rollout copy start from unquantized weights."""
-        flag = "--finetune full" if self.full_weights else "--rollout-quant" if self.t.cfg.rollout_quant != "none" \
+        flag = "--finetune full" if self.full_weights else "--rollout-quant" if self.t.cfg.rollout_format is not None \
             else None
         if flag is not None:
             from qerl_cli.train.rollout_quant import check_full_precision_base
@@ -55,7 +55,7 @@ class TrainingMode:
     def attach_rollout_copy(self, model: nn.Module) -> None:
         """FlashRL: the quantized copy the rollout generates with (``--rollout-quant``)."""
         c = self.t.cfg
-        if c.rollout_quant == "none" or self.rollout_quant is not None:
+        if c.rollout_format is None or self.rollout_quant is not None:
             return
         from qerl_cli.train.rollout_quant import RolloutQuant
 

@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl_cli.arch import spec_for
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import dequantize, get_format, nvfp4_global_scale, rollout_formats
 from qerl_cli.qlinear import QuantLinear
 
 ROLLOUT_FORMATS = rollout_formats()
-_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def check_full_precision_base(model: nn.Module, what: str) -> None:
@@ -112,6 +112,8 @@ class RolloutQuant:
         self.spec = spec
         self.fixed_scales = scales == "fixed"
         lm = _unwrap(model)
+        # the groups the rollout fuses share one global scale (the architecture declares them)
+        self.projections = spec_for(lm).projections
         self.sources = rollout_targets(lm)
         if not self.sources:
             raise QerlError("the model has no Linear layer to quantize for the rollouts")
@@ -161,7 +163,7 @@ class RolloutQuant:
         out = {}
         for name in names:
             parent, _, leaf = name.rpartition(".")
-            group = next((g for g in _FUSED_GROUPS if leaf in g), (leaf,))
+            group = self.projections.fused_group(leaf)
             members = [f"{parent}.{g}" if parent else g for g in group]
             out[name] = nvfp4_global_scale(max(amax[m] for m in members if m in amax))
         return out

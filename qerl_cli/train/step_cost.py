@@ -33,11 +33,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from qerl_cli.arch import DEFAULT_LORA_TARGETS
 from qerl_cli.train.model_dims import ModelDims
 from qerl_cli.train.phases import AQN, CHECKPOINT, FWD_BWD, OPTIMIZER, OTHER, PLANNED_TIME, RECOMPUTE, ROLLOUT
 
 PHASES = PLANNED_TIME  # the phases it estimates seconds for, in order (train/phases.py)
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = DEFAULT_LORA_TARGETS  # lora_targets' default
 
 
 @dataclass(frozen=True)
