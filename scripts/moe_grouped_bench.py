@@ -178,7 +178,7 @@ def bench_format(fmt: str, shape: tuple[int, int, int, int], tokens: list[int], 
         flat = index.reshape(-1)
         for proj in moe.PROJECTIONS:
             _, n, kk = experts.projection_shape(proj)
-            x_div = k if proj == "gate_up_proj" else 1
+            x_div = k if proj == moe.GATE_UP else 1
             xin = torch.randn(m // x_div, kk, generator=g).to(device, torch.bfloat16)
             dy = torch.randn(m, n, generator=g).to(device, torch.bfloat16)
             a, b = lora_t[proj]

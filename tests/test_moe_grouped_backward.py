@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qerl_cli.moe import ExpertProjection, MoeExperts, Routing, quantize_experts
+from qerl_cli.moe import DOWN, GATE_UP, ExpertProjection, MoeExperts, Routing, quantize_experts
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch intra-op thread
 
@@ -59,7 +59,7 @@ def _grads(experts: MoeExperts, proj: str, x_div: int, kernels: bool, lora: bool
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "mxfp4"])
-@pytest.mark.parametrize("proj,x_div", [("gate_up_proj", K_TOP), ("down_proj", 1)])
+@pytest.mark.parametrize("proj,x_div", [(GATE_UP, K_TOP), (DOWN, 1)])
 @pytest.mark.parametrize("lora", [True, False])
 def test_grouped_backward_equals_the_per_expert_loop(fmt: str, proj: str, x_div: int, lora: bool) -> None:
     experts = _experts(fmt)
@@ -98,7 +98,7 @@ def _autograd_reference(experts: MoeExperts, proj: str, x_div: int, tokens: int 
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "mxfp4"])
-@pytest.mark.parametrize("proj,x_div", [("gate_up_proj", K_TOP), ("down_proj", 1)])
+@pytest.mark.parametrize("proj,x_div", [(GATE_UP, K_TOP), (DOWN, 1)])
 def test_grouped_backward_equals_autograd_on_dequantized_weights(fmt: str, proj: str, x_div: int) -> None:
     experts = _experts(fmt)
     experts.use_kernels = True
@@ -111,10 +111,10 @@ def test_grouped_backward_equals_autograd_on_dequantized_weights(fmt: str, proj:
 def test_grouped_backward_is_deterministic_and_handles_one_expert_and_no_tokens() -> None:
     experts = _experts("nvfp4")
     experts.use_kernels = True
-    first = _grads(experts, "gate_up_proj", K_TOP, kernels=True, lora=True, tokens=40)  # 80 rows: several blocks
-    again = _grads(experts, "gate_up_proj", K_TOP, kernels=True, lora=True, tokens=40)
+    first = _grads(experts, GATE_UP, K_TOP, kernels=True, lora=True, tokens=40)  # 80 rows: several blocks
+    again = _grads(experts, GATE_UP, K_TOP, kernels=True, lora=True, tokens=40)
     assert all(torch.equal(p, q) for p, q in zip(first, again, strict=True))  # fixed order, no atomics
-    loop = _grads(experts, "gate_up_proj", K_TOP, kernels=False, lora=True, tokens=40)
+    loop = _grads(experts, GATE_UP, K_TOP, kernels=False, lora=True, tokens=40)
     for r, g in zip(loop, first, strict=True):
         _close(g, r)
     # no tokens at all: empty dx, zero LoRA gradients
@@ -123,7 +123,7 @@ def test_grouped_backward_is_deterministic_and_handles_one_expert_and_no_tokens(
         a = torch.randn(E, R, H, requires_grad=True)
         b = torch.randn(E, 2 * I_, R, requires_grad=True)
         routing = Routing(torch.zeros(0, dtype=torch.long), E, kernels=kernels)
-        ExpertProjection.apply(x, a, b, experts, "gate_up_proj", routing, K_TOP, 2.0).sum().backward()
+        ExpertProjection.apply(x, a, b, experts, GATE_UP, routing, K_TOP, 2.0).sum().backward()
         assert x.grad.shape == (0, H) and a.grad.abs().max() == 0 and b.grad.abs().max() == 0
 
 
