@@ -11,6 +11,11 @@ checkpoint's byte order through ``fp4.fp4_tile``) and writes its outputs in assi
 expand ``h[a] @ B_e^T`` (h from a dense grouped call with N = rank) is added in the epilogue, so the adapter costs
 one small launch and no pass over the output.
 
+The backward runs on the same layout: ``grouped_linear_t`` is the transpose (``dx[a] = dy[a] @ W_e``, one program
+per (block, K tile) reducing over N through the same weight tiles, a LoRA ``u[a] @ A_e`` in the epilogue) and
+``segment_outer`` the per-expert sums ``sum_a L[a]^T R[a]`` over each expert's blocks in order (the LoRA factors'
+gradients), both deterministic: every output tile has one program and one summation order, no atomics.
+
 Weights: dense ``[E, N, K]``; FP4 ``packed [E, N, K/2]`` uint8 (element 2j in the low nibble), ``scale [E, N, K/G]``
 (E4M3 for NVFP4, E8M0 for MXFP4), NVFP4's ``global_scale [E]`` float32. Accumulation is fp32; under the
 interpreter everything is fp32 (see ``_common``).
@@ -160,3 +165,173 @@ def grouped_linear(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tens
                 num_stages=1 if INTERPRET else 3)
     launch_fp4(_moe_grouped_kernel, grid, args, None, **meta)
     return y
+
+
+# ---- the backward: dX through the frozen experts, the LoRA factors' gradients ------------------------------------
+# Same padded sorted-rows layout as the forward (``rows``, ``block_expert`` from ``align_blocks``), so the backward
+# needs no sort, gather or scatter of its own and no host sync. Each program owns whole output tiles and sums in a
+# fixed order (no atomics): a rerun is bit-identical.
+@triton.jit
+def _moe_grouped_t_kernel(dy_ptr, rows_ptr, bexp_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, u_ptr, a_ptr, dx_ptr,
+                          M, N, K, R, E, stride_dym, stride_we, stride_se, stride_dxm, stride_um, alpha, F,
+                          KIND: tl.constexpr, HAS_LORA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, BR: tl.constexpr, DECODE: tl.constexpr, F32: tl.constexpr,
+                          F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    # one program per (block of one expert's rows, K tile); it reduces over N, reading the weight tiles
+    # W_e[n0:n0+BN, k-tile] exactly as the forward reads them (checkpoint byte order), only iterated along N
+    pid_b = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_b)
+    if e >= E:
+        return
+    r = tl.load(rows_ptr + pid_b * BM + tl.arange(0, BM))
+    valid = r < M
+    r64 = tl.where(valid, r, 0).to(tl.int64)
+    k0 = pid_k * BK
+    offs_k = k0 + tl.arange(0, BK)
+    k_mask = offs_k < K
+    e64 = e.to(tl.int64)
+    gs = 1.0
+    if KIND == 1:
+        gs = tl.load(gs_ptr + e64)
+    acc = tl.zeros((BM, BK), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        n_mask = offs_n < N
+        if KIND == 0:
+            w = tl.load(w_ptr + e64 * stride_we + offs_n[:, None] * K + offs_k[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if F32:
+                w = w.to(tl.float32)
+        else:
+            w = fp4_tile(w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, lut_ptr, gs, offs_n, k0, N, K, F, BN, BK,
+                         KIND == 1, DECODE, F32, F16, False, EVEN_N, EVEN_K)
+        g = tl.load(dy_ptr + r64[:, None] * stride_dym + offs_n[None, :], mask=valid[:, None] & n_mask[None, :],
+                    other=0.0)
+        if F32:
+            acc = tl.dot(g.to(tl.float32), w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(g, w.to(g.dtype), acc)
+    if KIND == 1:
+        acc = acc * (alpha / gs)
+    else:
+        acc = acc * alpha  # 2**-F for MXFP4; for dense the caller's output scale (1.0 for dX)
+    if HAS_LORA:  # + u[a] @ A_e (u = s * dy @ B_e, made by a dense call of this kernel with N = out features)
+        offs_r = tl.arange(0, BR)
+        r_mask = offs_r < R
+        u = tl.load(u_ptr + r64[:, None] * stride_um + offs_r[None, :], mask=valid[:, None] & r_mask[None, :],
+                    other=0.0)
+        at = tl.load(a_ptr + e64 * R * K + offs_r[:, None] * K + offs_k[None, :],
+                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        if F32:
+            acc = tl.dot(u.to(tl.float32), at.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(u, at, acc)
+    tl.store(dx_ptr + r64[:, None] * stride_dxm + offs_k[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=valid[:, None] & k_mask[None, :])
+
+
+@triton.jit
+def _moe_segment_outer_kernel(l_ptr, r_ptr, rows_ptr, bstart_ptr, out_ptr, M, P, Q, l_div, r_div, stride_lm,
+                              stride_rm, alpha, BM: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
+                              F32: tl.constexpr):
+    # out[e] = alpha * sum over expert e's assignments a of L[a // l_div]^T R[a // r_div]: one program per
+    # (expert, P tile, Q tile) walks that expert's blocks in order, so every sum has one fixed order (no atomics)
+    e = tl.program_id(0)
+    offs_p = tl.program_id(1) * BP + tl.arange(0, BP)
+    offs_q = tl.program_id(2) * BQ + tl.arange(0, BQ)
+    p_mask = offs_p < P
+    q_mask = offs_q < Q
+    b0 = tl.load(bstart_ptr + e)
+    b1 = tl.load(bstart_ptr + e + 1)
+    acc = tl.zeros((BP, BQ), dtype=tl.float32)
+    for blk in range(b0, b1):
+        r = tl.load(rows_ptr + blk * BM + tl.arange(0, BM))
+        valid = r < M
+        lr = tl.where(valid, r // l_div, 0).to(tl.int64)
+        rr = tl.where(valid, r // r_div, 0).to(tl.int64)
+        lt = tl.load(l_ptr + lr[:, None] * stride_lm + offs_p[None, :], mask=valid[:, None] & p_mask[None, :],
+                     other=0.0)
+        rt = tl.load(r_ptr + rr[:, None] * stride_rm + offs_q[None, :], mask=valid[:, None] & q_mask[None, :],
+                     other=0.0)
+        if F32:
+            acc = tl.dot(tl.trans(lt.to(tl.float32)), rt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(lt), rt, acc)
+    acc = acc * alpha
+    out = out_ptr + e.to(tl.int64) * P * Q
+    tl.store(out + offs_p[:, None] * Q + offs_q[None, :], acc, mask=p_mask[:, None] & q_mask[None, :])
+
+
+def _pow2_tile(n: int, cap: int, floor: int = 16) -> int:
+    return min(cap, max(floor, triton.next_power_of_2(max(n, 1))))
+
+
+def grouped_linear_t(dy: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, *, kind: str,
+                     weight: torch.Tensor, scale: torch.Tensor | None = None,
+                     global_scale: torch.Tensor | None = None, shift: int = 0, out_scale: float = 1.0,
+                     lora_u: torch.Tensor | None = None, lora_a: torch.Tensor | None = None) -> torch.Tensor:
+    """dx [M, K] in dy's dtype (M = dy's rows, assignment order): ``dx[a] = dy[a] @ W_{e(a)} (+ lora_u[a] @
+    lora_a[e(a)])``, the transpose of :func:`grouped_linear` (its input gradient per assignment; rows of several
+    assignments of one token are summed by the caller). ``weight`` as :func:`grouped_linear` reads it (``[E, N, K]``
+    dense or ``[E, N, K/2]`` FP4 with its scales), here reduced over N. ``out_scale`` multiplies the dense product
+    (the LoRA scaling when this makes ``u = s * dy @ B_e`` from ``weight = B [E, N, R]``); ``lora_a`` ``[E, R, K]``
+    in dy's dtype."""
+    code = KINDS[kind]
+    e, n = weight.shape[0], weight.shape[1]
+    k = weight.shape[2] * (2 if code != DENSE else 1)
+    m = dy.shape[0]
+    f32 = f32_path(dy)
+    dy = dy.contiguous()
+    dx = torch.empty((m, k), dtype=dy.dtype, device=dy.device)
+    if m == 0:
+        return dx
+    bn = _pow2_tile(n, 64)
+    bk = _pow2_tile(k, 128, 32 if code == MXFP4 else 16)
+    has_lora = lora_u is not None and lora_a is not None
+    r = lora_u.shape[1] if has_lora else 0
+    u = lora_u.contiguous() if has_lora else dx
+    a = lora_a.contiguous() if has_lora else dx
+    s = scale.view(torch.uint8) if scale is not None else weight
+    gs = global_scale.reshape(-1).float() if global_scale is not None else s
+    f = NVFP4_F if code == NVFP4 else shift
+    alpha = out_scale if code == DENSE else 2.0 ** (-f)
+    bm = rows.numel() // block_expert.numel()
+    grid = (block_expert.numel(), triton.cdiv(k, bk))
+    args = (dy, rows, block_expert, weight, s, gs, e2m1_lut(dy.device), u, a, dx, m, n, k, r, e,
+            dy.stride(0), weight.stride(0), s.stride(0) if scale is not None else 0, dx.stride(0), u.stride(0),
+            alpha, f)
+    meta = dict(KIND=code, HAS_LORA=has_lora, BM=bm, BN=bn, BK=bk, BR=_pow2_tile(r, 1 << 30), F32=f32,
+                F16=dy.dtype == torch.float16, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, num_warps=4,
+                num_stages=1 if INTERPRET else 3)
+    launch_fp4(_moe_grouped_t_kernel, grid, args, None, **meta)
+    return dx
+
+
+def expert_block_starts(block_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 [E + 1]: expert e's blocks are ``block_starts[e] .. block_starts[e+1] - 1`` (``block_expert`` is sorted;
+    an expert with no rows has an empty range). On the device, no host sync."""
+    want = torch.arange(num_experts + 1, device=block_expert.device, dtype=block_expert.dtype)
+    return torch.searchsorted(block_expert, want).to(torch.int32)
+
+
+def segment_outer(left: torch.Tensor, right: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor,
+                  num_experts: int, *, assignments: int, left_div: int = 1, right_div: int = 1,
+                  scale: float = 1.0, block_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [E, P, Q]: ``out[e] = scale * sum_{a routed to e} left[a // left_div]^T right[a // right_div]`` (left
+    [*, P], right [*, Q]) summed over expert e's sorted rows in block order; zeros for an expert with no rows. The
+    LoRA factors' gradients: ``dA_e = u_e^T x_e`` and ``dB_e = s * dy_e^T h_e``."""
+    p, q = left.shape[1], right.shape[1]
+    out = torch.empty((num_experts, p, q), dtype=torch.float32, device=left.device)
+    if assignments == 0 or block_expert.numel() == 0:
+        return out.zero_()
+    left, right = left.contiguous(), right.contiguous()
+    starts = block_starts if block_starts is not None else expert_block_starts(block_expert, num_experts)
+    bm = rows.numel() // block_expert.numel()
+    bp, bq = _pow2_tile(p, 64), _pow2_tile(q, 64)
+    grid = (num_experts, triton.cdiv(p, bp), triton.cdiv(q, bq))
+    _moe_segment_outer_kernel[grid](left, right, rows, starts, out, assignments, p, q, left_div, right_div,
+                                    left.stride(0), right.stride(0), scale, BM=bm, BP=bp, BQ=bq,
+                                    F32=f32_path(left) or left.dtype != right.dtype, num_warps=4,
+                                    num_stages=1 if INTERPRET else 2)
+    return out

@@ -14,7 +14,9 @@ The computation (:class:`ExpertProjection`): the top-k assignments are sorted by
 one grouped GEMM over all experts (``qerl_kernels.moe.grouped_linear`` on CUDA: no host sync, so it runs inside the
 decode CUDA graph; a per-expert loop elsewhere), with the LoRA delta of each assignment's own expert, and the
 down-projection outputs are summed with the routing weights. The backward (training; frozen base, LoRA gradients)
-loops over the experts and dequantizes one expert's weight at a time. docs/moe.md.
+runs wherever the grouped forward runs as grouped kernels on the same sorted rows (``grouped_linear_t`` for dX,
+``segment_outer`` for the factors' gradients); elsewhere it loops over the experts, dequantizing one expert's weight
+at a time (the reference). docs/moe.md.
 """
 
 from __future__ import annotations
@@ -265,7 +267,8 @@ class Routing:
 class ExpertProjection(torch.autograd.Function):
     """y [T*k, N] in assignment order: each assignment's input row (x row ``a // x_div``) through its expert's
     weight of one projection, plus its expert's LoRA delta. Gradients reach x and the LoRA factors (the base is
-    frozen); the backward dequantizes one expert at a time."""
+    frozen): grouped kernels when ``routing.kernels`` (:func:`_backward_grouped`), else one expert at a time
+    (:func:`_backward_loop`)."""
 
     @staticmethod
     def run(experts: MoeExperts, proj: str, x: torch.Tensor, routing: Routing, x_div: int,
@@ -285,29 +288,96 @@ class ExpertProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x, a, b = ctx.saved_tensors
-        experts, proj, x_div, s = ctx.experts, ctx.proj, ctx.x_div, ctx.scaling
-        need_x, need_a, need_b = ctx.needs_input_grad[:3]
-        dx = torch.zeros((dy.shape[0], x.shape[1]), dtype=x.dtype, device=x.device) if need_x else None
-        da = torch.zeros_like(a, dtype=torch.float32) if need_a else None
-        db = torch.zeros_like(b, dtype=torch.float32) if need_b else None
-        for e, rows in ctx.routing.groups():
-            g = dy[rows]
-            xin = x[rows // x_div]
+        need = tuple(ctx.needs_input_grad[:3])
+        args = (ctx.experts, ctx.proj, x, dy, ctx.routing, ctx.x_div, a, b, ctx.scaling, need)
+        # the same condition as the forward: the grouped kernels wherever the forward ran them
+        dx, da, db = _backward_grouped(*args) if ctx.routing.kernels else _backward_loop(*args)
+        return dx, da, db, None, None, None, None, None
+
+
+Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _backward_loop(experts: MoeExperts, proj: str, x: torch.Tensor, dy: torch.Tensor, routing: Routing, x_div: int,
+                   a: torch.Tensor | None, b: torch.Tensor | None, s: float, need: tuple[bool, ...]) -> Grads:
+    """(dx, dA, dB) one expert at a time (one dequantized weight at a time): the reference and the fallback."""
+    need_x, need_a, need_b = need
+    dx = torch.zeros((dy.shape[0], x.shape[1]), dtype=x.dtype, device=x.device) if need_x else None
+    da = torch.zeros_like(a, dtype=torch.float32) if need_a else None
+    db = torch.zeros_like(b, dtype=torch.float32) if need_b else None
+    for e, rows in routing.groups():
+        g = dy[rows]
+        xin = x[rows // x_div]
+        if need_x:
+            dx[rows] = g @ experts.expert_weight(proj, e, g.dtype)
+        if a is not None:
+            ae, be = a[e].to(g.dtype), b[e].to(g.dtype)
+            u = (g @ be) * s  # dL/dh, h = x A^T
             if need_x:
-                dx[rows] = g @ experts.expert_weight(proj, e, g.dtype)
-            if a is not None:
-                ae, be = a[e].to(g.dtype), b[e].to(g.dtype)
-                u = (g @ be) * s  # dL/dh, h = x A^T
-                if need_x:
-                    dx[rows] += u @ ae
-                if need_a:
-                    da[e] += (u.t() @ xin).float()
-                if need_b:
-                    db[e] += ((g.t() @ (xin @ ae.t())) * s).float()
-        if dx is not None and x_div > 1:  # several assignments read one token: summed in a fixed order
-            dx = dx.view(x.shape[0], x_div, -1).sum(1)
-        return (dx, None if da is None else da.to(a.dtype), None if db is None else db.to(b.dtype),
-                None, None, None, None, None)
+                dx[rows] += u @ ae
+            if need_a:
+                da[e] += (u.t() @ xin).float()
+            if need_b:
+                db[e] += ((g.t() @ (xin @ ae.t())) * s).float()
+    if dx is not None and x_div > 1:  # several assignments read one token: summed in a fixed order
+        dx = dx.view(x.shape[0], x_div, x.shape[1]).sum(1)
+    return dx, None if da is None else da.to(a.dtype), None if db is None else db.to(b.dtype)
+
+
+def _backward_grouped(experts: MoeExperts, proj: str, x: torch.Tensor, dy: torch.Tensor, routing: Routing,
+                      x_div: int, a: torch.Tensor | None, b: torch.Tensor | None, s: float,
+                      need: tuple[bool, ...]) -> Grads:
+    """(dx, dA, dB) as grouped kernels on the forward's sorted rows (``routing.rows``), every expert in each launch
+    and no host sync: ``u = s * dy @ B_e`` (dense transposed grouped GEMM, N = out features), ``dx = dy @ W_e + u @
+    A_e`` (the transposed grouped GEMM over the frozen weight as the forward reads it, the LoRA term in its
+    epilogue), ``dA_e = u_e^T x_e`` and ``dB_e = s * dy_e^T h_e`` (``h = x A_e^T`` recomputed grouped, as the loop
+    recomputes it) as per-expert segment sums. The loop's math, fp32 accumulation, another summation order."""
+    from qerl_kernels.moe import expert_block_starts, grouped_linear, grouped_linear_t, segment_outer
+
+    need_x, need_a, need_b = need
+    rows, bexp, m = routing.rows, routing.block_expert, routing.assignments
+    dy = dy.contiguous()
+    lora = a is not None and b is not None
+    u = ad = None
+    if lora and (need_x or need_a):
+        ad = a.to(dy.dtype).contiguous()
+        u = grouped_linear_t(dy, rows, bexp, kind="dense", weight=b.to(dy.dtype).contiguous(), out_scale=s)
+    dx = da = db = None
+    if need_x:
+        kind, w = _grouped_weight(experts, proj, dy)
+        dx = grouped_linear_t(dy, rows, bexp, kind=kind, **w, lora_u=u if lora else None, lora_a=ad)
+        if x_div > 1:  # several assignments read one token: summed in a fixed order, as the loop does
+            dx = dx.view(x.shape[0], x_div, x.shape[1]).sum(1)
+        dx = dx.to(x.dtype)
+    if lora and (need_a or need_b):
+        starts = expert_block_starts(bexp, experts.num_experts)
+        common = dict(assignments=m, block_starts=starts)
+        if need_a:
+            da = segment_outer(u, x.to(dy.dtype), rows, bexp, experts.num_experts, right_div=x_div,
+                               **common).to(a.dtype)
+        if need_b:
+            h = grouped_linear(x.to(dy.dtype), rows, bexp, kind="dense", weight=ad if ad is not None else
+                               a.to(dy.dtype).contiguous(), out_rows=m, x_div=x_div)
+            db = segment_outer(dy, h, rows, bexp, experts.num_experts, scale=s, **common).to(b.dtype)
+    return dx, da, db
+
+
+def _grouped_weight(experts: MoeExperts, proj: str, x: torch.Tensor) -> tuple[str, dict[str, Any]]:
+    """(kind, weight arguments) of ``proj`` for ``grouped_linear``/``grouped_linear_t``: the FP4 checkpoint tensors
+    (MXFP4 with its exponent shift over all experts, computed once), or a dense stack in x's dtype (the plain
+    format's own, the other formats' dequantized copy)."""
+    kind = experts.kernel_kind(x)
+    if kind == "dense":
+        w = getattr(experts, proj) if not experts.format.quantized else experts.dense_stack(proj, x.dtype)
+        return kind, {"weight": w.to(x.dtype)}
+    t = experts.tensors(proj)
+    shift = experts.mxfp4_shift.get(proj)
+    if shift is None and experts.format.power_of_two_scales:
+        from qerl_kernels.fp4 import mxfp4_shift
+
+        shift = experts.mxfp4_shift[proj] = mxfp4_shift(t["weight_scale"])
+    return kind, {"weight": t["weight_packed"], "scale": t["weight_scale"],
+                  "global_scale": t.get("weight_global_scale"), "shift": shift or 0}
 
 
 def _project_loop(experts: MoeExperts, proj: str, x: torch.Tensor, routing: Routing, x_div: int,
@@ -328,7 +398,6 @@ def _project_grouped(experts: MoeExperts, proj: str, x: torch.Tensor, routing: R
                      a: torch.Tensor | None, b: torch.Tensor | None, scaling: float) -> torch.Tensor:
     from qerl_kernels.moe import grouped_linear
 
-    kind = experts.kernel_kind(x)
     common = dict(out_rows=routing.assignments, x_div=x_div)
     h = bs = None
     xb = fake_quantize_activations(x, experts.act_quant) if experts.act_quant is not None else x
@@ -336,19 +405,8 @@ def _project_grouped(experts: MoeExperts, proj: str, x: torch.Tensor, routing: R
         h = grouped_linear(x, routing.rows, routing.block_expert, kind="dense", weight=a.to(x.dtype).contiguous(),
                            **common)
         bs = b.to(x.dtype) if scaling == 1.0 else (b * scaling).to(x.dtype)
-    if kind == "dense":
-        w = getattr(experts, proj) if not experts.format.quantized else experts.dense_stack(proj, x.dtype)
-        return grouped_linear(xb, routing.rows, routing.block_expert, kind="dense", weight=w.to(x.dtype),
-                              lora_h=h, lora_b=bs, **common)
-    t = experts.tensors(proj)
-    shift = experts.mxfp4_shift.get(proj)
-    if shift is None and experts.format.power_of_two_scales:
-        from qerl_kernels.fp4 import mxfp4_shift
-
-        shift = experts.mxfp4_shift[proj] = mxfp4_shift(t["weight_scale"])
-    return grouped_linear(xb, routing.rows, routing.block_expert, kind=kind, weight=t["weight_packed"],
-                          scale=t["weight_scale"], global_scale=t.get("weight_global_scale"), shift=shift or 0,
-                          lora_h=h, lora_b=bs, **common)
+    kind, w = _grouped_weight(experts, proj, x)
+    return grouped_linear(xb, routing.rows, routing.block_expert, kind=kind, **w, lora_h=h, lora_b=bs, **common)
 
 
 # ---- the sparse block --------------------------------------------------------------------------------------------
