@@ -66,11 +66,15 @@ def target_linears(model: nn.Module, ignore: list[str]) -> tuple[dict[str, nn.Li
     return targets, skipped
 
 
-def fused_global_scales(targets: dict[str, nn.Linear], projections: Projections) -> dict[str, torch.Tensor]:
+def fused_global_scales(targets: dict[str, nn.Linear],
+                        projections: Projections | None = None) -> dict[str, torch.Tensor]:
     """NVFP4 global scale per layer, shared (max amax) within each group the architecture fuses (q/k/v, gate/up):
-    vLLM runs a fused group as one GEMM, which reads one global scale."""
+    vLLM runs a fused group as one GEMM, which reads one global scale. ``projections``: the architecture's
+    (``arch.layout_of(model).projections``); default the dense Llama/Qwen names."""
+    from qerl_cli.arch.registry import DEFAULT_PROJECTIONS
     from qerl_cli.formats import nvfp4_global_scale
 
+    projections = projections or DEFAULT_PROJECTIONS
     amax = {n: m.weight.detach().float().abs().max() for n, m in targets.items()}
     scales: dict[str, torch.Tensor] = {}
     for name in targets:
