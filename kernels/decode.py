@@ -96,7 +96,7 @@ def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qout_ptr, kc_ptr, vc_ptr,
                     stride_q, stride_k, stride_v, stride_cs, stride_kc_slot, stride_kc_pos, stride_vc_slot,
                     stride_vc_pos, H: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr,
-                    BHK: tl.constexpr, BHALF: tl.constexpr):
+                    BHK: tl.constexpr, BHALF: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.int64)
     jj = tl.arange(0, BHALF)[None, :]
@@ -128,13 +128,21 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qout_ptr, kc
     k1 = ((y1 * c1).to(dt).to(tl.float32) + (-y2 * s1).to(dt).to(tl.float32)).to(dt)
     k2 = ((y2 * c2).to(dt).to(tl.float32) + (y1 * s2).to(dt).to(tl.float32)).to(dt)
     ko = kc_ptr + b * stride_kc_slot + pos * stride_kc_pos + hk * (2 * HALF) + jj
-    tl.store(ko, k1.to(ktype), mask=mk)
-    tl.store(ko + HALF, k2.to(ktype), mask=mk)
-
     vb = v_ptr + b * stride_v + hk * (2 * HALF) + jj
     vo = vc_ptr + b * stride_vc_slot + pos * stride_vc_pos + hk * (2 * HALF) + jj
-    tl.store(vo, tl.load(vb, mask=mk, other=0.0), mask=mk)
-    tl.store(vo + HALF, tl.load(vb + HALF, mask=mk, other=0.0), mask=mk)
+    if FP8:  # an E4M3 cache: saturate as torch's cast does (E4M3 has no infinity), then round to nearest
+        vtype = vc_ptr.dtype.element_ty
+        tl.store(ko, tl.clamp(k1.to(tl.float32), -448.0, 448.0).to(ktype), mask=mk)
+        tl.store(ko + HALF, tl.clamp(k2.to(tl.float32), -448.0, 448.0).to(ktype), mask=mk)
+        v1 = tl.load(vb, mask=mk, other=0.0).to(tl.float32)
+        v2 = tl.load(vb + HALF, mask=mk, other=0.0).to(tl.float32)
+        tl.store(vo, tl.clamp(v1, -448.0, 448.0).to(vtype), mask=mk)
+        tl.store(vo + HALF, tl.clamp(v2, -448.0, 448.0).to(vtype), mask=mk)
+    else:
+        tl.store(ko, k1.to(ktype), mask=mk)
+        tl.store(ko + HALF, k2.to(ktype), mask=mk)
+        tl.store(vo, tl.load(vb, mask=mk, other=0.0), mask=mk)
+        tl.store(vo + HALF, tl.load(vb + HALF, mask=mk, other=0.0), mask=mk)
 
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -156,7 +164,8 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         _rope_kv_kernel[(b,)](q, k, v, positions, cos, sin, q_out, cache_k, cache_v, q.stride(0), k.stride(0),
                               v.stride(0), cos.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0),
                               cache_v.stride(1), H=h, HK=hk, HALF=half, BH=triton.next_power_of_2(h),
-                              BHK=triton.next_power_of_2(hk), BHALF=triton.next_power_of_2(half), num_warps=4)
+                              BHK=triton.next_power_of_2(hk), BHALF=triton.next_power_of_2(half),
+                              FP8=cache_k.element_size() == 1, num_warps=4)
         LAUNCHES["rope_kv_write"] += 1
     return q_out
 

@@ -53,8 +53,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, wo_ptr, wm_ptr, wl_ptr, stride_q
     for n0 in range(start, end, BLOCK):
         offs_n = n0 + tl.arange(0, BLOCK)
         nmask = offs_n < end
+        # an FP8 cache is widened to q's dtype here, exactly (E4M3 fits in bf16/fp16): one read of its bytes
         k = tl.load(k_ptr + b * stride_ks + offs_n[:, None] * stride_kn + kh * stride_kh + offs_d[None, :],
-                    mask=nmask[:, None], other=0.0)
+                    mask=nmask[:, None], other=0.0).to(q.dtype)
         if F32:
             sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         else:
@@ -65,7 +66,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, wo_ptr, wm_ptr, wl_ptr, stride_q
         alpha = tl.exp(m - m_new)
         lsum = lsum * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + b * stride_vs + offs_n[:, None] * stride_vn + kh * stride_vh + offs_d[None, :],
-                    mask=nmask[:, None], other=0.0)
+                    mask=nmask[:, None], other=0.0).to(q.dtype)
         if F32:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:

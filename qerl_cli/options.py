@@ -29,6 +29,7 @@ from qerl_cli.errors import QerlError
 
 DECODE_ATTN = ("auto", "split", "sdpa", "flashinfer")
 DIST_BACKENDS = ("nccl", "gloo")
+KV_CACHES = ("auto", "fp8")
 DEFAULT_DIST_TIMEOUT_S = 600.0
 
 
@@ -57,6 +58,10 @@ class RunOptions:
         "QERL_DECODE_ATTN", "auto", choice(*DECODE_ATTN),
         "decode attention: auto (on CUDA qerl's split-KV kernels, timed against FlashInfer per CUDA graph where it "
         "imports; SDPA elsewhere), split, cuDNN SDPA, or FlashInfer's paged batch decode")
+    kv_cache: str = option(
+        "QERL_KV_CACHE", "auto", choice(*KV_CACHES),
+        "the builtin engine's KV cache: auto (the model's dtype) or fp8 (E4M3, unit scale, saturating: half the "
+        "bytes and twice the sequences per GiB; the attention widens it back exactly)")
     dist_backend: str | None = option(
         "QERL_DIST_BACKEND", None, choice(*DIST_BACKENDS),
         "torchrun's process-group backend; default NCCL on CUDA, gloo on CPU")
@@ -102,6 +107,7 @@ def read_environment() -> dict[str, str | None]:
         "QERL_FUSED_SAMPLING": os.environ.get("QERL_FUSED_SAMPLING"),
         "QERL_FUSED_PROJ": os.environ.get("QERL_FUSED_PROJ"),
         "QERL_DECODE_ATTN": os.environ.get("QERL_DECODE_ATTN"),
+        "QERL_KV_CACHE": os.environ.get("QERL_KV_CACHE"),
         "QERL_DIST_BACKEND": os.environ.get("QERL_DIST_BACKEND"),
         "QERL_DIST_TIMEOUT_S": os.environ.get("QERL_DIST_TIMEOUT_S"),
         "QERL_CACHE_DIR": os.environ.get("QERL_CACHE_DIR"),

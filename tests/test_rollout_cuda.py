@@ -329,3 +329,24 @@ def test_split_kv_engine_runs_on_cuda(use_options) -> None:  # noqa: ANN001
         got = run(engine, greedy)[0]
         assert engine.runner.attention.backend == "split" and engine.use_graphs
         assert all(a[:first] == b[:first] for a, b in zip(got, want, strict=True))
+
+
+def test_fp8_kv_cache_engine_runs_on_cuda(use_options) -> None:  # noqa: ANN001
+    """QERL_KV_CACHE=fp8 end to end on the default path (CUDA graphs, split-KV attention reading E4M3, the fused
+    RoPE/KV write rounding into it): the prompt rows are the bf16 engine's rounded, the first token (prefill) is the
+    same, every log-prob finite, and the first-use check of the fused write passed (no fallback)."""
+    _default_switches(use_options)
+    model = random_model("llama", torch.bfloat16, head_dim=128)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[])
+    plain = BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256)
+    want = run(plain, greedy, prompts=PROMPTS[:1])[0]
+    use_options(kv_cache="fp8")
+    engine = BuiltinEngine(model, None, max_batch_slots=8, max_model_len=256)
+    tokens, logprobs = run(engine, greedy, prompts=PROMPTS[:1])
+    assert engine.use_graphs and engine.runner.attention.current == "split"
+    ck = engine.runner.cache.k
+    assert ck.dtype == torch.float8_e4m3fn
+    n = len(PROMPTS[0])
+    assert torch.equal(ck[:, 0, :n].float(), plain.runner.cache.k[:, 0, :n].to(torch.float8_e4m3fn).float())
+    assert tokens[0][0] == want[0][0] and all(torch.isfinite(lp).all() for lp in logprobs)
+    assert "rope_kv_write" not in engine.runner.ops.fell_back and engine.runner.ops.enabled["rope_kv_write"]

@@ -55,6 +55,7 @@ from qerl_cli.bench.flops import matmul_ceiling_tflops
 from qerl_cli.bench.harness import COUNT, figure, num, save_figure
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import FORMATS, get_format
+from qerl_cli.rollout.kv_cache import kv_elem
 
 DEFAULT_FORMATS = ("bf16", "nvfp4", "mxfp4", "int8", "fp8", "nf4")
 DEFAULT_BATCHES = (1, 8, 64, 256)
@@ -207,7 +208,7 @@ def _estimate_gib(spec: Any, fmt: str, batch: int, max_len: int, lora_rank: int)
     per_w = f.bytes_per_weight + f.resident_extra_bytes
     emb = spec.vocab * spec.hidden * 2 * (1 if spec.tie_embeddings else 2)
     lora = spec.layers * sum(c * (n + k) for _, n, k, c in spec.linear_counts()) * lora_rank * 4
-    kv = batch * max_len * spec.kv_bytes_per_token()
+    kv = batch * max_len * spec.kv_bytes_per_token(kv_elem(2))
     return (spec.linear_params() * per_w + emb + lora + kv) / 2**30
 
 
@@ -606,7 +607,8 @@ class _Model:
         cfg = self.model.config
         self.vocab = int(cfg.vocab_size)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.kv_per_token = 2 * int(cfg.num_hidden_layers) * int(cfg.num_key_value_heads) * head_dim * 2
+        self.kv_per_token = (2 * int(cfg.num_hidden_layers) * int(cfg.num_key_value_heads) * head_dim
+                             * kv_elem(2))  # bf16/fp16 rollouts; QERL_KV_CACHE=fp8 halves it
         self.nbytes = model_bytes(self.model)
         eos = getattr(cfg, "eos_token_id", None)
         self.eos = None if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]

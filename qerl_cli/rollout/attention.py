@@ -123,6 +123,8 @@ def sdpa_decode(q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, k
     kvh = layer_k.shape[2]
     keys = layer_k[:b, :kv_len].transpose(1, 2)  # [B, kvh, kv_len, d]: a strided view, no copy
     vals = layer_v[:b, :kv_len].transpose(1, 2)
+    if keys.dtype != q.dtype:  # an FP8 cache: SDPA takes one dtype, so the bucket is widened (a copy; split doesn't)
+        keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     o = F.scaled_dot_product_attention(q.reshape(b, kvh, hq // kvh, d), keys, vals, attn_mask=mask, scale=scale)
     return o.reshape(b, hq, d)
 
@@ -142,7 +144,8 @@ class DecodeAttention:
     """The runner's decode attention: which backend runs each step, and FlashInfer's per-step plan."""
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, max_len: int,
-                 dtype: torch.dtype, device: torch.device, backend: str | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, backend: str | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         if backend is None:
             from qerl_cli.options import options
 
@@ -150,6 +153,7 @@ class DecodeAttention:
         self.backend = check_backend(backend)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.max_len, self.dtype, self.device = scale, max_len, dtype, device
+        self.kv_dtype = kv_dtype or dtype  # the cache's (E4M3 with QERL_KV_CACHE=fp8)
         self.current = "sdpa"  # what the next decode step runs (set below once the backend is settled)
         self.choices: dict[tuple[int, int], str] = {}  # (batch bucket, kv_len) -> backend (auto)
         self._fi: Any = None  # the flashinfer module, once imported
@@ -230,7 +234,8 @@ class DecodeAttention:
         try:
             w = self._wrapper(bucket)
             w.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, PAGE_SIZE,
-                   pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+                   pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+                   sm_scale=self.scale)
         except Exception as exc:  # noqa: BLE001 - e.g. the JIT build failed: SDPA from now on
             self._fail(exc)
             return

@@ -28,7 +28,15 @@ from torch import nn
 from qerl_cli.errors import QerlError
 from qerl_cli.options import RunOptions, options
 from qerl_cli.rollout.episode import EpisodeHooks, EpisodeScheduler
-from qerl_cli.rollout.kv_cache import CacheShape, KVBudget, KVCache, activation_reserve, kv_budget, plan_num_slots
+from qerl_cli.rollout.kv_cache import (
+    CacheShape,
+    KVBudget,
+    KVCache,
+    activation_reserve,
+    cache_dtype,
+    kv_budget,
+    plan_num_slots,
+)
 from qerl_cli.rollout.model_runner import (
     CudaGraphDecoder,
     ModelRunner,
@@ -219,7 +227,7 @@ class BuiltinEngine:
             num_kv_heads=self.runner.num_kv_heads,
             head_dim=self.runner.head_dim,
             max_len=cache_len,
-            dtype=self.runner.dtype,
+            dtype=cache_dtype(self.runner.dtype, self.opts.kv_cache),
             routing=self.runner.routing_shape if record_routing else None,
         )
         self.runner.record_routing = record_routing and self.runner.routing_shape is not None

@@ -592,8 +592,9 @@ class FusedOps:
 
         def ref() -> torch.Tensor:
             qr = apply_rope_ref(q, cos_g, sin_g)[:, 0]
-            cache_k.index_put_((rows, positions), apply_rope_ref(k, cos_g, sin_g)[:, 0])
-            cache_v.index_put_((rows, positions), v[:, 0])
+            # an FP8 cache: rounded to nearest, saturated at +-448 (torch's cast; the Triton write does the same)
+            cache_k.index_put_((rows, positions), apply_rope_ref(k, cos_g, sin_g)[:, 0].to(cache_k.dtype))
+            cache_v.index_put_((rows, positions), v[:, 0].to(cache_v.dtype))
             return qr
 
         b, _, hq, d = q.shape

@@ -8,6 +8,13 @@ makes that view possible.
 
 The cache is zero-initialised: masked-out positions still enter the attention matmul with weight 0,
 and ``0 * NaN`` would poison it, so stale memory must never hold NaN/Inf.
+
+``QERL_KV_CACHE=fp8`` (the ``kv_cache`` option) stores K and V as E4M3 with a unit scale, as vLLM's uncalibrated
+``kv_cache_dtype=fp8`` does: every write rounds to nearest and saturates at +-448 (torch's cast and the Triton
+write both), every read widens exactly. Half the bytes per token: twice the sequences in the same memory and half
+the attention's reads. The price is E4M3's 3 mantissa bits on every key and value (relative 2**-4) and a floor
+of 2**-9 under which small values flush to zero; the rollout's log-probs move by that, which the importance
+correction sees (measure with ``qerl bench mismatch`` before trusting it at scale).
 """
 
 from __future__ import annotations
@@ -18,6 +25,20 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.rollout.routing import RoutingCache, RoutingShape
+
+FP8_KV = torch.float8_e4m3fn
+
+
+def cache_dtype(model_dtype: torch.dtype, kv_cache: str) -> torch.dtype:
+    """The dtype the KV cache is stored in: the model's, or E4M3 with ``kv_cache="fp8"`` (the one place deciding)."""
+    return FP8_KV if kv_cache == "fp8" else model_dtype
+
+
+def kv_elem(model_elem: int) -> int:
+    """Bytes per cached K or V element under the current options, for plans that size the cache before it exists."""
+    from qerl_cli.options import options
+
+    return 1 if options().kv_cache == "fp8" else model_elem
 
 
 @dataclass(frozen=True)

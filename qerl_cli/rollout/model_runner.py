@@ -51,7 +51,7 @@ from qerl_cli.rollout.fast_layers import (
     rms_norm_ref,
     signature,
 )
-from qerl_cli.rollout.kv_cache import KVCache, bucket_for
+from qerl_cli.rollout.kv_cache import KVCache, bucket_for, cache_dtype
 from qerl_cli.rollout.regions import region
 from qerl_cli.rollout.routing import RoutingShape
 from qerl_cli.rollout.sampling import StepSampler
@@ -127,10 +127,11 @@ class ModelRunner:
         self.prefill_routing: torch.Tensor | None = None
         self._sparse_index = {i: j for j, i in enumerate(i for i, layer in enumerate(self.layers)
                                                           if isinstance(getattr(layer, "mlp", None), MoeBlock))}
-        # decode attention: cuDNN SDPA, or FlashInfer's paged batch decode (the decode_attn option; attention.py)
+        # decode attention: qerl's split-KV kernels, cuDNN SDPA or FlashInfer (the decode_attn option; attention.py)
         self.attention = DecodeAttention(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                          head_dim=self.head_dim, scale=self.scale, max_len=self.cache_len,
-                                         dtype=self.dtype, device=self.device, backend=opts.decode_attn)
+                                         dtype=self.dtype, device=self.device, backend=opts.decode_attn,
+                                         kv_dtype=cache_dtype(self.dtype, opts.kv_cache))
         # What the engine calls for a decode step. A torch.compile of decode_step can be put here; measured
         # on an H200 (Qwen2.5-0.5B shape, bf16, dynamic=True, CUDA graphs captured around it) it was 2.5-3x
         # SLOWER than the plain graphs (cause not established) and took 85 s to compile, so no option uses it.
@@ -307,8 +308,10 @@ class ModelRunner:
         got = self._attn_args.get(i)
         rows = h.numel() // h.shape[-1]
         cache = self.cache
+        # the kernel writes K/V in the model's dtype: an FP8 cache takes the per-op path
         if (got is None or cache is None or cache.k is None or cache.v is None or rows > decode_layer.ENGINE_MAX_M
-                or h.dtype not in (torch.bfloat16, torch.float16) or self.cos.dtype != h.dtype
+                or cache.k.dtype != h.dtype or h.dtype not in (torch.bfloat16, torch.float16)
+                or self.cos.dtype != h.dtype
                 or positions.shape != (rows,) or positions.dtype != torch.int64):
             return None
         name = f"model.layers.{i}.{self.attn_norm}"
@@ -574,10 +577,11 @@ class ModelRunner:
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             layer_k, layer_v = cache_k[i], cache_v[i]
-            layer_k[slot_of, pos_of] = k[valid]
-            layer_v[slot_of, pos_of] = v[valid]
-            kk = layer_k[first_slot:first_slot + r, :kv_len]
-            vv = layer_v[first_slot:first_slot + r, :kv_len]
+            layer_k[slot_of, pos_of] = k[valid].to(layer_k.dtype)  # an FP8 cache: rounded, saturated
+            layer_v[slot_of, pos_of] = v[valid].to(layer_v.dtype)
+            # the turn attends what later decode steps will read: the cache's values, widened
+            kk = layer_k[first_slot:first_slot + r, :kv_len].to(q.dtype)
+            vv = layer_v[first_slot:first_slot + r, :kv_len].to(q.dtype)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
                                                attn_mask=mask[:, None], scale=self.scale,
                                                enable_gqa=self.groups > 1)

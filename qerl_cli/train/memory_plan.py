@@ -71,6 +71,7 @@ from typing import Any
 from qerl_cli.device import pick as pick_device
 from qerl_cli.errors import QerlError
 from qerl_cli.precision import dtype_of
+from qerl_cli.rollout.kv_cache import kv_elem
 from qerl_cli.train.model_dims import ModelDims
 from qerl_cli.train.phases import (
     AQN,
@@ -426,7 +427,7 @@ class PlanRequest:
     @property
     def per_slot(self) -> int:
         cache_len = -(-(self.seq_tokens + 1) // CACHE_ALIGN) * CACHE_ALIGN
-        return cache_len * self.dims.kv_bytes_per_token(self.elem)
+        return cache_len * self.dims.kv_bytes_per_token(kv_elem(self.elem))
 
     @property
     def prefill(self) -> int:

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from qerl_cli.arch import DEFAULT_LORA_TARGETS
+from qerl_cli.rollout.kv_cache import kv_elem
 from qerl_cli.train.model_dims import ModelDims
 from qerl_cli.train.phases import AQN, CHECKPOINT, FWD_BWD, OPTIMIZER, OTHER, PLANNED_TIME, RECOMPUTE, ROLLOUT
 
@@ -235,7 +236,7 @@ def _rollout(base: Base, work: Workload, s: Setting, rates: DeviceRates, cal: Ca
                                                 else cal.decode_dequant_share))
     head = d.vocab * d.hidden * base.elem
     context = work.prompt_tokens + work.completion_tokens / 2
-    kv = slots * context * d.kv_bytes_per_token(base.elem)
+    kv = slots * context * d.kv_bytes_per_token(kv_elem(base.elem))
     flops = 2.0 * (d.linear_weights() + d.lora_params(work.lora_rank, list(work.lora_targets)) + head / base.elem)
     step = (d.layers * cal.decode_layer_s + weights + (head + kv) / (bw * cal.decode_dense_share)
             + flops * slots / (rate * cal.decode_flops_share))
