@@ -139,3 +139,14 @@ def test_oom_cell_names_phase_estimate_capacity_and_setting(tmp_path, monkeypatc
     harness.show(out, *harness.report(res))
     printed = out.export_text()
     assert "OOM in fwd_bwd" in printed and "change: --set micro_batch_size=2" in printed
+
+
+def test_floor_lines_state_the_decode_step_against_its_compute_aware_floor() -> None:
+    """A profiled cell: a 6.00 ms graph step over a 4.50 ms floor is 75% of it; the training MFU beside it."""
+    from qerl_cli.bench.step import floor_lines
+
+    prof = {"batch": 64, "graph_step_ms": 6.0, "kernel_ms_per_step": 5.5, "step_floor_ms": 4.5, "pct_of_floor": 75.0}
+    res = {"results": [{"format": "nvfp4", "status": "ok", "rollout_profile": prof, "fwd_bwd_mfu": 0.31},
+                       {"format": "bf16", "status": "ok"}]}
+    assert floor_lines(res) == ["nvfp4: decode step 6.00 ms at batch 64, 75% of its compute-aware floor (4.50 ms); "
+                                "fwd+bwd MFU 31%"]

@@ -556,9 +556,16 @@ class _FormatStep:
                                                     seed=self.seed))
         batch = min(c.batch_prompts * c.num_generations, engine.num_slots)
         context = int(statistics.mean(len(p) for p in prompts)) + c.max_completion_length // 2
-        prof = profile_decode(engine, batch, context)
+        rates = self.rates
+        prof = profile_decode(engine, batch, context, copy_gbps=rates.copy_gbps if rates else None,
+                              mma_tflops=self.ceiling or (rates.matmul_tflops if rates else None))
+        step_ms = prof["graph_step_ms"] or prof["kernel_ms_per_step"]
+        # the compute-aware floor: per category the larger of its bytes over the bandwidth and its FLOPs over the
+        # run's matmul rate; at RL batches the quantized GEMMs are bound by the MMA rate, not by their bytes
+        prof["pct_of_floor"] = 100.0 * prof["step_floor_ms"] / step_ms if prof.get("step_floor_ms") else None
         self.log(f"{self.cell}: decode-step profile at batch {batch}, context {context}: "
-                 f"{prof['kernel_ms_per_step']:.2f} ms of kernels, graph step {prof['graph_step_ms'] or 0:.2f} ms")
+                 f"{prof['kernel_ms_per_step']:.2f} ms of kernels, graph step {prof['graph_step_ms'] or 0:.2f} ms, "
+                 f"floor {num(prof.get('step_floor_ms'), '{:.2f}')} ms ({num(prof['pct_of_floor'], '{:.0f}')}%)")
         return prof
 
     def _phase_profile(self, trainer: Any) -> dict[str, Any]:
@@ -764,7 +771,22 @@ def short_summary(res: dict[str, Any]) -> list[str]:
         if r.get("status") != "ok" and r.get("log_tail"):
             lines.append(f"{r['format']}: {r['status']}")
     lines += ratio_lines(res)
+    lines += floor_lines(res)
     lines += [f"JSON: {res['files']['json']}", f"plot: {res['files']['plot']}"]  # one path a line: 80 columns
+    return lines
+
+
+def floor_lines(res: dict[str, Any]) -> list[str]:
+    """Per profiled cell, the step against its compute-aware floors: the decode step's (bytes or FLOPs per
+    category, whichever binds) and the training phases' MFU (their FLOPs over the measured matmul ceiling)."""
+    lines = []
+    for r in res["results"]:
+        prof = r.get("rollout_profile") or {}
+        if r.get("status") != "ok" or prof.get("pct_of_floor") is None:
+            continue
+        lines.append(f"{r['format']}: decode step {prof['graph_step_ms'] or prof['kernel_ms_per_step']:.2f} ms at "
+                     f"batch {prof['batch']}, {prof['pct_of_floor']:.0f}% of its compute-aware floor "
+                     f"({prof['step_floor_ms']:.2f} ms); fwd+bwd MFU {num(r.get('fwd_bwd_mfu'), '{:.0%}')}")
     return lines
 
 
