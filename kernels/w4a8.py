@@ -57,7 +57,7 @@ from qerl_kernels.fp4 import (
     splitk_reduce,
     store_swapped,
 )
-from qerl_kernels.w8 import E4M3_MAX
+from qerl_kernels.w8 import E4M3_MAX, _to_e4m3, quantize_rows_fp8
 
 # ceil of the channel exponent so the 2**e multipliers stay finite in fp32 however odd a channel's scales are
 _E_LIMIT = 120
@@ -107,60 +107,10 @@ def w4a8_scales(scale: torch.Tensor, global_scale: torch.Tensor | None, fmt: str
 
 
 # ---- the kernels ---------------------------------------------------------------------------------
-@triton.jit
-def _round_e4m3(v):
-    """fp32 -> the nearest E4M3 value (ties to even) as fp32, for |v| <= 448, by integer ops on the bit pattern.
-
-    The interpreter's own fp32->fp8 cast loses the rounding carry (124.3 -> 64), so the F32 path rounds here and
-    then casts an exact value; the GPU path casts directly (cvt.rn.satfinite, RNE)."""
-    bits = v.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    exp = (mag >> 23) - 127
-    # fraction bits to drop: 20 for normal E4M3 (3 kept), one more per binade below 2**-6 (subnormal grid 2**-9)
-    drop = 20 + tl.minimum(tl.maximum(-6 - exp, 0), 3)
-    one = tl.full(bits.shape, 1, tl.int32)
-    # the kept last bit decides ties; at drop 23 (2**-9 <= |v| < 2**-8) it is the implicit leading one
-    lsb = tl.where(drop >= 23, 1, (mag >> drop) & 1)
-    rounded = (mag + (one << (drop - 1)) - 1 + lsb) & ~((one << drop) - 1)
-    # below 2**-9 the grid is {0, 2**-9}: round up past the midpoint 2**-10 (a tie goes to the even 0)
-    rounded = tl.where(exp <= -10, tl.where(mag > 0x3A800000, 0x3B000000, 0), rounded)  # 2**-10, 2**-9
-    return (rounded | (bits & -0x80000000)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _to_e4m3(v, F32: tl.constexpr):
-    if F32:
-        return _round_e4m3(v).to(tl.float8e4nv)
-    else:
-        return v.to(tl.float8e4nv)
-
-
-@triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr, F32: tl.constexpr):
-    """One row per program: sx = max(amax, 1e-12) / 448, q = E4M3_RNE(x / sx) (|x / sx| <= 448 by construction)."""
-    row = tl.program_id(0)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    sx = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
-    tl.store(s_ptr + row, sx)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = _to_e4m3(tl.minimum(tl.maximum(x / sx, -448.0), 448.0), F32)
-        tl.store(q_ptr + row * stride_qm + offs, q.to(tl.uint8, bitcast=True), mask=offs < K)
-
-
 def quantize_rows(x: torch.Tensor, block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token FP8: (q(x) as E4M3 bits uint8 [M, K], sx fp32 [M]), q(x) * sx ~ x."""
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.uint8, device=x.device)
-    sx = torch.empty((m,), dtype=torch.float32, device=x.device)
-    block = min(block, triton.next_power_of_2(k))
-    _quant_rows_kernel[(m,)](x, q, sx, k, x.stride(0), q.stride(0), BLOCK=block, F32=INTERPRET, num_warps=4)
-    return q, sx
+    """Per-token FP8: (q(x) as E4M3 bits uint8 [M, K], sx fp32 [M]), q(x) * sx ~ x (w8's row quantizer)."""
+    q, sx = quantize_rows_fp8(x, block)
+    return q.view(torch.uint8), sx.view(-1)
 
 
 @triton.jit

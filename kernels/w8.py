@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from qerl_kernels._common import TileConfig, cdiv, f32_path, launch_config
+from qerl_kernels._common import INTERPRET, TileConfig, cdiv, f32_path, launch_config
 from qerl_kernels.fp4 import (
     dy_tile_dot,
     grouped_pid,
@@ -85,7 +85,35 @@ def _w8_mm_t_kernel(dy_ptr, w_ptr, s_ptr, dx_ptr, M, N, K, stride_dym, stride_dx
 
 
 @triton.jit
-def _quant_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr):
+def _round_e4m3(v):
+    """fp32 -> the nearest E4M3 value (ties to even) as fp32, for |v| <= 448, by integer ops on the bit pattern.
+
+    The interpreter's own fp32->fp8 cast loses the rounding carry (124.3 -> 64), so the F32 path rounds here and
+    then casts an exact value; the GPU path casts directly (cvt.rn.satfinite, RNE)."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    exp = (mag >> 23) - 127
+    # fraction bits to drop: 20 for normal E4M3 (3 kept), one more per binade below 2**-6 (subnormal grid 2**-9)
+    drop = 20 + tl.minimum(tl.maximum(-6 - exp, 0), 3)
+    one = tl.full(bits.shape, 1, tl.int32)
+    # the kept last bit decides ties; at drop 23 (2**-9 <= |v| < 2**-8) it is the implicit leading one
+    lsb = tl.where(drop >= 23, 1, (mag >> drop) & 1)
+    rounded = (mag + (one << (drop - 1)) - 1 + lsb) & ~((one << drop) - 1)
+    # below 2**-9 the grid is {0, 2**-9}: round up past the midpoint 2**-10 (a tie goes to the even 0)
+    rounded = tl.where(exp <= -10, tl.where(mag > 0x3A800000, 0x3B000000, 0), rounded)  # 2**-10, 2**-9
+    return (rounded | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3(v, F32: tl.constexpr):
+    if F32:
+        return _round_e4m3(v).to(tl.float8e4nv)
+    else:
+        return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr, F32: tl.constexpr):
     """One row per program: scale = max(amax, tiny) / 448, q = RNE(clamp(x / scale, +-448)) as E4M3 bits."""
     row = tl.program_id(0)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -98,7 +126,7 @@ def _quant_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: 
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0).to(tl.float8e4nv)
+        q = _to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0), F32)
         tl.store(q_ptr + row * stride_qm + offs, q.to(tl.uint8, bitcast=True), mask=offs < K)
 
 
@@ -149,7 +177,7 @@ def quantize_rows_fp8(x: torch.Tensor, block: int = 2048) -> tuple[torch.Tensor,
     q = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = min(block, triton.next_power_of_2(k))
-    _quant_rows_fp8_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=4)
+    _quant_rows_fp8_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=block, F32=INTERPRET, num_warps=4)
     return q.view(torch.float8_e4m3fn), s
 
 

@@ -17,7 +17,6 @@ import triton.language as tl
 from qerl_kernels import INTERPRET, TileConfig
 from qerl_kernels.fp4 import kernel_scales, repack_fp4
 from qerl_kernels.w4a8 import (
-    _round_e4m3,
     channel_exponents,
     quantize_rows,
     quantize_rows_emulated,
@@ -27,6 +26,7 @@ from qerl_kernels.w4a8 import (
     w4a8_scales,
     widened_weight,
 )
+from qerl_kernels.w8 import _round_e4m3
 
 from qerl_cli.formats import dequantize, quantize
 
