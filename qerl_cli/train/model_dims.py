@@ -8,34 +8,25 @@ bytes per token, what autograd keeps per token and layer, and the FLOPs of a for
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from qerl_cli.arch import DEFAULT_PROJECTIONS, Projections, layout_of
+from qerl_cli.arch import DEFAULT_PROJECTIONS, ArchDims, Projections, layout_of
 
 
 @dataclass(frozen=True)
-class ModelDims:
-    hidden: int
-    intermediate: int  # one MLP's (one expert's, in a mixture of experts)
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    experts: int = 0  # mixture of experts: experts per layer, all resident (0: a dense MLP)
-    top_k: int = 0  # ... and experts per token
-    qkv_bias: bool = False
-    qk_norm: bool = False  # per-head q/k RMSNorms (Qwen3)
+class ModelDims(ArchDims):
+    """The architecture's sizes (:class:`~qerl_cli.arch.ArchDims`) and its projection names, with the derived counts
+    the memory plan and the step's cost model use."""
+
     projections: Projections = DEFAULT_PROJECTIONS  # the architecture's names, which the LoRA targets use
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelDims:
         # a config without a spec is sized as a dense decoder (the plan of a model vLLM runs, a hand-written config)
         spec = layout_of(cfg)
-        d = spec.dims(cfg)
-        return cls(d.hidden, d.intermediate, d.layers, d.heads, d.kv_heads, d.head_dim, d.vocab, d.experts, d.top_k,
-                   d.qkv_bias, d.qk_norm, spec.projections)
+        return cls(**dataclasses.asdict(spec.dims(cfg)), projections=spec.projections)
 
     @property
     def active_intermediate(self) -> int:
