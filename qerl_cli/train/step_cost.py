@@ -100,12 +100,22 @@ class Calibration:
     # a mixture of experts' routed experts and their LoRA (qerl_cli/moe.py), as shares of the matmul ceiling: the
     # grouped Triton kernels' forward and backward (dispatch, i.e. align_blocks and the gathers, included: the bench
     # times the whole layer), and the per-expert loop's (kernels off, the CPU)
+    # (issue 45; the numbers: docs/moe.md "The plan"). Grouped, one Qwen3-30B-A3B layer at 8,192 tokens on an
+    # H200 (docs/results/2026-11-29/i45_moe_grouped_bench.json): forward 645 GFLOP in 5.48 ms = 118 TFLOP/s,
+    # backward 699 GFLOP in 4.47 ms = 157 TFLOP/s (134 TFLOP/s both), over 790. The loop's forward from the same
+    # bench (8.3 TFLOP/s); its backward fitted to the step measured on 2026-11-28 (fwd_bwd 55.63 s, grouped
+    # forward + looped backward, micro-batch 8 with checkpointing: 7.3 TFLOP/s; the bench's per-projection loop
+    # backwards give 6.7)
     moe_grouped_fwd_share: float = 0.149
     moe_grouped_bwd_share: float = 0.198
     moe_loop_fwd_share: float = 0.0105
-    moe_loop_bwd_share: float = 0.0105
-    decode_moe_share: float = 0.0012  # low-bit decode: touched expert weights per second, per FLOP/s of the ceiling
-    moe_prefill_share: float = 0.0114  # the rollout prefill's expert FLOPs, of the ceiling
+    moe_loop_bwd_share: float = 0.0093
+    # low-bit decode: touched expert weights per second, per FLOP/s of the ceiling: 24.7 ms per decode step at
+    # batch 64 on an H200 (2026-11-28), less the step's other terms (5.8 ms), for 28.5 G touched expert weights
+    decode_moe_share: float = 0.0019
+    # the rollout prefill's expert FLOPs, of the ceiling: 2.40 s for 64 x 256 prompt tokens (62 TFLOP of experts)
+    # on an H100 (docs/results/2026-11-27/i38_moe_step_mb16_h100.json, rollout_prefill_s)
+    moe_prefill_share: float = 0.0346
 
 
 # Fitted by least squares on the log of the measured phase times (rollout, recompute, fwd_bwd, checkpoint), worst
