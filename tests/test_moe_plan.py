@@ -159,3 +159,36 @@ def _OptOnDevice(opt: torch.optim.Optimizer, device: torch.device) -> torch.opti
     view = object.__new__(torch.optim.AdamW)
     view.param_groups = [{"params": [_OnDevice(p, device) for p in g["params"]]} for g in opt.param_groups]
     return view
+
+
+# ---- the recorded routing in the memory plan -------------------------------------------------------------------
+def test_memory_plan_counts_the_recorded_routing() -> None:
+    """Qwen3-30B-A3B at 64 sequences x 1280 tokens, micro-batch 8: the batch's routing ids on the device, int16
+    [64, 1280, 48, 8] = 62.9 MB, through the update; replay_routing's int64 copy of a micro-batch's, [8 x 1280, 48,
+    8] x 8 B = 31.5 MB, in the recompute and fwd_bwd. A dense model has none."""
+    from qerl_cli.bench.shapes import get_shape
+    from qerl_cli.train.memory_plan import plan_memory, weight_bytes
+    from qerl_cli.train.model_dims import ModelDims
+
+    cfg = get_shape("qwen3-30b-a3b").config()
+    dims = ModelDims.from_config(cfg)
+    kw = dict(weights=weight_bytes(cfg, "nvfp4", 2, kernels=False), capacity=None, device_total=None, elem=2,
+              sequences=64, prompt_tokens=256, completion_tokens=1024, lora_rank=32,
+              lora_targets=["q_proj", "gate_proj"], micro_batch_size=8)
+    p = plan_memory(dims, **kw)
+    assert p.routing_batch == 64 * 1280 * 48 * 8 * 2 == 62_914_560
+    assert p.routing_micro == 8 * 1280 * 48 * 8 * 8 == 31_457_280
+    e = p.phase_estimates()
+    q = plan_memory(dims, **kw)
+    q.routing_batch = q.routing_micro = 0
+    f = q.phase_estimates()
+    assert e["fwd_bwd"] - f["fwd_bwd"] == e["recompute"] - f["recompute"] == 62_914_560 + 31_457_280
+    assert e["optimizer"] - f["optimizer"] == 62_914_560 and e["rollout"] == f["rollout"]
+    dense = dataclasses_replace_dense(dims)
+    assert plan_memory(dense, **kw).routing_batch == 0
+
+
+def dataclasses_replace_dense(dims: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(dims, experts=0, top_k=0)
