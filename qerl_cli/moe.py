@@ -428,6 +428,12 @@ def gate_weights(probs: torch.Tensor, index: torch.Tensor, norm_topk_prob: bool)
     return top / top.sum(dim=-1, keepdim=True) if norm_topk_prob else top
 
 
+def in_backward() -> bool:
+    """Whether this runs inside the autograd engine's backward (e.g. torch.utils.checkpoint recomputing a forward,
+    reentrant or not): the engine sets a current graph task only while it executes one."""
+    return torch._C._current_graph_task_id() != -1
+
+
 RouteHook = Callable[[torch.Tensor], None]  # receives a forward's top-k expert index [T, k]
 
 
@@ -456,7 +462,10 @@ class MoeBlock(nn.Module):
             self.replay.check(x.shape[0])
             if self.replay.use:
                 weights, index = self.replay.apply(logits, own, self.norm_topk_prob)
-        if self.training and torch.is_grad_enabled():  # the update's forwards, never a rollout running beside them
+        # the update's forwards, never a rollout running beside them, nor activation checkpointing's recompute of
+        # this forward (it runs inside the backward, where the autograd engine has a graph task): counted twice, the
+        # statistics would differ with --gradient-checkpointing
+        if self.training and torch.is_grad_enabled() and not in_backward():
             self.record(logits, own)
             if self.replay is not None:
                 self.record_disagreement(self.replay.disagreement(own))

@@ -234,6 +234,10 @@ class MemoryPlan:
     considered: int = 0  # settings estimated, and how many of them fit
     fitting: int = 0
     device: str = "cuda"  # where the step runs: "cpu" plans host memory (nothing to fit, no time model)
+    # a mixture of experts' recorded routing (routing replay): the batch's [B, L, layers, k] int16 ids on the device
+    # through the update, and one micro-batch's int64 copy that replay_routing makes for its forward and backward
+    routing_batch: int = 0
+    routing_micro: int = 0
 
     @property
     def est_step_s(self) -> float | None:
@@ -268,15 +272,16 @@ class MemoryPlan:
         ``setup``: after the trainer is built); compare with ``max_memory_allocated`` per phase."""
         cache = self.kv_cache + self.shadows if self.resident_cache and self.capacity is not None else 0
         static = self.weights + self.lora_params + self.optimizer_state
-        train = static + self.grads + cache
+        train = static + self.grads + cache + self.routing_batch + self.routing_micro
         return {
             SETUP: self.weights + self.lora_params,
             AQN: static + cache + self.aqn,
             ROLLOUT: static + self.shadows + self.kv_cache + self.rollout,
-            RECOMPUTE: static + cache + self.logprob_kept + max(self.logprob_chunk, self.recompute + self.dequant),
+            RECOMPUTE: static + cache + self.routing_batch + self.routing_micro + self.logprob_kept + max(
+                self.logprob_chunk, self.recompute + self.dequant),
             FWD_BWD: train + self.activations + self.logprob_kept + max(self.logprob_chunk,
                                                                         self.layer_backward + self.dequant),
-            OPTIMIZER: train + self.optimizer_step,
+            OPTIMIZER: train - self.routing_micro + self.optimizer_step,
             CHECKPOINT: static + cache,
         }
 
@@ -495,7 +500,9 @@ def _parts(req: PlanRequest, s: Setting) -> MemoryPlan:
         gradient_checkpointing=s.gradient_checkpointing, optimizer_offload=s.optimizer_offload,
         extra_weight_copies=s.kernel_weight_copies, kv_slots=0, gpu_memory_utilization=util,
         sequences=req.sequences, seq_tokens=req.seq_tokens, aqn=2 * (2 * dims.layers + 1) * dims.hidden * elem,
-        resident_cache=s.keep_rollout_cache)
+        resident_cache=s.keep_rollout_cache,
+        routing_batch=req.sequences * req.seq_tokens * dims.layers * dims.top_k * 2 if dims.experts else 0,
+        routing_micro=tokens * dims.layers * dims.top_k * 8 if dims.experts else 0)
 
 
 def _build(req: PlanRequest, s: Setting) -> MemoryPlan:

@@ -121,24 +121,53 @@ class ModelDims(ArchDims):
         """Gradients in flight inside one layer's backward (the MLP's three [I] ones, the residual's two [H])."""
         return (3 * self.active_intermediate + 2 * self.hidden + self.moe_token_extra) * elem
 
+    def expert_weights(self) -> int:
+        """Of :meth:`linear_weights`: the routed experts' weights a token runs through (k experts per sparse layer,
+        their gate, up and down), which the grouped expert kernels compute, not the dense GEMMs; 0 for a dense MLP."""
+        if not self.experts:
+            return 0
+        h, i = self.hidden, self.intermediate
+        return self.layers * self.top_k * 3 * h * i
+
+    def active_lora_params(self, rank: int, targets: list[str]) -> tuple[int, int]:
+        """(LoRA parameters a token runs through outside the experts, inside its k routed experts): what the FLOPs
+        count. :meth:`lora_params` counts every expert's factors (the memory); a token reads only k of the E."""
+        total = self.lora_params(rank, targets)
+        if not self.experts:
+            return total, 0
+        experts = self.lora_params(rank, [t for t in targets if self.mlp_copies(t) > 1])
+        return total - experts, experts * self.top_k // self.experts
+
+    def touched_experts(self, batch: float) -> float:
+        """Distinct experts a layer reads for ``batch`` tokens routed uniformly: ``E * (1 - (1 - k/E)^b)`` (8 of
+        Qwen3-30B-A3B's 128 at b = 1, 125.9 at b = 64); the experts' count for a dense model."""
+        if not self.experts:
+            return 0.0
+        return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** max(1.0, batch))
+
     def largest_linear(self) -> int:
         return max(i * o for i, o in self.linear_shapes().values())
 
     def forward_flops(self, *, tokens: float, attention_pairs: float, loss_tokens: float, lora_rank: int,
                       lora_targets: list[str]) -> dict[str, float]:
         """FLOPs of one forward over ``tokens`` (``attention_pairs`` = sum of n_i (n_i + 1) / 2, causal), split by
-        what runs them: the frozen linears, the LoRA factors, attention, and lm_head over the loss tokens (the
-        chunked log-probs project only those)."""
-        lora = self.lora_params(lora_rank, lora_targets)
-        return {"linear": 2.0 * self.linear_weights() * tokens, "lora": 2.0 * lora * tokens,
+        what runs them: the frozen dense linears (the router included), the LoRA factors outside the experts,
+        a mixture of experts' k routed experts and their LoRA factors (the grouped expert kernels; only the k
+        experts' factors a token is routed to, not all E), attention, and lm_head over the loss tokens (the
+        chunked log-probs project only those). The values add up to the whole forward."""
+        lora, expert_lora = self.active_lora_params(lora_rank, lora_targets)
+        experts = self.expert_weights()
+        return {"linear": 2.0 * (self.linear_weights() - experts) * tokens, "lora": 2.0 * lora * tokens,
+                "experts": 2.0 * experts * tokens, "expert_lora": 2.0 * expert_lora * tokens,
                 "attention": self.layers * 4.0 * self.heads * self.head_dim * attention_pairs,
                 "head": 2.0 * self.hidden * self.vocab * loss_tokens}
 
     def backward_flops(self, forward: dict[str, float]) -> dict[str, float]:
-        """The backward of a forward's FLOPs: dx through every frozen linear (no weight gradient), dA, dB and dx
-        of the LoRA factors, twice the attention forward, and the log-prob Jacobian rows (another lm_head pass
-        over the loss tokens, made in the forward's chunk)."""
-        return {"linear": forward["linear"], "lora": 3.0 * forward["lora"], "attention": 2.0 * forward["attention"],
+        """The backward of a forward's FLOPs: dx through every frozen linear and expert (no weight gradient), dA, dB
+        and dx of the LoRA factors, twice the attention forward, and the log-prob Jacobian rows (another lm_head
+        pass over the loss tokens, made in the forward's chunk)."""
+        return {"linear": forward["linear"], "lora": 3.0 * forward["lora"], "experts": forward.get("experts", 0.0),
+                "expert_lora": 3.0 * forward.get("expert_lora", 0.0), "attention": 2.0 * forward["attention"],
                 "head": forward["head"]}
 
 

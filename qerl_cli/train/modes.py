@@ -137,6 +137,10 @@ class TrainingMode:
     def save_in_background(self, state: dict[str, Any], marks: dict[str, float]) -> Path:
         raise NotImplementedError
 
+    def prepare_snapshot(self) -> None:
+        """Once the optimizer exists: let the background checkpoint's pinned buffers be allocated off the step's
+        critical path (:meth:`HostSnapshot.prepare`); nothing where checkpoints are written synchronously."""
+
 
 class LoraMode(TrainingMode):
     """peft adapters on the frozen base (qerl_cli/lora.py); only they train and only they are saved."""
@@ -158,6 +162,13 @@ class LoraMode(TrainingMode):
 
     def can_write_in_background(self) -> bool:
         return True
+
+    def prepare_snapshot(self) -> None:
+        from qerl_cli.lora import lora_state_dict
+
+        t = self.t
+        if t.cfg.async_checkpoint and not t.dist.enabled and t.device.type == "cuda":
+            t.snapshot.prepare(ck.snapshot_specs(lora_state_dict(t.model), t.optimizer))
 
     def save_in_background(self, state: dict[str, Any], marks: dict[str, float]) -> Path:
         """Host copies queued on the device (never waited for here: the step's critical path pays for launching

@@ -97,6 +97,25 @@ class Calibration:
     checkpoint_gbps: float  # the snapshot's copy to host memory
     aqn_layer_s: float
     other_s: float
+    # a mixture of experts' routed experts and their LoRA (qerl_cli/moe.py), as shares of the matmul ceiling: the
+    # grouped Triton kernels' forward and backward (dispatch, i.e. align_blocks and the gathers, included: the bench
+    # times the whole layer), and the per-expert loop's (kernels off, the CPU)
+    # (issue 45; the numbers: docs/moe.md "The plan"). Grouped, one Qwen3-30B-A3B layer at 8,192 tokens on an
+    # H200 (docs/results/2026-11-29/i45_moe_grouped_bench.json): forward 645 GFLOP in 5.48 ms = 118 TFLOP/s,
+    # backward 699 GFLOP in 4.47 ms = 157 TFLOP/s (134 TFLOP/s both), over 790. The loop's forward from the same
+    # bench (8.3 TFLOP/s); its backward fitted to the step measured on 2026-11-28 (fwd_bwd 55.63 s, grouped
+    # forward + looped backward, micro-batch 8 with checkpointing: 7.3 TFLOP/s; the bench's per-projection loop
+    # backwards give 6.7)
+    moe_grouped_fwd_share: float = 0.149
+    moe_grouped_bwd_share: float = 0.198
+    moe_loop_fwd_share: float = 0.0105
+    moe_loop_bwd_share: float = 0.0093
+    # low-bit decode: touched expert weights per second, per FLOP/s of the ceiling: 24.7 ms per decode step at
+    # batch 64 on an H200 (2026-11-28), less the step's other terms (5.8 ms), for 28.5 G touched expert weights
+    decode_moe_share: float = 0.0019
+    # the rollout prefill's expert FLOPs, of the ceiling: 2.40 s for 64 x 256 prompt tokens (62 TFLOP of experts)
+    # on an H100 (docs/results/2026-11-27/i38_moe_step_mb16_h100.json, rollout_prefill_s)
+    moe_prefill_share: float = 0.0346
 
 
 # Fitted by least squares on the log of the measured phase times (rollout, recompute, fwd_bwd, checkpoint), worst
@@ -164,6 +183,10 @@ class Base:
     linear_bytes: int
     dequantizes: bool
     peft_lora: bool = False  # LoRA through peft's own layer (dropout > 0): fp32 adapter inputs over a 16-bit base
+    # how a mixture of experts' experts train: "grouped" (the Triton kernels forward and backward, CUDA's default),
+    # "loop" (one expert at a time both ways: the CPU, kernels off), "loop_backward" (grouped forward, looped
+    # backward: the code before 2026-11-29, kept to check the model against the step measured then)
+    moe_path: str = "grouped"
 
     @property
     def fp32_lora_inputs(self) -> bool:
@@ -190,6 +213,17 @@ def gemm_share(rows: float, cal: Calibration) -> float:
     return cal.gemm_share * rows / (rows + cal.gemm_half_rows)
 
 
+def moe_shares(path: str, cal: Calibration) -> tuple[float, float]:
+    """(forward, backward) shares of the matmul ceiling the routed experts run at on ``path`` (``Base.moe_path``)."""
+    if path == "grouped":
+        return cal.moe_grouped_fwd_share, cal.moe_grouped_bwd_share
+    if path == "loop":
+        return cal.moe_loop_fwd_share, cal.moe_loop_bwd_share
+    if path == "loop_backward":
+        return cal.moe_grouped_fwd_share, cal.moe_loop_bwd_share
+    raise ValueError(f"unknown MoE path {path!r} (grouped, loop, loop_backward)")
+
+
 def _combine(gpu: float, host: float, cal: Calibration) -> float:
     return max(gpu, host) + cal.overlap * min(gpu, host)
 
@@ -213,13 +247,20 @@ def _train_costs(base: Base, work: Workload, s: Setting, rates: DeviceRates, cal
         work.lora_rank, list(work.lora_targets), base.elem) if base.fp32_lora_inputs else 0)) / bw
 
     slower = 1.0 + (cal.copies_train_penalty if s.kernel_weight_copies else 0.0)
+    fwd_share, bwd_share = moe_shares(base.moe_path, cal)
+
+    def experts(fl: dict[str, float], share: float) -> float:
+        # the routed experts and their LoRA at the expert kernels' measured rate, not the dense GEMMs'
+        return (fl["experts"] + fl["expert_lora"]) / (rate * share) if fl["experts"] else 0.0
 
     def gpu(fl: dict[str, float], elementwise: float, head: bool = True) -> float:
         dense = fl["linear"] + fl["attention"] + (fl["head"] if head else 0.0)
         return dense / gemm_rate + fl["lora"] / lora_rate + weights + elementwise * kept
 
-    return {"fwd": gpu(fwd, cal.elementwise_fwd), "bwd": slower * gpu(bwd, cal.elementwise_bwd),
-            "gc": gpu(fwd, cal.elementwise_fwd, head=False), "host_nograd": d.layers * cal.host_nograd_s,
+    return {"fwd": gpu(fwd, cal.elementwise_fwd) + experts(fwd, fwd_share),
+            "bwd": slower * gpu(bwd, cal.elementwise_bwd) + experts(bwd, bwd_share),
+            "gc": gpu(fwd, cal.elementwise_fwd, head=False) + experts(fwd, fwd_share),
+            "host_nograd": d.layers * cal.host_nograd_s,
             "host_fwd": d.layers * cal.host_fwd_s,
             "host_bwd": d.layers * cal.host_bwd_s, "micro_batches": float(n_mb)}
 
@@ -229,19 +270,28 @@ def _rollout(base: Base, work: Workload, s: Setting, rates: DeviceRates, cal: Ca
     slots = max(1, min(work.sequences, s.kv_slots or work.sequences))
     waves = math.ceil(work.sequences / slots)
     bw, rate = rates.copy_gbps * 1e9, rates.matmul_tflops * 1e12
-    if not base.dequantizes:
-        weights = base.linear_bytes / (bw * cal.decode_dense_share)
+    experts = d.expert_weights()  # the k routed experts of every layer (0: a dense MLP)
+    dense = d.linear_weights() - experts
+    # a decode step reads every expert one of its `slots` tokens is routed to, not only k: E (1 - (1 - k/E)^b)
+    touched = experts / max(1, d.top_k) * d.touched_experts(slots)
+    if not base.dequantizes:  # a 16-bit base: its bytes at the copy bandwidth (of the experts, the touched ones')
+        read = base.linear_bytes if not experts else (dense + touched) * base.elem
+        weights = read / (bw * cal.decode_dense_share)
     else:
-        weights = d.linear_weights() / (rate * (cal.decode_copies_share if s.kernel_weight_copies
-                                                else cal.decode_dequant_share))
+        weights = dense / (rate * (cal.decode_copies_share if s.kernel_weight_copies else cal.decode_dequant_share))
+        weights += touched / (rate * cal.decode_moe_share)
+    lora, expert_lora = d.active_lora_params(work.lora_rank, list(work.lora_targets))
+    # the touched experts' LoRA copies are read in the model dtype beside their weights (rollout/fast_layers.py)
+    shadows = expert_lora / max(1, d.top_k) * d.touched_experts(slots) * base.elem
     head = d.vocab * d.hidden * base.elem
     context = work.prompt_tokens + work.completion_tokens / 2
     kv = slots * context * d.kv_bytes_per_token(kv_elem(base.elem))
-    flops = 2.0 * (d.linear_weights() + d.lora_params(work.lora_rank, list(work.lora_targets)) + head / base.elem)
-    step = (d.layers * cal.decode_layer_s + weights + (head + kv) / (bw * cal.decode_dense_share)
+    flops = 2.0 * (d.linear_weights() + lora + expert_lora + head / base.elem)
+    step = (d.layers * cal.decode_layer_s + weights + (head + kv + shadows) / (bw * cal.decode_dense_share)
             + flops * slots / (rate * cal.decode_flops_share))
-    prefill = 2.0 * (d.linear_weights() + head / base.elem) * work.sequences * work.prompt_tokens / (
-        rate * cal.prefill_share)
+    prompt = work.sequences * work.prompt_tokens
+    prefill = 2.0 * (dense + head / base.elem) * prompt / (rate * cal.prefill_share) + 2.0 * (
+        experts + expert_lora) * prompt / (rate * cal.moe_prefill_share)
     return waves * work.completion_tokens * step + prefill + cal.rollout_fixed_s + (
         0.0 if s.keep_rollout_cache else cal.recapture_s)
 

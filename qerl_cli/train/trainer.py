@@ -282,6 +282,7 @@ class Trainer:
         self.aqn = (AQN(self.mode.aqn_model(), c.steps, sigma_start=c.aqn_sigma_start, sigma_end=c.aqn_sigma_end,
                         stages=c.aqn_stages, seed=c.seed) if c.aqn else None)
         self.optimizer = self._make_optimizer(**self.mode.optimizer_options())
+        self.mode.prepare_snapshot()  # the checkpoint's pinned host buffers, allocated while the first step runs
         warm = max(0, c.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
