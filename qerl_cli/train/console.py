@@ -161,8 +161,8 @@ class TrainConsole:
     def attach(self, trainer: Any) -> None:
         """`train(on_setup=...)`: follow the trainer's phases from here on; a resumed run starts at its step."""
         self.start_step = int(trainer.step)
-        trainer.on_phase = self.phase
-        trainer.on_progress = self.phase_progress
+        trainer.phases.on_phase = self.phase
+        trainer.phases.on_progress = self.phase_progress
         self.progress.update(self.task_id, completed=self.start_step)
 
     def eta(self, now: float) -> str:
