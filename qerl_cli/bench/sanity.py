@@ -194,7 +194,7 @@ def measure_pass_rates(model: Any, tok: Any, task: Any, *, samples: int, max_tok
     from qerl_cli.tasks.prompt_ids import encode_prompt
     from qerl_cli.tasks.rewards import safe_rewards
 
-    add_bos = not chat_template and bool(getattr(tok, "add_bos_token", False))  # as Trainer.encode_prompt
+    add_bos = not chat_template and bool(getattr(tok, "add_bos_token", False))  # as train/rollouter.py's encode_prompt
     prompt_ids = [encode_prompt(tok, e.prompt, max_tokens=max_prompt_length, add_bos=add_bos,
                                 truncate=truncate_prompts, where=f"the prompt of task example {i} (0-based)")
                   for i, e in enumerate(task.examples)]
