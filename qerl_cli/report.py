@@ -405,10 +405,10 @@ def _missing(title: str, stage: str, run: Path) -> str:
 
 def _evidence_section(run: RunDir, stages: dict[str, Any], pngs: dict[str, bytes],
                       numbers: dict[str, Any]) -> str | None:
-    """The Evidence section from ``bench/evidence``: what the arms start from, the verdict table (with the fewest
-    pairs and the seeds that would decide what is undecided), the compared pairs (interval, method, sign-flip p,
-    verdict, seeds needed; levels beside gains), each group's training-set rule and cells (mean and 95% interval
-    over seeds), and the curves with 95% bands; None when the run has none."""
+    """The Evidence section from the ``bench/evidence`` record: what the arms start from, the verdict table (with
+    the fewest pairs and the seeds that would decide what is undecided), the compared pairs (interval, method,
+    sign-flip p, verdict, seeds needed; levels beside gains), each group's training-set rule and cells (mean and 95%
+    interval over seeds), and the curves with 95% bands; None when the run has none."""
     rec = stages.get("bench/evidence")
     if not rec or rec.get("status") != "completed":
         return None
@@ -416,7 +416,8 @@ def _evidence_section(run: RunDir, stages: dict[str, Any], pngs: dict[str, bytes
     ev = _load_json(run.abs(rel, "bench/evidence outputs.json.path")) if rel else None
     if not ev or not isinstance(ev.get("claims"), list):
         return None
-    from qerl_cli.bench.evidence import CELL_COLUMNS, ci_text, part_interval_text, plot_curves, seeds_text, verdict_text
+    from qerl_cli.plots import plot_curves
+    from qerl_cli.tables import CELL_COLUMNS, ci_text, part_interval_text, seeds_text, verdict_text
 
     def cell(v: Any) -> str:
         return f"<td>{_esc(v)}</td>"

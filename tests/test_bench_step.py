@@ -117,12 +117,12 @@ def test_oom_cell_names_phase_estimate_capacity_and_setting(tmp_path, monkeypatc
     from rich.console import Console
 
     from qerl_cli.bench import harness
-    from qerl_cli.train.trainer import Trainer
+    from qerl_cli.train.updater import PolicyUpdater
 
     def update_past_the_host(self, *args, **kwargs):
         torch.empty(1 << 60, dtype=torch.uint8)  # the allocator refuses: can't allocate memory
 
-    monkeypatch.setattr(Trainer, "_update", update_past_the_host)
+    monkeypatch.setattr(PolicyUpdater, "_update", update_past_the_host)
     res = bench_step(shape="tiny", formats=("bf16",), overrides=SMALL, prompt_len=8, warmup=0, measure=1,
                      out_dir=tmp_path, log=lambda _m: None)
     (row,) = json.loads((tmp_path / "step.json").read_text())["results"]

@@ -252,10 +252,12 @@ def test_the_step_has_no_process_layout_branch() -> None:
     import inspect
     import textwrap
 
+    from qerl_cli.train.rollouter import Rollouter
     from qerl_cli.train.trainer import Trainer
+    from qerl_cli.train.updater import PolicyUpdater
 
-    # the step is train_step and its phases: the rollouts it collects and the update on them
-    for methods in ((Trainer.train_step, Trainer.collect_rollouts), (Trainer.update_on, Trainer._update)):
+    # the step is train_step and its sides: the rollouts it collects and the update on them
+    for methods in ((Trainer.train_step, Rollouter.collect), (PolicyUpdater.update, PolicyUpdater._update)):
         touched: set[str] = set()
         for method in methods:
             tree = ast.parse(textwrap.dedent(inspect.getsource(method)))

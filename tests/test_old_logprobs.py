@@ -57,7 +57,7 @@ def test_no_pi_old_pass_runs_unless_needed(tmp_path: Path) -> None:
     """The recompute phase is entered either way (its time is ~0 without a pass); what counts is that no pi_old
     forward runs in it: the log-prob forwards of the step are those of the update alone."""
     calls: list[bool] = []
-    import qerl_cli.train.trainer as trainer_module
+    import qerl_cli.train.updater as trainer_module  # the update side runs the log-prob forwards
 
     real = trainer_module.sampled_logprobs
 

@@ -46,7 +46,7 @@ ISSUE = {"shape": "qwen2.5-7b", "batch_prompts": 64, "num_generations": 8, "prom
 def _with_stops(trainer: Any, stop_frac: float, vocab: int) -> None:
     """Stop tokens: the first ``stop_frac`` of the vocabulary (past the 3 special ids), as an EOS set."""
     n = max(1, int(stop_frac * vocab))
-    trainer.task.stop_token_ids = list(range(3, 3 + n))
+    trainer.rollouter.task.stop_token_ids = list(range(3, 3 + n))
 
 
 def worker(a: argparse.Namespace) -> dict[str, Any]:
@@ -67,7 +67,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
                                    "gpu_memory_utilization": a.gpu_memory_utilization})
     _with_stops(trainer, a.stop_frac, get_shape(a.shape).vocab)
     if roles is not None and roles.role == disagg.ROLLOUT:
-        disagg.rollout_loop(trainer, roles)
+        disagg.rollout_loop(trainer.rollouter, trainer.updater, roles)
         shutdown()
         return {}
     rec, stop = SimpleNamespace(extra={}), SimpleNamespace(requested=False, preempted=False)

@@ -30,8 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.bench import harness
-from qerl_cli.bench.harness import SIG, figure, num, save_figure
+from qerl_cli.bench.harness import save_figure
 from qerl_cli.errors import QerlError
+from qerl_cli.plots import plot_curves
+from qerl_cli.tables import (
+    CELL_COLUMNS,
+    ci_text,
+    num,
+    part_interval_text,
+    seeds_text,
+    verdict_text,
+)
 
 SCHEMA = 2
 GROUPS = ("qerl", "flashrl", "fp16")
@@ -43,8 +52,9 @@ ACC_MARGIN = 0.05
 STEP_MARGIN = 1.0
 ENTROPY_MARGIN = 0.02
 
-# the modules whose code decides the tables: their sha256 is the analysis version in every evidence file
-ANALYSIS_MODULES = ("bench/stats.py", "bench/evidence.py", "bench/sanity.py")
+# the modules whose code decides the tables: their sha256 is the analysis version in every evidence file (tables.py
+# formats their intervals and verdicts, shared with the run report)
+ANALYSIS_MODULES = ("bench/stats.py", "bench/evidence.py", "bench/sanity.py", "tables.py")
 
 
 @dataclass(frozen=True)
@@ -325,39 +335,6 @@ def build_evidence(groups: dict[str, Sequence[dict[str, Any]]], *, n_boot: int =
     }
 
 
-def seeds_text(cell: dict[str, Any]) -> str:
-    """A cell's seed count as the tables show it: the seeds that gave an outcome, then how many failed."""
-    failed = cell.get("failed") or []
-    return f"{len(cell.get('seeds') or [])}" + (f" (+{len(failed)} failed)" if failed else "")
-
-
-def ci_text(s: dict[str, Any] | None, spec: str = SIG) -> str:
-    if not s or s.get("mean") is None:
-        return "-"
-    if s.get("lo") is None:
-        return f"{spec.format(s['mean'])} (n={s['n']})"
-    return f"{spec.format(s['mean'])} [{spec.format(s['lo'])}, {spec.format(s['hi'])}]"
-
-
-# per group: the per-seed scalars its cell table shows (levels and gains)
-CELL_COLUMNS = {
-    "qerl": ("steps_to_threshold", "late_accuracy", "heldout_before", "heldout", "heldout_gain", "initial_entropy",
-             "initial_sampling_entropy", "noisy_entropy", "noisy_sampling_entropy", "post_noise_reward",
-             "noisy_applied_noise_norm"),
-    "flashrl": ("steps_to_threshold", "late_accuracy", "final", "k3_last", "collapsed"),
-    "fp16": ("late_accuracy", "k3_first", "k3_last", "k3_growth", "collapsed"),
-}
-
-
-def part_interval_text(p: dict[str, Any]) -> str:
-    return f"{num(p['diff'], SIG)} [{num(p['lo'], SIG)}, {num(p['hi'], SIG)}]"
-
-
-def verdict_text(p: dict[str, Any]) -> str:
-    """The verdict, marked when the exact sign-flip test at the same boundary does not reach 2.5% one-sided."""
-    return p["verdict"] + (" (t only)" if p.get("flip_agrees") is False else "")
-
-
 def markdown(ev: dict[str, Any]) -> str:
     """The selection rules, cell tables, the verdict table and the claims as Markdown (docs/benchmarks.md, the
     terminal). Nothing in it depends on when or where it was computed: re-running on the same files gives it."""
@@ -403,43 +380,6 @@ def markdown(ev: dict[str, Any]) -> str:
                      + (str(rest) if rest else "-" if c["verdict"] != "inconclusive at this size" else "unknown")
                      + " |")
     return "\n".join(lines) + "\n"
-
-
-PANELS = {"qerl": ("accuracy", "sampling_entropy"), "flashrl": ("accuracy", "k3"), "fp16": ("accuracy", "k3")}
-
-
-def plot_curves(ev: dict[str, Any]) -> Any:
-    """A matplotlib figure: per group, training accuracy (and sampling entropy or k3) vs step, mean with a 95%
-    band."""
-    panels = [(g, m) for g in ev["groups"] for m in PANELS.get(g, ("accuracy", "entropy"))]
-    if not panels:
-        return None
-    ncols = 2
-    nrows = (len(panels) + 1) // 2
-    fig, axes = figure(nrows, ncols, figsize=(11, 3.2 * nrows), squeeze=False)
-    for ax, (g, m) in zip(axes.flat, panels, strict=False):
-        for label, c in ev["groups"][g]["curves"].items():
-            s = c.get(m) or {}
-            mean = s.get("mean") or []
-            xs = [i + 1 for i, v in enumerate(mean) if v is not None]
-            ys = [v for v in mean if v is not None]
-            if not xs:
-                continue
-            line, = ax.plot(xs, ys, lw=1.2, label=f"{label} ({c['seeds']})")
-            band = [(i + 1, lo, hi) for i, (lo, hi) in enumerate(zip(s["lo"], s["hi"], strict=True))
-                    if lo is not None and hi is not None]
-            if band:
-                ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band],
-                                color=line.get_color(), alpha=0.15, lw=0)
-        ax.set_title(f"{g}: {m} (mean, 95% band over seeds)", fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        if m == "k3":
-            ax.set_yscale("log")
-        ax.legend(fontsize=6)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.tight_layout()
-    return fig
 
 
 def parse_inputs(items: Sequence[str]) -> dict[str, list[Path]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import numbers
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import QerlError
+from qerl_cli.plots import figure as figure  # re-exported: the benches draw through the harness
+from qerl_cli.tables import SIG as SIG  # re-exported: the benches format through the harness
+from qerl_cli.tables import num as num
 
 SCHEMA = 1
 SKIPPED_BUDGET = "skipped (time budget)"
@@ -36,14 +38,7 @@ Log = Callable[[str], None]
 # ---- numbers ---------------------------------------------------------------------------------------
 COUNT = "{:,.0f}"  # tokens/s, token counts: thousands separated, no decimals
 SCI = "{:.2e}"  # quantities spanning decades (mismatch k1, k3)
-SIG = "{:.3g}"  # statistics of unknown scale (differences, intervals)
-
-
-def num(v: Any, spec: str = "{:.3f}") -> str:
-    """One table cell: ``-`` for a missing value, ``spec`` for a number, anything else as text."""
-    if v is None:
-        return "-"
-    return spec.format(v) if isinstance(v, numbers.Real) else str(v)  # numpy scalars are Real too
+# SIG and num (a table cell) are qerl_cli/tables.py's, shared with the run report
 
 
 # ---- device, memory, time ----------------------------------------------------------------------------
@@ -292,16 +287,6 @@ def out_dir(out: Path | None, run: Any, bench: str) -> Path:
 
         return bench_dir(run)
     return default_out(bench)
-
-
-def figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    """``plt.subplots(...)`` on the file-only backend (benches run on machines without a display)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(*args, **kwargs)
 
 
 def save_figure(fig: Any, path: Path) -> None:

@@ -64,7 +64,7 @@ def profile_train_phases(trainer: Any) -> dict[str, Any]:
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     prof = torch.profiler.profile(activities=acts)
     marks: list[tuple[str, float]] = []  # (phase, perf_counter at its start)
-    previous = trainer.on_phase
+    previous = trainer.phases.on_phase
 
     def on_phase(name: str) -> None:
         if previous is not None:
@@ -76,13 +76,13 @@ def profile_train_phases(trainer: Any) -> dict[str, Any]:
         if marks:
             marks.append((name, time.perf_counter()))
 
-    trainer.on_phase = on_phase
+    trainer.phases.on_phase = on_phase
     try:
         metrics = trainer.train_step()
         torch.cuda.synchronize(trainer.device)
         end = time.perf_counter()
     finally:
-        trainer.on_phase = previous
+        trainer.phases.on_phase = previous
     if not marks:
         return {"note": "no training phase ran under the profiler"}
     prof.stop()

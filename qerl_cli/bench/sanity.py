@@ -194,7 +194,7 @@ def measure_pass_rates(model: Any, tok: Any, task: Any, *, samples: int, max_tok
     from qerl_cli.tasks.prompt_ids import encode_prompt
     from qerl_cli.tasks.rewards import safe_rewards
 
-    add_bos = not chat_template and bool(getattr(tok, "add_bos_token", False))  # as Trainer.encode_prompt
+    add_bos = not chat_template and bool(getattr(tok, "add_bos_token", False))  # as train/rollouter.py's encode_prompt
     prompt_ids = [encode_prompt(tok, e.prompt, max_tokens=max_prompt_length, add_bos=add_bos,
                                 truncate=truncate_prompts, where=f"the prompt of task example {i} (0-based)")
                   for i, e in enumerate(task.examples)]
@@ -390,10 +390,11 @@ def heldout_accuracy(trainer: Any, task: Any, samples: int = HELDOUT_SAMPLES) ->
     from qerl_cli.rollout import SamplingParams
     from qerl_cli.tasks import get_reward
     from qerl_cli.tasks.rewards import safe_rewards
+    from qerl_cli.train.rollouter import encode_prompt
 
     c = trainer.cfg
     engine = trainer.engine
-    ids = [trainer.encode_prompt(e.prompt) for e in task.examples]
+    ids = [encode_prompt(c, trainer.tokenizer, e.prompt) for e in task.examples]
     # more slots than a training step's for these few hundred short sequences (the cache is sized at the next
     # generate and given back after it); the engine's own modules, so the plan it runs is the trainer's
     slots = getattr(engine, "max_batch_slots", None)  # the builtin engine's; vLLM sizes its own batches
@@ -428,7 +429,8 @@ def _run_cell(run: Any, cell: dict[str, Any], cfg: Any, subset: dict[str, Any], 
               heldout_samples: int = HELDOUT_SAMPLES, stop: bool = True) -> dict[str, Any]:
     from qerl_cli.bench.runmodels import run_format
     from qerl_cli.manifest import RunDir
-    from qerl_cli.train.trainer import NonFiniteLoss, Trainer
+    from qerl_cli.train.trainer import Trainer
+    from qerl_cli.train.updater import NonFiniteLoss
 
     fmt = cell.get("format", run_format(run))
     label = cell_label(cell)

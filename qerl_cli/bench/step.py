@@ -160,18 +160,19 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
     on_cuda = trainer.device.type == "cuda"
     rows = []
     for i in range(warmup + measure):
-        t0 = trainer.clock()
+        t0 = trainer.phases.clock()
         m = trainer.train_step()
         rec = trainer.last_step  # the step's phases, typed (train/phases.py)
         reserved = torch.cuda.max_memory_reserved(trainer.device) / 2**30 if on_cuda else None
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(trainer.device)
         trainer.save()
-        step_s = trainer.clock() - t0
+        step_s = trainer.phases.clock() - t0
         n_seq = trainer.cfg.batch_prompts * trainer.cfg.num_generations
         row = {f"{p}_s": rec.seconds(p) for p in STEP_PHASES if p != CHECKPOINT}
-        row["checkpoint_s"] = trainer.last_checkpoint_s
-        for part, secs in trainer.last_checkpoint_parts.items():  # the background checkpoint's critical path
+        row["checkpoint_s"] = trainer.checkpoints.last_checkpoint_s
+        # the background checkpoint's critical path
+        for part, secs in trainer.checkpoints.last_checkpoint_parts.items():
             row[f"checkpoint_{part}_s"] = secs
         row["step_s"] = step_s
         row["other_s"] = step_s - sum(row[f"{p}_s"] for p in STEP_PHASES)
@@ -257,7 +258,8 @@ def time_estimates(trainer: Any, row: dict[str, Any], prompt_len: float, rates: 
                      trainer.cfg.lora_dropout > 0)
     work = Workload(n, prompt_len, c.max_completion_length, c.lora_rank, tuple(c.lora_targets),
                     mean_completion=(row.get("generated_tokens") or n * c.max_completion_length) / n,
-                    old_pass=trainer.needs_old_pass(), reference_pass=c.beta > 0, train_tokens=row.get("batch_tokens"),
+                    old_pass=trainer.updater.needs_old_pass(), reference_pass=c.beta > 0,
+                    train_tokens=row.get("batch_tokens"),
                     attention_pairs=row.get("batch_attention_pairs"), loss_tokens=row.get("batch_loss_tokens"))
     setting = Setting(s.micro_batch_size, s.gradient_checkpointing, s.kernel_weight_copies, s.optimizer_offload,
                       s.kv_slots, s.keep_rollout_cache)
@@ -499,7 +501,8 @@ class _FormatStep:
             if self.device.type == "cuda":
                 row["build_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
             self.log(f"{self.cell}: trainer ready in {row['build_s']:.1f}s ({self.backend})")
-            p_len = self.prompt_len if self.spec is not None else statistics.mean(len(p) for p in trainer.prompt_ids)
+            p_len = (self.prompt_len if self.spec is not None
+                     else statistics.mean(len(p) for p in trainer.rollouter.prompt_ids))
             rows = _measure(trainer, self.warmup, self.measure_steps, self.log, self.cell)
             row.update(_summarize(rows, p_len))
             row.update(time_estimates(trainer, row, p_len, self.rates))
@@ -522,7 +525,7 @@ class _FormatStep:
         except Exception as exc:  # noqa: BLE001 - an OOM is explained here, anything else goes to the harness
             if not harness.is_oom(exc):
                 raise
-            oom = oom_explanation(trainer.phase if trainer is not None else "setup",
+            oom = oom_explanation(trainer.phases.phase if trainer is not None else "setup",
                                   trainer.memory_plan if trainer is not None else None, self.device, self.cfg)
             self.log(f"{self.cell}: {oom['note']}")
             return {**row, "status": f"OOM in {oom['phase']}", "note": oom.pop("note"), "oom": oom}
@@ -549,7 +552,7 @@ class _FormatStep:
         if not isinstance(engine, BuiltinEngine):
             return None
         c = trainer.cfg
-        prompts = trainer.prompt_ids[:c.batch_prompts]
+        prompts = trainer.rollouter.prompt_ids[:c.batch_prompts]
         with torch.no_grad():
             engine.generate(prompts, SamplingParams(n=c.num_generations, temperature=c.temperature,
                                                     max_tokens=min(16, c.max_completion_length), stop_token_ids=[],

@@ -462,6 +462,24 @@ class CheckpointWriter:
         return self._result
 
 
+class CheckpointSink:
+    """Where a run's checkpoints go: its run directory, the background writer and its reused host copies, and what
+    the last write cost (seconds, and by part for a background write: its critical path). One object the training
+    mode writes through and the update side waits on (a non-finite step names the checkpoint that stays newest
+    only once the write in flight is complete)."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+        self.writer = CheckpointWriter()
+        self.snapshot = HostSnapshot()
+        self.last_checkpoint_s = 0.0
+        self.last_checkpoint_parts: dict[str, float] = {}
+
+    def wait(self) -> Path | None:
+        """Wait for the write in flight; its checkpoint (None if none was in flight)."""
+        return self.writer.wait()
+
+
 # ---- verify ----------------------------------------------------------------------------------------------
 class CheckpointDamaged(QerlError):
     """A checkpoint file that is missing, truncated, changed since it was written, or unreadable."""

@@ -136,6 +136,11 @@ class TrainConfig:
         the string (the field stays the name: run configs and manifests record it so)."""
         return None if self.rollout_quant == NO_ROLLOUT_QUANT else get_format(self.rollout_quant)
 
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens a rollout may add after its prompt: an episode's (model and observations), else a completion's."""
+        return int(self.max_episode_tokens or self.max_completion_length)
+
     def resolved(self) -> TrainConfig:
         """A copy with the per-algorithm defaults filled in, so the manifest records what actually ran; ``self`` is
         left as asked (frozen). Each group of defaults reads the ones resolved before it."""

@@ -157,12 +157,12 @@ class TrainConsole:
             table.add_row(label, *(_fmt(m, key, fmt) for _, m in rows))
         return Group(Panel(table, title="metrics", expand=False), self.progress)
 
-    # ---- progress: the trainer calls `phase` as each phase starts (Trainer.on_phase) -----------------------
+    # ---- progress: the trainer calls `phase` as each phase starts (trainer.phases.on_phase) -----------------------
     def attach(self, trainer: Any) -> None:
         """`train(on_setup=...)`: follow the trainer's phases from here on; a resumed run starts at its step."""
         self.start_step = int(trainer.step)
-        trainer.on_phase = self.phase
-        trainer.on_progress = self.phase_progress
+        trainer.phases.on_phase = self.phase
+        trainer.phases.on_progress = self.phase_progress
         self.progress.update(self.task_id, completed=self.start_step)
 
     def eta(self, now: float) -> str:

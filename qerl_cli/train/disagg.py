@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,11 @@ from qerl_cli.options import options
 from qerl_cli.train import distributed
 from qerl_cli.train.adapter_sync import AdapterPublisher, AdapterSubscriber
 from qerl_cli.train.async_queue import GroupItem, IdleClock, PromptPool, QueueFailed, SampleQueue
+from qerl_cli.train.rollouter import NormOverrides, Rollouter, Rollouts, rollout_metrics
+
+if TYPE_CHECKING:
+    from qerl_cli.train.trainer import Trainer
+    from qerl_cli.train.updater import PolicyUpdater
 
 TRAIN, ROLLOUT = "train", "rollout"
 HEARTBEAT_S = 0.5  # a rollout rank's heartbeat period
@@ -229,15 +234,16 @@ class Hub:
 
 # ---- the trainers' side: where a step's rollouts come from -----------------------------------------------------
 class TrainerSource:
-    """The trainer's ``rollout_source`` (Trainer.take_rollouts asks it instead of generating): the staleness-gated
-    groups of each step, and the adapters published after each update."""
+    """The rollout side's ``source`` (train/rollouter.py's RolloutSource: ``Rollouter.take`` asks it instead of
+    generating): the staleness-gated groups of each step, and the adapters published after each update."""
 
-    def __init__(self, trainer: Any, roles: Roles, max_staleness: int) -> None:
+    def __init__(self, rollouter: Rollouter, updater: PolicyUpdater, ctx: distributed.DistContext, roles: Roles,
+                 max_staleness: int) -> None:
         self.roles = roles
-        self.ctx = trainer.dist
+        self.ctx = ctx
         self.is_hub = roles.rank == 0
         self.max_staleness = max_staleness
-        self.batch_prompts = trainer.cfg.batch_prompts
+        self.batch_prompts = rollouter.cfg.batch_prompts
         self.totals = {"dropped_stale": 0, "dropped_zero_std": 0}
         self.last_step_end = time.perf_counter()
         self.failed_line: str | None = None
@@ -245,19 +251,19 @@ class TrainerSource:
         self.watcher: threading.Thread | None = None
         if not self.is_hub:
             return
-        cfg = trainer.cfg
+        cfg = rollouter.cfg
         self.queue = SampleQueue(max_staleness, drop_zero_std=bool(cfg.dynamic_sampling))
         # chunks of at most a rollout rank's share of one step: small enough that the ranks share each step's prompts
         # and pick up a new adapter version soon, large enough to fill the engine's slots
         share = -(-cfg.batch_prompts // len(roles.rollout_ranks))
         self.pool = PromptPool(chunk=max(1, share))
-        self.stream = trainer.stream
+        self.stream = rollouter.stream
         self.clock = IdleClock()
-        self.publisher = AdapterPublisher(trainer.params, roles.sync_group, trainer.device)
+        self.publisher = AdapterPublisher(updater.params, roles.sync_group, rollouter.device)
         self.watch = HeartbeatWatch(roles.rollout_ranks, min(HEARTBEAT_TIMEOUT_S, options().dist_timeout_s))
         self.top_up()  # the rollout ranks have prompts from their first request on
         self.hub = Hub(roles, self.queue, self.pool, self.clock)
-        self.publisher.publish(trainer.step)  # every rollout rank starts from the trainers' adapters, exactly
+        self.publisher.publish(updater.step)  # every rollout rank starts from the trainers' adapters, exactly
 
     def top_up(self) -> None:
         """Keep this step's prompts and the next step's handed out or ready (the staleness bound makes more
@@ -273,14 +279,13 @@ class TrainerSource:
                     "hangs; the last checkpoint is intact (--resume, on any role split)")
         return None
 
-    def take(self, trainer: Any) -> Any:
-        from qerl_cli.train.trainer import Rollouts, rollout_metrics
-
+    def take(self, step: int) -> Rollouts:
+        """The groups step ``step`` (the updates made) trains on, within the staleness bound of it."""
         payload: Any = None
         if self.is_hub:
             t0 = time.perf_counter()
             try:
-                items, dropped = self.queue.take(self.batch_prompts, trainer.step, failed=self.failed,
+                items, dropped = self.queue.take(self.batch_prompts, step, failed=self.failed,
                                                  on_wait=self.top_up)
             except QueueFailed as exc:
                 self.failed_line = str(exc)
@@ -291,7 +296,7 @@ class TrainerSource:
                 self.totals[k] += v
             t = self.hub.take_timings()
             timing = {k: t.get(k, 0.0) for k in ("tokens", "prefill_s", "decode_s", "decode_steps")}
-            staleness = [trainer.step - g.version for g in items]
+            staleness = [step - g.version for g in items]
             metrics = {**rollout_metrics(wait_s, timing),
                        "async/staleness_mean": sum(staleness) / len(staleness),
                        "async/staleness_max": float(max(staleness)),
@@ -303,16 +308,16 @@ class TrainerSource:
         if self.ctx.enabled:  # every trainer trains on the same groups (row shards of one batch)
             payload = self.ctx.broadcast_object(payload)
         groups, metrics = payload
-        return Rollouts(trainer.step, min(g[4] for g in groups), [g[:4] for g in groups], metrics)
+        return Rollouts(step, min(g[4] for g in groups), [g[:4] for g in groups], metrics)
 
-    def published(self, trainer: Any) -> dict[str, float]:
+    def published(self, step: int) -> dict[str, float]:
         """After the update: the new adapters to the rollout ranks; the step's async/* metrics of it."""
         now = time.perf_counter()
         step_s, self.last_step_end = now - self.last_step_end, now
         if not self.is_hub:
             return {}
-        sync_s = self.publisher.publish(trainer.step)
-        return {"async/sync_s": sync_s, "async/adapter_version": float(trainer.step),
+        sync_s = self.publisher.publish(step)
+        return {"async/sync_s": sync_s, "async/adapter_version": float(step),
                 "async/sync_share": sync_s / max(step_s, 1e-9)}
 
     def close(self, reason: str, *, clean: bool) -> dict[str, Any]:
@@ -362,16 +367,16 @@ class _Signals:
         return self.name
 
 
-def generate_chunk(trainer: Any, prompts: list[int], chunk: int, version: int, overrides: Any,
+def generate_chunk(rollouter: Rollouter, prompts: list[int], chunk: int, version: int, overrides: NormOverrides,
                    rank: int) -> tuple[list[GroupItem], dict[str, float]]:
     """One engine call over ``prompts`` (all samples of each), scored: one group per prompt, all of ``version``."""
-    trainer.rollout_step = chunk  # the chunk's number seeds its sampling (rollout_seed(seed, chunk, 0))
-    res = trainer.generate(prompts, 0, overrides)
-    raw, shaped = trainer.score(prompts, res.samples)
-    g = trainer.cfg.num_generations
+    rollouter.rollout_step = chunk  # the chunk's number seeds its sampling (rollout_seed(seed, chunk, 0))
+    res = rollouter.generate(prompts, 0, overrides)
+    raw, shaped = rollouter.score(prompts, res.samples)
+    g = rollouter.cfg.num_generations
     items = []
     for p, idx in enumerate(prompts):
-        own = trainer.prompt_ids[idx]
+        own = rollouter.prompt_ids[idx]
         # the prompt's tokens are known to the trainers: not shipped (an episode's own prompt would be)
         ss = [replace(s, prompt_token_ids=[] if s.prompt_token_ids == own else s.prompt_token_ids,
                       policy_version=version) for s in res.samples[p * g:(p + 1) * g]]
@@ -382,12 +387,13 @@ def generate_chunk(trainer: Any, prompts: list[int], chunk: int, version: int, o
     return items, timings
 
 
-def rollout_loop(trainer: Any, roles: Roles) -> str:
-    """A rollout rank's life after setup: chunks until the trainers say stop; the stop's reason."""
-    sub = AdapterSubscriber(trainer.params, roles.sync_group, trainer.device, version=-1)
+def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles) -> str:
+    """A rollout rank's life after setup: chunks until the trainers say stop; the stop's reason. ``updater``: this
+    rank's update side, whose adapters the trainers' publications overwrite (it never steps)."""
+    sub = AdapterSubscriber(updater.params, roles.sync_group, rollouter.device, version=-1)
     beat = Heartbeat(roles.rank)
-    version = trainer.step
-    overrides = trainer.rollout_noise(version)
+    version = updater.step
+    overrides = rollouter.noise(version)
     out: dict[str, Any] = {}
     tags = (_TAG_HEAD, _TAG_BODY)
     try:
@@ -403,14 +409,14 @@ def rollout_loop(trainer: Any, roles: Roles) -> str:
                 v = sub.apply()
                 if v is not None and v != version:
                     version = v
-                    overrides = trainer.rollout_noise(version)  # AQN: the noise of this version's step
+                    overrides = rollouter.noise(version)  # AQN: the noise of this version's step
                 if not reply["prompts"]:  # the staleness bound holds the rollout back: wait for the trainers
                     t = time.perf_counter()
                     time.sleep(0.05)
                     out = {"idle_s": time.perf_counter() - t}
                     continue
                 t = time.perf_counter()
-                items, timings = generate_chunk(trainer, reply["prompts"], reply["chunk"], version, overrides,
+                items, timings = generate_chunk(rollouter, reply["prompts"], reply["chunk"], version, overrides,
                                                 roles.rank)
                 out = {"groups": items, "prompts_done": len(reply["prompts"]), "timings": timings,
                        "busy_s": time.perf_counter() - t}
@@ -426,7 +432,7 @@ def rollout_loop(trainer: Any, roles: Roles) -> str:
     return reply["stop"]
 
 
-def run_rollout_rank(trainer: Any, roles: Roles, start_from: Any, resume: bool) -> None:
+def run_rollout_rank(trainer: Trainer, roles: Roles, start_from: Any, resume: bool) -> None:
     """What a rollout rank runs instead of the stage: the same setup and resume as the trainers (agreed with them:
     a failure anywhere stops every rank with one line), then :func:`rollout_loop`; it ends as the trainers did."""
     ctx = trainer.dist
@@ -435,7 +441,7 @@ def run_rollout_rank(trainer: Any, roles: Roles, start_from: Any, resume: bool) 
     with ctx.agree("setup"):
         if resume:
             trainer.resume(*start_from) if start_from is not None else trainer.resume()
-    reason = rollout_loop(trainer, roles)
+    reason = rollout_loop(trainer.rollouter, trainer.updater, roles)
     if reason == "SIGTERM":
         raise Preempted("preempted (SIGTERM)")
     if reason == "SIGINT":
@@ -445,15 +451,15 @@ def run_rollout_rank(trainer: Any, roles: Roles, start_from: Any, resume: bool) 
 
 
 @contextlib.contextmanager
-def session(trainer: Any, roles: Roles | None, rec: Any, stop: Any) -> Iterator[None]:
+def session(trainer: Trainer, roles: Roles | None, rec: Any, stop: Any) -> Iterator[None]:
     """Around the trainers' steps (after setup and resume): the rollout source attached, and at the end closed (the
     rollout ranks stopped, the queue accounted in the manifest's ``train.extra.async``). A rollout rank's signal is
     passed to ``stop`` (the GracefulStop) as if this process had received it."""
     if roles is None:
         yield
         return
-    source = TrainerSource(trainer, roles, trainer.cfg.max_staleness)
-    trainer.rollout_source = source
+    source = TrainerSource(trainer.rollouter, trainer.updater, trainer.dist, roles, trainer.cfg.max_staleness)
+    trainer.rollouter.source = source
     if trainer.dist.is_main:
         rec.extra["async"] = {**roles.record(), "max_staleness": trainer.cfg.max_staleness,
                               "correction": trainer.cfg.correction, "correction_cap": trainer.cfg.correction_cap,
@@ -475,7 +481,7 @@ def session(trainer: Any, roles: Roles | None, rec: Any, stop: Any) -> Iterator[
         raise
     finally:
         record = source.close(reason, clean=clean and source.failed_line is None)
-        trainer.rollout_source = None
+        trainer.rollouter.source = None
         if trainer.dist.is_main:
             rec.extra["async"].update(record)
 

@@ -53,8 +53,10 @@ from qerl_cli.train.step_backend import (
     LogProbs,
     MicroBatch,
     RolloutRound,
+    RolloutWorker,
     StepBackend,
-    StepWorker,
+    StepSides,
+    UpdateWorker,
     micro_batches,
 )
 
@@ -274,11 +276,12 @@ def merge_chunks(per_rank: list[list[_Chunk]], total: int) -> tuple[list[_Chunk]
     return [c for _, _, c in tagged], owners
 
 
-def rollout_round(worker: StepWorker, ctx: DistContext, indices: list[int], round_: int,
+def rollout_round(worker: RolloutWorker, ctx: DistContext, indices: list[int], round_: int,
                   overrides: Any, session: int = 0) -> RolloutRound:
     """Generate and score ``indices`` (one round of one step) across all ranks; every rank gets all of it.
     ``session`` tells apart trainers built one after the other in the same job (their counters must not meet)."""
-    counter = store_counter(f"qerl/rollout/{session}/{worker.step}/{round_}") if ctx.enabled else (lambda k: 0)
+    counter = (store_counter(f"qerl/rollout/{session}/{worker.rollout_step}/{round_}") if ctx.enabled
+               else (lambda k: 0))
     mine: list[_Chunk] = []
     busy = 0.0
     for start, end in claim_chunks(len(indices), ctx.world_size, counter):
@@ -314,7 +317,7 @@ def rollout_metrics(world_size: int, busy_s: list[float]) -> dict[str, float]:
 
 
 # ---- training ---------------------------------------------------------------------------------------
-def forward_no_grad_sharded(worker: StepWorker, ctx: DistContext, batch: RolloutBatch, with_ref: bool,
+def forward_no_grad_sharded(worker: UpdateWorker, ctx: DistContext, batch: RolloutBatch, with_ref: bool,
                             lockstep: bool = False, with_old: bool = True) -> LogProbs:
     """pi_old (and ref) log-probs and entropies of the whole batch: each rank computes its row shard, then
     all ranks gather every shard (the IS weights and mismatch metrics need the whole batch). ``lockstep``
@@ -384,8 +387,8 @@ class DistributedBackend:
     """The step's layout-dependent parts on N ranks (the module docstring says how); see train/step_backend.py.
     ``sharded_model``: the weights are FSDP-sharded (train/fsdp.py): passes in lockstep, no gradient all-reduce."""
 
-    def __init__(self, worker: StepWorker, ctx: DistContext, *, sharded_model: bool = False) -> None:
-        self.worker = worker
+    def __init__(self, sides: StepSides, ctx: DistContext, *, sharded_model: bool = False) -> None:
+        self.sides = sides
         self.ctx = ctx
         self.world_size = ctx.world_size
         self.sharded_model = sharded_model
@@ -393,10 +396,10 @@ class DistributedBackend:
         self.session = next(_SESSIONS)
 
     def rollout_round(self, indices: list[int], round_: int, overrides: Any) -> RolloutRound:
-        return rollout_round(self.worker, self.ctx, indices, round_, overrides, self.session)
+        return rollout_round(self.sides.rollout, self.ctx, indices, round_, overrides, self.session)
 
     def old_logprobs(self, batch: RolloutBatch, with_ref: bool, with_old: bool = True) -> LogProbs:
-        return forward_no_grad_sharded(self.worker, self.ctx, batch, with_ref, lockstep=self.sharded_model,
+        return forward_no_grad_sharded(self.sides.update, self.ctx, batch, with_ref, lockstep=self.sharded_model,
                                        with_old=with_old)
 
     def gather_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]],
@@ -423,11 +426,11 @@ class DistributedBackend:
         return rollout_metrics(self.ctx.world_size, busy_s)
 
 
-def make_backend(worker: StepWorker, ctx: DistContext, *, sharded_model: bool = False) -> StepBackend:
+def make_backend(sides: StepSides, ctx: DistContext, *, sharded_model: bool = False) -> StepBackend:
     """The backend for this process's place in the job: one process (any sharding degree 1) or N ranks."""
     if ctx.enabled:
-        return DistributedBackend(worker, ctx, sharded_model=sharded_model)
-    return LocalBackend(worker)
+        return DistributedBackend(sides, ctx, sharded_model=sharded_model)
+    return LocalBackend(sides)
 
 
 @contextlib.contextmanager

@@ -9,21 +9,28 @@ which mode it runs:
   and AdamW state, sharded checkpoints every rank writes, the optimizer restored by the shards.
 
 FlashRL's quantized rollout copy (``--rollout-quant``, train/rollout_quant.py) is a part any mode may have: built
-beside the trained weights, re-quantized after every update, restored with them. The mode works on the trainer it
-belongs to through its attributes (model, params, optimizer, run, ...), as the step backends do.
+beside the trained weights, re-quantized after every update, restored with them. The mode is handed what it works
+on: the run's settings, device and process group at construction, the optimizer and the checkpoint sink
+(train/checkpointing.py) where it loads or saves; it holds the model it built.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.train import checkpointing as ck
-from qerl_cli.train.phases import REQUANT
+from qerl_cli.train.phases import REQUANT, PhaseClock
+
+if TYPE_CHECKING:
+    from qerl_cli.train.config import TrainConfig
+    from qerl_cli.train.distributed import DistContext
 
 
 class TrainingMode:
@@ -33,15 +40,17 @@ class TrainingMode:
     sharded = False  # the weights and AdamW state live in shards; every rank writes its part of a checkpoint
     full_weights = False  # every weight trains (not LoRA): the base must be unquantized
 
-    def __init__(self, trainer: Any) -> None:
-        self.t = trainer
+    def __init__(self, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, dist: DistContext,
+                 phases: PhaseClock) -> None:
+        self.cfg, self.device, self.dtype, self.dist, self.phases = cfg, device, dtype, dist, phases
+        self.model: nn.Module  # set by build()
         self.full: Any = None  # the full-weight trainer (FullFinetune / ShardedFullFinetune), if the mode has one
         self.rollout_quant: Any = None  # the FlashRL rollout copy, if any
 
     # ---- build ----------------------------------------------------------------------------------
     def check_base(self, base: nn.Module) -> None:
         """Full fine-tuning and FlashRL's rollout copy start from unquantized weights."""
-        flag = "--finetune full" if self.full_weights else "--rollout-quant" if self.t.cfg.rollout_format is not None \
+        flag = "--finetune full" if self.full_weights else "--rollout-quant" if self.cfg.rollout_format is not None \
             else None
         if flag is not None:
             from qerl_cli.train.rollout_quant import check_full_precision_base
@@ -49,31 +58,35 @@ class TrainingMode:
             check_full_precision_base(base, flag)
 
     def build(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
-        """The trained model and its trainable parameters, from the loaded base."""
+        """The trained model (kept as :attr:`model`) and its trainable parameters, from the loaded base."""
+        self.model, params = self.build_model(base)
+        return self.model, params
+
+    def build_model(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
         raise NotImplementedError
 
     def attach_rollout_copy(self, model: nn.Module) -> None:
         """FlashRL: the quantized copy the rollout generates with (``--rollout-quant``)."""
-        c = self.t.cfg
+        c = self.cfg
         if c.rollout_format is None or self.rollout_quant is not None:
             return
         from qerl_cli.train.rollout_quant import RolloutQuant
 
         self.rollout_quant = RolloutQuant(model, c.rollout_quant, scales=c.requant_scales or "dynamic",
-                                          dtype=self.t.dtype)
+                                          dtype=self.dtype)
 
     def rollout_model(self) -> nn.Module:
         """What the rollout engine generates with: the trained model, or its quantized copy."""
-        return self.t.model if self.rollout_quant is None else self.rollout_quant.model
+        return self.model if self.rollout_quant is None else self.rollout_quant.model
 
     def aqn_model(self) -> nn.Module:
         """Whose norms AQN reads (the engine overrides the same ones)."""
-        return self.t.model
+        return self.model
 
     def optimizer_options(self) -> dict[str, Any]:
         return {}
 
-    def finite_ctx(self) -> Any:
+    def finite_ctx(self) -> DistContext | None:
         """The process group that must agree on a finite update (None: this process decides alone)."""
         return None
 
@@ -81,19 +94,19 @@ class TrainingMode:
     def check_checkpoint(self, ckpt: Path) -> None:
         """Refuse a checkpoint another mode wrote (before anything is loaded)."""
 
-    def load(self, ckpt: Path, state: dict[str, Any]) -> None:
+    def load(self, ckpt: Path, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         """The trained weights (and the optimizer, the rollout copy) from a verified checkpoint."""
-        self.load_weights(ckpt)
+        self.load_weights(ckpt, optimizer)
         if self.rollout_quant is not None:  # the rollout copy follows the restored weights (and INT8 scales)
             self.rollout_quant.load_state_dict(ck.rollout_quant_state(state))
             self.rollout_quant.requantize_()
-        self.load_optimizer(state)
+        self.load_optimizer(state, optimizer)
 
-    def load_weights(self, ckpt: Path) -> None:
+    def load_weights(self, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError
 
-    def load_optimizer(self, state: dict[str, Any]) -> None:
-        self.t.optimizer.load_state_dict(state["optimizer"])
+    def load_optimizer(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        optimizer.load_state_dict(state["optimizer"])
 
     # ---- step -----------------------------------------------------------------------------------
     def after_update(self) -> dict[str, float]:
@@ -102,42 +115,44 @@ class TrainingMode:
             self.full.sync_()
         if self.rollout_quant is None:
             return {}
-        self.t.enter_phase(REQUANT)
+        self.phases.enter(REQUANT)
         metrics = dict(self.rollout_quant.requantize_())  # timing/requant_s, rollout_quant/*
-        self.t.record_phase_peak(metrics, REQUANT)  # sharded: one gathered layer at a time on top of the rest
+        self.phases.record_peak(metrics, REQUANT)  # sharded: one gathered layer at a time on top of the rest
         return metrics
 
     # ---- save -----------------------------------------------------------------------------------
     def can_write_in_background(self) -> bool:
         return False
 
-    def save(self, background: bool) -> Path:
-        """Checkpoint the trainer's step on rank 0 (the others wait for it), in the background where allowed."""
-        t = self.t
-        if not t.dist.is_main:
-            t.dist.barrier()
-            return ck.checkpoint_path(t.run, t.step)
-        t0 = t.clock()
-        t.writer.wait()  # the previous write, which may still read the snapshot buffers
+    def save(self, sink: ck.CheckpointSink, step: int, optimizer: torch.optim.Optimizer,
+             trainer_state: Callable[[], dict[str, Any]], background: bool) -> Path:
+        """Checkpoint ``step`` on rank 0 (the others wait for it), in the background where allowed; what it cost
+        goes to the sink. ``trainer_state``: what the checkpoint holds besides the weights and the optimizer."""
+        if not self.dist.is_main:
+            self.dist.barrier()
+            return ck.checkpoint_path(sink.run, step)
+        t0 = self.phases.clock()
+        sink.wait()  # the previous write, which may still read the snapshot buffers
         marks = {"wait": time.perf_counter()}
-        state = {"optimizer": t.optimizer.state_dict(), **t.trainer_state()}
+        state = {"optimizer": optimizer.state_dict(), **trainer_state()}
         marks["state"] = time.perf_counter()
-        if background and self.can_write_in_background() and not t.dist.enabled:
-            path = self.save_in_background(state, marks)
+        if background and self.can_write_in_background() and not self.dist.enabled:
+            path = self.save_in_background(sink, step, state, marks)
         else:
-            path = ck.save_checkpoint(t.run, t.step, t.model, state, t.cfg.to_dict(), t.cfg.keep_checkpoints,
+            path = ck.save_checkpoint(sink.run, step, self.model, state, self.cfg.to_dict(), self.cfg.keep_checkpoints,
                                       full_weights=self.full.weights() if self.full is not None else None)
-            marks["write"] = t.clock()
-        t.last_checkpoint_s = list(marks.values())[-1] - t0
+            marks["write"] = self.phases.clock()
+        sink.last_checkpoint_s = list(marks.values())[-1] - t0
         edges = [t0, *marks.values()]
-        t.last_checkpoint_parts = {k: b - a for k, a, b in zip(marks, edges[:-1], edges[1:], strict=True)}
-        t.dist.barrier()
+        sink.last_checkpoint_parts = {k: b - a for k, a, b in zip(marks, edges[:-1], edges[1:], strict=True)}
+        self.dist.barrier()
         return path
 
-    def save_in_background(self, state: dict[str, Any], marks: dict[str, float]) -> Path:
+    def save_in_background(self, sink: ck.CheckpointSink, step: int, state: dict[str, Any],
+                           marks: dict[str, float]) -> Path:
         raise NotImplementedError
 
-    def prepare_snapshot(self) -> None:
+    def prepare_snapshot(self, sink: ck.CheckpointSink, optimizer: torch.optim.Optimizer) -> None:
         """Once the optimizer exists: let the background checkpoint's pinned buffers be allocated off the step's
         critical path (:meth:`HostSnapshot.prepare`); nothing where checkpoints are written synchronously."""
 
@@ -145,10 +160,10 @@ class TrainingMode:
 class LoraMode(TrainingMode):
     """peft adapters on the frozen base (qerl_cli/lora.py); only they train and only they are saved."""
 
-    def build(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
+    def build_model(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
         from qerl_cli.lora import attach_lora, make_lora_config  # peft: imported only when LoRA trains
 
-        c = self.t.cfg
+        c = self.cfg
         model = attach_lora(base, make_lora_config(c.lora_rank, c.lora_alpha, c.lora_targets, c.lora_dropout),
                             seed=c.seed)
         params = [p for n, p in model.named_parameters() if p.requires_grad]
@@ -157,37 +172,36 @@ class LoraMode(TrainingMode):
         self.attach_rollout_copy(model)
         return model, params
 
-    def load_weights(self, ckpt: Path) -> None:
-        ck.load_adapter_weights(self.t.model, ckpt)
+    def load_weights(self, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
+        ck.load_adapter_weights(self.model, ckpt)
 
     def can_write_in_background(self) -> bool:
         return True
 
-    def prepare_snapshot(self) -> None:
+    def prepare_snapshot(self, sink: ck.CheckpointSink, optimizer: torch.optim.Optimizer) -> None:
         from qerl_cli.lora import lora_state_dict
 
-        t = self.t
-        if t.cfg.async_checkpoint and not t.dist.enabled and t.device.type == "cuda":
-            t.snapshot.prepare(ck.snapshot_specs(lora_state_dict(t.model), t.optimizer))
+        if self.cfg.async_checkpoint and not self.dist.enabled and self.device.type == "cuda":
+            sink.snapshot.prepare(ck.snapshot_specs(lora_state_dict(self.model), optimizer))
 
-    def save_in_background(self, state: dict[str, Any], marks: dict[str, float]) -> Path:
+    def save_in_background(self, sink: ck.CheckpointSink, step: int, state: dict[str, Any],
+                           marks: dict[str, float]) -> Path:
         """Host copies queued on the device (never waited for here: the step's critical path pays for launching
         them), written by the writer thread once they have landed."""
         from qerl_cli.lora import lora_state_dict
 
-        t = self.t
-        state = t.snapshot.take(state, "state")
-        adapter = t.snapshot.take(lora_state_dict(t.model), "adapter")
+        state = sink.snapshot.take(state, "state")
+        adapter = sink.snapshot.take(lora_state_dict(self.model), "adapter")
         marks["snapshot"] = time.perf_counter()
-        rng, ready = ck.rng_state(), t.snapshot.ready()
-        run, model, step, config, keep = t.run, t.model, t.step, t.cfg.to_dict(), t.cfg.keep_checkpoints
+        rng, ready = ck.rng_state(), sink.snapshot.ready()
+        run, model, config, keep = sink.run, self.model, self.cfg.to_dict(), self.cfg.keep_checkpoints
         marks["rng"] = time.perf_counter()
 
         def write() -> Path:
             ready()
             return ck.save_checkpoint(run, step, model, state, config, keep, adapter_state=adapter, rng=rng)
 
-        t.writer.submit(write)
+        sink.writer.submit(write)
         marks["submit"] = time.perf_counter()
         return ck.checkpoint_path(run, step)
 
@@ -197,7 +211,7 @@ class FullMode(TrainingMode):
 
     full_weights = True
 
-    def build(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
+    def build_model(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
         from qerl_cli.train.full_finetune import FullFinetune
 
         self.full = FullFinetune(base)
@@ -209,7 +223,7 @@ class FullMode(TrainingMode):
             raise QerlError(f"checkpoint {ckpt} was written by --sharding fsdp2 (sharded weights and optimizer): "
                             "resume it with --sharding fsdp2 on any number of processes")
 
-    def load_weights(self, ckpt: Path) -> None:
+    def load_weights(self, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
         self.full.load(ckpt)
 
 
@@ -220,14 +234,15 @@ class ShardedFullMode(TrainingMode):
     sharded = True
     full_weights = True
 
-    def build(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
+    def build_model(self, base: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
         from qerl_cli.train.fsdp import ShardedFullFinetune, rollout_private_names
         from qerl_cli.train.rollout_quant import RolloutQuant
 
-        t, c = self.t, self.t.cfg
+        c = self.cfg
         self.rollout_quant = RolloutQuant(base, c.rollout_quant, scales=c.requant_scales or "dynamic",
-                                          dtype=t.dtype, private=rollout_private_names(base))
-        self.full = ShardedFullFinetune(base, t.device, compute_dtype=t.dtype, offload=c.fsdp_offload, ctx=t.dist)
+                                          dtype=self.dtype, private=rollout_private_names(base))
+        self.full = ShardedFullFinetune(base, self.device, compute_dtype=self.dtype, offload=c.fsdp_offload,
+                                        ctx=self.dist)
         self.rollout_quant.bind_gather(self.full.gather_units())
         return base, self.full.params
 
@@ -237,45 +252,43 @@ class ShardedFullMode(TrainingMode):
     def optimizer_options(self) -> dict[str, Any]:
         return self.full.optimizer_options
 
-    def finite_ctx(self) -> Any:
-        return self.t.dist
+    def finite_ctx(self) -> DistContext | None:
+        return self.dist
 
     def check_checkpoint(self, ckpt: Path) -> None:
         if ck.checkpoint_kind(ckpt) != ck.FULL_SHARDED:
             raise QerlError(f"checkpoint {ckpt} was written without sharding: resume it with --sharding none on one "
                             "process")
 
-    def load_weights(self, ckpt: Path) -> None:
+    def load_weights(self, ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
         # with the optimizer: every rank reads the rows of its own shard, whatever world size wrote them
-        self.full.load(ckpt, self.t.optimizer)
+        self.full.load(ckpt, optimizer)
 
-    def load_optimizer(self, state: dict[str, Any]) -> None:
+    def load_optimizer(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         pass  # restored with the weights' shards
 
-    def save(self, background: bool) -> Path:
+    def save(self, sink: ck.CheckpointSink, step: int, optimizer: torch.optim.Optimizer,
+             trainer_state: Callable[[], dict[str, Any]], background: bool) -> Path:
         """Every rank writes its rows of the weights and AdamW state into rank 0's staging directory, rank 0 the
         rest; `latest` moves when all of it is there. Synchronous."""
-        t = self.t
-        t0 = t.clock()
-        if t.dist.is_main:
-            path = ck.save_checkpoint(t.run, t.step, t.model, t.trainer_state(), t.cfg.to_dict(),
-                                      t.cfg.keep_checkpoints,
-                                      weights_writer=lambda tmp: self.full.write_checkpoint(tmp, t.optimizer))
+        t0 = self.phases.clock()
+        if self.dist.is_main:
+            path = ck.save_checkpoint(sink.run, step, self.model, trainer_state(), self.cfg.to_dict(),
+                                      self.cfg.keep_checkpoints,
+                                      weights_writer=lambda tmp: self.full.write_checkpoint(tmp, optimizer))
         else:
-            self.full.write_checkpoint(None, t.optimizer)
-            path = ck.checkpoint_path(t.run, t.step)
-        t.last_checkpoint_s = t.clock() - t0
-        t.dist.barrier()
+            self.full.write_checkpoint(None, optimizer)
+            path = ck.checkpoint_path(sink.run, step)
+        sink.last_checkpoint_s = self.phases.clock() - t0
+        self.dist.barrier()
         return path
 
 
-def make_mode(trainer: Any, sharding: str) -> TrainingMode:
+def make_mode(cfg: TrainConfig, sharding: str, device: torch.device, dtype: torch.dtype, dist: DistContext,
+              phases: PhaseClock) -> TrainingMode:
     """The mode of this run's resolved configuration and sharding engine (``resolve_sharding``)."""
-    if sharding == "fsdp2":
-        return ShardedFullMode(trainer)
-    if trainer.cfg.finetune == "full":
-        return FullMode(trainer)
-    return LoraMode(trainer)
+    mode = ShardedFullMode if sharding == "fsdp2" else FullMode if cfg.finetune == "full" else LoraMode
+    return mode(cfg, device, dtype, dist, phases)
 
 
 __all__ = ["FullMode", "LoraMode", "ShardedFullMode", "TrainingMode", "make_mode"]

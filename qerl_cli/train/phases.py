@@ -11,8 +11,12 @@ The trainer logs each phase as ``timing/<phase>_s`` and, on CUDA, ``memory/<phas
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 SETUP = "setup"
 AQN = "aqn"
@@ -90,3 +94,37 @@ class StepRecord:
                    rollout_decode_s=float(metrics.get("timing/rollout_decode_s", 0.0)),
                    decode_steps=float(metrics.get("rollout/decode_steps", 0.0)),
                    pi_old_pass=bool(metrics.get("timing/pi_old_pass", 1.0)))
+
+
+class PhaseClock:
+    """The phase a step is in and its clock, shared by the rollout side and the update side (and read by the console
+    and the benches): ``phase`` names where a step ran out of memory, ``on_phase`` is called as each phase starts and
+    ``on_progress`` as a long phase gets on (micro-batches, tool calls: a CPU update runs for minutes)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.phase = SETUP
+        self.on_phase: Callable[[str], None] | None = None
+        self.on_progress: Callable[[str], None] | None = None
+
+    def clock(self) -> float:
+        """perf_counter after the device's queued work: CUDA phases would otherwise bleed into the next."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def enter(self, phase: str) -> None:
+        self.phase = phase
+        if self.on_phase is not None:
+            self.on_phase(phase)
+
+    def progress(self, text: str) -> None:
+        if self.on_progress is not None:
+            self.on_progress(text)
+
+    def record_peak(self, metrics: dict[str, Any], phase: str) -> None:
+        """Record this phase's CUDA peak (and what stays allocated after it) and restart the count for the next."""
+        if self.device.type == "cuda":
+            metrics[peak_key(phase)] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics[end_key(phase)] = torch.cuda.memory_allocated(self.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.device)

@@ -19,10 +19,12 @@ from qerl_cli.manifest import RunDir
 from qerl_cli.metricsfile import read_metrics, write_metrics
 from qerl_cli.runlayout import base_fingerprint, checkpoints_dir, metrics_path, train_dir
 from qerl_cli.train import checkpointing
+from qerl_cli.train.bookkeeping import check_resume_settings, read_trainer_state
 from qerl_cli.train.checkpointing import NoCheckpointError, resolve_checkpoint
 from qerl_cli.train.config import TrainConfig
 from qerl_cli.train.stop import GracefulStop
-from qerl_cli.train.trainer import NonFiniteLoss, Trainer, check_resume_settings, read_trainer_state
+from qerl_cli.train.trainer import Trainer
+from qerl_cli.train.updater import NonFiniteLoss
 
 
 @dataclass
@@ -36,7 +38,7 @@ class TrainResult:
 
 def _checkpoint_outputs(run: RunDir, trainer: Trainer, ckpt: Path) -> dict[str, Any]:
     step = checkpointing.checkpoint_step(ckpt)  # a background write finishes after the trainer moved on
-    return {**checkpointing.checkpoint_outputs(run, ckpt), "metrics": run.rel(trainer.metrics_path),
+    return {**checkpointing.checkpoint_outputs(run, ckpt), "metrics": run.rel(trainer.book.metrics_path),
             "steps_done": step if step is not None else trainer.step}
 
 
@@ -113,8 +115,8 @@ def _start(run: RunDir, trainer: Trainer, rec: Any, stop: GracefulStop,
         if resume_from is not None:  # under the run lock: later checkpoints, rollouts, metrics lines set aside
             rec.refusable = False
             with stop.deferred():  # all of it or (before it starts) none of it
-                rec.extra["resume_from"] = set_aside_after(run, int(state["step"]), trainer.metrics_path,
-                                                           trainer.rollouts_dir)
+                rec.extra["resume_from"] = set_aside_after(run, int(state["step"]), trainer.book.metrics_path,
+                                                           trainer.book.rollouts_dir)
         rec.outputs = _checkpoint_outputs(run, trainer, ckpt)  # what the run stands on until its next save
         run.save(rec)
     with ctx.agree("setup"):
@@ -143,7 +145,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, resume: bool = False, resume
     trainer = Trainer(run, cfg, device=device or trainer_device())
     inputs = _model_inputs(run)
     resume = resume or resume_from is not None
-    if not resume and (checkpoints_dir(run).exists() or trainer.metrics_path.exists()):
+    if not resume and (checkpoints_dir(run).exists() or trainer.book.metrics_path.exists()):
         # refused before the stage starts, so the finished run's manifest record stays as it was
         raise QerlError(f"{train_dir(run)} already holds a training run: pass --resume to continue it, or use "
                         "a new --run directory")
@@ -221,7 +223,8 @@ class StageSteps:
         path = t.save(background=background)
         self.saved_step = t.step
         if self.history:
-            self.history[-1]["timing/checkpoint_s"] = t.last_checkpoint_s  # in history; the jsonl line is written
+            # in history; the jsonl line is written
+            self.history[-1]["timing/checkpoint_s"] = t.checkpoints.last_checkpoint_s
         if self.ctx.enabled:
             self._record_dist()
         if not t.writer.busy:
@@ -251,7 +254,7 @@ class StageSteps:
             finished = t.wait_checkpoint()  # the previous step's background write
             if finished is not None:
                 self.record_outputs(finished)
-            t.append_metrics(m)
+            t.book.append_metrics(m)
             self.history.append(m)
             if on_step:
                 on_step(m)
@@ -305,7 +308,7 @@ class StageSteps:
         t, rec = self.trainer, self.rec
         if t.extended_from is not None:
             extended = {"from_steps": t.extended_from, "to_steps": t.cfg.steps,
-                        "aqn_schedule_steps": t.aqn.total_steps if t.aqn else None}
+                        "aqn_schedule_steps": t.updater.aqn.total_steps if t.updater.aqn else None}
         if extended:
             rec.extra["extended"] = extended
         self.logged = self.logged if self.abandoned else t.step  # an abandoned step may have counted itself already

@@ -2,9 +2,10 @@
 
 `Trainer.train_step` is written once against :class:`StepBackend`; the backend is chosen once, in
 `Trainer.setup` (train/distributed.py's ``make_backend``): :class:`LocalBackend` on one process,
-`DistributedBackend` (train/distributed.py) under torchrun. A backend asks the trainer only through the public
-:class:`StepWorker` methods (generate, score, forward_no_grad), so neither module reaches into the other. This
-module imports no other backend module (distributed.py imports it, not the other way round).
+`DistributedBackend` (train/distributed.py) under torchrun. A backend asks the two sides of the step only through
+the public methods of :class:`RolloutWorker` (generate, score: train/rollouter.py's ``Rollouter``) and
+:class:`UpdateWorker` (forward_no_grad: train/updater.py's ``PolicyUpdater``), so no module reaches into
+another. This module imports no other backend module (distributed.py imports it, not the other way round).
 
 What differs between the two, and nothing else:
 
@@ -60,19 +61,33 @@ class RolloutRound:
     chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (rank, start, end)
 
 
-class StepWorker(Protocol):
-    """What a backend needs from the trainer (`Trainer` implements it)."""
+class RolloutWorker(Protocol):
+    """What a backend needs from the rollout side (the ``Rollouter`` implements it)."""
 
-    step: int
+    rollout_step: int  # the step the rounds being generated are for
     prompt_ids: list[list[int]]
-    micro_batch_size: int  # sequences per forward pass
 
     def generate(self, indices: list[int], round_: int, norm_overrides: dict[str, torch.Tensor] | None,
                  prompt_offset: int = 0) -> Any: ...
 
     def score(self, indices: list[int], samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+
+class UpdateWorker(Protocol):
+    """What a backend needs from the update side (the ``PolicyUpdater`` implements it)."""
+
+    @property
+    def micro_batch_size(self) -> int: ...  # sequences per forward pass
+
     def forward_no_grad(self, batch: RolloutBatch, with_ref: bool, with_old: bool = True) -> LogProbs: ...
+
+
+@dataclass(frozen=True)
+class StepSides:
+    """The two sides of the step whose layout-dependent parts a backend runs."""
+
+    rollout: RolloutWorker
+    update: UpdateWorker
 
 
 class StepBackend(Protocol):
@@ -106,17 +121,17 @@ class LocalBackend:
 
     world_size = 1
 
-    def __init__(self, worker: StepWorker) -> None:
-        self.worker = worker
+    def __init__(self, sides: StepSides) -> None:
+        self.sides = sides
 
     def rollout_round(self, indices: list[int], round_: int, overrides: Any) -> RolloutRound:
-        res = self.worker.generate(indices, round_, overrides)
-        raw, shaped = self.worker.score(indices, res.samples)
+        res = self.sides.rollout.generate(indices, round_, overrides)
+        raw, shaped = self.sides.rollout.score(indices, res.samples)
         timings = {**res.timings, "decode_steps": float(res.stats.get("decode_steps", 0))}
         return RolloutRound(res.samples, raw, shaped, timings, busy_s=[0.0])
 
     def old_logprobs(self, batch: RolloutBatch, with_ref: bool, with_old: bool = True) -> LogProbs:
-        return self.worker.forward_no_grad(batch, with_ref, with_old)
+        return self.sides.update.forward_no_grad(batch, with_ref, with_old)
 
     def gather_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]],
                     batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
