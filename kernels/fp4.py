@@ -294,7 +294,7 @@ def store_swapped(acc, y_ptr, ws_ptr, bias_ptr, pid_k, offs_m, offs_n, m_mask, n
 # fragment's registers. Block scales are pre-converted to the 16-bit factor the asm decoder multiplies
 # by (the same exact `scale * 2**(F + 14 or 126)` as `_scale_16`) and read as int32 pairs.
 @triton.jit
-def _fp4_tile_v2(w_ptr, s_ptr, offs_n, k0, N, K,
+def fp4_tile_v2(w_ptr, s_ptr, offs_n, k0, N, K,
                  BN: tl.constexpr, BK: tl.constexpr, NVFP4: tl.constexpr, F32: tl.constexpr,
                  F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TILED: tl.constexpr):
     GS: tl.constexpr = 16 if NVFP4 else 32
@@ -360,7 +360,7 @@ def _fp4_mm_v2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr, ws_ptr, cnt_
                                                                                      GROUP_M)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
-        w = _fp4_tile_v2(w_ptr, s_ptr, offs_n, k0, N, K, BN, BK, NVFP4, F32, F16, EVEN_N, EVEN_K, TILED)
+        w = fp4_tile_v2(w_ptr, s_ptr, offs_n, k0, N, K, BN, BK, NVFP4, F32, F16, EVEN_N, EVEN_K, TILED)
         acc = x_tile_dot(acc, w, x_ptr, offs_m, m_mask, k0 + offs_k, stride_xm, K, EVEN_K, F32)
     acc = _apply_alpha(acc, alpha, _gscale(gs_ptr, NVFP4), NVFP4)
     n_mask = offs_n < N
@@ -481,7 +481,7 @@ def _fp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, lut_ptr, out_ptr, N, K, F,
 
 # W = dequant(repacked): the exact dequantizer on the load-time layout (one program per 64 rows x UN units),
 # so the module needs no checkpoint-layout copy for large-M forward and backward. Decodes like
-# `_fp4_tile_v2` (same byte addresses, same permute back to k order) but scales with the checkpoint block
+# `fp4_tile_v2` (same byte addresses, same permute back to k order) but scales with the checkpoint block
 # scales in fp32, as the reference does, so the result is bit-identical to `dequantize`.
 @triton.jit
 def _fp4_dequant_v2_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K,

@@ -49,15 +49,15 @@ import triton.language as tl
 from qerl_kernels._common import INTERPRET, TileConfig, cdiv, f32_path, launch_config, split_k_for
 from qerl_kernels.fp4 import (
     NVFP4_F,
-    _fp4_tile_v2,
     e2m1_lut,
+    fp4_tile_v2,
     group_size,
     grouped_pid,
     splitk_plan,
     splitk_reduce,
     store_swapped,
 )
-from qerl_kernels.w8 import E4M3_MAX, _to_e4m3, quantize_rows_fp8
+from qerl_kernels.w8 import E4M3_MAX, quantize_rows_fp8, to_e4m3
 
 # ceil of the channel exponent so the 2**e multipliers stay finite in fp32 however odd a channel's scales are
 _E_LIMIT = 120
@@ -137,8 +137,8 @@ def _w4a8_kernel(xq_ptr, sx_ptr, w_ptr, ks_ptr, wmul_ptr, cs_ptr, bias_ptr, y_pt
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
         # code * s * 2**F, exact in fp32 (F32) or bf16; times 2**(e - F) is exact too; the cast is the one rounding
-        w = _fp4_tile_v2(w_ptr, ks_ptr, offs_n, k0, N, K, BN, BK, NVFP4, F32, False, EVEN_N, EVEN_K, TILED)
-        w8 = _to_e4m3(w.to(tl.float32) * wmul[:, None], F32)
+        w = fp4_tile_v2(w_ptr, ks_ptr, offs_n, k0, N, K, BN, BK, NVFP4, F32, False, EVEN_N, EVEN_K, TILED)
+        w8 = to_e4m3(w.to(tl.float32) * wmul[:, None], F32)
         offs_k = k0 + tl.arange(0, BK)
         x_ptrs = xq_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         if EVEN_K:

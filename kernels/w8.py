@@ -85,7 +85,7 @@ def _w8_mm_t_kernel(dy_ptr, w_ptr, s_ptr, dx_ptr, M, N, K, stride_dym, stride_dx
 
 
 @triton.jit
-def _round_e4m3(v):
+def round_e4m3(v):
     """fp32 -> the nearest E4M3 value (ties to even) as fp32, for |v| <= 448, by integer ops on the bit pattern.
 
     The interpreter's own fp32->fp8 cast loses the rounding carry (124.3 -> 64), so the F32 path rounds here and
@@ -105,9 +105,9 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _to_e4m3(v, F32: tl.constexpr):
+def to_e4m3(v, F32: tl.constexpr):
     if F32:
-        return _round_e4m3(v).to(tl.float8e4nv)
+        return round_e4m3(v).to(tl.float8e4nv)
     else:
         return v.to(tl.float8e4nv)
 
@@ -126,7 +126,7 @@ def _quant_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: 
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = _to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0), F32)
+        q = to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0), F32)
         tl.store(q_ptr + row * stride_qm + offs, q.to(tl.uint8, bitcast=True), mask=offs < K)
 
 

@@ -93,7 +93,7 @@ def test_moe_adapter_checkpoint_is_written_in_the_background_and_resumes_bit_exa
     # the experts' factors: gate_up's (the inner wrapper, base_layer) and down's, A and B, per layer
     assert len(experts) == 2 * 2 * 2 and any("experts.base_layer.lora_A" in k for k in experts)
     path = t.save(background=True)
-    assert "submit" in t.last_checkpoint_parts  # the writer thread took it (LoraMode.save_in_background)
+    assert "submit" in t.checkpoints.last_checkpoint_parts  # the writer thread took it (LoraMode.save_in_background)
     t.train_step()  # moves the live adapter and moments in place while (or before) the writer writes step 1
     assert t.wait_checkpoint() == path and not t.writer.busy
     assert (path.parent / "latest").read_text().strip() == "step_1"

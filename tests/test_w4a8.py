@@ -2,7 +2,7 @@
 inside the stated error bound of the exact product, and the pieces (per-token scale, per-channel exponent, E4M3
 rounding, bias, ragged M, K tails) are what the docstring says.
 
-The interpreter runs the kernel's F32 path: integer FP4 decode, E4M3 rounding by `_round_e4m3` (the interpreter's
+The interpreter runs the kernel's F32 path: integer FP4 decode, E4M3 rounding by `round_e4m3` (the interpreter's
 own fp32->fp8 cast drops the rounding carry), and an fp8 `tl.dot` that widens both operands exactly and multiplies
 in fp32. Every fp8 x fp8 product is exact in fp32, so the kernel and the emulation (exact sum, one rounding to
 fp32) differ only by the order of fp32 additions: |diff| <= K * 2**-24 * sum |q w8| * |cs sx|, the tolerance used.
@@ -26,7 +26,7 @@ from qerl_kernels.w4a8 import (
     w4a8_scales,
     widened_weight,
 )
-from qerl_kernels.w8 import _round_e4m3
+from qerl_kernels.w8 import round_e4m3
 
 from qerl_cli.formats import dequantize, quantize
 
@@ -138,7 +138,7 @@ def test_per_token_activation_scale_by_hand() -> None:
 @triton.jit
 def _round_kernel(x_ptr, y_ptr, N: tl.constexpr):
     o = tl.arange(0, N)
-    tl.store(y_ptr + o, _round_e4m3(tl.load(x_ptr + o)))
+    tl.store(y_ptr + o, round_e4m3(tl.load(x_ptr + o)))
 
 
 def test_round_e4m3_matches_torch_rne() -> None:

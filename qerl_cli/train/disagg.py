@@ -110,7 +110,7 @@ def init_roles(rollout_gpus: int) -> Roles | None:
     sub = distributed.DistContext(rank=ctx.rank, world_size=trainers if roles.role == TRAIN else 1,
                                   local_rank=ctx.local_rank, backend=ctx.backend,
                                   group=train_group if roles.role == TRAIN else None, job_size=world)
-    distributed._CTX = sub  # the Trainer reads its context from current() (train/distributed.py)
+    distributed.set_current(sub)  # the Trainer reads its context from current() (train/distributed.py)
     return roles
 
 

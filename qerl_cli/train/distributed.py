@@ -169,6 +169,12 @@ def current() -> DistContext:
     return _CTX
 
 
+def set_current(ctx: DistContext) -> None:
+    """Replace this process's context: the asynchronous mode narrows it to its role's process group (disagg.py)."""
+    global _CTX
+    _CTX = ctx
+
+
 def init_from_env(timeout_s: float | None = None) -> DistContext:
     """Join the torchrun job described by RANK/WORLD_SIZE/LOCAL_RANK (no-op without torchrun).
 
