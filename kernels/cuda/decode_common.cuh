@@ -6,6 +6,7 @@
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <type_traits>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -294,6 +295,30 @@ __device__ __forceinline__ void end_of_launch(unsigned* cnt, int end) {
       __threadfence();
     }
   }
+}
+
+// Host side, shared by the persistent kernels: raise one variant's shared-memory limit (outside any graph capture)
+// and report how many of its CTAs fit on one SM at once (the grid must not exceed that times the SM count: the
+// CTAs wait on each other).
+template <typename Kernel>
+inline cudaError_t prepare_kernel(Kernel k, int smem, int& ctas_per_sm) {
+  cudaError_t e = cudaFuncSetAttribute((const void*)k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, k, NW * 32, smem);
+}
+
+// Every (MT, BF16) variant prepared by prep(integral_constant MT, bool_constant BF16, int& ctas), the occupancy of
+// variant (mt, bf16) reported in *ctas_per_sm.
+template <typename Prep>
+inline int prepare_variants(int mt, int bf16, int* ctas_per_sm, Prep prep) {
+  int dummy = 0;
+  using one = std::integral_constant<int, 1>;
+  using two = std::integral_constant<int, 2>;
+  cudaError_t e = prep(one{}, std::true_type{}, mt == 1 && bf16 ? *ctas_per_sm : dummy);
+  if (e == cudaSuccess) e = prep(two{}, std::true_type{}, mt == 2 && bf16 ? *ctas_per_sm : dummy);
+  if (e == cudaSuccess) e = prep(one{}, std::false_type{}, mt == 1 && !bf16 ? *ctas_per_sm : dummy);
+  if (e == cudaSuccess) e = prep(two{}, std::false_type{}, mt == 2 && !bf16 ? *ctas_per_sm : dummy);
+  return (int)e;
 }
 
 }  // namespace qerl_dl

@@ -442,11 +442,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
 
 template <int MT, bool BF16>
 cudaError_t prepare(int& ctas_per_sm) {
-  const void* k = (const void*)decode_mlp_kernel<MT, BF16>;
-  cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<MT>::BYTES);
-  if (e != cudaSuccess) return e;
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, decode_mlp_kernel<MT, BF16>, NW * 32,
-                                                       Smem<MT>::BYTES);
+  return prepare_kernel(decode_mlp_kernel<MT, BF16>, Smem<MT>::BYTES, ctas_per_sm);
 }
 
 template <int MT, bool BF16>
@@ -461,12 +457,9 @@ extern "C" {
 // Set the shared-memory limit of every variant (outside any graph capture) and report how many CTAs of variant
 // (mt, bf16) fit on one SM at once: the grid must not exceed that times the SM count (the CTAs wait on each other).
 int qerl_dl_prepare(int mt, int bf16, int* ctas_per_sm) {
-  int dummy = 0;
-  cudaError_t e = qerl_dl::prepare<1, true>(mt == 1 && bf16 ? *ctas_per_sm : dummy);
-  if (e == cudaSuccess) e = qerl_dl::prepare<2, true>(mt == 2 && bf16 ? *ctas_per_sm : dummy);
-  if (e == cudaSuccess) e = qerl_dl::prepare<1, false>(mt == 1 && !bf16 ? *ctas_per_sm : dummy);
-  if (e == cudaSuccess) e = qerl_dl::prepare<2, false>(mt == 2 && !bf16 ? *ctas_per_sm : dummy);
-  return (int)e;
+  return qerl_dl::prepare_variants(mt, bf16, ctas_per_sm, [](auto m, auto b, int& ctas) {
+    return qerl_dl::prepare<decltype(m)::value, decltype(b)::value>(ctas);
+  });
 }
 
 int qerl_dl_smem(int mt) { return mt == 1 ? qerl_dl::Smem<1>::BYTES : qerl_dl::Smem<2>::BYTES; }
