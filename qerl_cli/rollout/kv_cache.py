@@ -27,18 +27,21 @@ from qerl_cli.errors import QerlError
 from qerl_cli.rollout.routing import RoutingCache, RoutingShape
 
 FP8_KV = torch.float8_e4m3fn
+# the kv_cache option's values that store the cache in a dtype of their own ("auto": the model's)
+STORED_AS = {"fp8": FP8_KV}
 
 
 def cache_dtype(model_dtype: torch.dtype, kv_cache: str) -> torch.dtype:
     """The dtype the KV cache is stored in: the model's, or E4M3 with ``kv_cache="fp8"`` (the one place deciding)."""
-    return FP8_KV if kv_cache == "fp8" else model_dtype
+    return STORED_AS.get(kv_cache, model_dtype)
 
 
 def kv_elem(model_elem: int) -> int:
     """Bytes per cached K or V element under the current options, for plans that size the cache before it exists."""
     from qerl_cli.options import options
 
-    return 1 if options().kv_cache == "fp8" else model_elem
+    stored = STORED_AS.get(options().kv_cache)
+    return stored.itemsize if stored is not None else model_elem
 
 
 @dataclass(frozen=True)
