@@ -27,7 +27,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SHAPES = {"7b": (28, 4, 128), "32b": (40, 8, 128)}
@@ -41,23 +40,11 @@ GRAPH_CALLS = 20
 
 def bench_ms(fn) -> float:  # noqa: ANN001
     """Per call, as the engine runs it: replays of a CUDA graph of GRAPH_CALLS calls (a Triton launch costs tens of
-    microseconds of Python, more than a small step's kernels, and the engine's graph hides it). A call that cannot
-    be captured is timed launch by launch."""
-    try:
-        fn()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(GRAPH_CALLS):
-                fn()
-    except Exception:  # noqa: BLE001 - not capturable: host-timed launches instead
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
-    return triton.testing.do_bench(graph.replay, warmup=3, rep=30, return_mode="median") / GRAPH_CALLS
+    microseconds of Python, more than a small step's kernels, and the engine's graph hides it); a call that cannot
+    be captured is timed launch by launch (`bench.kernels.time_calls`)."""
+    from qerl_cli.bench.kernels import time_calls
+
+    return time_calls([fn] * GRAPH_CALLS)[0]
 
 
 def flashinfer_or_reason() -> tuple[object | None, str]:

@@ -42,15 +42,9 @@ W4_BITS = {"nvfp4": 4.5, "mxfp4": 4.25}
 
 
 def graph_us(fn: Callable[[], Any]) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=5, rep=40, return_mode="median") * 1e3
+    from qerl_cli.bench.kernels import time_calls
+
+    return time_calls([fn])[0] * 1e3
 
 
 def peaks() -> dict[str, float]:
