@@ -22,6 +22,10 @@ weights come from HBM) on the module's own weight.
 With a LoRA expand to add (`choose(module, x, lora_rank=R)`, used by `linear.forward_with_lora`), the plan is
 measured per (shape, R) on what each candidate really costs: `cuda` with the expand in its epilogue against every
 other backend followed by one `addmm_` of the expand; the answer names the base backend.
+
+The routed experts of a mixture of experts (`choose_experts`, for no-grad forwards) follow the same switch: qerl's
+grouped Triton kernel or humming's indexed MoE GEMM, forced by `humming`, measured by `auto` into the same plan
+cache, qerl's kernel under every other backend (docs/moe.md, the decode expert backend).
 """
 
 from __future__ import annotations
@@ -187,6 +191,219 @@ def humming_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         log.info("humming layout built for %s N=%d K=%d (+%.1f MB resident)", module.fmt, module.out_features,
                  module.in_features, qw.nbytes() / 2**20)
     return humming_peer.forward(layer, x)
+
+
+# ---- the routed experts of a mixture of experts: the same switch, plans and cache -------------------------------
+# A MoE layer's experts (`qerl_cli.moe.MoeExperts`: `fmt`, `num_experts`, `projection_shape(proj)`, `tensors(proj)`
+# stacked per projection) run one grouped GEMM per projection: qerl's grouped Triton kernel (`qerl_kernels.moe`,
+# plan value "qerl") or humming's indexed MoE GEMM ("humming", its own converted copy of the experts). Only no-grad
+# forwards (the rollout) ask: humming has no backward. The choice follows `linear_backend` as the linears do:
+# `humming` forces it, `auto` measures it per shape and assignment bucket against qerl's kernel (the plan lands in
+# the same in-memory and on-disk cache, keyed "experts|..."), every other backend keeps qerl's kernel.
+EXPERT_BUCKETS = (8, 64, 512, 2048, 16384)  # routed assignments (tokens x top-k): decode 1, 8, 64, 256 tokens; prefill
+
+
+def _expert_key(experts: nn.Module, proj: str, dtype: torch.dtype, x_div: int) -> tuple:
+    e, n, k = experts.projection_shape(proj)
+    return ("experts", experts.fmt, e, n, k, str(dtype).removeprefix("torch."), f"x{x_div}", ",".join(candidates()))
+
+
+def _peer_state(experts: nn.Module) -> dict:
+    """Humming's layers of `experts` ({proj: (weight address, layer)}) and the projections it refused; the module
+    forgets them when its tensors move (`MoeExperts._apply`)."""
+    st = getattr(experts, "peer_state", None)
+    if st is None:
+        st = {"layers": {}, "refused": set()}
+        experts.peer_state = st
+    return st
+
+
+def choose_experts(experts: nn.Module, proj: str, x: torch.Tensor, x_div: int, assignments: int) -> str:
+    """'humming' | 'qerl' for one no-grad forward of `proj` over `assignments` routed rows (x: tokens, `x_div` =
+    top-k, for the first projection; the assignments themselves, `x_div` = 1, for the second)."""
+    from qerl_kernels import humming_peer
+
+    if experts.fmt not in humming_peer.FORMATS or not x.is_cuda or not humming_peer.available():
+        return "qerl"
+    st = _peer_state(experts)
+    if proj in st["refused"]:
+        return "qerl"
+    capturing = torch.cuda.is_current_stream_capturing()
+    backend = get_backend()
+    if backend == "humming":  # a layer not built yet is not built inside a graph capture (its repack would replay)
+        return "humming" if not capturing or proj in st["layers"] else "qerl"
+    if backend != "auto" or "humming" not in candidates():
+        return "qerl"
+    plan = experts_plan(experts, proj, x.dtype, x_div)
+    if plan is None:
+        return "qerl"
+    choice = plan.get(_expert_bucket(assignments), "qerl")
+    return choice if choice != "humming" or not capturing or proj in st["layers"] else "qerl"
+
+
+def _expert_bucket(m: int) -> int:
+    return next((b for b in EXPERT_BUCKETS if m <= b), EXPERT_BUCKETS[-1])
+
+
+def experts_plan(experts: nn.Module, proj: str, dtype: torch.dtype, x_div: int,
+                 top_k: int | None = None) -> dict[int, str] | None:
+    """`auto`'s {assignment bucket: 'qerl' | 'humming'} for `proj` of `experts`, loaded or measured now (None inside
+    a graph capture when not known yet), remembered per module as `module_plan` does."""
+    memo_key = ("experts", proj, dtype, x_div, kernel_options().dispatch_candidates, _extra_copies, _epoch)
+    per_module = _module_plans.get(experts)
+    if per_module is not None and memo_key in per_module:
+        return per_module[memo_key]
+    key = _expert_key(experts, proj, dtype, x_div)
+    plan = _plans.get(key) or _load_cached(key)
+    if plan is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        plan = measure_experts_plan(experts, proj, dtype, x_div, top_k)
+        _store_cached(key, plan)
+    _plans[key] = plan
+    _module_plans.setdefault(experts, {})[memo_key] = plan
+    return plan
+
+
+def experts_layer(experts: nn.Module, proj: str, dtype: torch.dtype) -> Any:
+    """Humming's converted copy of every expert of `proj` (built once per weight storage, then kept)."""
+    from qerl_kernels import humming_peer
+
+    st = _peer_state(experts)
+    t = experts.tensors(proj)
+    addr = (t["weight_packed"].data_ptr(), dtype)  # rebuilt for new storage or another activation dtype
+    hit = st["layers"].get(proj)
+    if hit is not None and hit[0] == addr:
+        return hit[1]
+    e, n, k = experts.projection_shape(proj)
+    layer = humming_peer.build_experts(t, experts.fmt, e, n, k, dtype=dtype)
+    st["layers"][proj] = (addr, layer)
+    log.info("humming expert layout built for %s E=%d N=%d K=%d (+%.1f MB resident)", experts.fmt, e, n, k,
+             e * extra_copy_bytes(experts.fmt, n, k) / 2**20)
+    return layer
+
+
+def experts_humming_forward(experts: nn.Module, proj: str, x: torch.Tensor, expert_ids: torch.Tensor, x_div: int,
+                            layouts: dict[int, tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor | None:
+    """y [assignments, N] of `proj` through humming's indexed MoE GEMM, or None when humming refuses it (logged once;
+    that projection then stays on qerl's kernel). `expert_ids` [assignments]; `layouts` {block rows: the routing
+    at those rows} memoizes `indexed_layout` across a forward's projections."""
+    from qerl_kernels import humming_peer
+    from qerl_kernels.moe import indexed_layout
+
+    m = expert_ids.numel()
+    try:
+        layer = experts_layer(experts, proj, x.dtype)
+        block_m, tuning = humming_peer.indexed_tuning(layer, m)
+        lay = None if layouts is None else layouts.get(block_m)
+        if lay is None:
+            lay = indexed_layout(expert_ids, experts.num_experts, block_m)
+            if layouts is not None:
+                layouts[block_m] = lay
+        return humming_peer.experts_forward(layer, x, *lay, top_k=x_div, tuning=tuning)
+    except Exception as exc:  # a shape or config humming refuses: qerl's grouped kernel runs it instead
+        if torch.cuda.is_current_stream_capturing():
+            raise  # a failure inside a capture has broken it already; say so rather than fall back silently
+        st = _peer_state(experts)
+        st["refused"].add(proj)
+        st["layers"].pop(proj, None)
+        log.warning("humming refused the %s experts %s (E=%d %s): %s; qerl's grouped kernel runs it", experts.fmt,
+                    proj, experts.num_experts, "x".join(map(str, experts.projection_shape(proj)[1:])),
+                    repr(exc)[:300])
+        return None
+
+
+def _grouped_reference(experts: nn.Module, proj: str, x: torch.Tensor, expert_ids: torch.Tensor,
+                       x_div: int) -> torch.Tensor:
+    """qerl's grouped Triton kernel on the experts' checkpoint tensors (what runs when humming does not)."""
+    from qerl_kernels.fp4 import mxfp4_shift
+    from qerl_kernels.moe import align_blocks, grouped_linear
+
+    t = experts.tensors(proj)
+    rows, bexp = align_blocks(expert_ids, experts.num_experts)
+    shift = mxfp4_shift(t["weight_scale"]) if experts.fmt == "mxfp4" else 0
+    return grouped_linear(x, rows, bexp, kind=experts.fmt, weight=t["weight_packed"], scale=t["weight_scale"],
+                          global_scale=t.get("weight_global_scale"), shift=shift, out_rows=expert_ids.numel(),
+                          x_div=x_div)
+
+
+def measure_experts_plan(experts: nn.Module, proj: str, dtype: torch.dtype, x_div: int, top_k: int | None = None,
+                         buckets: tuple[int, ...] = EXPERT_BUCKETS, rep_ms: int = 8) -> dict[int, str]:
+    """Time qerl's grouped kernel and humming at each bucket's assignment count (uniformly random top-`x_div`
+    routing of bucket / x_div tokens for the first projection, the assignments for the second) from CUDA-graph
+    replays with L2 flushed, as `measure_plan` times the linears; humming wins a bucket only where it is faster
+    and matches qerl's kernel (relative error < 2e-2). `top_k`: the router's (default `x_div`, or 8 for the
+    second projection, Qwen3-MoE's). Returns {bucket: 'qerl' | 'humming'}."""
+    e, n, k = experts.projection_shape(proj)
+    dev = experts.tensors(proj)["weight_packed"].device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    top_k = top_k or (x_div if x_div > 1 else 8)
+    plan: dict[int, str] = {}
+    timings: dict[int, dict[str, float]] = {}
+    with torch.no_grad():
+        for b in buckets:
+            tokens = max(1, b // top_k)
+            ids = torch.rand(tokens, e, device=dev, generator=gen).topk(min(top_k, e), -1).indices.reshape(-1)
+            rows_in = tokens if x_div > 1 else ids.numel()
+            x = torch.randn(rows_in, k, device=dev, dtype=dtype, generator=gen)
+            # each candidate lays its routing out itself, inside the timing: align_blocks, indexed_layout
+            funcs = {"qerl": lambda x=x, ids=ids: _grouped_reference(experts, proj, x, ids, x_div),
+                     "humming": lambda x=x, ids=ids: experts_humming_forward(experts, proj, x, ids, x_div)}
+            ref = funcs["qerl"]().float()
+            row, best, best_t = {}, "qerl", float("inf")
+            for c, f in funcs.items():
+                try:
+                    y = f()
+                    if y is None:
+                        continue
+                    err = ((y.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+                    if not err < 2e-2:
+                        log.warning("dispatch: %s wrong on the %s experts E=%d N=%d K=%d at %d rows (rel err %.2e); "
+                                    "not used", c, experts.fmt, e, n, k, ids.numel(), err)
+                        continue
+                    t = _time_gpu(f, rep_ms)
+                except Exception as exc:  # a candidate that fails here is simply not chosen
+                    log.warning("dispatch: %s failed on the %s experts E=%d N=%d K=%d: %s", c, experts.fmt, e, n, k,
+                                repr(exc)[:200])
+                    continue
+                row[c] = t * 1e3
+                if t < best_t:
+                    best, best_t = c, t
+            plan[b], timings[b] = best, row
+    if "humming" not in plan.values():  # drop humming's copy when it won nowhere
+        _peer_state(experts)["layers"].pop(proj, None)
+    log.info("dispatch plan %s experts E=%d N=%d K=%d %s x_div=%d: %s", experts.fmt, e, n, k, dtype, x_div,
+             ", ".join(f"rows<={b} {plan[b]} ({', '.join(f'{c} {us:.1f}us' for c, us in timings[b].items())})"
+                       for b in buckets))
+    return plan
+
+
+def prepare_experts(blocks: Iterable[tuple[nn.Module, int]], dtype: torch.dtype = torch.bfloat16) -> None:
+    """Before any graph capture: per (experts, top-k) of the rollout's sparse layers, load or measure `auto`'s plan
+    of both projections, or under `linear_backend=humming` build humming's copies, so no plan is timed and no
+    weight converted inside a capture or a timed decode. Same-shaped layers share one measured plan."""
+    from qerl_kernels import humming_peer
+
+    backend = get_backend()
+    if backend not in ("auto", "humming") or not humming_peer.available():
+        return
+    if backend == "auto" and "humming" not in candidates():
+        return
+    for experts, top_k in blocks:
+        if experts.fmt not in humming_peer.FORMATS or not experts.tensors(experts.projections[0])[
+                "weight_packed"].is_cuda:
+            continue
+        for proj, x_div in zip(experts.projections, (top_k, 1), strict=True):
+            if backend == "humming":
+                try:
+                    experts_layer(experts, proj, dtype)
+                except Exception as exc:
+                    _peer_state(experts)["refused"].add(proj)
+                    log.warning("humming refused the %s experts %s: %s", experts.fmt, proj, repr(exc)[:300])
+                continue
+            plan = experts_plan(experts, proj, dtype, x_div, top_k)
+            if plan and "humming" in plan.values():
+                experts_layer(experts, proj, dtype)
 
 
 # ---- what the kernels keep beside a module's own tensors (the memory plan counts it) --------------------------

@@ -5,12 +5,15 @@ tensors as they are (its compressed-tensors schema converts them: the NVFP4 glob
 second-level tensor scale `1/G`), repacks them into its own layout at `transform()`, and JIT-compiles a
 CUDA kernel with nvcc on the first call of each (shape, tile config); `warm(layer, ms)` does that ahead of
 timing. The converted layout is humming's own copy of the weight (0.5 byte per weight plus scales).
+`build_experts` / `experts_forward` do the same for a MoE layer's stacked experts through humming's indexed MoE GEMM
+(routing in vLLM's moe_align_block_size layout, `qerl_kernels.moe.indexed_layout`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 from typing import Any
 
 import torch
@@ -88,3 +91,60 @@ def warm(layer: Any, x: torch.Tensor) -> None:
     """Run once so humming's JIT compile (nvcc, seconds per shape) happens outside any timing."""
     layer(x)
     torch.cuda.synchronize(x.device)
+
+
+# ---- routed experts: humming's indexed MoE GEMM (vLLM's moe_align_block_size layout) --------------------------
+# The compute config that makes humming's kernel read its rows through sorted_ids/expert_ids (its "indexed" GEMM)
+_INDEXED = json.dumps({"gemm_type": "indexed"})
+
+
+def build_experts(tensors: dict[str, torch.Tensor], fmt: str, num_experts: int, n: int, k: int, *,
+                  dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A transformed `HummingLayer` over every expert of one projection: `tensors` are the stacked checkpoint
+    tensors (`weight_packed [E, N, K/2]`, `weight_scale [E, N, K/G]`, NVFP4's `weight_global_scale [E]`), which
+    humming's compressed-tensors schema takes with the expert dimension first. Its repack is humming's own copy."""
+    from humming.layer import HummingLayer
+
+    if fmt not in _CT_CONFIG:
+        raise ValueError(f"humming peer covers {', '.join(FORMATS)}, not {fmt!r}")
+    device = tensors["weight_packed"].device
+    with torch.device(device):
+        layer = HummingLayer(shape_n=n, shape_k=k, num_experts=num_experts,
+                             weight_config={"quant_method": "compressed-tensors", **_CT_CONFIG[fmt]}, torch_dtype=dtype)
+    layer.load_from_tensors({name: t for name, t in tensors.items()
+                             if name in ("weight_packed", "weight_scale", "weight_global_scale")})
+    layer.transform()
+    return layer
+
+
+def indexed_tuning(layer: Any, assignments: int) -> tuple[int, str]:
+    """(block rows, tuning config JSON) of humming's own heuristic kernel choice for an indexed GEMM of
+    `assignments` rows. The routing must be padded to exactly that kernel's block rows, so the kernel is pinned
+    by its config (one config in, one kernel out) rather than left to humming's per-M list, whose entry the
+    launcher picks after the caller has laid the routing out. Host-only; cached per (layer, assignments)."""
+    cache = layer.__dict__.setdefault("_qerl_tuning", {})
+    hit = cache.get(assignments)
+    if hit is None:
+        from humming.tune import get_heuristics_config
+
+        cfg = get_heuristics_config(layer.humming_config, shape_m=max(1, assignments), gemm_type="indexed",
+                                    device=layer.weight.device)
+        hit = cache[assignments] = (int(cfg["block_shape"][0]), json.dumps(cfg, default=_json_value))
+    return hit
+
+
+def _json_value(v: Any) -> Any:
+    """An enum's value or a numpy scalar's Python value, as humming's own config strings hold them."""
+    if hasattr(v, "value"):
+        return v.value
+    if hasattr(v, "item"):
+        return v.item()
+    raise TypeError(f"not JSON serializable: {v!r}")
+
+
+def experts_forward(layer: Any, x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                    num_tokens_padded: torch.Tensor, *, top_k: int, tuning: str) -> torch.Tensor:
+    """y [rows(x) * top_k, N] in assignment order: ``y[a] = x[a // top_k] @ dequant(W_{e(a)})^T`` over the
+    routing laid out at `indexed_tuning`'s block rows (`qerl_kernels.moe.indexed_layout`)."""
+    return layer(x, sorted_ids=sorted_ids, expert_ids=expert_ids, num_tokens_padded=num_tokens_padded,
+                 top_k=top_k, compute_config=_INDEXED, tuning_config=tuning)

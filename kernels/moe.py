@@ -47,14 +47,14 @@ def num_blocks(assignments: int, num_experts: int, block_m: int = BLOCK_M) -> in
     return triton.cdiv(assignments, block_m) + min(num_experts, assignments)
 
 
-def align_blocks(expert_ids: torch.Tensor, num_experts: int,
-                 block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def align_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int | None = None,
+                 spare_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows int32 [blocks * block_m], block_expert int32 [blocks]) for assignments routed to ``expert_ids``;
-    ``block_m`` default: ``block_rows``."""
+    ``block_m`` default: ``block_rows``; ``spare_blocks`` more unused blocks at the end (all padding)."""
     flat = expert_ids.reshape(-1).to(torch.int64)
     m, dev = flat.numel(), flat.device
     block_m = block_m or block_rows(m)
-    blocks = num_blocks(m, num_experts, block_m)
+    blocks = num_blocks(m, num_experts, block_m) + spare_blocks
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     pend = torch.cumsum(padded, 0)
@@ -69,12 +69,28 @@ def align_blocks(expert_ids: torch.Tensor, num_experts: int,
     return rows, block_expert
 
 
+def indexed_layout(expert_ids: torch.Tensor, num_experts: int,
+                   block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routing as vLLM's ``moe_align_block_size`` lays it out, which humming's indexed MoE GEMM reads:
+    (sorted_ids int32 [blocks * block_m], expert_ids int32 [blocks], num_tokens_padded int32 [1]).
+
+    It is ``align_blocks`` at humming's block size: ``sorted_ids`` names the assignment in each padded slot (the
+    assignment count for padding, vLLM's sentinel too), ``expert_ids`` the expert of each block, and
+    ``num_tokens_padded`` the slots in use (the kernel runs ``num_tokens_padded / block_m`` blocks and never reads
+    past them, so the unused blocks' expert ``num_experts`` is never looked up). One spare block at the end:
+    humming may round its block count up to a pair of CTAs along M and read one block past the last used one.
+    Device tensors of a size fixed by (assignments, experts, block_m), no host sync: a CUDA graph can hold it."""
+    rows, block_expert = align_blocks(expert_ids, num_experts, block_m, spare_blocks=1)
+    used = (block_expert < num_experts).sum(dtype=torch.int32)
+    return rows, block_expert, (used * block_m).reshape(1)
+
+
 @triton.jit
 def _moe_grouped_kernel(x_ptr, rows_ptr, bexp_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr, h_ptr, b_ptr, y_ptr,
                     M, N, K, R, E, x_div, stride_xm, stride_we, stride_se, stride_ym, stride_hm, alpha, F,
                     KIND: tl.constexpr, HAS_LORA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, BR: tl.constexpr, DECODE: tl.constexpr, F32: tl.constexpr,
-                    F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+                    F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACCUM: tl.constexpr):
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_b)
@@ -122,6 +138,9 @@ def _moe_grouped_kernel(x_ptr, rows_ptr, bexp_ptr, w_ptr, s_ptr, gs_ptr, lut_ptr
             acc = tl.dot(bt.to(tl.float32), tl.trans(h.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(bt, tl.trans(h), acc)
+    if ACCUM:  # y += product: every assignment row sits in one block and every N tile has one program (no race)
+        acc += tl.load(y_ptr + r64[None, :] * stride_ym + offs_n[:, None], mask=valid[None, :] & n_mask[:, None],
+                       other=0.0).to(tl.float32)
     tl.store(y_ptr + r64[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=valid[None, :] & n_mask[:, None])
 
@@ -135,17 +154,22 @@ def _tile_sizes(n: int, k: int, kind: int) -> tuple[int, int]:
 def grouped_linear(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, *, kind: str,
                    weight: torch.Tensor, scale: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
                    shift: int = 0, out_rows: int, x_div: int = 1, lora_h: torch.Tensor | None = None,
-                   lora_b: torch.Tensor | None = None) -> torch.Tensor:
+                   lora_b: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [out_rows, N] in x's dtype: ``y[a] = x[a // x_div] @ W_{e(a)}^T (+ lora_h[a] @ lora_b[e(a)]^T)`` for every
     assignment ``a`` that ``rows`` names. ``weight`` is ``[E, N, K]`` (dense) or ``[E, N, K/2]`` (FP4, with ``scale``,
     NVFP4's ``global_scale`` [E] and MXFP4's exponent ``shift`` from ``fp4.mxfp4_shift`` over all experts);
-    ``lora_b`` is ``[E, N, R]`` in x's dtype."""
+    ``lora_b`` is ``[E, N, R]`` in x's dtype. ``out`` [out_rows, N] (row stride free, last dim contiguous): the
+    product is added to it in place and it is returned (a peer GEMM's output taking the LoRA expand ``h @ B_e^T``
+    as one dense grouped launch with ``x = h``, ``weight = B``)."""
     code = KINDS[kind]
     e, n = weight.shape[0], weight.shape[1]
     k = x.shape[1]
     f32 = f32_path(x)
     bn, bk = _tile_sizes(n, k, code)
-    y = torch.empty((out_rows, n), dtype=x.dtype, device=x.device)
+    accum = out is not None
+    if accum and (out.shape != (out_rows, n) or out.stride(1) != 1):
+        raise ValueError(f"grouped_linear: out must be [{out_rows}, {n}] with contiguous rows, not {tuple(out.shape)}")
+    y = out if accum else torch.empty((out_rows, n), dtype=x.dtype, device=x.device)
     if out_rows == 0:
         return y
     has_lora = lora_h is not None and lora_b is not None
@@ -161,8 +185,8 @@ def grouped_linear(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tens
             x.stride(0), weight.stride(0), s.stride(0) if scale is not None else 0, y.stride(0),
             h.stride(0), 2.0 ** (-f), f)
     meta = dict(KIND=code, HAS_LORA=has_lora, BM=bm, BN=bn, BK=bk, BR=max(16, triton.next_power_of_2(max(r, 1))),
-                F32=f32, F16=x.dtype == torch.float16, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, num_warps=4,
-                num_stages=1 if INTERPRET else 3)
+                F32=f32, F16=x.dtype == torch.float16, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, ACCUM=accum,
+                num_warps=4, num_stages=1 if INTERPRET else 3)
     launch_fp4(_moe_grouped_kernel, grid, args, None, **meta)
     return y
 

@@ -103,6 +103,8 @@ class MoeExperts(nn.Module):
     parameter named after the projection, so peft's ``target_parameters`` finds it; the format's other tensors are
     buffers ``<projection>_<name>``."""
 
+    projections = PROJECTIONS  # what a kernel dispatcher iterates (qerl_kernels.dispatch.prepare_experts)
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, fmt: str,
                  tensors: Mapping[str, Mapping[str, torch.Tensor]], dtype: torch.dtype = torch.bfloat16,
                  group_size: int | None = None, act_quant: str | None = None, shape_tensor: bool = False) -> None:
@@ -123,6 +125,8 @@ class MoeExperts(nn.Module):
         self.use_kernels: bool | None = None
         self.dequantized_cache: dict[str, torch.Tensor] = {}
         self.mxfp4_shift: dict[str, int] = {}
+        # a peer kernel's converted copies of the experts (humming's, qerl_kernels.dispatch.experts_layer)
+        self.peer_state: dict[str, Any] | None = None
 
     @property
     def format(self) -> WeightFormat:
@@ -164,6 +168,7 @@ class MoeExperts(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
         self.dequantized_cache = {}  # made from the tensors as they were (device, dtype)
+        self.peer_state = None
         return super()._apply(fn, recurse)
 
     @property
@@ -238,6 +243,8 @@ class Routing:
     kernels: bool = False
     rows: torch.Tensor | None = None
     block_expert: torch.Tensor | None = None
+    # the routing at a peer kernel's block rows ({rows: humming's indexed layout}), made once per forward
+    layouts: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
     _groups: list[tuple[int, torch.Tensor]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -274,6 +281,8 @@ class ExpertProjection(torch.autograd.Function):
     def run(experts: MoeExperts, proj: str, x: torch.Tensor, routing: Routing, x_div: int,
             lora: LoraFactors | None) -> torch.Tensor:
         a, b, s = (lora.a, lora.b, lora.scaling) if lora is not None else (None, None, 1.0)
+        if routing.kernels and not torch.is_grad_enabled():  # a forward only (the rollout): a peer kernel may run
+            return _project_grouped(experts, proj, x, routing, x_div, a, b, s, peer=True)
         return ExpertProjection.apply(x, a, b, experts, proj, routing, x_div, s)
 
     @staticmethod
@@ -395,7 +404,11 @@ def _project_loop(experts: MoeExperts, proj: str, x: torch.Tensor, routing: Rout
 
 
 def _project_grouped(experts: MoeExperts, proj: str, x: torch.Tensor, routing: Routing, x_div: int,
-                     a: torch.Tensor | None, b: torch.Tensor | None, scaling: float) -> torch.Tensor:
+                     a: torch.Tensor | None, b: torch.Tensor | None, scaling: float,
+                     peer: bool = False) -> torch.Tensor:
+    """The grouped forward; ``peer`` (no-grad forwards only): the base GEMM may run on humming's indexed MoE GEMM
+    where the kernel dispatcher picks it, the LoRA staying on qerl's grouped kernels (shrink, then the expand added
+    into humming's output in one launch: humming's GEMM has no LoRA epilogue)."""
     from qerl_kernels.moe import grouped_linear
 
     common = dict(out_rows=routing.assignments, x_div=x_div)
@@ -405,8 +418,26 @@ def _project_grouped(experts: MoeExperts, proj: str, x: torch.Tensor, routing: R
         h = grouped_linear(x, routing.rows, routing.block_expert, kind="dense", weight=a.to(x.dtype).contiguous(),
                            **common)
         bs = b.to(x.dtype) if scaling == 1.0 else (b * scaling).to(x.dtype)
+    y = _peer_base(experts, proj, x, routing, x_div) if peer and experts.act_quant is None else None
+    if y is not None:
+        if h is not None:
+            grouped_linear(h, routing.rows, routing.block_expert, kind="dense", weight=bs.contiguous(),
+                           out_rows=routing.assignments, out=y)
+        return y
     kind, w = _grouped_weight(experts, proj, x)
     return grouped_linear(xb, routing.rows, routing.block_expert, kind=kind, **w, lora_h=h, lora_b=bs, **common)
+
+
+def _peer_base(experts: MoeExperts, proj: str, x: torch.Tensor, routing: Routing, x_div: int) -> torch.Tensor | None:
+    """``proj``'s base product on humming's MoE GEMM when ``qerl_kernels.dispatch`` picks it (the linears' backend
+    switch and plan cache; docs/moe.md), else None (qerl's grouped kernel runs it)."""
+    try:
+        from qerl_kernels import dispatch
+    except ImportError:
+        return None
+    if dispatch.choose_experts(experts, proj, x, x_div, routing.assignments) != "humming":
+        return None
+    return dispatch.experts_humming_forward(experts, proj, x, routing.expert_ids, x_div, routing.layouts)
 
 
 # ---- the sparse block --------------------------------------------------------------------------------------------

@@ -268,6 +268,44 @@ def test_align_blocks_pads_each_experts_run_to_whole_blocks() -> None:
     assert rows.tolist()[:12] == [1, 4, 6, 6, 3, 6, 6, 6, 0, 2, 5, 6]  # 6 (= M): padding
 
 
+def test_indexed_layout_is_the_moe_align_block_size_layout_humming_reads() -> None:
+    """vLLM's moe_align_block_size (what humming's indexed MoE GEMM reads) of the same routing, written out by hand:
+    each expert's assignments in order, padded with the assignment count to whole blocks, one expert per block,
+    the slots in use; the unused tail (one spare block included) is padding that the kernel never reaches."""
+    from qerl_kernels.moe import indexed_layout
+
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3]])  # assignments 0..5: experts 3 0 3 1 0 3
+    sorted_ids, expert_ids, padded = indexed_layout(ids, 4, block_m=4)
+    assert sorted_ids.dtype == expert_ids.dtype == padded.dtype == torch.int32
+    assert padded.tolist() == [12]  # expert 0: 2 rows, 1: 1, 2: none, 3: 3, each padded to 4
+    assert sorted_ids.tolist()[:12] == [1, 4, 6, 6, 3, 6, 6, 6, 0, 2, 5, 6]
+    assert expert_ids.tolist()[:3] == [0, 1, 3]
+    # (cdiv(6, 4) + min(4, 6)) blocks any routing may need, + 1 spare; the rest is padding of no expert
+    assert sorted_ids.numel() == 7 * 4 and set(sorted_ids.tolist()[12:]) == {6}
+    assert set(expert_ids.tolist()[3:]) == {4}
+    # one row per expert at block 8: the decode shape (top-8 of 128 experts, one token)
+    one = torch.tensor([[5, 9, 17, 33, 64, 100, 101, 127]])
+    s1, e1, p1 = indexed_layout(one, 128, block_m=8)
+    assert p1.tolist() == [64] and e1.tolist()[:8] == sorted(one[0].tolist())
+    assert s1.view(-1, 8)[:8, 0].tolist() == one[0].argsort().tolist() and (s1.view(-1, 8)[:, 1:] == 8).all()
+
+
+def test_grouped_linear_adds_into_a_given_output() -> None:
+    """The LoRA expand of the experts after a peer's GEMM: ``out[a] += h[a] @ B_e^T`` in one dense grouped launch."""
+    from qerl_kernels.moe import align_blocks, grouped_linear
+
+    g = torch.Generator().manual_seed(0)
+    e, n, r, m = 4, 24, 8, 10
+    ids = torch.randint(0, e, (m,), generator=g)
+    h, b, base = torch.randn(m, r, generator=g), torch.randn(e, n, r, generator=g), torch.randn(m, n, generator=g)
+    rows, bexp = align_blocks(ids, e)
+    out = base.clone()
+    got = grouped_linear(h, rows, bexp, kind="dense", weight=b, out_rows=m, out=out)
+    assert got is out
+    ref = base + torch.einsum("mr,mnr->mn", h, b[ids])
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "bf16"])
 def test_grouped_kernel_matches_the_per_expert_reference_forward_and_backward(fmt: str) -> None:
     from qerl_cli.moe import LoraFactors
@@ -290,6 +328,9 @@ def test_grouped_kernel_matches_the_per_expert_reference_forward_and_backward(fm
     for ref, got in zip(out[0], out[1], strict=True):
         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
     assert out[0][0].abs().max() > 0.1
+    with torch.no_grad():  # the rollout's forward (no autograd function; a peer kernel may take the base on CUDA)
+        y = experts(x, index, weights, lora={"gate_up_proj": LoraFactors(a, b, 2.0)})
+    assert torch.allclose(y, out[0][0], rtol=1e-4, atol=1e-5)
 
 
 # ---- train, resume, eval ------------------------------------------------------------------------------------------

@@ -253,6 +253,10 @@ class ModelRunner:
             dispatch.prepare(mods, self.dtype, lora_ranks=ranks)
         else:
             dispatch.prepare(mods, self.dtype)
+        # the routed experts' GEMMs (qerl's grouped kernel or humming's MoE GEMM, docs/moe.md), likewise ahead
+        moe = [(lp.moe.base, lp.moe.top_k) for lp in self.plan.layers if lp.moe is not None]
+        if moe and hasattr(dispatch, "prepare_experts"):
+            dispatch.prepare_experts(moe, self.dtype)
 
     def _prepare_decode_layer(self) -> None:
         """Per layer, the persistent MLP-half kernel's view of o, gate/up and down (resident repacks, LoRA shadows) and

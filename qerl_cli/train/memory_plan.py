@@ -12,7 +12,8 @@ Weights (:class:`WeightBytes`, :func:`weight_bytes`):
   kernel_derived  what qerl's CUDA kernels derive and keep per quantized linear (the FP4 block scales as
                   16-bit factors: 0.125 byte per NVFP4 weight; ``qerl_kernels.dispatch.derived_bytes``)
   extra_copies    a peer kernel's own converted copy (humming, +0.5 byte per FP4 weight, the fused q/k/v and
-                  gate/up counted again), only when humming is importable
+                  gate/up counted again, and every routed expert of a mixture of experts: humming's MoE GEMM),
+                  only when humming is importable
   measured        after loading (a 1-token forward): counts where larger; measured below stored + kernel_derived,
                   the kernels had not built their layouts yet (the large-M path builds them), so they come on top
   dequantized     on the CPU (no kernels): the dequantized copy in the compute dtype every quantized linear keeps
@@ -177,6 +178,8 @@ def weight_bytes(model_config: Any, fmt: str, elem: int, *, kernels: bool, store
             has_bias = d.qkv_bias and name in qkv
             derived += kernel_dispatch.derived_bytes(fmt, n, k, elem, has_bias)
             extra += kernel_dispatch.extra_copy_bytes(fmt, n, k)
+        elif kernels:  # the routed experts: humming's MoE GEMM converts every expert when the rollout may pick it
+            extra += copies * kernel_dispatch.extra_copy_bytes(fmt, n, k)
     if kernels:  # the rollout's fused q/k/v and gate/up may get a peer copy of their own
         for group in d.projections.fused[:1 if d.experts else 2]:
             extra += kernel_dispatch.extra_copy_bytes(fmt, sum(shapes[t][1] for t in group), shapes[group[0]][0])
