@@ -43,6 +43,7 @@ def test_tiny_shape_phases_tokens_speedup(tmp_path):
         assert len(r["steps"]) == 2 and r["steps"][0]["warmup"] and not r["steps"][1]["warmup"]
         assert r["step_s"] == r["steps"][1]["step_s"]  # median of one measured step
         assert r["rollout_tok_s"] == pytest.approx(32 / r["rollout_s"])
+        assert "router" not in r and not any("router" in s for s in r["steps"])  # a dense model: no router stats
     assert rows["bf16"]["speedup_vs_bf16"] == 1.0
     assert rows["nvfp4"]["speedup_vs_bf16"] == pytest.approx(rows["bf16"]["step_s"] / rows["nvfp4"]["step_s"])
     assert (tmp_path / "step.png").read_bytes()[:4] == b"\x89PNG"
@@ -150,3 +151,49 @@ def test_floor_lines_state_the_decode_step_against_its_compute_aware_floor() -> 
                        {"format": "bf16", "status": "ok"}]}
     assert floor_lines(res) == ["nvfp4: decode step 6.00 ms at batch 64, 75% of its compute-aware floor (4.50 ms); "
                                 "fwd+bwd MFU 31%"]
+
+
+def test_moe_shape_records_the_trainers_router_metrics(tmp_path):
+    # 2 steps with AQN on, so 2 AQN stages: step 1 (stage 0, no noise) rolls out with the weights the update
+    # forward runs, in fp32 on one device, so routing replay's disagreement is exactly 0 (docs/moe.md, "The
+    # metric"); step 2 rolls out with noisy norms (the post-attention norm feeds the router) that the clean update
+    # forward lacks, so some (token, layer) top-k sets differ
+    import dataclasses
+
+    import torch
+
+    from qerl_cli.bench.harness import shape_for
+    from qerl_cli.bench.overrides import build_bench_config
+    from qerl_cli.bench.step import _FormatStep, default_config, router_lines, step_router_metrics
+    from qerl_cli.train.trainer import Trainer
+
+    res = bench_step(shape="tiny-moe", formats=("bf16",), overrides=SMALL, prompt_len=8, warmup=0, measure=2,
+                     out_dir=tmp_path / "bench", log=lambda _m: None)
+    (row,) = json.loads((tmp_path / "bench" / "step.json").read_text())["results"]
+    assert row["status"] == "ok"
+    keys = {"replay_disagreement", "load_cv", "load_max", "load_min", "aux_loss", "dropped_tokens"}
+    per_step = [s["router"] for s in row["steps"]]
+    assert set(row["router"]) == keys and all(set(r) == keys for r in per_step)
+    shares = [r["replay_disagreement"] for r in per_step]
+    assert shares[0] == 0.0 and 0.0 < shares[1] <= 1.0
+    assert row["router"]["replay_disagreement"] == pytest.approx(sum(shares) / 2)  # the median of two steps
+    (line,) = [ln for ln in short_summary(res) if "replay disagreement" in ln]
+    assert line.startswith("bf16: ") and f"{row['router']['replay_disagreement']:.2%}" in line
+    assert router_lines({**res, "results": [{**row, "router": None}]}) == []  # a dense row: no line
+
+    # the trainer's own step metrics: the cell's trainer built again the way the bench builds it, two steps each
+    # followed by a save, as the bench runs them
+    device = torch.device("cpu")
+    cfg = dataclasses.replace(build_bench_config(default_config(device, 0, 2), SMALL), steps=2)
+    cell = _FormatStep(res, "bf16", "bf16", "torch", cfg, device=device, dtype=torch.float32, warmup=0, measure=2,
+                       prompt_len=8, seed=0, spec=shape_for("tiny-moe", device), run=None, out=tmp_path,
+                       log=lambda _m: None)
+    trainer = Trainer(RunDir(tmp_path / "scratch"), cfg, device="cpu")
+    cell._setup(trainer, {}, tmp_path / "scratch")
+    want = []
+    for _ in range(2):
+        want.append(step_router_metrics(trainer.train_step()))
+        trainer.save()
+    trainer.wait_checkpoint()
+    trainer.engine.release()
+    assert per_step == want

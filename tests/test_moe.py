@@ -258,6 +258,31 @@ def test_engine_greedy_and_logprobs_equal_transformers_with_peft(runs, tmp_path)
         assert torch.allclose(torch.as_tensor(s.logprobs), logp, atol=1e-5)
 
 
+def test_engine_with_adapters_disabled_equals_the_base_model(runs) -> None:
+    # peft's disable_adapter leaves the experts wrapped (qerl_cli.lora.ParamWrapper) with no active factors: the
+    # decode plan must still run qerl's experts under the wrapper, exactly as without LoRA (bench rollout --lora-off)
+    from qerl_cli.models import load_model
+    from qerl_cli.rollout import BuiltinEngine, SamplingParams
+
+    model, tok = load_model(str(runs["bf16"] / "model"), dtype=torch.float32)
+    prompts = [[1, 57, 913, 100, 2000, 31], [7, 8, 9]]
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=6, stop_token_ids=[])
+
+    def generate(m) -> list[tuple[list[int], list[float]]]:  # noqa: ANN001
+        engine = BuiltinEngine(m, tok, max_batch_slots=2, max_model_len=32, dtype=torch.float32)
+        res = engine.generate(prompts, greedy)
+        assert engine.runner.plan is not None and len(engine.runner.plan.moe_plans()) == 2  # the grouped MoE path
+        return [(s.token_ids, list(s.logprobs)) for s in res.samples]
+
+    base = generate(model)
+    ours = with_lora(model, seed=2)
+    with ours.disable_adapter():
+        off = generate(ours)
+    on = generate(ours)
+    assert off == base  # fp32, the same computation: exactly equal tokens and log-probs
+    assert on != base  # the adapter is live once enabled again
+
+
 # ---- the grouped GEMM (Triton interpreter) ------------------------------------------------------------------------
 def test_align_blocks_pads_each_experts_run_to_whole_blocks() -> None:
     from qerl_kernels.moe import align_blocks
@@ -384,6 +409,17 @@ def test_bench_rollout_on_the_tiny_moe_shape_and_its_routed_roofline(tmp_path) -
     _roofline(row, batch=4, bytes_={"weights": 1000, "lora": 0, "experts": 8000, "expert_lora_step": 800},
               kv_per_token=10, prompt_len=5, bw_gbps=1.0, expert_share=0.5)
     assert row["step_bytes"] == 1000 + 4000 + 400 + 4 * 10 * 10
+
+
+def test_bench_rollout_lora_off_cell_on_the_tiny_moe_shape(tmp_path) -> None:
+    from qerl_cli.bench.rollout import bench_rollout
+
+    res = bench_rollout(shape="tiny-moe", formats=("bf16",), batches=(2,), prompt_len=4, new_tokens=3,
+                        out_dir=tmp_path, warmup=False, log=lambda _m: None, lora_modes=("on", "off"))
+    cells = {c["lora"]: c for c in res["results"]}
+    assert set(cells) == {"on", "off"}
+    for c in cells.values():
+        assert c["status"] == "ok" and c["tokens"] == 6, c
 
 
 def test_nf4_experts_fuse_gate_and_up_and_bench_a_random_shape(tmp_path) -> None:

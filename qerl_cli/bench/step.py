@@ -35,6 +35,9 @@ mean about half the maximum, as ``bench rollout --eos``), so the training phases
 Per cell also: the rollout's milliseconds per decode token-step (the whole phase, and the engine's decode part
 alone), the training phases' TFLOP/s and MFU against the BF16 matmul ceiling measured once per run
 (bench/flops.py), and with ``profile`` the decode step's GPU time by category on the step's own engine.
+A mixture-of-experts cell also records its update's routing as the trainer logs it (``moe.router_metrics``,
+``router/*``): per step ``router`` in ``steps``, and the median over the measured steps as the cell's ``router``
+(``replay_disagreement``, ``load_cv``, ``load_max``, ``load_min``, ``aux_loss``, ``dropped_tokens``).
 Outputs (written last, each atomically): ``step.json`` and ``step.png`` (stacked phase bars).
 """
 
@@ -136,6 +139,20 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def step_router_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The trainer's ``router/*`` metrics of one step (``moe.router_metrics``, read once per update) without the
+    prefix: ``replay_disagreement``, ``load_cv``, ... ; empty for a dense model."""
+    return {k.removeprefix("router/"): float(v) for k, v in metrics.items() if k.startswith("router/")}
+
+
+def median_router_metrics(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Per router metric, the median over the measured ``steps`` that logged it (as every other number of a cell;
+    an even count takes the mean of the middle two); empty for a dense model. A key some steps lack (no recorded
+    routing to compare with) is the median of those that have it."""
+    keys = dict.fromkeys(k for r in steps for k in r.get("router") or {})
+    return {k: statistics.median([r["router"][k] for r in steps if k in (r.get("router") or {})]) for k in keys}
+
+
 def _known_cell(text: str, bases: tuple[str, ...], rollouts: tuple[str, ...]) -> bool:
     try:
         return check_cell(parse_cell(text), bases, rollouts)
@@ -188,6 +205,9 @@ def _measure(trainer: Any, warmup: int, measure: int, log: Callable[[str], None]
         row["pi_old_pass"] = float(rec.pi_old_pass)  # 0: pi_old came from the update's own forward
         row["rollout_decode_s"] = rec.rollout_decode_s
         row["rollout_prefill_s"] = rec.rollout_prefill_s
+        router = step_router_metrics(m)
+        if router:  # a mixture of experts: its update's routing, as the trainer logs it (router/*)
+            row["router"] = router
         if on_cuda:
             for p in STEP_PHASES[:-1]:
                 row[f"mem_{p}_gb"] = rec.peak_gb(p)
@@ -219,6 +239,9 @@ def _summarize(rows: list[dict[str, Any]], prompt_len: float) -> dict[str, Any]:
                                                          "checkpoint_submit_s", "rollout_decode_s",
                                                          "rollout_prefill_s"]}
     out["sequences"] = meas[0]["sequences"]
+    router = median_router_metrics(meas)
+    if router:
+        out["router"] = router
     gen = out["generated_tokens"]
     train_tokens = out["sequences"] * prompt_len + gen  # tokens each training forward processes
     out["train_tokens"] = train_tokens
@@ -774,8 +797,29 @@ def short_summary(res: dict[str, Any]) -> list[str]:
         if r.get("status") != "ok" and r.get("log_tail"):
             lines.append(f"{r['format']}: {r['status']}")
     lines += ratio_lines(res)
+    lines += router_lines(res)
     lines += floor_lines(res)
     lines += [f"JSON: {res['files']['json']}", f"plot: {res['files']['plot']}"]  # one path a line: 80 columns
+    return lines
+
+
+def router_lines(res: dict[str, Any]) -> list[str]:
+    """Per mixture-of-experts cell, one line: the share of (token, layer) top-k expert sets the update forward's
+    router picks that differ from the rollout's recorded routing (docs/moe.md, "The metric"); none for a dense
+    model (its rows have no ``router``)."""
+    lines = []
+    measured = res["config"]["measure"]
+    for r in res["results"]:
+        router = r.get("router")
+        if r.get("status") != "ok" or not router:
+            continue
+        share = router.get("replay_disagreement")
+        if share is None:  # no recorded routing to compare with (a rollout engine that records none)
+            lines.append(f"{r['format']}: router replay disagreement not measured (the rollouts recorded no "
+                         f"routing); load cv {router['load_cv']:.2f}")
+            continue
+        lines.append(f"{r['format']}: router replay disagreement {share:.2%} of (token, layer) top-k sets (median "
+                     f"of {measured} measured steps); load cv {router['load_cv']:.2f}")
     return lines
 
 

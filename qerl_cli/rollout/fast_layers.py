@@ -302,7 +302,10 @@ class MoePlan:
         experts = block.experts
         factors = getattr(experts, "factors", None)
         self.masters = factors() if callable(factors) else {}  # peft's qerl_cli.lora.ParamWrapper, or none
-        self.base = experts.get_base_layer() if self.masters else experts
+        # the experts themselves whenever peft wraps them, whether or not an adapter is active: a wrapper with its
+        # adapters disabled (peft's disable_adapter) has no factors but is still no MoeExperts, and calling it would
+        # drop the in-dtype copies this plan hands the experts
+        self.base = experts.get_base_layer() if hasattr(experts, "get_base_layer") else experts
         self.hidden = int(self.base.hidden)
         self.lora = {p: LoraFactors(torch.empty(f.a.shape, dtype=dtype, device=device),
                                     torch.empty(f.b.shape, dtype=dtype, device=device))
