@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from qerl_cli.arch import Projections
+from qerl_cli.arch import Projections, layout_of
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import WeightFormat, dequantize, detect
 from qerl_cli.qlinear import QuantLinear
@@ -183,7 +183,9 @@ def load_quantized(directory: Path, *, dtype: torch.dtype = torch.bfloat16, devi
     config = read_model_config(directory)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    state = read_tensors(directory)
+    # the checkpoint's names as the in-memory model has them (Mixtral's block_sparse_moe / w1 w3 w2: its spec)
+    memory = layout_of(config).memory_name
+    state = {memory(k): v for k, v in read_tensors(directory).items()}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
 

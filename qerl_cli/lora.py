@@ -28,7 +28,7 @@ from peft.tuners.lora.layer import LoraLayer
 from peft.tuners.lora.layer import ParamWrapper as PeftParamWrapper
 from torch import nn
 
-from qerl_cli.arch import DEFAULT_LORA_TARGETS, find_spec
+from qerl_cli.arch import DEFAULT_LORA_TARGETS, find_spec, layout_of
 from qerl_cli.errors import QerlError
 from qerl_cli.lora_linear import FastLoraForward
 from qerl_cli.manifest import read_regular_text
@@ -206,11 +206,14 @@ def per_expert_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> tu
             prefix = prefix.removesuffix(".base_layer")
         parts = CHECKPOINT_PARTS[m.parameter_name]
         rows = b.shape[1] // len(parts)
+        # the checkpoint's names (Mixtral's block_sparse_moe / w1 w3 w2): what vLLM's modules are called
+        disk = layout_of(model).disk_name
         for i in range(e):
             for j, part in enumerate(parts):
-                out[f"{prefix}.{i}.{part}.lora_A.weight"] = a[i].clone()
-                out[f"{prefix}.{i}.{part}.lora_B.weight"] = b[i, j * rows:(j + 1) * rows].clone()
-        targets.update(parts)
+                module = disk(f"{prefix}.{i}.{part}")
+                out[f"{module}.lora_A.weight"] = a[i].clone()
+                out[f"{module}.lora_B.weight"] = b[i, j * rows:(j + 1) * rows].clone()
+                targets.add(module.rpartition(".")[2])
     return out, targets
 
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers (Qwen3-MoE): qerl's experts container, the sparse block and the router's statistics.
+"""Mixture-of-experts layers (Qwen3-MoE, Mixtral): qerl's experts container, the sparse block, the router's statistics.
 
 In memory each sparse MLP is a :class:`MoeBlock`: transformers' own router module (``mlp.gate``, kept in the
 model dtype, so routing is exactly the model's: softmax in fp32, top-k, renormalised when ``norm_topk_prob``) and a
@@ -42,8 +42,9 @@ from qerl_cli.formats import (
     nvfp4_global_scale,
 )
 
-# qerl's experts hold the layout Qwen3-MoE declares (transformers' fused expert parameters, qerl_cli/arch/qwen3_moe.py):
-# the stacked parameters' names and the per-expert linears each is written as on disk (gate rows first in gate_up)
+# qerl's experts hold the layout Qwen3-MoE declares (transformers' fused expert parameters, qerl_cli/arch/qwen3_moe.py;
+# Mixtral's spec declares the same names): the stacked parameters' names and the per-expert linears each is written
+# as on disk (gate rows first in gate_up)
 GATE_UP, DOWN = QWEN3_MOE.moe.gate_up, QWEN3_MOE.moe.down
 PROJECTIONS = (GATE_UP, DOWN)
 CHECKPOINT_PARTS = QWEN3_MOE.expert_parts()
@@ -60,12 +61,18 @@ def is_moe_config(config: Any) -> bool:
 
 
 def check_moe_config(config: Any) -> None:
-    """Refuse a Qwen3-MoE variant qerl's block does not compute exactly (dense layers mixed in, another activation)."""
+    """Refuse a MoE variant qerl's block does not compute exactly (dense layers mixed in, another activation, the
+    router's training-time jitter)."""
     if getattr(config, "mlp_only_layers", None) or int(getattr(config, "decoder_sparse_step", 1) or 1) != 1:
-        raise QerlError("this Qwen3-MoE config mixes dense MLP layers (mlp_only_layers / decoder_sparse_step); qerl "
+        raise QerlError("this MoE config mixes dense MLP layers (mlp_only_layers / decoder_sparse_step); qerl "
                         "runs models whose every layer is sparse")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise QerlError(f"qerl's experts compute SiLU, this model uses {config.hidden_act!r}")
+    # transformers' Mixtral scales the block's input by uniform noise in training mode: the update would then
+    # compute another function than the rollout (and the replayed routing would not be its own)
+    if float(getattr(config, "router_jitter_noise", 0.0) or 0.0) != 0.0:
+        raise QerlError(f"router_jitter_noise={config.router_jitter_noise}: qerl's sparse block routes without "
+                        "jitter; set it to 0 in config.json")
 
 
 @dataclass
@@ -718,7 +725,7 @@ def adopt(model: nn.Module, make_experts: Any) -> list[str]:
         experts = make_experts(name, block)
         router = getattr(block, spec.moe.router)
         setattr(model.get_submodule(parent), leaf, MoeBlock(router, experts, top_k,
-                                                            bool(getattr(model.config, "norm_topk_prob", True))))
+                                                            spec.moe.norm_topk(model.config)))
         names.append(f"{name}.experts")
     return names
 

@@ -18,7 +18,8 @@ def figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     return plt.subplots(*args, **kwargs)
 
 
-PANELS = {"qerl": ("accuracy", "sampling_entropy"), "flashrl": ("accuracy", "k3"), "fp16": ("accuracy", "k3")}
+PANELS = {"qerl": ("accuracy", "sampling_entropy"), "flashrl": ("accuracy", "k3"), "fp16": ("accuracy", "k3"),
+          "moe": ("reward", "replay_disagreement")}
 
 
 def plot_curves(ev: dict[str, Any]) -> Any:

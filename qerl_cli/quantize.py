@@ -137,9 +137,11 @@ def _write_rtn_checkpoint(rec: Any, run: RunDir, result: QuantizeResult, hf_mode
                           tokenizer: Any, state: dict[str, torch.Tensor], spec: WeightFormat, group_size: int | None,
                           out_dtype: torch.dtype, method: str, ignore: list[str]) -> None:
     """Write the checkpoint into a staged directory that replaces `model/` only once complete."""
+    # the architecture's own names on disk (Mixtral's block_sparse_moe / w1 w3 w2), which its other readers expect
+    disk = layout_of(hf_model).disk_name
     with staged_directory(result.model_dir) as tmp:
-        files = save_tensors(state, tmp)
-        write_config(hf_model, tmp, spec, result.skipped, group_size, out_dtype)
+        files = save_tensors({disk(k): v for k, v in state.items()}, tmp)
+        write_config(hf_model, tmp, spec, [disk(n) for n in result.skipped], group_size, out_dtype)
         tokenizer.save_pretrained(str(tmp))
         if getattr(hf_model, "generation_config", None) is not None:
             hf_model.generation_config.save_pretrained(str(tmp))

@@ -39,6 +39,7 @@ CELL_COLUMNS = {
              "noisy_applied_noise_norm"),
     "flashrl": ("steps_to_threshold", "late_accuracy", "final", "k3_last", "collapsed"),
     "fp16": ("late_accuracy", "k3_first", "k3_last", "k3_growth", "collapsed"),
+    "moe": ("mean_reward", "late_accuracy", "heldout_before", "heldout", "heldout_gain", "replay_disagreement"),
 }
 
 

@@ -1,5 +1,5 @@
 """A room per model architecture: what qerl needs to know about each, declared once (spec.py), one module per family
-(dense.py, qwen3_moe.py), found by ``spec_for(config_or_model)`` (registry.py). docs/DEVELOPING.md."""
+(dense.py, qwen3_moe.py, mixtral.py), found by ``spec_for(config_or_model)`` (registry.py). docs/DEVELOPING.md."""
 
 from qerl_cli.arch.registry import (
     DEFAULT_LORA_TARGETS,

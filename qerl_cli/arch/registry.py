@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from qerl_cli.arch import dense, qwen3_moe
+from qerl_cli.arch import dense, mixtral, qwen3_moe
 from qerl_cli.arch.spec import ArchSpec, Projections
 from qerl_cli.errors import QerlError
 
-_SPECS: dict[str, ArchSpec] = {s.model_type: s for s in (*dense.SPECS, *qwen3_moe.SPECS)}
+_SPECS: dict[str, ArchSpec] = {s.model_type: s for s in (*dense.SPECS, *qwen3_moe.SPECS, *mixtral.SPECS)}
 
 # every built-in architecture names its projections as transformers' dense decoders do: the vocabulary of
 # lora_targets (its default, run configs, the CLI), which another architecture maps by role (lora.arch_targets), and

@@ -70,10 +70,25 @@ class MoeSpec:
     num_experts_key: str
     top_k_key: str
     intermediate_key: str
+    # the decoder layer's attribute holding the sparse block in memory (transformers 5's name for every family)
+    block: str = "mlp"
+    # the names on disk where they differ from the ones in memory (Mixtral's checkpoints, which transformers writes
+    # and vLLM loads: ``block_sparse_moe`` for the block, ``w1``/``w3``/``w2`` for an expert's gate/up/down); None:
+    # the checkpoint uses the in-memory block name and the dense projections' names (Qwen3-MoE)
+    disk_block: str | None = None
+    disk_parts: tuple[str, str, str] | None = None  # (gate, up, down)
+    # the config key of whether the router renormalises its top-k probabilities to sum to one (Qwen3-MoE's switch);
+    # None: it always does (Mixtral has no switch)
+    norm_topk_key: str | None = "norm_topk_prob"
 
     @property
     def projections(self) -> tuple[str, str]:
         return (self.gate_up, self.down)
+
+    def norm_topk(self, config: Any) -> bool:
+        """Whether the router's top-k weights are renormalised over the k (transformers' default where the key is
+        absent: on)."""
+        return True if self.norm_topk_key is None else bool(getattr(config, self.norm_topk_key, True))
 
 
 @dataclass(frozen=True)
@@ -114,6 +129,14 @@ class ArchSpec:
     # transformers' MLP classes whose forward is exactly down(silu(gate(x)) * up(x)): the engine's fast path fuses them
     gated_mlps: tuple[str, ...] = ()
     moe: MoeSpec | None = None
+    # the config key that, when set, makes every layer's attention a sliding window (Mixtral's ``sliding_window``);
+    # the builtin engine does not reproduce one and refuses such a config. None: the architecture has no such key
+    # (Qwen2/3 carry ``sliding_window`` but switch it with ``use_sliding_window`` / ``layer_types``, checked anyway)
+    sliding_window_key: str | None = None
+
+    def sliding_window(self, config: Any) -> bool:
+        """Whether ``config`` turns on this architecture's all-layer sliding window."""
+        return self.sliding_window_key is not None and getattr(config, self.sliding_window_key, None) is not None
 
     def has_qkv_bias(self, config: Any) -> bool:
         return self.qkv_bias if self.qkv_bias is not None else bool(getattr(config, "attention_bias", False))
@@ -140,6 +163,34 @@ class ArchSpec:
             qk_norm=self.qk_norm is not None,
             tied_head=bool(getattr(config, "tie_word_embeddings", False)),
         )
+
+    def disk_name(self, name: str) -> str:
+        """A tensor or module name of qerl's in-memory model as the architecture's checkpoints spell it (the sparse
+        block and its per-expert linears renamed where the spec declares disk names; anything else as it is)."""
+        return self._rename(name, to_disk=True)
+
+    def memory_name(self, name: str) -> str:
+        """The inverse of :meth:`disk_name`: a checkpoint's name as qerl's in-memory model spells it."""
+        return self._rename(name, to_disk=False)
+
+    def _rename(self, name: str, to_disk: bool) -> str:
+        moe = self.moe
+        if moe is None or (moe.disk_block is None and moe.disk_parts is None):
+            return name
+        p = self.projections
+        memory = (moe.block, p.gate, p.up, p.down)
+        disk = (moe.disk_block or moe.block, *(moe.disk_parts or memory[1:]))
+        (src_block, *src_parts), (dst_block, *dst_parts) = (memory, disk) if to_disk else (disk, memory)
+        parts = dict(zip(src_parts, dst_parts, strict=True))
+        t = name.split(".")
+        # <...>.layers.<i>.<block>[.<experts>.<e>.<part>]...: only a decoder layer's sparse block is renamed
+        for i in range(len(t) - 2):
+            if t[i] == "layers" and t[i + 1].isdigit() and t[i + 2] == src_block:
+                t[i + 2] = dst_block
+                j = i + 3
+                if j + 2 < len(t) and t[j] == moe.experts and t[j + 1].isdigit() and t[j + 2] in parts:
+                    t[j + 2] = parts[t[j + 2]]
+        return ".".join(t)
 
     def expert_parts(self) -> dict[str, tuple[str, ...]]:
         """Each stacked expert parameter -> the per-expert linears it is written as (llm-compressor's and vLLM's

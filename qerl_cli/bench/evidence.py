@@ -8,6 +8,8 @@ and the rules):
 - ``qerl``:    format = bf16, nvfp4  x  aqn = false, true                      (claims 1 and 2)
 - ``flashrl``: bf16 base, rollout_quant = none, int8, fp8  x  correction = none, token_tis   (claim 3)
 - ``fp16``:    precision = bf16, fp16  x  algo = grpo, pg_seq_is, completions run to max length (claim 4)
+- ``moe``:     routing_replay = true, false on a mixture of experts whose rollout and update routings can differ
+               (the upcycled Mixtral, async rollout with staleness; claim 5, docs/moe.md "The replay A/B")
 
 Each comparison (a :class:`Part`) takes one per-seed scalar (bench/sanity.py ``seed_scalars``) of cell A
 and of cell B (or of the best B among several, or zero), orients the difference so that > 0 favours the
@@ -43,8 +45,12 @@ from qerl_cli.tables import (
 )
 
 SCHEMA = 2
-GROUPS = ("qerl", "flashrl", "fp16")
+GROUPS = ("qerl", "flashrl", "fp16", "moe")
 CURVE_METRICS = ("accuracy", "entropy", "sampling_entropy", "k3")
+# a group's curves beyond CURVE_METRICS
+GROUP_CURVES = {"moe": ("reward", "replay_disagreement")}
+# claims of a study of their own (not the four seed claims): listed only when their group's files were given
+OWN_STUDY = {5: "moe"}
 TARGET_PAIRS = 8  # the study's target: every part from at least this many paired seeds (or a power argument)
 
 # Smallest differences that matter (the margins of the verdicts): 5 accuracy points, one step, 0.02 nats.
@@ -84,6 +90,9 @@ def _fp(prec: str, algo: str) -> dict[str, Any]:
     return {"precision": prec, "algo": algo}
 
 
+REPLAY_ON, REPLAY_OFF = {"routing_replay": True}, {"routing_replay": False}
+
+
 HELDOUT_LEVELS = ("heldout_before", "heldout")
 
 CLAIMS: dict[int, dict[str, str]] = {
@@ -108,6 +117,12 @@ CLAIMS: dict[int, dict[str, str]] = {
         "hypothesis": "With completions of max_completion_length tokens, GRPO in BF16 has a larger late mismatch "
                       "(k3) than in FP16, its k3 grows from the first to the last quarter of the run, it collapses "
                       "more often than FP16, and FP16 PG-Seq-IS ends within 5 points of the better BF16 method."},
+    5: {"title": "Routing replay: with replay on, a mixture of experts' reward curve is no worse than with it off",
+        "hypothesis": "On the upcycled Mixtral (SmolLM2-135M, 4 experts, top-2) trained where the rollout's and the "
+                      "update's routings differ (a stale async rollout, bf16 kernels), the update's own routers "
+                      "pick other experts than the rollout recorded for a share of the tokens above 0 (replay off), "
+                      "and routing replay on gives a mean training reward over the run, a late training accuracy "
+                      "and a held-out gain each no more than 5 points below replay off."},
 }
 
 PARTS: tuple[Part, ...] = (
@@ -141,6 +156,15 @@ PARTS: tuple[Part, ...] = (
          "collapsed", +1, "better", 0.0),
     Part(4, "late accuracy: fp16 PG-Seq-IS vs the better bf16 method", "fp16", _fp("fp16", "pg_seq_is"), None,
          "late_accuracy", +1, "equivalent", ACC_MARGIN, best_of=(_fp("bf16", "grpo"), _fp("bf16", "pg_seq_is"))),
+    # claim 5 needs a setting where replay has something to prevent: the first part says whether the run had one
+    Part(5, "routing disagreement with replay off, vs 0", "moe", REPLAY_OFF, None, "replay_disagreement", +1,
+         "better", 0.0),
+    Part(5, "mean training reward: replay on vs off", "moe", REPLAY_ON, REPLAY_OFF, "mean_reward", +1,
+         "noninferior", ACC_MARGIN),
+    Part(5, "late accuracy: replay on vs off", "moe", REPLAY_ON, REPLAY_OFF, "late_accuracy", +1, "noninferior",
+         ACC_MARGIN),
+    Part(5, "held-out gain: replay on vs off", "moe", REPLAY_ON, REPLAY_OFF, "heldout_gain", +1, "noninferior",
+         ACC_MARGIN, levels=HELDOUT_LEVELS),
 )
 
 
@@ -303,6 +327,8 @@ def build_evidence(groups: dict[str, Sequence[dict[str, Any]]], *, n_boot: int =
     claims = []
     for cid, c in CLAIMS.items():
         ps = [p for p in parts if p["claim"] == cid]
+        if cid in OWN_STUDY and not ps:
+            continue
         undecided = [p["seeds_to_decide"] for p in ps if p["verdict"].startswith("inconclusive")]
         claims.append({"claim": cid, **c, "verdict": combine([p["verdict"] for p in ps]) if ps else "not run",
                        "parts": len(ps), "min_pairs": min((p["n"] or 0 for p in ps), default=None),
@@ -328,7 +354,8 @@ def build_evidence(groups: dict[str, Sequence[dict[str, Any]]], *, n_boot: int =
                   "margins": {"accuracy": ACC_MARGIN, "steps": STEP_MARGIN, "entropy": ENTROPY_MARGIN}},
         "groups": {g: {"config": m["config"], "env": m.get("env"), "wall_s": m["wall_s"],
                        "selection_rule": rule(m["config"]),
-                       "cells": summarize_cells(m["results"]), "curves": curves(m["results"])}
+                       "cells": summarize_cells(m["results"]),
+                       "curves": curves(m["results"], CURVE_METRICS + GROUP_CURVES.get(g, ()))}
                    for g, m in merged.items()},
         "parts": parts, "claims": claims,
         "margins": {"accuracy": ACC_MARGIN, "steps": STEP_MARGIN, "entropy": ENTROPY_MARGIN},

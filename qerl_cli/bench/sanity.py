@@ -61,7 +61,7 @@ HELDOUT_SLOTS = 256  # concurrent sequences of the held-out scoring engine
 # per-step series kept for every cell: name in the row -> trainer metric
 SERIES = {"accuracy": "accuracy", "reward": "reward/raw_mean", "loss": "loss", "entropy": "entropy",
           "sampling_entropy": "sampling/entropy", "k3": "sampling/k3", "applied_noise_norm": "aqn/applied_noise_norm",
-          "mean_length": "completions/mean_length"}
+          "mean_length": "completions/mean_length", "replay_disagreement": "router/replay_disagreement"}
 
 
 def default_config(device: torch.device) -> dict[str, Any]:
@@ -118,7 +118,9 @@ def seed_scalars(row: dict[str, Any], early: int = EARLY_STEPS) -> dict[str, flo
     steps from ``aqn_first_noisy_step`` (0-based; the first step of AQN stage 1 under the cell's schedule) and
     ``post_noise_reward`` the mean training reward over the steps after that window. ``sampling_entropy`` is
     the entropy of the distribution the rollout engine sampled from (under AQN, the noisy policy's);
-    ``entropy`` the clean training policy's.
+    ``entropy`` the clean training policy's. ``mean_reward`` is the mean training reward over every step (the
+    reward curve's level) and ``replay_disagreement`` the mean of ``router/replay_disagreement`` over the steps (a
+    mixture of experts only).
     """
     def mean(xs: Sequence[float | None]) -> float | None:
         v = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
@@ -155,6 +157,10 @@ def seed_scalars(row: dict[str, Any], early: int = EARLY_STEPS) -> dict[str, flo
         "k3_last": k3_last,
         "k3_growth": None if k3_first is None or k3_last is None else k3_last - k3_first,
         "collapsed": float(bool(row.get("collapsed"))),
+        # the routing-replay A/B (a MoE model): the whole reward curve's level, and how often the update's own
+        # routing differed from the rollout's (None for a dense model, which logs no router/*)
+        "mean_reward": mean(row.get("reward") or []),
+        "replay_disagreement": mean(row.get("replay_disagreement") or []),
     }
 
 

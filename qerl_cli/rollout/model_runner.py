@@ -150,7 +150,7 @@ class ModelRunner:
             )
         if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])) or getattr(
             cfg, "use_sliding_window", False
-        ):
+        ) or spec.sliding_window(cfg):
             raise QerlError("sliding-window attention is not supported by the builtin rollout engine")
         rope = _rope_type(cfg)
         if rope in _UNSUPPORTED_ROPE:
