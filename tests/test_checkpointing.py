@@ -1,5 +1,6 @@
-"""Background checkpoint writes: the write holds the state of the step it was taken at while training goes on,
-and a process killed in the middle of a write still has `latest` on the previous, complete checkpoint."""
+"""Background checkpoint writes: the write holds the state of the step it was taken at while training goes on
+(with AdamW's moments in host memory too, lent to the writer rather than copied), and a process killed in the
+middle of a write still has `latest` on the previous, complete checkpoint."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from qerl_cli.manifest import RunDir
-from qerl_cli.train.checkpointing import load_checkpoint
+from qerl_cli.train.checkpointing import HostSnapshot, load_checkpoint
+from qerl_cli.train.host_offload import HostOffloadAdamW
 
 TRAINER = textwrap.dedent("""
     import torch
@@ -24,10 +29,10 @@ TRAINER = textwrap.dedent("""
     from qerl_cli.train.config import TrainConfig
     from qerl_cli.train.trainer import Trainer
 
-    def make(run, steps=3):
+    def make(run, steps=3, **kw):
         spec = get_shape("tiny")
         cfg = TrainConfig(batch_prompts=2, num_generations=2, max_completion_length=4, lora_rank=4, precision="fp32",
-                          lr=1e-2, steps=steps, aqn=False, log_rollouts=False, seed=2)
+                          lr=1e-2, steps=steps, aqn=False, log_rollouts=False, seed=2, **kw)
         t = Trainer(RunDir(run), cfg, device="cpu")
         n = cfg.batch_prompts * steps
         t.setup(model=build_shape_model(spec, "bf16", torch.device("cpu"), torch.float32, seed=0), tokenizer=None,
@@ -37,10 +42,10 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def _make(run: Path):
+def _make(run: Path, **kw: Any):
     ns: dict = {}
     exec(TRAINER, ns)  # noqa: S102 - the same trainer factory the killed subprocess uses
-    return ns["make"](run)
+    return ns["make"](run, **kw)
 
 
 def _adapter(path: Path) -> dict[str, torch.Tensor]:
@@ -74,6 +79,105 @@ def test_background_write_saves_the_step_it_was_taken_at(tmp_path: Path) -> None
     u.train_step()
     sync = _adapter(u.save(background=False))
     assert sync.keys() == saved.keys() and all(torch.equal(sync[k], saved[k]) for k in sync)
+
+
+class _HeldSnapshot(HostSnapshot):
+    """A snapshot whose host copies "land" only once ``gate`` opens: the writer thread waits there before it writes
+    anything, i.e. a writer slower than the step that follows the checkpoint."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def ready(self) -> Callable[[], None]:
+        landed = HostSnapshot.ready()
+
+        def wait() -> None:
+            assert self.gate.wait(300), "the test never opened the gate"
+            landed()
+
+        return wait
+
+
+def _moments(t) -> dict[int, dict[str, torch.Tensor]]:
+    return {i: {k: v.clone() for k, v in s.items()} for i, s in t.optimizer.state_dict()["state"].items()}
+
+
+def _assert_state(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for i, s in want.items():
+        assert got[i].keys() == s.keys()
+        for k, v in s.items():
+            torch.testing.assert_close(got[i][k], v, rtol=0, atol=0)
+
+
+def test_offloaded_moments_are_lent_to_a_slow_writer_and_the_next_step_waits(tmp_path: Path) -> None:
+    """With the moments in host memory the snapshot hands the live tensors to the writer; the next step runs while
+    the writer is held, its optimizer waits until the writer has read them, and the checkpoint holds the moments of
+    the step it was taken at. A trainer resumed from it continues bit for bit."""
+    t = _make(tmp_path / "a", optimizer_offload=True)
+    assert isinstance(t.optimizer, HostOffloadAdamW)
+    t.train_step()
+    live = {k: v.detach().clone() for k, v in t.model.named_parameters() if v.requires_grad}
+    before = _moments(t)
+    gate = threading.Event()
+    t.checkpoints.snapshot = _HeldSnapshot(gate)
+    path = t.save(background=True)
+    assert t.writer.busy
+    reached = threading.Event()
+    grads: dict[int, torch.Tensor] = {}  # what step 2's optimizer step is given, to give a resumed one the same
+    lrs: list[float] = []
+
+    def entered(opt: torch.optim.Optimizer, *_: Any) -> None:
+        grads.update({i: p.grad.clone() for i, p in enumerate(t.params) if p.grad is not None})
+        lrs.extend(g["lr"] for g in opt.param_groups)
+        reached.set()
+
+    t.optimizer.register_step_pre_hook(entered)
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            t.train_step()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread below
+            errors.append(exc)
+
+    stepper = threading.Thread(target=step)
+    stepper.start()  # step 2: rollout and training pass while the writer is held
+    assert reached.wait(300), errors
+    stepper.join(0.5)
+    assert stepper.is_alive() and t.writer.busy  # the optimizer step waits for the writer
+    _assert_state(_moments(t), before)  # the writer's view is still step 1's
+    gate.set()
+    stepper.join(300)
+    assert not stepper.is_alive() and not errors, errors
+    assert t.optimizer.last_loan_wait_s >= 0.4
+    assert t.wait_checkpoint() == path
+    after = _moments(t)
+    assert any(not torch.equal(after[i]["exp_avg"], before[i]["exp_avg"]) for i in before)  # step 2 moved them
+    state = load_checkpoint(path)
+    assert state["step"] == 1
+    _assert_state(state["optimizer"]["state"], before)  # step 1's moments, not step 2's
+    saved = _adapter(path)
+    for k, v in live.items():
+        torch.testing.assert_close(saved[k.replace(".default", "")], v, rtol=0, atol=0)
+    # resumed from it: step 1's adapter and moments; given step 2's gradients, its optimizer takes step 2 exactly as
+    # the first trainer's did (the whole train_step is not compared: its rollouts are not the focus here)
+    u = _make(tmp_path / "a", optimizer_offload=True)
+    assert u.resume() == 1
+    _assert_state(_moments(u), before)
+    resumed = dict(u.model.named_parameters())
+    for k, v in live.items():
+        torch.testing.assert_close(resumed[k].detach(), v, rtol=0, atol=0)
+    assert grads and [g["lr"] for g in u.optimizer.param_groups] == lrs
+    for i, p in enumerate(u.params):
+        p.grad = grads.get(i)
+    u.optimizer.step()
+    _assert_state(_moments(u), after)
+    now = dict(t.model.named_parameters())
+    for k, v in resumed.items():
+        if v.requires_grad:
+            torch.testing.assert_close(v.detach(), now[k].detach(), rtol=0, atol=0)
 
 
 def test_kill_mid_background_write_leaves_latest_on_the_previous_checkpoint(tmp_path: Path) -> None:

@@ -137,7 +137,7 @@ class TrainingMode:
         state = {"optimizer": optimizer.state_dict(), **trainer_state()}
         marks["state"] = time.perf_counter()
         if background and self.can_write_in_background() and not self.dist.enabled:
-            path = self.save_in_background(sink, step, state, marks)
+            path = self.save_in_background(sink, step, state, marks, optimizer)
         else:
             path = ck.save_checkpoint(sink.run, step, self.model, state, self.cfg.to_dict(), self.cfg.keep_checkpoints,
                                       full_weights=self.full.weights() if self.full is not None else None)
@@ -149,7 +149,7 @@ class TrainingMode:
         return path
 
     def save_in_background(self, sink: ck.CheckpointSink, step: int, state: dict[str, Any],
-                           marks: dict[str, float]) -> Path:
+                           marks: dict[str, float], optimizer: torch.optim.Optimizer) -> Path:
         raise NotImplementedError
 
     def prepare_snapshot(self, sink: ck.CheckpointSink, optimizer: torch.optim.Optimizer) -> None:
@@ -185,23 +185,37 @@ class LoraMode(TrainingMode):
             sink.snapshot.prepare(ck.snapshot_specs(lora_state_dict(self.model), optimizer))
 
     def save_in_background(self, sink: ck.CheckpointSink, step: int, state: dict[str, Any],
-                           marks: dict[str, float]) -> Path:
+                           marks: dict[str, float], optimizer: torch.optim.Optimizer) -> Path:
         """Host copies queued on the device (never waited for here: the step's critical path pays for launching
-        them), written by the writer thread once they have landed."""
+        them), written by the writer thread once they have landed. Offloaded AdamW moments are lent, not copied:
+        the optimizer's next step waits until the writer has serialised them (train/host_offload.py)."""
         from qerl_cli.lora import lora_state_dict
+        from qerl_cli.train.host_offload import lend_host_state
 
-        state = sink.snapshot.take(state, "state")
-        adapter = sink.snapshot.take(lora_state_dict(self.model), "adapter")
-        marks["snapshot"] = time.perf_counter()
-        rng, ready = ck.rng_state(), sink.snapshot.ready()
-        run, model, config, keep = sink.run, self.model, self.cfg.to_dict(), self.cfg.keep_checkpoints
-        marks["rng"] = time.perf_counter()
+        loan = lend_host_state(optimizer)
+        try:
+            state = sink.snapshot.take(state, "state", loan.ids if loan is not None else frozenset())
+            adapter = sink.snapshot.take(lora_state_dict(self.model), "adapter")
+            marks["snapshot"] = time.perf_counter()
+            rng, ready = ck.rng_state(), sink.snapshot.ready()
+            run, model, config, keep = sink.run, self.model, self.cfg.to_dict(), self.cfg.keep_checkpoints
+            marks["rng"] = time.perf_counter()
+            release = loan.release if loan is not None else None
 
-        def write() -> Path:
-            ready()
-            return ck.save_checkpoint(run, step, model, state, config, keep, adapter_state=adapter, rng=rng)
+            def write() -> Path:
+                try:
+                    ready()
+                    return ck.save_checkpoint(run, step, model, state, config, keep, adapter_state=adapter, rng=rng,
+                                              state_written=release)
+                finally:  # a failed write must not leave the next optimizer step waiting forever
+                    if release is not None:
+                        release()
 
-        sink.writer.submit(write)
+            sink.writer.submit(write)
+        except BaseException:
+            if loan is not None:  # no writer took the loan: nothing else would release it
+                loan.release()
+            raise
         marks["submit"] = time.perf_counter()
         return ck.checkpoint_path(run, step)
 

@@ -19,8 +19,11 @@ dimensions, the weight format, the workload and two rates of the device (docs/me
              read, bf16 written and read back); the elementwise work as a multiple of the bytes autograd keeps;
              and a host cost per layer per micro-batch (Python, autograd, kernel launches). GPU and host run
              side by side: a micro-batch takes the larger of the two plus a share of the smaller.
-  optimizer  fixed + per adapter parameter, + the moments' PCIe round trip when they live in host memory.
-  checkpoint the blocking host copy of the adapter and optimizer state (fixed + bytes at a host copy rate).
+  optimizer  fixed + per adapter parameter, + the moments' PCIe round trip when they live in host memory (the
+             first step's pinning of them is not counted: HostOffloadAdamW.prepare_state does it during the rollout).
+  checkpoint the blocking host copy of the adapter and optimizer state (fixed + bytes at a host copy rate); moments
+             in host memory are not copied (the writer reads them while the next step's rollout runs), so only
+             the adapter's bytes count then.
   aqn, other per layer (the noisy norms) and a fixed remainder.
 
 Every constant that is not a device rate sits in :data:`CALIBRATION`, fitted to the step results in
@@ -308,13 +311,16 @@ def estimate_step(base: Base, work: Workload, setting: Setting, rates: DeviceRat
     n_lora = base.dims.lora_params(work.lora_rank, list(work.lora_targets))
     optimizer = cal.optimizer_fixed_s + n_lora * cal.optimizer_param_s + (
         16 * n_lora / (cal.offload_gbps * 1e9) if setting.optimizer_offload else 0.0)
+    # fp32 adapter (4 B) + AdamW's two moments (8 B) per parameter; offloaded moments are lent to the writer, not
+    # copied (train/host_offload.py: the step after the checkpoint waits only if the writer outlasts its rollout)
+    checkpoint_bytes = (4 if setting.optimizer_offload else 12) * n_lora
     phases = {
         AQN: base.dims.layers * cal.aqn_layer_s,
         ROLLOUT: _rollout(base, work, setting, rates, cal),
         RECOMPUTE: recompute,
         FWD_BWD: n_mb * _combine(train_gpu, train_host, cal),
         OPTIMIZER: optimizer,
-        CHECKPOINT: cal.checkpoint_fixed_s + 12 * n_lora / (cal.checkpoint_gbps * 1e9),
+        CHECKPOINT: cal.checkpoint_fixed_s + checkpoint_bytes / (cal.checkpoint_gbps * 1e9),
         OTHER: cal.other_s,
     }
     parts = {"train_gpu_s": n_mb * train_gpu, "train_host_s": n_mb * train_host, "micro_batches": n_mb}

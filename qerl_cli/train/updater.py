@@ -129,7 +129,10 @@ class PolicyUpdater:
         if self.settings.optimizer_offload:
             from qerl_cli.train.host_offload import HostOffloadAdamW
 
-            return HostOffloadAdamW(self.params, **kw)
+            optimizer = HostOffloadAdamW(self.params, **kw)
+            # its pinned moments allocated while the first step's rollout runs, not in that step's optimizer phase
+            optimizer.prepare_state()
+            return optimizer
         return torch.optim.AdamW(self.params, **kw)
 
     @property
