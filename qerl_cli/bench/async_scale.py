@@ -67,7 +67,11 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
                                    "gpu_memory_utilization": a.gpu_memory_utilization})
     _with_stops(trainer, a.stop_frac, get_shape(a.shape).vocab)
     if roles is not None and roles.role == disagg.ROLLOUT:
-        disagg.rollout_loop(trainer.rollouter, trainer.updater, roles)
+        from qerl_cli.train.memory_plan import role_summary
+
+        plan = role_summary(trainer.memory_plan, trainer.settings) if trainer.memory_plan and trainer.settings \
+            else None
+        disagg.rollout_loop(trainer.rollouter, trainer.updater, roles, plan)
         shutdown()
         return {}
     rec, stop = SimpleNamespace(extra={}), SimpleNamespace(requested=False, preempted=False)

@@ -262,6 +262,16 @@ class BuiltinEngine:
     def num_slots(self) -> int:
         return self._ensure_cache().num_slots
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """What the KV cache (and its recorded routing) holds now: 0 until the first ``generate`` and after
+        ``release()`` (a trainer rank under --rollout-gpus never allocates one: train/disagg.py records this)."""
+        cache = self.runner.cache
+        if cache is None or not cache.allocated:
+            return 0
+        tensors = [cache.k, cache.v, cache.routing.buf if cache.routing is not None else None]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def release(self) -> None:
         """Free the KV cache, LoRA shadows and CUDA graphs (the next ``generate`` reallocates and recaptures)."""
         if self.runner.cache is not None:

@@ -156,6 +156,13 @@ class SampleQueue:
             return Accounting(**self.acc.to_dict())
 
 
+def chunk_prompts(batch_prompts: int, rollout_ranks: int) -> int:
+    """The most prompts the hub hands a rollout rank at once: its share of one step, so the ranks share each step's
+    prompts and pick up a new adapter version soon, yet enough to fill its engine's slots. A rollout rank's memory
+    plan sizes its KV cache for this many prompts' samples (train/memory_plan.py)."""
+    return max(1, -(-batch_prompts // max(1, rollout_ranks)))
+
+
 @dataclass
 class PromptPool:
     """Prompt indices handed out to the rollout ranks in chunks. Only the training thread refills it (from the

@@ -42,14 +42,22 @@ from qerl_cli.errors import Preempted, QerlError
 from qerl_cli.options import options
 from qerl_cli.train import distributed
 from qerl_cli.train.adapter_sync import AdapterPublisher, AdapterSubscriber
-from qerl_cli.train.async_queue import GroupItem, IdleClock, PromptPool, QueueFailed, SampleQueue
+from qerl_cli.train.async_queue import (
+    GroupItem,
+    IdleClock,
+    PromptPool,
+    QueueFailed,
+    SampleQueue,
+    chunk_prompts,
+)
+from qerl_cli.train.phases import ROLE_ROLLOUT, ROLE_TRAIN
 from qerl_cli.train.rollouter import NormOverrides, Rollouter, Rollouts, rollout_metrics
 
 if TYPE_CHECKING:
     from qerl_cli.train.trainer import Trainer
     from qerl_cli.train.updater import PolicyUpdater
 
-TRAIN, ROLLOUT = "train", "rollout"
+TRAIN, ROLLOUT = ROLE_TRAIN, ROLE_ROLLOUT
 HEARTBEAT_S = 0.5  # a rollout rank's heartbeat period
 # no heartbeat for this long (or the process group timeout, if shorter): the rank died. Long enough for a live rank
 # whose heartbeat thread waits on the GIL through a Triton compile (seconds each), short enough to name the dead
@@ -109,8 +117,10 @@ def init_roles(rollout_gpus: int) -> Roles | None:
     roles = Roles(ctx.rank, world, trainers, train_group, sync_group, flow_group)
     sub = distributed.DistContext(rank=ctx.rank, world_size=trainers if roles.role == TRAIN else 1,
                                   local_rank=ctx.local_rank, backend=ctx.backend,
-                                  group=train_group if roles.role == TRAIN else None, job_size=world)
-    distributed.set_current(sub)  # the Trainer reads its context from current() (train/distributed.py)
+                                  group=train_group if roles.role == TRAIN else None, job_size=world,
+                                  role=roles.role)
+    # the Trainer reads its context from current() (train/distributed.py), and plans its memory for the role
+    distributed.set_current(sub)
     return roles
 
 
@@ -187,6 +197,7 @@ class Hub:
         self.peer_signal: str | None = None  # a rollout rank's SIGTERM/SIGINT, for the trainers' stop check
         self.error: str | None = None
         self.goodbyes: set[int] = set()
+        self.plans: dict[int, dict[str, Any]] = {}  # each rollout rank's memory plan summary (its first request)
         self.timings: dict[str, float] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="qerl-async-hub", daemon=True)
@@ -206,6 +217,8 @@ class Hub:
             self.error = f"the sample flow from the rollout ranks failed: {exc.__class__.__name__}: {exc}"
 
     def _handle(self, msg: dict[str, Any], src: int) -> None:
+        if "plan" in msg:
+            self.plans[src] = msg["plan"]
         groups: list[GroupItem] = msg.get("groups", [])
         if groups:
             self.queue.put(groups)
@@ -253,10 +266,7 @@ class TrainerSource:
             return
         cfg = rollouter.cfg
         self.queue = SampleQueue(max_staleness, drop_zero_std=bool(cfg.dynamic_sampling))
-        # chunks of at most a rollout rank's share of one step: small enough that the ranks share each step's prompts
-        # and pick up a new adapter version soon, large enough to fill the engine's slots
-        share = -(-cfg.batch_prompts // len(roles.rollout_ranks))
-        self.pool = PromptPool(chunk=max(1, share))
+        self.pool = PromptPool(chunk=chunk_prompts(cfg.batch_prompts, len(roles.rollout_ranks)))
         self.stream = rollouter.stream
         self.clock = IdleClock()
         self.publisher = AdapterPublisher(updater.params, roles.sync_group, rollouter.device)
@@ -334,7 +344,8 @@ class TrainerSource:
             self.publisher.publish(self.publisher.version, stop=True)  # ends the rollout ranks' receiving threads
             done = self.hub.wait_goodbyes(GOODBYE_TIMEOUT_S)
         acc = self.queue.close()
-        return {**acc.to_dict(), "all_rollout_ranks_stopped": done, "stop": reason}
+        return {**acc.to_dict(), "all_rollout_ranks_stopped": done, "stop": reason,
+                "rollout_plans": dict(self.hub.plans)}
 
 
 # ---- the rollout ranks ------------------------------------------------------------------------------------------
@@ -387,14 +398,16 @@ def generate_chunk(rollouter: Rollouter, prompts: list[int], chunk: int, version
     return items, timings
 
 
-def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles) -> str:
+def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
+                 plan: dict[str, Any] | None = None) -> str:
     """A rollout rank's life after setup: chunks until the trainers say stop; the stop's reason. ``updater``: this
-    rank's update side, whose adapters the trainers' publications overwrite (it never steps)."""
+    rank's update side, whose adapters the trainers' publications overwrite (it never steps); ``plan``: this rank's
+    memory plan summary, sent with its first request for trainer rank 0 to record in the manifest."""
     sub = AdapterSubscriber(updater.params, roles.sync_group, rollouter.device, version=-1)
     beat = Heartbeat(roles.rank)
     version = updater.step
     overrides = rollouter.noise(version)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {} if plan is None else {"plan": plan}
     tags = (_TAG_HEAD, _TAG_BODY)
     try:
         with _Signals() as sig:
@@ -435,13 +448,19 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles) -> 
 def run_rollout_rank(trainer: Trainer, roles: Roles, start_from: Any, resume: bool) -> None:
     """What a rollout rank runs instead of the stage: the same setup and resume as the trainers (agreed with them:
     a failure anywhere stops every rank with one line), then :func:`rollout_loop`; it ends as the trainers did."""
+    from qerl_cli.train.memory_plan import role_summary
+
     ctx = trainer.dist
     with ctx.agree("setup"):
         trainer.setup()
     with ctx.agree("setup"):
         if resume:
             trainer.resume(*start_from) if start_from is not None else trainer.resume()
-    reason = rollout_loop(trainer.rollouter, trainer.updater, roles)
+    # this rank never steps: the AdamW moments a resume restored would hold memory its plan gave the KV cache (the
+    # cache is allocated at the first chunk, after this, from what is allocated then: rollout/kv_cache.py)
+    trainer.updater.optimizer.state.clear()
+    plan = role_summary(trainer.memory_plan, trainer.settings) if trainer.memory_plan and trainer.settings else None
+    reason = rollout_loop(trainer.rollouter, trainer.updater, roles, plan)
     if reason == "SIGTERM":
         raise Preempted("preempted (SIGTERM)")
     if reason == "SIGINT":
@@ -463,9 +482,9 @@ def session(trainer: Trainer, roles: Roles | None, rec: Any, stop: Any) -> Itera
     if trainer.dist.is_main:
         rec.extra["async"] = {**roles.record(), "max_staleness": trainer.cfg.max_staleness,
                               "correction": trainer.cfg.correction, "correction_cap": trainer.cfg.correction_cap,
-                              # what each role holds (both are planned alike today; docs/distributed.md)
-                              "roles": {"train": "adapters, optimizer, gradients; its engine stays unused",
-                                        "rollout": "adapters and the engine's KV cache; no optimizer step runs"}}
+                              # each role's own memory plan (docs/distributed.md): this rank's now, the rollout
+                              # ranks' as they report them (recorded at the stop)
+                              "roles": {"train": _train_summary(trainer), "rollout": None}}
         source.watcher = _watch_peer_signals(source, stop)
     reason, clean = "done", True
     try:
@@ -483,7 +502,32 @@ def session(trainer: Trainer, roles: Roles | None, rec: Any, stop: Any) -> Itera
         record = source.close(reason, clean=clean and source.failed_line is None)
         trainer.rollouter.source = None
         if trainer.dist.is_main:
-            rec.extra["async"].update(record)
+            a = rec.extra["async"]
+            a["roles"]["rollout"] = _rollout_summary(record.pop("rollout_plans", {}))
+            # evidence that this trainer's engine never decoded: no KV cache was ever allocated on it
+            a["roles"]["train"]["engine_kv_cache_bytes"] = getattr(trainer.engine, "kv_cache_bytes", None)
+            a.update(record)
+
+
+def _train_summary(trainer: Trainer) -> dict[str, Any] | None:
+    from qerl_cli.train.memory_plan import role_summary
+
+    if trainer.memory_plan is None or trainer.settings is None:
+        return None
+    return role_summary(trainer.memory_plan, trainer.settings)
+
+
+def _rollout_summary(plans: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """The rollout ranks' plans as one record: the lowest rank's (they plan the same config on the same kind of
+    GPU), naming any rank whose plan came out otherwise; None when no rank reported one."""
+    if not plans:
+        return None
+    first = min(plans)
+    out = {**plans[first], "reported_by": sorted(plans)}
+    others = {str(r): p for r, p in sorted(plans.items()) if p != plans[first]}
+    if others:
+        out["differs"] = others
+    return out
 
 
 def _watch_peer_signals(source: TrainerSource, stop: Any) -> threading.Thread:

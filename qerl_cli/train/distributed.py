@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from qerl_cli.errors import Preempted, QerlError
 from qerl_cli.options import DEFAULT_DIST_TIMEOUT_S, options
+from qerl_cli.train.phases import ROLE_BOTH
 from qerl_cli.train.step_backend import (
     LocalBackend,
     LogProbs,
@@ -86,6 +87,9 @@ class DistContext:
     # job's size, when the collectives below cover only some of its ranks
     group: Any = None
     job_size: int = 0
+    # what this process runs of a step (train/phases.py): "both", or under --rollout-gpus "train" / "rollout"; the
+    # memory plan counts what the role holds (train/memory_plan.py)
+    role: str = ROLE_BOTH
 
     @property
     def enabled(self) -> bool:

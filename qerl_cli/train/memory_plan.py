@@ -59,6 +59,13 @@ the one the step's cost model (train/step_cost.py) estimates fastest wins; setti
 count as equally fast and the one needing least memory wins among them. The plan records its per-phase time
 estimate, why, and the runner-ups. When nothing fits, :class:`MemoryPlanError` says which setting to change
 and to what.
+
+Per role (``role``, train/phases.py): one process running the whole step plans "both", as above. Under
+--rollout-gpus (train/disagg.py) a trainer rank plans "train": no KV cache, shadows or engine activations (its
+engine never runs, and the builtin engine allocates them only at its first ``generate``), so that room goes to
+the micro-batch and checkpointing choice, timed by the update's phases. A rollout rank plans "rollout": no
+gradients, AdamW moments or training activations, so the room goes to KV slots (for one chunk of prompts, all it
+decodes at once), timed by the AQN draw and the rollout.
 """
 
 
@@ -66,7 +73,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from qerl_cli.device import pick as pick_device
@@ -81,8 +88,13 @@ from qerl_cli.train.phases import (
     OPTIMIZER,
     PLANNED_MEMORY,
     RECOMPUTE,
+    ROLE_BOTH,
+    ROLE_MEMORY,
+    ROLE_ROLLOUT,
+    ROLE_TRAIN,
     ROLLOUT,
     SETUP,
+    check_role,
 )
 from qerl_cli.train.step_cost import Base, DeviceRates, Setting, Workload, default_rates, estimate_step
 
@@ -241,6 +253,9 @@ class MemoryPlan:
     # through the update, and one micro-batch's int64 copy that replay_routing makes for its forward and backward
     routing_batch: int = 0
     routing_micro: int = 0
+    # whose plan (train/phases.py's roles): "both" runs the whole step; under --rollout-gpus a trainer rank ("train")
+    # holds no KV cache and a rollout rank ("rollout") no optimizer, gradients or activations
+    role: str = ROLE_BOTH
 
     @property
     def est_step_s(self) -> float | None:
@@ -304,7 +319,9 @@ class MemoryPlan:
         return self.phase_estimates()["rollout"] + self.reserve
 
     def fits(self) -> bool:
-        return self.capacity is None or (self.kv_slots >= 1 and self.peak + self.reserve <= self.capacity)
+        # a trainer rank's engine never decodes: it needs no KV slot
+        slots = self.kv_slots >= 1 or self.role == ROLE_TRAIN
+        return self.capacity is None or (slots and self.peak + self.reserve <= self.capacity)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -328,25 +345,52 @@ class MemoryPlan:
                  f"stored {w.stored / GIB:.2f}, kernel layouts {w.kernel_derived / GIB:.2f}, peer copies "
                  f"{(w.extra_copies if self.extra_weight_copies else 0) / GIB:.2f}")
         est = self.phase_estimates()
+        train, rollout = self.role != ROLE_ROLLOUT, self.role != ROLE_TRAIN
+        head = {ROLE_BOTH: "memory plan", ROLE_TRAIN: "memory plan of a trainer rank",
+                ROLE_ROLLOUT: "memory plan of a rollout rank"}[self.role]
         out = [
-            f"memory plan ({self.sequences} sequences x {self.seq_tokens} tokens; {where})",
+            f"{head} ({self.sequences} sequences x {self.seq_tokens} tokens; {where})",
             f"  weights                         {g(self.weights)} GiB  ({parts}"
             f"{'' if w.measured is None else f', measured {w.measured / GIB:.2f}'})",
             f"  LoRA factors (fp32)             {g(self.lora_params)} GiB",
-            f"  gradients (fp32)                {g(self.grads)} GiB",
-            f"  AdamW moments                   {g(self.optimizer_state + self.optimizer_host)} GiB  ({opt})",
-            f"  activations, no grad ckpt       {g(self.activations_no_gc)} GiB  (micro-batch {self.micro_batch_size})",
-            f"  activations, grad ckpt          {g(self.activations_gc)} GiB  (micro-batch {self.micro_batch_size})",
-            f"  logprob chunk + kept rows       {g(self.logprob_chunk + self.logprob_kept)} GiB",
-            f"  kv cache                        {g(self.kv_cache)} GiB  ({self.kv_slots} slots)",
-            f"  rollout activations + shadows   {g(self.rollout + self.shadows)} GiB",
+        ]
+        if train:
+            out += [
+                f"  gradients (fp32)                {g(self.grads)} GiB",
+                f"  AdamW moments                   {g(self.optimizer_state + self.optimizer_host)} GiB  ({opt})",
+                f"  activations, no grad ckpt       {g(self.activations_no_gc)} GiB  (micro-batch "
+                f"{self.micro_batch_size})",
+                f"  activations, grad ckpt          {g(self.activations_gc)} GiB  (micro-batch "
+                f"{self.micro_batch_size})",
+                f"  logprob chunk + kept rows       {g(self.logprob_chunk + self.logprob_kept)} GiB",
+            ]
+        else:
+            out.append("  gradients, AdamW, activations   none (a rollout rank never runs the update)")
+        if rollout:
+            out += [
+                f"  kv cache                        {g(self.kv_cache)} GiB  ({self.kv_slots} slots)",
+                f"  rollout activations + shadows   {g(self.rollout + self.shadows)} GiB",
+            ]
+        else:
+            out.append("  kv cache, rollout, shadows      none (a trainer rank's engine never runs)")
+        util = '-' if self.gpu_memory_utilization is None else f'{self.gpu_memory_utilization:.3f}'
+        chosen = {
+            ROLE_BOTH: f"micro_batch_size {self.micro_batch_size}, gradient_checkpointing "
+                       f"{str(self.gradient_checkpointing).lower()}, optimizer_offload "
+                       f"{str(self.optimizer_offload).lower()}, kernel_weight_copies "
+                       f"{str(self.extra_weight_copies).lower()}, keep_rollout_cache "
+                       f"{str(self.resident_cache).lower()}, gpu_memory_utilization {util}",
+            ROLE_TRAIN: f"micro_batch_size {self.micro_batch_size}, gradient_checkpointing "
+                        f"{str(self.gradient_checkpointing).lower()}, optimizer_offload "
+                        f"{str(self.optimizer_offload).lower()}, kernel_weight_copies "
+                        f"{str(self.extra_weight_copies).lower()}",
+            ROLE_ROLLOUT: f"kv_slots {self.kv_slots}, kernel_weight_copies {str(self.extra_weight_copies).lower()}, "
+                          f"keep_rollout_cache {str(self.resident_cache).lower()}, gpu_memory_utilization {util}",
+        }[self.role]
+        out += [
             f"  reserve                         {g(self.reserve)} GiB",
-            "  peak per phase (GiB): " + ", ".join(f"{p} {b / GIB:.1f}" for p, b in est.items()),
-            f"  chosen: micro_batch_size {self.micro_batch_size}, gradient_checkpointing "
-            f"{str(self.gradient_checkpointing).lower()}, optimizer_offload {str(self.optimizer_offload).lower()}, "
-            f"kernel_weight_copies {str(self.extra_weight_copies).lower()}, keep_rollout_cache "
-            f"{str(self.resident_cache).lower()}, gpu_memory_utilization "
-            f"{'-' if self.gpu_memory_utilization is None else f'{self.gpu_memory_utilization:.3f}'}",
+            "  peak per phase (GiB): " + ", ".join(f"{p} {est[p] / GIB:.1f}" for p in ROLE_MEMORY[self.role]),
+            f"  chosen: {chosen}",
         ]
         return out + self.time_lines()
 
@@ -427,6 +471,7 @@ class PlanRequest:
     optimizer_offload: bool | None
     extra_weight_copies: bool | None
     keep_rollout_cache: bool | None
+    role: str = ROLE_BOTH  # the phases this process runs (train/phases.py): what it holds and what it is timed by
 
     @property
     def seq_tokens(self) -> int:
@@ -444,7 +489,9 @@ class PlanRequest:
 
     def candidates(self) -> list[Setting]:
         """Every setting the plan estimates: micro-batches of 1, 2, 4, ... up to the sequences (and the sequences
-        themselves), with and without checkpointing, copies, offload and a resident cache; given ones stay."""
+        themselves), with and without checkpointing, copies, offload and a resident cache; given ones stay. A role
+        varies only what it runs: a rollout rank's micro-batch, checkpointing and optimizer never act (one value
+        each, the given one or the least), a trainer rank has no cache to keep."""
         n = self.sequences
         sizes = sorted({min(self.micro_batch_size, n)} if self.micro_batch_size is not None else
                        {1 << k for k in range(n.bit_length()) if 1 << k <= n} | {n}, reverse=True)
@@ -453,8 +500,14 @@ class PlanRequest:
             return (given,) if given is not None else free
 
         copies = options(self.extra_weight_copies, (True, False) if self.weights.extra_copies > 0 else (False,))
-        return [Setting(mb, gc, c, o, None, keep) for mb in sizes for gc in options(self.gradient_checkpointing)
-                for c in copies for o in options(self.optimizer_offload) for keep in options(self.keep_rollout_cache)]
+        gcs, offloads = options(self.gradient_checkpointing), options(self.optimizer_offload)
+        keeps = options(self.keep_rollout_cache)
+        if self.role == ROLE_ROLLOUT:
+            sizes, gcs, offloads = sizes[-1:], gcs[:1], offloads[:1]
+        elif self.role == ROLE_TRAIN:
+            keeps = (False,)
+        return [Setting(mb, gc, c, o, None, keep) for mb in sizes for gc in gcs for c in copies for o in offloads
+                for keep in keeps]
 
 
 def cost_base(dims: ModelDims, weights: WeightBytes, elem: int, peft_lora: bool = False) -> Base:
@@ -487,7 +540,7 @@ def _parts(req: PlanRequest, s: Setting) -> MemoryPlan:
         req.lora_rank, list(req.lora_targets), elem)
     kept, backward = _activations(dims, elem, tokens, s.gradient_checkpointing, fp32)
     chunk, lp_kept = _logprobs(dims, elem, tokens, mb * req.completion_tokens, req.logprob_chunk)
-    return MemoryPlan(
+    plan = MemoryPlan(
         capacity=req.capacity, reserve=0, weights=wb.resident(s.kernel_weight_copies), weight_parts=wb,
         lora_params=4 * n_lora, grads=4 * n_lora, optimizer_state=0 if s.optimizer_offload else moments,
         optimizer_host=moments if s.optimizer_offload else 0,
@@ -505,34 +558,55 @@ def _parts(req: PlanRequest, s: Setting) -> MemoryPlan:
         sequences=req.sequences, seq_tokens=req.seq_tokens, aqn=2 * (2 * dims.layers + 1) * dims.hidden * elem,
         resident_cache=s.keep_rollout_cache,
         routing_batch=req.sequences * req.seq_tokens * dims.layers * dims.top_k * 2 if dims.experts else 0,
-        routing_micro=tokens * dims.layers * dims.top_k * 8 if dims.experts else 0)
+        routing_micro=tokens * dims.layers * dims.top_k * 8 if dims.experts else 0, role=req.role)
+    return _role_parts(plan)
+
+
+def _role_parts(p: MemoryPlan) -> MemoryPlan:
+    """``p`` less what its role never allocates. A rollout rank never steps: no gradients, no AdamW moments (a
+    resumed rank drops the ones its checkpoint restored, disagg.run_rollout_rank), no training activations,
+    log-prob chunks, dequantized weights or recorded routing; it keeps the fp32 LoRA factors the trainers' adapters
+    are copied into (adapter_sync.py) and the engine's in-dtype shadows of them. A trainer rank's engine is built
+    but never decodes: the KV cache, the shadows and the engine's activations are allocated at its first
+    ``generate`` (rollout/engine.py), so they are not counted; nor is AQN's draw, which the rollout ranks make."""
+    if p.role == ROLE_ROLLOUT:
+        return replace(p, grads=0, optimizer_state=0, optimizer_host=0, optimizer_step=0, activations=0,
+                       layer_backward=0, activations_no_gc=0, activations_gc=0, recompute=0, logprob_chunk=0,
+                       logprob_kept=0, dequant=0, routing_batch=0, routing_micro=0)
+    if p.role == ROLE_TRAIN:
+        return replace(p, shadows=0, rollout=0, aqn=0, resident_cache=False)
+    return p
 
 
 def _build(req: PlanRequest, s: Setting) -> MemoryPlan:
     """The plan for setting ``s``: its bytes, the reserve, as many KV slots as fit (one per sequence at most; a
     resident cache must also fit beside the update), and, on a GPU, the step's time estimate."""
     p = _parts(req, s)
+    decodes = req.role != ROLE_TRAIN  # a trainer rank's engine never runs: no slots to size
     if req.capacity is None:  # CPU: nothing to fit
-        p.kv_slots = s.kv_slots or req.sequences
-        p.kv_cache = p.kv_slots * req.per_slot
-        p.rollout = rollout_reserve(req.dims, req.elem, max(1, p.kv_slots), req.prefill)
+        if decodes:
+            p.kv_slots = s.kv_slots or req.sequences
+            p.kv_cache = p.kv_slots * req.per_slot
+            p.rollout = rollout_reserve(req.dims, req.elem, max(1, p.kv_slots), req.prefill)
         return p
     p.reserve = _reserve(req.capacity, p.transient)
-    per_slot = max(1, req.per_slot)
-    room = req.capacity - p.reserve - p.phase_estimates()["rollout"]
-    if p.resident_cache:  # the cache (and shadows) also stay through every other phase
-        others = {k: v for k, v in p.phase_estimates().items() if k != "rollout"}
-        room = min(room, req.capacity - p.reserve - max(others.values()) - p.shadows)
-    slots = s.kv_slots if s.kv_slots is not None else max(0, min(req.sequences, room // per_slot))
-    p.kv_slots, p.kv_cache = slots, slots * req.per_slot
-    p.rollout = rollout_reserve(req.dims, req.elem, max(1, slots), req.prefill)
-    if slots >= 1:
+    slots = 0
+    if decodes:
+        per_slot = max(1, req.per_slot)
+        room = req.capacity - p.reserve - p.phase_estimates()["rollout"]
+        if p.resident_cache:  # the cache (and shadows) also stay through every other phase
+            others = {k: v for k, v in p.phase_estimates().items() if k != "rollout"}
+            room = min(room, req.capacity - p.reserve - max(others.values()) - p.shadows)
+        slots = s.kv_slots if s.kv_slots is not None else max(0, min(req.sequences, room // per_slot))
+        p.kv_slots, p.kv_cache = slots, slots * req.per_slot
+        p.rollout = rollout_reserve(req.dims, req.elem, max(1, slots), req.prefill)
+    if slots >= 1 or not decodes:
         work = Workload(req.sequences, req.prompt_tokens, req.completion_tokens, req.lora_rank, req.lora_targets,
                         old_pass=req.old_pass, reference_pass=req.reference_pass)
         setting = Setting(s.micro_batch_size, s.gradient_checkpointing, s.kernel_weight_copies,
-                          s.optimizer_offload, slots, s.keep_rollout_cache)
+                          s.optimizer_offload, slots or None, s.keep_rollout_cache)
         p.estimate = estimate_step(cost_base(req.dims, req.weights, req.elem, req.peft_lora), work, setting,
-                                   req.rates).phases
+                                   req.rates, role=req.role).phases
         p.rates = asdict(req.rates)
     return p
 
@@ -584,12 +658,15 @@ def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | 
                 gpu_memory_utilization: float | None = None, optimizer_offload: bool | None = None,
                 extra_weight_copies: bool | None = None, prompts: int | None = None,
                 keep_rollout_cache: bool | None = None, rates: DeviceRates | None = None, old_pass: bool = True,
-                reference_pass: bool = False, peft_lora: bool = False, advise: bool = True) -> MemoryPlan:
+                reference_pass: bool = False, peft_lora: bool = False, advise: bool = True,
+                role: str = ROLE_BOTH) -> MemoryPlan:
     """The fastest setting (micro-batch, gradient checkpointing, kernel weight copies, where AdamW's moments live,
     KV slots, a resident rollout cache) whose step fits ``capacity`` bytes, by the step's cost model (module
     docstring). ``rates``: the device's (default: an H100's); ``old_pass`` / ``reference_pass``: the no-grad
     passes the step runs before the update (pi_old's own, the reference model's); ``peft_lora``: LoRA through
-    peft's own layer (dropout > 0) instead of qerl's training path.
+    peft's own layer (dropout > 0) instead of qerl's training path. ``role``: "both" (the whole step), or under
+    --rollout-gpus "train" (no KV cache: the memory goes to the micro-batch; timed by the update) or "rollout"
+    (no optimizer, gradients or activations: the memory goes to KV slots; timed by the rollout).
 
     Raises :class:`MemoryPlanError` when nothing fits (with the one-line advice unless ``advise`` is False).
     """
@@ -597,7 +674,8 @@ def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | 
     req = PlanRequest(dims, wb, capacity, device_total, elem, sequences, prompt_tokens, completion_tokens, lora_rank,
                       tuple(lora_targets), logprob_chunk, prompts, gpu_memory_utilization,
                       rates or default_rates(None), old_pass, reference_pass, peft_lora, micro_batch_size,
-                      gradient_checkpointing, optimizer_offload, extra_weight_copies, keep_rollout_cache)
+                      gradient_checkpointing, optimizer_offload, extra_weight_copies, keep_rollout_cache,
+                      check_role(role))
     if capacity is None:  # CPU: nothing to fit; the defaults as they always were
         copies = extra_weight_copies if extra_weight_copies is not None else wb.extra_copies > 0
         return _build(req, Setting(min(micro_batch_size or MAX_DEFAULT_MICRO_BATCH, sequences),
@@ -612,7 +690,7 @@ def plan_memory(dims: ModelDims, *, weights: int | WeightBytes, capacity: int | 
               completion_tokens=completion_tokens, lora_rank=lora_rank, lora_targets=lora_targets,
               logprob_chunk=logprob_chunk, prompts=prompts, rates=req.rates, old_pass=old_pass,
               reference_pass=reference_pass, peft_lora=peft_lora,
-              keep_rollout_cache=False if keep_rollout_cache is False else None)
+              keep_rollout_cache=False if keep_rollout_cache is False else None, role=role)
     last = min(plans, key=lambda p: p.peak + p.reserve)
     raise MemoryPlanError(_advice(dims, capacity=capacity, fixed_mb=micro_batch_size, fixed_gc=gradient_checkpointing,
                                   fixed_offload=optimizer_offload, fixed_copies=extra_weight_copies, last=last, kw=kw))
@@ -677,8 +755,8 @@ def _advice(dims: ModelDims, *, capacity: int, fixed_mb: int | None, fixed_gc: b
         return (f"memory plan: {kw['sequences']} sequences of {kw['prompt_tokens']} + {kw['completion_tokens']} "
                 f"tokens {need}: lower --max-completion-length to {lo} (or --max-prompt-length / the batch), or "
                 f"{gpu}")
-    return (f"memory plan: even gradient checkpointing with micro-batch 1 {need}: shorten the prompts "
-            f"(--max-prompt-length) or {gpu}")
+    least = "one KV slot" if kw.get("role") == ROLE_ROLLOUT else "gradient checkpointing with micro-batch 1"
+    return f"memory plan: even {least} {need}: shorten the prompts (--max-prompt-length) or {gpu}"
 
 
 # which of the plan's estimates covers a phase of the step (the memory a phase's out-of-memory is held against)
@@ -752,41 +830,55 @@ def device_rates(device: Any) -> DeviceRates:
     return default_rates(name)
 
 
+def role_prompts(cfg: Any, role: str) -> int:
+    """The prompts one engine call of ``role`` decodes (all ``num_generations`` samples of each): a rollout rank's
+    chunk under --rollout-gpus (the hub hands out at most that many: train/disagg.py), else the step's batch."""
+    if role != ROLE_ROLLOUT or not getattr(cfg, "rollout_gpus", 0):
+        return cfg.batch_prompts
+    from qerl_cli.train.async_queue import chunk_prompts
+
+    return chunk_prompts(cfg.batch_prompts, cfg.rollout_gpus)
+
+
 def plan_for_config(cfg: Any, model_config: Any, *, weights: int | WeightBytes, device: Any, prompt_tokens: int,
-                    elem: int, extra_weight_copies: bool | None = None, rates: DeviceRates | None = None) -> MemoryPlan:
+                    elem: int, extra_weight_copies: bool | None = None, rates: DeviceRates | None = None,
+                    role: str = ROLE_BOTH) -> MemoryPlan:
     """The plan for a resolved TrainConfig on ``device``; modes the plan does not model keep their settings.
     ``extra_weight_copies`` fixes that decision (taken before the weights were built); ``rates``: the device's
-    measured rates (default: its name's)."""
+    measured rates (default: its name's); ``role``: this process's under --rollout-gpus (see :func:`plan_memory`;
+    a rollout rank plans for the sequences of one chunk, all it ever decodes at once)."""
     capacity, total = device_capacity(device, cfg.gpu_memory_gib)
     if cfg.finetune != "lora" or cfg.rollout_format is not None:
         capacity = None  # full fine-tuning / a second quantized copy: not modelled, settings as given
     copies = cfg.kernel_weight_copies if cfg.kernel_weight_copies is not None else extra_weight_copies
+    prompts = role_prompts(cfg, role)
     plan = plan_memory(
         ModelDims.from_config(model_config), weights=weights, capacity=capacity, device_total=total, elem=elem,
-        sequences=cfg.batch_prompts * cfg.num_generations, prompt_tokens=prompt_tokens,
+        sequences=prompts * cfg.num_generations, prompt_tokens=prompt_tokens,
         completion_tokens=cfg.max_episode_tokens or cfg.max_completion_length, lora_rank=cfg.lora_rank,
         lora_targets=list(cfg.lora_targets),
         micro_batch_size=cfg.micro_batch_size, gradient_checkpointing=cfg.gradient_checkpointing,
         logprob_chunk=cfg.logprob_chunk_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization,
-        optimizer_offload=cfg.optimizer_offload, extra_weight_copies=copies, prompts=cfg.batch_prompts,
+        optimizer_offload=cfg.optimizer_offload, extra_weight_copies=copies, prompts=prompts,
         keep_rollout_cache=cfg.keep_rollout_cache if cfg.rollout_engine == "builtin" else False,
         rates=rates or device_rates(device), old_pass=cfg.recompute_logprobs or cfg.lora_dropout > 0,
-        reference_pass=cfg.beta > 0, peft_lora=cfg.lora_dropout > 0)
+        reference_pass=cfg.beta > 0, peft_lora=cfg.lora_dropout > 0, role=role)
     if not plans_for_gpu(device, cfg.gpu_memory_gib):
         plan.device = "cpu"
     return plan
 
 
 def plan_before_build(cfg: Any, model_config: Any, fmt: str, *, device: Any, prompt_tokens: int,
-                      stored: int | None = None, rates: DeviceRates | None = None) -> MemoryPlan:
+                      stored: int | None = None, rates: DeviceRates | None = None,
+                      role: str = ROLE_BOTH) -> MemoryPlan:
     """The plan from the model's config and format alone (nothing built yet): raises MemoryPlanError when the
-    run cannot fit. ``stored``: the checkpoint's file sizes, when there is one."""
+    run cannot fit. ``stored``: the checkpoint's file sizes, when there is one; ``role``: see plan_for_config."""
     c = cfg.resolved() if hasattr(cfg, "resolved") else cfg
     elem = dtype_of(c.precision).itemsize
     gpu = plans_for_gpu(device, c.gpu_memory_gib)
     wb = weight_bytes(model_config, fmt, elem, kernels=gpu, stored=stored, cpu=not gpu)
     return plan_for_config(c, model_config, weights=wb, device=device, prompt_tokens=prompt_tokens, elem=elem,
-                           rates=rates)
+                           rates=rates, role=role)
 
 
 @dataclass(frozen=True)
@@ -813,11 +905,36 @@ def resolve_settings(cfg: Any, plan: MemoryPlan) -> ResolvedSettings:
     util = cfg.gpu_memory_utilization
     if util is None:
         util = (plan.gpu_memory_utilization if builtin else None) or 0.5
-    slots = min(cfg.max_batch_slots, cfg.batch_prompts * cfg.num_generations)
+    # the sequences the plan was made for: the step's, or a rollout rank's chunk (plan_for_config)
+    slots = min(cfg.max_batch_slots, plan.sequences)
     if plan.capacity is not None and builtin:
         slots = min(slots, max(1, plan.kv_slots))
     return ResolvedSettings(plan.micro_batch_size, plan.gradient_checkpointing, plan.optimizer_offload,
                             plan.extra_weight_copies, float(util), int(slots), bool(plan.resident_cache) and builtin)
+
+
+def role_summary(plan: MemoryPlan, settings: ResolvedSettings) -> dict[str, Any]:
+    """One role's plan as the manifest records it under --rollout-gpus (train.extra.async.roles): the settings the
+    role took and its estimated peak (with the reserve; allocated bytes without it). What a role never runs is
+    None: a trainer rank's KV cache, a rollout rank's micro-batch, checkpointing and optimizer."""
+    train, rollout = plan.role != ROLE_ROLLOUT, plan.role != ROLE_TRAIN
+
+    def gb(b: int | None) -> float | None:
+        return None if b is None else round(b / GIB, 3)
+
+    return {
+        "role": plan.role,
+        "micro_batch_size": settings.micro_batch_size if train else None,
+        "gradient_checkpointing": settings.gradient_checkpointing if train else None,
+        "optimizer_offload": settings.optimizer_offload if train else None,
+        "kernel_weight_copies": settings.kernel_weight_copies,
+        "kv_slots": settings.kv_slots if rollout else None,
+        "gpu_memory_utilization": settings.gpu_memory_utilization if rollout else None,
+        "keep_rollout_cache": settings.keep_rollout_cache if rollout else None,
+        "sequences": plan.sequences,
+        "est_peak_gib": gb(plan.peak + plan.reserve), "est_peak_allocated_gib": gb(plan.peak),
+        "capacity_gib": gb(plan.capacity), "est_step_s": plan.est_step_s,
+    }
 
 
 def model_dir_format(model_dir: Any) -> str:
@@ -857,14 +974,24 @@ def dry_run_lines(run_dir: Any, cfg: Any) -> list[str]:
     longest = _longest_prompt(model_dir, c)
     prompts = (f"prompts counted at the task's longest, {longest} tokens" if longest is not None else
                f"prompts counted at --max-prompt-length {c.max_prompt_length} tokens, the bound")
-    try:
-        plan = plan_before_build(c, model_config, fmt, device=pick_device().type,
-                                 prompt_tokens=longest or c.max_prompt_length, stored=stored_bytes(model_dir))
-    except MemoryPlanError as exc:
-        return [str(exc)]
-    return [*plan.lines(), f"  (weights from the config and the checkpoint files; {prompts}, completions at "
-                           f"{c.max_episode_tokens or c.max_completion_length}; the trainer plans again with the "
-                           "measured weights)"]
+    # --rollout-gpus: trainer and rollout ranks hold different things, so each role gets its own plan (planned
+    # from the config here whether or not this process could start the split)
+    roles = (ROLE_TRAIN, ROLE_ROLLOUT) if getattr(c, "rollout_gpus", 0) else (ROLE_BOTH,)
+    out = [] if len(roles) == 1 else [
+        f"--rollout-gpus {c.rollout_gpus}: one plan per role (trainer ranks run the update, rollout ranks the "
+        f"engine, {role_prompts(c, ROLE_ROLLOUT)} prompts x {c.num_generations} samples per chunk)"]
+    for role in roles:
+        try:
+            plan = plan_before_build(c, model_config, fmt, device=pick_device().type,
+                                     prompt_tokens=longest or c.max_prompt_length, stored=stored_bytes(model_dir),
+                                     role=role)
+        except MemoryPlanError as exc:
+            out.append(str(exc) if role == ROLE_BOTH else f"{role} ranks: {exc}")
+            continue
+        out += plan.lines()
+    return [*out, f"  (weights from the config and the checkpoint files; {prompts}, completions at "
+                  f"{c.max_episode_tokens or c.max_completion_length}; the trainer plans again with the "
+                  "measured weights)"]
 
 
 def _longest_prompt(model_dir: Any, c: Any) -> int | None:
@@ -890,5 +1017,5 @@ def _longest_prompt(model_dir: Any, c: Any) -> int | None:
 __all__ = ["GIB", "PHASES", "PHASE_PART", "MemoryPlan", "MemoryPlanError", "ModelDims", "PlanRequest",
            "ResolvedSettings", "WeightBytes", "cost_base", "device_capacity", "device_rates", "dry_run_lines",
            "linear_bytes", "min_capacity", "model_dir_format", "phase_advice", "plan_before_build", "plan_for_config",
-           "plan_memory",
-           "resolve_settings", "rollout_reserve", "setting_text", "stored_bytes", "weight_bytes"]
+           "plan_memory", "resolve_settings", "role_prompts", "role_summary", "rollout_reserve", "setting_text",
+           "stored_bytes", "weight_bytes"]

@@ -38,6 +38,23 @@ PLANNED_MEMORY = (SETUP, *(p for p in STEP_PHASES if p != REQUANT))
 # the cost model's estimates: the step phases and the rest of the step's wall time
 PLANNED_TIME = (*(p for p in STEP_PHASES if p != REQUANT), OTHER)
 
+# The role a process plays in a step. "both": it runs every phase (one process, or data-parallel ranks); under
+# --rollout-gpus (train/disagg.py) a trainer rank runs only the update and a rollout rank only AQN's draw and the
+# rollout, so each one's memory plan counts, and its cost model times, only its own phases.
+ROLE_BOTH, ROLE_TRAIN, ROLE_ROLLOUT = "both", "train", "rollout"
+ROLES = (ROLE_BOTH, ROLE_TRAIN, ROLE_ROLLOUT)
+ROLE_TIME = {ROLE_BOTH: PLANNED_TIME, ROLE_TRAIN: (RECOMPUTE, FWD_BWD, OPTIMIZER, CHECKPOINT, OTHER),
+             ROLE_ROLLOUT: (AQN, ROLLOUT)}
+# the planned memory phases each role goes through (setup: every role loads the base and the adapters)
+ROLE_MEMORY = {role: tuple(p for p in PLANNED_MEMORY if p == SETUP or p in phases) for role, phases in
+               ROLE_TIME.items()}
+
+
+def check_role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r} ({', '.join(ROLES)})")
+    return role
+
 
 def timing_key(phase: str) -> str:
     return f"timing/{phase}_s"

@@ -26,6 +26,10 @@ dimensions, the weight format, the workload and two rates of the device (docs/me
              the adapter's bytes count then.
   aqn, other per layer (the noisy norms) and a fixed remainder.
 
+Under --rollout-gpus a process runs only its role's phases (train/phases.py's ROLE_TIME): ``estimate_step(...,
+role=...)`` returns those alone, so a rollout rank's settings are ranked by its rollout and a trainer's by its
+update.
+
 Every constant that is not a device rate sits in :data:`CALIBRATION`, fitted to the step results in
 docs/results (the list is beside it). The device's two rates are :class:`DeviceRates`: measured where a bench
 measured them (``qerl bench step``), else per GPU name (:func:`default_rates`).
@@ -39,7 +43,19 @@ from dataclasses import dataclass, field
 from qerl_cli.arch import DEFAULT_LORA_TARGETS
 from qerl_cli.rollout.kv_cache import kv_elem
 from qerl_cli.train.model_dims import ModelDims
-from qerl_cli.train.phases import AQN, CHECKPOINT, FWD_BWD, OPTIMIZER, OTHER, PLANNED_TIME, RECOMPUTE, ROLLOUT
+from qerl_cli.train.phases import (
+    AQN,
+    CHECKPOINT,
+    FWD_BWD,
+    OPTIMIZER,
+    OTHER,
+    PLANNED_TIME,
+    RECOMPUTE,
+    ROLE_BOTH,
+    ROLE_TIME,
+    ROLLOUT,
+    check_role,
+)
 
 PHASES = PLANNED_TIME  # the phases it estimates seconds for, in order (train/phases.py)
 DEFAULT_TARGETS = DEFAULT_LORA_TARGETS  # lora_targets' default
@@ -300,8 +316,14 @@ def _rollout(base: Base, work: Workload, s: Setting, rates: DeviceRates, cal: Ca
 
 
 def estimate_step(base: Base, work: Workload, setting: Setting, rates: DeviceRates,
-                  cal: Calibration = CALIBRATION) -> StepEstimate:
-    """Seconds per phase of one steady-state step with ``setting`` (module docstring)."""
+                  cal: Calibration = CALIBRATION, role: str = ROLE_BOTH) -> StepEstimate:
+    """Seconds per phase of one steady-state step with ``setting`` (module docstring). ``role``: the phases one
+    process runs (train/phases.py's ROLE_TIME): under --rollout-gpus a rollout rank's settings are ranked by its
+    rollout alone and a trainer's by its update alone, since neither waits for the other's phases."""
+    phases = ROLE_TIME[check_role(role)]
+    aqn = base.dims.layers * cal.aqn_layer_s
+    if FWD_BWD not in phases:  # a rollout rank: no training pass to cost (its micro-batch never runs)
+        return StepEstimate({AQN: aqn, ROLLOUT: _rollout(base, work, setting, rates, cal)})
     c = _train_costs(base, work, setting, rates, cal)
     n_mb = c["micro_batches"]
     recompute = n_mb * _combine(c["fwd"], c["host_nograd"], cal) * (work.old_pass + work.reference_pass)
@@ -314,9 +336,9 @@ def estimate_step(base: Base, work: Workload, setting: Setting, rates: DeviceRat
     # fp32 adapter (4 B) + AdamW's two moments (8 B) per parameter; offloaded moments are lent to the writer, not
     # copied (train/host_offload.py: the step after the checkpoint waits only if the writer outlasts its rollout)
     checkpoint_bytes = (4 if setting.optimizer_offload else 12) * n_lora
-    phases = {
-        AQN: base.dims.layers * cal.aqn_layer_s,
-        ROLLOUT: _rollout(base, work, setting, rates, cal),
+    times = {
+        AQN: aqn,
+        ROLLOUT: _rollout(base, work, setting, rates, cal) if ROLLOUT in phases else 0.0,
         RECOMPUTE: recompute,
         FWD_BWD: n_mb * _combine(train_gpu, train_host, cal),
         OPTIMIZER: optimizer,
@@ -324,7 +346,7 @@ def estimate_step(base: Base, work: Workload, setting: Setting, rates: DeviceRat
         OTHER: cal.other_s,
     }
     parts = {"train_gpu_s": n_mb * train_gpu, "train_host_s": n_mb * train_host, "micro_batches": n_mb}
-    return StepEstimate(phases, parts)
+    return StepEstimate({p: v for p, v in times.items() if p in phases}, parts)
 
 
 __all__ = ["CALIBRATION", "DEFAULT_RATES", "PHASES", "Base", "Calibration", "DeviceRates", "Setting",

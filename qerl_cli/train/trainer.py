@@ -31,7 +31,7 @@ from qerl_cli.train.checkpointing import CheckpointSink
 from qerl_cli.train.config import TrainConfig
 from qerl_cli.train.memory_plan import MemoryPlan, ResolvedSettings
 from qerl_cli.train.modes import make_mode
-from qerl_cli.train.phases import CHECKPOINT, PhaseClock, StepRecord
+from qerl_cli.train.phases import CHECKPOINT, ROLE_BOTH, ROLE_ROLLOUT, PhaseClock, StepRecord
 from qerl_cli.train.rollouter import (
     NormOverrides,
     Rollouter,
@@ -110,7 +110,8 @@ class Trainer:
         episodes = episode_kind(c, self.tokenizer, inputs.reward_fn, self.phases)  # one completion, or turns
         prompt_tokens = max(len(p) for p in inputs.prompt_ids)
         self.memory_plan, settings = plan_with_weights(c, base, weights, self.memory_plan, device=self.device,
-                                                       dtype=self.dtype, prompt_tokens=prompt_tokens, rates=self.rates)
+                                                       dtype=self.dtype, prompt_tokens=prompt_tokens, rates=self.rates,
+                                                       role=self.dist.role)
         self.settings = settings
         self.engine = make_rollout_engine(c, self.mode.rollout_model(), self.tokenizer, settings, device=self.device,
                                           dtype=self.dtype, distributed=self.dist.enabled, prompt_tokens=prompt_tokens,
@@ -125,8 +126,9 @@ class Trainer:
         backend = make_backend(StepSides(self.rollouter, self.updater), self.dist, sharded_model=self.mode.sharded)
         self.rollouter.backend = self.updater.backend = backend
         self.optimizer, self.stream = self.updater.optimizer, self.rollouter.stream
-        # the checkpoint's pinned host buffers, allocated while the first step runs
-        self.mode.prepare_snapshot(self.checkpoints, self.optimizer)
+        # the checkpoint's pinned host buffers, allocated while the first step runs; a rollout rank never saves
+        if self.dist.role != ROLE_ROLLOUT:
+            self.mode.prepare_snapshot(self.checkpoints, self.optimizer)
         self.full, self.rollout_quant = self.mode.full, self.mode.rollout_quant  # None without them
 
     def _load_base(self, model: torch.nn.Module | None, tokenizer: Any, model_dir: Path | None,
@@ -162,7 +164,7 @@ class Trainer:
             stored = stored_bytes(self.model_dir)
         self.rates = rates if rates is not None else self.rates
         plan = plan_before_build(self.cfg, model_config, fmt, device=self.device, prompt_tokens=prompt_tokens,
-                                 stored=stored, rates=self.rates)
+                                 stored=stored, rates=self.rates, role=self.dist.role)
         self.memory_plan = plan
         if self.device.type == "cuda" and plan.capacity is not None:
             kernel_dispatch.allow_extra_copies(plan.extra_weight_copies)
@@ -290,12 +292,12 @@ def resident_weights(base: torch.nn.Module, device: torch.device) -> int:
 
 
 def plan_with_weights(cfg: TrainConfig, base: torch.nn.Module, weights: int, before: MemoryPlan | None, *,
-                      device: torch.device, dtype: torch.dtype, prompt_tokens: int,
-                      rates: Any) -> tuple[MemoryPlan, ResolvedSettings]:
+                      device: torch.device, dtype: torch.dtype, prompt_tokens: int, rates: Any,
+                      role: str = ROLE_BOTH) -> tuple[MemoryPlan, ResolvedSettings]:
     """Plan the step's memory again with the measured weights and the real prompts (train/memory_plan.py) and
     resolve the settings the run takes; the TrainConfig is left as asked. ``before``: the plan made from the
     config before the weights existed, if it was (the larger of estimate and measurement counts; its copies
-    decision stands)."""
+    decision stands); ``role``: this process's under --rollout-gpus (train/phases.py)."""
     from qerl_cli.train.memory_plan import plan_for_config, resolve_settings
 
     elem = torch.empty((), dtype=dtype).element_size()
@@ -303,7 +305,8 @@ def plan_with_weights(cfg: TrainConfig, base: torch.nn.Module, weights: int, bef
     if before is not None:
         measured = dataclasses.replace(before.weight_parts, measured=weights)
     plan = plan_for_config(cfg, base.config, weights=measured, device=device, prompt_tokens=prompt_tokens, elem=elem,
-                           extra_weight_copies=None if before is None else before.extra_weight_copies, rates=rates)
+                           extra_weight_copies=None if before is None else before.extra_weight_copies, rates=rates,
+                           role=role)
     settings = resolve_settings(cfg, plan)
     if settings.gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
