@@ -71,8 +71,10 @@ class Sample:
     # top-k expert ids for every token the model ran, prompt then completion, [len(prompt) + len(token_ids) - 1,
     # layers, k] (uint8, int16 past 256 experts; the last token was sampled, never run); None when not recorded
     routing: torch.Tensor | None = None
-    # --rollout-gpus (train/disagg.py): the adapter version (optimizer steps seen) that sampled it; None otherwise
+    # --rollout-gpus (train/disagg.py): the adapter version (optimizer steps seen) that sampled its first token and
+    # the one of its last (newer when adapters arrived between decode windows while it ran); None otherwise
     policy_version: int | None = None
+    policy_version_last: int | None = None
 
     def model_mask(self) -> torch.Tensor:
         """float32 [len(token_ids)]: 1 on the tokens the model sampled, 0 on observation tokens."""
@@ -236,6 +238,11 @@ class BuiltinEngine:
         self.kv_room: KVBudget | None = None
         self.noise = TokenNoise(self.runner.vocab_size, self.device, opts=self.opts)
         self._graphs: CudaGraphDecoder | None = None
+        # set by an asynchronous rollout rank (train/disagg.py): polled between decode windows, it installs newer
+        # adapters into the LoRA factors the engine reads and returns (their version, that version's norm
+        # overrides), or None; the engine then refreshes its shadows in place (no recompile, no graph recapture)
+        self.adapter_updates: Callable[[], tuple[int, dict[str, torch.Tensor] | None] | None] | None = None
+        self.adapter_version = 0  # the version of the adapters the engine's shadows hold (with adapter_updates)
 
     # ----- memory -------------------------------------------------------------------------------------
 
@@ -401,7 +408,22 @@ class BuiltinEngine:
             sync_every=self.sync_every,
             max_prefill_tokens=self.max_prefill_tokens,
             kv_buckets=self.kv_buckets,
+            on_window=self._new_adapters if self.adapter_updates is not None else None,
+            version=self.adapter_version,
         )
+
+    def _new_adapters(self) -> int | None:
+        """Between decode windows: install the newest published adapters (``adapter_updates``) where the decode
+        step reads them, in place; their version, or None when there are none."""
+        assert self.adapter_updates is not None
+        update = self.adapter_updates()
+        if update is None:
+            return None
+        self.adapter_version, overrides = update
+        with torch.no_grad():
+            self.runner.refresh_adapters()
+            self.runner.bind_norms(overrides, static=self.use_graphs)
+        return self.adapter_version
 
     def _sample(self, s: Sequence, sampling: SamplingParams) -> Sample:
         """One finished sequence of the scheduler as the `Sample` a caller gets."""
@@ -417,6 +439,8 @@ class BuiltinEngine:
             observation_spans=s.observation_spans,
             steps=s.steps,
             routing=s.routing.cpu() if s.routing is not None else None,
+            **({"policy_version": s.version_first, "policy_version_last": s.version_last}
+               if self.adapter_updates is not None else {}),
         )
 
     def _scheduler(self, episodes: EpisodeHooks | None, sampling: SamplingParams) -> Callable[..., Scheduler]:

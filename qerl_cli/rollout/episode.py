@@ -124,6 +124,7 @@ class EpisodeScheduler(Scheduler):
         return self.decode(seq.tokens[seq.turn_start:])
 
     def _finished(self, slot: int, seq: Sequence) -> None:
+        seq.version_last = self.version  # a parked sequence's last turn so far; its final one overwrites it
         self._keep_routing(slot, seq)  # a parked sequence's too: its resume writes it back beside its K/V
         turn = len(seq.steps) + 1
         if seq.finish_reason == "stop" and turn <= self.hooks.max_turns:

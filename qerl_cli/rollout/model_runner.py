@@ -237,6 +237,13 @@ class ModelRunner:
             self.plan.refresh()
         self._prepare_decode_layer()
 
+    def refresh_adapters(self) -> None:
+        """Mid-rollout (new adapters between decode windows): the shadows take the trainer's factors in place. The
+        plan is never rebuilt here: captured graphs and the persistent kernels' arguments keep their addresses.
+        Without fast LoRA the modules' own factors are read, already current."""
+        if self.plan is not None:
+            self.plan.refresh()
+
     def _prepare_kernels(self) -> None:
         """Which FP4 kernel runs each GEMM shape of the decode step (the fused q/k/v and gate/up included) is
         measured, or loaded from the disk cache, now: before any graph capture and outside the decode steps."""

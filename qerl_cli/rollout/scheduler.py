@@ -54,6 +54,10 @@ class Sequence:
     # a mixture of experts' recorded top-k per cached position [cache_len, layers, k] (routing replay), taken when
     # the sequence leaves its slot; None for a dense model
     routing: torch.Tensor | None = None
+    # the adapter versions (``Scheduler.version``) it was admitted (its prompt's K/V computed) and retired under:
+    # they differ when new adapters were applied between decode windows while it ran
+    version_first: int = 0
+    version_last: int = 0
 
     @property
     def cache_len(self) -> int:
@@ -90,6 +94,8 @@ class Scheduler:
         sync_every: int,
         max_prefill_tokens: int,
         kv_buckets: list[int],
+        on_window: Callable[[], int | None] | None = None,
+        version: int = 0,
     ) -> None:
         self.runner = runner
         self.cache = cache
@@ -102,6 +108,11 @@ class Scheduler:
         self.sync_every = max(1, sync_every)
         self.max_prefill_tokens = max_prefill_tokens
         self.kv_buckets = kv_buckets
+        # between decode windows: new adapters applied (their version), else None (engine.adapter_updates)
+        self.on_window = on_window
+        self.version = version
+        # a prompt whose first samples were admitted before an adapter change: the sample its re-prefill starts at
+        self.first_sample: dict[int, int] = {}
         self.num_slots = cache.num_slots
         device = runner.device
         # Per-slot decode state, on device.
@@ -146,8 +157,24 @@ class Scheduler:
                 t = time.perf_counter()
                 self._decode_window()
                 self.decode_s += time.perf_counter() - t
+                self._new_adapters()
         self.done.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return self.done
+
+    def _new_adapters(self) -> None:
+        """New adapters between decode windows (the asynchronous rollout ranks): later tokens of the running
+        sequences are sampled under them. A prompt prefill kept for the prompt's later samples was computed under the
+        old adapters, so it is dropped and that prompt prefilled again: K/V reuse never crosses a version."""
+        if self.on_window is None:
+            return
+        version = self.on_window()
+        if version is None or version == self.version:
+            return
+        self.version = version
+        if self.stash is not None:
+            self.first_sample[self.stash.prompt_index] = self.stash.next_sample
+            self.waiting.appendleft(self.stash.prompt_index)
+            self.stash = None
 
     def _busy(self) -> bool:
         return bool(self.waiting or self.stash is not None or self.rows)
@@ -167,6 +194,7 @@ class Scheduler:
             uid=(self.params.prompt_offset + prompt_index) * self.params.n + sample_index,
             prompt=self.prompts[prompt_index],
             max_new=self.max_new[prompt_index],
+            version_first=self.version,
         )
 
     def _take_from_stash(self, free: int, new: list[Sequence], logit_rows: list[torch.Tensor]) -> int:
@@ -195,7 +223,7 @@ class Scheduler:
                 break
             batch.append(self.waiting.popleft())
             longest = max(longest, length)
-            slots += self.params.n
+            slots += self.params.n - self.first_sample.get(idx, 0)
         return batch
 
     def _admit(self) -> None:
@@ -229,7 +257,7 @@ class Scheduler:
         for row, i in enumerate(batch):
             pk, pv = k[:, row, : lengths[row]], v[:, row, : lengths[row]]
             pr = routing[row, : lengths[row]] if routing is not None else None
-            sample = 0
+            sample = self.first_sample.pop(i, 0)
             while sample < self.params.n and free > 0:
                 self.cache.write_prompt(len(self.rows) + len(new), pk, pv, pr)
                 new.append(self._new_sequence(i, sample))
@@ -364,6 +392,7 @@ class Scheduler:
 
     def _finished(self, slot: int, seq: Sequence) -> None:
         """A sequence in ``slot`` stopped; its slot is reused right after this returns."""
+        seq.version_last = self.version
         self._keep_routing(slot, seq)
         self.done.append(seq)
 

@@ -7,10 +7,11 @@ the rollout ranks (NCCL on CUDA, gloo on CPU).
 Why a receiving thread on each rollout rank: a broadcast completes only when every member has joined it. If the
 rollout rank joined between its engine calls, the trainer would wait at every publish until the slowest rollout
 rank finished its chunk. Instead a thread on each rollout rank always has the next broadcast posted, receives into
-a buffer of its own, and hands the newest complete version over under a lock; the rollout loop applies it between
-engine calls by copying it IN PLACE into the LoRA parameters the engine reads (the engine refreshes its shadows
-from them in place at the start of each call: no new tensors, no recompile, no CUDA-graph recapture). A version
-that arrives while the previous one was not applied yet simply replaces it (only the newest matters).
+a buffer of its own, and hands the newest complete version over under a lock; the builtin engine applies it
+between decode windows (``BuiltinEngine.adapter_updates``; other engines between calls) by copying it IN PLACE into
+the LoRA parameters the engine reads and from them into its shadows: no new tensors, no recompile, no CUDA-graph
+recapture. A version that arrives while the previous one was not applied yet simply replaces it (only the newest
+matters).
 """
 
 from __future__ import annotations

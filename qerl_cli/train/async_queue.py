@@ -36,7 +36,9 @@ class GroupItem:
     samples: list[Any]
     raw: torch.Tensor
     shaped: torch.Tensor
-    version: int  # the adapter version (optimizer steps seen) that sampled every sample of the group
+    # the oldest adapter version (optimizer steps seen) any of the group's tokens was sampled under: the staleness
+    # bound holds for every token (later tokens may come from newer versions applied between decode windows)
+    version: int
     rank: int = -1  # the rollout rank that generated it
     tokens: int = 0  # completion tokens of the group
 

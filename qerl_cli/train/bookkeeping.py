@@ -102,6 +102,8 @@ class Bookkeeper:
                     "logprob_sum": float(lp.sum()) if lp.numel() else 0.0,
                     "logprob_min": float(lp.min()) if lp.numel() else 0.0,
                     **({} if getattr(s, "policy_version", None) is None else {"version": s.policy_version}),
+                    **({} if getattr(s, "policy_version_last", None) in (None, getattr(s, "policy_version", None))
+                       else {"version_last": s.policy_version_last}),
                     **episodes.record(s),
                 }))
                 k += 1

@@ -380,7 +380,9 @@ class _Signals:
 
 def generate_chunk(rollouter: Rollouter, prompts: list[int], chunk: int, version: int, overrides: NormOverrides,
                    rank: int) -> tuple[list[GroupItem], dict[str, float]]:
-    """One engine call over ``prompts`` (all samples of each), scored: one group per prompt, all of ``version``."""
+    """One engine call over ``prompts`` (all samples of each), scored: one group per prompt. ``version``: the
+    adapters' at the call's start; a sample the engine tagged (adapters applied between its decode windows) keeps
+    its own first and last versions, and a group counts as its oldest sample's version."""
     rollouter.rollout_step = chunk  # the chunk's number seeds its sampling (rollout_seed(seed, chunk, 0))
     res = rollouter.generate(prompts, 0, overrides)
     raw, shaped = rollouter.score(prompts, res.samples)
@@ -390,9 +392,10 @@ def generate_chunk(rollouter: Rollouter, prompts: list[int], chunk: int, version
         own = rollouter.prompt_ids[idx]
         # the prompt's tokens are known to the trainers: not shipped (an episode's own prompt would be)
         ss = [replace(s, prompt_token_ids=[] if s.prompt_token_ids == own else s.prompt_token_ids,
-                      policy_version=version) for s in res.samples[p * g:(p + 1) * g]]
-        items.append(GroupItem(idx, ss, raw[p * g:(p + 1) * g], shaped[p * g:(p + 1) * g], version, rank,
-                               sum(len(s.token_ids) for s in ss)))
+                      policy_version=version if s.policy_version is None else s.policy_version)
+              for s in res.samples[p * g:(p + 1) * g]]
+        items.append(GroupItem(idx, ss, raw[p * g:(p + 1) * g], shaped[p * g:(p + 1) * g],
+                               min(s.policy_version for s in ss), rank, sum(len(s.token_ids) for s in ss)))
     timings = {k: float(res.timings.get(k, 0.0)) for k in ("tokens", "prefill_s", "decode_s")}
     timings["decode_steps"] = float(res.stats.get("decode_steps", 0))
     return items, timings
@@ -407,6 +410,17 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
     beat = Heartbeat(roles.rank)
     version = updater.step
     overrides = rollouter.noise(version)
+    engine = rollouter.engine
+    # the builtin engine also installs a newer version between decode windows of a chunk (its sequences' later
+    # tokens then sample from it); vLLM's engine only between chunks
+    live = hasattr(engine, "adapter_updates")
+    if live:
+        def installed() -> tuple[int, NormOverrides] | None:
+            v = sub.apply()
+            return None if v is None else (v, rollouter.noise(v))
+
+        engine.adapter_updates = installed
+        engine.adapter_version = version
     out: dict[str, Any] = {} if plan is None else {"plan": plan}
     tags = (_TAG_HEAD, _TAG_BODY)
     try:
@@ -420,9 +434,13 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
                 if sub.error is not None:
                     raise QerlError(f"receiving adapters failed: {sub.error}")
                 v = sub.apply()
+                if live:  # a version the engine installed during the last chunk counts as applied
+                    v = max(v if v is not None else version, engine.adapter_version)
                 if v is not None and v != version:
                     version = v
                     overrides = rollouter.noise(version)  # AQN: the noise of this version's step
+                if live:
+                    engine.adapter_version = version
                 if not reply["prompts"]:  # the staleness bound holds the rollout back: wait for the trainers
                     t = time.perf_counter()
                     time.sleep(0.05)
