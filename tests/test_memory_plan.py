@@ -113,7 +113,10 @@ def test_choices_follow_the_memory() -> None:
     # an H200: no checkpointing and a micro-batch above the old cap of 8 (fewer micro-batches, less host time)
     roomy = _plan(139.0)
     assert roomy.gradient_checkpointing is False and roomy.micro_batch_size > 8
-    assert roomy.gpu_memory_utilization == 1.0 and roomy.kv_slots == 32 and "within 3% of the fastest" in roomy.reason
+    assert roomy.gpu_memory_utilization == 1.0 and roomy.kv_slots == 32
+    # moments in host memory: they were already taken as a near tie (less memory, within 3%); since the checkpoint
+    # lends them to its writer instead of copying them, offloading is the fastest setting outright
+    assert roomy.optimizer_offload is True and "the fastest of the 48 settings" in roomy.reason
     mid = _plan(40.0)  # 16 sequences' activations do not fit: 8 of them, still without checkpointing
     assert (mid.gradient_checkpointing, mid.micro_batch_size) == (False, 8)
     # memory short: checkpointing with the whole batch in one micro-batch, never micro-batch 1
