@@ -195,7 +195,10 @@ class Hub:
         self.roles, self.queue, self.pool, self.clock = roles, queue, pool, clock
         self.stop_reason: str | None = None  # set at the stop: every later request is answered with it
         self.peer_signal: str | None = None  # a rollout rank's SIGTERM/SIGINT, for the trainers' stop check
-        self.error: str | None = None
+        self.error: str | None = None  # a rollout rank's own failure, as it reported it
+        # the flow's transport failing (a rank died: gloo closes its connection); the heartbeat names the rank
+        self.transport_error: str | None = None
+        self.transport_error_at = 0.0
         self.goodbyes: set[int] = set()
         self.plans: dict[int, dict[str, Any]] = {}  # each rollout rank's memory plan summary (its first request)
         self.timings: dict[str, float] = {}
@@ -214,7 +217,8 @@ class Hub:
                 msg, src = recv_obj(None, self.roles.flow_group, (_TAG_HEAD, _TAG_BODY))
                 self._handle(msg, src)
         except Exception as exc:  # noqa: BLE001 - reported to the training thread's wait
-            self.error = f"the sample flow from the rollout ranks failed: {exc.__class__.__name__}: {exc}"
+            self.transport_error_at = time.monotonic()
+            self.transport_error = f"the sample flow from the rollout ranks failed: {exc.__class__.__name__}: {exc}"
 
     def _handle(self, msg: dict[str, Any], src: int) -> None:
         if "plan" in msg:
@@ -281,8 +285,17 @@ class TrainerSource:
         self.pool.top_up(2 * self.batch_prompts, self.queue.snapshot().queued, self.stream.take)
 
     def failed(self) -> str | None:
+        """The line that stops the run, or None: a rank's own error; a silent rank (heartbeat); a transport failure
+        only once the heartbeat had its time to name the rank behind it."""
         if self.hub.error is not None:
             return self.hub.error
+        line = self._silent_line()
+        if line is None and self.hub.transport_error is not None and \
+                time.monotonic() - self.hub.transport_error_at > self.watch.timeout_s + 2 * HEARTBEAT_S:
+            return self.hub.transport_error
+        return line
+
+    def _silent_line(self) -> str | None:
         r = self.watch.silent(self.hub.goodbyes)
         if r is not None:
             return (f"rollout rank {r} stopped responding (no heartbeat for {self.watch.timeout_s:.0f} s): it died or "
@@ -326,9 +339,24 @@ class TrainerSource:
         step_s, self.last_step_end = now - self.last_step_end, now
         if not self.is_hub:
             return {}
-        sync_s = self.publisher.publish(step)
+        try:
+            sync_s = self.publisher.publish(step)
+        except RuntimeError as exc:  # a rollout rank died under the broadcast (gloo: the connection closed)
+            self.failed_line = self._death_line(exc)
+            raise QerlError(self.failed_line) from None
         return {"async/sync_s": sync_s, "async/adapter_version": float(step),
                 "async/sync_share": sync_s / max(step_s, 1e-9)}
+
+    def _death_line(self, exc: BaseException) -> str:
+        """The one line for a publish that failed: the heartbeat watch's (which rank, and that the checkpoint is
+        intact) once it names the silent rank, at most its timeout later; else the transport's own words."""
+        deadline = time.monotonic() + self.watch.timeout_s + 2 * HEARTBEAT_S
+        while time.monotonic() < deadline:
+            line = self._silent_line()
+            if line is not None:
+                return line
+            time.sleep(HEARTBEAT_S)
+        return f"publishing the adapters to the rollout ranks failed ({exc.__class__.__name__}: {exc})"
 
     def close(self, reason: str, *, clean: bool) -> dict[str, Any]:
         """The stop: the rollout ranks told (``clean``: they answer; after a failure nobody waits on them), what was
