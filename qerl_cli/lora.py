@@ -195,6 +195,8 @@ def per_expert_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> tu
     rows of B, same rank and scaling. Returns (tensors, the module names now targeted)."""
     out = dict(tensors)
     targets: set[str] = set()
+    # the checkpoint's names (Mixtral's block_sparse_moe / w1 w3 w2): what vLLM's modules are called
+    disk = layout_of(model).disk_name
     for name, m in model.named_modules():
         if not isinstance(m, ParamWrapper) or f"{name}.lora_A.weight" not in out:
             continue
@@ -206,8 +208,6 @@ def per_expert_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> tu
             prefix = prefix.removesuffix(".base_layer")
         parts = CHECKPOINT_PARTS[m.parameter_name]
         rows = b.shape[1] // len(parts)
-        # the checkpoint's names (Mixtral's block_sparse_moe / w1 w3 w2): what vLLM's modules are called
-        disk = layout_of(model).disk_name
         for i in range(e):
             for j, part in enumerate(parts):
                 module = disk(f"{prefix}.{i}.{part}")

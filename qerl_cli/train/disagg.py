@@ -442,12 +442,19 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
     # the builtin engine also installs a newer version between decode windows of a chunk (its sequences' later
     # tokens then sample from it); vLLM's engine only between chunks
     live = hasattr(engine, "adapter_updates")
-    if live:
-        def installed() -> tuple[int, NormOverrides] | None:
-            v = sub.apply()
-            return None if v is None else (v, rollouter.noise(v))
 
-        engine.adapter_updates = installed
+    def install() -> bool:
+        """The newest received version into the LoRA parameters, if newer: it becomes this rank's version (AQN:
+        the noise of that version's step)."""
+        nonlocal version, overrides
+        v = sub.apply()
+        if v is None:
+            return False
+        version, overrides = v, rollouter.noise(v)
+        return True
+
+    if live:
+        engine.adapter_updates = lambda: (version, overrides) if install() else None
         engine.adapter_version = version
     out: dict[str, Any] = {} if plan is None else {"plan": plan}
     tags = (_TAG_HEAD, _TAG_BODY)
@@ -461,13 +468,7 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
                     break
                 if sub.error is not None:
                     raise QerlError(f"receiving adapters failed: {sub.error}")
-                v = sub.apply()
-                if live:  # a version the engine installed during the last chunk counts as applied
-                    v = max(v if v is not None else version, engine.adapter_version)
-                if v is not None and v != version:
-                    version = v
-                    overrides = rollouter.noise(version)  # AQN: the noise of this version's step
-                if live:
+                if install() and live:  # the engine refreshes its shadows from the parameters at the call's start
                     engine.adapter_version = version
                 if not reply["prompts"]:  # the staleness bound holds the rollout back: wait for the trainers
                     t = time.perf_counter()
@@ -494,8 +495,6 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
 def run_rollout_rank(trainer: Trainer, roles: Roles, start_from: Any, resume: bool) -> None:
     """What a rollout rank runs instead of the stage: the same setup and resume as the trainers (agreed with them:
     a failure anywhere stops every rank with one line), then :func:`rollout_loop`; it ends as the trainers did."""
-    from qerl_cli.train.memory_plan import role_summary
-
     ctx = trainer.dist
     with ctx.agree("setup"):
         trainer.setup()
@@ -505,8 +504,7 @@ def run_rollout_rank(trainer: Trainer, roles: Roles, start_from: Any, resume: bo
     # this rank never steps: the AdamW moments a resume restored would hold memory its plan gave the KV cache (the
     # cache is allocated at the first chunk, after this, from what is allocated then: rollout/kv_cache.py)
     trainer.updater.optimizer.state.clear()
-    plan = role_summary(trainer.memory_plan, trainer.settings) if trainer.memory_plan and trainer.settings else None
-    reason = rollout_loop(trainer.rollouter, trainer.updater, roles, plan)
+    reason = rollout_loop(trainer.rollouter, trainer.updater, roles, _plan_summary(trainer))
     if reason == "SIGTERM":
         raise Preempted("preempted (SIGTERM)")
     if reason == "SIGINT":
@@ -530,7 +528,7 @@ def session(trainer: Trainer, roles: Roles | None, rec: Any, stop: Any) -> Itera
                               "correction": trainer.cfg.correction, "correction_cap": trainer.cfg.correction_cap,
                               # each role's own memory plan (docs/distributed.md): this rank's now, the rollout
                               # ranks' as they report them (recorded at the stop)
-                              "roles": {"train": _train_summary(trainer), "rollout": None}}
+                              "roles": {"train": _plan_summary(trainer), "rollout": None}}
         source.watcher = _watch_peer_signals(source, stop)
     reason, clean = "done", True
     try:
@@ -555,7 +553,8 @@ def session(trainer: Trainer, roles: Roles | None, rec: Any, stop: Any) -> Itera
             a.update(record)
 
 
-def _train_summary(trainer: Trainer) -> dict[str, Any] | None:
+def _plan_summary(trainer: Trainer) -> dict[str, Any] | None:
+    """This process's memory plan for its role, as the manifest records it (None: no plan was made)."""
     from qerl_cli.train.memory_plan import role_summary
 
     if trainer.memory_plan is None or trainer.settings is None:

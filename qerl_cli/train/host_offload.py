@@ -61,11 +61,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) and hasattr(t, "placements") else t
 
 
-def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    # empty + zero_ rather than zeros: the pinned allocation is the same, and it mirrors _host_like exactly
-    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin).zero_()
-
-
 class HostStateLoan:
     """The live host moments of a :class:`HostOffloadAdamW`, lent to a reader on another thread (a background
     checkpoint write) instead of copied. The optimizer's next ``step()`` / ``load_state_dict()`` waits for
@@ -130,8 +125,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             for p in group["params"]:
                 if not self.state.get(p):  # .get: indexing the defaultdict would insert an empty state
-                    local = _local(p)
-                    todo.append((p, tuple(local.shape), local.dtype, local.is_cuda))
+                    todo.append(p)
         if not todo:
             return
         done: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
@@ -139,8 +133,8 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
         def alloc() -> None:
             try:
-                for p, shape, dtype, pin in todo:
-                    done.append((p, [_host_zeros(shape, dtype, pin) for _ in MOMENTS]))
+                for p in todo:
+                    done.append((p, [self._host_like(p) for _ in MOMENTS]))
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread at the join
                 errors.append(exc)
 

@@ -374,23 +374,17 @@ class MemoryPlan:
         else:
             out.append("  kv cache, rollout, shadows      none (a trainer rank's engine never runs)")
         util = '-' if self.gpu_memory_utilization is None else f'{self.gpu_memory_utilization:.3f}'
-        chosen = {
-            ROLE_BOTH: f"micro_batch_size {self.micro_batch_size}, gradient_checkpointing "
-                       f"{str(self.gradient_checkpointing).lower()}, optimizer_offload "
-                       f"{str(self.optimizer_offload).lower()}, kernel_weight_copies "
-                       f"{str(self.extra_weight_copies).lower()}, keep_rollout_cache "
-                       f"{str(self.resident_cache).lower()}, gpu_memory_utilization {util}",
-            ROLE_TRAIN: f"micro_batch_size {self.micro_batch_size}, gradient_checkpointing "
-                        f"{str(self.gradient_checkpointing).lower()}, optimizer_offload "
-                        f"{str(self.optimizer_offload).lower()}, kernel_weight_copies "
-                        f"{str(self.extra_weight_copies).lower()}",
-            ROLE_ROLLOUT: f"kv_slots {self.kv_slots}, kernel_weight_copies {str(self.extra_weight_copies).lower()}, "
-                          f"keep_rollout_cache {str(self.resident_cache).lower()}, gpu_memory_utilization {util}",
-        }[self.role]
+        # the settings this role acts on: the update's where it trains, the engine's where it decodes
+        chosen = [f"micro_batch_size {self.micro_batch_size}, gradient_checkpointing "
+                  f"{str(self.gradient_checkpointing).lower()}, optimizer_offload "
+                  f"{str(self.optimizer_offload).lower()}" if train else f"kv_slots {self.kv_slots}",
+                  f"kernel_weight_copies {str(self.extra_weight_copies).lower()}"]
+        if rollout:
+            chosen.append(f"keep_rollout_cache {str(self.resident_cache).lower()}, gpu_memory_utilization {util}")
         out += [
             f"  reserve                         {g(self.reserve)} GiB",
             "  peak per phase (GiB): " + ", ".join(f"{p} {est[p] / GIB:.1f}" for p in ROLE_MEMORY[self.role]),
-            f"  chosen: {chosen}",
+            f"  chosen: {', '.join(chosen)}",
         ]
         return out + self.time_lines()
 
