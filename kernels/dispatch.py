@@ -545,7 +545,7 @@ def _time_gpu(fn, rep_ms: int) -> float:  # noqa: ANN001
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):  # other threads may pin memory meanwhile
             fn()
         run = g.replay
     except Exception:  # not capturable: time it eagerly (launch cost included)

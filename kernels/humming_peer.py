@@ -111,7 +111,9 @@ def build_experts(tensors: dict[str, torch.Tensor], fmt: str, num_experts: int, 
     with torch.device(device):
         layer = HummingLayer(shape_n=n, shape_k=k, num_experts=num_experts,
                              weight_config={"quant_method": "compressed-tensors", **_CT_CONFIG[fmt]}, torch_dtype=dtype)
-    layer.load_from_tensors({name: t for name, t in tensors.items()
+    # qerl keeps each expert's global scale as [E, 1] (one per weight, broadcast over rows); humming's schema is [E]
+    layer.load_from_tensors({name: t.reshape(num_experts) if name == "weight_global_scale" else t
+                             for name, t in tensors.items()
                              if name in ("weight_packed", "weight_scale", "weight_global_scale")})
     layer.transform()
     return layer

@@ -44,6 +44,10 @@
 #               the 1-GPU run offloads to host memory on a card under 120 GiB (QERL_FSDP_OFFLOAD1=auto|0|1)
 #   evidence    the evidence study (docs/evidence.md): many `qerl bench sanity` processes on the one GPU, then
 #               `qerl bench evidence` (QERL_EV_QERL_SEEDS 8, QERL_EV_FLASHRL_SEEDS 8, QERL_EV_FP16_SEEDS 3)
+#   replay      the routing-replay A/B (docs/moe.md; needs `embedded`): the embedded model upcycled to a 4-expert
+#               top-2 Mixtral (QERL_REPLAY_UPCYCLE), NVFP4, then `bench sanity --grid routing_replay=true,false` per
+#               seed (QERL_EV_MOE_SEEDS 4, side by side; QERL_EV_MOE_ARGS replaces the sanity arguments for a CPU
+#               proof) and `qerl bench evidence` (claim "moe") into $OUT/replay
 #   tools       the learning target of multi-turn episodes (docs/tools.md; needs `embedded`): per seed
 #               (QERL_TOOLS_SEEDS, 4) the gpu_arith preset for QERL_TOOLS_STEPS (30) steps with the calculator and
 #               without, all side by side on the GPU, each scored on QERL_TOOLS_HELDOUT (64: 16 per level, level 1 has 17) held-out arith problems
@@ -334,6 +338,9 @@ ev_args() {
 --heldout-samples 32 --set task_level=1,4 --set max_completion_length=8 --set steps=$steps --set aqn_stages=8 $b $common" ;;
     flashrl) echo "--grid rollout_quant=none,int8,fp8 --grid correction=none,token_tis --skip \
 rollout_quant=none,correction=token_tis $band --set task_level=3 --set max_completion_length=8 --set steps=$steps $b $common" ;;
+    moe) echo "${QERL_EV_MOE_ARGS:---grid routing_replay=true,false --candidates 125 --lo 0.1 --hi 0.9 --heldout 32 \
+--heldout-samples 16 --set task_level=1,4 --set max_completion_length=8 --set steps=$steps --set async_rollout=true \
+$b $common}" ;;
     fp16) echo "--grid algo=grpo,pg_seq_is --grid precision=bf16,fp16 $band --set task_level=3 --no-stop \
 --set max_completion_length=128 --set steps=${QERL_EV_LONG_STEPS:-12} ${b/batch_prompts=8/batch_prompts=4} $common" ;;
   esac
@@ -343,6 +350,7 @@ ev_procs() {  # GROUP: one line per process, "name seed_start seeds --skip ..." 
   case $1 in
     qerl) for ((s = 0; s < ${QERL_EV_QERL_SEEDS:-8}; s++)); do echo "p$s $s 1"; done ;;
     flashrl) for ((s = 0; s < ${QERL_EV_FLASHRL_SEEDS:-8}; s++)); do echo "p$s $s 1"; done ;;
+    moe) for ((s = 0; s < ${QERL_EV_MOE_SEEDS:-4}; s++)); do echo "p$s $s 1"; done ;;
     fp16) for i in "${!cells[@]}"; do  # one process per cell: the other three skipped
             skips=""
             for j in "${!cells[@]}"; do
@@ -355,6 +363,7 @@ ev_procs() {  # GROUP: one line per process, "name seed_start seeds --skip ..." 
 ev_group() {  # GROUP: its first process builds the training set; the others start once it is on disk, and reuse it
   local g=$1 run=$EV/bf pids=() first="" name s n skips d b
   [ "$g" = qerl ] && run=$EV/nv
+  [ "$g" = moe ] && run=$EV/moe
   export OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # ~20 processes share the machine
   while read -r name s n skips; do
     d=$EV/$g/$name; mkdir -p "$d"
@@ -376,7 +385,7 @@ ev_group() {  # GROUP: its first process builds the training set; the others sta
 }
 stage_evidence() {
   EV=$T/ev; EV_END=$(( DEADLINE - 35 ))  # the analysis and the archive need the rest
-  local q inputs=() f g gpids=() mon
+  local q g gpids=() mon
   rm -rf "$EV"; mkdir -p "$EV/models_nv" "$OUT/evidence"
   qerl 200 quantize --run "$EV/nv" --format nvfp4 --show-layers 0 > "$EV/q_nv.log" 2>&1 & q=$!
   qerl 200 quantize --run "$EV/bf" --format bf16 --show-layers 0 > "$EV/q_bf.log" 2>&1
@@ -389,14 +398,31 @@ stage_evidence() {
     --format=csv,noheader,nounits 2>/dev/null | tr '\n' ' ')"; done > "$EV/gpu_mem.log" 2>&1) & mon=$!
   for g in qerl flashrl fp16; do ev_group "$g" & gpids+=($!); done
   wait "${gpids[@]}"; kill "$mon" 2>/dev/null
+  ev_finish nv "$OUT/evidence" nv/manifest.json bf/manifest.json gpu_mem.log
+}
+ev_finish() {  # RUN DEST FILE...: `qerl bench evidence` over every finished process of $EV, its report and raw files
+  local inputs=() f
   while IFS= read -r f; do inputs+=(--input "${f%%/*}=$f"); done < <(cd "$EV" && ls -1 */*/sanity.json 2>/dev/null)
   [ ${#inputs[@]} -gt 0 ] || { stamp "evidence: no process finished"; tail -n 20 "$EV"/*/*.log; return 1; }
   # relative paths, so the command the manifest records re-runs after `tar xzf evidence_raw.tgz`
-  qerl_in "$EV" 120 bench evidence "${inputs[@]}" --run "$EV/nv" --out "$EV/evidence" 2>&1 | tail -n 6
-  cp "$EV"/evidence/evidence.{json,md,png} "$OUT/evidence/" 2>/dev/null
-  (cd "$EV" && tar czf "$OUT/evidence/evidence_raw.tgz" */*/sanity.json */*/perfectible.json ./*/*.log ./*.log \
-    nv/manifest.json bf/manifest.json gpu_mem.log 2>/dev/null)
-  cat "$OUT/evidence/evidence.md" 2>/dev/null
+  qerl_in "$EV" 120 bench evidence "${inputs[@]}" --run "$EV/$1" --out "$EV/evidence" 2>&1 | tail -n 6
+  cp "$EV"/evidence/evidence.{json,md,png} "$2/" 2>/dev/null
+  (cd "$EV" && tar czf "$2/evidence_raw.tgz" */*/sanity.json */*/perfectible.json ./*/*.log ./*.log "${@:3}" \
+    2>/dev/null)
+  cat "$2/evidence.md" 2>/dev/null
+}
+stage_replay() {
+  EV=$T/ev_moe; EV_END=$(( DEADLINE - 35 ))
+  rm -rf "$EV"; mkdir -p "$EV" "$OUT/replay"
+  # shellcheck disable=SC2086
+  (cd "$T" && timeout 200 python3 "$REPO/scripts/upcycle_moe.py" --out "$EV/up" \
+    ${QERL_REPLAY_UPCYCLE:---experts 4 --top-k 2 --noise 0.03 --dtype bf16}) > "$EV/upcycle.log" 2>&1 \
+    || { tail -n 5 "$EV/upcycle.log"; return 1; }
+  qerl 300 quantize --run "$EV/moe" "$EV/up" --format nvfp4 --show-layers 0 > "$EV/q_moe.log" 2>&1
+  grep -qs '"status": "completed"' "$EV/moe/manifest.json" || { tail -n 5 "$EV/q_moe.log"; return 1; }
+  stamp "replay: upcycled and quantized"
+  ev_group moe
+  ev_finish moe "$OUT/replay" moe/manifest.json up/upcycle.json
 }
 
 tools_arm() {  # DIR ARM SEED: one run, base scored, trained, trained scored (the tool arm with the tool on)

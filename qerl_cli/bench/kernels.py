@@ -64,7 +64,7 @@ def time_calls(calls: Sequence[Callable[[], Any]], *, graph: bool = True, rep_ms
     if graph:
         try:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):  # other threads may pin meanwhile
                 for c in calls:
                     c()
             fn, per, mode = g.replay, len(calls), "graph"

@@ -29,7 +29,6 @@ The ``fast_decode`` option (``QERL_FAST_DECODE=0``, qerl_cli/options.py) turns b
 from __future__ import annotations
 
 import inspect
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -739,10 +738,9 @@ class CudaGraphDecoder:
                 self._run(bs, kv_len, sampler)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # captured in a rollout thread while another trains (--async-rollout): only this thread's calls may not
-        # disturb the capture; the training thread's launches and allocations go on
-        mode = "global" if threading.current_thread() is threading.main_thread() else "thread_local"
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
+        # only this thread's calls may not disturb the capture: other threads go on meanwhile (the training thread
+        # under --async-rollout; the offloaded optimizer pinning its host moments, the checkpoint writer)
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self._run(bs, kv_len, sampler)
         return graph, out
 
