@@ -47,13 +47,22 @@ def pick(doc: Any, path: list[Any], where: str) -> Any:
     return node
 
 
-def value_of(doc: Any, where_in: Any, where: str) -> Any:
+def value_of(doc: Any, where_in: Any, where: str, results: Path = RESULTS) -> Any:
     """A row's number: the value at a path, or ``{"ratio": [path, path], "scale": s}``, one value over another
-    times s (an estimate over its measurement, one cell's step time over another's; s converts units)."""
+    times s (an estimate over its measurement, one cell's step time over another's; s converts units). A ratio's
+    path may begin with ``{"file": F}`` to read that value from raw file F instead (two cells one bench wrote to
+    two files, e.g. the same model at two batch shapes)."""
     if isinstance(where_in, dict) and "ratio" in where_in:
-        num, den = (pick(doc, path, where) for path in where_in["ratio"])
+        num, den = (_pick_in(doc, path, where, results) for path in where_in["ratio"])
         return None if num is None or not den else num / den * where_in.get("scale", 1.0)
     return pick(doc, where_in, where)
+
+
+def _pick_in(doc: Any, path: list[Any], where: str, results: Path) -> Any:
+    if path and isinstance(path[0], dict) and set(path[0]) == {"file"}:
+        other = path[0]["file"]
+        return pick(json.loads((results / other).read_text()), path[1:], f"{where} -> {other}")
+    return pick(doc, path, where)
 
 
 def gpu_of(raw: dict[str, Any], entry: dict[str, Any]) -> str:
@@ -76,7 +85,7 @@ def verdict(met: bool | None) -> str:
     return {True: "**met**", False: "missed", None: "n/a"}[met]
 
 
-def rows_of(entry: dict[str, Any], raw: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+def rows_of(entry: dict[str, Any], raw: dict[str, Any], results: Path = RESULTS) -> list[tuple[str, str, str, str]]:
     """(result, measured, target, met) per row of one raw file."""
     where = entry["file"]
     spec = entry.get("format", "{:.3g}")
@@ -93,7 +102,7 @@ def rows_of(entry: dict[str, Any], raw: dict[str, Any]) -> list[tuple[str, str, 
             out.append((prefix + what + note, fmt(t.get("value"), unit), target, verdict(met)))
         return out
     for row in entry["rows"]:
-        value = value_of(raw, row["value"], where)
+        value = value_of(raw, row["value"], where, results)
         spec = row.get("format", entry.get("format", "{:.3g}"))
         if row.get("target") is None:  # a figure the README quotes, held to no target
             out.append((row["what"], fmt(value, spec), "-", "-"))
@@ -124,7 +133,7 @@ def render(index: dict[str, Any], results: Path = RESULTS) -> str:
         for n, entry in enumerate(bench["entries"], 1):
             raw = json.loads((results / entry["file"]).read_text())
             gpu, date = gpu_of(raw, entry), date_of(raw, entry)
-            for what, measured, target, met in rows_of(entry, raw):
+            for what, measured, target, met in rows_of(entry, raw, results):
                 lines.append(f"| {what} | {measured} | {target} | {met} | {gpu} | {date} | [{n}] |")
             notes.append(f"[{n}] `{entry['command']}`; raw: `docs/results/{entry['file']}`")
         lines += ["", *(f"{note}  " if i < len(notes) - 1 else note for i, note in enumerate(notes)), ""]

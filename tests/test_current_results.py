@@ -51,3 +51,19 @@ def test_a_figure_comes_from_its_raw_file(tmp_path: Path) -> None:
     (results / "2026-11-22" / "scale.json").write_text(json.dumps(raw))
     after = cr.render(index, results)
     assert row.format("55.0%", "missed") in after
+
+
+def test_a_ratio_may_read_its_denominator_from_another_raw_file(tmp_path: Path) -> None:
+    """The 32B 8 x 8 cell's rollout tokens/s over the 1 x 8 cell's: halve the other file's figure, the ratio doubles."""
+    cr = _script()
+    index = json.loads(cr.INDEX.read_text())
+    results = tmp_path / "results"
+    shutil.copytree(cr.RESULTS, results, ignore=shutil.ignore_patterns("*.png", "*.tgz", "*.log", "*.txt", "*.md"))
+    big = json.loads((results / "2026-11-29" / "s52_step32b_8x8_h200.json").read_text())["results"][0]
+    small_file = results / "2026-11-29" / "s52_step32b_1x8_h200.json"
+    small = json.loads(small_file.read_text())
+    row = "| the same: rollout tokens/s over the 1 x 8 cell's | {:.2f}x | >= 2.50x |"
+    assert row.format(big["rollout_tok_s"] / small["results"][0]["rollout_tok_s"]) in cr.render(index, results)
+    small["results"][0]["rollout_tok_s"] /= 2
+    small_file.write_text(json.dumps(small))
+    assert row.format(big["rollout_tok_s"] / small["results"][0]["rollout_tok_s"]) in cr.render(index, results)

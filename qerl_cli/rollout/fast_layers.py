@@ -328,7 +328,8 @@ class MoePlan:
             _, weights, index = route(x2, self.gate.weight, self.top_k, self.norm_topk_prob)
             if on_route is not None:
                 on_route(index)
-        with region("qgemm"):
+        # bf16 experts count as dense GEMMs, as the roofline counts their bytes (roofline.moe_bytes)
+        with region("qgemm" if self.base.format.quantized else "dense"):
             return self.base(x2, index, weights, lora=self.lora).view(x.shape)
 
 
