@@ -19,8 +19,9 @@
    Triton `lora_shrink`, `cuda_fp4.fp4_gemm` with the LoRA epilogue and bias, `rope_kv_write`): rel. error of q / K /
    V / hn, graph-replay us (20 layers per graph), and the byte floor. `--attn` runs only this part.
 
-`--ncu`: one launch of each 7B case (M 1 and 8, LoRA on and off) and of the present path, no graphs, for
-`ncu --kernel-name regex:"decode_mlp|fp4_decode" ...`.
+`--shape 32b` (or 72b) times that model's MLP half instead of the 7B one in part 2 and under `--ncu` (the keys
+stay `seven_b` and the JSON rows name the shape). `--ncu`: one launch of each case (M 1 and 8, LoRA on and off) and
+of the present path, no graphs, for `ncu --kernel-name regex:"decode_mlp|fp4_decode" ...`.
 
 Usage (the repo's path shim on PYTHONPATH, as scripts/gpu.sh's `cmd` stage gives it):
     QERL_CMD='python3 $REPO/scripts/decode_layer_bench.py $OUT/decode_layer.json' bash scripts/gpu.sh cmd
@@ -163,8 +164,23 @@ def exactness(dev: str) -> list[dict]:
 VARIANTS = ((4, 2), (2, 2), (8, 2))  # (ring stages per warp, CTAs per SM); the first is the default
 
 
-def seven_b(dev: str, ranks: tuple[int, int, int] = (32, 64, 32), ms: tuple[int, ...] = (1, 8, 16)) -> list[dict]:
-    hd, ko, i = 3584, 3584, 18944
+# (hidden, o's input, intermediate) of the Qwen2.5 shapes the engine decodes; `--shape` picks one (default 7b)
+SHAPES = {"7b": (3584, 3584, 18944), "32b": (5120, 5120, 27648), "72b": (8192, 8192, 29568)}
+
+
+def shape_arg() -> str:
+    """`--shape NAME` from the command line (default 7b)."""
+    argv = sys.argv[1:]
+    name = argv[argv.index("--shape") + 1] if "--shape" in argv and argv.index("--shape") + 1 < len(argv) else "7b"
+    if name not in SHAPES:
+        raise SystemExit(f"--shape {name}: use one of {', '.join(SHAPES)}")
+    return name
+
+
+def seven_b(dev: str, ranks: tuple[int, int, int] = (32, 64, 32), ms: tuple[int, ...] = (1, 8, 16),
+            shape: str = "7b") -> list[dict]:
+    """The MLP half of `shape` (7B unless named) at each M: every variant against the present path."""
+    hd, ko, i = SHAPES[shape]
     lay = make_layer(hd, ko, i, ranks, torch.bfloat16, dev, 2, dense=False)
     bw = copy_gbps(dev)
     rows = []
@@ -174,7 +190,7 @@ def seven_b(dev: str, ranks: tuple[int, int, int] = (32, 64, 32), ms: tuple[int,
         t_old = graph_ms(lambda: present_path(attn, hres, lay, 1e-6))  # noqa: B023
         nbytes = layer_bytes(lay, m, hd, ko, i)
         floor = nbytes / bw / 1e6
-        row = dict(m=m, ranks=list(ranks), present_us=1e3 * t_old, floor_us=1e3 * floor, mb=nbytes / 1e6,
+        row = dict(shape=shape, m=m, ranks=list(ranks), present_us=1e3 * t_old, floor_us=1e3 * floor, mb=nbytes / 1e6,
                    present_pct_floor=100 * floor / t_old, copy_gbps=bw, variants={})
         for var in VARIANTS:
             h1, out = dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"], variant=var)
@@ -199,10 +215,10 @@ def build_variants() -> None:
         list(pool.map(lambda v: dl.library(v).build(), VARIANTS))
 
 
-def ncu_once(dev: str) -> None:
-    """One launch of each 7B variant (M 1 and 8, LoRA on and off), no graphs: for `ncu --kernel-name
+def ncu_once(dev: str, shape: str = "7b") -> None:
+    """One launch of each case of `shape` (M 1 and 8, LoRA on and off), no graphs: for `ncu --kernel-name
     regex:decode_mlp`."""
-    hd, ko, i = 3584, 3584, 18944
+    hd, ko, i = SHAPES[shape]
     for ranks in ((32, 64, 32), (0, 0, 0)):
         lay = make_layer(hd, ko, i, ranks, torch.bfloat16, dev, 2, dense=False)
         for m in (1, 8):
@@ -394,17 +410,19 @@ def main() -> int:
     if not torch.cuda.is_available() or not dl.available(torch.device(dev)):
         print("decode layer kernel unavailable:", dl.unavailable_reason())
         return 2
+    shape = shape_arg()
     if "--ncu" in sys.argv:
-        ncu_once(dev)
+        ncu_once(dev, shape)
         return 0
     if "--attn" in sys.argv:
         return attn_only(dev)
-    sys.argv = [a for a in sys.argv if not a.startswith("--")]
+    sys.argv = [a for i, a in enumerate(sys.argv)
+                if not a.startswith("--") and not (i > 0 and sys.argv[i - 1] == "--shape")]
     build_variants()
     result = {"exactness": exactness(dev)}
     ok = all(r["err_emul"] < 5e-3 and r["err_present"] < 1e-2 and r["bit_equal_rerun"] and r["counters_zero"]
              for r in result["exactness"])
-    result["seven_b"] = seven_b(dev) + seven_b(dev, (0, 0, 0), (1, 8))
+    result["seven_b"] = seven_b(dev, shape=shape) + seven_b(dev, (0, 0, 0), (1, 8), shape=shape)
     ok = ok and all(r["err_vs_present"] < 1e-2 for r in result["seven_b"])
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
