@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from qerl_kernels._common import INTERPRET, f32_path
 from qerl_kernels.fp4 import NVFP4_F, e2m1_lut, fp4_tile, launch_fp4
+from qerl_kernels.options import kernel_options
 
 DENSE, NVFP4, MXFP4 = 0, 1, 2
 BLOCK_M = 16
@@ -50,7 +51,18 @@ def num_blocks(assignments: int, num_experts: int, block_m: int = BLOCK_M) -> in
 def align_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int | None = None,
                  spare_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows int32 [blocks * block_m], block_expert int32 [blocks]) for assignments routed to ``expert_ids``;
-    ``block_m`` default: ``block_rows``; ``spare_blocks`` more unused blocks at the end (all padding)."""
+    ``block_m`` default: ``block_rows``; ``spare_blocks`` more unused blocks at the end (all padding). One Triton
+    launch on CUDA (:func:`align_blocks_triton`, within :func:`align_fits`), else :func:`align_blocks_torch`."""
+    if _align_on_triton(expert_ids, num_experts):
+        rows, block_expert, _ = align_blocks_triton(expert_ids, num_experts, block_m, spare_blocks)
+        return rows, block_expert
+    return align_blocks_torch(expert_ids, num_experts, block_m, spare_blocks)
+
+
+def align_blocks_torch(expert_ids: torch.Tensor, num_experts: int, block_m: int | None = None,
+                       spare_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`align_blocks` in torch (~12 launches: histogram, scans, a stable sort, gathers, a scatter, a search):
+    the reference, and the path off CUDA and past the Triton kernel's limits."""
     flat = expert_ids.reshape(-1).to(torch.int64)
     m, dev = flat.numel(), flat.device
     block_m = block_m or block_rows(m)
@@ -69,6 +81,100 @@ def align_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int | None
     return rows, block_expert
 
 
+# ---- the layout in one launch ------------------------------------------------------------------------------------
+# At decode the torch layout is ~12 tiny launches twice per MoE layer (qerl's block rows and humming's): most of the
+# ~7 ms of routing bookkeeping in a 24.5 ms Qwen3-30B-A3B step at batch 64 on an H200 (its stable radix sort alone
+# ~2.5 ms). One program does it all: the routing is a few hundred assignments, so one CTA looping over them in chunks
+# beats a grid plus the launches.
+# The serial chunk loop grows with assignments x experts, so past ALIGN_MAX_WORK (prefill, training, where the
+# GEMMs dwarf the layout) torch's bandwidth-parallel kernels take over again.
+ALIGN_TILE = 16384  # elements of the [chunk, expert lanes] one-hot tile: 32 int32 per thread at ALIGN_WARPS
+ALIGN_WARPS = 16
+ALIGN_MAX_EXPERTS = 1024  # the tile still holds 16 assignments per chunk
+# assignments x expert lanes: <= 64 chunks per pass (8,192 assignments at 128 experts, 4,096 at 256); a guess at
+# the crossover from ~1 us per chunk on one SM against torch's ~12 launches, to be measured on the H200
+ALIGN_MAX_WORK = 1 << 20
+
+
+def _expert_lanes(num_experts: int) -> int:
+    return max(16, triton.next_power_of_2(num_experts))
+
+
+def align_fits(assignments: int, num_experts: int) -> bool:
+    """Whether :func:`align_blocks_triton` takes this size on CUDA (registers do not grow with the assignments,
+    only the serial chunk loop does; see ``ALIGN_MAX_WORK``)."""
+    return 0 < num_experts <= ALIGN_MAX_EXPERTS and assignments * _expert_lanes(num_experts) <= ALIGN_MAX_WORK
+
+
+def _align_on_triton(expert_ids: torch.Tensor, num_experts: int) -> bool:
+    return (expert_ids.is_cuda and kernel_options().moe_align == "triton"
+            and align_fits(expert_ids.numel(), num_experts))
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, ntp_ptr, M, E, BLOCK_M, SLOTS, BLOCKS,
+                      E_PAD: tl.constexpr, C: tl.constexpr, CB: tl.constexpr, FILL: tl.constexpr):
+    lanes = tl.arange(0, E_PAD)
+    lane_ok = lanes < E
+    chunk = tl.arange(0, C)
+    # every slot starts as padding (the sentinel M); the barrier below orders these stores before the scatter that
+    # overwrites the slots in use (two threads of one CTA may write the same slot)
+    for s0 in range(0, SLOTS, FILL):
+        s = s0 + tl.arange(0, FILL)
+        tl.store(rows_ptr + s, tl.zeros([FILL], tl.int32) + M, mask=s < SLOTS)
+    # pass 1: the per-expert histogram, as one-hot rows summed per chunk (an id outside 0..E-1 hits no lane)
+    counts = tl.zeros([E_PAD], tl.int32)
+    for a0 in range(0, M, C):
+        a = a0 + chunk
+        ids = tl.load(ids_ptr + a, mask=a < M, other=-1).to(tl.int32)
+        hit = ((ids[:, None] == lanes[None, :]) & lane_ok[None, :]).to(tl.int32)
+        counts += tl.sum(hit, 0)
+    padded = tl.where(lane_ok, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    pend = tl.cumsum(padded, 0)
+    tl.store(ntp_ptr, tl.sum(padded, 0))
+    # block b belongs to the expert whose padded run holds its first slot: the number of runs that end at or
+    # before it (torch.searchsorted(pend, b * BLOCK_M, right=True)); E past the last run
+    for b0 in range(0, BLOCKS, CB):
+        b = b0 + tl.arange(0, CB)
+        ended = (pend[None, :] <= (b * BLOCK_M)[:, None]) & lane_ok[None, :]
+        tl.store(bexp_ptr + b, tl.sum(ended.to(tl.int32), 1), mask=b < BLOCKS)
+    tl.debug_barrier()
+    # pass 2: each assignment's slot = its expert's first slot + the expert's assignments before it. Earlier
+    # chunks are in `base` (advanced per chunk), the chunk's own through an exclusive scan of the one-hot rows
+    # down the chunk: assignment order within an expert is kept, as a stable sort keeps it
+    base = pend - padded
+    for a0 in range(0, M, C):
+        a = a0 + chunk
+        ids = tl.load(ids_ptr + a, mask=a < M, other=-1).to(tl.int32)
+        hit = ((ids[:, None] == lanes[None, :]) & lane_ok[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, 0) - hit
+        dest = tl.sum(hit * (base[None, :] + before), 1)
+        tl.store(rows_ptr + dest, a, mask=(a < M) & (ids >= 0) & (ids < E))
+        base += tl.sum(hit, 0)
+
+
+def align_blocks_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int | None = None,
+                        spare_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`align_blocks`'s (rows, block_expert) plus num_tokens_padded (int32 [1], the padded slots in use) in
+    one launch of one program: output sizes fixed by (assignments, experts, block_m), no host sync, so a CUDA graph
+    holds it. Any device (the tests run it under ``TRITON_INTERPRET=1``); ``align_blocks`` calls it on CUDA within
+    :func:`align_fits`. An id outside ``0..num_experts-1`` is left out (its assignment gets no slot)."""
+    flat = expert_ids.reshape(-1).contiguous()  # a strided 1-D view stays one under reshape; the kernel reads a[i]
+    m, dev = flat.numel(), flat.device
+    block_m = block_m or block_rows(m)
+    blocks = num_blocks(m, num_experts, block_m) + spare_blocks
+    rows = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
+    padded = torch.empty(1, dtype=torch.int32, device=dev)
+    if m == 0:  # nothing to lay out, and an empty input may have no device address to hand the kernel
+        return rows.fill_(0), block_expert.fill_(num_experts), padded.zero_()
+    lanes = _expert_lanes(num_experts)
+    tile = ALIGN_TILE // lanes
+    _moe_align_kernel[(1,)](flat, rows, block_expert, padded, m, num_experts, block_m, rows.numel(), blocks,
+                            E_PAD=lanes, C=tile, CB=tile, FILL=1024, num_warps=ALIGN_WARPS)
+    return rows, block_expert, padded
+
+
 def indexed_layout(expert_ids: torch.Tensor, num_experts: int,
                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routing as vLLM's ``moe_align_block_size`` lays it out, which humming's indexed MoE GEMM reads:
@@ -80,7 +186,9 @@ def indexed_layout(expert_ids: torch.Tensor, num_experts: int,
     past them, so the unused blocks' expert ``num_experts`` is never looked up). One spare block at the end:
     humming may round its block count up to a pair of CTAs along M and read one block past the last used one.
     Device tensors of a size fixed by (assignments, experts, block_m), no host sync: a CUDA graph can hold it."""
-    rows, block_expert = align_blocks(expert_ids, num_experts, block_m, spare_blocks=1)
+    if _align_on_triton(expert_ids, num_experts):
+        return align_blocks_triton(expert_ids, num_experts, block_m, spare_blocks=1)
+    rows, block_expert = align_blocks_torch(expert_ids, num_experts, block_m, spare_blocks=1)
     used = (block_expert < num_experts).sum(dtype=torch.int32)
     return rows, block_expert, (used * block_m).reshape(1)
 

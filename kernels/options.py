@@ -27,6 +27,7 @@ LINEAR_BACKENDS = ("auto", "qerl", "triton", "humming", "cublas", "cuda")
 DISPATCH_CANDIDATES = ("triton", "cublas", "cuda", "humming")
 CUDA_FP4_PLANS = ("stream", "legacy")
 FP8_ACT_MODES = ("0", "1", "auto")
+MOE_ALIGN_MODES = ("triton", "torch")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -184,6 +185,10 @@ class KernelOptions:
     w4a8_min_m: int = option(
         "QERL_W4A8_MIN_M", 64, parse_int,
         "rows from which QERL_W4A8=1 runs the W4A8 kernel")
+    moe_align: str = option(
+        "QERL_MOE_ALIGN", "triton", choice(*MOE_ALIGN_MODES),
+        "the MoE routing's padded block layout on CUDA: one Triton launch (within its size limits), or torch's "
+        "sort and scatters (A/B switch)")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str | None]) -> KernelOptions:
@@ -221,6 +226,7 @@ def read_environment() -> dict[str, str | None]:
         "QERL_FP4_REPACK": os.environ.get("QERL_FP4_REPACK"),
         "QERL_W4A8": os.environ.get("QERL_W4A8"),
         "QERL_W4A8_MIN_M": os.environ.get("QERL_W4A8_MIN_M"),
+        "QERL_MOE_ALIGN": os.environ.get("QERL_MOE_ALIGN"),
     }
 
 

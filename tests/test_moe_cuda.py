@@ -1,6 +1,7 @@
 """The routed experts' forward on humming's indexed MoE GEMM (the rollout's no-grad forward, docs/moe.md) on CUDA.
 
-Skipped without a GPU or the humming-kernels package; on a GPU machine: ``pytest tests/test_moe_cuda.py``. The
+Skipped without a GPU or the humming-kernels package; on a GPU machine: ``pytest tests/test_moe_cuda.py``. First
+the routing's padded block layout in one Triton launch (``align_blocks_triton``, needs no humming). The
 experts are Qwen3-30B-A3B's expert shape (hidden 2048, intermediate 768, top-8) with 32 experts (humming's kernel
 configs depend on experts x rows, the checks on neither) and random NVFP4 weights from qerl's quantizer.
 """
@@ -82,6 +83,57 @@ def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
+
+
+@pytest.mark.parametrize("block_m", [8, 16])
+def test_the_one_launch_layout_equals_torch_and_replays_in_a_graph(block_m: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-30B-A3B's decode routing (128 experts, top-8, 64 tokens: 512 assignments): the Triton layout equals
+    torch's exactly, ``align_blocks`` and ``indexed_layout`` take it on CUDA (``QERL_MOE_ALIGN=torch`` does not),
+    and a CUDA graph of it replays new routings copied into its input."""
+    from qerl_kernels import moe
+    from qerl_kernels.options import override
+
+    experts, tokens, spare = 128, 64, 1
+    g = torch.Generator(device="cuda").manual_seed(block_m)
+
+    def top_k() -> torch.Tensor:
+        return torch.rand(tokens, experts, device="cuda", generator=g).topk(TOP_K, -1).indices.reshape(-1)
+
+    def same(got: tuple[torch.Tensor, ...], ids: torch.Tensor) -> None:
+        rows, bexp = moe.align_blocks_torch(ids, experts, block_m, spare)
+        assert torch.equal(got[0], rows) and torch.equal(got[1], bexp)
+        assert got[2].tolist() == [int((bexp < experts).sum()) * block_m]
+
+    ids = top_k()
+    same(moe.align_blocks_triton(ids, experts, block_m, spare), ids)
+    with override(moe_align="triton"):
+        ref = moe.align_blocks_torch(ids, experts, block_m)
+        with monkeypatch.context() as mp:  # the torch path would fail: the Triton one runs
+            mp.setattr(moe, "align_blocks_torch", None)
+            got = moe.align_blocks(ids, experts, block_m)
+            lay = moe.indexed_layout(ids, experts, block_m)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+        same(lay, ids)
+    with override(moe_align="torch"), monkeypatch.context() as mp:
+        mp.setattr(moe, "align_blocks_triton", None)
+        assert torch.equal(moe.align_blocks(ids, experts, block_m)[0], ref[0])
+
+    static = ids.clone()
+    side = torch.cuda.Stream()  # compiled and run once outside the capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe.align_blocks_triton(static, experts, block_m, spare)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.align_blocks_triton(static, experts, block_m, spare)
+    skewed = torch.arange(tokens * TOP_K, device="cuda") % 3  # three experts take everything: long padded runs
+    for new in (top_k(), top_k(), skewed, ids):
+        static.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        same(out, new)
 
 @needs_humming
 @pytest.mark.parametrize("tokens", [1, 64])

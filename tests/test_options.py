@@ -79,6 +79,7 @@ def test_the_environment_is_parsed_into_typed_values() -> None:
     ("QERL_LINEAR_BACKEND", "fastest", KernelSettingError, "choose one of auto, qerl"),
     ("QERL_DISPATCH_CANDIDATES", "marlin", KernelSettingError, "name some of triton"),
     ("QERL_FP8_ACT", "yes", KernelSettingError, "choose one of 0, 1, auto"),
+    ("QERL_MOE_ALIGN", "cuda", KernelSettingError, "choose one of triton, torch"),
 ])
 def test_a_bad_value_names_the_variable(env: str, value: str, error: type[Exception], says: str) -> None:
     with pytest.raises(error, match=re.escape(f"{env}={value!r}: ") + ".*" + re.escape(says)):
