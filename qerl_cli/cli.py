@@ -502,8 +502,8 @@ def bench_sanity(
 
 @bench_app.command("evidence", short_help="The seed claims' verdicts from bench sanity results.")
 def bench_evidence(
-    input_: Annotated[list[str], Opt("--input", metavar="GROUP=FILE", help="GROUP=SANITY_JSON (qerl|flashrl|fp16; "
-                                     "repeatable).")],
+    input_: Annotated[list[str], Opt("--input", metavar="GROUP=FILE", help="GROUP=SANITY_JSON (qerl|flashrl|fp16|moe|"
+                                     "w4a8; repeatable).")],
     run: Annotated[Path | None, _run_opt("Run directory to record it in (for qerl report).")] = None,
     out: Annotated[Path | None, Opt(help="Output folder (default RUN/bench/evidence, else "
                                          "./qerl-bench/evidence-DATE-TIME).")] = None,

@@ -19,7 +19,7 @@ def figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
 
 
 PANELS = {"qerl": ("accuracy", "sampling_entropy"), "flashrl": ("accuracy", "k3"), "fp16": ("accuracy", "k3"),
-          "moe": ("reward", "replay_disagreement")}
+          "moe": ("reward", "replay_disagreement"), "w4a8": ("reward", "k3")}
 
 
 def plot_curves(ev: dict[str, Any]) -> Any:

@@ -40,6 +40,7 @@ CELL_COLUMNS = {
     "flashrl": ("steps_to_threshold", "late_accuracy", "final", "k3_last", "collapsed"),
     "fp16": ("late_accuracy", "k3_first", "k3_last", "k3_growth", "collapsed"),
     "moe": ("mean_reward", "late_accuracy", "heldout_before", "heldout", "heldout_gain", "replay_disagreement"),
+    "w4a8": ("mean_reward", "late_accuracy", "heldout_before", "heldout", "heldout_gain", "mean_k3"),
 }
 
 

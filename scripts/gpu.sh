@@ -48,6 +48,10 @@
 #               top-2 Mixtral (QERL_REPLAY_UPCYCLE), NVFP4, then `bench sanity --grid routing_replay=true,false` per
 #               seed (QERL_EV_MOE_SEEDS 4, side by side; QERL_EV_MOE_ARGS replaces the sanity arguments for a CPU
 #               proof) and `qerl bench evidence` (claim "moe") into $OUT/replay
+#   w4a8        the W4A8-rollout A/B (docs/evidence.md claim 6; needs `embedded`): the embedded model in NVFP4, then
+#               `bench sanity --grid rollout_w4a8=true,false --set correction=token_tis` per seed (QERL_EV_W4A8_SEEDS
+#               4, side by side; QERL_EV_W4A8_ARGS replaces the task settings for a CPU proof) and `qerl bench
+#               evidence` (claim 6, group "w4a8") into $OUT/w4a8
 #   tools       the learning target of multi-turn episodes (docs/tools.md; needs `embedded`): per seed
 #               (QERL_TOOLS_SEEDS, 4) the gpu_arith preset for QERL_TOOLS_STEPS (30) steps with the calculator and
 #               without, all side by side on the GPU, each scored on QERL_TOOLS_HELDOUT (64: 16 per level, level 1 has 17) held-out arith problems
@@ -341,6 +345,10 @@ rollout_quant=none,correction=token_tis $band --set task_level=3 --set max_compl
     moe) echo "${QERL_EV_MOE_ARGS:---grid routing_replay=true,false --candidates 125 --lo 0.1 --hi 0.9 --heldout 32 \
 --heldout-samples 16 --set task_level=1,4 --set max_completion_length=8 --set steps=$steps --set async_rollout=true \
 $b $common}" ;;
+    # the grid and the correction are the claim's; the task settings are the qerl group's (the CPU proof replaces them)
+    w4a8) echo "--grid rollout_w4a8=true,false --set correction=token_tis ${QERL_EV_W4A8_ARGS:---candidates 125 \
+--lo 0.1 --hi 0.9 --heldout 32 --heldout-samples 32 --set task_level=1,4 --set max_completion_length=8 \
+--set steps=$steps $b $common}" ;;
     fp16) echo "--grid algo=grpo,pg_seq_is --grid precision=bf16,fp16 $band --set task_level=3 --no-stop \
 --set max_completion_length=128 --set steps=${QERL_EV_LONG_STEPS:-12} ${b/batch_prompts=8/batch_prompts=4} $common" ;;
   esac
@@ -351,6 +359,7 @@ ev_procs() {  # GROUP: one line per process, "name seed_start seeds --skip ..." 
     qerl) for ((s = 0; s < ${QERL_EV_QERL_SEEDS:-8}; s++)); do echo "p$s $s 1"; done ;;
     flashrl) for ((s = 0; s < ${QERL_EV_FLASHRL_SEEDS:-8}; s++)); do echo "p$s $s 1"; done ;;
     moe) for ((s = 0; s < ${QERL_EV_MOE_SEEDS:-4}; s++)); do echo "p$s $s 1"; done ;;
+    w4a8) for ((s = 0; s < ${QERL_EV_W4A8_SEEDS:-4}; s++)); do echo "p$s $s 1"; done ;;
     fp16) for i in "${!cells[@]}"; do  # one process per cell: the other three skipped
             skips=""
             for j in "${!cells[@]}"; do
@@ -362,7 +371,7 @@ ev_procs() {  # GROUP: one line per process, "name seed_start seeds --skip ..." 
 }
 ev_group() {  # GROUP: its first process builds the training set; the others start once it is on disk, and reuse it
   local g=$1 run=$EV/bf pids=() first="" name s n skips d b
-  [ "$g" = qerl ] && run=$EV/nv
+  [ "$g" = qerl ] || [ "$g" = w4a8 ] && run=$EV/nv
   [ "$g" = moe ] && run=$EV/moe
   export OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # ~20 processes share the machine
   while read -r name s n skips; do
@@ -423,6 +432,15 @@ stage_replay() {
   stamp "replay: upcycled and quantized"
   ev_group moe
   ev_finish moe "$OUT/replay" moe/manifest.json up/upcycle.json
+}
+stage_w4a8() {
+  EV=$T/ev_w4a8; EV_END=$(( DEADLINE - 35 ))
+  rm -rf "$EV"; mkdir -p "$EV" "$OUT/w4a8"
+  qerl 200 quantize --run "$EV/nv" --format nvfp4 --show-layers 0 > "$EV/q_nv.log" 2>&1
+  grep -qs '"status": "completed"' "$EV/nv/manifest.json" || { tail -n 5 "$EV/q_nv.log"; return 1; }
+  stamp "w4a8: quantized"
+  ev_group w4a8
+  ev_finish nv "$OUT/w4a8" nv/manifest.json
 }
 
 tools_arm() {  # DIR ARM SEED: one run, base scored, trained, trained scored (the tool arm with the tool on)

@@ -10,6 +10,7 @@ and the rules):
 - ``fp16``:    precision = bf16, fp16  x  algo = grpo, pg_seq_is, completions run to max length (claim 4)
 - ``moe``:     routing_replay = true, false on a mixture of experts whose rollout and update routings can differ
                (the upcycled Mixtral, async rollout with staleness; claim 5, docs/moe.md "The replay A/B")
+- ``w4a8``:    rollout_w4a8 = true, false on the NVFP4 model, token TIS in both arms (claim 6, docs/evidence.md)
 
 Each comparison (a :class:`Part`) takes one per-seed scalar (bench/sanity.py ``seed_scalars``) of cell A
 and of cell B (or of the best B among several, or zero), orients the difference so that > 0 favours the
@@ -45,12 +46,12 @@ from qerl_cli.tables import (
 )
 
 SCHEMA = 2
-GROUPS = ("qerl", "flashrl", "fp16", "moe")
+GROUPS = ("qerl", "flashrl", "fp16", "moe", "w4a8")
 CURVE_METRICS = ("accuracy", "entropy", "sampling_entropy", "k3")
 # a group's curves beyond CURVE_METRICS
-GROUP_CURVES = {"moe": ("reward", "replay_disagreement")}
+GROUP_CURVES = {"moe": ("reward", "replay_disagreement"), "w4a8": ("reward",)}
 # claims of a study of their own (not the four seed claims): listed only when their group's files were given
-OWN_STUDY = {5: "moe"}
+OWN_STUDY = {5: "moe", 6: "w4a8"}
 TARGET_PAIRS = 8  # the study's target: every part from at least this many paired seeds (or a power argument)
 
 # Smallest differences that matter (the margins of the verdicts): 5 accuracy points, one step, 0.02 nats.
@@ -91,6 +92,7 @@ def _fp(prec: str, algo: str) -> dict[str, Any]:
 
 
 REPLAY_ON, REPLAY_OFF = {"routing_replay": True}, {"routing_replay": False}
+W4A8_ON, W4A8_OFF = {"rollout_w4a8": True}, {"rollout_w4a8": False}
 
 
 HELDOUT_LEVELS = ("heldout_before", "heldout")
@@ -123,6 +125,12 @@ CLAIMS: dict[int, dict[str, str]] = {
                       "pick other experts than the rollout recorded for a share of the tokens above 0 (replay off), "
                       "and routing replay on gives a mean training reward over the run, a late training accuracy "
                       "and a held-out gain each no more than 5 points below replay off."},
+    6: {"title": "W4A8 rollouts learn no worse than W4A16 rollouts",
+        "hypothesis": "On the embedded model in NVFP4 (SmolLM2-135M: only the down projections, K = 1536, meet the "
+                      "W4A8 kernel's K % 128 == 0; every other projection stays W4A16), with token TIS (C = 2) in "
+                      "both arms, W4A8 rollouts raise the mean mismatch k3 over the run above W4A16's (the rollouts "
+                      "ran other numbers), and give a mean training reward over the run, a late training accuracy "
+                      "and a held-out gain each no more than 5 points below W4A16 rollouts."},
 }
 
 PARTS: tuple[Part, ...] = (
@@ -164,6 +172,15 @@ PARTS: tuple[Part, ...] = (
     Part(5, "late accuracy: replay on vs off", "moe", REPLAY_ON, REPLAY_OFF, "late_accuracy", +1, "noninferior",
          ACC_MARGIN),
     Part(5, "held-out gain: replay on vs off", "moe", REPLAY_ON, REPLAY_OFF, "heldout_gain", +1, "noninferior",
+         ACC_MARGIN, levels=HELDOUT_LEVELS),
+    # claim 6 needs rollouts W4A8 actually changed (a GPU with FP8 tensor cores, rows >= QERL_W4A8_MIN_M): the first
+    # part says whether they did
+    Part(6, "mean mismatch k3: W4A8 vs W4A16 rollouts", "w4a8", W4A8_ON, W4A8_OFF, "mean_k3", +1, "better", 0.0),
+    Part(6, "mean training reward: W4A8 vs W4A16 rollouts", "w4a8", W4A8_ON, W4A8_OFF, "mean_reward", +1,
+         "noninferior", ACC_MARGIN),
+    Part(6, "late accuracy: W4A8 vs W4A16 rollouts", "w4a8", W4A8_ON, W4A8_OFF, "late_accuracy", +1, "noninferior",
+         ACC_MARGIN),
+    Part(6, "held-out gain: W4A8 vs W4A16 rollouts", "w4a8", W4A8_ON, W4A8_OFF, "heldout_gain", +1, "noninferior",
          ACC_MARGIN, levels=HELDOUT_LEVELS),
 )
 

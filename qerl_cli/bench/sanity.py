@@ -119,8 +119,9 @@ def seed_scalars(row: dict[str, Any], early: int = EARLY_STEPS) -> dict[str, flo
     ``post_noise_reward`` the mean training reward over the steps after that window. ``sampling_entropy`` is
     the entropy of the distribution the rollout engine sampled from (under AQN, the noisy policy's);
     ``entropy`` the clean training policy's. ``mean_reward`` is the mean training reward over every step (the
-    reward curve's level) and ``replay_disagreement`` the mean of ``router/replay_disagreement`` over the steps (a
-    mixture of experts only).
+    reward curve's level), ``replay_disagreement`` the mean of ``router/replay_disagreement`` over the steps (a
+    mixture of experts only) and ``mean_k3`` the mean mismatch k3 over the steps (the W4A8 A/B's sign that its
+    rollouts ran other numbers).
     """
     def mean(xs: Sequence[float | None]) -> float | None:
         v = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
@@ -161,6 +162,7 @@ def seed_scalars(row: dict[str, Any], early: int = EARLY_STEPS) -> dict[str, flo
         # routing differed from the rollout's (None for a dense model, which logs no router/*)
         "mean_reward": mean(row.get("reward") or []),
         "replay_disagreement": mean(row.get("replay_disagreement") or []),
+        "mean_k3": mean(k3),
     }
 
 
@@ -540,6 +542,9 @@ def bench_sanity(
     # cells included (processes that split one grid's cells between them then share one subset)
     arms = list(dict.fromkeys((c.get("format", run_format(run)), cfg.precision)
                               for c, cfg in zip(all_cells, all_cfgs, strict=True)))
+    for c, cfg in zip(all_cells, all_cfgs, strict=True):  # a cell W4A8 cannot run is refused before any sampling
+        if cfg.rollout_w4a8:
+            cfg.check_rollout_w4a8(c.get("format", run_format(run)))
     subset = build_subset(run, base_cfg, candidates=candidates, samples=samples, lo=lo, hi=hi,
                           temperature=sample_temperature, out=out, models=models, log=log, arms=arms)
     if not subset["selected"]:

@@ -683,7 +683,8 @@ class CudaGraphDecoder:
       (cache reallocated after ``release()``, parameters re-assigned, adapters toggled). A captured sampler
       reads static uid/step/seed-key buffers, and the graph key holds its temperature and filters.
     * An attention backend planned on the host (FlashInfer) is planned before every replay (and before a
-      capture) with the bucket's positions; the backend the graph uses is part of its key.
+      capture) with the bucket's positions; the backend the graph uses is part of its key, and so is W4A8 (the kernel
+      option QERL_W4A8 and its row threshold, which --rollout-w4a8 turns on around training rollouts only).
     """
 
     def __init__(self, runner: ModelRunner, max_slots: int) -> None:
@@ -713,7 +714,11 @@ class CudaGraphDecoder:
             hp = host_positions if host_positions is not None else self.positions[:bs].tolist()
             att.select(bs, kv_len, lambda: self._time_attention(hp, kv_len))
             att.plan(hp, bucket=bs)
-        key = (bs, kv_len, att.current, None if sampler is None else sampler.signature)
+        # W4A8 is a kernel option a training rollout switches on for itself (--rollout-w4a8): a graph captured with
+        # it off is never replayed with it on, nor the reverse (a held-out score between rollouts)
+        k = options().kernels
+        key = (bs, kv_len, att.current, None if sampler is None else sampler.signature,
+               k.w4a8_min_m if k.w4a8 else None)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self._capture(bs, kv_len, sampler)

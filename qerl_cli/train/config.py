@@ -38,6 +38,8 @@ SHARDINGS = ("auto", "none", "ddp", "fsdp2")
 NO_ROLLOUT_QUANT = "none"
 ROLLOUT_QUANTS = (NO_ROLLOUT_QUANT, *rollout_formats())
 REQUANT_SCALES = ("fixed", "dynamic")
+# the rollout weight formats the W4A8 kernel serves (kernels/w4a8.py; --rollout-w4a8)
+W4A8_FORMATS = ("nvfp4", "mxfp4")
 FLASHRL_IS_CAP = 2.0  # FlashRL's token-TIS cap C
 
 
@@ -122,6 +124,9 @@ class TrainConfig:
     finetune: str = "lora"  # lora | full (all weights but embeddings/lm_head; see docs/flashrl.md)
     rollout_quant: str = NO_ROLLOUT_QUANT  # FlashRL: rollouts on a quantized copy re-quantized after every update
     requant_scales: str | None = None  # default: fixed for int8 (calibrated once), dynamic otherwise
+    # W4A8 rollouts: the rollout's no-grad NVFP4/MXFP4 forwards from QERL_W4A8_MIN_M rows on the FP8 tensor cores
+    # (kernel option w4a8, switched on around each rollout only); off by default: its k3 measured 16x W4A16's
+    rollout_w4a8: bool = False
     sharding: str = "auto"  # auto | none | ddp | fsdp2 (resolve_sharding; docs/distributed.md)
     fsdp_offload: bool = False  # fsdp2: sharded weights, grads and AdamW state in pinned host memory
 
@@ -172,6 +177,8 @@ class TrainConfig:
                             "use --beta 0 or --finetune lora")
         if self.rollout_format is not None and self.rollout_engine != "builtin":
             raise QerlError("--rollout-quant needs the builtin rollout engine (--rollout-engine builtin)")
+        if self.rollout_w4a8:
+            self.check_rollout_w4a8()
         if self.routing_replay and self.rollout_engine != "builtin":
             raise QerlError("--routing-replay needs the routing the builtin rollout engine records; vLLM does not "
                             "record it: use --rollout-engine builtin or --no-routing-replay")
@@ -199,6 +206,22 @@ class TrainConfig:
             self.check_async_rollout()
         if self.rollout_gpus:
             self.check_rollout_gpus()
+
+    def check_rollout_w4a8(self, weights: str | None = None) -> None:
+        """--rollout-w4a8 switches a process-wide kernel option around the builtin engine's rollouts, and the W4A8
+        kernel serves NVFP4/MXFP4 weights only: ``weights`` is the run's weight format where it is known (the
+        rollout's is --rollout-quant's when that is set)."""
+        if self.rollout_engine != "builtin":
+            raise QerlError("--rollout-w4a8 runs in the builtin engine's kernels; vLLM runs its own: use "
+                            "--rollout-engine builtin or drop --rollout-w4a8")
+        if self.async_rollout:
+            raise QerlError("--rollout-w4a8 turns W4A8 on for the whole process while a rollout runs, and "
+                            "--async-rollout runs the rollout beside the update: drop one of them")
+        rollout = weights if self.rollout_format is None else self.rollout_quant
+        if rollout is not None and rollout not in W4A8_FORMATS:
+            raise QerlError(f"--rollout-w4a8 needs {' or '.join(W4A8_FORMATS)} rollout weights (the W4A8 kernel "
+                            f"widens FP4 weights to FP8), not {rollout}: quantize the run to nvfp4 or mxfp4, or "
+                            "drop --rollout-w4a8")
 
     def check_rollout_gpus(self) -> None:
         """--rollout-gpus trains on samples of older adapter versions: it needs an importance correction, and the
@@ -355,6 +378,10 @@ FIELD_HELP: dict[str, str] = {
     "finetune": "lora | full (all weights but embeddings; needs a bf16 run dir).",
     "rollout_quant": "FlashRL rollouts: " + ", ".join(ROLLOUT_QUANTS) + " (on a bf16 run dir).",
     "requant_scales": "fixed (int8 default) | dynamic",
+    "rollout_w4a8": "W4A8 rollouts: the rollout's NVFP4/MXFP4 forwards without autograd, from QERL_W4A8_MIN_M (64) "
+                    "rows, on the FP8 tensor cores (per-token FP8 activations, weights widened to E4M3; "
+                    "kernels/w4a8.py); the update stays W4A16. Off by default: its mismatch k3 measured 16x W4A16's "
+                    "(docs/kernels.md). Builtin engine, nvfp4/mxfp4 weights.",
     "sharding": "auto | none | ddp | fsdp2 (auto: fsdp2 for --finetune full under torchrun, ddp for LoRA).",
     "fsdp_offload": "fsdp2: keep sharded weights, grads and AdamW state in pinned host memory (CPU step).",
 }

@@ -13,8 +13,10 @@ the :class:`Rollouts` and the batch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -221,7 +223,8 @@ class Rollouter:
                             entropy=c.log_sampling_entropy)
         prompts = [self.prompt_ids[i] for i in indices]
         texts = [self.task.examples[i].prompt for i in indices]
-        return self.episodes.generate(self.engine, prompts, texts, sp, norm_overrides, self.rollout_concurrent)
+        with rollout_kernels(c):
+            return self.episodes.generate(self.engine, prompts, texts, sp, norm_overrides, self.rollout_concurrent)
 
     def score(self, indices: list[int], samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw and shaped (DAPO overlong penalty) rewards of `samples`, in sample order."""
@@ -363,6 +366,17 @@ class Rollouter:
         return batch
 
 
+def rollout_kernels(cfg: TrainConfig) -> AbstractContextManager[Any]:
+    """The kernel options of a training rollout: with --rollout-w4a8, QERL_W4A8 on for this rollout only (the options
+    before it come back on leaving, error or not, so the update's no-grad forwards, a held-out score and the next run
+    in the same process keep theirs); without it, the process's options unchanged."""
+    if not cfg.rollout_w4a8:
+        return contextlib.nullcontext()
+    from qerl_cli.options import override
+
+    return override(w4a8=True)
+
+
 # ---- building it --------------------------------------------------------------------------------------------
 def encode_prompt(cfg: TrainConfig, tokenizer: Any, prompt: str, index: int | None = None) -> list[int]:
     """Token ids of a prompt (``index``: its task example, for the message), within --max-prompt-length."""
@@ -414,9 +428,18 @@ def make_rollout_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer: Any
     # re-allocating and re-capturing them every step costs the step's rollout its bench speed
     check_async_rollout(cfg, settings, device, distributed)
     note_routing_replay(cfg, model, routing_replay_asked)
+    if cfg.rollout_w4a8:
+        cfg.check_rollout_w4a8(rollout_weights(model))
     return make_engine(cfg.rollout_engine, model, tokenizer, max_batch_slots=settings.kv_slots,
                        max_model_len=max_len, gpu_memory_utilization=settings.gpu_memory_utilization,
                        dtype=dtype, model_dir=model_dir)
+
+
+def rollout_weights(model: torch.nn.Module) -> str:
+    """The weight format the rollout model's quantized linears hold (the first one's; "bf16" when none is)."""
+    from qerl_cli.qlinear import QuantLinear
+
+    return next((m.fmt for m in model.modules() if isinstance(m, QuantLinear)), "bf16")
 
 
 def note_routing_replay(cfg: TrainConfig, model: torch.nn.Module, asked: bool | None) -> None:

@@ -139,6 +139,10 @@ class Trainer:
 
         if model is None:
             self.model_dir = quantized_model_dir(self.run)
+            if self.cfg.rollout_w4a8:  # refused before the weights load (make_rollout_engine checks the model too)
+                from qerl_cli.train.memory_plan import model_dir_format
+
+                self.cfg.check_rollout_w4a8(model_dir_format(self.model_dir))
             if self.memory_plan is None:
                 self.plan_run_memory()
             base, self.tokenizer = load_model(str(self.model_dir), dtype=self.dtype, device=self.device,
