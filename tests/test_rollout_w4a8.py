@@ -12,11 +12,11 @@ import sys
 import tempfile
 
 import pytest
+from qerl_kernels.options import kernel_options
 
 from qerl_cli.errors import QerlError
 from qerl_cli.train.config import FIELD_HELP, TrainConfig, parse_sets, train_flags
 from qerl_cli.train.rollouter import rollout_kernels, rollout_seed
-from qerl_kernels.options import kernel_options
 
 
 def test_the_field_is_off_by_default_recorded_and_a_flag():
