@@ -43,9 +43,17 @@ MAX_RANK = 256  # the partials' scratch is sized for it
 NCNT = 10  # grid-wide counters: 3 GEMM phases, 3 shrinks' partials, 3 shrinks' h, the launch's end
 SHRINK_SEGMENTS = 64  # a shrink's K is cut into at most this many segments (their partials are summed in order)
 PHASES = ("o GEMM + residual", "norm (x2 in fragment order)", "gate/up GEMM + SiLU*mul", "down GEMM")
-# the build's knobs (QERL_DL_S ring stages per warp, QERL_DL_MINB CTAs per SM the registers are budgeted for): the
-# default is the variant measured fastest (docs/decode.md); others are built on demand for the bench
+# the build's knobs (QERL_DL_S ring stages per warp, QERL_DL_MINB CTAs per SM the registers are budgeted for, and
+# optionally QERL_DL_XPF: 1 loads gate/up's and down's x fragments ahead): the default is the variant measured fastest
+# (docs/decode.md); others are built on demand for the bench
 DEFAULT_VARIANT = (4, 2)
+Variant = tuple[int, ...]
+
+
+def _knobs(variant: Variant) -> tuple[int, int, int]:
+    """(stages, CTAs per SM, x fragments ahead) of a variant given as (stages, CTAs per SM[, xpf])."""
+    stages, minb, *rest = variant
+    return int(stages), int(minb), int(rest[0]) if rest else 0
 
 _failed: list[str] = []
 _available: dict[int, bool] = {}
@@ -54,13 +62,13 @@ _scratch: dict[tuple, Scratch] = {}
 
 
 # ---- build and load ------------------------------------------------------------------------------------------
-def library(variant: tuple[int, int] = DEFAULT_VARIANT) -> CudaLibrary:
-    """The shared library of one build variant (ring stages, CTAs per SM)."""
-    if tuple(variant) == DEFAULT_VARIANT:
+def library(variant: Variant = DEFAULT_VARIANT) -> CudaLibrary:
+    """The shared library of one build variant (ring stages, CTAs per SM[, x fragments ahead])."""
+    if _knobs(variant) == _knobs(DEFAULT_VARIANT):
         return CudaLibrary("qerl_decode_layer", SRC, NVCC_FLAGS)
-    stages, minb = variant
-    return CudaLibrary(f"qerl_decode_layer_s{stages}b{minb}", SRC,
-                       (*NVCC_FLAGS, f"-DQERL_DL_S={stages}", f"-DQERL_DL_MINB={minb}"))
+    stages, minb, xpf = _knobs(variant)
+    return CudaLibrary(f"qerl_decode_layer_s{stages}b{minb}" + (f"x{xpf}" if xpf else ""), SRC,
+                       (*NVCC_FLAGS, f"-DQERL_DL_S={stages}", f"-DQERL_DL_MINB={minb}", f"-DQERL_DL_XPF={xpf}"))
 
 
 LIBRARY = library()
@@ -73,7 +81,7 @@ build = LIBRARY.build
 
 
 @functools.cache
-def _lib(variant: tuple[int, int] = DEFAULT_VARIANT) -> ctypes.CDLL:
+def _lib(variant: Variant = DEFAULT_VARIANT) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library(variant).build()))
     vp, ci = ctypes.c_void_p, ctypes.c_int
     lib.qerl_dl_prepare.argtypes = [ci, ci, ctypes.POINTER(ci)]
@@ -82,15 +90,16 @@ def _lib(variant: tuple[int, int] = DEFAULT_VARIANT) -> ctypes.CDLL:
     lib.qerl_dl_smem.restype = ci
     lib.qerl_dl_stages.restype = ci
     lib.qerl_dl_minb.restype = ci
+    lib.qerl_dl_xpf.restype = ci
     lib.qerl_dl_mlp.argtypes = [vp, vp] + [vp] * 9 + [ctypes.c_float] + [ci] * 9 + [vp]
     lib.qerl_dl_mlp.restype = ci
-    if (lib.qerl_dl_stages(), lib.qerl_dl_minb()) != tuple(variant):
+    if (lib.qerl_dl_stages(), lib.qerl_dl_minb(), lib.qerl_dl_xpf()) != _knobs(variant):
         raise RuntimeError(f"decode layer library {variant} reports another build")
     return lib
 
 
 @functools.cache
-def ctas_per_sm(mt: int, bf16: bool, variant: tuple[int, int] = DEFAULT_VARIANT) -> int:
+def ctas_per_sm(mt: int, bf16: bool, variant: Variant = DEFAULT_VARIANT) -> int:
     """Resident CTAs per SM of a variant (sets its shared-memory limit first: call outside graph capture)."""
     n = ctypes.c_int(0)
     err = _lib(variant).qerl_dl_prepare(mt, int(bf16), ctypes.byref(n))
@@ -99,7 +108,7 @@ def ctas_per_sm(mt: int, bf16: bool, variant: tuple[int, int] = DEFAULT_VARIANT)
     return n.value
 
 
-def default_ctas(device: torch.device, mt: int, bf16: bool, variant: tuple[int, int] = DEFAULT_VARIANT) -> int:
+def default_ctas(device: torch.device, mt: int, bf16: bool, variant: Variant = DEFAULT_VARIANT) -> int:
     """The grid: every SM holds as many CTAs as the build budgets registers for (and shared memory allows)."""
     return num_sms(device) * min(variant[1], ctas_per_sm(mt, bf16, variant))
 
@@ -323,7 +332,7 @@ def scratch(device: torch.device, sch: Schedule, mt: int) -> Scratch:
 
 
 def prepare(device: torch.device, o: GemmArgs, gate_up: GemmArgs, down: GemmArgs, dtype: torch.dtype,
-            variant: tuple[int, int] = DEFAULT_VARIANT) -> None:
+            variant: Variant = DEFAULT_VARIANT) -> None:
     """Everything a launch needs that a graph capture must not make: the variant's library and shared-memory limit,
     and the scratch of both token tiles (1..8, 9..16 tokens)."""
     bf16 = dtype == torch.bfloat16
@@ -335,7 +344,7 @@ def prepare(device: torch.device, o: GemmArgs, gate_up: GemmArgs, down: GemmArgs
 
 def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: float, o: GemmArgs, gate_up: GemmArgs,
              down: GemmArgs, *, pdl: bool | None = None, ctas: int | None = None,
-             variant: tuple[int, int] = DEFAULT_VARIANT) -> tuple[torch.Tensor, torch.Tensor]:
+             variant: Variant = DEFAULT_VARIANT) -> tuple[torch.Tensor, torch.Tensor]:
     """(h1, delta): h1 = h + o_proj(attn) (the residual stream after attention), delta = down(SiLU(gate) * up) of
     rmsnorm(h1) -- what the present path computes from `lp.o`, `add_norm` and the MLP -- in one launch. attn [M, KO],
     h [M, H] with unit column stride; returns new contiguous [M, H] tensors."""

@@ -73,7 +73,9 @@ class CudaLibrary:
         nvcc = find_nvcc()
         if nvcc is None:
             raise RuntimeError("nvcc not found (set CUDA_HOME)")
-        return [nvcc, *(CUBIN_FLAGS if cubin else self.flags), "-o", str(out), str(self.src)]
+        # a variant's cubin is that variant's: its -D knobs go with the cubin flags
+        flags = (*CUBIN_FLAGS, *(f for f in self.flags if f.startswith("-D"))) if cubin else self.flags
+        return [nvcc, *flags, "-o", str(out), str(self.src)]
 
     def build(self) -> Path:
         """Compile the library if this source has not been built yet (atomic: concurrent builders are safe)."""

@@ -166,26 +166,30 @@ def test_phase_counters_and_lora_shares() -> None:
         assert len(sch.shrink_units(gi)) <= 264  # one unit per LoRA warp at most: no warp runs two in series
 
 
-def _ptxas_report(folder: Path) -> str:
-    """ptxas' resource report of the source as it is, kept beside the kernel cache so a run compiles it once (the
-    suite also runs with pytest's own cache turned off)."""
-    path = folder / f"ptxas-{dl.source_hash()}.txt"
+def _ptxas_report(folder: Path, variant: tuple[int, ...] = dl.DEFAULT_VARIANT) -> str:
+    """ptxas' resource report of the source as it is (one build variant), kept beside the kernel cache so a run
+    compiles it once (the suite also runs with pytest's own cache turned off)."""
+    lib = dl.library(variant)
+    path = folder / f"ptxas-{lib.name}-{lib.source_hash()}.txt"
     if not path.exists():
         cubin = path.with_suffix(".cubin")
-        res = subprocess.run(dl.compile_command(cubin, cubin=True), capture_output=True, text=True)
+        res = subprocess.run(lib.compile_command(cubin, cubin=True), capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-3000:]
         path.write_text(res.stdout + res.stderr)
     return path.read_text()
 
 
-def test_cuda_source_builds_for_hopper_without_spills() -> None:
+@pytest.mark.parametrize("variant", [dl.DEFAULT_VARIANT, (4, 2, 1)], ids=["default", "x-fragments-ahead"])
+def test_cuda_source_builds_for_hopper_without_spills(variant: tuple[int, ...]) -> None:
     if dl._nvcc() is None:
         pytest.skip("nvcc not installed")
     from qerl_kernels.options import kernel_options
 
     folder = kernel_options().cuda_cache
     folder.mkdir(parents=True, exist_ok=True)
-    report = _ptxas_report(folder)
+    report = _ptxas_report(folder, variant)
+    if len(variant) > 2:  # the knob reached the compiler: the report is this variant's
+        assert dl.library(variant).compile_command(folder / "x.cubin", cubin=True).count("-DQERL_DL_XPF=1") == 1
     kernels = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", report)
     assert len(kernels) == 4, report[-2000:]  # MT 1/2 x bf16/fp16
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)

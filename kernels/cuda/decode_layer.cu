@@ -43,11 +43,18 @@
 // is that of fp4_gemm.cu (docs/kernels.md); its device helpers are in fp4_frag.cuh, which both include, so that this
 // library still builds on its own in seconds; what it shares with the attention half (decode_attn.cu) is in
 // decode_common.cuh. Intermediates written inside the launch are read with ordinary
-// (coherent) loads or ld.global.cg, never ld.global.nc. Build-time knobs: QERL_DL_S (ring stages per warp) and
-// QERL_DL_MINB (CTAs per SM the registers are budgeted for).
+// (coherent) loads or ld.global.cg, never ld.global.nc. Build-time knobs: QERL_DL_S (ring stages per warp),
+// QERL_DL_MINB (CTAs per SM the registers are budgeted for) and QERL_DL_XPF (1: gate/up's and down's x fragments
+// loaded two slices ahead at one token tile; the same sums in the same order, so the same bits).
 #include "decode_common.cuh"
 
+#ifndef QERL_DL_XPF
+#define QERL_DL_XPF 0
+#endif
+
 namespace qerl_dl {
+
+constexpr bool XPF = QERL_DL_XPF != 0;
 
 // grid-wide counters: GEMM phases done (o, x2 written, gate/up), shrink partials written (per group), h summed (per
 // group), the launch's end
@@ -221,7 +228,19 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc0[t][e] = acc1[t][e] = acc0x[t][e] = acc1x[t][e] = 0.f;
     }
-    auto chunk = [&](float (&acc)[MT][4], float (&accx)[MT][4], int ch) {
+    // XPF builds: the x fragments of gate/up and down (precomputed, in L2) are loaded ahead into nx, so their L2
+    // latency is hidden behind the mma of the slices before instead of stalling each slice (o reads attn rows)
+    // Two slices ahead (8 registers a token tile: four ahead spilled at 128 registers)
+    const bool pf = XPF && MT == 1 && gi != 0;
+    uint4 nx[2][MT];  // (unused where pf is false)
+    auto load_x = [&](int ch) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int t = 0; t < MT; ++t) nx[i][t] = xp[xp_index(kx, t, ch * 4 + i, lane)];
+      }
+    };
+    auto chunk = [&](float (&acc)[MT][4], float (&accx)[MT][4], int ch, int chn) {
       cp_async_wait<S - 2>();
       __syncwarp();  // the slot's scales came from other lanes; the slot refilled next was read by all lanes
       if (ig < 3) issue((j + S - 1) & (S - 1));
@@ -245,7 +264,14 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
         uint4 bf[MT];
 #pragma unroll
         for (int t = 0; t < MT; ++t) {
-          if (gi != 0) {
+          if (pf) {  // slice i, loaded two slices ago; slice i + 2 (of this unit, or the next's) in its place
+            bf[t] = nx[i & 1][t];
+            if (i < 2) {
+              nx[i & 1][t] = xp[xp_index(kx, t, ch * 4 + i + 2, lane)];
+            } else if (chn >= 0) {
+              nx[i & 1][t] = xp[xp_index(kx, t, chn * 4 + i - 2, lane)];
+            }
+          } else if (gi != 0) {
             bf[t] = xp[xp_index(kx, t, ch * 4 + i, lane)];
           } else if (xrow[t] != nullptr) {
             const uint16_t* xb = xrow[t] + ch * 128 + 32 * i + 2 * q;
@@ -276,13 +302,23 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       }
     };
     int b = u0 / G.u;
+    if (pf && u0 < u1) {  // the first unit's fragments (x is complete: this stage's wait is behind us)
+      const int w0 = u0 - b * G.u;
+      load_x(w0 >= G.kc ? w0 - G.kc : w0);
+    }
     for (int u = u0; u < u1; ++b) {
       const int bend = (b + 1) * G.u, stop = bend < u1 ? bend : u1;
       for (int within = u - b * G.u; u < stop; ++u, ++within) {
+        // the chunk of this warp's next unit (-1: none): the next within the block, or chunk 0 of the next block
+        int chn = -1;
+        if (u + 1 < u1) {
+          const int wn = within + 1 == G.u ? 0 : within + 1;
+          chn = wn >= G.kc ? wn - G.kc : wn;
+        }
         if (within >= G.kc) {
-          chunk(acc1, acc1x, within - G.kc);
+          chunk(acc1, acc1x, within - G.kc, chn);
         } else {
-          chunk(acc0, acc0x, within);
+          chunk(acc0, acc0x, within, chn);
         }
       }
       // the block's partial from this warp, counted; the last of its warps finishes the block
@@ -466,6 +502,7 @@ int qerl_dl_smem(int mt) { return mt == 1 ? qerl_dl::Smem<1>::BYTES : qerl_dl::S
 // the build's knobs: ring stages per warp, CTAs per SM budgeted
 int qerl_dl_stages() { return qerl_dl::S; }
 int qerl_dl_minb() { return qerl_dl::MINB; }
+int qerl_dl_xpf() { return qerl_dl::XPF ? 1 : 0; }
 
 // One launch of the MLP half. Per GEMM g (o, gate/up, down), 9 pointers: weight, scales, global scale, A_cat, B_blk,
 // shrink partials, GEMM partials, block counters, h; 6 ints: N, K, R, kseg, nseg, pmax (R = 0: no LoRA).
