@@ -411,9 +411,10 @@ def _activations(dims: ModelDims, elem: int, tokens: int, gc: bool, fp32_inputs:
     token and layer peft's fp32-input LoRA layer keeps on top (an unquantized base)."""
     per_layer = dims.act_bytes_per_token_layer(elem) + fp32_inputs
     if gc:  # every layer's input; in the backward one layer's recomputed set (+ its gradient in flight)
-        kept = tokens * dims.layers * (dims.hidden + dims.moe_checkpoint_extra) * elem
+        kept = tokens * dims.layers * (dims.hidden + dims.moe_kept_extra) * elem
         return kept, tokens * (per_layer + 2 * dims.hidden * elem)
-    return tokens * dims.layers * per_layer, tokens * dims.grad_bytes_per_token_layer(elem)
+    kept = tokens * dims.layers * (per_layer + dims.moe_kept_extra * elem)
+    return kept, tokens * dims.grad_bytes_per_token_layer(elem)
 
 
 def _recompute(dims: ModelDims, elem: int, tokens: int) -> int:

@@ -34,12 +34,14 @@ class ModelDims(ArchDims):
         return self.intermediate * (self.top_k or 1)
 
     @property
-    def moe_checkpoint_extra(self) -> int:
-        """Per token and sparse layer, in dtype elements: what a checkpointed training forward of a mixture of
-        experts keeps on the GPU beyond each layer's input. Measured, not derived: the Qwen3-30B-A3B step at
-        micro-batch 16 with checkpointing peaked 30 GiB above the layer inputs, exactly one [tokens * k, hidden]
-        tensor per sparse layer, while the CPU's per-expert path keeps nothing there; which tensor of the grouped
-        path it is has not been found, so the plan counts it rather than run out of memory."""
+    def moe_kept_extra(self) -> int:
+        """Per token and sparse layer, in dtype elements: what a training forward of a mixture of experts keeps on
+        the GPU beyond what the layer's autograd graph accounts for (with checkpointing: beyond each layer's input).
+        Measured, not derived, in both modes: the Qwen3-30B-A3B step at micro-batch 16 with checkpointing peaked
+        30 GiB above the layer inputs (H100, 2026-11-27), and at micro-batch 4 without it 7.2 GiB above the plan's
+        activations (H200, 2026-11-29: 31.4 KB per token and layer against 32 KB for this count), each exactly one
+        [tokens * k, hidden] tensor per sparse layer, while the CPU's per-expert path keeps nothing there; which
+        tensor of the grouped path it is has not been found, so the plan counts it rather than run out of memory."""
         return self.top_k * self.hidden if self.experts else 0
 
     @property
