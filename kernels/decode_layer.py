@@ -395,7 +395,16 @@ def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: flo
                                     int(bf16), ctas, int(cuda_fp4.use_pdl(pdl)), stream)
     if err:
         raise RuntimeError(f"decode layer kernel: cudaError {err}")
+    _record((o, gate_up, down))
     return h1, out
+
+
+def _record(gemms: tuple[GemmArgs, ...]) -> None:
+    """The bench's account of what ran (`dispatch.record_shape`): these GEMMs ran inside the persistent kernel."""
+    from qerl_kernels import dispatch
+
+    for g in gemms:
+        dispatch.record_shape(g.n, g.k, "decode-layer")
 
 
 # ---- CPU: the kernel's computation in its order, and the present path's math -----------------------------------
@@ -822,6 +831,7 @@ def attn_half(h: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor,
         int(cuda_fp4.use_pdl(pdl)), stream)
     if err:
         raise RuntimeError(f"decode attention-half kernel: cudaError {err}")
+    _record((qkv,))
     return hout, q
 
 

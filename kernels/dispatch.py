@@ -300,7 +300,9 @@ def experts_humming_forward(experts: nn.Module, proj: str, x: torch.Tensor, expe
             lay = indexed_layout(expert_ids, experts.num_experts, block_m)
             if layouts is not None:
                 layouts[block_m] = lay
-        return humming_peer.experts_forward(layer, x, *lay, top_k=x_div, tuning=tuning)
+        y = humming_peer.experts_forward(layer, x, *lay, top_k=x_div, tuning=tuning)
+        record_shape(*experts.projection_shape(proj)[1:], "humming")
+        return y
     except Exception as exc:  # a shape or config humming refuses: qerl's grouped kernel runs it instead
         if torch.cuda.is_current_stream_capturing():
             raise  # a failure inside a capture has broken it already; say so rather than fall back silently
@@ -619,7 +621,13 @@ def plans() -> dict[str, dict[str, str]]:
 
 def record_ran(module: nn.Module, kernel: str) -> None:
     """Count one forward of `module` through `kernel` (called where the kernel is launched)."""
-    per = _ran.setdefault((int(module.out_features), int(module.in_features)), {})
+    record_shape(int(module.out_features), int(module.in_features), kernel)
+
+
+def record_shape(n: int, k: int, kernel: str) -> None:
+    """Count one forward of an [N, K] projection through `kernel`, where no module is at hand (the persistent
+    decode layer's GEMMs, a routed experts' projection)."""
+    per = _ran.setdefault((int(n), int(k)), {})
     per[kernel] = per.get(kernel, 0) + 1
 
 

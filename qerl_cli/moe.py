@@ -432,7 +432,17 @@ def _project_grouped(experts: MoeExperts, proj: str, x: torch.Tensor, routing: R
                            out_rows=routing.assignments, out=y)
         return y
     kind, w = _grouped_weight(experts, proj, x)
+    _record_ran(experts, proj, "qerl-grouped")
     return grouped_linear(xb, routing.rows, routing.block_expert, kind=kind, **w, lora_h=h, lora_b=bs, **common)
+
+
+def _record_ran(experts: MoeExperts, proj: str, kernel: str) -> None:
+    """The bench's account of what ran a routed projection (`qerl_kernels.dispatch.record_shape`)."""
+    try:
+        from qerl_kernels import dispatch
+    except ImportError:
+        return
+    dispatch.record_shape(*experts.projection_shape(proj)[1:], kernel)
 
 
 def _peer_base(experts: MoeExperts, proj: str, x: torch.Tensor, routing: Routing, x_div: int) -> torch.Tensor | None:

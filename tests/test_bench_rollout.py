@@ -285,6 +285,39 @@ def test_kernels_ran_label_names_one_kernel_or_the_split():
     assert summarize({}, classes, "cublas") == ("cublas", {})  # nothing counted: the format's own path
 
 
+def test_kernels_ran_names_the_persistent_layer_and_the_routed_experts():
+    """The 32B decode of 2026-11-29 said `humming` while the persistent MLP-half kernel ran o, gate/up and down:
+    kernels launched outside the dispatcher count their GEMMs by shape too, and a mixture of experts' routed
+    projections are classes of their own."""
+    from qerl_kernels import dispatch
+
+    from qerl_cli.bench.kernels_ran import projection_classes, read, reset
+    from qerl_cli.moe import DOWN, GATE_UP, _record_ran, quantize_experts
+
+    class Dense:  # Qwen2.5-32B's layer
+        hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size = 5120, 40, 8, 128, 27648
+
+    reset()
+    dispatch.record_shape(7168, 5120, "humming")  # q/k/v fused, through the dispatcher
+    for n, k in ((5120, 5120), (55296, 5120), (5120, 27648)):  # what decode_layer.mlp_half records per launch
+        dispatch.record_shape(n, k, "decode-layer")
+    label, split = read(Dense(), "triton")
+    assert label == "mixed (qkv humming, q|o decode-layer, gate_up decode-layer, down decode-layer)", label
+
+    class Moe:  # Qwen3-30B-A3B's layer: 128 experts of 768
+        hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size = 2048, 32, 4, 128, 6144
+        moe_intermediate_size, num_experts = 768, 128
+
+    classes = projection_classes(Moe())
+    assert classes[(1536, 2048)] == "experts gate_up" and classes[(2048, 768)] == "experts down"
+    experts = quantize_experts(torch.randn(4, 2 * 8, 16), torch.randn(4, 16, 8), "bf16", dtype=torch.float32)
+    reset()
+    _record_ran(experts, GATE_UP, "qerl-grouped")
+    _record_ran(experts, DOWN, "qerl-grouped")
+    assert dispatch.ran() == {(16, 16): {"qerl-grouped": 1}, (16, 8): {"qerl-grouped": 1}}
+    reset()
+
+
 def test_the_kernels_count_the_forwards_they_run():
     """What `bench rollout`'s linears column reads: each forward counted where its kernel launches, by GEMM shape."""
     from qerl_kernels import dispatch

@@ -38,6 +38,9 @@ def projection_classes(config: Any) -> dict[tuple[int, int], str]:
              ("o", hidden, heads * hd)]
     if inter:
         pairs += [("gate_up", 2 * inter, hidden), ("gate|up", inter, hidden), ("down", hidden, inter)]
+    moe_inter = getattr(config, "moe_intermediate_size", None)  # the routed experts (one class per projection)
+    if moe_inter and (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)):
+        pairs += [("experts gate_up", 2 * moe_inter, hidden), ("experts down", hidden, moe_inter)]
     for name, n, k in pairs:
         names = shapes.setdefault((n, k), [])
         if name not in names:
