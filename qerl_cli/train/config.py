@@ -39,7 +39,6 @@ NO_ROLLOUT_QUANT = "none"
 ROLLOUT_QUANTS = (NO_ROLLOUT_QUANT, *rollout_formats())
 REQUANT_SCALES = ("fixed", "dynamic")
 # the rollout weight formats the W4A8 kernel serves (kernels/w4a8.py; --rollout-w4a8)
-W4A8_FORMATS = ("nvfp4", "mxfp4")
 FLASHRL_IS_CAP = 2.0  # FlashRL's token-TIS cap C
 
 
@@ -218,10 +217,10 @@ class TrainConfig:
             raise QerlError("--rollout-w4a8 turns W4A8 on for the whole process while a rollout runs, and "
                             "--async-rollout runs the rollout beside the update: drop one of them")
         rollout = weights if self.rollout_format is None else self.rollout_quant
-        if rollout is not None and rollout not in W4A8_FORMATS:
-            raise QerlError(f"--rollout-w4a8 needs {' or '.join(W4A8_FORMATS)} rollout weights (the W4A8 kernel "
-                            f"widens FP4 weights to FP8), not {rollout}: quantize the run to nvfp4 or mxfp4, or "
-                            "drop --rollout-w4a8")
+        if rollout is not None and get_format(rollout).kernel != "fp4":  # the W4A8 kernel widens FP4 weights
+            fp4 = " or ".join(n for n in FORMATS if get_format(n).kernel == "fp4")
+            raise QerlError(f"--rollout-w4a8 needs {fp4} rollout weights (the W4A8 kernel widens FP4 weights to "
+                            f"FP8), not {rollout}: quantize the run to {fp4}, or drop --rollout-w4a8")
 
     def check_rollout_gpus(self) -> None:
         """--rollout-gpus trains on samples of older adapter versions: it needs an importance correction, and the
