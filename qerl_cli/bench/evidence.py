@@ -133,6 +133,15 @@ CLAIMS: dict[int, dict[str, str]] = {
                       "and a held-out gain each no more than 5 points below W4A16 rollouts."},
 }
 
+def _no_worse(claim: int, group: str, a: dict[str, Any], b: dict[str, Any], versus: str) -> tuple[Part, ...]:
+    """A switch's learning no worse than without it: mean training reward, late accuracy and held-out gain each
+    non-inferior by the accuracy margin (claims 5 and 6)."""
+    return (Part(claim, f"mean training reward: {versus}", group, a, b, "mean_reward", +1, "noninferior", ACC_MARGIN),
+            Part(claim, f"late accuracy: {versus}", group, a, b, "late_accuracy", +1, "noninferior", ACC_MARGIN),
+            Part(claim, f"held-out gain: {versus}", group, a, b, "heldout_gain", +1, "noninferior", ACC_MARGIN,
+                 levels=HELDOUT_LEVELS))
+
+
 PARTS: tuple[Part, ...] = (
     Part(1, "steps to > 95%: nvfp4 vs bf16 (AQN off)", "qerl", _nv("nvfp4", False), _nv("bf16", False),
          "steps_to_threshold", -1, "noninferior", STEP_MARGIN),
@@ -167,21 +176,11 @@ PARTS: tuple[Part, ...] = (
     # claim 5 needs a setting where replay has something to prevent: the first part says whether the run had one
     Part(5, "routing disagreement with replay off, vs 0", "moe", REPLAY_OFF, None, "replay_disagreement", +1,
          "better", 0.0),
-    Part(5, "mean training reward: replay on vs off", "moe", REPLAY_ON, REPLAY_OFF, "mean_reward", +1,
-         "noninferior", ACC_MARGIN),
-    Part(5, "late accuracy: replay on vs off", "moe", REPLAY_ON, REPLAY_OFF, "late_accuracy", +1, "noninferior",
-         ACC_MARGIN),
-    Part(5, "held-out gain: replay on vs off", "moe", REPLAY_ON, REPLAY_OFF, "heldout_gain", +1, "noninferior",
-         ACC_MARGIN, levels=HELDOUT_LEVELS),
+    *_no_worse(5, "moe", REPLAY_ON, REPLAY_OFF, "replay on vs off"),
     # claim 6 needs rollouts W4A8 actually changed (a GPU with FP8 tensor cores, rows >= QERL_W4A8_MIN_M): the first
     # part says whether they did
     Part(6, "mean mismatch k3: W4A8 vs W4A16 rollouts", "w4a8", W4A8_ON, W4A8_OFF, "mean_k3", +1, "better", 0.0),
-    Part(6, "mean training reward: W4A8 vs W4A16 rollouts", "w4a8", W4A8_ON, W4A8_OFF, "mean_reward", +1,
-         "noninferior", ACC_MARGIN),
-    Part(6, "late accuracy: W4A8 vs W4A16 rollouts", "w4a8", W4A8_ON, W4A8_OFF, "late_accuracy", +1, "noninferior",
-         ACC_MARGIN),
-    Part(6, "held-out gain: W4A8 vs W4A16 rollouts", "w4a8", W4A8_ON, W4A8_OFF, "heldout_gain", +1, "noninferior",
-         ACC_MARGIN, levels=HELDOUT_LEVELS),
+    *_no_worse(6, "w4a8", W4A8_ON, W4A8_OFF, "W4A8 vs W4A16 rollouts"),
 )
 
 
