@@ -84,7 +84,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-
 @pytest.mark.parametrize("block_m", [8, 16])
 def test_the_one_launch_layout_equals_torch_and_replays_in_a_graph(block_m: int,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,6 +133,7 @@ def test_the_one_launch_layout_equals_torch_and_replays_in_a_graph(block_m: int,
         graph.replay()
         torch.cuda.synchronize()
         same(out, new)
+
 
 @needs_humming
 @pytest.mark.parametrize("tokens", [1, 64])
