@@ -437,11 +437,10 @@ def _project_grouped(experts: MoeExperts, proj: str, x: torch.Tensor, routing: R
 
 
 def _record_ran(experts: MoeExperts, proj: str, kernel: str) -> None:
-    """The bench's account of what ran a routed projection (`qerl_kernels.dispatch.record_shape`)."""
-    try:
-        from qerl_kernels import dispatch
-    except ImportError:
-        return
+    """The bench's account of what ran a routed projection (`qerl_kernels.dispatch.record_shape`; called where a
+    grouped kernel runs, so qerl_kernels is there)."""
+    from qerl_kernels import dispatch
+
     dispatch.record_shape(*experts.projection_shape(proj)[1:], kernel)
 
 

@@ -353,13 +353,14 @@ $b $common}" ;;
 --set max_completion_length=128 --set steps=${QERL_EV_LONG_STEPS:-12} ${b/batch_prompts=8/batch_prompts=4} $common" ;;
   esac
 }
+per_seed() { local s; for ((s = 0; s < $1; s++)); do echo "p$s $s 1"; done; }  # N: one process per seed
 ev_procs() {  # GROUP: one line per process, "name seed_start seeds --skip ..." (the first builds the training set)
-  local s i j a p cells=("grpo bf16" "grpo fp16" "pg_seq_is bf16" "pg_seq_is fp16") skips
+  local i j a p cells=("grpo bf16" "grpo fp16" "pg_seq_is bf16" "pg_seq_is fp16") skips
   case $1 in
-    qerl) for ((s = 0; s < ${QERL_EV_QERL_SEEDS:-8}; s++)); do echo "p$s $s 1"; done ;;
-    flashrl) for ((s = 0; s < ${QERL_EV_FLASHRL_SEEDS:-8}; s++)); do echo "p$s $s 1"; done ;;
-    moe) for ((s = 0; s < ${QERL_EV_MOE_SEEDS:-4}; s++)); do echo "p$s $s 1"; done ;;
-    w4a8) for ((s = 0; s < ${QERL_EV_W4A8_SEEDS:-4}; s++)); do echo "p$s $s 1"; done ;;
+    qerl) per_seed "${QERL_EV_QERL_SEEDS:-8}" ;;
+    flashrl) per_seed "${QERL_EV_FLASHRL_SEEDS:-8}" ;;
+    moe) per_seed "${QERL_EV_MOE_SEEDS:-4}" ;;
+    w4a8) per_seed "${QERL_EV_W4A8_SEEDS:-4}" ;;
     fp16) for i in "${!cells[@]}"; do  # one process per cell: the other three skipped
             skips=""
             for j in "${!cells[@]}"; do

@@ -38,7 +38,6 @@ SHARDINGS = ("auto", "none", "ddp", "fsdp2")
 NO_ROLLOUT_QUANT = "none"
 ROLLOUT_QUANTS = (NO_ROLLOUT_QUANT, *rollout_formats())
 REQUANT_SCALES = ("fixed", "dynamic")
-# the rollout weight formats the W4A8 kernel serves (kernels/w4a8.py; --rollout-w4a8)
 FLASHRL_IS_CAP = 2.0  # FlashRL's token-TIS cap C
 
 
