@@ -563,3 +563,29 @@ def test_cpu_dry_run_is_sized_by_the_tasks_prompts_and_says_why_no_time(run_dir)
     hand = (activations + dequantized) / GIB
     fwd_bwd = float(re.search(r"fwd_bwd ([\d.]+)", text).group(1))
     assert hand < fwd_bwd < 1.5 * hand  # gradients, the stored weights and one layer's backward on top
+
+
+def test_engine_shares_are_of_the_capped_memory_on_a_larger_gpu() -> None:
+    """Under a 79.2 GiB cap on a 140 GiB GPU the engines' fractions (of the physical device) shrink with it: a share
+    the user gives, and vLLM's default half, are of the 79.2 GiB the run may use; the builtin engine's own share
+    is the plan's (the cap's fraction). Before, vLLM took 0.35 x 140 GiB = 49 GiB beside a 30B trainer and the
+    step ran out of memory in setup."""
+    from qerl_cli.train.config import TrainConfig
+    from qerl_cli.train.memory_plan import resolve_settings
+
+    total = 140 * GIB
+    plan = plan_memory(Q7, weights=int(6 * GIB), capacity=int(79.2 * GIB), device_total=total, elem=2, sequences=64,
+                       prompt_tokens=256, completion_tokens=1024, lora_rank=32, lora_targets=ALL, prompts=8)
+    assert plan.device_total == total and plan.gpu_memory_utilization == pytest.approx(79.2 / 140)
+
+    def share(**kw) -> float:
+        return resolve_settings(TrainConfig(gpu_memory_gib=79.2, **kw).resolved(), plan).gpu_memory_utilization
+
+    assert share(rollout_engine="vllm", gpu_memory_utilization=0.35) * 140 == pytest.approx(0.35 * 79.2)  # 27.7 GiB
+    assert share(rollout_engine="vllm") * 140 == pytest.approx(0.5 * 79.2)
+    assert share(gpu_memory_utilization=0.9) * 140 == pytest.approx(0.9 * 79.2)
+    assert share() == pytest.approx(79.2 / 140)
+    # uncapped (the cap is the whole device): the fractions as given
+    whole = dataclasses.replace(plan, capacity=total)
+    assert resolve_settings(TrainConfig(rollout_engine="vllm", gpu_memory_utilization=0.35).resolved(),
+                            whole).gpu_memory_utilization == pytest.approx(0.35)

@@ -256,6 +256,9 @@ class MemoryPlan:
     # whose plan (train/phases.py's roles): "both" runs the whole step; under --rollout-gpus a trainer rank ("train")
     # holds no KV cache and a rollout rank ("rollout") no optimizer, gradients or activations
     role: str = ROLE_BOTH
+    # the physical device's bytes when ``capacity`` is a cap below them (--gpu-memory-gib), else None: engines take
+    # their shares as fractions of the physical device (vLLM's gpu_memory_utilization, the KV budget)
+    device_total: int | None = None
 
     @property
     def est_step_s(self) -> float | None:
@@ -553,7 +556,8 @@ def _parts(req: PlanRequest, s: Setting) -> MemoryPlan:
         sequences=req.sequences, seq_tokens=req.seq_tokens, aqn=2 * (2 * dims.layers + 1) * dims.hidden * elem,
         resident_cache=s.keep_rollout_cache,
         routing_batch=req.sequences * req.seq_tokens * dims.layers * dims.top_k * 2 if dims.experts else 0,
-        routing_micro=tokens * dims.layers * dims.top_k * 8 if dims.experts else 0, role=req.role)
+        routing_micro=tokens * dims.layers * dims.top_k * 8 if dims.experts else 0, role=req.role,
+        device_total=req.device_total)
     return _role_parts(plan)
 
 
@@ -895,17 +899,30 @@ class ResolvedSettings:
 
 def resolve_settings(cfg: Any, plan: MemoryPlan) -> ResolvedSettings:
     """The settings of ``cfg`` (a resolved TrainConfig) with ``plan``'s choices: the builtin engine gets the plan's
-    KV slots and cache share and may keep its cache; vLLM keeps an unset share at 0.5 (its own meaning)."""
+    KV slots and cache share and may keep its cache; vLLM takes half the memory the run may use unless told.
+    A share the user gives (and vLLM's half) is of the memory the run may use: under --gpu-memory-gib on a larger
+    GPU, 0.35 of a 79.2 GiB cap is 27.7 GiB, not 0.35 of the physical 141 GB that both engines' fractions are of
+    (vLLM given 0.35 of an H200 beside a 30B trainer capped at 79.2 GiB ran out of memory in setup)."""
     builtin = cfg.rollout_engine == "builtin"
-    util = cfg.gpu_memory_utilization
-    if util is None:
-        util = (plan.gpu_memory_utilization if builtin else None) or 0.5
+    if cfg.gpu_memory_utilization is not None:
+        util = cfg.gpu_memory_utilization * capped_fraction(plan)
+    elif builtin and plan.gpu_memory_utilization is not None:
+        util = plan.gpu_memory_utilization  # the plan's is of the physical device already
+    else:
+        util = 0.5 * capped_fraction(plan)
     # the sequences the plan was made for: the step's, or a rollout rank's chunk (plan_for_config)
     slots = min(cfg.max_batch_slots, plan.sequences)
     if plan.capacity is not None and builtin:
         slots = min(slots, max(1, plan.kv_slots))
     return ResolvedSettings(plan.micro_batch_size, plan.gradient_checkpointing, plan.optimizer_offload,
                             plan.extra_weight_copies, float(util), int(slots), bool(plan.resident_cache) and builtin)
+
+
+def capped_fraction(plan: MemoryPlan) -> float:
+    """The share of the physical device that the run's capacity is (1.0 uncapped or off CUDA)."""
+    if plan.capacity is None or not plan.device_total:
+        return 1.0
+    return min(1.0, plan.capacity / plan.device_total)
 
 
 def role_summary(plan: MemoryPlan, settings: ResolvedSettings) -> dict[str, Any]:
