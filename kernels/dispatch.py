@@ -155,6 +155,8 @@ def prepare(model: nn.Module | Iterable[nn.Module], dtype: torch.dtype = torch.b
     measuring took."""
     if get_backend() != "auto" or not torch.cuda.is_available():
         return {}
+    from qerl_kernels import humming_peer
+
     roots = [model] if isinstance(model, nn.Module) else list(model)
     done: dict[tuple, dict[int, str]] = {}
     t0, measured = time.perf_counter(), 0
@@ -172,6 +174,8 @@ def prepare(model: nn.Module | Iterable[nn.Module], dtype: torch.dtype = torch.b
                 _store_cached(key, plan)
                 measured += 1
             _plans[key] = done[key] = plan
+        if kernel_options().w4a8 and m.fmt in humming_peer.W4A8_FORMATS and "humming" in candidates():
+            done[("w4a8",) + shape_key(m, dtype)] = w4a8_plan(m, dtype)
     if measured:
         log.info("kernel plans: %d new shape(s) measured in %.1f s (%d in all; later runs load them from %s)",
                  measured, time.perf_counter() - t0, len(done), cache_path())
@@ -191,6 +195,95 @@ def humming_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         log.info("humming layout built for %s N=%d K=%d (+%.1f MB resident)", module.fmt, module.out_features,
                  module.in_features, qw.nbytes() / 2**20)
     return humming_peer.forward(layer, x)
+
+
+# ---- W4A8 (QERL_W4A8=1): qerl's kernel or humming's, per shape and M bucket ----------------------------------
+# humming's W4A8 keeps its own copy of the weight (as its W4A16 path does) and covers humming_peer.W4A8_FORMATS;
+# where it can run, the faster of the two at each bucket from QERL_W4A8_MIN_M is measured once (outside any graph
+# capture) and cached with the linears' plans; qerl's kernel runs everything else.
+W4A8_TOLERANCE = 6e-2  # both round activations to E4M3 per token: ~3e-2 relative against the exact product
+
+
+def w4a8_backend(module: nn.Module, x: torch.Tensor) -> str:
+    """'qerl' | 'humming' for one W4A8 forward of `module` on x's rows."""
+    from qerl_kernels import humming_peer
+
+    if module.fmt not in humming_peer.W4A8_FORMATS or "humming" not in candidates():
+        return "qerl"
+    plan = w4a8_plan(module, x.dtype)
+    return "qerl" if plan is None else plan.get(bucket(x.shape[0]), "qerl")
+
+
+def w4a8_plan(module: nn.Module, dtype: torch.dtype) -> dict[int, str] | None:
+    """The W4A8 {bucket: 'qerl' | 'humming'} of `module`'s shape, loaded or measured now; None inside a graph
+    capture before it is known (`prepare` measures it first under QERL_W4A8=1)."""
+    key = ("w4a8",) + shape_key(module, dtype)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _load_cached(key)
+        if plan is None:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            plan = measure_w4a8_plan(module, dtype)
+            _store_cached(key, plan)
+        _plans[key] = plan
+    return plan
+
+
+def humming_w4a8_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from qerl_kernels import humming_peer
+    from qerl_kernels.backends import kernel_state
+
+    st = kernel_state(module)
+    layer = st.extra.get("humming_w4a8")
+    if layer is None:
+        qw = module.quantized_weight
+        layer = st.extra["humming_w4a8"] = humming_peer.build(qw.tensors, module.fmt, module.out_features,
+                                                              module.in_features, bias=module.bias, dtype=x.dtype,
+                                                              act="fp8")
+        log.info("humming W4A8 layout built for %s N=%d K=%d (+%.1f MB resident)", module.fmt, module.out_features,
+                 module.in_features, qw.nbytes() / 2**20)
+    return humming_peer.forward(layer, x)
+
+
+def measure_w4a8_plan(module: nn.Module, dtype: torch.dtype, rep_ms: int = 8) -> dict[int, str]:
+    """Time qerl's W4A8 kernel and humming's at each bucket from QERL_W4A8_MIN_M (CUDA-graph replays, L2
+    flushed); humming wins a bucket only where it is faster and within W4A8_TOLERANCE of the exact product.
+    Returns {bucket: 'qerl' | 'humming'}; humming's copy is dropped where it won nowhere."""
+    from qerl_kernels import backends as ql
+
+    dev = module.qweight.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    funcs = {"qerl": lambda x: ql.w4a8_forward(x, module), "humming": lambda x: humming_w4a8_forward(module, x)}
+    plan: dict[int, str] = {}
+    timings: dict[int, dict[str, float]] = {}
+    with torch.no_grad():
+        for b in (b for b in M_BUCKETS if b >= kernel_options().w4a8_min_m):
+            x = torch.randn(b, module.in_features, device=dev, dtype=dtype, generator=gen)
+            ref = ql.dequant_linear(x, module).float()
+            best, best_t, row = "qerl", float("inf"), {}
+            for c, f in funcs.items():
+                try:
+                    err = ((f(x).float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+                    if not err < W4A8_TOLERANCE:
+                        log.warning("dispatch: %s W4A8 wrong on %s N=%d K=%d M=%d (rel err %.2e); not used", c,
+                                    module.fmt, module.out_features, module.in_features, b, err)
+                        continue
+                    t = _time_gpu(lambda f=f, x=x: f(x), rep_ms)
+                except Exception as exc:  # a candidate that fails here is simply not chosen
+                    log.warning("dispatch: %s W4A8 failed on %s N=%d K=%d M=%d: %s", c, module.fmt,
+                                module.out_features, module.in_features, b, repr(exc)[:200])
+                    continue
+                row[c] = t * 1e3
+                if t < best_t:
+                    best, best_t = c, t
+            plan[b], timings[b] = best, row
+    if "humming" not in plan.values():
+        ql.kernel_state(module).extra.pop("humming_w4a8", None)
+    log.info("dispatch W4A8 plan %s N=%d K=%d %s: %s", module.fmt, module.out_features, module.in_features, dtype,
+             ", ".join(f"M<={b} {plan[b]} ({', '.join(f'{c} {us:.1f}us' for c, us in timings[b].items())})"
+                       for b in plan))
+    return plan
 
 
 # ---- the routed experts of a mixture of experts: the same switch, plans and cache -------------------------------
@@ -437,7 +530,8 @@ def extra_copy_bytes(fmt: str, n: int, k: int) -> int:
         return 0
     from qerl_kernels.fp4 import group_size
 
-    return n * k // 2 + n * (k // group_size(fmt))
+    copies = 2 if kernel_options().w4a8 and fmt in humming_peer.W4A8_FORMATS else 1  # + humming's W4A8 copy
+    return copies * (n * k // 2 + n * (k // group_size(fmt)))
 
 
 # ---- the timing pass -----------------------------------------------------------------------------------

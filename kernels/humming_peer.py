@@ -53,6 +53,10 @@ def version() -> str | None:
 # humming's own input schema: activations quantized to E4M3 per token inside its forward (its W4A8 path)
 _FP8_INPUT = {"quant_method": "humming", "dtype": "float8e4m3", "quant_mode": "dynamic_token"}
 ACTS = ("bf16", "fp8")
+# humming's W4A8 schedules (SM90 WGMMA on E4M3 activations) apply a weight scale group to the fp32 partial at the
+# group's end, so a group must span at least the FP8 MMA's K of 32: MXFP4's does; NVFP4's 16 is refused ("weight
+# scale group=16 is smaller than MMA K=32", H200, 2026-11-29)
+W4A8_FORMATS = ("mxfp4",)
 
 
 def build(tensors: dict[str, torch.Tensor], fmt: str, n: int, k: int, *, bias: torch.Tensor | None = None,

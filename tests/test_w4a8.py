@@ -168,3 +168,35 @@ def test_nvfp4_needs_global_scale() -> None:
     _, scale, _, _, _ = _weights("nvfp4", 64, 128, seed=5)
     with pytest.raises(ValueError, match="global_scale"):
         w4a8_scales(scale, None, "nvfp4")
+
+
+def test_dispatch_asks_humming_only_for_mxfp4_and_per_bucket(monkeypatch, use_options) -> None:  # noqa: ANN001
+    """The W4A8 choice (kernels/dispatch.py): NVFP4 never reaches humming (its 16-weight scale groups are below
+    the FP8 MMA's K of 32, which humming's W4A8 refuses); MXFP4 follows the measured plan per M bucket, and with
+    humming installed the memory plan counts its W4A8 copy beside its W4A16 one (by hand: N x K / 2 nibble bytes
+    + one scale byte per 32 weights, twice)."""
+    from qerl_kernels import dispatch, humming_peer
+    from torch import nn
+
+    from qerl_cli.qlinear import QuantLinear
+
+    assert humming_peer.W4A8_FORMATS == ("mxfp4",)
+    monkeypatch.setattr(humming_peer, "available", lambda: True)
+    use_options(w4a8=True)
+    dispatch.reset()
+    lin = nn.Linear(512, 256, bias=False)
+    mx, nv = QuantLinear.from_linear(lin, "mxfp4"), QuantLinear.from_linear(lin, "nvfp4")
+    x64, x100 = torch.zeros(64, 512), torch.zeros(100, 512)
+    assert dispatch.w4a8_backend(nv, x64) == "qerl"  # decided without a plan
+    dispatch._plans[("w4a8",) + dispatch.shape_key(mx, x64.dtype)] = {64: "humming", 128: "qerl", 256: "humming"}
+    assert [dispatch.w4a8_backend(mx, x) for x in (x64, x100, torch.zeros(200, 512))] == ["humming", "qerl",
+                                                                                         "humming"]
+    use_options(dispatch_candidates="triton,cublas")  # humming kept out of auto: qerl's kernel everywhere
+    assert dispatch.w4a8_backend(mx, x64) == "qerl"
+    use_options(dispatch_candidates="")
+    one = 256 * 512 // 2 + 256 * (512 // 32)
+    assert dispatch.extra_copy_bytes("mxfp4", 256, 512) == 2 * one == 139264
+    assert dispatch.extra_copy_bytes("nvfp4", 256, 512) == 256 * 512 // 2 + 256 * (512 // 16)
+    use_options(w4a8=False)
+    assert dispatch.extra_copy_bytes("mxfp4", 256, 512) == one
+    dispatch.reset()
