@@ -1,6 +1,7 @@
 """The persistent decode layer (`kernels/cuda/decode_layer.cu`): the MLP half of a decoder layer's decode step -- o
 + residual, RMSNorm, gate/up + SiLU*mul, down, with the LoRA shrinks and expands inside -- as ONE launch of
-persistent CTAs (NVFP4 weights in qerl's resident repacked layout, bf16/fp16 activations, M <= 16 tokens); and the
+persistent CTAs (NVFP4 or MXFP4 weights in qerl's resident repacked layout, bf16/fp16 activations, M <= 16 tokens;
+the two formats differ only in their block scales, converted where a unit's scales land); and the
 attention half before the attention (`kernels/cuda/decode_attn.cu`: residual + RMSNorm, the fused q/k/v with LoRA and
 bias, RoPE + KV-cache write) as one more (`attn_half`, `AttnSchedule`, `emulate_attn_half`, `reference_attn_half`; the
 section at the end), on the same device machinery (`kernels/cuda/decode_common.cuh`).
@@ -40,6 +41,11 @@ MAX_M = 16  # two 8-token tiles
 # 7B decode step (H200, 2026-11-29: graph step 5.73 vs 4.91 ms at batch 16; 4.43 vs 4.48 ms at batch 8)
 ENGINE_MAX_M = 8
 MAX_RANK = 256  # the partials' scratch is sized for it
+# the formats the engine hands the kernels: both kernels take MXFP4 too (one E8M0 scale byte per 32 weights instead of
+# an E4M3 one per 16, the only difference), exact against the per-GEMM path in the CPU emulation; the engine takes it
+# once tests/test_decode_layer_cuda.py has passed on the GPU with it
+ENGINE_FORMATS = ("nvfp4",)
+KERNEL_FORMATS = ("nvfp4", "mxfp4")
 NCNT = 10  # grid-wide counters: 3 GEMM phases, 3 shrinks' partials, 3 shrinks' h, the launch's end
 SHRINK_SEGMENTS = 64  # a shrink's K is cut into at most this many segments (their partials are summed in order)
 PHASES = ("o GEMM + residual", "norm (x2 in fragment order)", "gate/up GEMM + SiLU*mul", "down GEMM")
@@ -239,15 +245,38 @@ class Schedule:
 # ---- the launch --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GemmArgs:
-    """One GEMM of the kernel: the module's resident repack, checkpoint scales, global scale, layout, and the LoRA
-    group's A_cat [R, K] / B_blk [N, R] (activation dtype, scaling folded) or None."""
+    """One GEMM of the kernel: the module's resident repack, checkpoint scales, NVFP4 global scale (None for MXFP4),
+    layout, the LoRA group's A_cat [R, K] / B_blk [N, R] (activation dtype, scaling folded) or None, the format and
+    MXFP4's per-tensor exponent shift (fp4.mxfp4_shift)."""
 
     repacked: torch.Tensor
     scale: torch.Tensor
-    global_scale: torch.Tensor
+    global_scale: torch.Tensor | None
     tiled: bool
     a: torch.Tensor | None = None
     b: torch.Tensor | None = None
+    fmt: str = "nvfp4"
+    shift: int = 0
+
+    @property
+    def scale_bytes_per_chunk(self) -> int:
+        """Bytes of one row's block scales per 128-wide chunk: the kernel's only format switch."""
+        from qerl_kernels.fp4 import group_size
+
+        return 128 // group_size(self.fmt)
+
+    def alpha(self) -> torch.Tensor:
+        """The fp32 factor the kernel applies to a block's summed partials: 2^8 / global scale (NVFP4), 2^-F."""
+        if self.global_scale is not None:
+            return torch.tensor(256.0, dtype=torch.float32) / self.global_scale.float().cpu().reshape(())
+        return torch.tensor(2.0 ** -self.shift, dtype=torch.float32)
+
+    def ints(self) -> list[int]:
+        """The launch's two format ints: scale bytes per chunk, exponent shift."""
+        return [self.scale_bytes_per_chunk, self.shift]
+
+    def global_scale_ptr(self) -> int | None:
+        return None if self.global_scale is None else self.global_scale.data_ptr()
 
     @property
     def n(self) -> int:
@@ -262,17 +291,28 @@ class GemmArgs:
         return 0 if self.a is None else self.a.shape[0]
 
 
-def gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> GemmArgs | None:
-    """The kernel's view of an NVFP4 `QuantLinear` holding the in-place repack (None: the kernel cannot take it)."""
-    from qerl_kernels.backends import kernel_state
+def gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None, b: torch.Tensor | None = None, *,
+              formats: tuple[str, ...] = ENGINE_FORMATS) -> GemmArgs | None:
+    """The kernel's view of an FP4 `QuantLinear` (one of `formats`) holding the in-place repack (None: the kernel
+    cannot take it)."""
+    if getattr(module, "bias", None) is not None:
+        return None
+    return _fp4_args(module, a, b, formats)
 
-    if getattr(module, "fmt", None) != "nvfp4" or getattr(module, "bias", None) is not None:
+
+def _fp4_args(module: torch.nn.Module, a: torch.Tensor | None, b: torch.Tensor | None,
+              formats: tuple[str, ...]) -> GemmArgs | None:
+    from qerl_kernels.backends import FP4_FORMATS, kernel_state
+
+    if getattr(module, "fmt", None) not in FP4_FORMATS or module.fmt not in formats:
         return None
     st = kernel_state(module)
     if st.repacked is None:
         return None
     t = st.tensors
-    return GemmArgs(st.repacked, t["weight_scale"], t["weight_global_scale"].float().reshape(1), bool(st.tiled), a, b)
+    gs = t.get("weight_global_scale")
+    return GemmArgs(st.repacked, t["weight_scale"], None if gs is None else gs.float().reshape(1), bool(st.tiled), a,
+                    b, module.fmt, int(st.shift))
 
 
 def check_shapes(o: GemmArgs, gate_up: GemmArgs, down: GemmArgs, m: int) -> str | None:
@@ -381,12 +421,12 @@ def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: flo
         a = g.a.contiguous() if g.a is not None else None
         b = g.b.contiguous() if g.b is not None else None
         keep += [a, b]
-        ptrs += [g.repacked.data_ptr(), g.scale.view(torch.uint8).data_ptr(), g.global_scale.data_ptr(),
+        ptrs += [g.repacked.data_ptr(), g.scale.view(torch.uint8).data_ptr(), g.global_scale_ptr(),
                  a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None, hp.data_ptr(),
                  scr.parts[2 * gi].data_ptr(), scr.parts[2 * gi + 1].data_ptr(), hg.data_ptr()]
-        ints += [g.n, g.k, g.rank, kseg, nseg, scr.pmax[gi]]
+        ints += [g.n, g.k, g.rank, kseg, nseg, scr.pmax[gi], *g.ints()]
     gptr = (ctypes.c_void_p * 27)(*ptrs)
-    gint = (ctypes.c_int * 18)(*ints)
+    gint = (ctypes.c_int * 24)(*ints)
     nw = norm_w.contiguous()
     stream = torch.cuda.current_stream(dev).cuda_stream
     err = _lib(variant).qerl_dl_mlp(gptr, gint, attn.data_ptr(), h.data_ptr(), nw.data_ptr(), h1.data_ptr(),
@@ -419,7 +459,7 @@ def _gemm_fp32(x: torch.Tensor, g: GemmArgs, hl: torch.Tensor | None, sch: Sched
     from qerl_kernels import cuda_fp4
 
     dt = x.dtype
-    w16 = cuda_fp4.emulate_decode(g.repacked.cpu(), g.scale.cpu(), "nvfp4", dt, tiled=g.tiled).float()
+    w16 = cuda_fp4.emulate_decode(g.repacked.cpu(), g.scale.cpu(), g.fmt, dt, tiled=g.tiled, shift=g.shift).float()
     xf = x.float()
     kc = g.k // 128
     chunks = torch.stack([xf[:, c * 128:(c + 1) * 128] @ w16[:, c * 128:(c + 1) * 128].t() for c in range(kc)])
@@ -437,8 +477,7 @@ def _gemm_fp32(x: torch.Tensor, g: GemmArgs, hl: torch.Tensor | None, sch: Sched
                 halves[row] = p if row not in halves else halves[row] + p
         for row, total in halves.items():
             v[:, row:row + 16] = total
-    alpha = torch.tensor(256.0, dtype=torch.float32) / g.global_scale.float().cpu().reshape(())
-    v = v * alpha
+    v = v * g.alpha()
     if hl is not None:
         bf = g.b.float().cpu()
         for r0 in range(0, g.rank, 16):
@@ -696,22 +735,15 @@ class AttnSchedule:
         return c * n // self.ctas, (c + 1) * n // self.ctas
 
 
-def attn_gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None,
-                   b: torch.Tensor | None = None) -> tuple[GemmArgs, torch.Tensor | None] | None:
-    """The attention-half kernel's view of the fused q/k/v NVFP4 `QuantLinear` (resident repack) and its bias as the
+def attn_gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None, b: torch.Tensor | None = None, *,
+                   formats: tuple[str, ...] = ENGINE_FORMATS) -> tuple[GemmArgs, torch.Tensor | None] | None:
+    """The attention-half kernel's view of the fused q/k/v FP4 `QuantLinear` (resident repack) and its bias as the
     cuda FP4 GEMM adds it (fp32, after the LoRA term), or None."""
-    from qerl_kernels.backends import kernel_state
-
-    if getattr(module, "fmt", None) != "nvfp4":
+    args = _fp4_args(module, a, b, formats)
+    if args is None:
         return None
-    st = kernel_state(module)
-    if st.repacked is None:
-        return None
-    t = st.tensors
     bias = getattr(module, "bias", None)
-    bias32 = None if bias is None else bias.detach().float().contiguous()
-    return (GemmArgs(st.repacked, t["weight_scale"], t["weight_global_scale"].float().reshape(1), bool(st.tiled), a, b),
-            bias32)
+    return args, None if bias is None else bias.detach().float().contiguous()
 
 
 def attn_check_shapes(qkv: GemmArgs, m: int, hq: int, hk: int, d: int) -> str | None:
@@ -813,10 +845,10 @@ def attn_half(h: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor,
     a = qkv.a.contiguous() if qkv.a is not None else None
     b = qkv.b.contiguous() if qkv.b is not None else None
     gptr = (ctypes.c_void_p * 9)(qkv.repacked.data_ptr(), qkv.scale.view(torch.uint8).data_ptr(),
-                                 qkv.global_scale.data_ptr(), a.data_ptr() if a is not None else None,
+                                 qkv.global_scale_ptr(), a.data_ptr() if a is not None else None,
                                  b.data_ptr() if b is not None else None, hp.data_ptr(), scr.parts[0].data_ptr(),
                                  scr.parts[1].data_ptr(), hg.data_ptr())
-    gint = (ctypes.c_int * 6)(qkv.n, qkv.k, qkv.rank, kseg, nseg, scr.pmax[0])
+    gint = (ctypes.c_int * 8)(qkv.n, qkv.k, qkv.rank, kseg, nseg, scr.pmax[0], *qkv.ints())
     nw = norm_w.contiguous()
     b32 = bias.float().contiguous() if bias is not None else None
     pos = positions.contiguous()

@@ -30,13 +30,14 @@ Usage (the repo's path shim on PYTHONPATH, as scripts/gpu.sh's `cmd` stage gives
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 import torch
 from qerl_kernels import cuda_fp4, decode
 from qerl_kernels import decode_layer as dl
-from qerl_kernels.fp4 import repack_fp4
+from qerl_kernels.fp4 import mxfp4_shift, repack_fp4
 
 from qerl_cli.formats import dequantize, quantize
 
@@ -48,20 +49,33 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def gemm_of(qw, n: int, a: torch.Tensor | None, b: torch.Tensor | None) -> dl.GemmArgs:  # noqa: ANN001
+    """The kernels' view of a quantized weight as kernel_state builds it (NVFP4 global scale, MXFP4 shift)."""
+    t = qw.tensors
+    gs = t.get("weight_global_scale")
+    shift = mxfp4_shift(t["weight_scale"]) if gs is None else 0
+    return dl.GemmArgs(repack_fp4(t["weight_packed"], tiled=n % 64 == 0).contiguous(), t["weight_scale"],
+                       None if gs is None else gs.float().reshape(1), n % 64 == 0, a, b, qw.fmt, shift)
+
+
+def on_cpu(g: dl.GemmArgs) -> dl.GemmArgs:
+    return dataclasses.replace(g, repacked=g.repacked.cpu(), scale=g.scale.cpu(),
+                               global_scale=None if g.global_scale is None else g.global_scale.cpu(),
+                               a=None if g.a is None else g.a.cpu(), b=None if g.b is None else g.b.cpu())
+
+
 def make_layer(h: int, ko: int, i: int, ranks: tuple[int, int, int], dtype: torch.dtype, dev: str, seed: int,
-               dense: bool) -> dict:
-    """Random NVFP4 o / gate_up (one tensor: one global scale) / down, LoRA factors, inputs; `dense`: also the
-    dequantized fp32 weights (the reference)."""
+               dense: bool, fmt: str = "nvfp4") -> dict:
+    """Random FP4 (`fmt`) o / gate_up (one tensor: one global scale) / down, LoRA factors, inputs; `dense`: also
+    the dequantized fp32 weights (the reference)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     args, weights, loras = [], [], []
     for (n, k), r in zip(((h, ko), (2 * i, h), (h, i)), ranks, strict=True):
         w = torch.randn(n, k, generator=g, device=dev) * k**-0.5
-        qw = quantize(w, "nvfp4")
-        t = qw.tensors
+        qw = quantize(w, fmt)
         a = (torch.randn(r, k, generator=g, device=dev) * k**-0.5).to(dtype) if r else None
         b = (torch.randn(n, r, generator=g, device=dev) * 0.3).to(dtype) if r else None
-        args.append(dl.GemmArgs(repack_fp4(t["weight_packed"], tiled=n % 64 == 0).contiguous(), t["weight_scale"],
-                                t["weight_global_scale"].float().reshape(1), n % 64 == 0, a, b))
+        args.append(gemm_of(qw, n, a, b))
         weights.append(dequantize(qw, torch.float32) if dense else None)
         loras.append(None if a is None else (a, b))
     norm_w = (1 + 0.1 * torch.randn(h, generator=g, device=dev)).to(dtype)
@@ -139,11 +153,9 @@ def layer_bytes(lay: dict, m: int, h: int, ko: int, i: int) -> int:
 def exactness(dev: str) -> list[dict]:
     rows = []
     hd, ko, i = 256, 384, 384
-    for dtype in (torch.bfloat16, torch.float16):
-        lay = make_layer(hd, ko, i, (16, 40, 24), dtype, dev, 1, dense=True)
-        cpu_args = [dl.GemmArgs(g.repacked.cpu(), g.scale.cpu(), g.global_scale.cpu(), g.tiled,
-                                None if g.a is None else g.a.cpu(), None if g.b is None else g.b.cpu())
-                    for g in lay["args"]]
+    for fmt, dtype in ((f, d) for f in dl.KERNEL_FORMATS for d in (torch.bfloat16, torch.float16)):
+        lay = make_layer(hd, ko, i, (16, 40, 24), dtype, dev, 1, dense=True, fmt=fmt)
+        cpu_args = [on_cpu(g) for g in lay["args"]]
         for m in (1, 5, 8, 13, 16):
             attn, hres = inputs(lay, m, ko, hd, dtype, dev)
             runs = []
@@ -155,7 +167,7 @@ def exactness(dev: str) -> list[dict]:
             eh, eo = dl.emulate_mlp_half(attn.cpu(), hres.cpu(), lay["norm_w"].cpu(), 1e-6, *cpu_args, ctas)
             rh, ro = dl.reference_mlp_half(attn, hres, lay["norm_w"], 1e-6, tuple(lay["weights"]), tuple(lay["loras"]))
             (h1, out), (h1b, outb) = runs
-            rows.append(dict(dtype=str(dtype), m=m, err_emul=max(rel(h1.cpu(), eh), rel(out.cpu(), eo)),
+            rows.append(dict(fmt=fmt, dtype=str(dtype), m=m, err_emul=max(rel(h1.cpu(), eh), rel(out.cpu(), eo)),
                              err_present=max(rel(h1, rh), rel(out, ro)),
                              bit_equal_rerun=bool(torch.equal(h1, h1b) and torch.equal(out, outb)),
                              counters_zero=all(c == 0 for c in cnt)))
@@ -241,17 +253,15 @@ def ncu_once(dev: str, shape: str = "7b") -> None:
 
 # ---- the attention half ------------------------------------------------------------------------------------------
 def make_attn_layer(h: int, hq: int, hk: int, d: int, rank: int, bias: bool, dtype: torch.dtype, dev: str, seed: int,
-                    dense: bool, max_len: int = 512) -> dict:
-    """A random NVFP4 fused q/k/v, LoRA (A_cat [rank, H], B_blk [N, rank]), fp32 bias, RoPE tables [max_len, d]."""
+                    dense: bool, max_len: int = 512, fmt: str = "nvfp4") -> dict:
+    """A random FP4 fused q/k/v, LoRA (A_cat [rank, H], B_blk [N, rank]), fp32 bias, RoPE tables [max_len, d]."""
     g = torch.Generator(device=dev).manual_seed(seed)
     n = (hq + 2 * hk) * d
     w = torch.randn(n, h, generator=g, device=dev) * h**-0.5
-    qw = quantize(w, "nvfp4")
-    t = qw.tensors
+    qw = quantize(w, fmt)
     a = (torch.randn(rank, h, generator=g, device=dev) * h**-0.5).to(dtype) if rank else None
     b = (torch.randn(n, rank, generator=g, device=dev) * 0.3).to(dtype) if rank else None
-    args = dl.GemmArgs(repack_fp4(t["weight_packed"], tiled=True).contiguous(), t["weight_scale"],
-                       t["weight_global_scale"].float().reshape(1), True, a, b)
+    args = gemm_of(qw, n, a, b)
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=dev).float() / d))
     ang = torch.arange(max_len, device=dev).float()[:, None] * inv[None, :]
     emb = torch.cat([ang, ang], dim=-1)
@@ -299,12 +309,10 @@ def _attn_kernel(h: torch.Tensor, delta: torch.Tensor | None, pos: torch.Tensor,
 
 def attn_exactness(dev: str) -> list[dict]:
     rows = []
-    for dtype in (torch.bfloat16, torch.float16):
+    for fmt, dtype in ((f, d) for f in dl.KERNEL_FORMATS for d in (torch.bfloat16, torch.float16)):
         for bias in (True, False):
-            lay = make_attn_layer(256, 4, 2, 64, 24, bias, dtype, dev, 3, dense=True, max_len=40)
-            g = lay["args"]
-            cpu_args = dl.GemmArgs(g.repacked.cpu(), g.scale.cpu(), g.global_scale.cpu(), g.tiled, g.a.cpu(),
-                                   g.b.cpu())
+            lay = make_attn_layer(256, 4, 2, 64, 24, bias, dtype, dev, 3, dense=True, max_len=40, fmt=fmt)
+            cpu_args = on_cpu(lay["args"])
             for m in (1, 3, 8, 13):
                 for with_delta in (True, False):
                     h, d, pos, ck, cv = attn_inputs(lay, m, dtype, dev, with_delta)
@@ -330,7 +338,7 @@ def attn_exactness(dev: str) -> list[dict]:
                     touched = torch.zeros(k0.shape[:2], dtype=torch.bool, device=dev)
                     touched[r, pos] = True
                     rows.append(dict(
-                        dtype=str(dtype), m=m, bias=bias, delta=with_delta,
+                        fmt=fmt, dtype=str(dtype), m=m, bias=bias, delta=with_delta,
                         err_emul=max(rel(q.cpu(), eq), rel(hn.cpu(), ehn), rel(kk[r, pos].cpu(), ek[rc, pc]),
                                      rel(vv[r, pos].cpu(), ev[rc, pc])),
                         err_present=max(rel(q, rq), rel(hn, rhn), rel(kk[r, pos], rk[r, pos]),

@@ -11,33 +11,31 @@ from pathlib import Path
 import pytest
 import torch
 from qerl_kernels import decode_layer as dl
-from qerl_kernels.fp4 import repack_fp4
 
 from qerl_cli.formats import dequantize, quantize
+from tests.helpers import decode_gemm as gemm
 
 H, KO, I = 256, 384, 384  # hidden, o's input (heads * head_dim != hidden), intermediate
 
 
-def _quant(n: int, k: int, seed: int) -> tuple[object, torch.Tensor]:
+def _quant(n: int, k: int, seed: int, fmt: str = "nvfp4") -> tuple[object, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * k**-0.5
-    qw = quantize(w, "nvfp4")
+    qw = quantize(w, fmt)
     return qw, dequantize(qw, torch.float32)
 
 
-def _layer(dtype: torch.dtype, ranks: tuple[int, int, int], seed: int = 0) -> dict:
+def _layer(dtype: torch.dtype, ranks: tuple[int, int, int], seed: int = 0, fmt: str = "nvfp4") -> dict:
     g = torch.Generator().manual_seed(100 + seed)
     shapes = ((H, KO), (2 * I, H), (H, I))  # gate/up quantized as one tensor: one global scale, as fused modules hold
     args, weights, loras = [], [], []
     for gi, ((n, k), r) in enumerate(zip(shapes, ranks, strict=True)):
-        qw, wf = _quant(n, k, seed * 10 + gi)
-        t = qw.tensors
+        qw, wf = _quant(n, k, seed * 10 + gi, fmt)
         a = b = None
         if r:
             a = (torch.randn(r, k, generator=g) * k**-0.5).to(dtype)
             b = (torch.randn(n, r, generator=g) * 0.3).to(dtype)
-        args.append(dl.GemmArgs(repack_fp4(t["weight_packed"], tiled=True), t["weight_scale"],
-                                t["weight_global_scale"].float().reshape(1), True, a, b))
+        args.append(gemm(qw, a, b))
         weights.append(wf)
         loras.append(None if a is None else (a, b))
     m = 5
@@ -51,12 +49,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("ranks", "ctas"), [((0, 0, 0), 3), ((16, 40, 24), 1), ((16, 40, 24), 7)])
-def test_emulation_equals_the_present_path_math(dtype: torch.dtype, ranks: tuple[int, int, int], ctas: int) -> None:
+def test_emulation_equals_the_present_path_math(dtype: torch.dtype, ranks: tuple[int, int, int], ctas: int,
+                                                fmt: str) -> None:
     """1 CTA: each warp holds several whole blocks; 3 and 7: blocks cut between up to 5 warps (gate/up pairs cut
-    inside their gate or their up half)."""
-    lay = _layer(dtype, ranks)
+    inside their gate or their up half). MXFP4: its E8M0 scales (one per 32 weights) and 2^-F factor."""
+    lay = _layer(dtype, ranks, fmt=fmt)
     o, gu, dn = lay["args"]
     assert dl.check_shapes(o, gu, dn, lay["attn"].shape[0]) is None
     h1, out = dl.emulate_mlp_half(lay["attn"], lay["h"], lay["norm_w"], 1e-6, o, gu, dn, ctas)
@@ -196,3 +196,15 @@ def test_cuda_source_builds_for_hopper_without_spills(variant: tuple[int, ...]) 
     assert len(frames) == 4 and all(f == ("0", "0", "0") for f in frames), frames
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= 128  # two CTAs of 256 threads per SM
+
+
+def test_format_ints_and_alpha_by_hand() -> None:
+    """The kernels' only format switch: 8 scale bytes per 128-wide chunk (E4M3 per 16) and 2^8 / global scale for
+    NVFP4; 4 (E8M0 per 32) and 2^-F for MXFP4; the engine hands the kernels NVFP4 only until the GPU test passes."""
+    nv, _ = _quant(64, 256, 0, "nvfp4")
+    mx, _ = _quant(64, 256, 0, "mxfp4")
+    gn, gm = gemm(nv, None, None), gemm(mx, None, None)
+    assert gn.ints() == [8, 0] and gm.ints()[0] == 4 and gm.global_scale is None and gm.global_scale_ptr() is None
+    assert gn.alpha().item() == pytest.approx(256.0 / nv.tensors["weight_global_scale"].float().item(), rel=1e-6)
+    assert gm.alpha().item() == 2.0 ** -gm.shift
+    assert dl.ENGINE_FORMATS == ("nvfp4",) and set(dl.KERNEL_FORMATS) == {"nvfp4", "mxfp4"}

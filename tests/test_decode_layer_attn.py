@@ -13,27 +13,25 @@ from pathlib import Path
 import pytest
 import torch
 from qerl_kernels import decode_layer as dl
-from qerl_kernels.fp4 import repack_fp4
 
 from qerl_cli.formats import dequantize, quantize
 from qerl_cli.rollout.fast_layers import FusedOps
+from tests.helpers import decode_gemm as gemm
 
 H, HQ, HK, D = 256, 4, 2, 64  # GQA: 2 query heads per KV head; q/k/v rows (4 + 2 x 2) x 64 = 512
 N = (HQ + 2 * HK) * D
 SLOTS, MAXLEN = 8, 40
 
 
-def _layer(dtype: torch.dtype, rank: int, bias: bool, seed: int = 0) -> dict:
+def _layer(dtype: torch.dtype, rank: int, bias: bool, seed: int = 0, fmt: str = "nvfp4") -> dict:
     g = torch.Generator().manual_seed(200 + seed)
     w = torch.randn(N, H, generator=g) * H**-0.5
-    qw = quantize(w, "nvfp4")
-    t = qw.tensors
+    qw = quantize(w, fmt)
     a = b = None
     if rank:
         a = (torch.randn(rank, H, generator=g) * H**-0.5).to(dtype)
         b = (torch.randn(N, rank, generator=g) * 0.3).to(dtype)
-    args = dl.GemmArgs(repack_fp4(t["weight_packed"], tiled=True), t["weight_scale"],
-                       t["weight_global_scale"].float().reshape(1), True, a, b)
+    args = gemm(qw, a, b)
     # the module stores its bias in the dtype; the cuda GEMM adds it in fp32 (attn_gemm_args)
     bvec = (torch.randn(N, generator=g) * 0.5).to(dtype).float() if bias else None
     # the engine's tables: transformers' default RoPE evaluated in fp32, then cast to the dtype
@@ -70,13 +68,15 @@ def _run(lay: dict, h: torch.Tensor, d: torch.Tensor | None, pos: torch.Tensor, 
     return (hn, q, ek, ev), (rhn, rq, rk, rv)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize(("rank", "bias", "ctas"), [(0, False, 3), (24, False, 1), (24, True, 7), (0, True, 5)])
-def test_emulation_equals_the_present_path_math(dtype: torch.dtype, m: int, rank: int, bias: bool, ctas: int) -> None:
+def test_emulation_equals_the_present_path_math(dtype: torch.dtype, m: int, rank: int, bias: bool, ctas: int,
+                                                fmt: str) -> None:
     """Llama (no bias) and Qwen2 (q/k/v bias), LoRA on/off; 1 CTA: each warp holds whole pairs; 3-7: pairs cut
-    between warps, inside their first or second half."""
-    lay = _layer(dtype, rank, bias)
+    between warps, inside their first or second half; NVFP4 and MXFP4 scales."""
+    lay = _layer(dtype, rank, bias, fmt=fmt)
     assert dl.attn_check_shapes(lay["args"], m, HQ, HK, D) is None
     h, d, pos, ck, cv = _inputs(lay, m, dtype, delta=True)
     (hn, q, ek, ev), (rhn, rq, rk, rv) = _run(lay, h, d, pos, ck, cv, ctas)
@@ -241,9 +241,10 @@ def test_attention_half_builds_for_hopper_without_spills() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     report = _ptxas_report(folder, dl.ATTN_LIBRARY)
     kernels = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", report)
-    assert len(kernels) == 4 and all("decode_attn_kernel" in k for k in kernels), report[-2000:]
+    # (1 or 2 token tiles) x (bf16 or fp16) x (NVFP4 or MXFP4)
+    assert len(kernels) == 8 and all("decode_attn_kernel" in k for k in kernels), report[-2000:]
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(frames) == 4 and all(f == ("0", "0", "0") for f in frames), frames
+    assert len(frames) == 8 and all(f == ("0", "0", "0") for f in frames), frames
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= 128  # two CTAs of 256 threads per SM
 

@@ -1,5 +1,5 @@
 // The attention half of a decoder layer's decode step, before the attention itself, as ONE persistent launch
-// (NVFP4 fused q/k/v weight, bf16/fp16 activations, M <= 16 tokens, one token per KV-cache slot), for Hopper
+// (NVFP4 or MXFP4 fused q/k/v weight, bf16/fp16 activations, M <= 16 tokens, one token per KV-cache slot), for Hopper
 // (sm_90a). The sibling of decode_layer.cu's MLP half, on the same machinery (decode_common.cuh): 7 GEMM warps and
 // one LoRA warp per CTA, at most as many CTAs as are resident at once, grid-wide counters between phases.
 //
@@ -117,8 +117,11 @@ __device__ __forceinline__ void rope(float y1, float y2, float c1, float s1, flo
   o2 = r16<BF16>(__fadd_rn(f16<BF16>(r16<BF16>(__fmul_rn(y2, c2))), f16<BF16>(r16<BF16>(__fmul_rn(y1, s2)))));
 }
 
-template <int MT, bool BF16>
+// NV: NVFP4 (E4M3 scale per 16 weights, global scale) or MXFP4 (E8M0 per 32, exponent shift), a template parameter
+// here (a run-time switch, as the MLP half has, costs this kernel a spilled register at two token tiles)
+template <int MT, bool BF16, bool NV>
 __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnParams p) {
+  constexpr int SPC = NV ? 8 : 4;  // scale bytes per 128-wide chunk of a row
   using L = Smem<MT>;
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);
@@ -128,7 +131,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnPa
   const int c = blockIdx.x, C = gridDim.x, W = C * NG, v = c * NG + warp;
   uint32_t* cvt = reinterpret_cast<uint32_t*>(smem + L::RING + L::SC) + warp * 64;
   const Geo G = attn_geo(p, W);
-  const int kc = G.kc, isk = kc * 8;
+  const int kc = G.kc, isk = kc * SPC;
 
   // the issue cursor over this warp's units: pair ib, unit iw within it, il left; the unit's weight piece / scales
   // (within a half the next unit is one tiled 4 KiB chunk / 8 scale bytes further)
@@ -138,7 +141,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnPa
   auto unit_addr = [&](int b, int within) {
     const int hf = within >= kc, ch = within - hf * kc, row = pair_row(p, b, hf);
     iwp = p.g.w + ((size_t)(row >> 6) * kc + ch) * 4096 + (row & 63) * 64;
-    isp = p.g.s + (size_t)row * isk + ch * 8;
+    isp = p.g.s + (size_t)row * isk + ch * SPC;
   };
   const int u0 = range_first(G, v), u1 = range_first(G, v + 1);
   if (warp < NG && u1 > u0) {
@@ -149,7 +152,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnPa
     uint4* dst = ring + (slot * NG + warp) * 64;
     cp_async16_stream(dst + lane, iwp + g * 64 + q * 16, pol);
     cp_async16_stream(dst + 32 + lane, iwp + (g + 8) * 64 + q * 16, pol);
-    if (lane < 16) cp_async8(scs + (slot * NG + warp) * 16 + lane, isp + lane * isk, pol);
+    if (lane < 16) cp_scales(scs + (slot * NG + warp) * 16 + lane, isp + lane * isk, SPC, pol);
     --il;
     if (++iw == G.u) {
       ++ib, iw = 0;
@@ -157,7 +160,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnPa
     } else if (iw == kc) {  // the pair's second half starts
       unit_addr(ib, iw);
     } else {
-      iwp += 4096, isp += 8;
+      iwp += 4096, isp += SPC;
     }
   };
   if (warp < NG) {
@@ -213,7 +216,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnPa
     // the qkv GEMM over this warp's range; with one token tile the odd 32-wide slices go to a second accumulator
     // (acc0x, acc1x), so that consecutive mma do not wait on each other's result
     constexpr bool SPLIT = MT == 1;
-    const float alpha = 256.0f / *p.g.gs;
+    const float alpha = NV ? 256.0f / *p.g.gs : exp2f((float)(-p.g.shift));
     float acc0[MT][4], acc1[MT][4], acc0x[MT][4], acc1x[MT][4];
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
@@ -233,7 +236,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnPa
         const uint2 raw = scs[(sl * NG + warp) * 16 + (lane >> 1)];
         const int i0 = 2 * (lane & 1);
         *reinterpret_cast<uint2*>(cvt + (lane >> 1) * 4 + i0) =
-            make_uint2(scale_pair<true, BF16>(raw, i0, 0), scale_pair<true, BF16>(raw, i0 + 1, 0));
+            make_uint2(scale_pair<NV, BF16>(raw, i0, p.g.shift), scale_pair<NV, BF16>(raw, i0 + 1, p.g.shift));
       }
       __syncwarp();
       const uint4 ca = *reinterpret_cast<const uint4*>(cvt + g * 4);
@@ -342,14 +345,22 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnPa
   end_of_launch<A_NCNT>(p.cnt, A_END);
 }
 
+// Both formats' kernels; the CTAs per SM that both fit (the host sizes one grid for either).
 template <int MT, bool BF16>
 cudaError_t prepare(int& ctas_per_sm) {
-  return prepare_kernel(decode_attn_kernel<MT, BF16>, Smem<MT>::BYTES, ctas_per_sm);
+  int mx = 0;
+  cudaError_t e = prepare_kernel(decode_attn_kernel<MT, BF16, true>, Smem<MT>::BYTES, ctas_per_sm);
+  if (e == cudaSuccess) e = prepare_kernel(decode_attn_kernel<MT, BF16, false>, Smem<MT>::BYTES, mx);
+  if (mx < ctas_per_sm) ctas_per_sm = mx;
+  return e;
 }
 
 template <int MT, bool BF16>
 cudaError_t launch(const AttnParams& p, int ctas, cudaStream_t st, bool pdl) {
-  return launch_ex(decode_attn_kernel<MT, BF16>, dim3(ctas), dim3(NW * 32), Smem<MT>::BYTES, st, pdl, p);
+  if (p.g.spc == 8) {
+    return launch_ex(decode_attn_kernel<MT, BF16, true>, dim3(ctas), dim3(NW * 32), Smem<MT>::BYTES, st, pdl, p);
+  }
+  return launch_ex(decode_attn_kernel<MT, BF16, false>, dim3(ctas), dim3(NW * 32), Smem<MT>::BYTES, st, pdl, p);
 }
 
 }  // namespace qerl_dl
@@ -369,9 +380,9 @@ int qerl_da_minb() { return qerl_dl::MINB; }
 
 // One launch of the attention half. gptr: the q/k/v GEMM's weight, scales, global scale, A_cat, B_blk, shrink
 // partials, GEMM partials, pair counters, h (9 pointers, as decode_layer.cu's per GEMM); gint: N, K, R, kseg, nseg,
-// pmax. Preconditions (kernels/decode_layer.py checks them): tiled weight (N % 64 == 0), N = (hq + 2 hk) d, d % 32 ==
-// 0, K = H % 128 == 0, M <= 8 * mt <= 16, 4-byte aligned rows, R % 8 == 0 and R <= 256, token m's cache slot is m,
-// cnt and the pair counters zeroed once.
+// pmax, scale bytes per chunk (8 NVFP4, 4 MXFP4), MXFP4's exponent shift. Preconditions (kernels/decode_layer.py
+// checks them): tiled weight (N % 64 == 0), N = (hq + 2 hk) d, d % 32 == 0, K = H % 128 == 0, M <= 8 * mt <= 16,
+// 4-byte aligned rows, R % 8 == 0 and R <= 256, token m's cache slot is m, cnt and the pair counters zeroed once.
 int qerl_da_attn(const void* const* gptr, const int* gint, const float* bias, const void* hres, const void* delta,
                  const void* nw, void* hout, float* ss, const void* cos, const void* sin, const long long* pos,
                  void* q, void* kc, void* vc, long long kc_slot, long long kc_pos, long long vc_slot,
@@ -389,6 +400,7 @@ int qerl_da_attn(const void* const* gptr, const int* gint, const float* bias, co
   g.bcnt = static_cast<unsigned*>(const_cast<void*>(gptr[7]));
   g.hg = static_cast<uint16_t*>(const_cast<void*>(gptr[8]));
   g.N = gint[0], g.K = gint[1], g.R = gint[2], g.kseg = gint[3], g.nseg = gint[4], g.pmax = gint[5];
+  g.spc = gint[6], g.shift = gint[7];
   p.bias = bias;
   p.hres = static_cast<const uint16_t*>(hres);
   p.delta = static_cast<const uint16_t*>(delta);

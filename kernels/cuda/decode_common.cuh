@@ -32,8 +32,8 @@ constexpr int PF_UNITS = 8;      // units of its next range a warp prefetches in
 
 struct Gemm {
   const uint8_t* w;   // resident repacked weight [N, K/2], tiled (64-row groups)
-  const uint8_t* s;   // checkpoint E4M3 block scales [N, K/16]
-  const float* gs;    // NVFP4 global scale [1]
+  const uint8_t* s;   // checkpoint block scales: E4M3 [N, K/16] (NVFP4) or E8M0 [N, K/32] (MXFP4)
+  const float* gs;    // NVFP4 global scale [1] (MXFP4: unused)
   const uint16_t* a;  // LoRA A_cat [R, K], activation dtype (null: no LoRA)
   const uint16_t* b;  // LoRA B_blk [N, R], scaling folded in
   float* hp;          // shrink partials [nseg][M][R] fp32
@@ -41,7 +41,29 @@ struct Gemm {
   float4* part;       // GEMM partials [blocks][pmax][halves][MT][32] (mma fragment order)
   unsigned* bcnt;     // [blocks] partials counted per block; zero between launches
   int N, K, R, kseg, nseg, pmax;
+  int spc;            // scale bytes per 128-wide chunk of a row: 8 (NVFP4) or 4 (MXFP4)
+  int shift;          // MXFP4's per-tensor exponent shift F (fp4.py); 0 for NVFP4
 };
+
+// ---- the two FP4 formats: only the block scales differ (the codes, layout and mma are the same) ------------------
+// One row's scales of one chunk into the ring: 8 bytes (NVFP4) or 4 (MXFP4, into the slot's low word).
+__device__ __forceinline__ void cp_scales(void* dst, const uint8_t* src, int spc, uint64_t pol) {
+  if (spc == 8) {
+    cp_async8(dst, src, pol);
+  } else {
+    cp_async4(dst, src, pol);
+  }
+}
+// Slices i0 and i0 + 1 of a chunk row's raw scales as packed 16-bit scale pairs (fp4_frag.cuh's scale_pair).
+template <bool BF16>
+__device__ __forceinline__ uint2 scale_pairs2(uint2 raw, int i0, int spc, int shift) {
+  if (spc == 8) return make_uint2(scale_pair<true, BF16>(raw, i0, 0), scale_pair<true, BF16>(raw, i0 + 1, 0));
+  return make_uint2(scale_pair<false, BF16>(raw, i0, shift), scale_pair<false, BF16>(raw, i0 + 1, shift));
+}
+// The factor of a GEMM's fp32 sums: 2^8 / global scale (NVFP4) or 2^-F (MXFP4), as fp4_gemm.cu's out_alpha.
+__device__ __forceinline__ float gemm_alpha(int spc, const float* gs, int shift) {
+  return spc == 8 ? 256.0f / *gs : exp2f((float)(-shift));
+}
 
 // ---- activation values ------------------------------------------------------------------------------------------
 template <bool BF16>

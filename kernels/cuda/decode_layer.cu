@@ -1,6 +1,6 @@
-// The MLP half of a decoder layer's decode step as ONE persistent launch (NVFP4 weights, bf16/fp16 activations,
-// M <= 16 tokens), for Hopper (sm_90a). Seven GEMM warps per CTA stream the weights through three phases, a grid-wide
-// counter between them:
+// The MLP half of a decoder layer's decode step as ONE persistent launch (NVFP4 or MXFP4 weights, bf16/fp16
+// activations, M <= 16 tokens), for Hopper (sm_90a). Seven GEMM warps per CTA stream the weights through three
+// phases, a grid-wide counter between them:
 //
 //   o GEMM          h1  = h + rnd(attn @ Wo^T + ho Bo^T)    (+ per-row-block sums of h1^2)
 //   norm            x2  = rnd(w * rnd(h1 * rs))             (in mma fragment order)
@@ -134,16 +134,16 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
   // the issue cursor: GEMM stage ig (3: nothing left), block ib, unit iw within it, il units left in the range, and
   // the unit's weight piece / scales; within a block's half the next unit is 4 KiB / 8 B further (one tiled chunk),
   // so the stage's fields are read only where a block or a half starts
-  int ig = -1, ib = 0, iw = 0, il = 0, iu = 0, ikc = 0, isk = 0;
+  int ig = -1, ib = 0, iw = 0, il = 0, iu = 0, ikc = 0, isk = 0, ispc = 8;
   const uint8_t *iwp = nullptr, *isp = nullptr;
   const uint64_t pol = evict_first_policy();
   // the 16-row x 64-byte piece of a unit (tiled layout: contiguous) and its rows' block scales
   auto unit_addr = [&](int gi, int b, int within, const uint8_t*& wp, const uint8_t*& sp) {
-    const int kc = QERL_SEL(p, gi, K) >> 7;
+    const int kc = QERL_SEL(p, gi, K) >> 7, spc = QERL_SEL(p, gi, spc);
     const int up = gi == 1 && within >= kc;
     const int ch = up ? within - kc : within, row = ((up ? (p.I >> 4) : 0) + b) * 16;
     wp = QERL_SEL(p, gi, w) + ((size_t)(row >> 6) * kc + ch) * 4096 + (row & 63) * 64;
-    sp = QERL_SEL(p, gi, s) + (size_t)row * (kc * 8) + ch * 8;
+    sp = QERL_SEL(p, gi, s) + (size_t)row * (kc * spc) + ch * spc;
   };
   auto settle = [&]() {
     while (ig < 3 && il == 0) {
@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
         il = range_first(G, v + 1) - first;
         ib = first / G.u;
         iw = first - ib * G.u;
-        iu = G.u, ikc = G.kc, isk = G.kc * 8;
+        ispc = QERL_SEL(p, ig, spc);
+        iu = G.u, ikc = G.kc, isk = G.kc * ispc;
         if (il > 0) unit_addr(ig, ib, iw, iwp, isp);
       }
     }
@@ -162,7 +163,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     uint4* dst = ring + (slot * NG + warp) * 64;
     cp_async16_stream(dst + lane, iwp + g * 64 + q * 16, pol);
     cp_async16_stream(dst + 32 + lane, iwp + (g + 8) * 64 + q * 16, pol);
-    if (lane < 16) cp_async8(scs + (slot * NG + warp) * 16 + lane, isp + lane * isk, pol);
+    if (lane < 16) cp_scales(scs + (slot * NG + warp) * 16 + lane, isp + lane * isk, ispc, pol);
     if (--il == 0) {
       settle();
     } else if (++iw == iu) {
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     } else if (iw == ikc && ig == 1) {  // gate/up: the pair's up half starts
       unit_addr(ig, ib, iw, iwp, isp);
     } else {
-      iwp += 4096, isp += 8;
+      iwp += 4096, isp += ispc;
     }
   };
   // L2 prefetch of the PF_UNITS units after the ring's of this warp's range of stage gi (lane i: unit i)
@@ -218,7 +219,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     const uint16_t* B = QERL_SEL(p, gi, b);
     float4* part = QERL_SEL(p, gi, part);
     unsigned* bcnt = QERL_SEL(p, gi, bcnt);
-    const float alpha = 256.0f / *QERL_SEL(p, gi, gs);
+    const int spc = QERL_SEL(p, gi, spc), shift = QERL_SEL(p, gi, shift);
+    const float alpha = gemm_alpha(spc, QERL_SEL(p, gi, gs), shift);
     // gate/up: the gate half, the up half (other stages: acc0); with one token tile the odd 32-wide slices of a chunk
     // go to a second accumulator (acc0x, acc1x), so that consecutive mma do not wait on each other's result
     constexpr bool SPLIT = MT == 1;
@@ -251,8 +253,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       {  // the unit's 16 rows x 4 slices of scale pairs, converted once (lane: row lane/2, slices 2(lane&1) + 0/1)
         const uint2 raw = scs[(sl * NG + warp) * 16 + (lane >> 1)];
         const int i0 = 2 * (lane & 1);
-        *reinterpret_cast<uint2*>(cvt + (lane >> 1) * 4 + i0) =
-            make_uint2(scale_pair<true, BF16>(raw, i0, 0), scale_pair<true, BF16>(raw, i0 + 1, 0));
+        *reinterpret_cast<uint2*>(cvt + (lane >> 1) * 4 + i0) = scale_pairs2<BF16>(raw, i0, spc, shift);
       }
       __syncwarp();
       const uint4 ca = *reinterpret_cast<const uint4*>(cvt + g * 4);
@@ -504,8 +505,9 @@ int qerl_dl_stages() { return qerl_dl::S; }
 int qerl_dl_minb() { return qerl_dl::MINB; }
 int qerl_dl_xpf() { return qerl_dl::XPF ? 1 : 0; }
 
-// One launch of the MLP half. Per GEMM g (o, gate/up, down), 9 pointers: weight, scales, global scale, A_cat, B_blk,
-// shrink partials, GEMM partials, block counters, h; 6 ints: N, K, R, kseg, nseg, pmax (R = 0: no LoRA).
+// One launch of the MLP half. Per GEMM g (o, gate/up, down), 9 pointers: weight, scales, global scale (null for
+// MXFP4), A_cat, B_blk, shrink partials, GEMM partials, block counters, h; 8 ints: N, K, R, kseg, nseg, pmax (R = 0:
+// no LoRA), scale bytes per chunk (8 NVFP4, 4 MXFP4), MXFP4's exponent shift.
 // Preconditions (kernels/decode_layer.py checks them): tiled weights (N % 64 == 0), M <= 8 * mt <= 16,
 // H % 128 == 0, I % 128 == 0, 4-byte aligned rows, R % 8 == 0 and R <= 256, cnt and block counters zeroed once.
 int qerl_dl_mlp(const void* const* gptr, const int* gint, const void* attn, const void* hres, const void* nw, void* h1,
@@ -523,8 +525,9 @@ int qerl_dl_mlp(const void* const* gptr, const int* gint, const void* attn, cons
     g.part = static_cast<float4*>(const_cast<void*>(gptr[9 * i + 6]));
     g.bcnt = static_cast<unsigned*>(const_cast<void*>(gptr[9 * i + 7]));
     g.hg = static_cast<uint16_t*>(const_cast<void*>(gptr[9 * i + 8]));
-    g.N = gint[6 * i + 0], g.K = gint[6 * i + 1], g.R = gint[6 * i + 2];
-    g.kseg = gint[6 * i + 3], g.nseg = gint[6 * i + 4], g.pmax = gint[6 * i + 5];
+    g.N = gint[8 * i + 0], g.K = gint[8 * i + 1], g.R = gint[8 * i + 2];
+    g.kseg = gint[8 * i + 3], g.nseg = gint[8 * i + 4], g.pmax = gint[8 * i + 5];
+    g.spc = gint[8 * i + 6], g.shift = gint[8 * i + 7];
   }
   p.attn = static_cast<const uint16_t*>(attn);
   p.hres = static_cast<const uint16_t*>(hres);
