@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from qerl_cli.bench import harness
+from qerl_cli.bench import harness, kernels_ran
 from qerl_cli.bench.cells import check_cell, parse_cell
 from qerl_cli.bench.harness import figure, num, save_figure
 from qerl_cli.errors import QerlError
@@ -526,7 +526,11 @@ class _FormatStep:
             self.log(f"{self.cell}: trainer ready in {row['build_s']:.1f}s ({self.backend})")
             p_len = (self.prompt_len if self.spec is not None
                      else statistics.mean(len(p) for p in trainer.rollouter.prompt_ids))
+            # the linears column names what ran (the dispatcher picks per shape and bucket: humming, qerl's
+            # kernels, the persistent decode layer), not what the format would pick by default
+            kernels_ran.reset()
             rows = _measure(trainer, self.warmup, self.measure_steps, self.log, self.cell)
+            row["backend"], row["linears"] = kernels_ran.read(trainer.model.config, self.backend)
             row.update(_summarize(rows, p_len))
             row.update(time_estimates(trainer, row, p_len, self.rates))
             from qerl_cli.bench.flops import add_mfu
