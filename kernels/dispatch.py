@@ -132,17 +132,24 @@ def module_plan(module: nn.Module, dtype: torch.dtype, lora_rank: int | None = N
         plan = per_module.get(memo_key)
         if plan is not None:
             return plan
-    key = shape_key(module, dtype, lora_rank)
+    plan = _known_plan(shape_key(module, dtype, lora_rank), lambda: measure_plan(module, dtype, lora_rank=lora_rank))
+    if plan is not None:
+        _module_plans.setdefault(module, {})[memo_key] = plan
+    return plan
+
+
+def _known_plan(key: tuple, measure: Any) -> dict[int, str] | None:
+    """The plan of `key`: in memory, else from the on-disk cache, else measured now by `measure()` and stored; None
+    inside a graph capture when it is not known yet (timing cannot run there)."""
     plan = _plans.get(key)
     if plan is None:
         plan = _load_cached(key)
         if plan is None:
             if torch.cuda.is_current_stream_capturing():
                 return None
-            plan = measure_plan(module, dtype, lora_rank=lora_rank)
+            plan = measure()
             _store_cached(key, plan)
         _plans[key] = plan
-    _module_plans.setdefault(module, {})[memo_key] = plan
     return plan
 
 
@@ -217,17 +224,7 @@ def w4a8_backend(module: nn.Module, x: torch.Tensor) -> str:
 def w4a8_plan(module: nn.Module, dtype: torch.dtype) -> dict[int, str] | None:
     """The W4A8 {bucket: 'qerl' | 'humming'} of `module`'s shape, loaded or measured now; None inside a graph
     capture before it is known (`prepare` measures it first under QERL_W4A8=1)."""
-    key = ("w4a8",) + shape_key(module, dtype)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _load_cached(key)
-        if plan is None:
-            if torch.cuda.is_current_stream_capturing():
-                return None
-            plan = measure_w4a8_plan(module, dtype)
-            _store_cached(key, plan)
-        _plans[key] = plan
-    return plan
+    return _known_plan(("w4a8",) + shape_key(module, dtype), lambda: measure_w4a8_plan(module, dtype))
 
 
 def humming_w4a8_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -254,30 +251,17 @@ def measure_w4a8_plan(module: nn.Module, dtype: torch.dtype, rep_ms: int = 8) ->
 
     dev = module.qweight.device
     gen = torch.Generator(device=dev).manual_seed(0)
-    funcs = {"qerl": lambda x: ql.w4a8_forward(x, module), "humming": lambda x: humming_w4a8_forward(module, x)}
+    what = f"W4A8 {module.fmt} N={module.out_features} K={module.in_features}"
     plan: dict[int, str] = {}
     timings: dict[int, dict[str, float]] = {}
     with torch.no_grad():
         for b in (b for b in M_BUCKETS if b >= kernel_options().w4a8_min_m):
             x = torch.randn(b, module.in_features, device=dev, dtype=dtype, generator=gen)
-            ref = ql.dequant_linear(x, module).float()
-            best, best_t, row = "qerl", float("inf"), {}
-            for c, f in funcs.items():
-                try:
-                    err = ((f(x).float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-                    if not err < W4A8_TOLERANCE:
-                        log.warning("dispatch: %s W4A8 wrong on %s N=%d K=%d M=%d (rel err %.2e); not used", c,
-                                    module.fmt, module.out_features, module.in_features, b, err)
-                        continue
-                    t = _time_gpu(lambda f=f, x=x: f(x), rep_ms)
-                except Exception as exc:  # a candidate that fails here is simply not chosen
-                    log.warning("dispatch: %s W4A8 failed on %s N=%d K=%d M=%d: %s", c, module.fmt,
-                                module.out_features, module.in_features, b, repr(exc)[:200])
-                    continue
-                row[c] = t * 1e3
-                if t < best_t:
-                    best, best_t = c, t
-            plan[b], timings[b] = best, row
+            funcs = {"qerl": lambda x=x: ql.w4a8_forward(x, module),
+                     "humming": lambda x=x: humming_w4a8_forward(module, x)}
+            best, timings[b] = _fastest(funcs, ql.dequant_linear(x, module).float(), W4A8_TOLERANCE, rep_ms,
+                                        f"{what} M={b}")
+            plan[b] = best or "qerl"
     if "humming" not in plan.values():
         ql.kernel_state(module).extra.pop("humming_w4a8", None)
     log.info("dispatch W4A8 plan %s N=%d K=%d %s: %s", module.fmt, module.out_features, module.in_features, dtype,
@@ -346,15 +330,10 @@ def experts_plan(experts: nn.Module, proj: str, dtype: torch.dtype, x_div: int,
     per_module = _module_plans.get(experts)
     if per_module is not None and memo_key in per_module:
         return per_module[memo_key]
-    key = _expert_key(experts, proj, dtype, x_div)
-    plan = _plans.get(key) or _load_cached(key)
-    if plan is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        plan = measure_experts_plan(experts, proj, dtype, x_div, top_k)
-        _store_cached(key, plan)
-    _plans[key] = plan
-    _module_plans.setdefault(experts, {})[memo_key] = plan
+    plan = _known_plan(_expert_key(experts, proj, dtype, x_div),
+                       lambda: measure_experts_plan(experts, proj, dtype, x_div, top_k))
+    if plan is not None:
+        _module_plans.setdefault(experts, {})[memo_key] = plan
     return plan
 
 
@@ -444,27 +423,9 @@ def measure_experts_plan(experts: nn.Module, proj: str, dtype: torch.dtype, x_di
             # each candidate lays its routing out itself, inside the timing: align_blocks, indexed_layout
             funcs = {"qerl": lambda x=x, ids=ids: _grouped_reference(experts, proj, x, ids, x_div),
                      "humming": lambda x=x, ids=ids: experts_humming_forward(experts, proj, x, ids, x_div)}
-            ref = funcs["qerl"]().float()
-            row, best, best_t = {}, "qerl", float("inf")
-            for c, f in funcs.items():
-                try:
-                    y = f()
-                    if y is None:
-                        continue
-                    err = ((y.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-                    if not err < 2e-2:
-                        log.warning("dispatch: %s wrong on the %s experts E=%d N=%d K=%d at %d rows (rel err %.2e); "
-                                    "not used", c, experts.fmt, e, n, k, ids.numel(), err)
-                        continue
-                    t = _time_gpu(f, rep_ms)
-                except Exception as exc:  # a candidate that fails here is simply not chosen
-                    log.warning("dispatch: %s failed on the %s experts E=%d N=%d K=%d: %s", c, experts.fmt, e, n, k,
-                                repr(exc)[:200])
-                    continue
-                row[c] = t * 1e3
-                if t < best_t:
-                    best, best_t = c, t
-            plan[b], timings[b] = best, row
+            best, timings[b] = _fastest(funcs, funcs["qerl"]().float(), 2e-2, rep_ms,
+                                        f"the {experts.fmt} experts E={e} N={n} K={k} at {ids.numel()} rows")
+            plan[b] = best or "qerl"
     if "humming" not in plan.values():  # drop humming's copy when it won nowhere
         _peer_state(experts)["layers"].pop(proj, None)
     log.info("dispatch plan %s experts E=%d N=%d K=%d %s x_div=%d: %s", experts.fmt, e, n, k, dtype, x_div,
@@ -599,25 +560,9 @@ def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...]
                 ref = ref + h.float() @ lora_b.float().T
                 funcs = {c: (lambda x_, mod, f=f, h=h: f(x_, mod).addmm_(h, lora_b.t())) for c, f in base.items()}
                 funcs["cuda"] = lambda x_, mod, h=h: ql.cuda_fused(x_, mod, h, lora_b)
-            best, best_t, row = None, float("inf"), {}
-            for c in cands:
-                try:
-                    y = funcs[c](x, module).float()
-                    err = ((y - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-                    if not err < 2e-2:
-                        log.warning("dispatch: %s wrong on %s N=%d K=%d M=%d (rel err %.2e); not used", c,
-                                    module.fmt, module.out_features, module.in_features, b, err)
-                        continue
-                    t = _time_gpu(lambda f=funcs[c], x=x: f(x, module), rep_ms)
-                except Exception as exc:  # a candidate that fails here is simply not chosen
-                    log.warning("dispatch: %s failed on %s N=%d K=%d M=%d: %s", c, module.fmt,
-                                module.out_features, module.in_features, b, repr(exc)[:200])
-                    continue
-                row[c] = t * 1e3
-                if t < best_t:
-                    best, best_t = c, t
+            best, timings[b] = _fastest({c: (lambda f=funcs[c], x=x: f(x, module)) for c in cands}, ref, 2e-2, rep_ms,
+                                        f"{module.fmt} N={module.out_features} K={module.in_features} M={b}")
             plan[b] = best or _threshold_choice(b)
-            timings[b] = row
     last_timings.clear()
     last_timings.update(timings)
     if "humming" not in plan.values():  # drop humming's copy of the weight when it won nowhere
@@ -627,6 +572,31 @@ def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...]
              ", ".join(f"M<={b} {plan[b]} ({', '.join(f'{c} {us:.1f}us' for c, us in timings[b].items())})"
                        for b in buckets))
     return plan
+
+
+def _fastest(funcs: Mapping[str, Any], ref: torch.Tensor, tol: float, rep_ms: int,
+             what: str) -> tuple[str | None, dict[str, float]]:
+    """The fastest of the candidates `funcs` (no-argument calls; one returning None declines) whose output is
+    within `tol` relative (Frobenius) of `ref`, and each timed candidate's us. A candidate that fails or is wrong is
+    logged and not chosen; None when none qualifies."""
+    best, best_t, row = None, float("inf"), {}
+    for c, f in funcs.items():
+        try:
+            y = f()
+            if y is None:
+                continue
+            err = ((y.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+            if not err < tol:
+                log.warning("dispatch: %s wrong on %s (rel err %.2e); not used", c, what, err)
+                continue
+            t = _time_gpu(f, rep_ms)
+        except Exception as exc:  # a candidate that fails here is simply not chosen
+            log.warning("dispatch: %s failed on %s: %s", c, what, repr(exc)[:200])
+            continue
+        row[c] = t * 1e3
+        if t < best_t:
+            best, best_t = c, t
+    return best, row
 
 
 def _time_gpu(fn, rep_ms: int) -> float:  # noqa: ANN001

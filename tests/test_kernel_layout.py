@@ -176,3 +176,29 @@ def test_dispatch_candidates_follow_the_option(use_options) -> None:  # noqa: AN
     assert dispatch.candidates() == ["triton", "cublas"]
     with pytest.raises(KernelSettingError, match="QERL_DISPATCH_CANDIDATES"):
         use_options(dispatch_candidates="marlin")
+
+
+def test_fastest_candidate_rule(monkeypatch) -> None:  # noqa: ANN001
+    """`dispatch._fastest`, the rule every plan (linears, routed experts, W4A8) is measured by: the fastest of the
+    candidates within the tolerance of the reference; a wrong one, a failing one and one that declines (None) are
+    never chosen, and only the timed ones are reported."""
+    from qerl_kernels import dispatch
+
+    ref = torch.ones(4, 4)
+    times = {"slow": 2.0, "fast_wrong": 0.5, "fast": 1.0}
+    monkeypatch.setattr(dispatch, "_time_gpu", lambda f, rep_ms: times[f.__name__])
+
+    def named(name: str, out):  # noqa: ANN001, ANN202
+        def f():  # noqa: ANN202
+            if isinstance(out, Exception):
+                raise out
+            return out
+        f.__name__ = name
+        return f
+
+    funcs = {"slow": named("slow", ref * 1.001), "fast_wrong": named("fast_wrong", ref * 1.1),
+             "fast": named("fast", ref), "fails": named("fails", RuntimeError("refused")),
+             "declines": named("declines", None)}
+    best, row = dispatch._fastest(funcs, ref, 2e-2, 8, "a test shape")
+    assert best == "fast" and row == {"slow": 2000.0, "fast": 1000.0}
+    assert dispatch._fastest({"fails": funcs["fails"]}, ref, 2e-2, 8, "a test shape") == (None, {})
