@@ -322,6 +322,20 @@ def _expert_bucket(m: int) -> int:
     return next((b for b in EXPERT_BUCKETS if m <= b), EXPERT_BUCKETS[-1])
 
 
+def experts_peer_rows(experts: nn.Module, proj: str, x: torch.Tensor, x_div: int, assignments: int) -> int | None:
+    """humming's block rows for `proj` over `assignments` rows when `choose_experts` picks it (else None), so the
+    caller can lay the routing out for it in the launch that lays it out for qerl's kernels
+    (`moe.routing_layouts`); the layer is the one `experts_humming_forward` then runs."""
+    if choose_experts(experts, proj, x, x_div, assignments) != "humming":
+        return None
+    from qerl_kernels import humming_peer
+
+    try:
+        return humming_peer.indexed_tuning(experts_layer(experts, proj, x.dtype), assignments)[0]
+    except Exception:  # a refusal is experts_humming_forward's to record; the layout is then made where needed
+        return None
+
+
 def experts_plan(experts: nn.Module, proj: str, dtype: torch.dtype, x_div: int,
                  top_k: int | None = None) -> dict[int, str] | None:
     """`auto`'s {assignment bucket: 'qerl' | 'humming'} for `proj` of `experts`, loaded or measured now (None inside

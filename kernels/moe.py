@@ -112,8 +112,9 @@ def _align_on_triton(expert_ids: torch.Tensor, num_experts: int) -> bool:
 
 
 @triton.jit
-def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, ntp_ptr, M, E, BLOCK_M, SLOTS, BLOCKS,
-                      E_PAD: tl.constexpr, C: tl.constexpr, CB: tl.constexpr, FILL: tl.constexpr):
+def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, ntp_ptr, rows2_ptr, bexp2_ptr, ntp2_ptr, M, E, BLOCK_M, SLOTS,
+                      BLOCKS, BLOCK_M2, SLOTS2, BLOCKS2, E_PAD: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
+                      FILL: tl.constexpr, TWO: tl.constexpr):
     lanes = tl.arange(0, E_PAD)
     lane_ok = lanes < E
     chunk = tl.arange(0, C)
@@ -122,6 +123,10 @@ def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, ntp_ptr, M, E, BLOCK_M, SLOTS
     for s0 in range(0, SLOTS, FILL):
         s = s0 + tl.arange(0, FILL)
         tl.store(rows_ptr + s, tl.zeros([FILL], tl.int32) + M, mask=s < SLOTS)
+    if TWO:
+        for s0 in range(0, SLOTS2, FILL):
+            s = s0 + tl.arange(0, FILL)
+            tl.store(rows2_ptr + s, tl.zeros([FILL], tl.int32) + M, mask=s < SLOTS2)
     # pass 1: the per-expert histogram, as one-hot rows summed per chunk (an id outside 0..E-1 hits no lane)
     counts = tl.zeros([E_PAD], tl.int32)
     for a0 in range(0, M, C):
@@ -138,41 +143,93 @@ def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, ntp_ptr, M, E, BLOCK_M, SLOTS
         b = b0 + tl.arange(0, CB)
         ended = (pend[None, :] <= (b * BLOCK_M)[:, None]) & lane_ok[None, :]
         tl.store(bexp_ptr + b, tl.sum(ended.to(tl.int32), 1), mask=b < BLOCKS)
+    base = pend - padded
+    base2 = base  # the second layout's run starts (TWO): the same counts, padded to BLOCK_M2
+    if TWO:
+        padded2 = tl.where(lane_ok, (counts + BLOCK_M2 - 1) // BLOCK_M2 * BLOCK_M2, 0)
+        pend2 = tl.cumsum(padded2, 0)
+        tl.store(ntp2_ptr, tl.sum(padded2, 0))
+        for b0 in range(0, BLOCKS2, CB):
+            b = b0 + tl.arange(0, CB)
+            ended = (pend2[None, :] <= (b * BLOCK_M2)[:, None]) & lane_ok[None, :]
+            tl.store(bexp2_ptr + b, tl.sum(ended.to(tl.int32), 1), mask=b < BLOCKS2)
+        base2 = pend2 - padded2
     tl.debug_barrier()
     # pass 2: each assignment's slot = its expert's first slot + the expert's assignments before it. Earlier
-    # chunks are in `base` (advanced per chunk), the chunk's own through an exclusive scan of the one-hot rows
-    # down the chunk: assignment order within an expert is kept, as a stable sort keeps it
-    base = pend - padded
+    # chunks are in the bases (advanced per chunk), the chunk's own through an exclusive scan of the one-hot rows
+    # down the chunk: assignment order within an expert is kept, as a stable sort keeps it. That rank is the same in
+    # both layouts; only where each expert's run starts differs
     for a0 in range(0, M, C):
         a = a0 + chunk
         ids = tl.load(ids_ptr + a, mask=a < M, other=-1).to(tl.int32)
         hit = ((ids[:, None] == lanes[None, :]) & lane_ok[None, :]).to(tl.int32)
         before = tl.cumsum(hit, 0) - hit
-        dest = tl.sum(hit * (base[None, :] + before), 1)
-        tl.store(rows_ptr + dest, a, mask=(a < M) & (ids >= 0) & (ids < E))
-        base += tl.sum(hit, 0)
+        ok = (a < M) & (ids >= 0) & (ids < E)
+        tl.store(rows_ptr + tl.sum(hit * (base[None, :] + before), 1), a, mask=ok)
+        if TWO:
+            tl.store(rows2_ptr + tl.sum(hit * (base2[None, :] + before), 1), a, mask=ok)
+        step = tl.sum(hit, 0)
+        base += step
+        base2 += step
+
+
+Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, block_expert, num_tokens_padded (int32 [1])
 
 
 def align_blocks_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int | None = None,
-                        spare_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        spare_blocks: int = 0) -> Layout:
     """:func:`align_blocks`'s (rows, block_expert) plus num_tokens_padded (int32 [1], the padded slots in use) in
     one launch of one program: output sizes fixed by (assignments, experts, block_m), no host sync, so a CUDA graph
     holds it. Any device (the tests run it under ``TRITON_INTERPRET=1``); ``align_blocks`` calls it on CUDA within
     :func:`align_fits`. An id outside ``0..num_experts-1`` is left out (its assignment gets no slot)."""
+    block_m = block_m or block_rows(expert_ids.numel())
+    return align_layouts(expert_ids, num_experts, ((block_m, spare_blocks),))[0]
+
+
+def align_layouts(expert_ids: torch.Tensor, num_experts: int,
+                  specs: tuple[tuple[int, int], ...]) -> list[Layout]:
+    """:func:`align_blocks_triton` at one or two (block rows, spare blocks) in ONE launch: the layouts share the
+    histogram and each assignment's rank within its expert and differ only in how each expert's run is padded, so
+    the second costs a few stores. A decode step that runs humming's expert GEMM (its block rows) beside qerl's
+    LoRA kernels (16) needs both per layer."""
+    if not 1 <= len(specs) <= 2:
+        raise ValueError(f"one or two layouts per launch, not {len(specs)}")
     flat = expert_ids.reshape(-1).contiguous()  # a strided 1-D view stays one under reshape; the kernel reads a[i]
     m, dev = flat.numel(), flat.device
-    block_m = block_m or block_rows(m)
-    blocks = num_blocks(m, num_experts, block_m) + spare_blocks
-    rows = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
-    padded = torch.empty(1, dtype=torch.int32, device=dev)
+    out: list[Layout] = []
+    for block_m, spare in specs:
+        blocks = num_blocks(m, num_experts, block_m) + spare
+        out.append((torch.empty(blocks * block_m, dtype=torch.int32, device=dev),
+                    torch.empty(blocks, dtype=torch.int32, device=dev), torch.empty(1, dtype=torch.int32, device=dev)))
     if m == 0:  # nothing to lay out, and an empty input may have no device address to hand the kernel
-        return rows.fill_(0), block_expert.fill_(num_experts), padded.zero_()
+        for rows, bexp, padded in out:
+            rows.fill_(0)
+            bexp.fill_(num_experts)
+            padded.zero_()
+        return out
     lanes = _expert_lanes(num_experts)
     tile = ALIGN_TILE // lanes
-    _moe_align_kernel[(1,)](flat, rows, block_expert, padded, m, num_experts, block_m, rows.numel(), blocks,
-                            E_PAD=lanes, C=tile, CB=tile, FILL=1024, num_warps=ALIGN_WARPS)
-    return rows, block_expert, padded
+    (r1, b1, n1), (r2, b2, n2) = out[0], out[-1]  # one layout: the second's arguments are the first's, unused
+    _moe_align_kernel[(1,)](flat, r1, b1, n1, r2, b2, n2, m, num_experts, specs[0][0], r1.numel(), b1.numel(),
+                            specs[-1][0], r2.numel(), b2.numel(), E_PAD=lanes, C=tile, CB=tile, FILL=1024,
+                            TWO=len(specs) == 2, num_warps=ALIGN_WARPS)
+    return out
+
+
+INDEXED_SPARE = 1  # humming may round its block count up to a pair of CTAs along M: one spare block (indexed_layout)
+
+
+def routing_layouts(expert_ids: torch.Tensor, num_experts: int,
+                    peer_rows: int | None) -> tuple[torch.Tensor, torch.Tensor, Layout | None]:
+    """qerl's (rows, block_expert) at :func:`block_rows` and, when ``peer_rows`` is given and the one-launch path
+    applies, :func:`indexed_layout` at those rows from the same launch (else None: the peer's layout is made where
+    it is needed)."""
+    if peer_rows and _align_on_triton(expert_ids, num_experts):
+        ours, peer = align_layouts(expert_ids, num_experts,
+                                   ((block_rows(expert_ids.numel()), 0), (peer_rows, INDEXED_SPARE)))
+        return ours[0], ours[1], peer
+    rows, block_expert = align_blocks(expert_ids, num_experts)
+    return rows, block_expert, None
 
 
 def indexed_layout(expert_ids: torch.Tensor, num_experts: int,
@@ -187,8 +244,8 @@ def indexed_layout(expert_ids: torch.Tensor, num_experts: int,
     humming may round its block count up to a pair of CTAs along M and read one block past the last used one.
     Device tensors of a size fixed by (assignments, experts, block_m), no host sync: a CUDA graph can hold it."""
     if _align_on_triton(expert_ids, num_experts):
-        return align_blocks_triton(expert_ids, num_experts, block_m, spare_blocks=1)
-    rows, block_expert = align_blocks_torch(expert_ids, num_experts, block_m, spare_blocks=1)
+        return align_blocks_triton(expert_ids, num_experts, block_m, spare_blocks=INDEXED_SPARE)
+    rows, block_expert = align_blocks_torch(expert_ids, num_experts, block_m, spare_blocks=INDEXED_SPARE)
     used = (block_expert < num_experts).sum(dtype=torch.int32)
     return rows, block_expert, (used * block_m).reshape(1)
 

@@ -207,7 +207,9 @@ class MoeExperts(nn.Module):
         adapter (``qerl_cli.lora.ParamWrapper`` passes it; the rollout passes its in-dtype copies)."""
         lora = lora or {}
         t, k = top_k_index.shape
-        routing = Routing(top_k_index.reshape(-1), self.num_experts, kernels=self.kernel_kind(hidden) is not None)
+        kernels = self.kernel_kind(hidden) is not None
+        peer = _peer_rows(self, hidden, k, t * k) if kernels and not torch.is_grad_enabled() else None
+        routing = Routing(top_k_index.reshape(-1), self.num_experts, kernels=kernels, peer_rows=peer)
         gu = ExpertProjection.run(self, GATE_UP, hidden, routing, k, lora.get(GATE_UP))
         gate, up = gu[:, :self.intermediate], gu[:, self.intermediate:]
         act = F.silu(gate) * up
@@ -252,13 +254,17 @@ class Routing:
     block_expert: torch.Tensor | None = None
     # the routing at a peer kernel's block rows ({rows: humming's indexed layout}), made once per forward
     layouts: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
+    # the peer's block rows when it is known to run this forward: its layout is then made in qerl's layout's launch
+    peer_rows: int | None = None
     _groups: list[tuple[int, torch.Tensor]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kernels:
-            from qerl_kernels.moe import align_blocks
+            from qerl_kernels.moe import routing_layouts
 
-            self.rows, self.block_expert = align_blocks(self.expert_ids, self.num_experts)
+            self.rows, self.block_expert, peer = routing_layouts(self.expert_ids, self.num_experts, self.peer_rows)
+            if peer is not None:
+                self.layouts[self.peer_rows] = peer
 
     @property
     def assignments(self) -> int:
@@ -454,6 +460,16 @@ def _peer_base(experts: MoeExperts, proj: str, x: torch.Tensor, routing: Routing
     if dispatch.choose_experts(experts, proj, x, x_div, routing.assignments) != "humming":
         return None
     return dispatch.experts_humming_forward(experts, proj, x, routing.expert_ids, x_div, routing.layouts)
+
+
+def _peer_rows(experts: MoeExperts, x: torch.Tensor, top_k: int, assignments: int) -> int | None:
+    """The block rows of humming's expert GEMM when it will run this forward's first projection (its routing
+    layout then comes from the launch that makes qerl's), else None."""
+    try:
+        from qerl_kernels import dispatch
+    except ImportError:
+        return None
+    return dispatch.experts_peer_rows(experts, GATE_UP, x, top_k, assignments)
 
 
 # ---- the sparse block --------------------------------------------------------------------------------------------

@@ -101,3 +101,32 @@ def test_the_triton_path_is_taken_on_cuda_within_its_limits(use_options) -> None
     ids = torch.tensor([3, 0, 3, 1, 0, 3])
     use_options(moe_align="triton")
     assert all(torch.equal(a, b) for a, b in zip(align_blocks(ids, 4, 4), align_blocks_torch(ids, 4, 4), strict=True))
+
+
+@pytest.mark.parametrize("num_experts", [4, 60, 128])
+def test_two_layouts_in_one_launch_equal_two_torch_layouts(num_experts: int) -> None:
+    """`align_layouts` with (16 rows, no spare) and (8 rows, one spare: humming's indexed layout) in one launch:
+    each layout exactly torch's at its own rows, as two separate launches would give."""
+    from qerl_kernels.moe import align_layouts, routing_layouts
+
+    g = torch.Generator().manual_seed(7)
+    for m in (1, 5, 64, 512, 2048):
+        ids = torch.randint(0, num_experts, (m,), generator=g)
+        for specs in (((16, 0), (8, 1)), ((64, 0), (8, 1)), ((8, 1), (16, 0))):
+            got = align_layouts(ids, num_experts, specs)
+            for (block_m, spare), (rows, bexp, padded) in zip(specs, got, strict=True):
+                ref_rows, ref_bexp = align_blocks_torch(ids, num_experts, block_m, spare)
+                assert torch.equal(rows, ref_rows) and torch.equal(bexp, ref_bexp), (m, specs)
+                assert padded.item() == int((ref_bexp < num_experts).sum()) * block_m
+    with pytest.raises(ValueError, match="one or two"):
+        align_layouts(ids, num_experts, ((8, 0), (16, 0), (64, 0)))
+    # off CUDA the routing keeps torch's layout and leaves the peer's to be made where it is needed
+    rows, bexp, peer = routing_layouts(ids, num_experts, 8)
+    assert peer is None and torch.equal(rows, align_blocks_torch(ids, num_experts)[0])
+
+
+def test_empty_routing_gives_two_empty_layouts() -> None:
+    from qerl_kernels.moe import align_layouts
+
+    (r1, b1, n1), (r2, b2, n2) = align_layouts(torch.zeros(0, dtype=torch.int64), 8, ((16, 0), (8, 1)))
+    assert n1.item() == n2.item() == 0 and (b1 == 8).all() and (b2 == 8).all() and b2.numel() == b1.numel() + 1

@@ -135,6 +135,33 @@ def test_the_one_launch_layout_equals_torch_and_replays_in_a_graph(block_m: int,
         same(out, new)
 
 
+def test_both_layouts_of_a_layer_in_one_launch_on_cuda() -> None:
+    """The decode step's two layouts per layer (qerl's 16 rows; humming's 8 with a spare block) from one launch of
+    ``align_layouts``, each equal to torch's, also when replayed from a CUDA graph on new routings."""
+    from qerl_kernels import moe
+
+    experts, tokens = 128, 64
+    specs = ((16, 0), (8, moe.INDEXED_SPARE))
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def check(got: list, ids: torch.Tensor) -> None:
+        for (block_m, spare), (rows, bexp, padded) in zip(specs, got, strict=True):
+            ref_rows, ref_bexp = moe.align_blocks_torch(ids, experts, block_m, spare)
+            assert torch.equal(rows, ref_rows) and torch.equal(bexp, ref_bexp)
+            assert padded.tolist() == [int((ref_bexp < experts).sum()) * block_m]
+
+    static = torch.rand(tokens, experts, device="cuda", generator=g).topk(TOP_K, -1).indices.reshape(-1)
+    check(moe.align_layouts(static, experts, specs), static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.align_layouts(static, experts, specs)
+    for _ in range(3):
+        static.copy_(torch.rand(tokens, experts, device="cuda", generator=g).topk(TOP_K, -1).indices.reshape(-1))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, static)
+
+
 @needs_humming
 @pytest.mark.parametrize("tokens", [1, 64])
 @pytest.mark.parametrize("with_lora", [False, True])
