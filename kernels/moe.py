@@ -112,28 +112,14 @@ def _align_on_triton(expert_ids: torch.Tensor, num_experts: int) -> bool:
 
 
 @triton.jit
-def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, ntp_ptr, rows2_ptr, bexp2_ptr, ntp2_ptr, M, E, BLOCK_M, SLOTS,
-                      BLOCKS, BLOCK_M2, SLOTS2, BLOCKS2, E_PAD: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
-                      FILL: tl.constexpr, TWO: tl.constexpr):
-    lanes = tl.arange(0, E_PAD)
-    lane_ok = lanes < E
-    chunk = tl.arange(0, C)
-    # every slot starts as padding (the sentinel M); the barrier below orders these stores before the scatter that
-    # overwrites the slots in use (two threads of one CTA may write the same slot)
+def _layout_runs(counts, lane_ok, rows_ptr, bexp_ptr, ntp_ptr, M, BLOCK_M, SLOTS, BLOCKS, CB: tl.constexpr,
+                 FILL: tl.constexpr):
+    """One layout from the experts' counts: every slot set to padding (the sentinel M; the caller's barrier orders
+    these stores before the scatter that overwrites the slots in use, which two threads of one CTA may share), the
+    padded slots in use, each block's expert; returns each expert's first slot."""
     for s0 in range(0, SLOTS, FILL):
         s = s0 + tl.arange(0, FILL)
         tl.store(rows_ptr + s, tl.zeros([FILL], tl.int32) + M, mask=s < SLOTS)
-    if TWO:
-        for s0 in range(0, SLOTS2, FILL):
-            s = s0 + tl.arange(0, FILL)
-            tl.store(rows2_ptr + s, tl.zeros([FILL], tl.int32) + M, mask=s < SLOTS2)
-    # pass 1: the per-expert histogram, as one-hot rows summed per chunk (an id outside 0..E-1 hits no lane)
-    counts = tl.zeros([E_PAD], tl.int32)
-    for a0 in range(0, M, C):
-        a = a0 + chunk
-        ids = tl.load(ids_ptr + a, mask=a < M, other=-1).to(tl.int32)
-        hit = ((ids[:, None] == lanes[None, :]) & lane_ok[None, :]).to(tl.int32)
-        counts += tl.sum(hit, 0)
     padded = tl.where(lane_ok, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     pend = tl.cumsum(padded, 0)
     tl.store(ntp_ptr, tl.sum(padded, 0))
@@ -143,17 +129,27 @@ def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, ntp_ptr, rows2_ptr, bexp2_ptr
         b = b0 + tl.arange(0, CB)
         ended = (pend[None, :] <= (b * BLOCK_M)[:, None]) & lane_ok[None, :]
         tl.store(bexp_ptr + b, tl.sum(ended.to(tl.int32), 1), mask=b < BLOCKS)
-    base = pend - padded
+    return pend - padded
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, ntp_ptr, rows2_ptr, bexp2_ptr, ntp2_ptr, M, E, BLOCK_M, SLOTS,
+                      BLOCKS, BLOCK_M2, SLOTS2, BLOCKS2, E_PAD: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
+                      FILL: tl.constexpr, TWO: tl.constexpr):
+    lanes = tl.arange(0, E_PAD)
+    lane_ok = lanes < E
+    chunk = tl.arange(0, C)
+    # pass 1: the per-expert histogram, as one-hot rows summed per chunk (an id outside 0..E-1 hits no lane)
+    counts = tl.zeros([E_PAD], tl.int32)
+    for a0 in range(0, M, C):
+        a = a0 + chunk
+        ids = tl.load(ids_ptr + a, mask=a < M, other=-1).to(tl.int32)
+        hit = ((ids[:, None] == lanes[None, :]) & lane_ok[None, :]).to(tl.int32)
+        counts += tl.sum(hit, 0)
+    base = _layout_runs(counts, lane_ok, rows_ptr, bexp_ptr, ntp_ptr, M, BLOCK_M, SLOTS, BLOCKS, CB, FILL)
     base2 = base  # the second layout's run starts (TWO): the same counts, padded to BLOCK_M2
     if TWO:
-        padded2 = tl.where(lane_ok, (counts + BLOCK_M2 - 1) // BLOCK_M2 * BLOCK_M2, 0)
-        pend2 = tl.cumsum(padded2, 0)
-        tl.store(ntp2_ptr, tl.sum(padded2, 0))
-        for b0 in range(0, BLOCKS2, CB):
-            b = b0 + tl.arange(0, CB)
-            ended = (pend2[None, :] <= (b * BLOCK_M2)[:, None]) & lane_ok[None, :]
-            tl.store(bexp2_ptr + b, tl.sum(ended.to(tl.int32), 1), mask=b < BLOCKS2)
-        base2 = pend2 - padded2
+        base2 = _layout_runs(counts, lane_ok, rows2_ptr, bexp2_ptr, ntp2_ptr, M, BLOCK_M2, SLOTS2, BLOCKS2, CB, FILL)
     tl.debug_barrier()
     # pass 2: each assignment's slot = its expert's first slot + the expert's assignments before it. Earlier
     # chunks are in the bases (advanced per chunk), the chunk's own through an exclusive scan of the one-hot rows
