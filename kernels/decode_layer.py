@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from qerl_kernels._common import device_index, num_sms
+from qerl_kernels.backends import FP4_FORMATS
 from qerl_kernels.nvcc_build import CudaLibrary, find_nvcc, hopper_available
 
 SRC = Path(__file__).parent / "cuda" / "decode_layer.cu"
@@ -41,11 +42,11 @@ MAX_M = 16  # two 8-token tiles
 # 7B decode step (H200, 2026-11-29: graph step 5.73 vs 4.91 ms at batch 16; 4.43 vs 4.48 ms at batch 8)
 ENGINE_MAX_M = 8
 MAX_RANK = 256  # the partials' scratch is sized for it
-# the formats the engine hands the kernels: both kernels take MXFP4 too (one E8M0 scale byte per 32 weights instead of
-# an E4M3 one per 16, the only difference), exact against the per-GEMM path in the CPU emulation; the engine takes it
-# once tests/test_decode_layer_cuda.py has passed on the GPU with it
+# the formats the kernels take: both FP4 formats (MXFP4's one E8M0 scale byte per 32 weights instead of NVFP4's E4M3
+# one per 16 is the only difference); the engine hands them MXFP4 too once scripts/decode_layer_bench.py's GPU
+# exactness rows (kernel against its CPU emulation) have passed for it
+KERNEL_FORMATS = FP4_FORMATS
 ENGINE_FORMATS = ("nvfp4",)
-KERNEL_FORMATS = ("nvfp4", "mxfp4")
 NCNT = 10  # grid-wide counters: 3 GEMM phases, 3 shrinks' partials, 3 shrinks' h, the launch's end
 SHRINK_SEGMENTS = 64  # a shrink's K is cut into at most this many segments (their partials are summed in order)
 PHASES = ("o GEMM + residual", "norm (x2 in fragment order)", "gate/up GEMM + SiLU*mul", "down GEMM")
@@ -302,9 +303,9 @@ def gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None, b: torch.T
 
 def _fp4_args(module: torch.nn.Module, a: torch.Tensor | None, b: torch.Tensor | None,
               formats: tuple[str, ...]) -> GemmArgs | None:
-    from qerl_kernels.backends import FP4_FORMATS, kernel_state
+    from qerl_kernels.backends import kernel_state
 
-    if getattr(module, "fmt", None) not in FP4_FORMATS or module.fmt not in formats:
+    if getattr(module, "fmt", None) not in formats:  # a subset of KERNEL_FORMATS
         return None
     st = kernel_state(module)
     if st.repacked is None:

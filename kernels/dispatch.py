@@ -126,13 +126,18 @@ def module_plan(module: nn.Module, dtype: torch.dtype, lora_rank: int | None = N
     """`auto`'s {bucket: backend} for `module` (loaded, or measured now), or None inside a graph capture when it
     is not known yet. Remembered per module: the shape key alone (format, shape, candidate list) costs ~15 us of
     Python per call, and a training step calls this for every linear, forward and backward."""
-    memo_key = (dtype, lora_rank, kernel_options().dispatch_candidates, _extra_copies, _epoch)
+    return _remembered(module, (dtype, lora_rank), lambda: shape_key(module, dtype, lora_rank),
+                       lambda: measure_plan(module, dtype, lora_rank=lora_rank))
+
+
+def _remembered(module: nn.Module, what: tuple, key: Any, measure: Any) -> dict[int, str] | None:
+    """`_known_plan(key(), measure)` remembered on `module` under `what` (and the switches a plan depends on), so
+    that a forward does not rebuild its shape key."""
+    memo_key = (*what, kernel_options().dispatch_candidates, _extra_copies, _epoch)
     per_module = _module_plans.get(module)
-    if per_module is not None:
-        plan = per_module.get(memo_key)
-        if plan is not None:
-            return plan
-    plan = _known_plan(shape_key(module, dtype, lora_rank), lambda: measure_plan(module, dtype, lora_rank=lora_rank))
+    if per_module is not None and memo_key in per_module:
+        return per_module[memo_key]
+    plan = _known_plan(key(), measure)
     if plan is not None:
         _module_plans.setdefault(module, {})[memo_key] = plan
     return plan
@@ -189,18 +194,21 @@ def prepare(model: nn.Module | Iterable[nn.Module], dtype: torch.dtype = torch.b
     return done
 
 
-def humming_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def humming_forward(module: nn.Module, x: torch.Tensor, act: str = "bf16") -> torch.Tensor:
+    """x @ W^T (+ bias) on humming's copy of the module's weight, built at first use: W4A16, or W4A8 with
+    `act="fp8"` (its own copy: `extra_copy_bytes` counts both)."""
     from qerl_kernels import humming_peer
     from qerl_kernels.backends import kernel_state
 
     st = kernel_state(module)
-    layer = st.extra.get("humming")
+    name = "humming" if act == "bf16" else f"humming_{act}"
+    layer = st.extra.get(name)
     if layer is None:
         qw = module.quantized_weight  # checkpoint order (a transient unrepacked copy)
-        layer = st.extra["humming"] = humming_peer.build(qw.tensors, module.fmt, module.out_features,
-                                                         module.in_features, bias=module.bias, dtype=x.dtype)
-        log.info("humming layout built for %s N=%d K=%d (+%.1f MB resident)", module.fmt, module.out_features,
-                 module.in_features, qw.nbytes() / 2**20)
+        layer = st.extra[name] = humming_peer.build(qw.tensors, module.fmt, module.out_features, module.in_features,
+                                                    bias=module.bias, dtype=x.dtype, act=act)
+        log.info("humming %s layout built for %s N=%d K=%d (+%.1f MB resident)", act, module.fmt,
+                 module.out_features, module.in_features, qw.nbytes() / 2**20)
     return humming_peer.forward(layer, x)
 
 
@@ -224,23 +232,8 @@ def w4a8_backend(module: nn.Module, x: torch.Tensor) -> str:
 def w4a8_plan(module: nn.Module, dtype: torch.dtype) -> dict[int, str] | None:
     """The W4A8 {bucket: 'qerl' | 'humming'} of `module`'s shape, loaded or measured now; None inside a graph
     capture before it is known (`prepare` measures it first under QERL_W4A8=1)."""
-    return _known_plan(("w4a8",) + shape_key(module, dtype), lambda: measure_w4a8_plan(module, dtype))
-
-
-def humming_w4a8_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    from qerl_kernels import humming_peer
-    from qerl_kernels.backends import kernel_state
-
-    st = kernel_state(module)
-    layer = st.extra.get("humming_w4a8")
-    if layer is None:
-        qw = module.quantized_weight
-        layer = st.extra["humming_w4a8"] = humming_peer.build(qw.tensors, module.fmt, module.out_features,
-                                                              module.in_features, bias=module.bias, dtype=x.dtype,
-                                                              act="fp8")
-        log.info("humming W4A8 layout built for %s N=%d K=%d (+%.1f MB resident)", module.fmt, module.out_features,
-                 module.in_features, qw.nbytes() / 2**20)
-    return humming_peer.forward(layer, x)
+    return _remembered(module, ("w4a8", dtype), lambda: ("w4a8",) + shape_key(module, dtype),
+                       lambda: measure_w4a8_plan(module, dtype))
 
 
 def measure_w4a8_plan(module: nn.Module, dtype: torch.dtype, rep_ms: int = 8) -> dict[int, str]:
@@ -258,15 +251,13 @@ def measure_w4a8_plan(module: nn.Module, dtype: torch.dtype, rep_ms: int = 8) ->
         for b in (b for b in M_BUCKETS if b >= kernel_options().w4a8_min_m):
             x = torch.randn(b, module.in_features, device=dev, dtype=dtype, generator=gen)
             funcs = {"qerl": lambda x=x: ql.w4a8_forward(x, module),
-                     "humming": lambda x=x: humming_w4a8_forward(module, x)}
+                     "humming": lambda x=x: humming_forward(module, x, act="fp8")}
             best, timings[b] = _fastest(funcs, ql.dequant_linear(x, module).float(), W4A8_TOLERANCE, rep_ms,
                                         f"{what} M={b}")
             plan[b] = best or "qerl"
     if "humming" not in plan.values():
-        ql.kernel_state(module).extra.pop("humming_w4a8", None)
-    log.info("dispatch W4A8 plan %s N=%d K=%d %s: %s", module.fmt, module.out_features, module.in_features, dtype,
-             ", ".join(f"M<={b} {plan[b]} ({', '.join(f'{c} {us:.1f}us' for c, us in timings[b].items())})"
-                       for b in plan))
+        ql.kernel_state(module).extra.pop("humming_fp8", None)
+    _log_plan(f"W4A8 {module.fmt} N={module.out_features} K={module.in_features} {dtype}", "M", plan, timings)
     return plan
 
 
@@ -340,15 +331,8 @@ def experts_plan(experts: nn.Module, proj: str, dtype: torch.dtype, x_div: int,
                  top_k: int | None = None) -> dict[int, str] | None:
     """`auto`'s {assignment bucket: 'qerl' | 'humming'} for `proj` of `experts`, loaded or measured now (None inside
     a graph capture when not known yet), remembered per module as `module_plan` does."""
-    memo_key = ("experts", proj, dtype, x_div, kernel_options().dispatch_candidates, _extra_copies, _epoch)
-    per_module = _module_plans.get(experts)
-    if per_module is not None and memo_key in per_module:
-        return per_module[memo_key]
-    plan = _known_plan(_expert_key(experts, proj, dtype, x_div),
+    return _remembered(experts, ("experts", proj, dtype, x_div), lambda: _expert_key(experts, proj, dtype, x_div),
                        lambda: measure_experts_plan(experts, proj, dtype, x_div, top_k))
-    if plan is not None:
-        _module_plans.setdefault(experts, {})[memo_key] = plan
-    return plan
 
 
 def experts_layer(experts: nn.Module, proj: str, dtype: torch.dtype) -> Any:
@@ -442,9 +426,7 @@ def measure_experts_plan(experts: nn.Module, proj: str, dtype: torch.dtype, x_di
             plan[b] = best or "qerl"
     if "humming" not in plan.values():  # drop humming's copy when it won nowhere
         _peer_state(experts)["layers"].pop(proj, None)
-    log.info("dispatch plan %s experts E=%d N=%d K=%d %s x_div=%d: %s", experts.fmt, e, n, k, dtype, x_div,
-             ", ".join(f"rows<={b} {plan[b]} ({', '.join(f'{c} {us:.1f}us' for c, us in timings[b].items())})"
-                       for b in buckets))
+    _log_plan(f"{experts.fmt} experts E={e} N={n} K={k} {dtype} x_div={x_div}", "rows", plan, timings)
     return plan
 
 
@@ -581,10 +563,8 @@ def measure_plan(module: nn.Module, dtype: torch.dtype, buckets: tuple[int, ...]
     last_timings.update(timings)
     if "humming" not in plan.values():  # drop humming's copy of the weight when it won nowhere
         ql.kernel_state(module).extra.pop("humming", None)
-    log.info("dispatch plan %s N=%d K=%d %s%s: %s", module.fmt, module.out_features, module.in_features, dtype,
-             f" +LoRA r{lora_rank}" if lora_rank else "",
-             ", ".join(f"M<={b} {plan[b]} ({', '.join(f'{c} {us:.1f}us' for c, us in timings[b].items())})"
-                       for b in buckets))
+    _log_plan(f"{module.fmt} N={module.out_features} K={module.in_features} {dtype}"
+              + (f" +LoRA r{lora_rank}" if lora_rank else ""), "M", plan, timings)
     return plan
 
 
@@ -611,6 +591,11 @@ def _fastest(funcs: Mapping[str, Any], ref: torch.Tensor, tol: float, rep_ms: in
         if t < best_t:
             best, best_t = c, t
     return best, row
+
+
+def _log_plan(what: str, rows: str, plan: dict[int, str], timings: dict[int, dict[str, float]]) -> None:
+    log.info("dispatch plan %s: %s", what, ", ".join(
+        f"{rows}<={b} {c} ({', '.join(f'{k} {us:.1f}us' for k, us in timings[b].items())})" for b, c in plan.items()))
 
 
 def _time_gpu(fn, rep_ms: int) -> float:  # noqa: ANN001

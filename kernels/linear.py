@@ -90,7 +90,7 @@ def w4a8(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     and M bucket (MXFP4 only), qerl's kernel otherwise."""
     if dispatch.w4a8_backend(module, x) == "humming":
         dispatch.record_ran(module, "humming-w4a8")
-        return dispatch.humming_w4a8_forward(module, x)
+        return dispatch.humming_forward(module, x, act="fp8")
     dispatch.record_ran(module, "w4a8")
     return w4a8_forward(x, module)
 

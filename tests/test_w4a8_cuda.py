@@ -72,7 +72,7 @@ def test_humming_w4a8_on_mxfp4_and_refused_on_nvfp4() -> None:
     module = _module("mxfp4")
     x = torch.randn(128, K, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        y = dispatch.humming_w4a8_forward(module, x)
+        y = dispatch.humming_forward(module, x, act="fp8")
     assert _rel(y, _exact(module, x)) < 6e-2
     qw = _module("nvfp4").quantized_weight
     with pytest.raises(Exception, match="group"):  # humming's own refusal, the reason W4A8_FORMATS omits NVFP4

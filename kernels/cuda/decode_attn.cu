@@ -118,7 +118,8 @@ __device__ __forceinline__ void rope(float y1, float y2, float c1, float s1, flo
 }
 
 // NV: NVFP4 (E4M3 scale per 16 weights, global scale) or MXFP4 (E8M0 per 32, exponent shift), a template parameter
-// here (a run-time switch, as the MLP half has, costs this kernel a spilled register at two token tiles)
+// here, so decode_common.cuh's format helpers fold at compile time (a run-time switch, as the MLP half has, costs
+// this kernel a spilled register at two token tiles)
 template <int MT, bool BF16, bool NV>
 __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnParams p) {
   constexpr int SPC = NV ? 8 : 4;  // scale bytes per 128-wide chunk of a row
@@ -216,7 +217,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnPa
     // the qkv GEMM over this warp's range; with one token tile the odd 32-wide slices go to a second accumulator
     // (acc0x, acc1x), so that consecutive mma do not wait on each other's result
     constexpr bool SPLIT = MT == 1;
-    const float alpha = NV ? 256.0f / *p.g.gs : exp2f((float)(-p.g.shift));
+    const float alpha = gemm_alpha(SPC, p.g.gs, p.g.shift);
     float acc0[MT][4], acc1[MT][4], acc0x[MT][4], acc1x[MT][4];
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
@@ -235,8 +236,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnPa
       {  // the unit's 16 rows x 4 slices of scale pairs, converted once (lane: row lane/2, slices 2(lane&1) + 0/1)
         const uint2 raw = scs[(sl * NG + warp) * 16 + (lane >> 1)];
         const int i0 = 2 * (lane & 1);
-        *reinterpret_cast<uint2*>(cvt + (lane >> 1) * 4 + i0) =
-            make_uint2(scale_pair<NV, BF16>(raw, i0, p.g.shift), scale_pair<NV, BF16>(raw, i0 + 1, p.g.shift));
+        *reinterpret_cast<uint2*>(cvt + (lane >> 1) * 4 + i0) = scale_pairs2<BF16>(raw, i0, SPC, p.g.shift);
       }
       __syncwarp();
       const uint4 ca = *reinterpret_cast<const uint4*>(cvt + g * 4);

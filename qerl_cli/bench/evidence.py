@@ -133,6 +133,7 @@ CLAIMS: dict[int, dict[str, str]] = {
                       "and a held-out gain each no more than 5 points below W4A16 rollouts."},
 }
 
+
 def _no_worse(claim: int, group: str, a: dict[str, Any], b: dict[str, Any], versus: str) -> tuple[Part, ...]:
     """A switch's learning no worse than without it: mean training reward, late accuracy and held-out gain each
     non-inferior by the accuracy margin (claims 5 and 6)."""
