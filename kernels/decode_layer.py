@@ -43,10 +43,12 @@ MAX_M = 16  # two 8-token tiles
 ENGINE_MAX_M = 8
 MAX_RANK = 256  # the partials' scratch is sized for it
 # the formats the kernels take: both FP4 formats (MXFP4's one E8M0 scale byte per 32 weights instead of NVFP4's E4M3
-# one per 16 is the only difference); the engine hands them MXFP4 too once scripts/decode_layer_bench.py's GPU
-# exactness rows (kernel against its CPU emulation) have passed for it
+# one per 16 is the only difference). The engine hands a half a format once scripts/decode_layer_bench.py's GPU
+# exactness rows (kernel against its CPU emulation) passed for it: the MLP half's for both (H200, 2026-11-29: 20
+# rows, bf16/fp16, M = 1-16, re-runs bit-equal); the attention half's (`--attn`) have run for NVFP4 only
 KERNEL_FORMATS = FP4_FORMATS
-ENGINE_FORMATS = ("nvfp4",)
+ENGINE_FORMATS = FP4_FORMATS
+ATTN_ENGINE_FORMATS = ("nvfp4",)
 NCNT = 10  # grid-wide counters: 3 GEMM phases, 3 shrinks' partials, 3 shrinks' h, the launch's end
 SHRINK_SEGMENTS = 64  # a shrink's K is cut into at most this many segments (their partials are summed in order)
 PHASES = ("o GEMM + residual", "norm (x2 in fragment order)", "gate/up GEMM + SiLU*mul", "down GEMM")
@@ -737,7 +739,7 @@ class AttnSchedule:
 
 
 def attn_gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None, b: torch.Tensor | None = None, *,
-                   formats: tuple[str, ...] = ENGINE_FORMATS) -> tuple[GemmArgs, torch.Tensor | None] | None:
+                   formats: tuple[str, ...] = ATTN_ENGINE_FORMATS) -> tuple[GemmArgs, torch.Tensor | None] | None:
     """The attention-half kernel's view of the fused q/k/v FP4 `QuantLinear` (resident repack) and its bias as the
     cuda FP4 GEMM adds it (fp32, after the LoRA term), or None."""
     args = _fp4_args(module, a, b, formats)

@@ -40,6 +40,11 @@
 #               of QERL_SCALE_WORLDS ("1 2 4") GPUs that are visible, with QERL_SCALE_ARGS; then the table
 #   async       sync 1 GPU vs sync DDP vs the async rollout/trainer split on QERL_ASYNC_GPUS (2) GPUs
 #               (python -m qerl_cli.bench.async_scale; QERL_ASYNC_ARGS, e.g. "--smoke"); the table in $OUT/async_scale
+#   asynclearn  issue 46's learning comparison (needs `embedded`): per seed (QERL_ASYNC_LEARN_SEEDS, 4) the gpu_arith
+#               preset for QERL_ASYNC_LEARN_STEPS (30) steps on QERL_ASYNC_GPUS (2) GPUs, synchronous DDP and the
+#               async split (--rollout-gpus 1 --max-staleness 1), all side by side, each scored on
+#               QERL_ASYNC_LEARN_HELDOUT (64) held-out problems x 8 samples before and after; then
+#               scripts/async_learning_target.py (QERL_ASYNC_LEARN_TRAIN_ARGS adds train flags for a CPU proof)
 #   fsdp        the same for FSDP2 full fine-tuning with INT8 rollouts at QERL_FSDP_WORLDS ("1 2"), QERL_FSDP_ARGS;
 #               the 1-GPU run offloads to host memory on a card under 120 GiB (QERL_FSDP_OFFLOAD1=auto|0|1)
 #   evidence    the evidence study (docs/evidence.md): many `qerl bench sanity` processes on the one GPU, then
@@ -477,6 +482,42 @@ stage_tools() {
   local rc=0
   (cd "$T" && python3 "$REPO/scripts/tools_target.py" "$d" --out "$OUT/tools/tools_target.json") || rc=$?
   (cd "$d" && tar czf "$OUT/tools/tools_runs.tgz" ./*.log ./*_s*/train/metrics.jsonl ./*_s*/eval/*.json 2>/dev/null)
+  return $rc
+}
+
+async_arm() {  # DIR ARM SEED: one run on QERL_ASYNC_GPUS GPUs (ARM sync: DDP; async: 1 rollout GPU, staleness 1)
+  local run=$1/$2_s$3 n=${QERL_ASYNC_LEARN_SAMPLES:-8} h=${QERL_ASYNC_LEARN_HELDOUT:-64} b split=()
+  [ "$2" = async ] && split=(--rollout-gpus 1 --max-staleness 1)
+  cp -r "$1/q" "$run"
+  b=$(budget)
+  {
+    qerl "$b" eval arith --run "$run" --checkpoint base --limit "$h" --samples "$n" --temperature 1.0 --json > /dev/null
+    # shellcheck disable=SC2086
+    qerl "$b" train --run "$run" --config gpu_arith --gpus "${QERL_ASYNC_GPUS:-2}" "${split[@]}" \
+      --steps "${QERL_ASYNC_LEARN_STEPS:-30}" --save-steps "${QERL_ASYNC_LEARN_STEPS:-30}" --seed "$3" \
+      --no-log-rollouts --gpu-memory-utilization 0.9 ${QERL_ASYNC_LEARN_TRAIN_ARGS:-}
+    qerl "$b" eval arith --run "$run" --limit "$h" --samples "$n" --temperature 1.0 --json > /dev/null
+  } > "$1/$2_s$3.log" 2>&1
+}
+
+stage_asynclearn() {
+  # the learning comparison of issue 46: per seed the gpu_arith preset synchronous (DDP) and split (staleness 1)
+  # on the same GPUs, all side by side, each scored on held-out arith before and after; then the target script
+  local d=$T/asynclearn s a pids=()
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  rm -rf "$d"; mkdir -p "$d" "$OUT/asynclearn"
+  qerl 300 quantize --run "$d/q" --format nvfp4 --show-layers 0 > "$d/quantize.log" 2>&1 \
+    || { tail -n 5 "$d/quantize.log"; return 1; }
+  for ((s = 0; s < ${QERL_ASYNC_LEARN_SEEDS:-4}; s++)); do
+    # staggered: each torchrun picks its rendezvous port when it starts
+    for a in async sync; do async_arm "$d" "$a" "$s" & pids+=($!); sleep 2; done
+  done
+  wait "${pids[@]}"
+  for f in "$d"/*_s*.log; do echo "== $(basename "$f")"; grep -v "^step" "$f" | tail -n 3; done
+  local rc=0
+  (cd "$T" && python3 "$REPO/scripts/async_learning_target.py" "$d" --out "$OUT/asynclearn/target.json") || rc=$?
+  (cd "$d" && tar czf "$OUT/asynclearn/runs.tgz" ./*.log ./*_s*/train/metrics.jsonl ./*_s*/eval/*.json \
+    ./*_s*/manifest.json 2>/dev/null)
   return $rc
 }
 

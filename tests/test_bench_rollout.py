@@ -127,6 +127,27 @@ def test_compute_aware_roofline_takes_the_larger_floor_per_category():
     assert unprofiled["pct_roofline_ca"] is None
 
 
+def test_w4a8_share_runs_its_flops_at_the_fp8_rate():
+    """What ran W4A8 counts at the FP8 rate: the 4096 x 4096 linear (16.8 M MACs x 2 forwards) on humming's W4A8,
+    the 1024 x 4096 one (4.2 M x 2) on W4A16 -> FP8 share 0.8; at 750 (BF16) and 1500 (FP8) TFLOP/s the category's
+    rate is 1 / (0.8 / 1500 + 0.2 / 750) = 1250 TFLOP/s, and 3 TFLOP of it need 2.4 ms, not the 4 ms at BF16."""
+    from qerl_cli.bench.decode_profile import _ran_since
+    from qerl_cli.bench.roofline import floors, path_rate, w4a8_flop_share
+
+    before = {(4096, 4096): {"humming-w4a8": 5}}
+    after = {(4096, 4096): {"humming-w4a8": 7}, (1024, 4096): {"humming": 2}}
+    ran = _ran_since(before, after)
+    assert ran == {(4096, 4096): {"humming-w4a8": 2}, (1024, 4096): {"humming": 2}}
+    assert w4a8_flop_share(ran) == pytest.approx(0.8) and w4a8_flop_share({}) == 0.0
+    rate = path_rate(750.0, 1500.0, 0.8)
+    assert rate == pytest.approx(1250.0)
+    assert path_rate(750.0, None, 0.8) == 750.0 and path_rate(750.0, 1500.0, 0.0) == 750.0
+    fl = floors({"quantized GEMM": 1e9, "dense GEMM": 1e9}, {}, 4000.0, {"quantized GEMM": 3e12, "dense GEMM": 3e12},
+                750.0, {"quantized GEMM": rate})
+    assert fl["quantized GEMM"]["floor_ms"] == pytest.approx(2.4) and fl["quantized GEMM"]["mma_TFLOPs"] == 1250.0
+    assert fl["dense GEMM"]["floor_ms"] == pytest.approx(4.0)  # the rest stays at the BF16 rate
+
+
 def test_eos_stop_set_gives_realistic_lengths():
     assert bench_stop_ids("fixed", 1000, 100, [7], from_shape=True) == []
     assert bench_stop_ids("eos", 1000, 100, [7], from_shape=False) == [7]

@@ -5,6 +5,7 @@ ending the run with one line, and a SIGTERM to a rollout rank alone stopping eve
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -12,13 +13,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from qerl_cli.train.adapter_sync import flat_size, pack, unpack_into
-from qerl_cli.train.async_queue import GroupItem, IdleClock, PromptPool, QueueFailed, SampleQueue, is_fresh
+from qerl_cli.train.async_queue import (
+    GroupItem,
+    IdleClock,
+    PromptPool,
+    QueueFailed,
+    SampleQueue,
+    is_fresh,
+    prompt_target,
+)
 from tests.test_distributed import ARGS, _env, _free_port, metrics, qerl_here
 
 
@@ -83,6 +93,36 @@ def test_prompt_pool_hands_out_chunks_and_tracks_outstanding() -> None:
     pool.returned(3)
     assert pool.top_up(10, queued=2, take=lambda n: [next(stream) for _ in range(n)]) == 3
     assert pool.hand_out() == (2, [6, 7, 8]) and pool.hand_out() == (3, [9, 10]) and pool.hand_out() == (-1, [])
+
+
+def _stale_drops(target: Callable[[int, int, bool], int], steps: int = 6, batch: int = 4, k: int = 1) -> int:
+    """Stale groups dropped over ``steps`` updates when the rollout is faster than the update (every handed-out
+    prompt comes back at once, under the adapter version published at that moment)."""
+    q, pool, stream = SampleQueue(max_staleness=k), PromptPool(chunk=batch), itertools.count()
+    version, dropped = 0, 0
+
+    def top(waiting: bool) -> None:
+        pool.top_up(target(batch, k, waiting), q.snapshot().queued, lambda n: [next(stream) for _ in range(n)])
+        while (got := pool.hand_out()[1]):
+            q.put([GroupItem(i, [], torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0]), version) for i in got])
+            pool.returned(len(got))
+
+    top(False)
+    for s in range(steps):
+        _, d = q.take(batch, s, poll_s=0.001, on_wait=lambda: top(True))
+        dropped += d["dropped_stale"]
+        top(False)  # during the update from s
+        version = s + 1  # its adapters published
+    return dropped
+
+
+def test_prompt_target_hands_out_only_what_the_staleness_bound_can_train() -> None:
+    assert [prompt_target(64, 1, w) for w in (False, True)] == [64, 128]
+    assert [prompt_target(64, 0, w) for w in (False, True)] == [0, 64]
+    # two batches at K = 1 (the first GPU run's rule), the rollout ahead: the second batch made under version v
+    # waits behind the first, then is too old for the update from v + 2; a whole batch every second update (2, 4)
+    assert _stale_drops(lambda b, k, w: 2 * b) == 2 * 4
+    assert _stale_drops(prompt_target) == 0 and _stale_drops(prompt_target, k=0) == 0
 
 
 def test_idle_clock_reads_and_resets() -> None:

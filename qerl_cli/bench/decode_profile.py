@@ -111,7 +111,7 @@ def categorize_trace(trace: dict[str, Any]) -> dict[str, Any]:
 
 def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_reps: int = 20,
                    trace_path: Path | None = None, copy_gbps: float | None = None,
-                   mma_tflops: float | None = None) -> dict[str, Any]:
+                   mma_tflops: float | None = None, fp8_tflops: float | None = None) -> dict[str, Any]:
     """Profile ``steps`` decode steps (+ sampling) of ``batch`` slots at ``context`` cached tokens.
 
     Needs an engine whose last ``generate`` left its KV cache, LoRA plan and norm buffers in place (call
@@ -119,7 +119,8 @@ def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_
     Returns per-step milliseconds by category, the summed kernel time, the CUDA-graph-replayed step
     time at the same (batch, KV bucket) when the engine uses graphs, and per category the bytes the step
     must move and the FLOPs it must do, the floor they set at ``copy_gbps`` (the run's measured copy bandwidth)
-    and ``mma_tflops`` (its measured BF16 matmul rate), the larger of the two, and the % of it.
+    and ``mma_tflops`` (its measured BF16 matmul rate; the quantized GEMMs' share that ran W4A8 kernels at
+    ``fp8_tflops``, its measured FP8 rate), the larger of the two, and the % of it.
     """
     from qerl_cli.rollout.sampling import SamplingParams, StepSampler
 
@@ -144,14 +145,29 @@ def profile_decode(engine: Any, batch: int, context: int, steps: int = 4, graph_
         with region("sampling"):
             sampler(logits, uid, step)
 
+    from qerl_kernels import dispatch
+
     with torch.no_grad():
+        before = dispatch.ran()
         prof = _profiled(one, steps)
+        ran = _ran_since(before, dispatch.ran())
         graph_ms = None
         graphs = getattr(engine, "_graphs", None)
         if graphs is not None:
             graph_ms = _graph_step_ms(graphs, sampler, tokens, positions, kv_len, uid, step, host, graph_reps)
-    return _report(prof, runner, batch, context, kv_len, steps, trace_path, (copy_gbps, mma_tflops), graph_ms,
-                   bool(graphs is not None and sampler.capturable))
+    return _report(prof, runner, batch, context, kv_len, steps, trace_path, (copy_gbps, mma_tflops, fp8_tflops),
+                   graph_ms, bool(graphs is not None and sampler.capturable), ran)
+
+
+def _ran_since(before: dict[tuple[int, int], dict[str, int]],
+               after: dict[tuple[int, int], dict[str, int]]) -> dict[tuple[int, int], dict[str, int]]:
+    """The quantized linears' forwards between two reads of the dispatch's record, by shape and kernel."""
+    out: dict[tuple[int, int], dict[str, int]] = {}
+    for shape, kernels in after.items():
+        diff = {k: c - before.get(shape, {}).get(k, 0) for k, c in kernels.items()}
+        if any(v > 0 for v in diff.values()):
+            out[shape] = {k: v for k, v in diff.items() if v > 0}
+    return out
 
 
 def _profiled(one: Any, steps: int) -> Any:
@@ -208,12 +224,15 @@ def chrome_trace(prof: Any) -> dict[str, Any]:
 
 
 def _report(prof: Any, runner: Any, batch: int, context: int, kv_len: int, steps: int, trace_path: Path | None,
-            rates: tuple[float | None, float | None], graph_ms: float | None,
-            sampler_in_graph: bool) -> dict[str, Any]:
-    """The trace by category per step, against each category's floor; ``rates``: (copy GB/s, matmul TFLOP/s)."""
-    from qerl_cli.bench.roofline import decode_step_bytes, floors, step_floor_ms
+            rates: tuple[float | None, float | None, float | None], graph_ms: float | None,
+            sampler_in_graph: bool, ran: dict[tuple[int, int], dict[str, int]] | None = None) -> dict[str, Any]:
+    """The trace by category per step, against each category's floor; ``rates``: (copy GB/s, BF16 and FP8 matmul
+    TFLOP/s); ``ran``: the kernels of the quantized linears in the profiled steps (their W4A8 share runs FP8)."""
+    from qerl_cli.bench.roofline import decode_step_bytes, floors, path_rate, step_floor_ms, w4a8_flop_share
 
-    copy_gbps, mma_tflops = rates
+    copy_gbps, mma_tflops, fp8_tflops = rates
+    share = w4a8_flop_share(ran or {})
+    cat_tflops = {"quantized GEMM": path_rate(mma_tflops, fp8_tflops, share)}
 
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
@@ -229,13 +248,15 @@ def _report(prof: Any, runner: Any, batch: int, context: int, kv_len: int, steps
         "kv_len": kv_len,
         "steps": steps,
         "ms_per_step": ms,
-        "floors": (cat_floors := floors(need["bytes"], ms, copy_gbps, need["flops"], mma_tflops)),
+        "floors": (cat_floors := floors(need["bytes"], ms, copy_gbps, need["flops"], mma_tflops, cat_tflops)),
         "step_floor_ms": step_floor_ms(cat_floors),
         "attention_read_bytes": need["attention_read_bytes"],
         "step_bytes": need["total_bytes"],
         "step_flops": need["total_flops"],
         "copy_GBps": copy_gbps,
         "mma_TFLOPs": mma_tflops,
+        "fp8_TFLOPs": fp8_tflops,
+        "w4a8_flop_share": share,
         "sampler_in_graph": sampler_in_graph,
         "fused_lora": runner.ops.fused_lora,
         "attention_backend": runner.attention.current,

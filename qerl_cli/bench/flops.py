@@ -46,6 +46,35 @@ def matmul_ceiling_tflops(device: torch.device, n: int = 8192, reps: int = 20) -
     return 2.0 * n**3 / times[len(times) // 2] / 1e12
 
 
+def fp8_matmul_ceiling_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float | None:
+    """TFLOP/s of an n x n x n E4M3 matmul (``torch._scaled_mm``, per-tensor scales, bf16 out) on ``device``: the
+    MMA rate of the W4A8 path, measured like :func:`matmul_ceiling_tflops`; None off CUDA or where the GPU has no
+    FP8 tensor cores."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    fp8 = torch.float8_e4m3fn
+    a = torch.randn(n, n, device=device).to(fp8)
+    b = torch.randn(n, n, device=device).to(fp8).t()  # column-major, as cuBLASLt's FP8 GEMM takes it
+    one = torch.ones((), device=device)
+
+    def mm() -> None:
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    for _ in range(3):
+        mm()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        mm()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0)
+    times.sort()
+    return 2.0 * n**3 / times[len(times) // 2] / 1e12
+
+
 def phase_flops(config: Any, *, tokens: float, attention_pairs: float, loss_tokens: float, lora_rank: int,
                 lora_targets: list[str]) -> dict[str, float]:
     """FLOPs of the recompute forward and of forward + backward (see the module docstring; the counts are

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from qerl_cli.bench import harness
-from qerl_cli.bench.flops import matmul_ceiling_tflops
+from qerl_cli.bench.flops import fp8_matmul_ceiling_tflops, matmul_ceiling_tflops
 from qerl_cli.bench.harness import COUNT, figure, num, save_figure
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import FORMATS, get_format
@@ -276,7 +276,8 @@ def _adapters(model: nn.Module, lora: str) -> Any:
 def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, new_tokens: int, vocab: int,
               stop_ids: list[int] | None, device: torch.device, gpu_memory_utilization: float, seed: int,
               warmup: bool, prompts_n: int | None = None, generations: int = 1, lora: str = "on",
-              profile: bool = False, rates: tuple[float | None, float | None] = (None, None)) -> dict[str, Any]:
+              profile: bool = False,
+              rates: tuple[float | None, float | None, float | None] = (None, None, None)) -> dict[str, Any]:
     from qerl_cli.rollout import BuiltinEngine, SamplingParams
 
     engine = BuiltinEngine(model, tokenizer, max_batch_slots=batch, max_model_len=prompt_len + new_tokens,
@@ -308,7 +309,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, *, batch: int, prompt_len: int, 
                 from qerl_cli.bench.decode_profile import profile_decode
 
                 prof = profile_decode(engine, min(batch, slots), prompt_len + new_tokens // 2, copy_gbps=rates[0],
-                                      mma_tflops=rates[1])
+                                      mma_tflops=rates[1], fp8_tflops=rates[2])
     finally:
         engine.release()
     t, st = res.timings, res.stats
@@ -462,7 +463,9 @@ def render_floor_table(res: dict[str, Any]) -> Any | None:
         return None
     cats = [k for k in CATEGORIES if k not in ("copies", "other")]
     mma = res.get("mma_TFLOPs")
-    rate = f" or FLOPs / {num(mma, COUNT)} TFLOP/s BF16 matmul, whichever is larger: f" if mma else ""
+    fp8 = res.get("fp8_TFLOPs")
+    fp8_note = f" (FP8 {num(fp8, COUNT)} for what ran W4A8 kernels)" if fp8 else ""
+    rate = f" or FLOPs / {num(mma, COUNT)} TFLOP/s BF16 matmul{fp8_note}, whichever is larger: f" if mma else ""
     table = Table(title=f"decode step floors: floor ms (bytes / {num(res.get('copy_GBps'), COUNT)} GB/s copy "
                         f"bandwidth{rate}) and % of it reached; attention: live context (SDPA's KV bucket in KV "
                         "read)")
@@ -584,6 +587,7 @@ class _Workload:
     tool_latency_ms: float = 50.0
     observation_tokens: int = 32
     mma_TFLOPs: float | None = None  # the run's BF16 matmul rate (profiled runs): the FLOP floors' divisor
+    fp8_TFLOPs: float | None = None  # its FP8 rate: the divisor of what ran on W4A8 kernels
 
     def lora_label(self, lora: str) -> str:
         return lora if self.lora_rank else "none"
@@ -689,12 +693,14 @@ def bench_rollout(
                 "sampling": f"temperature 1.0, top_p 1, top_k off, n={num_generations}"})
     bw = harness.copy_bandwidth_gbps(device)
     mma = matmul_ceiling_tflops(device) if profile else None
-    res.update({"gpu_total_gib": total_gib, "copy_GBps": bw, "mma_TFLOPs": mma, "models": {}})
+    fp8 = fp8_matmul_ceiling_tflops(device) if profile else None
+    res.update({"gpu_total_gib": total_gib, "copy_GBps": bw, "mma_TFLOPs": mma, "fp8_TFLOPs": fp8, "models": {}})
     if bw:
-        log(f"copy bandwidth {bw:,.0f} GB/s (read + write)" + (f", BF16 matmul {mma:,.0f} TFLOP/s" if mma else ""))
+        log(f"copy bandwidth {bw:,.0f} GB/s (read + write)" + (f", BF16 matmul {mma:,.0f} TFLOP/s" if mma else "")
+            + (f", FP8 matmul {fp8:,.0f} TFLOP/s" if fp8 else ""))
     work = _Workload(device, prompt_len, new_tokens, lora_rank, ["fixed", "eos"] if eos_mode == "both" else [eos_mode],
                      lmodes, seed, warmup, prompts, num_generations, profile, gmu, bw, spec is not None, episodes,
-                     tool_latency_ms, observation_tokens, mma_TFLOPs=mma)
+                     tool_latency_ms, observation_tokens, mma_TFLOPs=mma, fp8_TFLOPs=fp8)
     cell_times: dict[tuple[int, str, str], float] = {}  # a cell's time in the last format: the next one's guess
     for fmt in fmts:
         cap = (memory_cap_gib or total_gib) if spec is not None and device.type == "cuda" else None
@@ -848,7 +854,7 @@ def _measure(m: _Model, work: _Workload, batch: int, mode: str, lora: str) -> di
     cell = _run_cell(m.model, m.tokenizer, batch=batch, prompt_len=work.prompt_len, new_tokens=work.new_tokens,
                      vocab=m.vocab, stop_ids=stop_ids, device=work.device, gpu_memory_utilization=work.gmu,
                      seed=work.seed, warmup=work.warmup, prompts_n=work.prompts, generations=work.num_generations,
-                     lora=lora, profile=work.profile, rates=(work.copy_GBps, work.mma_TFLOPs))
+                     lora=lora, profile=work.profile, rates=(work.copy_GBps, work.mma_TFLOPs, work.fp8_TFLOPs))
     if cell["num_slots"] >= batch:
         return {"status": "ok", **cell}
     # the cell ran, but with fewer sequences at once than its batch: say so, and why

@@ -177,21 +177,46 @@ def decode_step_bytes(runner: ModelRunner, batch: int, context: int, kv_len: int
             "total_flops": sum(fl.values())}
 
 
+def w4a8_flop_share(ran: dict[tuple[int, int], dict[str, int]]) -> float:
+    """The share of the quantized linears' FLOPs that ran a W4A8 kernel (FP8 MMA), from the dispatch's record of
+    what ran ({(N, K): {kernel: forwards}}, every forward of one decode step at the same M): N x K x forwards."""
+    total = w4a8 = 0.0
+    for (n, k), kernels in ran.items():
+        for name, count in kernels.items():
+            total += n * k * count
+            w4a8 += n * k * count if "w4a8" in name else 0.0
+    return w4a8 / total if total else 0.0
+
+
+def path_rate(bf16_tflops: float | None, fp8_tflops: float | None, fp8_share: float) -> float | None:
+    """The MMA rate of a category whose FLOPs run ``fp8_share`` on FP8 tensor cores and the rest on BF16 ones:
+    the time of each part at its own rate, summed (harmonic)."""
+    if not bf16_tflops:
+        return None
+    if fp8_share <= 0 or not fp8_tflops:
+        return bf16_tflops
+    return 1.0 / (fp8_share / fp8_tflops + (1.0 - fp8_share) / bf16_tflops)
+
+
 def floors(step_bytes: dict[str, float], ms: dict[str, float], copy_gbps: float | None,
-           step_flops: dict[str, float] | None = None, mma_tflops: float | None = None) -> dict[str, dict]:
+           step_flops: dict[str, float] | None = None, mma_tflops: float | None = None,
+           cat_tflops: dict[str, float | None] | None = None) -> dict[str, dict]:
     """Per category: bytes, FLOPs, the byte floor (bytes over the copy bandwidth), the FLOP floor (FLOPs over the
-    matrix rate), ``floor_ms`` the larger of those known, ``bound`` which one it is, and the % of that floor the
-    measured ms reach (None without a bandwidth or a measured time)."""
+    matrix rate of the path that ran: ``cat_tflops`` where given, e.g. the quantized GEMMs on the FP8 tensor
+    cores, else ``mma_tflops``), ``floor_ms`` the larger of those known, ``bound`` which one it is, and the % of
+    that floor the measured ms reach (None without a bandwidth or a measured time)."""
     rows: dict[str, dict] = {}
     for cat, nbytes in step_bytes.items():
         byte_floor = nbytes / (copy_gbps * 1e9) * 1e3 if copy_gbps else None
         nflops = (step_flops or {}).get(cat, 0.0)
-        flop_floor = nflops / (mma_tflops * 1e12) * 1e3 if mma_tflops and step_flops is not None else None
+        rate = (cat_tflops or {}).get(cat) or mma_tflops
+        flop_floor = nflops / (rate * 1e12) * 1e3 if rate and step_flops is not None else None
         floor, bound = byte_floor, "bytes"
         if flop_floor is not None and (floor is None or flop_floor > floor):
             floor, bound = flop_floor, "FLOPs"
         t = ms.get(cat)
-        rows[cat] = {"bytes": nbytes, "flops": nflops, "byte_floor_ms": byte_floor, "flop_floor_ms": flop_floor,
+        rows[cat] = {"bytes": nbytes, "flops": nflops, "mma_TFLOPs": rate if flop_floor is not None else None,
+                     "byte_floor_ms": byte_floor, "flop_floor_ms": flop_floor,
                      "floor_ms": floor, "bound": bound if floor is not None else None,
                      "pct_of_floor": 100.0 * floor / t if floor is not None and t else None}
     return rows

@@ -6,8 +6,18 @@ the rollout ranks (NCCL on CUDA, gloo on CPU).
 
 Why a receiving thread on each rollout rank: a broadcast completes only when every member has joined it. If the
 rollout rank joined between its engine calls, the trainer would wait at every publish until the slowest rollout
-rank finished its chunk. Instead a thread on each rollout rank always has the next broadcast posted, receives into
-a buffer of its own, and hands the newest complete version over under a lock; the builtin engine applies it
+rank finished its chunk. Instead a thread on each rollout rank always waits for the next version, receives into
+a buffer of its own, and hands the newest complete version over under a lock.
+
+Why the thread waits on the CPU (a two-number header over a gloo group, the "doorbell") and posts the payload's
+NCCL broadcast only once the trainer announced it: a posted NCCL broadcast is a kernel that spins on the GPU until
+its sender joins. Left posted for a whole trainer step, it blocks every device-wide wait of the rollout rank (a
+``torch.cuda.synchronize()``, a ``cudaFree`` of ``empty_cache``), and the rollout rank, whose heartbeat still
+beats, would wait forever for the trainer that waits for its samples (seen on two H200s, 2026-11-29). With the
+doorbell the payload kernel runs only while the trainer sends it (milliseconds). The receive buffers are made once
+(two, used in turn) so that the thread never allocates device memory while the engine captures a CUDA graph.
+
+The builtin engine applies it
 between decode windows (``BuiltinEngine.adapter_updates``; other engines between calls) by copying it IN PLACE into
 the LoRA parameters the engine reads and from them into its shadows: no new tensors, no recompile, no CUDA-graph
 recapture. A version that arrives while the previous one was not applied yet simply replaces it (only the newest
@@ -46,15 +56,17 @@ def unpack_into(buf: torch.Tensor, params: list[torch.Tensor]) -> None:
 
 
 class AdapterPublisher:
-    """Trainer rank 0's side: :meth:`publish` broadcasts one version; its wall seconds (``async/sync_s``)."""
+    """Trainer rank 0's side: :meth:`publish` rings the doorbell (``bell``, gloo) and broadcasts one version over
+    ``group``; its wall seconds (``async/sync_s``)."""
 
-    def __init__(self, params: list[torch.Tensor], group: object, device: torch.device) -> None:
-        self.params, self.group, self.device = params, group, device
+    def __init__(self, params: list[torch.Tensor], group: object, bell: object, device: torch.device) -> None:
+        self.params, self.group, self.bell, self.device = params, group, bell, device
         self.version = -1
 
     def publish(self, version: int, *, stop: bool = False) -> float:
         t = time.perf_counter()
         buf = pack(self.params, version, stop, self.device)
+        dist.broadcast(buf[:HEADER].cpu(), src=0, group=self.bell)
         dist.broadcast(buf, src=0, group=self.group)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -66,8 +78,10 @@ class AdapterSubscriber:
     """A rollout rank's side: a thread receives every version; :meth:`apply` installs the newest between engine
     calls. The thread ends at the stop broadcast (the trainer's last publish)."""
 
-    def __init__(self, params: list[torch.Tensor], group: object, device: torch.device, version: int) -> None:
-        self.params, self.group, self.device = params, group, device
+    def __init__(self, params: list[torch.Tensor], group: object, bell: object, device: torch.device,
+                 version: int) -> None:
+        self.params, self.group, self.bell, self.device = params, group, bell, device
+        self._bufs = [torch.empty(flat_size(params), dtype=torch.float32, device=device) for _ in range(2)]
         self.applied = version
         self._ready: torch.Tensor | None = None
         self._ready_version = version
@@ -83,16 +97,20 @@ class AdapterSubscriber:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
                 stream = torch.cuda.Stream(self.device)  # off the decode stream
-            n = flat_size(self.params)
+            head = torch.empty(HEADER, dtype=torch.float32)
+            turn = 0
             while True:
-                buf = torch.empty(n, dtype=torch.float32, device=self.device)
+                dist.broadcast(head, src=0, group=self.bell)  # waits on the CPU: nothing spins on the GPU
+                # the buffer not handed over last time: apply() reads only the one handed over, under the lock
+                buf = self._bufs[turn]
+                turn = 1 - turn
                 if stream is not None:
                     with torch.cuda.stream(stream):
                         dist.broadcast(buf, src=0, group=self.group)
                     stream.synchronize()  # complete before the main thread reads it
                 else:
                     dist.broadcast(buf, src=0, group=self.group)
-                version, stop = int(buf[0].item()), bool(buf[1].item())
+                version, stop = int(head[0].item()), bool(head[1].item())
                 with self._lock:
                     if stop:
                         self.stopped = True
@@ -112,6 +130,8 @@ class AdapterSubscriber:
             if self._ready is None or self._ready_version <= self.applied:
                 return None
             unpack_into(self._ready, self.params)
+            if self.device.type == "cuda":  # the copies read the buffer the thread fills the version after next
+                torch.cuda.current_stream(self.device).synchronize()
             self.applied, self._ready = self._ready_version, None
             return self.applied
 

@@ -158,6 +158,17 @@ class SampleQueue:
             return Accounting(**self.acc.to_dict())
 
 
+def prompt_target(batch_prompts: int, max_staleness: int, waiting: bool) -> int:
+    """How many prompts may be handed out, running or queued as groups at once. A group generated now carries the
+    adapter version just published, v; the update from version s may train it while s <= v + K. Between takes
+    the trainer is computing the update from v, whose groups it already holds, so a new group can serve only the
+    K updates after it: K batches. While the trainer waits inside its take for the update from v, that update
+    can use it too: K + 1 batches. More is rollout work the gate would throw away: with two batches at K = 1
+    and a rollout faster than the update, a batch was dropped stale every second update (7B on two H200s,
+    2026-11-29). Zero-variance groups that dynamic sampling drops are made up while the trainer waits."""
+    return batch_prompts * (max_staleness + (1 if waiting else 0))
+
+
 def chunk_prompts(batch_prompts: int, rollout_ranks: int) -> int:
     """The most prompts the hub hands a rollout rank at once: its share of one step, so the ranks share each step's
     prompts and pick up a new adapter version soon, yet enough to fill its engine's slots. A rollout rank's memory

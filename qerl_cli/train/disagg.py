@@ -49,6 +49,7 @@ from qerl_cli.train.async_queue import (
     QueueFailed,
     SampleQueue,
     chunk_prompts,
+    prompt_target,
 )
 from qerl_cli.train.phases import ROLE_ROLLOUT, ROLE_TRAIN
 from qerl_cli.train.rollouter import NormOverrides, Rollouter, Rollouts, rollout_metrics
@@ -90,6 +91,7 @@ class Roles:
     train_group: Any
     sync_group: Any  # rank 0 + rollout ranks, the job's backend: adapter broadcasts
     flow_group: Any  # rank 0 + rollout ranks, gloo: requests, prompts and scored groups
+    bell_group: Any  # rank 0 + rollout ranks, gloo: each adapter version's header (adapter_sync.py says why)
 
     @property
     def role(self) -> str:
@@ -114,7 +116,8 @@ def init_roles(rollout_gpus: int) -> Roles | None:
     train_group = dist.new_group(list(range(trainers)))
     sync_group = dist.new_group([0, *range(trainers, world)])
     flow_group = dist.new_group([0, *range(trainers, world)], backend="gloo")
-    roles = Roles(ctx.rank, world, trainers, train_group, sync_group, flow_group)
+    bell_group = dist.new_group([0, *range(trainers, world)], backend="gloo")
+    roles = Roles(ctx.rank, world, trainers, train_group, sync_group, flow_group, bell_group)
     sub = distributed.DistContext(rank=ctx.rank, world_size=trainers if roles.role == TRAIN else 1,
                                   local_rank=ctx.local_rank, backend=ctx.backend,
                                   group=train_group if roles.role == TRAIN else None, job_size=world,
@@ -273,16 +276,17 @@ class TrainerSource:
         self.pool = PromptPool(chunk=chunk_prompts(cfg.batch_prompts, len(roles.rollout_ranks)))
         self.stream = rollouter.stream
         self.clock = IdleClock()
-        self.publisher = AdapterPublisher(updater.params, roles.sync_group, rollouter.device)
+        self.publisher = AdapterPublisher(updater.params, roles.sync_group, roles.bell_group, rollouter.device)
         self.watch = HeartbeatWatch(roles.rollout_ranks, min(HEARTBEAT_TIMEOUT_S, options().dist_timeout_s))
         self.top_up()  # the rollout ranks have prompts from their first request on
         self.hub = Hub(roles, self.queue, self.pool, self.clock)
         self.publisher.publish(updater.step)  # every rollout rank starts from the trainers' adapters, exactly
 
-    def top_up(self) -> None:
-        """Keep this step's prompts and the next step's handed out or ready (the staleness bound makes more
-        pointless: they would be dropped); called on the training thread only."""
-        self.pool.top_up(2 * self.batch_prompts, self.queue.snapshot().queued, self.stream.take)
+    def top_up(self, waiting: bool = False) -> None:
+        """Hand out what the staleness bound lets the next updates train (``prompt_target``); on the training thread
+        only. ``waiting``: the trainer is inside its take, which the groups generated now may still serve."""
+        target = prompt_target(self.batch_prompts, self.max_staleness, waiting)
+        self.pool.top_up(target, self.queue.snapshot().queued, self.stream.take)
 
     def failed(self) -> str | None:
         """The line that stops the run, or None: a rank's own error; a silent rank (heartbeat); a transport failure
@@ -309,7 +313,7 @@ class TrainerSource:
             t0 = time.perf_counter()
             try:
                 items, dropped = self.queue.take(self.batch_prompts, step, failed=self.failed,
-                                                 on_wait=self.top_up)
+                                                 on_wait=lambda: self.top_up(waiting=True))
             except QueueFailed as exc:
                 self.failed_line = str(exc)
                 raise QerlError(str(exc)) from None
@@ -434,7 +438,8 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
     """A rollout rank's life after setup: chunks until the trainers say stop; the stop's reason. ``updater``: this
     rank's update side, whose adapters the trainers' publications overwrite (it never steps); ``plan``: this rank's
     memory plan summary, sent with its first request for trainer rank 0 to record in the manifest."""
-    sub = AdapterSubscriber(updater.params, roles.sync_group, rollouter.device, version=-1)
+    sub = AdapterSubscriber(updater.params, roles.sync_group, roles.bell_group, rollouter.device,
+                            version=-1)
     beat = Heartbeat(roles.rank)
     version = updater.step
     overrides = rollouter.noise(version)
