@@ -57,8 +57,8 @@ def summarize(root: Path) -> dict:
     return out
 
 
-def pct(ci: dict) -> str:
-    mean = "-" if ci["mean"] is None else f"{100 * ci['mean']:+.1f}"
+def pct(ci: dict, sign: str = "") -> str:
+    mean = "-" if ci["mean"] is None else f"{100 * ci['mean']:{sign}.1f}"
     interval = f"[{100 * ci['lo']:.1f}, {100 * ci['hi']:.1f}]" if ci["lo"] is not None else "(no interval)"
     return f"{mean} {interval}"
 
@@ -71,8 +71,10 @@ def main() -> int:
     res = summarize(args.root)
     for arm, d in res["arms"].items():
         n = d["gain"]["n"]
-        print(f"{arm:5s} base {pct(d['base'])}  trained {pct(d['trained'])}  gain {pct(d['gain'])} points x100, "
-              f"{n} seeds; reward first/last step {d['reward_per_step'][:1]} / {d['reward_per_step'][-1:]}")
+        curve = d["reward_per_step"] or [None]
+        first, last = ("-" if r is None else f"{r:.3f}" for r in (curve[0], curve[-1]))
+        print(f"{arm:5s} held-out accuracy % base {pct(d['base'])}, trained {pct(d['trained'])}, gain "
+              f"{pct(d['gain'], '+')} points over {n} seeds; reward first step {first}, last {last}")
     diff = res["async_minus_sync_gain"]
     if diff["diff"] is not None:
         interval = f"[{100 * diff['lo']:.1f}, {100 * diff['hi']:.1f}]" if diff["lo"] is not None else "(no interval)"
