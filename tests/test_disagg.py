@@ -125,6 +125,33 @@ def test_prompt_target_hands_out_only_what_the_staleness_bound_can_train() -> No
     assert _stale_drops(prompt_target) == 0 and _stale_drops(prompt_target, k=0) == 0
 
 
+def test_watch_tells_a_dead_rank_from_a_hung_one() -> None:
+    """Both counters on a real c10d store: a rank whose heartbeat thread beats but whose rollout never moves (the
+    first two-GPU run's deadlock in a CUDA wait) is stalled, not silent; progress clears it; a stopped heartbeat
+    is silent."""
+    from torch.distributed import HashStore
+
+    from qerl_cli.train.disagg import HEARTBEAT_S, Heartbeat, HeartbeatWatch
+
+    store = HashStore()
+    beat = Heartbeat(3, store=store)
+    watch = HeartbeatWatch([3], timeout_s=4 * HEARTBEAT_S, stall_s=2 * HEARTBEAT_S, store=store)
+    try:
+        assert watch.silent(set()) is None and watch.stalled(set()) is None  # first reads
+        time.sleep(3 * HEARTBEAT_S)
+        assert watch.silent(set()) is None  # beats came
+        assert watch.stalled(set()) == 3 and watch.stalled({3}) is None  # no progress; a rank that left is not asked
+        beat.progress()
+        assert watch.stalled(set()) is None
+        beat.progress()  # throttled: within HEARTBEAT_S of the last, no store round trip
+        assert int(store.add("qerl/async/progress/3", 0)) == 1
+    finally:
+        beat.stop()
+    watch.silent(set())
+    time.sleep(5 * HEARTBEAT_S)
+    assert watch.silent(set()) == 3
+
+
 def test_idle_clock_reads_and_resets() -> None:
     c = IdleClock()
     c.add(3.0, 1.0)

@@ -31,7 +31,7 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -148,12 +148,21 @@ def _heartbeat_key(rank: int) -> str:
     return f"qerl/async/heartbeat/{rank}"
 
 
-class Heartbeat:
-    """A rollout rank's thread adding 1 to its store counter every HEARTBEAT_S (stopped by :meth:`stop`)."""
+def _progress_key(rank: int) -> str:
+    return f"qerl/async/progress/{rank}"
 
-    def __init__(self, rank: int) -> None:
-        self._store = dist.distributed_c10d._get_default_store()
-        self._key = _heartbeat_key(rank)
+
+class Heartbeat:
+    """A rollout rank's two store counters. Its thread adds 1 to the heartbeat every HEARTBEAT_S (stopped by
+    :meth:`stop`): the process lives. Its rollout loop calls :meth:`progress` at every request and after every
+    decode window: the work moves. Why both: a rank stuck in a CUDA wait (the first two-GPU run's deadlock, an
+    NCCL kernel that never completes) releases the GIL there, so its heartbeat thread goes on beating while
+    nothing moves; only the second counter shows it."""
+
+    def __init__(self, rank: int, store: Any = None) -> None:
+        self._store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self._key, self._progress_key = _heartbeat_key(rank), _progress_key(rank)
+        self._last_progress = 0.0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="qerl-heartbeat", daemon=True)
         self._thread.start()
@@ -163,31 +172,56 @@ class Heartbeat:
             with contextlib.suppress(Exception):  # a store hiccup is not a death; the watcher decides
                 self._store.add(self._key, 1)
 
+    def progress(self) -> None:
+        """The rollout moved (at most one store round trip per HEARTBEAT_S: decode windows come every few ms)."""
+        now = time.monotonic()
+        if now - self._last_progress >= HEARTBEAT_S:
+            self._last_progress = now
+            with contextlib.suppress(Exception):
+                self._store.add(self._progress_key, 1)
+
     def stop(self) -> None:
         self._done.set()
         self._thread.join(5)
 
 
-class HeartbeatWatch:
-    """Trainer rank 0's view of the rollout ranks' heartbeats: the first rank silent for too long."""
+class _Counters:
+    """When each rank's store counter last changed, as seen by the reader."""
 
-    def __init__(self, ranks: list[int], timeout_s: float) -> None:
-        self._store = dist.distributed_c10d._get_default_store()
-        self.timeout_s = timeout_s
+    def __init__(self, store: Any, key: Callable[[int], str], ranks: list[int]) -> None:
+        self._store, self._key = store, key
         now = time.monotonic()
         self._seen = {r: (-1, now) for r in ranks}
 
-    def silent(self, gone: set[int]) -> int | None:
+    def still_for(self, gone: set[int], limit_s: float) -> int | None:
+        """The first rank (not in ``gone``) whose counter has not moved for more than ``limit_s``."""
         now = time.monotonic()
         for r, (count, since) in self._seen.items():
             if r in gone:
                 continue
-            c = int(self._store.add(_heartbeat_key(r), 0))
+            c = int(self._store.add(self._key(r), 0))
             if c != count:
                 self._seen[r] = (c, now)
-            elif now - since > self.timeout_s:
+            elif now - since > limit_s:
                 return r
         return None
+
+
+class HeartbeatWatch:
+    """Trainer rank 0's view of the rollout ranks: the first one silent (no heartbeat for ``timeout_s``: dead or
+    frozen) or stalled (alive, but no request or decode window for ``stall_s``: hung in a wait)."""
+
+    def __init__(self, ranks: list[int], timeout_s: float, stall_s: float, store: Any = None) -> None:
+        store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.timeout_s, self.stall_s = timeout_s, stall_s
+        self._beats = _Counters(store, _heartbeat_key, ranks)
+        self._progress = _Counters(store, _progress_key, ranks)
+
+    def silent(self, gone: set[int]) -> int | None:
+        return self._beats.still_for(gone, self.timeout_s)
+
+    def stalled(self, gone: set[int]) -> int | None:
+        return self._progress.still_for(gone, self.stall_s)
 
 
 # ---- trainer rank 0: the hub thread -------------------------------------------------------------------------
@@ -277,7 +311,8 @@ class TrainerSource:
         self.stream = rollouter.stream
         self.clock = IdleClock()
         self.publisher = AdapterPublisher(updater.params, roles.sync_group, roles.bell_group, rollouter.device)
-        self.watch = HeartbeatWatch(roles.rollout_ranks, min(HEARTBEAT_TIMEOUT_S, options().dist_timeout_s))
+        self.watch = HeartbeatWatch(roles.rollout_ranks, min(HEARTBEAT_TIMEOUT_S, options().dist_timeout_s),
+                                    options().dist_timeout_s)
         self.top_up()  # the rollout ranks have prompts from their first request on
         self.hub = Hub(roles, self.queue, self.pool, self.clock)
         self.publisher.publish(updater.step)  # every rollout rank starts from the trainers' adapters, exactly
@@ -304,6 +339,11 @@ class TrainerSource:
         if r is not None:
             return (f"rollout rank {r} stopped responding (no heartbeat for {self.watch.timeout_s:.0f} s): it died or "
                     "hangs; the last checkpoint is intact (--resume, on any role split)")
+        r = self.watch.stalled(self.hub.goodbyes)
+        if r is not None:
+            return (f"rollout rank {r} is alive but made no progress for {self.watch.stall_s:.0f} s (no request, no "
+                    "decode window): it hangs in a wait; the last checkpoint is intact (--resume, on any role split; "
+                    "QERL_DIST_TIMEOUT_S sets this limit)")
         return None
 
     def take(self, step: int) -> Rollouts:
@@ -459,13 +499,18 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
         return True
 
     if live:
-        engine.adapter_updates = lambda: (version, overrides) if install() else None
+        def updates() -> tuple[int, NormOverrides] | None:  # after every decode window of an engine call
+            beat.progress()
+            return (version, overrides) if install() else None
+
+        engine.adapter_updates = updates
         engine.adapter_version = version
     out: dict[str, Any] = {} if plan is None else {"plan": plan}
     tags = (_TAG_HEAD, _TAG_BODY)
     try:
         with _Signals() as sig:
             while True:
+                beat.progress()
                 out["signal"] = sig.take()
                 send_obj(out, 0, roles.flow_group, tags)
                 reply, _ = recv_obj(0, roles.flow_group, (_TAG_REPLY_HEAD, _TAG_REPLY_BODY))
