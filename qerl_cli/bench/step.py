@@ -410,9 +410,11 @@ def _workload(run_dir: Path | None, shape: str | None, formats: Iterable[str] | 
 
 def _device_rates(res: dict[str, Any], device: torch.device, log: Callable[[str], None]) -> tuple[Any, Any]:
     """The BF16 matmul ceiling and the cost model's rates, measured once for the run (recorded in ``res``)."""
-    from qerl_cli.bench.flops import matmul_ceiling_tflops
+    from qerl_cli.bench.flops import fp8_matmul_ceiling_tflops, matmul_ceiling_tflops
 
     res["matmul_ceiling_tflops"] = ceiling = matmul_ceiling_tflops(device)
+    # the decode profile's quantized GEMMs that ran W4A8 kernels are floored at this rate
+    res["fp8_matmul_ceiling_tflops"] = fp8_matmul_ceiling_tflops(device)
     rates = measured_rates(device, ceiling)
     res["device_rates"] = None if rates is None else dataclasses.asdict(rates)
     if rates is not None:
@@ -588,10 +590,11 @@ class _FormatStep:
         context = int(statistics.mean(len(p) for p in prompts)) + c.max_completion_length // 2
         rates = self.rates
         prof = profile_decode(engine, batch, context, copy_gbps=rates.copy_gbps if rates else None,
-                              mma_tflops=self.ceiling or (rates.matmul_tflops if rates else None))
+                              mma_tflops=self.ceiling or (rates.matmul_tflops if rates else None),
+                              fp8_tflops=self.res.get("fp8_matmul_ceiling_tflops"))
         step_ms = prof["graph_step_ms"] or prof["kernel_ms_per_step"]
         # the compute-aware floor: per category the larger of its bytes over the bandwidth and its FLOPs over the
-        # run's matmul rate; at RL batches the quantized GEMMs are bound by the MMA rate, not by their bytes
+        # run's matmul rate (FP8 for what ran W4A8); at RL batches the quantized GEMMs are bound by the MMA rate
         prof["pct_of_floor"] = 100.0 * prof["step_floor_ms"] / step_ms if prof.get("step_floor_ms") else None
         self.log(f"{self.cell}: decode-step profile at batch {batch}, context {context}: "
                  f"{prof['kernel_ms_per_step']:.2f} ms of kernels, graph step {prof['graph_step_ms'] or 0:.2f} ms, "
