@@ -5,7 +5,10 @@
 * ``sync1``: one GPU, synchronous (rollout then update on the same GPU);
 * ``ddp``: every GPU synchronous, data parallel (train/distributed.py);
 * ``async``: ``--rollout-gpus R`` GPUs only roll out, the others train (train/disagg.py), adapters broadcast
-  after every update.
+  after every update;
+* ``trl_async``: the peer, TRL's AsyncGRPOTrainer with adapter-only sync, its vLLM server on GPU 1 and its trainer
+  on GPU 0 (bench/trl_async.py; BF16 + LoRA: vLLM serves TRL's adapters on a BF16 model). Not in the default
+  list: it needs vLLM and TRL installed (``bash scripts/gpu.sh vllm trl``); ``--layouts sync1,ddp,async,trl_async``.
 
 Each layout runs the REAL trainer (Trainer.train_step; its rollouts from the rollout ranks in the async layout) on
 an in-memory random model of a shape (bench/shapes.py) with LoRA, synthetic token prompts and random rewards per
@@ -37,6 +40,7 @@ import torch
 from qerl_cli.manifest import atomic_write_json
 
 LAYOUTS = ("sync1", "ddp", "async")
+PEER_LAYOUTS = ("trl_async",)
 SMOKE = {"shape": "tiny", "batch_prompts": 4, "num_generations": 2, "prompt_len": 8, "new_tokens": 8,
          "lora_rank": 4, "micro_batch_size": 4, "steps": 2, "warmup": 1, "stop_frac": 0.1}
 ISSUE = {"shape": "qwen2.5-7b", "batch_prompts": 64, "num_generations": 8, "prompt_len": 256, "new_tokens": 1024,
@@ -125,9 +129,14 @@ def table(results: list[dict[str, Any]]) -> list[str]:
     lines = ["| layout | GPUs | rollout GPUs | trained tokens/s | step s | sync share | rollout idle | staleness "
              "| dropped stale | mean length |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['layout']} | {r['gpus']} | {r['rollout_gpus']} | {f(r['trained_tokens_per_s'], '{:.0f}')} "
-                     f"| {f(r['step_s_median'])} | {f(r['sync_share'])} | {f(r['rollout_idle_frac'])} "
-                     f"| {f(r['staleness_mean'])} | {r['dropped_stale']} | {f(r['mean_completion_length'])} |")
+        if r.get("status", "ok") != "ok":  # a peer that did not run: why, in its row
+            lines.append(f"| {r['layout']} | {r['gpus']} | {r['rollout_gpus']} | {r['status']} | | | | | | |")
+            continue
+        name = r["layout"] + (" (SDPA stand-in)" if str(r.get("attention", "")).startswith("torch SDPA") else "")
+        lines.append(f"| {name} | {r['gpus']} | {r['rollout_gpus']} | {f(r['trained_tokens_per_s'], '{:.0f}')} "
+                     f"| {f(r['step_s_median'])} | {f(r['sync_share'])} | {f(r.get('rollout_idle_frac'))} "
+                     f"| {f(r.get('staleness_mean'))} | {r.get('dropped_stale', 0)} "
+                     f"| {f(r.get('mean_completion_length'))} |")
     return lines
 
 
@@ -151,8 +160,19 @@ def driver(a: argparse.Namespace, rest: list[str]) -> int:
             "ddp": (torchrun(a.gpus), {}), "async": (torchrun(a.gpus), {})}
     results = []
     for layout in a.layouts.split(","):
-        cmd, extra = runs[layout]
         path = out / f"{layout}.json"
+        if layout == "trl_async":  # its own processes (a vLLM server, TRL's trainer), started from here
+            from qerl_cli.bench.trl_async import run_trl_async
+
+            print(f"== {layout}: TRL's AsyncGRPOTrainer, vLLM server on GPU 1, trainer on GPU 0", flush=True)
+            row = run_trl_async(a, path)
+            row["config"] = {k: getattr(a, k) for k in ("shape", "batch_prompts", "num_generations", "prompt_len",
+                                                        "new_tokens", "lora_rank", "steps", "warmup", "stop_frac",
+                                                        "max_staleness", "seed")}
+            atomic_write_json(path, row)
+            results.append(row)
+            continue
+        cmd, extra = runs[layout]
         args = [*cmd, *rest, "--layout", layout, "--out", str(path)]
         print(f"== {layout}: {' '.join(args)}", flush=True)
         rc = subprocess.run(args, env={**env, **extra}).returncode
@@ -169,7 +189,8 @@ def driver(a: argparse.Namespace, rest: list[str]) -> int:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=2, help="GPUs (CPU: gloo processes) of the ddp and async layouts")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of " + ", ".join(LAYOUTS))
+    ap.add_argument("--layouts", default=",".join(LAYOUTS),
+                    help="comma-separated, of " + ", ".join(LAYOUTS + PEER_LAYOUTS))
     ap.add_argument("--smoke", action="store_true", help="the small workload (tiny shape; runs on CPU)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--layout", default="async", help=argparse.SUPPRESS)
@@ -195,6 +216,11 @@ def main() -> None:
     if a.worker:
         worker(a)
         return
+    unknown = [x for x in a.layouts.split(",") if x not in LAYOUTS + PEER_LAYOUTS]
+    if unknown:
+        print(f"error: unknown layout {', '.join(unknown)}; the layouts are {', '.join(LAYOUTS + PEER_LAYOUTS)}",
+              file=sys.stderr)
+        sys.exit(2)
     # the workload options go to every layout's worker as given (the worker fills in the same defaults)
     rest = _drop_values(sys.argv[1:], ("--gpus", "--layouts", "--out"))
     sys.exit(driver(a, rest))

@@ -1,0 +1,87 @@
+"""The TRL AsyncGRPOTrainer peer of the async split (qerl_cli/bench/trl_async.py): the parts that decide what it
+measures, by hand; the layout's own refusal where TRL or vLLM is missing. It runs for real only on the GPU
+(bash scripts/gpu.sh vllm trl, then async_scale --layouts ...,trl_async)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from qerl_cli.bench.async_scale import table
+from qerl_cli.bench.trl_async import run_trl_async, server_command, settings, step_rows
+
+
+def test_settings_make_one_optimizer_step_of_the_same_batch() -> None:
+    s = settings(num_generations=8, new_tokens=1024, batch_prompts=64, lr=1e-5, max_staleness=1, port=8123, seed=3)
+    assert s["per_device_train_batch_size"] * s["gradient_accumulation_steps"] == 64 * 8
+    assert s["max_completion_length"] == 1024 and s["max_staleness"] == 1 and s["weight_sync_steps"] == 1
+    assert s["vllm_server_base_url"] == "http://127.0.0.1:8123" and s["learning_rate"] == 1e-5
+
+
+def test_server_serves_lora_at_the_adapter_rank() -> None:
+    cmd = server_command(Path("/m"), 8123, lora_rank=32, max_model_len=1280, max_num_seqs=256)
+    assert cmd[cmd.index("--max-lora-rank") + 1] == "32" and "--enable-lora" in cmd
+    assert cmd[cmd.index("--max-model-len") + 1] == "1280" and cmd[cmd.index("--model") + 1] == "/m"
+    assert cmd[cmd.index("--max-loras") + 1] == "3"  # staleness 1: two live versions and the next one loading
+    assert server_command(Path("/m"), 1, lora_rank=4, max_model_len=8, max_num_seqs=2)[
+        cmd.index("--max-lora-rank") + 1] == "8"  # vLLM's smallest servable rank
+
+
+def test_step_rows_count_prompt_and_completion_tokens_per_step_second() -> None:
+    """512 samples x 256 prompt tokens + 250,000 completion tokens = 381,072 tokens in 30 s = 12,702 tok/s; the
+    first logged step has no predecessor (no perf/step_s) and the warm-up's is dropped."""
+    logs = [{"loss": 0.1},
+            {"perf/step_s": 40.0, "batch/samples_per_step": 512.0, "batch/trained_tokens_per_step": 1.0},
+            {"perf/step_s": 30.0, "batch/samples_per_step": 512.0, "batch/trained_tokens_per_step": 250_000.0,
+             "perf/weight_sync_s": 0.6, "perf/rollout_wait_s": 2.0}]
+    rows = step_rows(logs, prompt_len=256, warmup=2)
+    assert len(rows) == 1 and rows[0]["tokens"] == 512 * 256 + 250_000
+    assert rows[0]["tokens_per_s"] == pytest.approx(381_072 / 30) and rows[0]["sync_s"] == 0.6
+    assert len(step_rows(logs, prompt_len=256, warmup=1)) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is not None and importlib.util.find_spec("vllm") is not None,
+                    reason="TRL and vLLM are installed: the layout would run")
+def test_missing_trl_is_a_row_that_says_so_not_a_crash(tmp_path: Path) -> None:
+    a = SimpleNamespace(shape="tiny", seed=0)
+    row = run_trl_async(a, tmp_path / "trl_async.json")
+    assert row["status"].startswith("TRL did not run:") and "not installed" in row["status"]
+    assert f"| trl_async | 2 | 1 | {row['status']} |" in "\n".join(table([row]))
+
+
+def test_an_unknown_layout_is_one_line_and_exit_2() -> None:
+    res = subprocess.run([sys.executable, "-m", "qerl_cli.bench.async_scale", "--layouts", "sync1,trl"],
+                         capture_output=True, text=True, timeout=120, cwd=tempfile.gettempdir())
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and "unknown layout trl" in res.stderr
+    assert json.dumps(res.stdout) == '""'
+
+
+def test_sdpa_stand_in_keeps_flash_attention_varlen_contract() -> None:
+    """Two packed segments (3 queries over 5 keys, 2 over 2), 4 query heads over 2 KV heads: each query row
+    attends its own segment's keys up to i + Lk - Lq (FlashAttention's bottom-right causal alignment), computed
+    here by an explicit softmax."""
+    import torch
+
+    from qerl_cli.bench.trl_async_runner import varlen_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 8, generator=g) for n, h in ((5, 4), (7, 2), (7, 2)))
+    cu_q, cu_k = torch.tensor([0, 3, 5]), torch.tensor([0, 5, 7])
+    out = varlen_sdpa(q, k, v, cu_q, cu_k, 3, 5, softmax_scale=0.5, causal=True)
+    want = torch.empty_like(out)
+    for (a, b), (c, d) in zip(((0, 3), (3, 5)), ((0, 5), (5, 7)), strict=True):
+        for i in range(b - a):
+            for h in range(4):
+                keys = range(c, c + i + (d - c) - (b - a) + 1)
+                w = torch.softmax(torch.stack([0.5 * q[a + i, h] @ k[j, h // 2] for j in keys]), 0)
+                want[a + i, h] = sum(wj * v[j, h // 2] for wj, j in zip(w, keys, strict=True))
+    assert torch.allclose(out, want, atol=1e-5)
+    with pytest.raises(NotImplementedError):
+        varlen_sdpa(q, k, v, cu_q, cu_k, 3, 5, window_size=(4, 0))
