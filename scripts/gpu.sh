@@ -39,7 +39,8 @@
 #   scale       data-parallel scaling of one LoRA RL step (python -m qerl_cli.bench.scale under torchrun) at each
 #               of QERL_SCALE_WORLDS ("1 2 4") GPUs that are visible, with QERL_SCALE_ARGS; then the table
 #   async       sync 1 GPU vs sync DDP vs the async rollout/trainer split on QERL_ASYNC_GPUS (2) GPUs
-#               (python -m qerl_cli.bench.async_scale; QERL_ASYNC_ARGS, e.g. "--smoke"); the table in $OUT/async_scale
+#               (python -m qerl_cli.bench.async_scale; QERL_ASYNC_ARGS, e.g. "--smoke", or "--layouts
+#               sync1,trl_async" for TRL's AsyncGRPOTrainer peer after `vllm trl`); the table in $OUT/async_scale
 #   asynclearn  issue 46's learning comparison (needs `embedded`): per seed (QERL_ASYNC_LEARN_SEEDS, 4) the gpu_arith
 #               preset for QERL_ASYNC_LEARN_STEPS (30) steps on QERL_ASYNC_GPUS (2) GPUs, synchronous DDP and the
 #               async split (--rollout-gpus 1 --max-staleness 1), all side by side, each scored on
