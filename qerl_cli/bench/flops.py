@@ -29,21 +29,25 @@ def matmul_ceiling_tflops(device: torch.device, n: int = 8192, reps: int = 20) -
         return None
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    return 2.0 * n**3 / _median_s(lambda: a @ b, device, reps) / 1e12
+
+
+def _median_s(fn: Any, device: torch.device, reps: int) -> float:
+    """The median (upper, for an even count) seconds of ``fn`` over ``reps`` CUDA-event-timed runs after three
+    warm-up runs; the memory it allocated is handed back."""
     for _ in range(3):
-        a @ b
+        fn()
     torch.cuda.synchronize(device)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        a @ b
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000.0)
-    del a, b
     torch.cuda.empty_cache()
-    times.sort()
-    return 2.0 * n**3 / times[len(times) // 2] / 1e12
+    return sorted(times)[len(times) // 2]
 
 
 def fp8_matmul_ceiling_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float | None:
@@ -56,23 +60,8 @@ def fp8_matmul_ceiling_tflops(device: torch.device, n: int = 8192, reps: int = 2
     a = torch.randn(n, n, device=device).to(fp8)
     b = torch.randn(n, n, device=device).to(fp8).t()  # column-major, as cuBLASLt's FP8 GEMM takes it
     one = torch.ones((), device=device)
-
-    def mm() -> None:
-        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-
-    for _ in range(3):
-        mm()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        mm()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000.0)
-    times.sort()
-    return 2.0 * n**3 / times[len(times) // 2] / 1e12
+    return 2.0 * n**3 / _median_s(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                                  device, reps) / 1e12
 
 
 def phase_flops(config: Any, *, tokens: float, attention_pairs: float, loss_tokens: float, lora_rank: int,
