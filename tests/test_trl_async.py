@@ -21,6 +21,7 @@ from qerl_cli.bench.trl_async import run_trl_async, server_command, settings, st
 def test_settings_make_one_optimizer_step_of_the_same_batch() -> None:
     s = settings(num_generations=8, new_tokens=1024, batch_prompts=64, lr=1e-5, max_staleness=1, port=8123, seed=3)
     assert s["per_device_train_batch_size"] * s["gradient_accumulation_steps"] == 64 * 8
+    assert s["token_budget"] == 0  # else TRL fills micro-batches by tokens and a step trains fewer samples
     assert s["max_completion_length"] == 1024 and s["max_staleness"] == 1 and s["weight_sync_steps"] == 1
     assert s["vllm_server_base_url"] == "http://127.0.0.1:8123" and s["learning_rate"] == 1e-5
 

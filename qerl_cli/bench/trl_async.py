@@ -68,8 +68,11 @@ def settings(*, num_generations: int, new_tokens: int, batch_prompts: int, lr: f
              port: int, seed: int) -> dict[str, Any]:
     """AsyncGRPOConfig fields that make TRL's step the same work as qerl's layouts (one optimizer step per
     ``batch_prompts`` x ``num_generations`` samples); the rest are TRL's defaults, as its users run it."""
+    # token_budget 0: a fixed per_device_train_batch_size samples per micro-batch, so that an optimizer step
+    # trains batch_prompts x num_generations samples (with TRL's default budget, one max_model_len row per
+    # micro-batch, a step trained 4-5 of 8 samples in the CPU dry run)
     return {"num_generations": num_generations, "max_completion_length": new_tokens, "temperature": 1.0,
-            "learning_rate": lr, "per_device_train_batch_size": num_generations,
+            "learning_rate": lr, "per_device_train_batch_size": num_generations, "token_budget": 0,
             "gradient_accumulation_steps": batch_prompts, "max_staleness": max_staleness, "weight_sync_steps": 1,
             "vllm_server_base_url": f"http://127.0.0.1:{port}", "vllm_server_timeout": 900.0,
             # a CPU dry run trains in fp32 on the CPU
@@ -87,6 +90,7 @@ def step_rows(log_history: list[dict[str, Any]], prompt_len: int, warmup: int) -
             continue  # the first step has no predecessor to time from
         tokens = h.get("batch/samples_per_step", 0.0) * prompt_len + h.get("batch/trained_tokens_per_step", 0.0)
         rows.append({"step_s": step_s, "tokens": tokens, "tokens_per_s": tokens / step_s,
+                     "samples": h.get("batch/samples_per_step"),
                      "sync_s": h.get("perf/weight_sync_s"), "rollout_wait_s": h.get("perf/rollout_wait_s"),
                      "mean_length": h.get("completions/mean_length")})
     return rows[max(0, warmup - 1):] or rows
@@ -174,6 +178,8 @@ def _run_in(work: Path, a: Any, out: Path, row: dict[str, Any], server_gpu: int,
     step_s = statistics.median(r["step_s"] for r in rows)
     sync = [r["sync_s"] for r in rows if r["sync_s"] is not None]
     lengths = [r["mean_length"] for r in rows if r["mean_length"] is not None]
+    samples = [r["samples"] for r in rows if r["samples"] is not None]
+    row["samples_per_step"] = statistics.median(samples) if samples else None  # the workload's: prompts x samples
     row.update(status="ok", step_s_median=step_s, trained_tokens_per_step=statistics.median(r["tokens"] for r in rows),
                trained_tokens_per_s=statistics.median(r["tokens_per_s"] for r in rows),
                sync_share=statistics.median(sync) / step_s if sync else None, rollout_idle_frac=None,
