@@ -334,6 +334,7 @@ def test_async_bench_layout_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads((tmp_path / "async.json").read_text())
     assert r["layout"] == "async" and r["gpus"] == 2 and r["rollout_gpus"] == 1 and len(r["steps_detail"]) == 2
+    assert r["date"][:4].isdigit() and r["env"]["packages"]["torch"]  # when and on what, as every bench records
     assert r["trained_tokens_per_s"] > 0 and 0 < r["sync_share"] < 1 and 0 <= r["rollout_idle_frac"] <= 1
     assert r["async"]["trained"] == (2 + 1) * 4 and balanced(r["async"])  # warm-up + steps, 4 prompts each
     assert "| async | 2 | 1 |" in res.stdout
