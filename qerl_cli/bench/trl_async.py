@@ -132,7 +132,7 @@ def _run_in(work: Path, a: Any, out: Path, row: dict[str, Any], server_gpu: int,
                             generator=g).tolist()
     port = free_port()
     spec = {"model": str(model_dir), "out": str(work / "trl_out"), "result": str(work / "result.json"),
-            "prompts": [prompt_text(p) for p in prompts], "steps": a.warmup + a.steps, "warmup": a.warmup,
+            "prompts": [prompt_text(p) for p in prompts], "steps": a.warmup + a.steps,
             "settings": settings(num_generations=a.num_generations, new_tokens=a.new_tokens,
                                  batch_prompts=a.batch_prompts, lr=1e-5, max_staleness=a.max_staleness, port=port,
                                  seed=a.seed),

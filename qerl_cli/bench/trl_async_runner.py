@@ -5,16 +5,15 @@
 Imports only TRL and what it needs (never qerl). The spec names a checkpoint and a running vLLM server (started
 with ``--enable-lora``, so TRL syncs the LoRA adapter only: it saves the adapter and the server loads it through
 ``/v1/load_lora_adapter``), the prompts, TRL's settings and the LoRA config. It trains ``steps`` optimizer steps
-and writes ``result`` (JSON): per step its wall time (a ``TrainerCallback``, synchronized), TRL's own logged
-metrics (``perf/step_s``, ``perf/weight_sync_s``, ``perf/rollout_wait_s``, ``batch/*``), the versions. Any
-exception is written there as ``error``, so a failure says exactly where TRL stopped.
+and writes ``result`` (JSON): TRL's own logged metrics (``perf/step_s``, ``perf/weight_sync_s``,
+``perf/rollout_wait_s``, ``batch/*``), the versions. Any exception is written there as ``error``, so a failure
+says exactly where TRL stopped.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import statistics
 import sys
 import time
 import traceback
@@ -56,7 +55,7 @@ def _run(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
     import datasets
     import torch
     from peft import LoraConfig
-    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from transformers import PreTrainedTokenizerFast
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     result["versions"] = _versions()
@@ -66,21 +65,6 @@ def _run(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
         trainer_module.get_peak_flops_per_device = lambda *a, **kw: None
     result["attention"] = _attention(torch.cuda.is_available(), spec.get("attention_fallback", True), result)
     save()
-    steps: list[dict[str, Any]] = []
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            steps.append({"step_s": time.perf_counter() - self.t0, "warmup": len(steps) < spec["warmup"]})
-            result["steps"] = steps
-            save()
-
     result["phase"] = "trainer"
     save()
     # the word tokenizer by its own class (AutoTokenizer would swap in the model type's, which cannot read "t5 t17")
@@ -99,16 +83,15 @@ def _run(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
     trainer = AsyncGRPOTrainer(model=spec["model"], reward_funcs=synthetic_random_reward, args=args,
                                train_dataset=datasets.Dataset.from_dict(
                                    {"prompt": [[{"role": "user", "content": p}] for p in spec["prompts"]]}),
-                               processing_class=tokenizer, peft_config=peft_config, callbacks=[StepTimer()])
+                               processing_class=tokenizer, peft_config=peft_config)
     result["trainer_init_s"] = time.perf_counter() - t
     result["adapter_sync"] = bool(getattr(trainer, "_lora_sync", False))
     result["phase"] = "train"
     save()
     trainer.train()
+    # each step's time is TRL's own (perf/step_s, end to end between optimizer steps), read by the layout
     logs = [h for h in trainer.state.log_history if "perf/step_s" in h or "loss" in h]
-    meas = [s for s in steps if not s["warmup"]] or steps
-    result.update(status="ok", phase="done", log_history=logs,
-                  step_s_median=statistics.median(s["step_s"] for s in meas), wall_s=time.perf_counter() - t_start)
+    result.update(status="ok", phase="done", log_history=logs, wall_s=time.perf_counter() - t_start)
     save()
     return 0
 
