@@ -86,3 +86,37 @@ def test_sdpa_stand_in_keeps_flash_attention_varlen_contract() -> None:
     assert torch.allclose(out, want, atol=1e-5)
     with pytest.raises(NotImplementedError):
         varlen_sdpa(q, k, v, cu_q, cu_k, 3, 5, window_size=(4, 0))
+
+
+def _proc(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+def test_a_server_that_dies_ends_the_wait_at_once_with_its_code(tmp_path: Path) -> None:
+    """The GPU run of 2026-11-29: vLLM's server died on a missing package and TRL's runner waited for it until the
+    layout's time limit. A server that exits must end the wait within a poll, and its log's error must be the why."""
+    from qerl_cli.bench.trl_async import last_error, wait_runner
+
+    runner, server = _proc("import time; time.sleep(60)"), _proc("import sys; sys.exit(3)")
+    try:
+        code, server_code = wait_runner(runner, server, timeout_s=50.0, poll_s=0.05)
+    finally:
+        runner.kill()
+    assert (code, server_code) == (None, 3) and runner.poll() is not None  # the runner was stopped, not left
+    log = tmp_path / "server.log"
+    log.write_text("INFO starting\nTraceback (most recent call last):\n  File x\n"
+                   "ModuleNotFoundError: No module named 'uvicorn'\n")
+    assert last_error(log) == "ModuleNotFoundError: No module named 'uvicorn'"
+
+
+def test_a_runner_that_ends_first_returns_its_code_and_a_live_server_none() -> None:
+    from qerl_cli.bench.trl_async import wait_runner
+
+    runner, server = _proc("import sys; sys.exit(0)"), _proc("import time; time.sleep(60)")
+    try:
+        assert wait_runner(runner, server, timeout_s=50.0, poll_s=0.05) == (0, None)
+        slow = _proc("import time; time.sleep(60)")
+        assert wait_runner(slow, server, timeout_s=0.2, poll_s=0.05) == (None, None)  # past the limit
+        assert slow.poll() is not None
+    finally:
+        server.kill()

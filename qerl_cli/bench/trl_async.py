@@ -150,12 +150,10 @@ def _run_in(work: Path, a: Any, out: Path, row: dict[str, Any], server_gpu: int,
                                   stdout=slog, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             with open(runner_log, "w") as rlog:
-                try:
-                    code = subprocess.run([sys.executable, "-P", str(RUNNER), str(work / "spec.json")], cwd=work,
+                runner = subprocess.Popen([sys.executable, "-P", str(RUNNER), str(work / "spec.json")], cwd=work,
                                           env={**env, "CUDA_VISIBLE_DEVICES": str(trainer_gpu)}, stdout=rlog,
-                                          stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-                except subprocess.TimeoutExpired:
-                    code = None
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+                code, server_code = wait_runner(runner, server, timeout_s)
         finally:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(server.pid, signal.SIGTERM)
@@ -170,6 +168,8 @@ def _run_in(work: Path, a: Any, out: Path, row: dict[str, Any], server_gpu: int,
         row[k] = result.get(k)
     if code != 0 or result.get("status") != "ok":
         why = result.get("error") or ("timed out" if code is None else f"exit code {code}")
+        if server_code is not None:  # the runner only waited for a server that was gone: say why it went
+            why = f"the vLLM server exited with code {server_code}: {last_error(server_log)}"
         row["status"] = f"TRL did not run: {why} (phase {result.get('phase', 'start')})"
         row["server_log_tail"] = _tail(server_log)
         row["runner_log_tail"] = _tail(runner_log)
@@ -187,6 +187,36 @@ def _run_in(work: Path, a: Any, out: Path, row: dict[str, Any], server_gpu: int,
                mean_completion_length=statistics.mean(lengths) if lengths else None, staleness_mean=None,
                dropped_stale=0, steps_detail=rows, trl_log_history=result.get("log_history"))
     return row
+
+
+def wait_runner(runner: subprocess.Popen, server: subprocess.Popen, timeout_s: float,
+                poll_s: float = 2.0) -> tuple[int | None, int | None]:
+    """Wait for the TRL runner: (its exit code or None when it ran past ``timeout_s`` or the server died first,
+    the server's exit code when the server ended before the runner, else None).
+
+    TRL waits for a server that never comes up for ``vllm_server_timeout`` (minutes): a server that exits at
+    once (a missing package) must end the layout at once, not at the time limit."""
+    deadline = time.monotonic() + timeout_s
+    while (code := runner.poll()) is None:
+        server_code = server.poll()
+        if server_code is not None or time.monotonic() > deadline:
+            _kill_group(runner)
+            runner.wait()
+            return None, server_code
+        time.sleep(poll_s)
+    return code, None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def last_error(path: Path) -> str:
+    """The log's last line that names an error (a traceback's last line), else its last line."""
+    lines = [ln.strip() for ln in _tail(path, 20000).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+    return (errors or lines or ["no output"])[-1][:300]
 
 
 def _tail(path: Path, n: int = 3000) -> str:
