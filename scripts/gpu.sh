@@ -33,6 +33,9 @@
 #   step        qerl bench step once per ';'-separated argument set in QERL_STEP_ARGS
 #               (e.g. "--shape qwen2.5-7b --formats bf16,nvfp4 --eos; --shape qwen2.5-32b --formats nvfp4")
 #   rollout     qerl bench rollout, likewise with QERL_ROLLOUT_ARGS
+#               (step, rollout, kernels, mismatch: QERL_BENCH_ENVS, ';'-separated environment settings, the i-th for
+#               the i-th argument set, e.g. "; QERL_W4A8=1": each set's results stay at $OUT/<stage>/<i>/, a depth
+#               the device tool brings back, where a second gpu.sh run under OUT=$OUT/x nests one folder too deep)
 #   kernels     qerl bench kernels, likewise with QERL_KERNELS_ARGS
 #   mismatch    qerl bench mismatch, likewise with QERL_MISMATCH_ARGS (--device cuda is added)
 #   ncu         Nsight Compute counters of the decode step's kernels by category (scripts/ncu_decode_step.py)
@@ -260,15 +263,16 @@ stage_selfcheck() {
 # bench_stage NAME ARGSETS [EXTRA]: qerl bench NAME once per ';'-separated argument set (none: once with the bench's
 # defaults), EXTRA appended to each, into $OUT/NAME/<i>/
 bench_stage() {
-  local i args sets=()
+  local i args sets=() envs=()
   IFS=';' read -ra sets <<< "${2//$'\n'/ }"  # a set may span lines
+  IFS=';' read -ra envs <<< "${QERL_BENCH_ENVS:-}"
   [ ${#sets[@]} -gt 0 ] || sets=("")
   for i in "${!sets[@]}"; do
     args="${sets[$i]} ${3:-}"
     mkdir -p "$OUT/$1/$((i + 1))"
-    stamp "bench $1 $args"
+    stamp "bench $1 $args${envs[$i]:+ (with ${envs[$i]})}"
     # shellcheck disable=SC2086
-    qerl "$(budget)" bench "$1" $args --out "$OUT/$1/$((i + 1))"
+    (if [ -n "${envs[$i]:-}" ]; then export ${envs[$i]}; fi; qerl "$(budget)" bench "$1" $args --out "$OUT/$1/$((i + 1))")
   done
 }
 stage_step() { bench_stage step "${QERL_STEP_ARGS:-}"; }

@@ -162,3 +162,22 @@ def test_gputests_fails_when_a_test_fails_and_reads_paths_relative_to_the_checko
                          env=_runner_env(tmp_path, QERL_GPU_TESTS="tests/test_no_such_file.py"))
     assert str(ROOT / "tests" / "test_no_such_file.py") in (tmp_path / "out" / "gputests" / "0.log").read_text()
     assert rel.returncode == 1
+
+
+def test_bench_sets_take_their_own_environment_and_keep_their_results_two_folders_deep(tmp_path: Path) -> None:
+    """QERL_BENCH_ENVS: the i-th setting for the i-th argument set only (a W4A8 set beside the default one in one
+    stage), its results at $OUT/<stage>/<i>/, which the device tool brings back (OUT=$OUT/x nested them too deep)."""
+    fn = re.search(r"^bench_stage\(\) \{\n.*?^\}\n", RUNNER.read_text(), re.M | re.S)
+    assert fn is not None
+    script = tmp_path / "bench.sh"
+    script.write_text("stamp() { :; }\nbudget() { echo 100; }\n"
+                      'qerl() { echo "$3 ${*:4} W4A8=${QERL_W4A8:-unset} X=${X:-unset}"; }\n' + fn.group(0)
+                      + 'QERL_BENCH_ENVS="; QERL_W4A8=1 X=2" bench_stage rollout "--a 1;--a 2"\n'
+                      + 'echo "after W4A8=${QERL_W4A8:-unset}"\n')
+    res = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [
+        f"rollout --a 1 --out {tmp_path}/out/rollout/1 W4A8=unset X=unset",
+        f"rollout --a 2 --out {tmp_path}/out/rollout/2 W4A8=1 X=2",
+        "after W4A8=unset"]
