@@ -70,7 +70,7 @@ def test_sdpa_stand_in_keeps_flash_attention_varlen_contract() -> None:
     here by an explicit softmax."""
     import torch
 
-    from qerl_cli.bench.trl_async_runner import varlen_sdpa
+    from qerl_cli.bench.trl_runner import varlen_sdpa
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, h, 8, generator=g) for n, h in ((5, 4), (7, 2), (7, 2)))

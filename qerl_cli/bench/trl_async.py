@@ -36,7 +36,7 @@ import torch
 from qerl_cli.bench.peers import LORA_TARGETS, prompt_text, write_shape_checkpoint
 from qerl_cli.bench.shapes import build_random_model, get_shape
 
-RUNNER = Path(__file__).with_name("trl_async_runner.py")
+RUNNER = Path(__file__).with_name("trl_runner.py")
 
 
 def free_port() -> int:
@@ -131,7 +131,8 @@ def _run_in(work: Path, a: Any, out: Path, row: dict[str, Any], server_gpu: int,
     prompts = torch.randint(3, spec_shape.vocab - 1, (a.batch_prompts * (a.warmup + a.steps + 2), a.prompt_len),
                             generator=g).tolist()
     port = free_port()
-    spec = {"model": str(model_dir), "out": str(work / "trl_out"), "result": str(work / "result.json"),
+    spec = {"trainer": "async_grpo", "model": str(model_dir), "out": str(work / "trl_out"),
+            "result": str(work / "result.json"),
             "prompts": [prompt_text(p) for p in prompts], "steps": a.warmup + a.steps,
             "settings": settings(num_generations=a.num_generations, new_tokens=a.new_tokens,
                                  batch_prompts=a.batch_prompts, lr=1e-5, max_staleness=a.max_staleness, port=port,
