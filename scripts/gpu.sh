@@ -174,16 +174,23 @@ stage_vllm() {
   (cd "$T" && python3 -c "import vllm; print('vllm', vllm.__version__)")
 }
 
-# TRL's set: distribution, import name, the lowest version TRL 1.16 accepts; only what is missing or older is installed
+# TRL's set: distribution (as its wheel's file name spells it), import name, the lowest version TRL 1.16 accepts; only
+# what is missing or older is installed. Its last line: what vLLM's OpenAI server imports beyond the offline set of
+# the `vllm` stage (the lowest versions vLLM 0.26 / uvicorn ask for; docs/vllm.md)
 TRL_SET="trl trl 1.16.0;liger_kernel liger_kernel 0.8.5;accelerate accelerate 1.10.1;datasets datasets 4.7.0
 pyarrow pyarrow 21.0.0;pandas pandas 2.1.1;psutil psutil 5.9.4;dill dill 0.3.0;multiprocess multiprocess 0.70.0
-xxhash xxhash 0.0.1;fsspec fsspec 2023.1.0;python_dateutil dateutil 2.8.2;tzdata tzdata 2022.7;six six 1.5"
+xxhash xxhash 0.0.1;fsspec fsspec 2023.1.0;python_dateutil dateutil 2.8.2;tzdata tzdata 2022.7;six six 1.5
+uvicorn uvicorn 0.12.0;click click 7.0;watchfiles watchfiles 0.20;model_hosting_container_standards \
+model_hosting_container_standards 0.1.14;jmespath jmespath 1.0.0;prometheus_fastapi_instrumentator \
+prometheus_fastapi_instrumentator 8.0.0"
 stage_trl() {
-  local tarball missing d f whl=()
-  if [ ! -f "$T/trlwhl/.done" ]; then
+  local tarball missing d f whl=() sha
+  # unpacked once per warm machine, again when the stashed pack is another (`.done` holds the sha256 it came from)
+  sha=$(cat "$STASH"/trl_[a-z]/sha256 2>/dev/null | head -n 1)
+  if [ ! -f "$T/trlwhl/.done" ] || { [ -n "$sha" ] && [ "$sha" != "$(cat "$T/trlwhl/.done")" ]; }; then
     tarball=$(joined trl) || return 1
     rm -rf "$T/trlwhl" && mkdir -p "$T/trlwhl" && tar -C "$T/trlwhl" -xf "$tarball" && rm -f "$tarball" || return 1
-    touch "$T/trlwhl/.done"
+    echo "$sha" > "$T/trlwhl/.done"
   fi
   missing=$(cd "$T" && tr ';' '\n' <<< "$TRL_SET" | python3 -c '
 import importlib, importlib.metadata as md, sys
@@ -204,7 +211,13 @@ for line in sys.stdin:
   done
   [ ${#whl[@]} -eq 0 ] || pip_target "$T/tsite" "${whl[@]}" || return 1
   [[ ":$PYTHONPATH:" == *":$T/tsite:"* ]] || export PYTHONPATH="$PYTHONPATH:$T/tsite"
-  (cd "$T" && python3 -c "from trl import GRPOTrainer; import liger_kernel, trl; print('trl', trl.__version__)")
+  (cd "$T" && python3 -c "from trl import GRPOTrainer; import liger_kernel, trl; print('trl', trl.__version__)") \
+    || return 1
+  # where vLLM is installed (the `vllm` stage ran first), say now whether its OpenAI server (the async peer) imports
+  if [ -d "$T/vsite/vllm" ]; then
+    f=$(cd "$T" && python3 -c "import vllm.entrypoints.openai.api_server" 2>&1) \
+      && echo "vLLM's OpenAI server imports" || echo "vLLM's OpenAI server does not import: $(tail -n 1 <<< "$f")"
+  fi
 }
 
 stage_flashinfer() {

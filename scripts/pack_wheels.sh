@@ -10,7 +10,8 @@
 #               Pythons), as tar.xz, and the wheels of what `import vllm` and `LLM(...)` with LoRA import that the
 #               image lacks (docs/vllm.md says how they were found)   -> bash scripts/gpu.sh vllm
 #   trl         out/trl_a/: TRL 1.16.0, Liger-Kernel 0.8.5 and the packages of TRL's set the image lacked (QERL_TRL_
-#               PACK_ALL=1: the whole set); the GPU side installs only those that fail to import there
+#               PACK_ALL=1: the whole set), plus what vLLM's OpenAI server imports beyond the offline set (uvicorn,
+#               ...); the GPU side installs only those that fail to import there
 #                                                                     -> bash scripts/gpu.sh trl
 #   flashinfer  out/flashinfer_a/ ...: FlashInfer 0.7.2.post1 and apache-tvm-ffi, the one import-time dependency
 #               the image lacks (FlashInfer builds its kernels on first use with the image's nvcc)
@@ -94,6 +95,11 @@ pack_trl() {
   # the GPU image (2026-11-26) has accelerate, pandas, pyarrow, psutil, xxhash, fsspec, dateutil and six at
   # versions TRL accepts: without them the set is 3 MB instead of ~80
   local pkgs=(trl==1.16.0 liger-kernel==0.8.5 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 tzdata==2026.6)
+  # what vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server, AsyncGRPOTrainer's peer) imports beyond
+  # the offline set that `pack_vllm` carries (docs/vllm.md, "The OpenAI server's packages"; click: uvicorn imports
+  # it, the offline path does not, so the image may lack it)
+  pkgs+=(uvicorn==0.54.0 click==8.5.1 watchfiles==1.3.0 model-hosting-container-standards==0.1.16 jmespath==1.1.0 \
+    prometheus-fastapi-instrumentator==8.1.0)
   [ "${QERL_TRL_PACK_ALL:-0}" = 1 ] && pkgs+=(accelerate==1.15.0 pyarrow==26.0.1 pandas==3.1.1 psutil==7.2.2 \
     xxhash==4.1.0 fsspec==2026.9.0 python-dateutil==2.9.0.post0 six==1.17.0)
   download "$WORK/t" "${pkgs[@]}"
