@@ -153,7 +153,7 @@ def _run_in(work: Path, a: Any, out: Path, row: dict[str, Any], server_gpu: int,
             with open(runner_log, "w") as rlog:
                 runner = subprocess.Popen([sys.executable, "-P", str(RUNNER), str(work / "spec.json")], cwd=work,
                                           env={**env, "CUDA_VISIBLE_DEVICES": str(trainer_gpu)}, stdout=rlog,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+                                          stderr=subprocess.STDOUT)  # the bench's process group: a limit kills it
                 code, server_code = wait_runner(runner, server, timeout_s)
         finally:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -201,16 +201,11 @@ def wait_runner(runner: subprocess.Popen, server: subprocess.Popen, timeout_s: f
     while (code := runner.poll()) is None:
         server_code = server.poll()
         if server_code is not None or time.monotonic() > deadline:
-            _kill_group(runner)
+            runner.kill()  # its own children share the bench's process group, which the caller's limit ends
             runner.wait()
             return None, server_code
         time.sleep(poll_s)
     return code, None
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def last_error(path: Path) -> str:
