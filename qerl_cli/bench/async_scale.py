@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from qerl_cli.bench.harness import stamp
 from qerl_cli.manifest import atomic_write_json
 
 LAYOUTS = ("sync1", "ddp", "async")
@@ -103,7 +104,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
             return statistics.median(vals) if vals else None
 
         sync_s = med("async/sync_s")
-        res = {"layout": a.layout, **_stamp(), "gpus": int(os.environ.get("WORLD_SIZE", "1")), "rollout_gpus":
+        res = {"layout": a.layout, **stamp(), "gpus": int(os.environ.get("WORLD_SIZE", "1")), "rollout_gpus":
                a.rollout_gpus if roles else 0, "device": str(trainer.device),
                "gpu": torch.cuda.get_device_name() if trainer.device.type == "cuda" else None,
                "step_s_median": step_s, "trained_tokens_per_step": tokens,
@@ -120,15 +121,6 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
             atomic_write_json(Path(a.out), res)
     shutdown()
     return res
-
-
-def _stamp() -> dict[str, Any]:
-    """When and on what a result was made: the date (UTC) and the environment (versions, git commit, device,
-    behaviour-changing options), as every bench result records them."""
-    from qerl_cli.env_info import environment
-    from qerl_cli.manifest import now_iso
-
-    return {"date": now_iso(), "env": environment()}
 
 
 def table(results: list[dict[str, Any]]) -> list[str]:
@@ -174,7 +166,7 @@ def driver(a: argparse.Namespace, rest: list[str]) -> int:
             from qerl_cli.bench.trl_async import run_trl_async
 
             print(f"== {layout}: TRL's AsyncGRPOTrainer, vLLM server on GPU 1, trainer on GPU 0", flush=True)
-            row = {**run_trl_async(a, path), **_stamp()}
+            row = {**run_trl_async(a, path), **stamp()}
             row["config"] = {k: getattr(a, k) for k in ("shape", "batch_prompts", "num_generations", "prompt_len",
                                                         "new_tokens", "lora_rank", "steps", "warmup", "stop_frac",
                                                         "max_staleness", "seed")}
@@ -191,7 +183,7 @@ def driver(a: argparse.Namespace, rest: list[str]) -> int:
         results.append(json.loads(path.read_text()))
     lines = table(results)
     print("\n".join(lines))
-    atomic_write_json(out / "async_scale.json", {**_stamp(), "results": results, "table": lines})
+    atomic_write_json(out / "async_scale.json", {**stamp(), "results": results, "table": lines})
     return 0
 
 

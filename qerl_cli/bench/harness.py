@@ -253,13 +253,20 @@ def run_cells(cells: Iterable[Cell], *, budget: Budget | None = None, oom: str =
 
 
 # ---- the result document -----------------------------------------------------------------------------
-def header(kind: str, **fields: Any) -> dict[str, Any]:
-    """The fields every bench result starts with: schema, kind (``bench/<name>``), date (UTC), the bench's
-    own leading fields, then ``env`` (versions, git commit, device), and an empty ``results`` list."""
+def stamp() -> dict[str, Any]:
+    """When and on what a result was made: ``date`` (UTC) and ``env`` (versions, git commit, device,
+    behaviour-changing options)."""
     from qerl_cli.env_info import environment
     from qerl_cli.manifest import now_iso
 
-    return {"schema": SCHEMA, "kind": kind, "date": now_iso(), **fields, "env": environment(), "results": []}
+    return {"date": now_iso(), "env": environment()}
+
+
+def header(kind: str, **fields: Any) -> dict[str, Any]:
+    """The fields every bench result starts with: schema, kind (``bench/<name>``), date (UTC), the bench's
+    own leading fields, then ``env`` (versions, git commit, device), and an empty ``results`` list."""
+    made = stamp()
+    return {"schema": SCHEMA, "kind": kind, "date": made["date"], **fields, "env": made["env"], "results": []}
 
 
 DEFAULT_ROOT = Path("qerl-bench")  # where a bench writes without --out or --run, under the working directory

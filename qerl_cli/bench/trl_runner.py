@@ -52,7 +52,7 @@ def main(spec_path: str) -> int:
         out.write_text(json.dumps(result, default=str))
 
     try:
-        run = _run_async if spec.get("trainer", "grpo") == "async_grpo" else _run
+        run = _run_async if spec.get("trainer", "grpo") == "async_grpo" else _run_grpo
         return run(spec, result, save)
     except BaseException as exc:  # noqa: BLE001 - the cell or layout records exactly why TRL stopped
         result["status"] = "failed"
@@ -63,7 +63,7 @@ def main(spec_path: str) -> int:
         return 1
 
 
-def _run(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
+def _run_grpo(spec: dict[str, Any], result: dict[str, Any], save: Any) -> int:
     t_start = time.perf_counter()
     import torch
 
