@@ -43,12 +43,12 @@ MAX_M = 16  # two 8-token tiles
 ENGINE_MAX_M = 8
 MAX_RANK = 256  # the partials' scratch is sized for it
 # the formats the kernels take: both FP4 formats (MXFP4's one E8M0 scale byte per 32 weights instead of NVFP4's E4M3
-# one per 16 is the only difference). The engine hands a half a format once scripts/decode_layer_bench.py's GPU
-# exactness rows (kernel against its CPU emulation) passed for it: the MLP half's for both (H200, 2026-11-29: 20
-# rows, bf16/fp16, M = 1-16, re-runs bit-equal); the attention half's (`--attn`) have run for NVFP4 only
+# one per 16 is the only difference). The engine hands both halves both formats: scripts/decode_layer_bench.py's GPU
+# exactness rows (kernel against its CPU emulation) passed for each, the MLP half's (H200, 2026-11-29: 20 rows,
+# bf16/fp16, M = 1-16, re-runs bit-equal) and the attention half's (`--attn`, H200, 2026-11-30: 16 MXFP4 rows per
+# dtype, bf16 bit-equal, fp16 <= 2.3e-5, re-runs bit-equal)
 KERNEL_FORMATS = FP4_FORMATS
 ENGINE_FORMATS = FP4_FORMATS
-ATTN_ENGINE_FORMATS = ("nvfp4",)
 NCNT = 10  # grid-wide counters: 3 GEMM phases, 3 shrinks' partials, 3 shrinks' h, the launch's end
 SHRINK_SEGMENTS = 64  # a shrink's K is cut into at most this many segments (their partials are summed in order)
 PHASES = ("o GEMM + residual", "norm (x2 in fragment order)", "gate/up GEMM + SiLU*mul", "down GEMM")
@@ -739,7 +739,7 @@ class AttnSchedule:
 
 
 def attn_gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None, b: torch.Tensor | None = None, *,
-                   formats: tuple[str, ...] = ATTN_ENGINE_FORMATS) -> tuple[GemmArgs, torch.Tensor | None] | None:
+                   formats: tuple[str, ...] = ENGINE_FORMATS) -> tuple[GemmArgs, torch.Tensor | None] | None:
     """The attention-half kernel's view of the fused q/k/v FP4 `QuantLinear` (resident repack) and its bias as the
     cuda FP4 GEMM adds it (fp32, after the LoRA term), or None."""
     args = _fp4_args(module, a, b, formats)

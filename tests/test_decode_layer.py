@@ -209,4 +209,3 @@ def test_format_ints_and_alpha_by_hand() -> None:
     assert gn.alpha().item() == pytest.approx(256.0 / nv.tensors["weight_global_scale"].float().item(), rel=1e-6)
     assert gm.alpha().item() == 2.0 ** -gm.shift
     assert set(dl.ENGINE_FORMATS) == set(dl.KERNEL_FORMATS) == {"nvfp4", "mxfp4"}
-    assert dl.ATTN_ENGINE_FORMATS == ("nvfp4",)
