@@ -93,6 +93,70 @@ def test_prompt_pool_hands_out_chunks_and_tracks_outstanding() -> None:
     pool.returned(3)
     assert pool.top_up(10, queued=2, take=lambda n: [next(stream) for _ in range(n)]) == 3
     assert pool.hand_out() == (2, [6, 7, 8]) and pool.hand_out() == (3, [9, 10]) and pool.hand_out() == (-1, [])
+    # a streaming rank asks for what its free slots can start: at most that, never more than a chunk
+    pool.top_up(20, queued=0, take=lambda n: [next(stream) for _ in range(n)])
+    assert pool.hand_out(1) == (4, [11]) and pool.hand_out(7) == (5, [12, 13, 14]) and pool.hand_out(0) == (-1, [])
+
+
+def test_prompts_streamed_into_a_running_call_sample_as_one_call() -> None:
+    """The streamed flow's engine side: a call started on one prompt, fed the others one by one as its slots free
+    up (keyed by their place), samples exactly what one call over all of them samples; every group reaches the
+    feed complete and in order, the feed is asked only for what the free slots can start, and StreamStopped ends
+    the call at once, leaving the engine usable."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qerl_cli.rollout import BuiltinEngine, SamplingParams
+    from qerl_cli.rollout.scheduler import StreamStopped
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    engine = BuiltinEngine(LlamaForCausalLM(cfg).eval(), None, max_batch_slots=3, max_model_len=32)
+    prompts = [[1, 5, 7], [2, 9], [3, 4, 4, 8], [6], [9, 9, 1]]
+    sp = dict(n=2, temperature=1.0, max_tokens=6, stop_token_ids=[3], seed=11)
+    whole = engine.generate(prompts, SamplingParams(**sp)).samples
+    queue, groups, asks = list(enumerate(prompts))[1:], [], []
+
+    def feed(done: list, want: int, progress: dict[str, float]) -> list[tuple[list[int], int]]:
+        groups.append([(s.prompt_index, s.sample_index) for s in done])
+        asks.append(want)
+        assert set(progress) == {"prefill_s", "decode_s", "decode_steps"}
+        out = [(p, key) for key, p in queue[:1]] if want else []  # one prompt per ask: the slow trickle
+        del queue[:len(out)]
+        return out
+
+    engine.prompt_feed = feed
+    rest = engine.generate(prompts[:1], SamplingParams(**sp)).samples
+    assert rest == [] and not queue
+    fed = [pair for g in groups for pair in g]
+    assert fed == [(p, j) for p in range(len(prompts)) for j in range(2)]  # complete groups, in order
+    assert all(len(g) % 2 == 0 for g in groups) and max(asks) <= 2  # 3 slots start at most 2 prompts of 2 samples
+    by = {(s.prompt_index, s.sample_index): s for s in whole}
+    streamed = {}
+
+    def keep(done: list, want: int, progress: dict[str, float]) -> list[tuple[list[int], int]]:
+        streamed.update({(s.prompt_index, s.sample_index): s for s in done})
+        out = [(p, key) for key, p in queue[:want]]
+        del queue[:len(out)]
+        return out
+
+    queue = list(enumerate(prompts))[1:]
+    engine.prompt_feed = keep
+    engine.generate(prompts[:1], SamplingParams(**sp))
+    assert sorted(streamed) == sorted(by)
+    for k, s in streamed.items():
+        assert s.token_ids == by[k].token_ids and s.finish_reason == by[k].finish_reason
+        torch.testing.assert_close(s.logprobs, by[k].logprobs, rtol=0, atol=1e-5)
+
+    def stop(done: list, want: int, progress: dict[str, float]) -> list[tuple[list[int], int]]:
+        raise StreamStopped("SIGTERM")
+
+    engine.prompt_feed = stop
+    with pytest.raises(StreamStopped, match="SIGTERM"):
+        engine.generate(prompts, SamplingParams(**sp))
+    engine.prompt_feed = None
+    assert [s.token_ids for s in engine.generate(prompts, SamplingParams(**sp)).samples] == \
+        [s.token_ids for s in whole]
 
 
 def _stale_drops(target: Callable[[int, int, bool], int], steps: int = 6, batch: int = 4, k: int = 1) -> int:
@@ -210,7 +274,9 @@ def async_record(run: Path) -> dict:
 
 
 def balanced(a: dict) -> bool:
-    return a["received"] == a["trained"] + a["dropped_stale"] + a["dropped_zero_std"] + a["dropped_at_stop"]
+    """Every prompt handed out came back as a group or was cut at the stop; every group came to an end."""
+    return a["prompts_handed"] == a["received"] + a["prompts_cut_at_stop"] and \
+        a["received"] == a["trained"] + a["dropped_stale"] + a["dropped_zero_std"] + a["dropped_at_stop"]
 
 
 @pytest.mark.slow
@@ -232,6 +298,7 @@ def test_async_run_records_versions_and_resumes_on_other_splits(tiny_run: Path, 
     rec = async_record(run)
     a = rec["extra"]["async"]
     assert a["trainer_ranks"] == [0, 1] and a["rollout_ranks"] == [2] and a["correction"] == "token_tis"
+    assert a["prompt_flow"] == "streamed"
     assert a["trained"] == 4 and balanced(a) and a["stop"] == "done" and a["all_rollout_ranks_stopped"]
     d = rec["extra"]["dist"]
     assert d["world_size"] == 2 and d["adapter_digests"][0] == d["adapter_digests"][1]
@@ -257,7 +324,7 @@ calls = [0]
 
 def text_hash(prompts, completions, **kw):
     calls[0] += 1
-    if os.environ.get("RANK") == "1" and calls[0] == 3:  # the rollout rank dies hard while scoring its 3rd chunk
+    if os.environ.get("RANK") == "1" and calls[0] == 3:  # the rollout rank dies hard at its 3rd scoring
         os.kill(os.getpid(), signal.SIGKILL)
     return [int(hashlib.sha256(c.encode()).hexdigest()[:8], 16) / 16**8 for c in completions]
 """

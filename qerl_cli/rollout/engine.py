@@ -46,6 +46,13 @@ from qerl_cli.rollout.model_runner import (
 from qerl_cli.rollout.sampling import SamplingParams, TokenNoise
 from qerl_cli.rollout.scheduler import Scheduler, Sequence
 
+# Prompts streaming into a running generate call (an asynchronous rollout rank, train/disagg.py): called between
+# decode windows with the samples of the groups that completed since the last call (all n samples of each prompt,
+# in order), how many more prompts the free slots could start, and the call's progress (prefill_s, decode_s,
+# decode_steps so far); returns new prompts as (token ids, noise key), or raises scheduler.StreamStopped to end the
+# call. Episodes keep their call's prompt list.
+PromptFeed = Callable[[list["Sample"], int, dict[str, float]], list[tuple[list[int], int]]]
+
 _CACHE_ALIGN = 64  # cache length multiple: keeps SDPA mask/K strides aligned for the fused kernels
 
 
@@ -243,6 +250,9 @@ class BuiltinEngine:
         # overrides), or None; the engine then refreshes its shadows in place (no recompile, no graph recapture)
         self.adapter_updates: Callable[[], tuple[int, dict[str, torch.Tensor] | None] | None] | None = None
         self.adapter_version = 0  # the version of the adapters the engine's shadows hold (with adapter_updates)
+        # set by an asynchronous rollout rank too: a generate call without episodes then runs while it streams
+        # prompts in, and returns only what it did not hand to the feed
+        self.prompt_feed: PromptFeed | None = None
 
     # ----- memory -------------------------------------------------------------------------------------
 
@@ -360,7 +370,7 @@ class BuiltinEngine:
         ids = self._tokenize(prompts)
         stop_ids, stops = self._stops(sampling, episodes)
         seed = sampling.resolved_seed()
-        max_new = [min(sampling.max_tokens, self.max_model_len - len(p)) for p in ids]
+        max_new = [self._max_new(sampling, p) for p in ids]
         flags = [] if concurrent else [(m, m.training) for m in self.model.modules()]
         if not concurrent:
             self.model.eval()
@@ -410,7 +420,21 @@ class BuiltinEngine:
             kv_buckets=self.kv_buckets,
             on_window=self._new_adapters if self.adapter_updates is not None else None,
             version=self.adapter_version,
+            **({"feed": functools.partial(self._feed, sampling)}
+               if self.prompt_feed is not None and episodes is None else {}),
         )
+
+    def _feed(self, sampling: SamplingParams, complete: list[Sequence], want: int,
+              progress: dict[str, float]) -> list[tuple[list[int], int, int]]:
+        """The scheduler's feed over :attr:`prompt_feed`: finished sequences as samples out, and each new prompt's
+        token budget as the call's own prompts get it."""
+        assert self.prompt_feed is not None
+        new = self.prompt_feed([self._sample(s, sampling) for s in complete], want, progress)
+        ids = self._tokenize([p for p, _ in new])  # refused as the call's own prompts are
+        return [(p, self._max_new(sampling, p), key) for p, (_, key) in zip(ids, new, strict=True)]
+
+    def _max_new(self, sampling: SamplingParams, ids: list[int]) -> int:
+        return min(sampling.max_tokens, self.max_model_len - len(ids))
 
     def _new_adapters(self) -> int | None:
         """Between decode windows: install the newest published adapters (``adapter_updates``) where the decode

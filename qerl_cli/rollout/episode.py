@@ -137,7 +137,7 @@ class EpisodeScheduler(Scheduler):
                 self.stats["steps"] += 1
                 return
         seq.turn_end = None
-        self.done.append(seq)
+        self._done(seq)
 
     def _retire(self, finished: list[int]) -> None:
         super()._retire(finished)
@@ -197,7 +197,7 @@ class EpisodeScheduler(Scheduler):
             ids = obs[id(seq)]
             if ids is None:
                 seq.turn_end = None
-                self.done.append(seq)
+                self._done(seq)
             else:
                 back.append((seq, ids))
         if back:

@@ -29,8 +29,17 @@ from qerl_cli.rollout.model_runner import ModelRunner
 from qerl_cli.rollout.sampling import SamplingParams, StepSampler, TokenNoise
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+# Prompts streaming into a running call (the asynchronous rollout ranks): (the sequences of the groups that
+# completed since the last call, in (prompt, sample) order; how many more prompts the free slots could start now;
+# the call's progress so far: prefill_s, decode_s, decode_steps) -> new prompts as (token ids, max new tokens, noise
+# key). Raising StreamStopped ends the call at once.
+Feed = Callable[[list["Sequence"], int, dict[str, float]], list[tuple[list[int], int, int]]]
 # (sequence, number of tokens already checked) -> completion length ending at the stop string, or None
 StopCheck = Callable[["Sequence", int], "int | None"]
+
+
+class StreamStopped(Exception):
+    """Raised by a :data:`Feed` to end the call it feeds: what was running or waiting is abandoned."""
 
 
 @dataclass
@@ -96,6 +105,7 @@ class Scheduler:
         kv_buckets: list[int],
         on_window: Callable[[], int | None] | None = None,
         version: int = 0,
+        feed: Feed | None = None,
     ) -> None:
         self.runner = runner
         self.cache = cache
@@ -111,6 +121,9 @@ class Scheduler:
         # between decode windows: new adapters applied (their version), else None (engine.adapter_updates)
         self.on_window = on_window
         self.version = version
+        # between decode windows: finished groups out, more prompts in (engine.prompt_feed); None: the call's
+        # prompts are all it runs
+        self.feed = feed
         # a prompt whose first samples were admitted before an adapter change: the sample its re-prefill starts at
         self.first_sample: dict[int, int] = {}
         self.num_slots = cache.num_slots
@@ -126,6 +139,9 @@ class Scheduler:
         self.waiting: deque[int] = deque()
         self.prompts: list[list[int]] = []
         self.max_new: list[int] = []
+        # per prompt: the index its samples' noise is keyed by (uid = key * n + sample), and its samples not finished
+        self.keys: list[int] = []
+        self.left: list[int] = []
         self.stats = {
             "prefill_prompts": 0,
             "prefill_batches": 0,
@@ -144,7 +160,9 @@ class Scheduler:
     # ----- main loop ----------------------------------------------------------------------------------
 
     def run(self, prompts: list[list[int]], max_new: list[int]) -> list[Sequence]:
-        self.prompts, self.max_new = prompts, max_new
+        self.prompts, self.max_new = list(prompts), list(max_new)
+        self.keys = [self.params.prompt_offset + i for i in range(len(prompts))]
+        self.left = [self.params.n] * len(prompts)
         self.waiting = deque(range(len(prompts)))
         self._t0 = time.perf_counter()
         while self._busy():
@@ -158,8 +176,33 @@ class Scheduler:
                 self._decode_window()
                 self.decode_s += time.perf_counter() - t
                 self._new_adapters()
+            self._stream()
         self.done.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return self.done
+
+    def _stream(self) -> None:
+        """Between decode windows, with a feed: hand it the groups whose samples all finished, and take the prompts
+        it streams in as the slots free up (continuous batching across the engine calls' prompt lists). Asked for
+        prompts only once every prompt it gave has been admitted, so a prompt waits here as little as possible and
+        the staleness clock (its admission's adapter version) starts when it runs."""
+        if self.feed is None:
+            return
+        complete = [s for s in self.done if self.left[s.prompt_index] == 0]
+        want = 0
+        if not self.waiting and self.stash is None and self._free_slots() > 0:
+            want = -(-self._free_slots() // self.params.n)
+        if not complete and not want:
+            return
+        self.done = [s for s in self.done if self.left[s.prompt_index] > 0]
+        complete.sort(key=lambda s: (s.prompt_index, s.sample_index))
+        progress = {"prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                    "decode_steps": float(self.stats["decode_steps"])}
+        for ids, max_new, key in self.feed(complete, want, progress):
+            self.waiting.append(len(self.prompts))
+            self.prompts.append(ids)
+            self.max_new.append(max_new)
+            self.keys.append(key)
+            self.left.append(self.params.n)
 
     def _new_adapters(self) -> None:
         """New adapters between decode windows (the asynchronous rollout ranks): later tokens of the running
@@ -191,7 +234,7 @@ class Scheduler:
         return Sequence(
             prompt_index=prompt_index,
             sample_index=sample_index,
-            uid=(self.params.prompt_offset + prompt_index) * self.params.n + sample_index,
+            uid=self.keys[prompt_index] * self.params.n + sample_index,
             prompt=self.prompts[prompt_index],
             max_new=self.max_new[prompt_index],
             version_first=self.version,
@@ -394,6 +437,11 @@ class Scheduler:
         """A sequence in ``slot`` stopped; its slot is reused right after this returns."""
         seq.version_last = self.version
         self._keep_routing(slot, seq)
+        self._done(seq)
+
+    def _done(self, seq: Sequence) -> None:
+        """``seq`` is final: the call returns it (or hands it to the feed once its group is complete)."""
+        self.left[seq.prompt_index] -= 1
         self.done.append(seq)
 
     def _keep_routing(self, slot: int, seq: Sequence) -> None:

@@ -186,6 +186,7 @@ class PromptPool:
     pending: deque[int] = field(default_factory=deque)
     outstanding: int = 0
     handed: int = 0  # chunks handed out so far: numbers each chunk (its sampling seed)
+    prompts_handed: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def top_up(self, target: int, queued: int, take: Callable[[int], list[int]]) -> int:
@@ -197,14 +198,16 @@ class PromptPool:
             self.pending.extend(take(need))
             return need
 
-    def hand_out(self) -> tuple[int, list[int]]:
-        """(chunk number, prompt indices) for a rollout rank that asks; an empty list when none is pending."""
+    def hand_out(self, limit: int | None = None) -> tuple[int, list[int]]:
+        """(chunk number, prompt indices) for a rollout rank that asks (at most ``limit``: what its free slots can
+        start, when it streams); an empty list when none is pending."""
         with self._lock:
-            k = min(self.chunk, len(self.pending))
+            k = min(self.chunk, len(self.pending), self.chunk if limit is None else limit)
             if k == 0:
                 return -1, []
             out = [self.pending.popleft() for _ in range(k)]
             self.outstanding += k
+            self.prompts_handed += k
             self.handed += 1
             return self.handed - 1, out
 

@@ -2,9 +2,11 @@
 
 Under torchrun with N processes, ranks 0..N-R-1 train and ranks N-R..N-1 only roll out:
 
-* rollout ranks run the builtin engine in a loop: ask trainer rank 0 for a chunk of prompts, generate all
-  ``num_generations`` samples of each prompt in one engine call (the engine refills its slots as sequences
-  finish), score them, send the scored groups back with the adapter version that sampled them, ask again;
+* rollout ranks run the builtin engine continuously: ask trainer rank 0 for a chunk of prompts and start one
+  engine call on it; between decode windows, send each group (all ``num_generations`` samples of a prompt) as its
+  last sample ends, scored, with the adapter versions that sampled it, and ask for as many prompts as the free
+  slots can start, which join the running call (:class:`StreamFeed`). vLLM's engine and episodes run one engine
+  call per chunk and send its groups when it ends;
 * trainer rank 0 runs a *hub* thread that answers those requests (gloo point-to-point on a process group of its
   own: pickled groups, CPU only): groups go into the :class:`~qerl_cli.train.async_queue.SampleQueue`, prompts
   come out of a pool that only the training thread refills from the trainer's PromptStream;
@@ -16,7 +18,8 @@ Under torchrun with N processes, ranks 0..N-R-1 train and ranks N-R..N-1 only ro
   and the run stops (no hang on a dead peer);
 * a stop (steps done, Ctrl-C, SIGTERM on ANY rank) ends the trainers at a step boundary as in the synchronous
   mode; a rollout rank's signal reaches the trainers through its next request. Then the hub tells each rollout
-  rank to stop at its next request and the groups still queued are dropped and counted (manifest
+  rank to stop at its next request (a streaming rank asks at its next decode window and abandons its call); the
+  groups still queued are dropped and counted, and so are the prompts cut mid-generation (manifest
   ``train.extra.async``): nothing is lost without a count.
 
 Why this layout: the rollout is decode-bound and the update compute-bound; on separate GPUs neither waits for the
@@ -40,6 +43,7 @@ import torch.distributed as dist
 
 from qerl_cli.errors import Preempted, QerlError
 from qerl_cli.options import options
+from qerl_cli.rollout.scheduler import StreamStopped
 from qerl_cli.train import distributed
 from qerl_cli.train.adapter_sync import AdapterPublisher, AdapterSubscriber
 from qerl_cli.train.async_queue import (
@@ -278,7 +282,7 @@ class Hub:
             send_obj({"stop": self.stop_reason}, src, self.roles.flow_group, (_TAG_REPLY_HEAD, _TAG_REPLY_BODY))
             self.goodbyes.add(src)
             return
-        chunk, prompts = self.pool.hand_out()
+        chunk, prompts = self.pool.hand_out(msg.get("want"))
         send_obj({"chunk": chunk, "prompts": prompts}, src, self.roles.flow_group, (_TAG_REPLY_HEAD, _TAG_REPLY_BODY))
 
     def wait_goodbyes(self, timeout_s: float) -> bool:
@@ -416,7 +420,10 @@ class TrainerSource:
             self.publisher.publish(self.publisher.version, stop=True)  # ends the rollout ranks' receiving threads
             done = self.hub.wait_goodbyes(GOODBYE_TIMEOUT_S)
         acc = self.queue.close()
-        return {**acc.to_dict(), "all_rollout_ranks_stopped": done, "stop": reason,
+        # every prompt handed out came back as a group (received) or did not: cut mid-generation at the stop (the
+        # streamed flow), or lost with a failed rank
+        return {**acc.to_dict(), "prompts_handed": self.pool.prompts_handed,
+                "prompts_cut_at_stop": self.pool.outstanding, "all_rollout_ranks_stopped": done, "stop": reason,
                 "rollout_plans": dict(self.hub.plans)}
 
 
@@ -450,27 +457,90 @@ class _Signals:
         return self.name
 
 
-def generate_chunk(rollouter: Rollouter, prompts: list[int], chunk: int, version: int, overrides: NormOverrides,
-                   rank: int) -> tuple[list[GroupItem], dict[str, float]]:
-    """One engine call over ``prompts`` (all samples of each), scored: one group per prompt. ``version``: the
-    adapters' at the call's start; a sample the engine tagged (adapters applied between its decode windows) keeps
-    its own first and last versions, and a group counts as its oldest sample's version."""
-    rollouter.rollout_step = chunk  # the chunk's number seeds its sampling (rollout_seed(seed, chunk, 0))
-    res = rollouter.generate(prompts, 0, overrides)
-    raw, shaped = rollouter.score(prompts, res.samples)
+def prompt_flow(rollouter: Rollouter) -> str:
+    """How a rollout rank's engine gets its prompts: "streamed" into one running call as its slots free up (the
+    builtin engine, single completions), else "chunked": one engine call per chunk (vLLM's engine; episodes, whose
+    scheduler keeps its call's prompt list)."""
+    from qerl_cli.train.rollouter import SingleTurn
+
+    return "streamed" if hasattr(rollouter.engine, "prompt_feed") and isinstance(rollouter.episodes, SingleTurn) \
+        else "chunked"
+
+
+def scored_groups(rollouter: Rollouter, prompts: list[int], samples: list[Any], version: int,
+                  rank: int) -> list[GroupItem]:
+    """``samples`` (all samples of each of ``prompts``, in order) scored: one group per prompt. ``version``: the
+    adapters' at the engine call's start; a sample the engine tagged (adapters applied between its decode windows)
+    keeps its own first and last versions, and a group counts as its oldest sample's version."""
     g = rollouter.cfg.num_generations
+    samples = [replace(s, prompt_index=j // g) for j, s in enumerate(samples)]
+    raw, shaped = rollouter.score(prompts, samples)
     items = []
     for p, idx in enumerate(prompts):
         own = rollouter.prompt_ids[idx]
         # the prompt's tokens are known to the trainers: not shipped (an episode's own prompt would be)
         ss = [replace(s, prompt_token_ids=[] if s.prompt_token_ids == own else s.prompt_token_ids,
                       policy_version=version if s.policy_version is None else s.policy_version)
-              for s in res.samples[p * g:(p + 1) * g]]
+              for s in samples[p * g:(p + 1) * g]]
         items.append(GroupItem(idx, ss, raw[p * g:(p + 1) * g], shaped[p * g:(p + 1) * g],
                                min(s.policy_version for s in ss), rank, sum(len(s.token_ids) for s in ss)))
+    return items
+
+
+def generate_chunk(rollouter: Rollouter, prompts: list[int], chunk: int, version: int, overrides: NormOverrides,
+                   rank: int) -> tuple[list[GroupItem], dict[str, float]]:
+    """One engine call over ``prompts`` (all samples of each), scored (the chunked flow)."""
+    rollouter.rollout_step = chunk  # the chunk's number seeds its sampling (rollout_seed(seed, chunk, 0))
+    res = rollouter.generate(prompts, 0, overrides)
     timings = {k: float(res.timings.get(k, 0.0)) for k in ("tokens", "prefill_s", "decode_s")}
     timings["decode_steps"] = float(res.stats.get("decode_steps", 0))
-    return items, timings
+    return scored_groups(rollouter, prompts, res.samples, version, rank), timings
+
+
+class StreamFeed:
+    """The builtin engine's ``prompt_feed`` on a rollout rank (the streamed flow): between decode windows of one
+    long engine call, the groups that completed go to the hub with a request for as many prompts as the free slots
+    can start, and the hub's answer joins the running call. So no slot idles through a chunk's tail while the hub
+    has prompts, and a group reaches the trainers as soon as its last sample ends, not with its chunk.
+
+    Sampling stays independent of timing: the call's seed is fixed for the run and a prompt's noise key is its
+    place in the hand-out order (chunk number x the largest chunk + position), whichever call it lands in.
+    ``exchange``: one request/reply with the hub; ``watch``: raises when the run must stop (a failed adapter
+    receiver) and says whether the trainers' stop broadcast arrived (then the hub is asked at once, and answers
+    stop)."""
+
+    def __init__(self, rollouter: Rollouter, exchange: Callable[[dict[str, Any]], dict[str, Any]], stride: int,
+                 rank: int, version: Callable[[], int], watch: Callable[[], bool]) -> None:
+        self.rollouter, self.exchange, self.stride, self.rank = rollouter, exchange, stride, rank
+        self.version, self.watch = version, watch
+        self.tasks: list[int] = []  # the running call's prompt positions -> task example indices
+        self.sent = 0  # groups of the running call already sent
+        self.progress: dict[str, float] = {}  # the running call's progress at the last message
+        self.t = 0.0
+
+    def start(self, chunk: int, prompts: list[int]) -> int:
+        """A call starts on ``prompts`` (chunk ``chunk``): the noise key of its first prompt."""
+        self.tasks, self.sent, self.progress, self.t = list(prompts), 0, {}, time.perf_counter()
+        return chunk * self.stride
+
+    def __call__(self, done: list[Any], want: int, progress: dict[str, float]) -> list[tuple[list[int], int]]:
+        stopping = self.watch()
+        if not done and not want and not stopping:
+            return []
+        g = self.rollouter.cfg.num_generations
+        prompts = [self.tasks[s.prompt_index] for s in done[::g]]
+        items = scored_groups(self.rollouter, prompts, done, self.version(), self.rank)
+        timings = {k: v - self.progress.get(k, 0.0) for k, v in progress.items()}
+        timings["tokens"] = float(sum(i.tokens for i in items))
+        now = time.perf_counter()
+        reply = self.exchange({"groups": items, "prompts_done": len(items), "timings": timings,
+                               "busy_s": now - self.t, "want": want})
+        self.progress, self.t = dict(progress), now
+        if "stop" in reply:
+            raise StreamStopped(reply["stop"])
+        base = reply["chunk"] * self.stride
+        self.tasks.extend(reply["prompts"])
+        return [(self.rollouter.prompt_ids[idx], base + p) for p, idx in enumerate(reply["prompts"])]
 
 
 def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
@@ -507,23 +577,45 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
         engine.adapter_version = version
     out: dict[str, Any] = {} if plan is None else {"plan": plan}
     tags = (_TAG_HEAD, _TAG_BODY)
+
     try:
         with _Signals() as sig:
-            while True:
+
+            def watch() -> bool:
+                """Raises when adapters can no longer arrive; whether the hub must be asked now: the trainers'
+                stop broadcast arrived, or a signal waits to be passed on."""
                 beat.progress()
-                out["signal"] = sig.take()
-                send_obj(out, 0, roles.flow_group, tags)
-                reply, _ = recv_obj(0, roles.flow_group, (_TAG_REPLY_HEAD, _TAG_REPLY_BODY))
-                if "stop" in reply:
-                    break
                 if sub.error is not None:
                     raise QerlError(f"receiving adapters failed: {sub.error}")
+                return sub.stopped or (sig.name is not None and not sig.sent)
+
+            feed = None
+            if prompt_flow(rollouter) == "streamed":
+                feed = StreamFeed(rollouter, lambda msg: _exchange(msg, roles, sig),
+                                  chunk_prompts(rollouter.cfg.batch_prompts, len(roles.rollout_ranks)), roles.rank,
+                                  lambda: version, watch)
+                engine.prompt_feed = feed
+                rollouter.rollout_step = 0  # one seed for the run: a prompt's noise is keyed by its hand-out place
+            while True:
+                beat.progress()
+                reply = _exchange(out, roles, sig)
+                if "stop" in reply:
+                    break
+                watch()
                 if install() and live:  # the engine refreshes its shadows from the parameters at the call's start
                     engine.adapter_version = version
                 if not reply["prompts"]:  # the staleness bound holds the rollout back: wait for the trainers
                     t = time.perf_counter()
                     time.sleep(0.05)
                     out = {"idle_s": time.perf_counter() - t}
+                    continue
+                if feed is not None:
+                    try:
+                        rollouter.generate(reply["prompts"], 0, overrides, feed.start(reply["chunk"], reply["prompts"]))
+                    except StreamStopped as stopped:  # the hub answered stop; what ran is cut (counted there)
+                        reply = {"stop": str(stopped)}
+                        break
+                    out = {}  # the feed sent every group and its time
                     continue
                 t = time.perf_counter()
                 items, timings = generate_chunk(rollouter, reply["prompts"], reply["chunk"], version, overrides,
@@ -540,6 +632,14 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
         beat.stop()
     sub.join(GOODBYE_TIMEOUT_S)
     return reply["stop"]
+
+
+def _exchange(msg: dict[str, Any], roles: Roles, sig: _Signals) -> dict[str, Any]:
+    """One request to the hub (with this rank's pending signal) and its reply."""
+    msg["signal"] = sig.take()
+    send_obj(msg, 0, roles.flow_group, (_TAG_HEAD, _TAG_BODY))
+    reply, _ = recv_obj(0, roles.flow_group, (_TAG_REPLY_HEAD, _TAG_REPLY_BODY))
+    return reply
 
 
 def run_rollout_rank(trainer: Trainer, roles: Roles, start_from: Any, resume: bool) -> None:
@@ -574,7 +674,8 @@ def session(trainer: Trainer, roles: Roles | None, rec: Any, stop: Any) -> Itera
     source = TrainerSource(trainer.rollouter, trainer.updater, trainer.dist, roles, trainer.cfg.max_staleness)
     trainer.rollouter.source = source
     if trainer.dist.is_main:
-        rec.extra["async"] = {**roles.record(), "max_staleness": trainer.cfg.max_staleness,
+        rec.extra["async"] = {**roles.record(), "prompt_flow": prompt_flow(trainer.rollouter),
+                              "max_staleness": trainer.cfg.max_staleness,
                               "correction": trainer.cfg.correction, "correction_cap": trainer.cfg.correction_cap,
                               # each role's own memory plan (docs/distributed.md): this rank's now, the rollout
                               # ranks' as they report them (recorded at the stop)
