@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -120,3 +121,51 @@ def test_a_runner_that_ends_first_returns_its_code_and_a_live_server_none() -> N
         assert slow.poll() is not None
     finally:
         server.kill()
+
+
+def test_a_runner_that_wrote_its_result_and_hangs_is_ended_after_the_grace() -> None:
+    """The GPU run of 2026-11-30: TRL trained every step and wrote its result, then its exit waited on TRL's
+    rollout worker until the bench's limit ended everything. A finished runner gets only the grace to exit."""
+    from qerl_cli.bench.trl_async import wait_runner
+
+    runner, server = _proc("import time; time.sleep(60)"), _proc("import time; time.sleep(60)")
+    try:
+        t = time.monotonic()
+        assert wait_runner(runner, server, timeout_s=50.0, poll_s=0.05, finished=lambda: True,
+                           grace_s=0.3) == (None, None)
+        assert time.monotonic() - t < 5 and runner.poll() is not None
+    finally:
+        runner.kill()
+        server.kill()
+
+
+# two optimizer steps as TRL 1.16's console printed them on the GPU (2026-11-30), keys cut to those the row reads
+TRL_LOG = """  0%|          | 0/3 [00:00<?, ?it/s]
+ 33%|###       | 1/3 [02:00<04:01, 120.73s/it]   {'loss': '0.03654', 'perf/weight_sync_s': '2.746', \
+'batch/trained_tokens_per_step': '2.375e+05', 'batch/samples_per_step': '512', 'perf/rollout_wait_s': '34.75', \
+'completions/mean_length': '479.6'}
+ 67%|######    | 2/3 [03:01<01:25, 85.68s/it]    {'loss': '-0.009019', 'perf/weight_sync_s': '0.4434', \
+'batch/trained_tokens_per_step': '2.417e+05', 'batch/samples_per_step': '512', 'perf/step_s': '56.8', \
+'perf/rollout_wait_s': '0.5204', 'completions/mean_length': '444.5'}
+100%|##########| 3/3 [04:32<00:00, 88.04s/it]    {'loss': '-0.03328', 'perf/weight_sync_s': '0.8173', \
+'batch/trained_tokens_per_step': '2.384e+05', 'batch/samples_per_step': '512', 'perf/step_s': '91.22', \
+'perf/rollout_wait_s': '30.62', 'completions/mean_length': '459', 'sample/dropped_stale_total': '1224'}
+100%|##########| 3/3 [04:33<00:00, 88.04s/it]    {'train_runtime': '273.6', 'epoch': '1'}
+"""
+
+
+def test_the_row_from_trls_console_log_when_no_result_file_was_written(tmp_path: Path) -> None:
+    from qerl_cli.bench.trl_async import log_history_from, measured_row
+
+    log = tmp_path / "runner.log"
+    log.write_text(TRL_LOG)
+    logs = log_history_from(log)
+    assert [h["loss"] for h in logs] == [0.03654, -0.009019, -0.03328]  # the summary dict has no loss: left out
+    row = measured_row({}, logs, prompt_len=256, warmup=1)
+    # by hand: (512 x 256 prompt + trained completion tokens) / TRL's step time, for the two timed steps
+    per_s = sorted([(512 * 256 + 241_700) / 56.8, (512 * 256 + 238_400) / 91.22])
+    assert row["status"] == "ok" and row["trained_tokens_per_s"] == pytest.approx(sum(per_s) / 2)
+    assert row["step_s_median"] == pytest.approx((56.8 + 91.22) / 2)
+    assert row["sync_share"] == pytest.approx((0.4434 + 0.8173) / 2 / row["step_s_median"])
+    assert row["dropped_stale"] is None and row["dropped_stale_samples"] == 1224  # TRL's unit: samples
+    assert "| 1224 samples |" in table([{**row, "layout": "trl_async", "gpus": 2, "rollout_gpus": 1}])[-1]

@@ -136,9 +136,16 @@ def table(results: list[dict[str, Any]]) -> list[str]:
         name = r["layout"] + (" (SDPA stand-in)" if str(r.get("attention", "")).startswith("torch SDPA") else "")
         lines.append(f"| {name} | {r['gpus']} | {r['rollout_gpus']} | {f(r['trained_tokens_per_s'], '{:.0f}')} "
                      f"| {f(r['step_s_median'])} | {f(r['sync_share'])} | {f(r.get('rollout_idle_frac'))} "
-                     f"| {f(r.get('staleness_mean'))} | {r.get('dropped_stale', 0)} "
+                     f"| {f(r.get('staleness_mean'))} | {_dropped(r)} "
                      f"| {f(r.get('mean_completion_length'))} |")
     return lines
+
+
+def _dropped(row: dict[str, Any]) -> str:
+    """Groups dropped stale (qerl's layouts), or the peer's count in its own unit (TRL drops single samples)."""
+    if row.get("dropped_stale") is None and "dropped_stale_samples" in row:
+        return f"{row['dropped_stale_samples']:.0f} samples"
+    return str(row.get("dropped_stale", 0))
 
 
 def driver(a: argparse.Namespace, rest: list[str]) -> int:

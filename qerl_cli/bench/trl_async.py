@@ -16,10 +16,12 @@ samples over the step's wall time (TRL's ``batch/samples_per_step`` x prompt len
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +157,8 @@ def _run_in(work: Path, a: Any, out: Path, row: dict[str, Any], server_gpu: int,
                 runner = subprocess.Popen([sys.executable, "-P", str(RUNNER), str(work / "spec.json")], cwd=work,
                                           env={**env, "CUDA_VISIBLE_DEVICES": str(trainer_gpu)}, stdout=rlog,
                                           stderr=subprocess.STDOUT)  # the bench's process group: a limit kills it
-                code, server_code = wait_runner(runner, server, timeout_s)
+                code, server_code = wait_runner(runner, server, timeout_s,
+                                                finished=lambda: _result_status(work / "result.json") in DONE)
         finally:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(server.pid, signal.SIGTERM)
@@ -167,7 +171,15 @@ def _run_in(work: Path, a: Any, out: Path, row: dict[str, Any], server_gpu: int,
     result = json.loads(res_file.read_text()) if res_file.is_file() else {}
     for k in ("versions", "adapter_sync", "attention", "fa3_error"):
         row[k] = result.get(k)
-    if code != 0 or result.get("status") != "ok":
+    logs = result.get("log_history") or log_history_from(runner_log)
+    # the first step has no perf/step_s (nothing to time it from): every later one logged is the whole run
+    logged_all = len(step_rows(logs, a.prompt_len, 0)) >= a.warmup + a.steps - 1
+    if result.get("status") == "ok" and code != 0:
+        row["runner_exit"] = "killed after writing its result (it hung at exit)"
+    elif result.get("status") != "ok" and logged_all and server_code is None:
+        # killed before its result file was written, every step done: TRL's own step records, as it printed them
+        row["runner_exit"] = f"{'timed out' if code is None else f'exit code {code}'} after logging every step"
+    elif result.get("status") != "ok":
         why = result.get("error") or ("timed out" if code is None else f"exit code {code}")
         if server_code is not None:  # the runner only waited for a server that was gone: say why it went
             why = f"the vLLM server exited with code {server_code}: {last_error(server_log)}"
@@ -175,7 +187,12 @@ def _run_in(work: Path, a: Any, out: Path, row: dict[str, Any], server_gpu: int,
         row["server_log_tail"] = _tail(server_log)
         row["runner_log_tail"] = _tail(runner_log)
         return row
-    rows = step_rows(result.get("log_history", []), a.prompt_len, a.warmup)
+    return measured_row(row, logs, a.prompt_len, a.warmup)
+
+
+def measured_row(row: dict[str, Any], logs: list[dict[str, Any]], prompt_len: int, warmup: int) -> dict[str, Any]:
+    """The layout's row from TRL's logged optimizer steps (``log_history``)."""
+    rows = step_rows(logs, prompt_len, warmup)
     step_s = statistics.median(r["step_s"] for r in rows)
     sync = [r["sync_s"] for r in rows if r["sync_s"] is not None]
     lengths = [r["mean_length"] for r in rows if r["mean_length"] is not None]
@@ -186,26 +203,63 @@ def _run_in(work: Path, a: Any, out: Path, row: dict[str, Any], server_gpu: int,
                sync_share=statistics.median(sync) / step_s if sync else None, rollout_idle_frac=None,
                trainer_wait_s=statistics.median(r["rollout_wait_s"] or 0.0 for r in rows),
                mean_completion_length=statistics.mean(lengths) if lengths else None, staleness_mean=None,
-               dropped_stale=0, steps_detail=rows, trl_log_history=result.get("log_history"))
+               # TRL drops single samples, qerl whole groups: its count stays in its own unit
+               dropped_stale=None, dropped_stale_samples=max((h.get("sample/dropped_stale_total", 0.0) for h in logs),
+                                                             default=0.0),
+               steps_detail=rows, trl_log_history=logs)
     return row
 
 
-def wait_runner(runner: subprocess.Popen, server: subprocess.Popen, timeout_s: float,
-                poll_s: float = 2.0) -> tuple[int | None, int | None]:
+def log_history_from(path: Path) -> list[dict[str, Any]]:
+    """TRL's logged step records as its console printed them (one Python dict per optimizer step, values as
+    strings: transformers' ``ProgressCallback``), numbers as floats: the measurement when the runner could not
+    write its result file."""
+    out = []
+    for m in re.finditer(r"\{'loss': [^{}]*\}", path.read_text(errors="replace") if path.is_file() else ""):
+        with contextlib.suppress(ValueError, SyntaxError):
+            rec = ast.literal_eval(m.group(0))
+            out.append({k: _number(v) for k, v in rec.items()})
+    return out
+
+
+def _number(v: Any) -> Any:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return v
+
+
+def wait_runner(runner: subprocess.Popen, server: subprocess.Popen, timeout_s: float, poll_s: float = 2.0,
+                finished: Callable[[], bool] = lambda: False,
+                grace_s: float = 30.0) -> tuple[int | None, int | None]:
     """Wait for the TRL runner: (its exit code or None when it ran past ``timeout_s`` or the server died first,
     the server's exit code when the server ended before the runner, else None).
 
     TRL waits for a server that never comes up for ``vllm_server_timeout`` (minutes): a server that exits at
-    once (a missing package) must end the layout at once, not at the time limit."""
+    once (a missing package) must end the layout at once, not at the time limit. A runner whose result is written
+    (``finished()``) gets ``grace_s`` more to exit: TRL's rollout worker, a child process that outlives training,
+    once held its exit until the bench's time limit ended everything, the row unwritten (H200 x2, 2026-11-30)."""
     deadline = time.monotonic() + timeout_s
     while (code := runner.poll()) is None:
         server_code = server.poll()
+        if finished():
+            deadline = min(deadline, time.monotonic() + grace_s)
         if server_code is not None or time.monotonic() > deadline:
             runner.kill()  # its own children share the bench's process group, which the caller's limit ends
             runner.wait()
             return None, server_code
         time.sleep(poll_s)
     return code, None
+
+
+DONE = ("ok", "failed")  # the runner's result statuses once it has nothing left to do
+
+
+def _result_status(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("status")
+    except (OSError, ValueError):  # not written yet, or caught mid-write
+        return None
 
 
 def last_error(path: Path) -> str:

@@ -25,6 +25,8 @@ TRL's settings and the LoRA config. It trains ``steps`` optimizer steps and keep
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import random
 import statistics
 import sys
@@ -342,4 +344,11 @@ def varlen_sdpa(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: Any, max_k:
     return torch.cat(outs, 0)
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    code = main(sys.argv[1])
+    # AsyncGRPOTrainer's rollout worker is a multiprocessing child that outlives train(): the interpreter's exit
+    # would join it, forever (H200 x2, 2026-11-30)
+    for child in multiprocessing.active_children():
+        child.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
