@@ -514,13 +514,12 @@ class StreamFeed:
         self.rollouter, self.exchange, self.stride, self.rank = rollouter, exchange, stride, rank
         self.version, self.watch = version, watch
         self.tasks: list[int] = []  # the running call's prompt positions -> task example indices
-        self.sent = 0  # groups of the running call already sent
         self.progress: dict[str, float] = {}  # the running call's progress at the last message
-        self.t = 0.0
+        self.last_sent = 0.0  # when the last message went (the busy time each message reports runs from it)
 
     def start(self, chunk: int, prompts: list[int]) -> int:
         """A call starts on ``prompts`` (chunk ``chunk``): the noise key of its first prompt."""
-        self.tasks, self.sent, self.progress, self.t = list(prompts), 0, {}, time.perf_counter()
+        self.tasks, self.progress, self.last_sent = list(prompts), {}, time.perf_counter()
         return chunk * self.stride
 
     def __call__(self, done: list[Any], want: int, progress: dict[str, float]) -> list[tuple[list[int], int]]:
@@ -534,8 +533,8 @@ class StreamFeed:
         timings["tokens"] = float(sum(i.tokens for i in items))
         now = time.perf_counter()
         reply = self.exchange({"groups": items, "prompts_done": len(items), "timings": timings,
-                               "busy_s": now - self.t, "want": want})
-        self.progress, self.t = dict(progress), now
+                               "busy_s": now - self.last_sent, "want": want})
+        self.progress, self.last_sent = dict(progress), now
         if "stop" in reply:
             raise StreamStopped(reply["stop"])
         base = reply["chunk"] * self.stride
