@@ -99,7 +99,7 @@ def test_prompt_pool_hands_out_chunks_and_tracks_outstanding() -> None:
 
 
 def test_prompts_streamed_into_a_running_call_sample_as_one_call() -> None:
-    """The streamed flow's engine side: a call started on one prompt, fed the others one by one as its slots free
+    """The rollout ranks' engine side: a call started on one prompt, fed the others one by one as its slots free
     up (keyed by their place), samples exactly what one call over all of them samples; every group reaches the
     feed complete and in order, the feed is asked only for what the free slots can start, and StreamStopped ends
     the call at once, leaving the engine usable."""
@@ -298,7 +298,6 @@ def test_async_run_records_versions_and_resumes_on_other_splits(tiny_run: Path, 
     rec = async_record(run)
     a = rec["extra"]["async"]
     assert a["trainer_ranks"] == [0, 1] and a["rollout_ranks"] == [2] and a["correction"] == "token_tis"
-    assert a["prompt_flow"] == "streamed"
     assert a["trained"] == 4 and balanced(a) and a["stop"] == "done" and a["all_rollout_ranks_stopped"]
     d = rec["extra"]["dist"]
     assert d["world_size"] == 2 and d["adapter_digests"][0] == d["adapter_digests"][1]

@@ -5,8 +5,7 @@ Under torchrun with N processes, ranks 0..N-R-1 train and ranks N-R..N-1 only ro
 * rollout ranks run the builtin engine continuously: ask trainer rank 0 for a chunk of prompts and start one
   engine call on it; between decode windows, send each group (all ``num_generations`` samples of a prompt) as its
   last sample ends, scored, with the adapter versions that sampled it, and ask for as many prompts as the free
-  slots can start, which join the running call (:class:`StreamFeed`). vLLM's engine and episodes run one engine
-  call per chunk and send its groups when it ends;
+  slots can start, which join the running call (:class:`StreamFeed`);
 * trainer rank 0 runs a *hub* thread that answers those requests (gloo point-to-point on a process group of its
   own: pickled groups, CPU only): groups go into the :class:`~qerl_cli.train.async_queue.SampleQueue`, prompts
   come out of a pool that only the training thread refills from the trainer's PromptStream;
@@ -18,7 +17,7 @@ Under torchrun with N processes, ranks 0..N-R-1 train and ranks N-R..N-1 only ro
   and the run stops (no hang on a dead peer);
 * a stop (steps done, Ctrl-C, SIGTERM on ANY rank) ends the trainers at a step boundary as in the synchronous
   mode; a rollout rank's signal reaches the trainers through its next request. Then the hub tells each rollout
-  rank to stop at its next request (a streaming rank asks at its next decode window and abandons its call); the
+  rank to stop at its next request (a rank asks at its next decode window and abandons its running call); the
   groups still queued are dropped and counted, and so are the prompts cut mid-generation (manifest
   ``train.extra.async``): nothing is lost without a count.
 
@@ -420,8 +419,8 @@ class TrainerSource:
             self.publisher.publish(self.publisher.version, stop=True)  # ends the rollout ranks' receiving threads
             done = self.hub.wait_goodbyes(GOODBYE_TIMEOUT_S)
         acc = self.queue.close()
-        # every prompt handed out came back as a group (received) or did not: cut mid-generation at the stop (the
-        # streamed flow), or lost with a failed rank
+        # every prompt handed out came back as a group (received) or did not: cut mid-generation at the stop, or
+        # lost with a failed rank
         return {**acc.to_dict(), "prompts_handed": self.pool.prompts_handed,
                 "prompts_cut_at_stop": self.pool.outstanding, "all_rollout_ranks_stopped": done, "stop": reason,
                 "rollout_plans": dict(self.hub.plans)}
@@ -457,21 +456,11 @@ class _Signals:
         return self.name
 
 
-def prompt_flow(rollouter: Rollouter) -> str:
-    """How a rollout rank's engine gets its prompts: "streamed" into one running call as its slots free up (the
-    builtin engine, single completions), else "chunked": one engine call per chunk (vLLM's engine; episodes, whose
-    scheduler keeps its call's prompt list)."""
-    from qerl_cli.train.rollouter import SingleTurn
-
-    return "streamed" if hasattr(rollouter.engine, "prompt_feed") and isinstance(rollouter.episodes, SingleTurn) \
-        else "chunked"
-
-
 def scored_groups(rollouter: Rollouter, prompts: list[int], samples: list[Any], version: int,
                   rank: int) -> list[GroupItem]:
-    """``samples`` (all samples of each of ``prompts``, in order) scored: one group per prompt. ``version``: the
-    adapters' at the engine call's start; a sample the engine tagged (adapters applied between its decode windows)
-    keeps its own first and last versions, and a group counts as its oldest sample's version."""
+    """``samples`` (all samples of each of ``prompts``, in order) scored: one group per prompt. Each sample keeps
+    the adapter versions the engine tagged it with (adapters applied between its decode windows: its first and
+    last token's; ``version`` where it has none), and a group counts as its oldest sample's version."""
     g = rollouter.cfg.num_generations
     samples = [replace(s, prompt_index=j // g) for j, s in enumerate(samples)]
     raw, shaped = rollouter.score(prompts, samples)
@@ -487,18 +476,8 @@ def scored_groups(rollouter: Rollouter, prompts: list[int], samples: list[Any], 
     return items
 
 
-def generate_chunk(rollouter: Rollouter, prompts: list[int], chunk: int, version: int, overrides: NormOverrides,
-                   rank: int) -> tuple[list[GroupItem], dict[str, float]]:
-    """One engine call over ``prompts`` (all samples of each), scored (the chunked flow)."""
-    rollouter.rollout_step = chunk  # the chunk's number seeds its sampling (rollout_seed(seed, chunk, 0))
-    res = rollouter.generate(prompts, 0, overrides)
-    timings = {k: float(res.timings.get(k, 0.0)) for k in ("tokens", "prefill_s", "decode_s")}
-    timings["decode_steps"] = float(res.stats.get("decode_steps", 0))
-    return scored_groups(rollouter, prompts, res.samples, version, rank), timings
-
-
 class StreamFeed:
-    """The builtin engine's ``prompt_feed`` on a rollout rank (the streamed flow): between decode windows of one
+    """The builtin engine's ``prompt_feed`` on a rollout rank: between decode windows of one
     long engine call, the groups that completed go to the hub with a request for as many prompts as the free slots
     can start, and the hub's answer joins the running call. So no slot idles through a chunk's tail while the hub
     has prompts, and a group reaches the trainers as soon as its last sample ends, not with its chunk.
@@ -552,10 +531,7 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
     beat = Heartbeat(roles.rank)
     version = updater.step
     overrides = rollouter.noise(version)
-    engine = rollouter.engine
-    # the builtin engine also installs a newer version between decode windows of a chunk (its sequences' later
-    # tokens then sample from it); vLLM's engine only between chunks
-    live = hasattr(engine, "adapter_updates")
+    engine = rollouter.engine  # the builtin engine (TrainConfig.check_rollout_gpus refuses any other)
 
     def install() -> bool:
         """The newest received version into the LoRA parameters, if newer: it becomes this rank's version (AQN:
@@ -567,13 +543,14 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
         version, overrides = v, rollouter.noise(v)
         return True
 
-    if live:
-        def updates() -> tuple[int, NormOverrides] | None:  # after every decode window of an engine call
-            beat.progress()
-            return (version, overrides) if install() else None
+    def updates() -> tuple[int, NormOverrides] | None:
+        """After every decode window: a newer version installed between windows (the running sequences' later
+        tokens sample from it)."""
+        beat.progress()
+        return (version, overrides) if install() else None
 
-        engine.adapter_updates = updates
-        engine.adapter_version = version
+    engine.adapter_updates = updates
+    engine.adapter_version = version
     out: dict[str, Any] = {} if plan is None else {"plan": plan}
     tags = (_TAG_HEAD, _TAG_BODY)
 
@@ -588,39 +565,30 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
                     raise QerlError(f"receiving adapters failed: {sub.error}")
                 return sub.stopped or (sig.name is not None and not sig.sent)
 
-            feed = None
-            if prompt_flow(rollouter) == "streamed":
-                feed = StreamFeed(rollouter, lambda msg: _exchange(msg, roles, sig),
-                                  chunk_prompts(rollouter.cfg.batch_prompts, len(roles.rollout_ranks)), roles.rank,
-                                  lambda: version, watch)
-                engine.prompt_feed = feed
-                rollouter.rollout_step = 0  # one seed for the run: a prompt's noise is keyed by its hand-out place
+            feed = StreamFeed(rollouter, lambda msg: _exchange(msg, roles, sig),
+                              chunk_prompts(rollouter.cfg.batch_prompts, len(roles.rollout_ranks)), roles.rank,
+                              lambda: version, watch)
+            engine.prompt_feed = feed
+            rollouter.rollout_step = 0  # one seed for the run: a prompt's noise is keyed by its hand-out place
             while True:
                 beat.progress()
                 reply = _exchange(out, roles, sig)
                 if "stop" in reply:
                     break
                 watch()
-                if install() and live:  # the engine refreshes its shadows from the parameters at the call's start
+                if install():  # the engine refreshes its shadows from the parameters at the call's start
                     engine.adapter_version = version
                 if not reply["prompts"]:  # the staleness bound holds the rollout back: wait for the trainers
                     t = time.perf_counter()
                     time.sleep(0.05)
                     out = {"idle_s": time.perf_counter() - t}
                     continue
-                if feed is not None:
-                    try:
-                        rollouter.generate(reply["prompts"], 0, overrides, feed.start(reply["chunk"], reply["prompts"]))
-                    except StreamStopped as stopped:  # the hub answered stop; what ran is cut (counted there)
-                        reply = {"stop": str(stopped)}
-                        break
-                    out = {}  # the feed sent every group and its time
-                    continue
-                t = time.perf_counter()
-                items, timings = generate_chunk(rollouter, reply["prompts"], reply["chunk"], version, overrides,
-                                                roles.rank)
-                out = {"groups": items, "prompts_done": len(reply["prompts"]), "timings": timings,
-                       "busy_s": time.perf_counter() - t}
+                try:
+                    rollouter.generate(reply["prompts"], 0, overrides, feed.start(reply["chunk"], reply["prompts"]))
+                except StreamStopped as stopped:  # the hub answered stop; what ran is cut (counted there)
+                    reply = {"stop": str(stopped)}
+                    break
+                out = {}  # the feed sent every group and its time
     except Exception as exc:
         # the trainers stop the run with this line (rank 0 prints it); this rank leaves quietly
         with contextlib.suppress(Exception):
@@ -673,8 +641,7 @@ def session(trainer: Trainer, roles: Roles | None, rec: Any, stop: Any) -> Itera
     source = TrainerSource(trainer.rollouter, trainer.updater, trainer.dist, roles, trainer.cfg.max_staleness)
     trainer.rollouter.source = source
     if trainer.dist.is_main:
-        rec.extra["async"] = {**roles.record(), "prompt_flow": prompt_flow(trainer.rollouter),
-                              "max_staleness": trainer.cfg.max_staleness,
+        rec.extra["async"] = {**roles.record(), "max_staleness": trainer.cfg.max_staleness,
                               "correction": trainer.cfg.correction, "correction_cap": trainer.cfg.correction_cap,
                               # each role's own memory plan (docs/distributed.md): this rank's now, the rollout
                               # ranks' as they report them (recorded at the stop)
