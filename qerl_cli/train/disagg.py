@@ -456,11 +456,10 @@ class _Signals:
         return self.name
 
 
-def scored_groups(rollouter: Rollouter, prompts: list[int], samples: list[Any], version: int,
-                  rank: int) -> list[GroupItem]:
+def scored_groups(rollouter: Rollouter, prompts: list[int], samples: list[Any], rank: int) -> list[GroupItem]:
     """``samples`` (all samples of each of ``prompts``, in order) scored: one group per prompt. Each sample keeps
     the adapter versions the engine tagged it with (adapters applied between its decode windows: its first and
-    last token's; ``version`` where it has none), and a group counts as its oldest sample's version."""
+    last token's), and a group counts as its oldest sample's version."""
     g = rollouter.cfg.num_generations
     samples = [replace(s, prompt_index=j // g) for j, s in enumerate(samples)]
     raw, shaped = rollouter.score(prompts, samples)
@@ -468,8 +467,7 @@ def scored_groups(rollouter: Rollouter, prompts: list[int], samples: list[Any], 
     for p, idx in enumerate(prompts):
         own = rollouter.prompt_ids[idx]
         # the prompt's tokens are known to the trainers: not shipped (an episode's own prompt would be)
-        ss = [replace(s, prompt_token_ids=[] if s.prompt_token_ids == own else s.prompt_token_ids,
-                      policy_version=version if s.policy_version is None else s.policy_version)
+        ss = [replace(s, prompt_token_ids=[] if s.prompt_token_ids == own else s.prompt_token_ids)
               for s in samples[p * g:(p + 1) * g]]
         items.append(GroupItem(idx, ss, raw[p * g:(p + 1) * g], shaped[p * g:(p + 1) * g],
                                min(s.policy_version for s in ss), rank, sum(len(s.token_ids) for s in ss)))
@@ -489,9 +487,8 @@ class StreamFeed:
     stop)."""
 
     def __init__(self, rollouter: Rollouter, exchange: Callable[[dict[str, Any]], dict[str, Any]], stride: int,
-                 rank: int, version: Callable[[], int], watch: Callable[[], bool]) -> None:
-        self.rollouter, self.exchange, self.stride, self.rank = rollouter, exchange, stride, rank
-        self.version, self.watch = version, watch
+                 rank: int, watch: Callable[[], bool]) -> None:
+        self.rollouter, self.exchange, self.stride, self.rank, self.watch = rollouter, exchange, stride, rank, watch
         self.tasks: list[int] = []  # the running call's prompt positions -> task example indices
         self.progress: dict[str, float] = {}  # the running call's progress at the last message
         self.last_sent = 0.0  # when the last message went (the busy time each message reports runs from it)
@@ -507,7 +504,7 @@ class StreamFeed:
             return []
         g = self.rollouter.cfg.num_generations
         prompts = [self.tasks[s.prompt_index] for s in done[::g]]
-        items = scored_groups(self.rollouter, prompts, done, self.version(), self.rank)
+        items = scored_groups(self.rollouter, prompts, done, self.rank)
         timings = {k: v - self.progress.get(k, 0.0) for k, v in progress.items()}
         timings["tokens"] = float(sum(i.tokens for i in items))
         now = time.perf_counter()
@@ -567,7 +564,7 @@ def rollout_loop(rollouter: Rollouter, updater: PolicyUpdater, roles: Roles,
 
             feed = StreamFeed(rollouter, lambda msg: _exchange(msg, roles, sig),
                               chunk_prompts(rollouter.cfg.batch_prompts, len(roles.rollout_ranks)), roles.rank,
-                              lambda: version, watch)
+                              watch)
             engine.prompt_feed = feed
             rollouter.rollout_step = 0  # one seed for the run: a prompt's noise is keyed by its hand-out place
             while True:
