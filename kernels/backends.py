@@ -128,6 +128,13 @@ def _still_valid(st: KernelState, module: nn.Module) -> bool:
     return True
 
 
+def _repacks(module: nn.Module) -> bool:
+    """Whether the kernels read `module` in the repacked layout: FP4, or INT4 in groups of 128 (only the persistent
+    decode kernels read INT4, one 16-bit scale per 128-wide chunk; they ask for its state, nothing else does, so an
+    INT4 model the decode-layer option leaves alone keeps the checkpoint order)."""
+    return module.fmt in FP4_FORMATS or (module.fmt == "int4" and getattr(module, "group_size", None) == 128)
+
+
 def kernel_state(module: nn.Module) -> KernelState:
     """Derived, load-time data for `module` (rebuilt when its buffers move or change). Checked on every kernel
     call, so the check is a few identity and address compares; `st.tensors` saves the callers a dict per call."""
@@ -141,7 +148,7 @@ def kernel_state(module: nn.Module) -> KernelState:
         st.shift = mxfp4_shift(t["weight_scale"])
     layout = getattr(module, "_layout", None)
     repack = kernel_options().fp4_repack
-    if module.fmt in FP4_FORMATS and repack and module.in_features % 128 == 0 and layout is not None:
+    if _repacks(module) and repack and module.in_features % 128 == 0 and layout is not None:
         layout.repack_in_place(tiled=module.out_features % 64 == 0)
         st.tiled = layout.kind == "tiled"
         st.repacked = t["weight_packed"]

@@ -1,7 +1,8 @@
 """The persistent decode layer (`kernels/cuda/decode_layer.cu`): the MLP half of a decoder layer's decode step -- o
 + residual, RMSNorm, gate/up + SiLU*mul, down, with the LoRA shrinks and expands inside -- as ONE launch of
-persistent CTAs (NVFP4 or MXFP4 weights in qerl's resident repacked layout, bf16/fp16 activations, M <= 16 tokens;
-the two formats differ only in their block scales, converted where a unit's scales land); and the
+persistent CTAs (NVFP4, MXFP4 or INT4 weights in qerl's resident repacked layout, bf16/fp16 activations, M <= 16
+tokens; the FP4 pair differ only in their block scales, converted where a unit's scales land, and INT4 -- the same
+nibbles in the same layout -- in its code decode and its one 16-bit scale per 128-wide group); and the
 attention half before the attention (`kernels/cuda/decode_attn.cu`: residual + RMSNorm, the fused q/k/v with LoRA and
 bias, RoPE + KV-cache write) as one more (`attn_half`, `AttnSchedule`, `emulate_attn_half`, `reference_attn_half`; the
 section at the end), on the same device machinery (`kernels/cuda/decode_common.cuh`).
@@ -43,12 +44,16 @@ MAX_M = 16  # two 8-token tiles
 ENGINE_MAX_M = 8
 MAX_RANK = 256  # the partials' scratch is sized for it
 # the formats the kernels take: both FP4 formats (MXFP4's one E8M0 scale byte per 32 weights instead of NVFP4's E4M3
-# one per 16 is the only difference). The engine hands both halves both formats: scripts/decode_layer_bench.py's GPU
-# exactness rows (kernel against its CPU emulation) passed for each, the MLP half's (H200, 2026-11-29: 20 rows,
-# bf16/fp16, M = 1-16, re-runs bit-equal) and the attention half's (`--attn`, H200, 2026-11-30: 16 MXFP4 rows per
-# dtype, bf16 bit-equal, fp16 <= 2.3e-5, re-runs bit-equal)
-KERNEL_FORMATS = FP4_FORMATS
-ENGINE_FORMATS = FP4_FORMATS
+# one per 16 is the only difference) and INT4 in groups of 128 (compressed-tensors' pack-quantized, whose int32 words
+# hold the nibbles in FP4's order: the same repack, another code decode, one scale of the activation dtype per row
+# and chunk). The engine hands both halves every format whose GPU exactness rows (scripts/decode_layer_bench.py,
+# kernel against its CPU emulation) passed: the FP4 pair's MLP half (H200, 2026-11-29: 20 rows, bf16/fp16, M = 1-16,
+# re-runs bit-equal) and attention half (`--attn`, H200, 2026-11-30: 16 MXFP4 rows per dtype, bf16 bit-equal, fp16
+# <= 2.3e-5, re-runs bit-equal)
+KERNEL_FORMATS = (*FP4_FORMATS, "int4")
+ENGINE_FORMATS = KERNEL_FORMATS
+# scale bytes per 128-wide chunk of a row: the kernels' one format switch (the FP4 pair's block scales, INT4's group)
+SCALE_BYTES_PER_CHUNK = {"nvfp4": 8, "mxfp4": 4, "int4": 2}
 NCNT = 10  # grid-wide counters: 3 GEMM phases, 3 shrinks' partials, 3 shrinks' h, the launch's end
 SHRINK_SEGMENTS = 64  # a shrink's K is cut into at most this many segments (their partials are summed in order)
 PHASES = ("o GEMM + residual", "norm (x2 in fragment order)", "gate/up GEMM + SiLU*mul", "down GEMM")
@@ -263,13 +268,12 @@ class GemmArgs:
 
     @property
     def scale_bytes_per_chunk(self) -> int:
-        """Bytes of one row's block scales per 128-wide chunk: the kernel's only format switch."""
-        from qerl_kernels.fp4 import group_size
-
-        return 128 // group_size(self.fmt)
+        """Bytes of one row's scales per 128-wide chunk: the kernel's only format switch."""
+        return SCALE_BYTES_PER_CHUNK[self.fmt]
 
     def alpha(self) -> torch.Tensor:
-        """The fp32 factor the kernel applies to a block's summed partials: 2^8 / global scale (NVFP4), 2^-F."""
+        """The fp32 factor the kernel applies to a block's summed partials: 2^8 / global scale (NVFP4), 2^-F
+        (MXFP4), 1 (INT4)."""
         if self.global_scale is not None:
             return torch.tensor(256.0, dtype=torch.float32) / self.global_scale.float().cpu().reshape(())
         return torch.tensor(2.0 ** -self.shift, dtype=torch.float32)
@@ -296,7 +300,7 @@ class GemmArgs:
 
 def gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None, b: torch.Tensor | None = None, *,
               formats: tuple[str, ...] = ENGINE_FORMATS) -> GemmArgs | None:
-    """The kernel's view of an FP4 `QuantLinear` (one of `formats`) holding the in-place repack (None: the kernel
+    """The kernel's view of a 4-bit `QuantLinear` (one of `formats`) holding the in-place repack (None: the kernel
     cannot take it)."""
     if getattr(module, "bias", None) is not None:
         return None
@@ -314,17 +318,53 @@ def _fp4_args(module: torch.nn.Module, a: torch.Tensor | None, b: torch.Tensor |
         return None
     t = st.tensors
     gs = t.get("weight_global_scale")
-    return GemmArgs(st.repacked, t["weight_scale"], None if gs is None else gs.float().reshape(1), bool(st.tiled), a,
-                    b, module.fmt, int(st.shift))
+    # INT4's int32 words as the bytes the kernel streams (a view: the same storage)
+    return GemmArgs(st.repacked.view(torch.uint8), t["weight_scale"], None if gs is None else gs.float().reshape(1),
+                    bool(st.tiled), a, b, module.fmt, int(st.shift))
 
 
-def check_shapes(o: GemmArgs, gate_up: GemmArgs, down: GemmArgs, m: int) -> str | None:
-    """Why the kernel does not take these GEMMs at m tokens (None: it does)."""
+def format_mismatch(gemms: tuple[GemmArgs, ...], dtype: torch.dtype | None) -> str | None:
+    """Why one launch cannot take these GEMMs' formats with activations of `dtype` (None: it can): INT4 in all of
+    them or none (the decode is the kernel's template parameter), and INT4's scales in the activation dtype (they
+    multiply the decoded codes as they are)."""
+    i4 = [g.fmt == "int4" for g in gemms]
+    if any(i4) and not all(i4):
+        return "INT4 in every GEMM of the launch or in none"
+    if any(i4) and dtype is not None and any(g.scale.dtype != dtype for g in gemms):
+        return f"INT4 scales in the activation dtype ({dtype})"
+    return None
+
+
+# The formats `QERL_DECODE_LAYER_ATTN=auto` hands the attention half: INT4, whose per-op q/k/v dequantizes its weight
+# per call (7B, 256 + 128, H200, 2026-11-30: 11.4 -> 3.64 ms per decode step at batch 1, 11.76 -> 4.23 at batch 8);
+# not the FP4 pair, even with their per-op kernels in the same run (3.81 -> 3.70 ms at batch 1, 4.28 -> 4.32 at 8)
+ATTN_AUTO_FORMATS = ("int4",)
+
+
+def attn_half_wanted(mode: str, fmt: str) -> bool:
+    """Whether the engine runs a layer's attention half as the persistent kernel under the decode_layer_attn option
+    `mode` ("auto", "1", "0") for a q/k/v in `fmt`."""
+    return mode == "1" or (mode == "auto" and fmt in ATTN_AUTO_FORMATS)
+
+
+def engine_max_m(fmt: str) -> int:
+    """The most tokens the engine hands the kernels of a format: FP4 up to ENGINE_MAX_M (measured against the
+    Triton GEMMs), INT4 up to MAX_M (its per-GEMM path dequantizes the whole weight per call)."""
+    return MAX_M if fmt == "int4" else ENGINE_MAX_M
+
+
+def check_shapes(o: GemmArgs, gate_up: GemmArgs, down: GemmArgs, m: int,
+                 dtype: torch.dtype | None = None) -> str | None:
+    """Why the kernel does not take these GEMMs at m tokens (and activations of `dtype`, where given; None: it
+    does)."""
     h, i = o.n, down.k
     if not 1 <= m <= MAX_M:
         return f"{m} tokens (the kernel takes 1..{MAX_M})"
     if gate_up.n != 2 * i or gate_up.k != h or down.n != h:
         return "o/gate_up/down shapes do not chain"
+    why = format_mismatch((o, gate_up, down), dtype)
+    if why is not None:
+        return why
     if h % 128 or i % 128 or o.k % 128:
         return "hidden, intermediate and o's input must be multiples of 128"
     if not (o.tiled and gate_up.tiled and down.tiled):
@@ -394,7 +434,7 @@ def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: flo
     from qerl_kernels import cuda_fp4
 
     m = attn.shape[0]
-    why = check_shapes(o, gate_up, down, m)
+    why = check_shapes(o, gate_up, down, m, attn.dtype)
     if why is not None:
         raise ValueError(f"decode layer kernel: {why}")
     if attn.dtype not in (torch.bfloat16, torch.float16) or h.dtype != attn.dtype or norm_w.dtype != attn.dtype:
@@ -455,14 +495,45 @@ def _rnd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).float()
 
 
+def emulate_int4_decode(repacked: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *,
+                        tiled: bool) -> torch.Tensor:
+    """The 16-bit INT4 weight the tensor cores see, [N, K] (dtype): each lane's u32 words as the kernel loads them
+    (`cuda_fp4.lane_words`), the nibble at bit 12 - s of each half where FP4's decode2 reads q << s (so at FP4's true
+    K, `cuda_fp4.k_of`), code - 8 times its row's scale of that 128-wide chunk, one rounding (fma.rn)."""
+    from qerl_kernels.cuda_fp4 import SHIFTS, k_of, lane_words
+
+    words = lane_words(repacked.view(torch.uint8), tiled)
+    n, kc = words.shape[:2]
+    s = scale.float().reshape(n, kc)
+    out = torch.zeros(n, kc * 128, dtype=dtype)
+    cols = torch.arange(kc) * 128
+    for q in range(4):
+        for i in range(4):
+            for sh in SHIFTS:
+                w = words[:, :, q, i]
+                lo = ((w >> (12 - sh)) & 0xF) - 8
+                hi = ((w >> (28 - sh)) & 0xF) - 8
+                klo, khi = k_of(q, i, sh)
+                out[:, cols + klo] = (lo.float() * s).to(dtype)  # exact in fp32 (4 x 11 bits), one rounding
+                out[:, cols + khi] = (hi.float() * s).to(dtype)
+    return out
+
+
+def emulate_weight(g: GemmArgs, dtype: torch.dtype) -> torch.Tensor:
+    """The 16-bit weight [N, K] a GEMM stage's tensor cores see for activations of `dtype`, from its resident bytes."""
+    from qerl_kernels import cuda_fp4
+
+    if g.fmt == "int4":
+        return emulate_int4_decode(g.repacked.cpu(), g.scale.cpu(), dtype, tiled=g.tiled)
+    return cuda_fp4.emulate_decode(g.repacked.cpu(), g.scale.cpu(), g.fmt, dtype, tiled=g.tiled, shift=g.shift)
+
+
 def _gemm_fp32(x: torch.Tensor, g: GemmArgs, hl: torch.Tensor | None, sch: Schedule, gi: int) -> torch.Tensor:
     """fp32 [M, N] as the kernel's GEMM stage sums it: per 16-row block, each warp's partial is the sum of its units'
     128-wide chunk products in order; the partials are summed in warp order, times alpha, then + the LoRA term one
     16-wide rank block at a time."""
-    from qerl_kernels import cuda_fp4
-
     dt = x.dtype
-    w16 = cuda_fp4.emulate_decode(g.repacked.cpu(), g.scale.cpu(), g.fmt, dt, tiled=g.tiled, shift=g.shift).float()
+    w16 = emulate_weight(g, dt).float()
     xf = x.float()
     kc = g.k // 128
     chunks = torch.stack([xf[:, c * 128:(c + 1) * 128] @ w16[:, c * 128:(c + 1) * 128].t() for c in range(kc)])
@@ -749,8 +820,10 @@ def attn_gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None, b: to
     return args, None if bias is None else bias.detach().float().contiguous()
 
 
-def attn_check_shapes(qkv: GemmArgs, m: int, hq: int, hk: int, d: int) -> str | None:
-    """Why the attention-half kernel does not take this q/k/v GEMM at m tokens (None: it does)."""
+def attn_check_shapes(qkv: GemmArgs, m: int, hq: int, hk: int, d: int,
+                      dtype: torch.dtype | None = None) -> str | None:
+    """Why the attention-half kernel does not take this q/k/v GEMM at m tokens (and activations of `dtype`, where
+    given; None: it does)."""
     if not 1 <= m <= MAX_M:
         return f"{m} tokens (the kernel takes 1..{MAX_M})"
     if d % 32 or hq < 1 or hk < 1 or qkv.n != (hq + 2 * hk) * d:
@@ -762,7 +835,7 @@ def attn_check_shapes(qkv: GemmArgs, m: int, hq: int, hk: int, d: int) -> str | 
     if qkv.rank and (qkv.rank % 8 or qkv.rank > MAX_RANK or qkv.a.shape[1] != qkv.k
                      or qkv.b.shape != (qkv.n, qkv.rank)):
         return f"LoRA rank {qkv.rank} (a multiple of 8 up to {MAX_RANK}, A [R, K], B [N, R])"
-    return None
+    return format_mismatch((qkv,), dtype)
 
 
 def _attn_counter(device: torch.device) -> torch.Tensor:
@@ -813,7 +886,7 @@ def attn_half(h: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor,
 
     m, hd = h.shape
     hk, d = cache_k.shape[-2], cache_k.shape[-1]
-    why = attn_check_shapes(qkv, m, hq, hk, d)
+    why = attn_check_shapes(qkv, m, hq, hk, d, h.dtype)
     if why is None and qkv.k != hd:
         why = f"q/k/v input {qkv.k} != hidden {hd}"
     if why is not None:

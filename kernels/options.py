@@ -25,6 +25,7 @@ from qerl_kernels._common import KernelSettingError
 
 LINEAR_BACKENDS = ("auto", "qerl", "triton", "humming", "cublas", "cuda")
 DISPATCH_CANDIDATES = ("triton", "cublas", "cuda", "humming")
+DECODE_LAYER_ATTN = ("auto", "1", "0")
 CUDA_FP4_PLANS = ("stream", "legacy")
 FP8_ACT_MODES = ("0", "1", "auto")
 MOE_ALIGN_MODES = ("triton", "torch")
@@ -156,13 +157,14 @@ class KernelOptions:
         "programmatic dependent launch of the CUDA FP4 kernel inside CUDA graphs; 0 never uses it")
     decode_layer: bool = option(
         "QERL_DECODE_LAYER", True, parse_bool,
-        "the decode step's MLP half as one persistent NVFP4 kernel (kernels/cuda/decode_layer.cu) where it applies "
-        "(Hopper, <= 8 tokens); 0 keeps the per-GEMM path")
-    decode_layer_attn: bool = option(
-        "QERL_DECODE_LAYER_ATTN", False, parse_bool,
+        "the decode step's MLP half as one persistent kernel (kernels/cuda/decode_layer.cu) where it applies (Hopper; "
+        "NVFP4/MXFP4 at <= 8 tokens, INT4 at <= 16); 0 keeps the per-GEMM path")
+    decode_layer_attn: str = option(
+        "QERL_DECODE_LAYER_ATTN", "auto", choice(*DECODE_LAYER_ATTN),
         "the decode step's attention half before the attention (residual + RMSNorm, q/k/v + LoRA + bias, RoPE + KV "
-        "write) as one persistent NVFP4 kernel (kernels/cuda/decode_attn.cu) where it applies (Hopper, <= 8 tokens); "
-        "off until measured")
+        "write) as one persistent kernel (kernels/cuda/decode_attn.cu) where it applies (Hopper): 1 for every "
+        "4-bit format, auto for INT4 only (whose per-op q/k/v dequantizes its weight per call; the FP4 pair measured "
+        "even with their per-op kernels, docs/decode.md), 0 never")
     fp4_dequant_m: int = option(
         "QERL_FP4_DEQUANT_M", 512, parse_int,
         "rows from which the `qerl` backend dequantizes the FP4 weight and calls cuBLAS instead of the fused kernel")

@@ -60,7 +60,7 @@ class QuantLinear(nn.Module):
         self.dequantized_cache: torch.Tensor | None = None
         self._dequantized_key: tuple = ()
         self.kernel_layout_state: object | None = None  # load-time data owned by qerl_kernels
-        # Byte order of `weight_packed` (FP4): None = the checkpoint's; "rows" or "tiled" = qerl_kernels'
+        # Byte order of `weight_packed` (FP4, INT4): None = the checkpoint's; "rows" or "tiled" = qerl_kernels'
         # load-time repack, done in place so the GPU holds one copy. Shared by modules whose tensors share
         # storage (`fuse_quant_linears`), which are always in one order.
         self._layout = PackedLayout(self)
@@ -186,7 +186,8 @@ def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
 
 
 class PackedLayout:
-    """The byte order of FP4 `weight_packed` storage shared by one or more QuantLinears.
+    """The byte order of 4-bit `weight_packed` storage shared by one or more QuantLinears (FP4's bytes, or INT4's
+    int32 words seen as their little-endian bytes: the same nibble order, so the same repack).
 
     `members` tile the storage (a fused module and its parts, or one module alone); qerl_kernels repacks
     all of them in place at once (`repack_in_place`) and everything that hands bytes to the outside
@@ -225,7 +226,7 @@ class PackedLayout:
             return
         tiled = tiled and self.tiled_ok
         for m in self._targets():
-            wp = m.weight_packed
+            wp = m.weight_packed.view(torch.uint8)
             wp.copy_(repack_fp4(wp, tiled=tiled))
         self.kind = "tiled" if tiled else "rows"
 
@@ -243,7 +244,9 @@ class PackedLayout:
     def checkpoint_bytes(self, packed: torch.Tensor) -> torch.Tensor:
         from qerl_kernels.fp4 import unrepack_fp4
 
-        return packed if self.kind is None else unrepack_fp4(packed, tiled=self.kind == "tiled")
+        if self.kind is None:
+            return packed
+        return unrepack_fp4(packed.view(torch.uint8), tiled=self.kind == "tiled").view(packed.dtype)
 
 
 # Tensors one fused layer holds once for all its parts (they must be equal in every part), and the one

@@ -53,8 +53,9 @@ def gemm_of(qw, n: int, a: torch.Tensor | None, b: torch.Tensor | None) -> dl.Ge
     """The kernels' view of a quantized weight as kernel_state builds it (NVFP4 global scale, MXFP4 shift)."""
     t = qw.tensors
     gs = t.get("weight_global_scale")
-    shift = mxfp4_shift(t["weight_scale"]) if gs is None else 0
-    return dl.GemmArgs(repack_fp4(t["weight_packed"], tiled=n % 64 == 0).contiguous(), t["weight_scale"],
+    shift = mxfp4_shift(t["weight_scale"]) if qw.fmt == "mxfp4" else 0
+    packed = t["weight_packed"].view(torch.uint8)  # INT4's int32 words as their bytes
+    return dl.GemmArgs(repack_fp4(packed, tiled=n % 64 == 0).contiguous(), t["weight_scale"],
                        None if gs is None else gs.float().reshape(1), n % 64 == 0, a, b, qw.fmt, shift)
 
 
@@ -66,20 +67,21 @@ def on_cpu(g: dl.GemmArgs) -> dl.GemmArgs:
 
 def make_layer(h: int, ko: int, i: int, ranks: tuple[int, int, int], dtype: torch.dtype, dev: str, seed: int,
                dense: bool, fmt: str = "nvfp4") -> dict:
-    """Random FP4 (`fmt`) o / gate_up (one tensor: one global scale) / down, LoRA factors, inputs; `dense`: also
-    the dequantized fp32 weights (the reference)."""
+    """Random 4-bit (`fmt`) o / gate_up (one tensor: one global scale) / down, LoRA factors, inputs; `dense`: also
+    the dequantized fp32 weights (the reference); `qws`: the checkpoint tensors (INT4's per-GEMM path)."""
     g = torch.Generator(device=dev).manual_seed(seed)
-    args, weights, loras = [], [], []
+    args, weights, loras, qws = [], [], [], []
     for (n, k), r in zip(((h, ko), (2 * i, h), (h, i)), ranks, strict=True):
         w = torch.randn(n, k, generator=g, device=dev) * k**-0.5
-        qw = quantize(w, fmt)
+        qw = quantize(w, fmt, dtype=dtype)  # INT4's scales in the activation dtype
+        qws.append(qw)
         a = (torch.randn(r, k, generator=g, device=dev) * k**-0.5).to(dtype) if r else None
         b = (torch.randn(n, r, generator=g, device=dev) * 0.3).to(dtype) if r else None
         args.append(gemm_of(qw, n, a, b))
         weights.append(dequantize(qw, torch.float32) if dense else None)
         loras.append(None if a is None else (a, b))
     norm_w = (1 + 0.1 * torch.randn(h, generator=g, device=dev)).to(dtype)
-    return dict(args=args, weights=weights, loras=loras, norm_w=norm_w, gen=g)
+    return dict(args=args, weights=weights, loras=loras, norm_w=norm_w, gen=g, qws=qws)
 
 
 def inputs(lay: dict, m: int, ko: int, h: int, dtype: torch.dtype, dev: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +147,7 @@ def copy_gbps(dev: str) -> float:
 def layer_bytes(lay: dict, m: int, h: int, ko: int, i: int) -> int:
     total = 0
     for g in lay["args"]:
-        total += g.repacked.numel() + g.scale.numel()  # FP4 weights + E4M3 block scales (1 byte each)
+        total += g.repacked.numel() + g.scale.numel() * g.scale.element_size()  # 4-bit weights + their scales
         total += 2 * (g.a.numel() + g.b.numel()) if g.a is not None else 0
     return total + 2 * m * (ko + 3 * h + 2 * h)  # attn, h in; h1, delta out; the norm weight (tokens are few)
 
@@ -230,6 +232,49 @@ def seven_b(dev: str, ranks: tuple[int, int, int] = (32, 64, 32), ms: tuple[int,
     return rows
 
 
+def int4_present_path(attn: torch.Tensor, hres: torch.Tensor, lay: dict, eps: float) -> tuple[torch.Tensor, ...]:
+    """The engine's per-GEMM path for an INT4 MLP half (no qerl kernel takes INT4 GEMMs): each weight dequantized per
+    call (as QuantLinear.forward does on CUDA), cuBLAS, the LoRA terms as cuBLAS shrink and expand, the same fused
+    norm and SiLU kernels."""
+    o, gu, dn = lay["args"]
+    dt = attn.dtype
+
+    def lin(x: torch.Tensor, qw, g: dl.GemmArgs) -> torch.Tensor:  # noqa: ANN001
+        y = x @ dequantize(qw, dt).t()
+        return y if g.a is None else y + (x @ g.a.t()) @ g.b.t()
+
+    yo = lin(attn, lay["qws"][0], o)
+    h1, x2 = decode.add_rmsnorm(hres, yo, lay["norm_w"], eps)
+    y = lin(x2, lay["qws"][1], gu)
+    i = dn.k
+    act = decode.silu_mul(y[:, :i], y[:, i:])
+    return h1, lin(act, lay["qws"][2], dn)
+
+
+def int4_rows(dev: str, shape: str = "7b", ranks: tuple[int, int, int] = (32, 64, 32),
+              ms: tuple[int, ...] = (1, 8, 16)) -> list[dict]:
+    """The INT4 MLP half of `shape` (group 128, bf16 scales) at each M: the persistent kernel (default build) against
+    the engine's per-GEMM INT4 path and the present path's math, with its byte floor (4-bit weights + 2 bytes of
+    scale per 128 + LoRA + activations)."""
+    hd, ko, i = SHAPES[shape]
+    lay = make_layer(hd, ko, i, ranks, torch.bfloat16, dev, 5, dense=False, fmt="int4")
+    bw = copy_gbps(dev)
+    rows = []
+    for m in ms:
+        attn, hres = inputs(lay, m, ko, hd, torch.bfloat16, dev)
+        ph1, pout = int4_present_path(attn, hres, lay, 1e-6)
+        h1, out = dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"])
+        t_old = graph_ms(lambda: int4_present_path(attn, hres, lay, 1e-6), reps=4, iters=10)  # noqa: B023
+        t_new = graph_ms(lambda: dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"]))  # noqa: B023
+        nbytes = layer_bytes(lay, m, hd, ko, i)
+        floor = nbytes / bw / 1e6
+        rows.append(dict(shape=shape, fmt="int4", m=m, ranks=list(ranks), mb=nbytes / 1e6, floor_us=1e3 * floor,
+                         persistent_us=1e3 * t_new, persistent_pct_floor=100 * floor / t_new,
+                         present_us=1e3 * t_old, present_pct_floor=100 * floor / t_old, speedup=t_old / t_new,
+                         err_vs_present=max(rel(h1, ph1), rel(out, pout)), copy_gbps=bw))
+    return rows
+
+
 def build_variants() -> None:
     """nvcc for every variant at once (one process each) before anything is timed."""
     from concurrent.futures import ThreadPoolExecutor
@@ -258,7 +303,7 @@ def make_attn_layer(h: int, hq: int, hk: int, d: int, rank: int, bias: bool, dty
     g = torch.Generator(device=dev).manual_seed(seed)
     n = (hq + 2 * hk) * d
     w = torch.randn(n, h, generator=g, device=dev) * h**-0.5
-    qw = quantize(w, fmt)
+    qw = quantize(w, fmt, dtype=dtype)
     a = (torch.randn(rank, h, generator=g, device=dev) * h**-0.5).to(dtype) if rank else None
     b = (torch.randn(n, rank, generator=g, device=dev) * 0.3).to(dtype) if rank else None
     args = gemm_of(qw, n, a, b)
@@ -352,7 +397,8 @@ def attn_exactness(dev: str) -> list[dict]:
 
 def attn_bytes(lay: dict, m: int) -> int:
     g = lay["args"]
-    total = g.repacked.numel() + g.scale.numel() + (2 * (g.a.numel() + g.b.numel()) if g.a is not None else 0)
+    total = g.repacked.numel() + g.scale.numel() * g.scale.element_size()
+    total += 2 * (g.a.numel() + g.b.numel()) if g.a is not None else 0
     total += 4 * lay["bias"].numel() if lay["bias"] is not None else 0
     h, hq, hk, d = lay["h"], lay["hq"], lay["hk"], lay["d"]
     # h, delta in; hn out; norm weight; q out, K/V rows written; cos/sin rows read
@@ -392,7 +438,7 @@ def attn_report(result: dict) -> bool:
              and r["others_untouched"] for r in result["attn_exactness"])
     ok = ok and all(r["err_vs_present"] < 1e-2 for r in result["attn_seven_b"])
     for r in result["attn_exactness"]:
-        print(f"attn exact {r['dtype']:15s} M={r['m']:2d} bias={r['bias']!s:5} delta={r['delta']!s:5} "
+        print(f"attn exact {r['fmt']:5s} {r['dtype']:15s} M={r['m']:2d} bias={r['bias']!s:5} delta={r['delta']!s:5} "
               f"err_emul={r['err_emul']:.2e} err_present={r['err_present']:.2e} rerun_bits={r['bit_equal_rerun']} "
               f"counters_zero={r['counters_zero']} others_untouched={r['others_untouched']}")
     print(f"attn half 7B: {'M':>3} {'rank':>4} {'MB':>6} {'floor us':>9} {'persistent us':>14} {'%floor':>7} "
@@ -445,12 +491,15 @@ def main() -> int:
     ok = ok and all(r["err_vs_present"] < 1e-2 and all(v["bits_equal_default"] is not False
                                                          for v in r["variants"].values())
                     for r in result["seven_b"])
+    result["int4"] = int4_rows(dev, shape)
+    ok = ok and all(r["err_vs_present"] < 1e-2 for r in result["int4"])
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f, indent=1)
     for r in result["exactness"]:
-        print(f"exact {r['dtype']:15s} M={r['m']:2d} err_emul={r['err_emul']:.2e} err_present={r['err_present']:.2e} "
-              f"rerun_bits={r['bit_equal_rerun']} counters_zero={r['counters_zero']}")
+        print(f"exact {r['fmt']:5s} {r['dtype']:15s} M={r['m']:2d} err_emul={r['err_emul']:.2e} "
+              f"err_present={r['err_present']:.2e} rerun_bits={r['bit_equal_rerun']} "
+              f"counters_zero={r['counters_zero']}")
     print(f"{'M':>3} {'ranks':>9} {'MB':>7} {'floor us':>9} {'persistent us':>14} {'%floor':>7} {'present us':>11} "
           f"{'%floor':>7} {'speedup':>8} {'err':>9}")
     for r in result["seven_b"]:
@@ -458,6 +507,11 @@ def main() -> int:
               f"{r['persistent_us']:14.1f} {r['persistent_pct_floor']:6.1f}% {r['present_us']:11.1f} "
               f"{r['present_pct_floor']:6.1f}% {r['speedup']:7.2f}x {r['err_vs_present']:9.2e} best {r['best']}: "
               + " ".join(f"{k} {v['us']:.1f}" for k, v in r["variants"].items()))
+    for r in result["int4"]:
+        print(f"{r['m']:3d} {'/'.join(map(str, r['ranks'])):>9} {r['mb']:7.1f} {r['floor_us']:9.1f} "
+              f"{r['persistent_us']:14.1f} {r['persistent_pct_floor']:6.1f}% {r['present_us']:11.1f} "
+              f"{r['present_pct_floor']:6.1f}% {r['speedup']:7.2f}x {r['err_vs_present']:9.2e} INT4 (present: "
+              "dequantize per call + cuBLAS)")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -18,10 +18,11 @@ from tests.helpers import decode_gemm as gemm
 H, KO, I = 256, 384, 384  # hidden, o's input (heads * head_dim != hidden), intermediate
 
 
-def _quant(n: int, k: int, seed: int, fmt: str = "nvfp4") -> tuple[object, torch.Tensor]:
+def _quant(n: int, k: int, seed: int, fmt: str = "nvfp4",
+           dtype: torch.dtype = torch.bfloat16) -> tuple[object, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * k**-0.5
-    qw = quantize(w, fmt)
+    qw = quantize(w, fmt, dtype=dtype)  # INT4's scales in the activation dtype, as a model's checkpoint holds them
     return qw, dequantize(qw, torch.float32)
 
 
@@ -30,7 +31,7 @@ def _layer(dtype: torch.dtype, ranks: tuple[int, int, int], seed: int = 0, fmt: 
     shapes = ((H, KO), (2 * I, H), (H, I))  # gate/up quantized as one tensor: one global scale, as fused modules hold
     args, weights, loras = [], [], []
     for gi, ((n, k), r) in enumerate(zip(shapes, ranks, strict=True)):
-        qw, wf = _quant(n, k, seed * 10 + gi, fmt)
+        qw, wf = _quant(n, k, seed * 10 + gi, fmt, dtype)
         a = b = None
         if r:
             a = (torch.randn(r, k, generator=g) * k**-0.5).to(dtype)
@@ -49,16 +50,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("ranks", "ctas"), [((0, 0, 0), 3), ((16, 40, 24), 1), ((16, 40, 24), 7)])
 def test_emulation_equals_the_present_path_math(dtype: torch.dtype, ranks: tuple[int, int, int], ctas: int,
                                                 fmt: str) -> None:
     """1 CTA: each warp holds several whole blocks; 3 and 7: blocks cut between up to 5 warps (gate/up pairs cut
-    inside their gate or their up half). MXFP4: its E8M0 scales (one per 32 weights) and 2^-F factor."""
+    inside their gate or their up half). MXFP4: its E8M0 scales (one per 32 weights) and 2^-F factor. INT4: its code
+    decode and one 16-bit scale per 128-wide group."""
     lay = _layer(dtype, ranks, fmt=fmt)
     o, gu, dn = lay["args"]
-    assert dl.check_shapes(o, gu, dn, lay["attn"].shape[0]) is None
+    assert dl.check_shapes(o, gu, dn, lay["attn"].shape[0], dtype) is None
     h1, out = dl.emulate_mlp_half(lay["attn"], lay["h"], lay["norm_w"], 1e-6, o, gu, dn, ctas)
     rh1, rout = dl.reference_mlp_half(lay["attn"], lay["h"], lay["norm_w"], 1e-6, tuple(lay["weights"]),
                                       tuple(lay["loras"]))
@@ -191,21 +193,76 @@ def test_cuda_source_builds_for_hopper_without_spills(variant: tuple[int, ...]) 
     if len(variant) > 2:  # the knob reached the compiler: the report is this variant's
         assert dl.library(variant).compile_command(folder / "x.cubin", cubin=True).count("-DQERL_DL_XPF=1") == 1
     kernels = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", report)
-    assert len(kernels) == 4, report[-2000:]  # MT 1/2 x bf16/fp16
+    assert len(kernels) == 8, report[-2000:]  # MT 1/2 x bf16/fp16 x FP4/INT4
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(frames) == 4 and all(f == ("0", "0", "0") for f in frames), frames
+    assert len(frames) == 8 and all(f == ("0", "0", "0") for f in frames), frames
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= 128  # two CTAs of 256 threads per SM
 
 
 def test_format_ints_and_alpha_by_hand() -> None:
     """The kernels' only format switch: 8 scale bytes per 128-wide chunk (E4M3 per 16) and 2^8 / global scale for
-    NVFP4; 4 (E8M0 per 32) and 2^-F for MXFP4; the engine hands the attention half NVFP4 only until its GPU
-    exactness rows ran for MXFP4 (the MLP half's have)."""
+    NVFP4; 4 (E8M0 per 32) and 2^-F for MXFP4; 2 (one 16-bit scale per 128) and 1 for INT4."""
     nv, _ = _quant(64, 256, 0, "nvfp4")
     mx, _ = _quant(64, 256, 0, "mxfp4")
-    gn, gm = gemm(nv, None, None), gemm(mx, None, None)
+    i4, _ = _quant(64, 256, 0, "int4")
+    gn, gm, gi = gemm(nv, None, None), gemm(mx, None, None), gemm(i4, None, None)
     assert gn.ints() == [8, 0] and gm.ints()[0] == 4 and gm.global_scale is None and gm.global_scale_ptr() is None
     assert gn.alpha().item() == pytest.approx(256.0 / nv.tensors["weight_global_scale"].float().item(), rel=1e-6)
     assert gm.alpha().item() == 2.0 ** -gm.shift
-    assert set(dl.ENGINE_FORMATS) == set(dl.KERNEL_FORMATS) == {"nvfp4", "mxfp4"}
+    assert gi.ints() == [2, 0] and gi.alpha().item() == 1.0 and gi.global_scale is None
+    assert (gi.n, gi.k) == (64, 256) and gi.repacked.dtype == torch.uint8  # the int32 words' bytes: K / 2 per row
+    assert set(dl.ENGINE_FORMATS) == set(dl.KERNEL_FORMATS) == {"nvfp4", "mxfp4", "int4"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_decode_of_the_repack_is_the_checkpoint_dequantize(dtype: torch.dtype) -> None:
+    """The kernel's INT4 tile decode, emulated from the resident bytes as the lanes load them (FP4's K permutation,
+    the nibble FP4's decode2 reads), is bit for bit the dequantize of the checkpoint's int32 words: (code - 8) x the
+    group's 16-bit scale, one rounding. K / 128 = 3 (odd) puts every other row's scales 2 bytes off a word."""
+    qw, _ = _quant(128, 384, 3, "int4", dtype)
+    g = gemm(qw, None, None)
+    got = dl.emulate_int4_decode(g.repacked, g.scale, dtype, tiled=True)
+    want = dequantize(qw, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    # not a tautology: the rows' layout matters (the untiled reading of the tiled bytes is another weight)
+    assert not torch.equal(dl.emulate_int4_decode(g.repacked, g.scale, dtype, tiled=False), want)
+
+
+def test_int4_takes_one_launch_of_one_format_and_scales_of_the_activation_dtype() -> None:
+    o, _ = _quant(H, KO, 1, "int4")
+    gu, _ = _quant(2 * I, H, 2, "int4")
+    dn, _ = _quant(H, I, 3, "int4")
+    dn_nv, _ = _quant(H, I, 3, "nvfp4")
+    args = [gemm(q, None, None) for q in (o, gu, dn)]
+    assert dl.check_shapes(*args, 4, torch.bfloat16) is None
+    assert "INT4 scales in the activation dtype" in dl.check_shapes(*args, 4, torch.float16)
+    assert "every GEMM" in dl.check_shapes(*args[:2], gemm(dn_nv, None, None), 4, torch.bfloat16)
+    assert dl.engine_max_m("int4") == dl.MAX_M and dl.engine_max_m("nvfp4") == dl.ENGINE_MAX_M
+
+
+def test_int4_module_repacks_in_place_and_hands_out_checkpoint_bytes() -> None:
+    """The decode kernels' state of an INT4 QuantLinear (group 128) repacks its int32 words in place (one copy), while
+    everything that hands bytes on (quantized_weight, state_dict, the dequantized forward) still sees the checkpoint's;
+    group 64 (a K the kernels cannot take) is left in checkpoint order."""
+    from qerl_kernels.backends import kernel_state
+
+    from qerl_cli.qlinear import QuantLinear
+
+    lin = torch.nn.Linear(256, 128, bias=False)
+    ql = QuantLinear.from_linear(lin, "int4")
+    before = ql.weight_packed.clone()
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    y0 = ql(x)
+    st = kernel_state(ql)
+    assert st.tiled and st.repacked.data_ptr() == ql.weight_packed.data_ptr()
+    assert not torch.equal(ql.weight_packed, before)  # repacked in place
+    assert torch.equal(ql.quantized_weight.tensors["weight_packed"], before)
+    assert torch.equal(ql.state_dict()["weight_packed"], before)
+    assert torch.equal(ql(x), y0)
+    g = dl.gemm_args(ql)
+    assert g is not None and torch.equal(dl.emulate_weight(g, torch.bfloat16), ql.dequantized_weight(torch.bfloat16))
+    g64 = QuantLinear.from_linear(lin, "int4", group_size=64)
+    packed64 = g64.weight_packed.clone()
+    assert kernel_state(g64).repacked is None and dl.gemm_args(g64) is None
+    assert torch.equal(g64.weight_packed, packed64)

@@ -26,7 +26,7 @@ SLOTS, MAXLEN = 8, 40
 def _layer(dtype: torch.dtype, rank: int, bias: bool, seed: int = 0, fmt: str = "nvfp4") -> dict:
     g = torch.Generator().manual_seed(200 + seed)
     w = torch.randn(N, H, generator=g) * H**-0.5
-    qw = quantize(w, fmt)
+    qw = quantize(w, fmt, dtype=dtype)  # INT4: scales in the activation dtype
     a = b = None
     if rank:
         a = (torch.randn(rank, H, generator=g) * H**-0.5).to(dtype)
@@ -68,7 +68,7 @@ def _run(lay: dict, h: torch.Tensor, d: torch.Tensor | None, pos: torch.Tensor, 
     return (hn, q, ek, ev), (rhn, rq, rk, rv)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize(("rank", "bias", "ctas"), [(0, False, 3), (24, False, 1), (24, True, 7), (0, True, 5)])
@@ -241,10 +241,10 @@ def test_attention_half_builds_for_hopper_without_spills() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     report = _ptxas_report(folder, dl.ATTN_LIBRARY)
     kernels = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", report)
-    # (1 or 2 token tiles) x (bf16 or fp16) x (NVFP4 or MXFP4)
-    assert len(kernels) == 8 and all("decode_attn_kernel" in k for k in kernels), report[-2000:]
+    # (1 or 2 token tiles) x (bf16 or fp16) x (NVFP4, MXFP4 or INT4)
+    assert len(kernels) == 12 and all("decode_attn_kernel" in k for k in kernels), report[-2000:]
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(frames) == 8 and all(f == ("0", "0", "0") for f in frames), frames
+    assert len(frames) == 12 and all(f == ("0", "0", "0") for f in frames), frames
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= 128  # two CTAs of 256 threads per SM
 
@@ -268,16 +268,19 @@ def _tiny_runner(**kernel_opts: object) -> object:
     return ModelRunner(model, max_len=32, dtype=torch.float32, opts=opts)
 
 
-def test_engine_option_defaults_off_and_cpu_falls_back() -> None:
-    """The option is off by default; on, a CPU runner (no sm_90, no kernel) keeps the per-op path: no attention-half
-    arguments, and a decode step's logits equal those with the option off."""
+def test_engine_option_defaults_to_int4_only_and_cpu_falls_back() -> None:
+    """The option is `auto` by default (the attention half for INT4 only: the FP4 pair measured even with their
+    per-op kernels); on, a CPU runner (no sm_90, no kernel) keeps the per-op path: no attention-half arguments, and a
+    decode step's logits equal those with the option off."""
     from qerl_kernels.options import KernelOptions
 
     from qerl_cli.rollout.kv_cache import CacheShape, KVCache
 
-    assert KernelOptions().decode_layer_attn is False
+    assert KernelOptions().decode_layer_attn == "auto"
+    assert [dl.attn_half_wanted(mode, f) for mode in ("auto", "1", "0") for f in ("nvfp4", "int4")] == [
+        False, True, True, True, False, False]
     logits = []
-    for on in (False, True):
+    for on in ("0", "1"):
         runner = _tiny_runner(decode_layer_attn=on)
         assert runner.decode_layer_attn is False  # CPU: never taken
         runner.prepare()
@@ -295,7 +298,7 @@ def test_engine_attn_half_declines_without_arguments() -> None:
     None before touching anything, and `_attn_half_args` refuses a plan without a fused NVFP4 q/k/v."""
     from qerl_kernels import decode_layer
 
-    runner = _tiny_runner(decode_layer_attn=True)
+    runner = _tiny_runner(decode_layer_attn="1")
     runner.prepare()
     h = torch.zeros(2, 1, 64)
     assert runner._attn_half(0, h, None, torch.zeros(2, dtype=torch.int64)) is None

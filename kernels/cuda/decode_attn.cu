@@ -1,6 +1,6 @@
 // The attention half of a decoder layer's decode step, before the attention itself, as ONE persistent launch
-// (NVFP4 or MXFP4 fused q/k/v weight, bf16/fp16 activations, M <= 16 tokens, one token per KV-cache slot), for Hopper
-// (sm_90a). The sibling of decode_layer.cu's MLP half, on the same machinery (decode_common.cuh): 7 GEMM warps and
+// (NVFP4, MXFP4 or INT4 fused q/k/v weight, bf16/fp16 activations, M <= 16 tokens, one token per KV-cache slot), for
+// Hopper (sm_90a). The sibling of decode_layer.cu's MLP half, on the same machinery (decode_common.cuh): 7 GEMM warps and
 // one LoRA warp per CTA, at most as many CTAs as are resident at once, grid-wide counters between phases.
 //
 //   residual    hn = rnd(h + delta)  (delta: the previous layer's MLP output; none: hn = h)
@@ -117,12 +117,12 @@ __device__ __forceinline__ void rope(float y1, float y2, float c1, float s1, flo
   o2 = r16<BF16>(__fadd_rn(f16<BF16>(r16<BF16>(__fmul_rn(y2, c2))), f16<BF16>(r16<BF16>(__fmul_rn(y1, s2)))));
 }
 
-// NV: NVFP4 (E4M3 scale per 16 weights, global scale) or MXFP4 (E8M0 per 32, exponent shift), a template parameter
-// here, so decode_common.cuh's format helpers fold at compile time (a run-time switch, as the MLP half has, costs
-// this kernel a spilled register at two token tiles)
-template <int MT, bool BF16, bool NV>
+// SPC, the scale bytes per 128-wide chunk of a row, names the format: 8 NVFP4 (E4M3 scale per 16 weights, global
+// scale), 4 MXFP4 (E8M0 per 32, exponent shift) or 2 INT4 (a 16-bit scale per 128): a template parameter here, so
+// decode_common.cuh's format helpers fold at compile time (a run-time switch, as the MLP half has, costs this kernel
+// a spilled register at two token tiles)
+template <int MT, bool BF16, int SPC>
 __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnParams p) {
-  constexpr int SPC = NV ? 8 : 4;  // scale bytes per 128-wide chunk of a row
   using L = Smem<MT>;
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);
@@ -253,9 +253,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnPa
                           x_pair<BF16>(p, hn, ldn, tok, k + 16, rsm), x_pair<BF16>(p, hn, ldn, tok, k + 24, rsm));
         }
         if (SPLIT && (i & 1)) {
-          slice_mma<MT, BF16>(accx, wra[i], wrb[i], sca[i], scb[i], bf);
+          slice_mma<MT, BF16, SPC == 2>(accx, wra[i], wrb[i], sca[i], scb[i], bf);
         } else {
-          slice_mma<MT, BF16>(acc, wra[i], wrb[i], sca[i], scb[i], bf);
+          slice_mma<MT, BF16, SPC == 2>(acc, wra[i], wrb[i], sca[i], scb[i], bf);
         }
       }
       ++j;
@@ -345,22 +345,23 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_attn_kernel(const AttnPa
   end_of_launch<A_NCNT>(p.cnt, A_END);
 }
 
-// Both formats' kernels; the CTAs per SM that both fit (the host sizes one grid for either).
+// Every format's kernel; the CTAs per SM that all fit (the host sizes one grid for any).
 template <int MT, bool BF16>
 cudaError_t prepare(int& ctas_per_sm) {
-  int mx = 0;
-  cudaError_t e = prepare_kernel(decode_attn_kernel<MT, BF16, true>, Smem<MT>::BYTES, ctas_per_sm);
-  if (e == cudaSuccess) e = prepare_kernel(decode_attn_kernel<MT, BF16, false>, Smem<MT>::BYTES, mx);
-  if (mx < ctas_per_sm) ctas_per_sm = mx;
+  int mx = 0, i4 = 0;
+  cudaError_t e = prepare_kernel(decode_attn_kernel<MT, BF16, 8>, Smem<MT>::BYTES, ctas_per_sm);
+  if (e == cudaSuccess) e = prepare_kernel(decode_attn_kernel<MT, BF16, 4>, Smem<MT>::BYTES, mx);
+  if (e == cudaSuccess) e = prepare_kernel(decode_attn_kernel<MT, BF16, 2>, Smem<MT>::BYTES, i4);
+  ctas_per_sm = min(ctas_per_sm, min(mx, i4));
   return e;
 }
 
 template <int MT, bool BF16>
 cudaError_t launch(const AttnParams& p, int ctas, cudaStream_t st, bool pdl) {
-  if (p.g.spc == 8) {
-    return launch_ex(decode_attn_kernel<MT, BF16, true>, dim3(ctas), dim3(NW * 32), Smem<MT>::BYTES, st, pdl, p);
-  }
-  return launch_ex(decode_attn_kernel<MT, BF16, false>, dim3(ctas), dim3(NW * 32), Smem<MT>::BYTES, st, pdl, p);
+  const dim3 grid(ctas), block(NW * 32);
+  if (p.g.spc == 8) return launch_ex(decode_attn_kernel<MT, BF16, 8>, grid, block, Smem<MT>::BYTES, st, pdl, p);
+  if (p.g.spc == 4) return launch_ex(decode_attn_kernel<MT, BF16, 4>, grid, block, Smem<MT>::BYTES, st, pdl, p);
+  return launch_ex(decode_attn_kernel<MT, BF16, 2>, grid, block, Smem<MT>::BYTES, st, pdl, p);
 }
 
 }  // namespace qerl_dl
@@ -380,7 +381,7 @@ int qerl_da_minb() { return qerl_dl::MINB; }
 
 // One launch of the attention half. gptr: the q/k/v GEMM's weight, scales, global scale, A_cat, B_blk, shrink
 // partials, GEMM partials, pair counters, h (9 pointers, as decode_layer.cu's per GEMM); gint: N, K, R, kseg, nseg,
-// pmax, scale bytes per chunk (8 NVFP4, 4 MXFP4), MXFP4's exponent shift. Preconditions (kernels/decode_layer.py
+// pmax, scale bytes per chunk (8 NVFP4, 4 MXFP4, 2 INT4), MXFP4's exponent shift. Preconditions (kernels/decode_layer.py
 // checks them): tiled weight (N % 64 == 0), N = (hq + 2 hk) d, d % 32 == 0, K = H % 128 == 0, M <= 8 * mt <= 16,
 // 4-byte aligned rows, R % 8 == 0 and R <= 256, token m's cache slot is m, cnt and the pair counters zeroed once.
 int qerl_da_attn(const void* const* gptr, const int* gint, const float* bias, const void* hres, const void* delta,

@@ -41,28 +41,42 @@ struct Gemm {
   float4* part;       // GEMM partials [blocks][pmax][halves][MT][32] (mma fragment order)
   unsigned* bcnt;     // [blocks] partials counted per block; zero between launches
   int N, K, R, kseg, nseg, pmax;
-  int spc;            // scale bytes per 128-wide chunk of a row: 8 (NVFP4) or 4 (MXFP4)
-  int shift;          // MXFP4's per-tensor exponent shift F (fp4.py); 0 for NVFP4
+  int spc;            // scale bytes per 128-wide chunk of a row: 8 (NVFP4), 4 (MXFP4) or 2 (INT4)
+  int shift;          // MXFP4's per-tensor exponent shift F (fp4.py); 0 for NVFP4 and INT4
 };
 
-// ---- the two FP4 formats: only the block scales differ (the codes, layout and mma are the same) ------------------
-// One row's scales of one chunk into the ring: 8 bytes (NVFP4) or 4 (MXFP4, into the slot's low word).
+// ---- the formats: the FP4 pair differs only in the block scales (the codes, layout and mma are the same); INT4 has
+// the same layout and nibble order, its own code decode (fp4_frag.cuh's decode_slice_i4) and one 16-bit scale (the
+// activation dtype's) per row and 128-wide group
+// One row's scales of one chunk into the ring: 8 bytes (NVFP4), 4 (MXFP4, into the slot's low word), or INT4's 2
+// bytes as the aligned word that holds them, with their bit offset in that word in the slot's high word (cp.async
+// moves 4, 8 or 16 aligned bytes; a row's scales start 2-byte aligned when K / 128 is odd)
 __device__ __forceinline__ void cp_scales(void* dst, const uint8_t* src, int spc, uint64_t pol) {
   if (spc == 8) {
     cp_async8(dst, src, pol);
-  } else {
+  } else if (spc == 4) {
     cp_async4(dst, src, pol);
+  } else {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(src);
+    cp_async4(dst, reinterpret_cast<const void*>(at & ~(uintptr_t)3), pol);
+    reinterpret_cast<uint32_t*>(dst)[1] = (uint32_t)(at & 2) << 3;
   }
 }
-// Slices i0 and i0 + 1 of a chunk row's raw scales as packed 16-bit scale pairs (fp4_frag.cuh's scale_pair).
+// Slices i0 and i0 + 1 of a chunk row's raw scales as packed 16-bit scale pairs (fp4_frag.cuh's scale_pair; INT4:
+// the group's scale in both halves of both pairs).
 template <bool BF16>
 __device__ __forceinline__ uint2 scale_pairs2(uint2 raw, int i0, int spc, int shift) {
   if (spc == 8) return make_uint2(scale_pair<true, BF16>(raw, i0, 0), scale_pair<true, BF16>(raw, i0 + 1, 0));
+  if (spc == 2) {
+    const uint32_t s = (raw.x >> raw.y) & 0xffffu, pr = s | (s << 16);
+    return make_uint2(pr, pr);
+  }
   return make_uint2(scale_pair<false, BF16>(raw, i0, shift), scale_pair<false, BF16>(raw, i0 + 1, shift));
 }
-// The factor of a GEMM's fp32 sums: 2^8 / global scale (NVFP4) or 2^-F (MXFP4), as fp4_gemm.cu's out_alpha.
+// The factor of a GEMM's fp32 sums: 2^8 / global scale (NVFP4), 2^-F (MXFP4), as fp4_gemm.cu's out_alpha; 1 (INT4:
+// its weights are decoded at their value).
 __device__ __forceinline__ float gemm_alpha(int spc, const float* gs, int shift) {
-  return spc == 8 ? 256.0f / *gs : exp2f((float)(-shift));
+  return spc == 8 ? 256.0f / *gs : spc == 2 ? 1.0f : exp2f((float)(-shift));
 }
 
 // ---- activation values ------------------------------------------------------------------------------------------

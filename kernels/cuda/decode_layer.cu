@@ -1,4 +1,4 @@
-// The MLP half of a decoder layer's decode step as ONE persistent launch (NVFP4 or MXFP4 weights, bf16/fp16
+// The MLP half of a decoder layer's decode step as ONE persistent launch (NVFP4, MXFP4 or INT4 weights, bf16/fp16
 // activations, M <= 16 tokens), for Hopper (sm_90a). Seven GEMM warps per CTA stream the weights through three
 // phases, a grid-wide counter between them:
 //
@@ -120,7 +120,9 @@ __device__ __forceinline__ void sum_h(const MlpParams& p, int gi, int c, int C) 
 }
 
 // ---- the persistent kernel --------------------------------------------------------------------------------------
-template <int MT, bool BF16>
+// I4: INT4 weights in all three GEMMs (a template parameter: only the code decode differs, and a run-time switch in
+// the slice loop would cost the FP4 kernel registers); the FP4 pair share one instantiation (a run-time scale switch)
+template <int MT, bool BF16, bool I4>
 __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpParams p) {
   using L = Smem<MT>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -282,9 +284,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
           }
         }
         if (SPLIT && (i & 1)) {
-          slice_mma<MT, BF16>(accx, wra[i], wrb[i], sca[i], scb[i], bf);
+          slice_mma<MT, BF16, I4>(accx, wra[i], wrb[i], sca[i], scb[i], bf);
         } else {
-          slice_mma<MT, BF16>(acc, wra[i], wrb[i], sca[i], scb[i], bf);
+          slice_mma<MT, BF16, I4>(acc, wra[i], wrb[i], sca[i], scb[i], bf);
         }
       }
       ++j;
@@ -477,14 +479,22 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
   end_of_launch<NCNT>(p.cnt, C_END);
 }
 
+// Both decodes' kernels; the CTAs per SM that both fit (the host sizes one grid for either).
 template <int MT, bool BF16>
 cudaError_t prepare(int& ctas_per_sm) {
-  return prepare_kernel(decode_mlp_kernel<MT, BF16>, Smem<MT>::BYTES, ctas_per_sm);
+  int i4 = 0;
+  cudaError_t e = prepare_kernel(decode_mlp_kernel<MT, BF16, false>, Smem<MT>::BYTES, ctas_per_sm);
+  if (e == cudaSuccess) e = prepare_kernel(decode_mlp_kernel<MT, BF16, true>, Smem<MT>::BYTES, i4);
+  if (i4 < ctas_per_sm) ctas_per_sm = i4;
+  return e;
 }
 
 template <int MT, bool BF16>
 cudaError_t launch(const MlpParams& p, int ctas, cudaStream_t st, bool pdl) {
-  return launch_ex(decode_mlp_kernel<MT, BF16>, dim3(ctas), dim3(NW * 32), Smem<MT>::BYTES, st, pdl, p);
+  if (p.g[0].spc == 2) {
+    return launch_ex(decode_mlp_kernel<MT, BF16, true>, dim3(ctas), dim3(NW * 32), Smem<MT>::BYTES, st, pdl, p);
+  }
+  return launch_ex(decode_mlp_kernel<MT, BF16, false>, dim3(ctas), dim3(NW * 32), Smem<MT>::BYTES, st, pdl, p);
 }
 
 }  // namespace qerl_dl
@@ -506,8 +516,9 @@ int qerl_dl_minb() { return qerl_dl::MINB; }
 int qerl_dl_xpf() { return qerl_dl::XPF ? 1 : 0; }
 
 // One launch of the MLP half. Per GEMM g (o, gate/up, down), 9 pointers: weight, scales, global scale (null for
-// MXFP4), A_cat, B_blk, shrink partials, GEMM partials, block counters, h; 8 ints: N, K, R, kseg, nseg, pmax (R = 0:
-// no LoRA), scale bytes per chunk (8 NVFP4, 4 MXFP4), MXFP4's exponent shift.
+// MXFP4 and INT4), A_cat, B_blk, shrink partials, GEMM partials, block counters, h; 8 ints: N, K, R, kseg, nseg, pmax
+// (R = 0: no LoRA), scale bytes per chunk (8 NVFP4, 4 MXFP4, 2 INT4: all three GEMMs INT4 or none), MXFP4's exponent
+// shift.
 // Preconditions (kernels/decode_layer.py checks them): tiled weights (N % 64 == 0), M <= 8 * mt <= 16,
 // H % 128 == 0, I % 128 == 0, 4-byte aligned rows, R % 8 == 0 and R <= 256, cnt and block counters zeroed once.
 int qerl_dl_mlp(const void* const* gptr, const int* gint, const void* attn, const void* hres, const void* nw, void* h1,

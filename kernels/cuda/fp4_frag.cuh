@@ -94,13 +94,47 @@ __device__ __forceinline__ void decode_slice(uint32_t (&a)[8], uint32_t qa, uint
   a[7] = mul2<BF16>(decode2<BF16>(qb), spb);
 }
 
+// INT4 (compressed-tensors pack-quantized: code u = value + 8 per nibble, the nibble order FP4's) in the same layout:
+// the nibbles at bits sh..sh+3 of each 16-bit half -> u - 8 as 16-bit floats, exact: OR-ing u into the mantissa of
+// 128 (bf16 0x4300) or 1024 (fp16 0x6400), whose ulp is 1, gives 128 + u / 1024 + u, and one fma subtracts 136 /
+// 1032. The nibble at bit sh is the one decode2 reads from q << (12 - sh).
+template <bool BF16>
+__device__ __forceinline__ uint32_t int4_2(uint32_t q, int sh) {
+  const uint32_t v = ((q >> sh) & 0x000F000Fu) | (BF16 ? 0x43004300u : 0x64006400u);
+  uint32_t d;
+  if constexpr (BF16) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3F803F80u), "r"(0xC308C308u));  // * 1 - 136
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3C003C00u), "r"(0xE408E408u));  // * 1 - 1032
+  }
+  return d;
+}
+// decode_slice for INT4: (u - 8) * the group's 16-bit scale (spa = spb's halves: one scale per 128-wide chunk), one
+// rounding of the exact product, as the dequantize-then-matmul path rounds it.
+template <bool BF16>
+__device__ __forceinline__ void decode_slice_i4(uint32_t (&a)[8], uint32_t qa, uint32_t qb, uint32_t spa,
+                                                uint32_t spb) {
+  a[0] = mul2<BF16>(int4_2<BF16>(qa, 0), spa);
+  a[1] = mul2<BF16>(int4_2<BF16>(qb, 0), spb);
+  a[2] = mul2<BF16>(int4_2<BF16>(qa, 8), spa);
+  a[3] = mul2<BF16>(int4_2<BF16>(qb, 8), spb);
+  a[4] = mul2<BF16>(int4_2<BF16>(qa, 4), spa);
+  a[5] = mul2<BF16>(int4_2<BF16>(qb, 4), spb);
+  a[6] = mul2<BF16>(int4_2<BF16>(qa, 12), spa);
+  a[7] = mul2<BF16>(int4_2<BF16>(qb, 12), spb);
+}
+
 // One 32-wide slice of a chunk into MT token tiles: rows g (codes qa, scale pair spa) and g+8 (qb, spb) decoded as
-// operand A, b[t] the tile's B fragments (b_frags order).
-template <int MT, bool BF16>
+// operand A (I4: INT4 codes), b[t] the tile's B fragments (b_frags order).
+template <int MT, bool BF16, bool I4 = false>
 __device__ __forceinline__ void slice_mma(float (&acc)[MT][4], uint32_t qa, uint32_t qb, uint32_t spa, uint32_t spb,
                                           const uint4 (&b)[MT]) {
   uint32_t a[8];
-  decode_slice<BF16>(a, qa, qb, spa, spb);
+  if constexpr (I4) {
+    decode_slice_i4<BF16>(a, qa, qb, spa, spb);
+  } else {
+    decode_slice<BF16>(a, qa, qb, spa, spb);
+  }
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
     mma<BF16>(acc[t], a[0], a[1], a[2], a[3], b[t].x, b[t].y);

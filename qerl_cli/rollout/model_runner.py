@@ -209,15 +209,17 @@ class ModelRunner:
         self.fuse_proj = opts.fused_proj
         self.ops = FusedOps(triton=fused_kernels and opts.fast_decode, fused_lora=self.fused_lora)
         self.plan: FastPlan | None = None
-        # the MLP half of each layer as one persistent NVFP4 launch (qerl_kernels.decode_layer) where it applies (the
+        # the MLP half of each layer as one persistent 4-bit launch (qerl_kernels.decode_layer) where it applies (the
         # decode_layer kernel option; on by default: measured faster at <= 8 tokens)
         self.decode_layer = (opts.kernels.decode_layer and self.fast_lora and self.fused_lora
                              and self.device.type == "cuda")
         self._mlp_args: dict[int, tuple | None] = {}
         # the attention half before the attention (residual + RMSNorm, q/k/v with LoRA and bias, RoPE + KV write) as
-        # one persistent launch (the decode_layer_attn kernel option; off until measured). Not with Qwen3's q/k norm,
-        # which sits between the q/k/v GEMM and RoPE.
-        self.decode_layer_attn = (opts.kernels.decode_layer_attn and self.fast_lora and self.fused_lora
+        # one persistent launch (the decode_layer_attn kernel option: by default for the formats whose per-op q/k/v
+        # has no kernel, decode_layer.attn_half_wanted). Not with Qwen3's q/k norm, which sits between the q/k/v GEMM
+        # and RoPE.
+        self.attn_half_mode = opts.kernels.decode_layer_attn
+        self.decode_layer_attn = (self.attn_half_mode != "0" and self.fast_lora and self.fused_lora
                                   and self.device.type == "cuda" and self.qk_norm is None)
         self._attn_args: dict[int, tuple | None] = {}
 
@@ -278,7 +280,7 @@ class ModelRunner:
             return
         if self.decode_layer and decode_layer.available(self.device):
             for i, lp in enumerate(self.plan.layers):
-                args = self._mlp_args[i] = self._mlp_half_args(lp, decode_layer)
+                args = self._mlp_args[i] = self._mlp_half_args(lp, decode_layer, self.dtype)
                 if args is not None:
                     decode_layer.prepare(self.device, *args, self.dtype)
         if self.decode_layer_attn and decode_layer.attn_available(self.device):
@@ -289,23 +291,26 @@ class ModelRunner:
                                               self.dtype)
 
     @staticmethod
-    def _mlp_half_args(lp: Any, decode_layer: Any) -> tuple | None:
+    def _mlp_half_args(lp: Any, decode_layer: Any, dtype: torch.dtype) -> tuple | None:
         groups = (lp.o, lp.gate_up, lp.down)
         if any(g is None or g.single is None or (g.a_cat is not None and g.b_blk is None) for g in groups):
             return None
         args = tuple(decode_layer.gemm_args(g.single, g.a_cat, g.b_blk) for g in groups)
-        if any(a is None for a in args) or decode_layer.check_shapes(*args, 1) is not None:
+        if any(a is None for a in args) or decode_layer.check_shapes(*args, 1, dtype) is not None:
             return None
         return args
 
     def _attn_half_args(self, lp: Any, decode_layer: Any) -> tuple | None:
-        """(q/k/v GemmArgs, fp32 bias or None) of a layer whose q/k/v is one NVFP4 GEMM the kernel takes, else None."""
+        """(q/k/v GemmArgs, fp32 bias or None) of a layer whose q/k/v is one 4-bit GEMM the kernel takes (and the
+        option hands it), else None."""
         g = lp.qkv
         if g is None or g.single is None or len(g.modules) != 3 or (g.a_cat is not None and g.b_blk is None):
             return None
         got = decode_layer.attn_gemm_args(g.single, g.a_cat, g.b_blk)
-        if got is None or got[0].k != self.config.hidden_size or decode_layer.attn_check_shapes(
-                got[0], 1, self.num_heads, self.num_kv_heads, self.head_dim) is not None:
+        if got is None or not decode_layer.attn_half_wanted(self.attn_half_mode, got[0].fmt):
+            return None
+        if got[0].k != self.config.hidden_size or decode_layer.attn_check_shapes(
+                got[0], 1, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype) is not None:
             return None
         return got
 
@@ -319,7 +324,8 @@ class ModelRunner:
         rows = h.numel() // h.shape[-1]
         cache = self.cache
         # the kernel writes K/V in the model's dtype: an FP8 cache takes the per-op path
-        if (got is None or cache is None or cache.k is None or cache.v is None or rows > decode_layer.ENGINE_MAX_M
+        if (got is None or cache is None or cache.k is None or cache.v is None
+                or rows > decode_layer.engine_max_m(got[0].fmt)
                 or cache.k.dtype != h.dtype or h.dtype not in (torch.bfloat16, torch.float16)
                 or self.cos.dtype != h.dtype
                 or positions.shape != (rows,) or positions.dtype != torch.int64):
@@ -337,7 +343,8 @@ class ModelRunner:
 
         args = self._mlp_args.get(i)
         rows = o.numel() // o.shape[-1]
-        if args is None or rows > decode_layer.ENGINE_MAX_M or o.dtype not in (torch.bfloat16, torch.float16):
+        if (args is None or rows > decode_layer.engine_max_m(args[0].fmt)
+                or o.dtype not in (torch.bfloat16, torch.float16)):
             return None
 
         name = f"model.layers.{i}.{self.mlp_norm}"
