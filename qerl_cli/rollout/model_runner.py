@@ -306,10 +306,10 @@ class ModelRunner:
         g = lp.qkv
         if g is None or g.single is None or len(g.modules) != 3 or (g.a_cat is not None and g.b_blk is None):
             return None
-        got = decode_layer.attn_gemm_args(g.single, g.a_cat, g.b_blk)
-        if got is None or not decode_layer.attn_half_wanted(self.attn_half_mode, got[0].fmt):
+        if not decode_layer.attn_half_wanted(self.attn_half_mode, getattr(g.single, "fmt", "")):
             return None
-        if got[0].k != self.config.hidden_size or decode_layer.attn_check_shapes(
+        got = decode_layer.attn_gemm_args(g.single, g.a_cat, g.b_blk)
+        if got is None or got[0].k != self.config.hidden_size or decode_layer.attn_check_shapes(
                 got[0], 1, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype) is not None:
             return None
         return got
