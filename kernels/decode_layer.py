@@ -50,10 +50,17 @@ MAX_RANK = 256  # the partials' scratch is sized for it
 # kernel against its CPU emulation) passed: the FP4 pair's MLP half (H200, 2026-11-29: 20 rows, bf16/fp16, M = 1-16,
 # re-runs bit-equal) and attention half (`--attn`, H200, 2026-11-30: 16 MXFP4 rows per dtype, bf16 bit-equal, fp16
 # <= 2.3e-5, re-runs bit-equal)
-KERNEL_FORMATS = (*FP4_FORMATS, "int4")
-ENGINE_FORMATS = KERNEL_FORMATS
-# scale bytes per 128-wide chunk of a row: the kernels' one format switch (the FP4 pair's block scales, INT4's group)
-SCALE_BYTES_PER_CHUNK = {"nvfp4": 8, "mxfp4": 4, "int4": 2}
+# The MLP half also takes the 8-bit formats (INT8, FP8 E4M3; per-channel scales in the activation dtype) from the
+# checkpoint's row-major bytes, no repack (decode_common.cuh's w8_mma); the engine hands them over once their GPU
+# exactness rows have passed.
+W8_FORMATS = ("int8", "fp8")
+KERNEL_FORMATS = (*FP4_FORMATS, "int4", *W8_FORMATS)
+ATTN_KERNEL_FORMATS = (*FP4_FORMATS, "int4")
+ENGINE_FORMATS = (*FP4_FORMATS, "int4")
+# scale bytes per 128-wide chunk of a row (the FP4 pair's block scales, INT4's group; W8 scales each row after the
+# sums) and the tile decode (decode_common.cuh's DEC_*): the kernels' format switches
+SCALE_BYTES_PER_CHUNK = {"nvfp4": 8, "mxfp4": 4, "int4": 2, "int8": 0, "fp8": 0}
+DECODE = {"nvfp4": 0, "mxfp4": 0, "int4": 1, "int8": 2, "fp8": 3}
 NCNT = 10  # grid-wide counters: 3 GEMM phases, 3 shrinks' partials, 3 shrinks' h, the launch's end
 SHRINK_SEGMENTS = 64  # a shrink's K is cut into at most this many segments (their partials are summed in order)
 PHASES = ("o GEMM + residual", "norm (x2 in fragment order)", "gate/up GEMM + SiLU*mul", "down GEMM")
@@ -279,8 +286,12 @@ class GemmArgs:
         return torch.tensor(2.0 ** -self.shift, dtype=torch.float32)
 
     def ints(self) -> list[int]:
-        """The launch's two format ints: scale bytes per chunk, exponent shift."""
-        return [self.scale_bytes_per_chunk, self.shift]
+        """The launch's three format ints: scale bytes per chunk, exponent shift, tile decode."""
+        return [self.scale_bytes_per_chunk, self.shift, DECODE[self.fmt]]
+
+    def row_scale(self) -> torch.Tensor | None:
+        """W8's per-channel scales as the fp32 factors [N] of the rows' sums (None: a 4-bit format)."""
+        return self.scale.float().cpu().reshape(-1) if self.fmt in W8_FORMATS else None
 
     def global_scale_ptr(self) -> int | None:
         return None if self.global_scale is None else self.global_scale.data_ptr()
@@ -291,7 +302,7 @@ class GemmArgs:
 
     @property
     def k(self) -> int:
-        return self.repacked.shape[1] * 2
+        return self.repacked.shape[1] * (1 if self.fmt in W8_FORMATS else 2)
 
     @property
     def rank(self) -> int:
@@ -314,6 +325,9 @@ def _fp4_args(module: torch.nn.Module, a: torch.Tensor | None, b: torch.Tensor |
     if getattr(module, "fmt", None) not in formats:  # a subset of KERNEL_FORMATS
         return None
     st = kernel_state(module)
+    if module.fmt in W8_FORMATS:  # the checkpoint's row-major codes as bytes, per-channel scales [N, 1]
+        t = st.tensors
+        return GemmArgs(t["weight"].view(torch.uint8), t["weight_scale"], None, False, a, b, module.fmt, 0)
     if st.repacked is None:
         return None
     t = st.tensors
@@ -324,14 +338,13 @@ def _fp4_args(module: torch.nn.Module, a: torch.Tensor | None, b: torch.Tensor |
 
 
 def format_mismatch(gemms: tuple[GemmArgs, ...], dtype: torch.dtype | None) -> str | None:
-    """Why one launch cannot take these GEMMs' formats with activations of `dtype` (None: it can): INT4 in all of
-    them or none (the decode is the kernel's template parameter), and INT4's scales in the activation dtype (they
-    multiply the decoded codes as they are)."""
-    i4 = [g.fmt == "int4" for g in gemms]
-    if any(i4) and not all(i4):
-        return "INT4 in every GEMM of the launch or in none"
-    if any(i4) and dtype is not None and any(g.scale.dtype != dtype for g in gemms):
-        return f"INT4 scales in the activation dtype ({dtype})"
+    """Why one launch cannot take these GEMMs' formats with activations of `dtype` (None: it can): one tile decode
+    for all of them (it is the kernel's template parameter), and INT4's and W8's 16-bit scales in the activation
+    dtype (the kernel reads them as that dtype)."""
+    if len({DECODE[g.fmt] for g in gemms}) > 1:
+        return "one tile decode for every GEMM of the launch (FP4, INT4, INT8 or FP8)"
+    if dtype is not None and any(g.fmt in ("int4", *W8_FORMATS) and g.scale.dtype != dtype for g in gemms):
+        return f"INT4 and W8 scales in the activation dtype ({dtype})"
     return None
 
 
@@ -367,8 +380,8 @@ def check_shapes(o: GemmArgs, gate_up: GemmArgs, down: GemmArgs, m: int,
         return why
     if h % 128 or i % 128 or o.k % 128:
         return "hidden, intermediate and o's input must be multiples of 128"
-    if not (o.tiled and gate_up.tiled and down.tiled):
-        return "weights in the tiled resident layout (rows a multiple of 64)"
+    if not all(g.tiled or g.fmt in W8_FORMATS for g in (o, gate_up, down)):
+        return "4-bit weights in the tiled resident layout (rows a multiple of 64)"
     for g in (o, gate_up, down):
         if g.rank and (g.rank % 8 or g.rank > MAX_RANK or g.a.shape[1] != g.k or g.b.shape != (g.n, g.rank)):
             return f"LoRA rank {g.rank} (a multiple of 8 up to {MAX_RANK}, A [R, K], B [N, R])"
@@ -441,6 +454,8 @@ def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: flo
         raise ValueError("decode layer kernel: bf16/fp16 activations and norm weight of one dtype")
     if attn.stride(1) != 1 or h.stride(1) != 1 or attn.stride(0) % 2 or h.stride(0) % 2:
         raise ValueError("decode layer kernel: rows with unit column stride and even row stride")
+    if o.fmt in W8_FORMATS and (attn.data_ptr() % 16 or attn.stride(0) % 8):
+        raise ValueError("decode layer kernel: W8 reads o's input rows 16 bytes at a time (16-byte aligned rows)")
     hd, i = o.n, down.k
     dev, dt = attn.device, attn.dtype
     mt = 1 if m <= 8 else 2
@@ -469,7 +484,7 @@ def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: flo
                  scr.parts[2 * gi].data_ptr(), scr.parts[2 * gi + 1].data_ptr(), hg.data_ptr()]
         ints += [g.n, g.k, g.rank, kseg, nseg, scr.pmax[gi], *g.ints()]
     gptr = (ctypes.c_void_p * 27)(*ptrs)
-    gint = (ctypes.c_int * 24)(*ints)
+    gint = (ctypes.c_int * 27)(*ints)
     nw = norm_w.contiguous()
     stream = torch.cuda.current_stream(dev).cuda_stream
     err = _lib(variant).qerl_dl_mlp(gptr, gint, attn.data_ptr(), h.data_ptr(), nw.data_ptr(), h1.data_ptr(),
@@ -525,6 +540,9 @@ def emulate_weight(g: GemmArgs, dtype: torch.dtype) -> torch.Tensor:
 
     if g.fmt == "int4":
         return emulate_int4_decode(g.repacked.cpu(), g.scale.cpu(), dtype, tiled=g.tiled)
+    if g.fmt in W8_FORMATS:  # the codes themselves, exact in 16 bits; the per-channel scale comes after the sums
+        codes = g.repacked.cpu().view(torch.int8 if g.fmt == "int8" else torch.float8_e4m3fn)
+        return codes.float().to(dtype)
     return cuda_fp4.emulate_decode(g.repacked.cpu(), g.scale.cpu(), g.fmt, dtype, tiled=g.tiled, shift=g.shift)
 
 
@@ -552,6 +570,9 @@ def _gemm_fp32(x: torch.Tensor, g: GemmArgs, hl: torch.Tensor | None, sch: Sched
         for row, total in halves.items():
             v[:, row:row + 16] = total
     v = v * g.alpha()
+    rs = g.row_scale()
+    if rs is not None:  # W8: each row's fp32 sum times its scale (row_scale in the kernel)
+        v = v * rs
     if hl is not None:
         bf = g.b.float().cpu()
         for r0 in range(0, g.rank, 16):
@@ -830,6 +851,8 @@ def attn_check_shapes(qkv: GemmArgs, m: int, hq: int, hk: int, d: int,
         return f"q/k/v rows {qkv.n} != ({hq} + 2 x {hk}) x head_dim {d} with head_dim a multiple of 32"
     if qkv.k % 128:
         return "hidden must be a multiple of 128"
+    if qkv.fmt not in ATTN_KERNEL_FORMATS:
+        return f"{qkv.fmt}: the attention half takes the 4-bit formats"
     if not qkv.tiled:
         return "weight in the tiled resident layout (rows a multiple of 64)"
     if qkv.rank and (qkv.rank % 8 or qkv.rank > MAX_RANK or qkv.a.shape[1] != qkv.k
@@ -924,7 +947,7 @@ def attn_half(h: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor,
                                  qkv.global_scale_ptr(), a.data_ptr() if a is not None else None,
                                  b.data_ptr() if b is not None else None, hp.data_ptr(), scr.parts[0].data_ptr(),
                                  scr.parts[1].data_ptr(), hg.data_ptr())
-    gint = (ctypes.c_int * 8)(qkv.n, qkv.k, qkv.rank, kseg, nseg, scr.pmax[0], *qkv.ints())
+    gint = (ctypes.c_int * 9)(qkv.n, qkv.k, qkv.rank, kseg, nseg, scr.pmax[0], *qkv.ints())
     nw = norm_w.contiguous()
     b32 = bias.float().contiguous() if bias is not None else None
     pos = positions.contiguous()

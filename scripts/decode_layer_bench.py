@@ -52,6 +52,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def gemm_of(qw, n: int, a: torch.Tensor | None, b: torch.Tensor | None) -> dl.GemmArgs:  # noqa: ANN001
     """The kernels' view of a quantized weight as kernel_state builds it (NVFP4 global scale, MXFP4 shift)."""
     t = qw.tensors
+    if qw.fmt in dl.W8_FORMATS:  # the checkpoint's row-major codes as they are
+        return dl.GemmArgs(t["weight"].view(torch.uint8), t["weight_scale"], None, False, a, b, qw.fmt, 0)
     gs = t.get("weight_global_scale")
     shift = mxfp4_shift(t["weight_scale"]) if qw.fmt == "mxfp4" else 0
     packed = t["weight_packed"].view(torch.uint8)  # INT4's int32 words as their bytes
@@ -152,10 +154,10 @@ def layer_bytes(lay: dict, m: int, h: int, ko: int, i: int) -> int:
     return total + 2 * m * (ko + 3 * h + 2 * h)  # attn, h in; h1, delta out; the norm weight (tokens are few)
 
 
-def exactness(dev: str) -> list[dict]:
+def exactness(dev: str, formats: tuple[str, ...] = dl.KERNEL_FORMATS) -> list[dict]:
     rows = []
     hd, ko, i = 256, 384, 384
-    for fmt, dtype in ((f, d) for f in dl.KERNEL_FORMATS for d in (torch.bfloat16, torch.float16)):
+    for fmt, dtype in ((f, d) for f in formats for d in (torch.bfloat16, torch.float16)):
         lay = make_layer(hd, ko, i, (16, 40, 24), dtype, dev, 1, dense=True, fmt=fmt)
         cpu_args = [on_cpu(g) for g in lay["args"]]
         for m in (1, 5, 8, 13, 16):
@@ -275,6 +277,53 @@ def int4_rows(dev: str, shape: str = "7b", ranks: tuple[int, int, int] = (32, 64
     return rows
 
 
+def w8_present_path(attn: torch.Tensor, hres: torch.Tensor, lay: dict, eps: float) -> tuple[torch.Tensor, ...]:
+    """The engine's per-GEMM path for a W8 MLP half: qerl's Triton W8 GEMM per linear (per-channel scale on its fp32
+    sums), the LoRA shrink and expand in cuBLAS, the same fused norm and SiLU kernels."""
+    from qerl_kernels._common import num_sms
+    from qerl_kernels.backends import w8_config
+    from qerl_kernels.w8 import w8_matmul
+
+    sms = num_sms(attn.device)
+
+    def lin(x: torch.Tensor, qw, g: dl.GemmArgs) -> torch.Tensor:  # noqa: ANN001
+        t = qw.tensors
+        y = w8_matmul(x, t["weight"], t["weight_scale"], w8_config(x.shape[0], g.n, g.k, sms))
+        return y if g.a is None else y + (x @ g.a.t()) @ g.b.t()
+
+    o, gu, dn = lay["args"]
+    yo = lin(attn, lay["qws"][0], o)
+    h1, x2 = decode.add_rmsnorm(hres, yo, lay["norm_w"], eps)
+    y = lin(x2, lay["qws"][1], gu)
+    i = dn.k
+    act = decode.silu_mul(y[:, :i], y[:, i:])
+    return h1, lin(act, lay["qws"][2], dn)
+
+
+def w8_rows(dev: str, shape: str = "7b", ranks: tuple[int, int, int] = (32, 64, 32),
+            ms: tuple[int, ...] = (1, 8, 16)) -> list[dict]:
+    """The INT8 and FP8 MLP halves of `shape` (per-channel bf16 scales, row-major codes) at each M: the persistent
+    kernel against the engine's per-GEMM W8 path, with the byte floor (1 byte per weight + scales + LoRA + x)."""
+    hd, ko, i = SHAPES[shape]
+    bw = copy_gbps(dev)
+    rows = []
+    for fmt in dl.W8_FORMATS:
+        lay = make_layer(hd, ko, i, ranks, torch.bfloat16, dev, 6, dense=False, fmt=fmt)
+        for m in ms:
+            attn, hres = inputs(lay, m, ko, hd, torch.bfloat16, dev)
+            ph1, pout = w8_present_path(attn, hres, lay, 1e-6)
+            h1, out = dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"])
+            t_old = graph_ms(lambda: w8_present_path(attn, hres, lay, 1e-6))  # noqa: B023
+            t_new = graph_ms(lambda: dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"]))  # noqa: B023
+            nbytes = layer_bytes(lay, m, hd, ko, i)
+            floor = nbytes / bw / 1e6
+            rows.append(dict(shape=shape, fmt=fmt, m=m, ranks=list(ranks), mb=nbytes / 1e6, floor_us=1e3 * floor,
+                             persistent_us=1e3 * t_new, persistent_pct_floor=100 * floor / t_new,
+                             present_us=1e3 * t_old, present_pct_floor=100 * floor / t_old, speedup=t_old / t_new,
+                             err_vs_present=max(rel(h1, ph1), rel(out, pout)), copy_gbps=bw))
+    return rows
+
+
 def build_variants() -> None:
     """nvcc for every variant at once (one process each) before anything is timed."""
     from concurrent.futures import ThreadPoolExecutor
@@ -354,7 +403,7 @@ def _attn_kernel(h: torch.Tensor, delta: torch.Tensor | None, pos: torch.Tensor,
 
 def attn_exactness(dev: str) -> list[dict]:
     rows = []
-    for fmt, dtype in ((f, d) for f in dl.KERNEL_FORMATS for d in (torch.bfloat16, torch.float16)):
+    for fmt, dtype in ((f, d) for f in dl.ATTN_KERNEL_FORMATS for d in (torch.bfloat16, torch.float16)):
         for bias in (True, False):
             lay = make_attn_layer(256, 4, 2, 64, 24, bias, dtype, dev, 3, dense=True, max_len=40, fmt=fmt)
             cpu_args = on_cpu(lay["args"])
@@ -470,6 +519,29 @@ def attn_only(dev: str) -> int:
     return 0 if ok else 1
 
 
+def w8_only(dev: str, shape: str) -> int:
+    """`--w8`: the default build only: exactness rows of every format (the 8-bit ones new), then the 8-bit MLP halves
+    of `shape` against the per-GEMM W8 path."""
+    result = {"exactness": exactness(dev), "w8": w8_rows(dev, shape)}
+    ok = all(r["err_emul"] < 5e-3 and r["err_present"] < 1e-2 and r["bit_equal_rerun"] and r["counters_zero"]
+             for r in result["exactness"]) and all(r["err_vs_present"] < 1e-2 for r in result["w8"])
+    args = [a for a in sys.argv[1:] if not a.startswith("--") and a not in SHAPES]
+    if args:
+        with open(args[0], "w") as f:
+            json.dump(result, f, indent=1)
+    for r in result["exactness"]:
+        print(f"exact {r['fmt']:5s} {r['dtype']:15s} M={r['m']:2d} err_emul={r['err_emul']:.2e} "
+              f"err_present={r['err_present']:.2e} rerun_bits={r['bit_equal_rerun']} "
+              f"counters_zero={r['counters_zero']}")
+    for r in result["w8"]:
+        print(f"{r['fmt']:5s} M={r['m']:2d} {r['mb']:7.1f} MB floor {r['floor_us']:7.1f} us: persistent "
+              f"{r['persistent_us']:7.1f} us ({r['persistent_pct_floor']:5.1f}%), Triton W8 path "
+              f"{r['present_us']:7.1f} us ({r['present_pct_floor']:5.1f}%), {r['speedup']:5.2f}x, "
+              f"err {r['err_vs_present']:.2e}")
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
 def main() -> int:
     dev = "cuda"
     if not torch.cuda.is_available() or not dl.available(torch.device(dev)):
@@ -481,6 +553,8 @@ def main() -> int:
         return 0
     if "--attn" in sys.argv:
         return attn_only(dev)
+    if "--w8" in sys.argv:
+        return w8_only(dev, shape)
     sys.argv = [a for i, a in enumerate(sys.argv)
                 if not a.startswith("--") and not (i > 0 and sys.argv[i - 1] == "--shape")]
     build_variants()
@@ -492,7 +566,8 @@ def main() -> int:
                                                          for v in r["variants"].values())
                     for r in result["seven_b"])
     result["int4"] = int4_rows(dev, shape)
-    ok = ok and all(r["err_vs_present"] < 1e-2 for r in result["int4"])
+    result["w8"] = w8_rows(dev, shape)
+    ok = ok and all(r["err_vs_present"] < 1e-2 for r in result["int4"] + result["w8"])
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f, indent=1)
@@ -512,6 +587,11 @@ def main() -> int:
               f"{r['persistent_us']:14.1f} {r['persistent_pct_floor']:6.1f}% {r['present_us']:11.1f} "
               f"{r['present_pct_floor']:6.1f}% {r['speedup']:7.2f}x {r['err_vs_present']:9.2e} INT4 (present: "
               "dequantize per call + cuBLAS)")
+    for r in result["w8"]:
+        print(f"{r['m']:3d} {'/'.join(map(str, r['ranks'])):>9} {r['mb']:7.1f} {r['floor_us']:9.1f} "
+              f"{r['persistent_us']:14.1f} {r['persistent_pct_floor']:6.1f}% {r['present_us']:11.1f} "
+              f"{r['present_pct_floor']:6.1f}% {r['speedup']:7.2f}x {r['err_vs_present']:9.2e} {r['fmt'].upper()} "
+              "(present: Triton W8 GEMMs)")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -50,14 +50,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "int4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "int4", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("ranks", "ctas"), [((0, 0, 0), 3), ((16, 40, 24), 1), ((16, 40, 24), 7)])
 def test_emulation_equals_the_present_path_math(dtype: torch.dtype, ranks: tuple[int, int, int], ctas: int,
                                                 fmt: str) -> None:
     """1 CTA: each warp holds several whole blocks; 3 and 7: blocks cut between up to 5 warps (gate/up pairs cut
     inside their gate or their up half). MXFP4: its E8M0 scales (one per 32 weights) and 2^-F factor. INT4: its code
-    decode and one 16-bit scale per 128-wide group."""
+    decode and one 16-bit scale per 128-wide group. INT8 / FP8: the codes exact, each row's scale after its sums."""
     lay = _layer(dtype, ranks, fmt=fmt)
     o, gu, dn = lay["args"]
     assert dl.check_shapes(o, gu, dn, lay["attn"].shape[0], dtype) is None
@@ -193,9 +193,9 @@ def test_cuda_source_builds_for_hopper_without_spills(variant: tuple[int, ...]) 
     if len(variant) > 2:  # the knob reached the compiler: the report is this variant's
         assert dl.library(variant).compile_command(folder / "x.cubin", cubin=True).count("-DQERL_DL_XPF=1") == 1
     kernels = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", report)
-    assert len(kernels) == 8, report[-2000:]  # MT 1/2 x bf16/fp16 x FP4/INT4
+    assert len(kernels) == 16, report[-2000:]  # MT 1/2 x bf16/fp16 x FP4/INT4/INT8/FP8
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(frames) == 8 and all(f == ("0", "0", "0") for f in frames), frames
+    assert len(frames) == 16 and all(f == ("0", "0", "0") for f in frames), frames
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= 128  # two CTAs of 256 threads per SM
 
@@ -207,12 +207,30 @@ def test_format_ints_and_alpha_by_hand() -> None:
     mx, _ = _quant(64, 256, 0, "mxfp4")
     i4, _ = _quant(64, 256, 0, "int4")
     gn, gm, gi = gemm(nv, None, None), gemm(mx, None, None), gemm(i4, None, None)
-    assert gn.ints() == [8, 0] and gm.ints()[0] == 4 and gm.global_scale is None and gm.global_scale_ptr() is None
+    assert gn.ints() == [8, 0, 0] and gm.ints()[::2] == [4, 0] and gm.global_scale is None
+    assert gm.global_scale_ptr() is None
     assert gn.alpha().item() == pytest.approx(256.0 / nv.tensors["weight_global_scale"].float().item(), rel=1e-6)
     assert gm.alpha().item() == 2.0 ** -gm.shift
-    assert gi.ints() == [2, 0] and gi.alpha().item() == 1.0 and gi.global_scale is None
+    assert gi.ints() == [2, 0, 1] and gi.alpha().item() == 1.0 and gi.global_scale is None
     assert (gi.n, gi.k) == (64, 256) and gi.repacked.dtype == torch.uint8  # the int32 words' bytes: K / 2 per row
-    assert set(dl.ENGINE_FORMATS) == set(dl.KERNEL_FORMATS) == {"nvfp4", "mxfp4", "int4"}
+    assert gn.row_scale() is None and gi.row_scale() is None
+    for fmt, code in (("int8", 2), ("fp8", 3)):  # W8: no chunk scales, its decode, the rows' scales after the sums
+        q8, _ = _quant(64, 256, 0, fmt)
+        g8 = gemm(q8, None, None)
+        assert g8.ints() == [0, 0, code] and g8.alpha().item() == 1.0 and (g8.n, g8.k) == (64, 256)
+        assert torch.equal(g8.row_scale(), q8.tensors["weight_scale"].float().reshape(-1))
+    assert set(dl.ENGINE_FORMATS) == {"nvfp4", "mxfp4", "int4"}  # W8 once its GPU exactness rows pass
+    assert set(dl.KERNEL_FORMATS) == {"nvfp4", "mxfp4", "int4", "int8", "fp8"}
+
+
+def test_w8_launches_take_one_decode_and_not_the_attention_half() -> None:
+    gemms = {f: [gemm(_quant(n, k, i, f)[0], None, None) for i, (n, k) in enumerate(((H, KO), (2 * I, H), (H, I)))]
+             for f in ("int8", "fp8")}
+    assert dl.check_shapes(*gemms["int8"], 8, torch.bfloat16) is None  # row-major, not tiled: taken
+    assert "one tile decode" in dl.check_shapes(*gemms["int8"][:2], gemms["fp8"][2], 8, torch.bfloat16)
+    assert "scales in the activation dtype" in dl.check_shapes(*gemms["fp8"], 8, torch.float16)
+    qkv = gemm(_quant(384, 256, 0, "int8")[0], None, None)
+    assert "4-bit formats" in dl.attn_check_shapes(qkv, 4, 8, 2, 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

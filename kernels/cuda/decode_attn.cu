@@ -381,7 +381,7 @@ int qerl_da_minb() { return qerl_dl::MINB; }
 
 // One launch of the attention half. gptr: the q/k/v GEMM's weight, scales, global scale, A_cat, B_blk, shrink
 // partials, GEMM partials, pair counters, h (9 pointers, as decode_layer.cu's per GEMM); gint: N, K, R, kseg, nseg,
-// pmax, scale bytes per chunk (8 NVFP4, 4 MXFP4, 2 INT4), MXFP4's exponent shift. Preconditions (kernels/decode_layer.py
+// pmax, scale bytes per chunk (8 NVFP4, 4 MXFP4, 2 INT4), MXFP4's exponent shift, the tile decode (4-bit only). Preconditions (kernels/decode_layer.py
 // checks them): tiled weight (N % 64 == 0), N = (hq + 2 hk) d, d % 32 == 0, K = H % 128 == 0, M <= 8 * mt <= 16,
 // 4-byte aligned rows, R % 8 == 0 and R <= 256, token m's cache slot is m, cnt and the pair counters zeroed once.
 int qerl_da_attn(const void* const* gptr, const int* gint, const float* bias, const void* hres, const void* delta,
@@ -401,7 +401,7 @@ int qerl_da_attn(const void* const* gptr, const int* gint, const float* bias, co
   g.bcnt = static_cast<unsigned*>(const_cast<void*>(gptr[7]));
   g.hg = static_cast<uint16_t*>(const_cast<void*>(gptr[8]));
   g.N = gint[0], g.K = gint[1], g.R = gint[2], g.kseg = gint[3], g.nseg = gint[4], g.pmax = gint[5];
-  g.spc = gint[6], g.shift = gint[7];
+  g.spc = gint[6], g.shift = gint[7], g.code = gint[8];
   p.bias = bias;
   p.hres = static_cast<const uint16_t*>(hres);
   p.delta = static_cast<const uint16_t*>(delta);

@@ -41,9 +41,13 @@ struct Gemm {
   float4* part;       // GEMM partials [blocks][pmax][halves][MT][32] (mma fragment order)
   unsigned* bcnt;     // [blocks] partials counted per block; zero between launches
   int N, K, R, kseg, nseg, pmax;
-  int spc;            // scale bytes per 128-wide chunk of a row: 8 (NVFP4), 4 (MXFP4) or 2 (INT4)
-  int shift;          // MXFP4's per-tensor exponent shift F (fp4.py); 0 for NVFP4 and INT4
+  int spc;            // scale bytes per 128-wide chunk of a row: 8 (NVFP4), 4 (MXFP4), 2 (INT4), 0 (W8: per row)
+  int shift;          // MXFP4's per-tensor exponent shift F (fp4.py); 0 for the others
+  int code;           // the tile decode: DEC_FP4, DEC_INT4, DEC_INT8, DEC_FP8
 };
+// The tile decodes (a kernel's template parameter). The 8-bit ones read the checkpoint's row-major [N, K] bytes as
+// they are (no repack: see w8_mma) and scale each output row by its per-channel scale after the sums.
+constexpr int DEC_FP4 = 0, DEC_INT4 = 1, DEC_INT8 = 2, DEC_FP8 = 3;
 
 // ---- the formats: the FP4 pair differs only in the block scales (the codes, layout and mma are the same); INT4 has
 // the same layout and nibble order, its own code decode (fp4_frag.cuh's decode_slice_i4) and one 16-bit scale (the
@@ -162,9 +166,10 @@ __device__ __forceinline__ void wait_warp(const unsigned* c, unsigned n) {
 }
 
 // ---- shared memory ----------------------------------------------------------------------------------------------
-template <int MT>
+// W8: 8-bit weights, a unit of 2 KiB (16 rows x 128 bytes), [S][NG][4 pieces][32 lanes] uint4 in the ring
+template <int MT, bool W8 = false>
 struct Smem {
-  static constexpr int RING = S * NG * 1024;            // [S][NG][2 rows][32 lanes] uint4
+  static constexpr int RING = S * NG * (W8 ? 2048 : 1024);  // [S][NG][2 rows][32 lanes] uint4 (W8: 4 pieces)
   static constexpr int SC = S * NG * 16 * 8;            // [S][NG][16 rows] uint2 block scales
   static constexpr int CS = NG * 16 * 16;               // [NG][16 rows] uint4: the unit's scale pairs, converted
   static constexpr int RS = 2 * 16 * 4;                 // [2][16] 1/rms per token (GEMM warps, LoRA warp)
@@ -317,6 +322,68 @@ __device__ __forceinline__ void sum_block(float (&v)[MT][4], const float4* slot0
   }
 }
 
+
+// W8's per-channel scale on a block's sums: v[t][e] (row row0 + g + 8 (e >> 1)) times its row's 16-bit scale in
+// fp32, as the per-GEMM W8 kernel scales its fp32 sums.
+template <int MT, bool BF16>
+__device__ __forceinline__ void row_scale(float (&v)[MT][4], const uint8_t* s, int row0, int g) {
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(s);
+  const float s0 = f16<BF16>(sc[row0 + g]), s1 = f16<BF16>(sc[row0 + g + 8]);
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    v[t][0] = __fmul_rn(v[t][0], s0);
+    v[t][1] = __fmul_rn(v[t][1], s0);
+    v[t][2] = __fmul_rn(v[t][2], s1);
+    v[t][3] = __fmul_rn(v[t][3], s1);
+  }
+}
+
+// ---- 8-bit tiles (W8: INT8 or FP8 E4M3 codes, [N, K] row-major as the checkpoint holds them) ----------------------
+// An mma's k order may be any permutation that A and B share. Lane (g, q) holds bytes [32q, 32q + 32) of its rows
+// g and g + 8 of a 128-wide chunk, as 8 u32 words; mma j (0..7) of the chunk takes word j: its bytes 0-1 as the A
+// pair of logical k = 2q, 2q + 1 and bytes 2-3 as k = 2q + 8, 2q + 9, i.e. physical k = 32q + 4j + (0, 1 | 2, 3);
+// the B fragments are then x's u32 pairs 2j and 2j + 1 of the lane's 32 contiguous x values of that chunk. No
+// repack, no fragment-order copy of x: rows are read as they are.
+// Two codes (bytes lo, lo + 1 of w) -> a 16-bit pair of their exact values.
+template <bool BF16, int DEC>
+__device__ __forceinline__ uint32_t w8_pair(uint32_t w, int lo) {
+  if constexpr (DEC == DEC_INT8) {
+    const uint32_t u = w ^ 0x80808080u;  // c + 128, unsigned
+    if constexpr (BF16) {  // 2^23 + u exactly in fp32, minus 2^23 + 128: c, exact; packed (c fits bf16's 8 bits)
+      const float f0 = __int_as_float((int)prmt(u, 0x4B000000u, 0x7650u + (uint32_t)lo)) - 8388736.0f;
+      const float f1 = __int_as_float((int)prmt(u, 0x4B000000u, 0x7651u + (uint32_t)lo)) - 8388736.0f;
+      uint32_t d;
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(f1), "f"(f0));
+      return d;
+    } else {  // 1024 + u exactly in fp16 (ulp 1), minus 1152
+      const uint32_t h = prmt(u, 0x64646464u, lo == 0 ? 0x5140u : 0x5342u);
+      uint32_t d;
+      asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(h), "r"(0x64806480u));
+      return d;
+    }
+  } else {  // FP8 E4M3: cvt to f16x2, exact; bf16: the f16 bits moved into bf16's fields (x 2^-112), times 2^112
+    uint32_t h;
+    const unsigned short two = (unsigned short)(w >> (8 * lo));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(two));  // .x (low half) from the low byte
+    if constexpr (BF16) {
+      const uint32_t b = (h & 0x80008000u) | ((h & 0x7FFF7FFFu) >> 3);
+      uint32_t d;
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(b), "r"(0x77807780u), "r"(0x80008000u));
+      return d;
+    } else {
+      return h;
+    }
+  }
+}
+// mma j of a chunk for MT token tiles: A from words wa (row g) and wb (row g + 8), B from the tiles' x words.
+template <int MT, bool BF16, int DEC>
+__device__ __forceinline__ void w8_mma(float (&acc)[MT][4], uint32_t wa, uint32_t wb, const uint32_t (&b0)[MT],
+                                       const uint32_t (&b1)[MT]) {
+  const uint32_t a0 = w8_pair<BF16, DEC>(wa, 0), a2 = w8_pair<BF16, DEC>(wa, 2);
+  const uint32_t a1 = w8_pair<BF16, DEC>(wb, 0), a3 = w8_pair<BF16, DEC>(wb, 2);
+#pragma unroll
+  for (int t = 0; t < MT; ++t) mma<BF16>(acc[t], a0, a1, a2, a3, b0[t], b1[t]);
+}
 
 // The launch's end: the last CTA (every other one is past its last wait) zeroes the N counters for the next launch,
 // so a CUDA graph replays the kernel with no reset kernel. cnt[end] counts the CTAs that got here.

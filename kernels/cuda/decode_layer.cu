@@ -120,11 +120,16 @@ __device__ __forceinline__ void sum_h(const MlpParams& p, int gi, int c, int C) 
 }
 
 // ---- the persistent kernel --------------------------------------------------------------------------------------
-// I4: INT4 weights in all three GEMMs (a template parameter: only the code decode differs, and a run-time switch in
-// the slice loop would cost the FP4 kernel registers); the FP4 pair share one instantiation (a run-time scale switch)
-template <int MT, bool BF16, bool I4>
+// DEC: the tile decode of all three GEMMs (decode_common.cuh's DEC_*; a template parameter: a run-time switch in
+// the slice loop would cost the FP4 kernel registers); the FP4 pair share one instantiation (a run-time scale
+// switch). W8 (INT8/FP8) tiles are 2 KiB of the checkpoint's row-major bytes, read with the 8-bit mma order
+// (w8_mma), x read as rows (x2 written as rows where the 4-bit kernels write fragments), the per-channel scale on
+// each finished block.
+template <int MT, bool BF16, int DEC>
 __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpParams p) {
-  using L = Smem<MT>;
+  constexpr bool W8 = DEC == DEC_INT8 || DEC == DEC_FP8;
+  constexpr int UNIT = W8 ? 128 : 64;  // uint4 per unit in the ring
+  using L = Smem<MT, W8>;
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);
   uint2* scs = reinterpret_cast<uint2*>(smem + L::RING);
@@ -144,8 +149,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     const int kc = QERL_SEL(p, gi, K) >> 7, spc = QERL_SEL(p, gi, spc);
     const int up = gi == 1 && within >= kc;
     const int ch = up ? within - kc : within, row = ((up ? (p.I >> 4) : 0) + b) * 16;
-    wp = QERL_SEL(p, gi, w) + ((size_t)(row >> 6) * kc + ch) * 4096 + (row & 63) * 64;
-    sp = QERL_SEL(p, gi, s) + (size_t)row * (kc * spc) + ch * spc;
+    if constexpr (W8) {
+      wp = QERL_SEL(p, gi, w) + (size_t)row * QERL_SEL(p, gi, K) + ch * 128;
+      sp = nullptr;
+    } else {
+      wp = QERL_SEL(p, gi, w) + ((size_t)(row >> 6) * kc + ch) * 4096 + (row & 63) * 64;
+      sp = QERL_SEL(p, gi, s) + (size_t)row * (kc * spc) + ch * spc;
+    }
   };
   auto settle = [&]() {
     while (ig < 3 && il == 0) {
@@ -162,10 +172,20 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     }
   };
   auto issue = [&](int slot) {
-    uint4* dst = ring + (slot * NG + warp) * 64;
-    cp_async16_stream(dst + lane, iwp + g * 64 + q * 16, pol);
-    cp_async16_stream(dst + 32 + lane, iwp + (g + 8) * 64 + q * 16, pol);
-    if (lane < 16) cp_scales(scs + (slot * NG + warp) * 16 + lane, isp + lane * isk, ispc, pol);
+    uint4* dst = ring + (slot * NG + warp) * UNIT;
+    if constexpr (W8) {  // bytes [32q, 32q + 32) of rows g and g + 8 of the chunk
+      const size_t ld = (size_t)QERL_SEL(p, ig, K);
+      const uint8_t* ra = iwp + g * ld + q * 32;
+      const uint8_t* rb = ra + 8 * ld;
+      cp_async16_stream(dst + lane, ra, pol);
+      cp_async16_stream(dst + 32 + lane, ra + 16, pol);
+      cp_async16_stream(dst + 64 + lane, rb, pol);
+      cp_async16_stream(dst + 96 + lane, rb + 16, pol);
+    } else {
+      cp_async16_stream(dst + lane, iwp + g * 64 + q * 16, pol);
+      cp_async16_stream(dst + 32 + lane, iwp + (g + 8) * 64 + q * 16, pol);
+      if (lane < 16) cp_scales(scs + (slot * NG + warp) * 16 + lane, isp + lane * isk, ispc, pol);
+    }
     if (--il == 0) {
       settle();
     } else if (++iw == iu) {
@@ -174,11 +194,12 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     } else if (iw == ikc && ig == 1) {  // gate/up: the pair's up half starts
       unit_addr(ig, ib, iw, iwp, isp);
     } else {
-      iwp += 4096, isp += ispc;
+      iwp += W8 ? 128 : 4096, isp += ispc;
     }
   };
   // L2 prefetch of the PF_UNITS units after the ring's of this warp's range of stage gi (lane i: unit i)
   auto prefetch_next = [&](int gi) {
+    if constexpr (W8) return;  // a W8 unit is 16 rows K bytes apart, not one 1 KiB piece
     const Geo G = geo_of(p, gi, W);
     const int x = range_first(G, v) + (S - 1) + lane;
     if (lane < PF_UNITS && x < range_first(G, v + 1)) {
@@ -217,7 +238,11 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     const uint4* xp = p.xp + (gi == 2 ? (size_t)MT * (p.H >> 5) * 32 : 0);  // gi 0 reads attn as it is
     const uint16_t* xrow[MT];  // o: attn rows (written by the previous kernel; no phase to put it in fragment order)
 #pragma unroll
-    for (int t = 0; t < MT; ++t) xrow[t] = t * 8 + g < p.M ? p.attn + (size_t)(t * 8 + g) * p.ld_attn : nullptr;
+    for (int t = 0; t < MT; ++t) xrow[t] = t * 8 + g < p.M && !W8 ? p.attn + (size_t)(t * 8 + g) * p.ld_attn : nullptr;
+    // W8 reads every stage's x as rows (attn, x2 as rows in the xp buffer, act): the lane's row of tile t is
+    // xw + (t * 8 + g) * xld, formed per chunk (kept per tile, the pointers spill a register at two tiles)
+    const uint16_t* xw = gi == 0 ? p.attn : gi == 1 ? reinterpret_cast<const uint16_t*>(p.xp) : p.act;
+    const size_t xld = gi == 0 ? p.ld_attn : gi == 1 ? p.H : p.I;
     const uint16_t* B = QERL_SEL(p, gi, b);
     float4* part = QERL_SEL(p, gi, part);
     unsigned* bcnt = QERL_SEL(p, gi, bcnt);
@@ -235,7 +260,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
     // XPF builds: the x fragments of gate/up and down (precomputed, in L2) are loaded ahead into nx, so their L2
     // latency is hidden behind the mma of the slices before instead of stalling each slice (o reads attn rows)
     // Two slices ahead (8 registers a token tile: four ahead spilled at 128 registers)
-    const bool pf = XPF && MT == 1 && gi != 0;
+    const bool pf = XPF && !W8 && MT == 1 && gi != 0;
     uint4 nx[2][MT];  // (unused where pf is false)
     auto load_x = [&](int ch) {
 #pragma unroll
@@ -250,7 +275,31 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       if (ig < 3) issue((j + S - 1) & (S - 1));
       cp_async_commit();
       const int sl = j & (S - 1);
-      const uint4* src = ring + (sl * NG + warp) * 64;
+      const uint4* src = ring + (sl * NG + warp) * UNIT;
+      if constexpr (W8) {  // w8_mma's order: word jj of rows g / g + 8 and x's u32 pairs 2jj, 2jj + 1
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // x values [32q + 8i, +8) of each tile's token: mma 2i and 2i + 1
+          // words 2i, 2i + 1 of rows g and g + 8, read here (all eight at once spill a register at two tiles)
+          const uint2 wa = reinterpret_cast<const uint2*>(src + (i >> 1) * 32 + lane)[i & 1];
+          const uint2 wb = reinterpret_cast<const uint2*>(src + 64 + (i >> 1) * 32 + lane)[i & 1];
+          uint32_t bx0[MT], bx1[MT], by0[MT], by1[MT];
+#pragma unroll
+          for (int t = 0; t < MT; ++t) {
+            const int tok = t * 8 + g;
+            const uint4 xv = tok < p.M ? *reinterpret_cast<const uint4*>(xw + tok * xld + ch * 128 + 32 * q + 8 * i)
+                                       : make_uint4(0u, 0u, 0u, 0u);
+            bx0[t] = xv.x, bx1[t] = xv.y, by0[t] = xv.z, by1[t] = xv.w;
+          }
+          w8_mma<MT, BF16, DEC>(acc, wa.x, wb.x, bx0, bx1);
+          if (SPLIT) {
+            w8_mma<MT, BF16, DEC>(accx, wa.y, wb.y, by0, by1);
+          } else {
+            w8_mma<MT, BF16, DEC>(acc, wa.y, wb.y, by0, by1);
+          }
+        }
+        ++j;
+        return;
+      }
       const uint4 wa = src[lane], wb = src[32 + lane];
       {  // the unit's 16 rows x 4 slices of scale pairs, converted once (lane: row lane/2, slices 2(lane&1) + 0/1)
         const uint2 raw = scs[(sl * NG + warp) * 16 + (lane >> 1)];
@@ -284,9 +333,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
           }
         }
         if (SPLIT && (i & 1)) {
-          slice_mma<MT, BF16, I4>(accx, wra[i], wrb[i], sca[i], scb[i], bf);
+          slice_mma<MT, BF16, DEC == DEC_INT4>(accx, wra[i], wrb[i], sca[i], scb[i], bf);
         } else {
-          slice_mma<MT, BF16, I4>(acc, wra[i], wrb[i], sca[i], scb[i], bf);
+          slice_mma<MT, BF16, DEC == DEC_INT4>(acc, wra[i], wrb[i], sca[i], scb[i], bf);
         }
       }
       ++j;
@@ -341,6 +390,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       float va[MT][4];
       sum_block<MT>(va, slot0, halves, 0, np, alpha, lane);
       const int rb = unit_row(p, gi, G, b, 0) >> 4;
+      if constexpr (W8) row_scale<MT, BF16>(va, QERL_SEL(p, gi, s), rb * 16, g);
       if (R > 0) {  // h of the group is summed by the LoRA warps beside the GEMM (long done, as a rule)
         wait_warp(p.cnt + C_H + gi, C);
         lora_expand<MT, BF16>(va, B, R, rb * 16, QERL_SEL(p, gi, hg), p.M, g, q);
@@ -383,6 +433,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       } else if (gi == 1) {  // act = rnd(rnd(silu(gate)) * up) for pair b
         float vu[MT][4];
         sum_block<MT>(vu, slot0, halves, 1, np, alpha, lane);
+        if constexpr (W8) row_scale<MT, BF16>(vu, p.g[1].s, ((p.I >> 4) + b) * 16, g);
         if (R > 0) lora_expand<MT, BF16>(vu, B, R, ((p.I >> 4) + b) * 16, p.g[1].hg, p.M, g, q);
 #pragma unroll
         for (int t = 0; t < MT; ++t) {
@@ -395,7 +446,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
               const uint16_t a = r16<BF16>(__fmul_rn(sl, up));
               const int k = b * 16 + g + 8 * (e >> 1);
               p.act[(size_t)tok * p.I + k] = a;
-              *xp_element(p.xp + (size_t)MT * (p.H >> 5) * 32, p.I, tok, k) = a;
+              if constexpr (!W8) *xp_element(p.xp + (size_t)MT * (p.H >> 5) * 32, p.I, tok, k) = a;
             }
           }
         }
@@ -448,7 +499,15 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
       if (lane == 0) rsm[tok] = r;
     }
     bar_gemm();
-    {
+    if constexpr (W8) {  // x2 as rows [M][H] in the xp buffer (W8 reads rows), this CTA's share of its u32 pairs
+      uint32_t* x2r = reinterpret_cast<uint32_t*>(p.xp);
+      const int hp = p.H >> 1, n = p.M * hp;
+      for (int id = (int)((long long)c * n / C) + (int)threadIdx.x; id < (int)((long long)(c + 1) * n / C);
+           id += NG * 32) {
+        const int tok = id / hp, k = 2 * (id - tok * hp);
+        x2r[id] = shrink_pair<MT, BF16>(p, 1, tok, k, rsm);
+      }
+    } else {
       const int n = MT * (p.H >> 5) * 32, na = MT * (p.I >> 5) * 32;
       for (int id = (int)((long long)c * n / C) + (int)threadIdx.x; id < (int)((long long)(c + 1) * n / C);
            id += NG * 32) {
@@ -479,22 +538,31 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_mlp_kernel(const MlpPara
   end_of_launch<NCNT>(p.cnt, C_END);
 }
 
-// Both decodes' kernels; the CTAs per SM that both fit (the host sizes one grid for either).
+// Every decode's kernel; the CTAs per SM that all fit (the host sizes one grid for any).
 template <int MT, bool BF16>
 cudaError_t prepare(int& ctas_per_sm) {
-  int i4 = 0;
-  cudaError_t e = prepare_kernel(decode_mlp_kernel<MT, BF16, false>, Smem<MT>::BYTES, ctas_per_sm);
-  if (e == cudaSuccess) e = prepare_kernel(decode_mlp_kernel<MT, BF16, true>, Smem<MT>::BYTES, i4);
-  if (i4 < ctas_per_sm) ctas_per_sm = i4;
+  int i4 = 0, i8 = 0, f8 = 0;
+  cudaError_t e = prepare_kernel(decode_mlp_kernel<MT, BF16, DEC_FP4>, Smem<MT>::BYTES, ctas_per_sm);
+  if (e == cudaSuccess) e = prepare_kernel(decode_mlp_kernel<MT, BF16, DEC_INT4>, Smem<MT>::BYTES, i4);
+  if (e == cudaSuccess) e = prepare_kernel(decode_mlp_kernel<MT, BF16, DEC_INT8>, Smem<MT, true>::BYTES, i8);
+  if (e == cudaSuccess) e = prepare_kernel(decode_mlp_kernel<MT, BF16, DEC_FP8>, Smem<MT, true>::BYTES, f8);
+  ctas_per_sm = min(min(ctas_per_sm, i4), min(i8, f8));
   return e;
 }
 
 template <int MT, bool BF16>
 cudaError_t launch(const MlpParams& p, int ctas, cudaStream_t st, bool pdl) {
-  if (p.g[0].spc == 2) {
-    return launch_ex(decode_mlp_kernel<MT, BF16, true>, dim3(ctas), dim3(NW * 32), Smem<MT>::BYTES, st, pdl, p);
+  const dim3 grid(ctas), block(NW * 32);
+  switch (p.g[0].code) {
+    case DEC_INT4:
+      return launch_ex(decode_mlp_kernel<MT, BF16, DEC_INT4>, grid, block, Smem<MT>::BYTES, st, pdl, p);
+    case DEC_INT8:
+      return launch_ex(decode_mlp_kernel<MT, BF16, DEC_INT8>, grid, block, Smem<MT, true>::BYTES, st, pdl, p);
+    case DEC_FP8:
+      return launch_ex(decode_mlp_kernel<MT, BF16, DEC_FP8>, grid, block, Smem<MT, true>::BYTES, st, pdl, p);
+    default:
+      return launch_ex(decode_mlp_kernel<MT, BF16, DEC_FP4>, grid, block, Smem<MT>::BYTES, st, pdl, p);
   }
-  return launch_ex(decode_mlp_kernel<MT, BF16, false>, dim3(ctas), dim3(NW * 32), Smem<MT>::BYTES, st, pdl, p);
 }
 
 }  // namespace qerl_dl
@@ -509,18 +577,19 @@ int qerl_dl_prepare(int mt, int bf16, int* ctas_per_sm) {
   });
 }
 
-int qerl_dl_smem(int mt) { return mt == 1 ? qerl_dl::Smem<1>::BYTES : qerl_dl::Smem<2>::BYTES; }
+int qerl_dl_smem(int mt) { return mt == 1 ? qerl_dl::Smem<1, true>::BYTES : qerl_dl::Smem<2, true>::BYTES; }
 // the build's knobs: ring stages per warp, CTAs per SM budgeted
 int qerl_dl_stages() { return qerl_dl::S; }
 int qerl_dl_minb() { return qerl_dl::MINB; }
 int qerl_dl_xpf() { return qerl_dl::XPF ? 1 : 0; }
 
 // One launch of the MLP half. Per GEMM g (o, gate/up, down), 9 pointers: weight, scales, global scale (null for
-// MXFP4 and INT4), A_cat, B_blk, shrink partials, GEMM partials, block counters, h; 8 ints: N, K, R, kseg, nseg, pmax
-// (R = 0: no LoRA), scale bytes per chunk (8 NVFP4, 4 MXFP4, 2 INT4: all three GEMMs INT4 or none), MXFP4's exponent
-// shift.
-// Preconditions (kernels/decode_layer.py checks them): tiled weights (N % 64 == 0), M <= 8 * mt <= 16,
-// H % 128 == 0, I % 128 == 0, 4-byte aligned rows, R % 8 == 0 and R <= 256, cnt and block counters zeroed once.
+// MXFP4, INT4 and W8), A_cat, B_blk, shrink partials, GEMM partials, block counters, h; 9 ints: N, K, R, kseg, nseg,
+// pmax (R = 0: no LoRA), scale bytes per chunk (8 NVFP4, 4 MXFP4, 2 INT4, 0 W8), MXFP4's exponent shift, the tile
+// decode (DEC_*: one for all three GEMMs).
+// Preconditions (kernels/decode_layer.py checks them): 4-bit weights tiled (N % 64 == 0), W8 weights row-major with
+// attn rows 16-byte aligned, M <= 8 * mt <= 16, H % 128 == 0, I % 128 == 0, 4-byte aligned rows, R % 8 == 0 and
+// R <= 256, cnt and block counters zeroed once.
 int qerl_dl_mlp(const void* const* gptr, const int* gint, const void* attn, const void* hres, const void* nw, void* h1,
                 void* xp, void* act, void* out, float* ss, unsigned* cnt, float eps, int M, int H, int I, int ld_attn,
                 int ld_h, int mt, int bf16, int ctas, int pdl, void* stream) {
@@ -536,9 +605,9 @@ int qerl_dl_mlp(const void* const* gptr, const int* gint, const void* attn, cons
     g.part = static_cast<float4*>(const_cast<void*>(gptr[9 * i + 6]));
     g.bcnt = static_cast<unsigned*>(const_cast<void*>(gptr[9 * i + 7]));
     g.hg = static_cast<uint16_t*>(const_cast<void*>(gptr[9 * i + 8]));
-    g.N = gint[8 * i + 0], g.K = gint[8 * i + 1], g.R = gint[8 * i + 2];
-    g.kseg = gint[8 * i + 3], g.nseg = gint[8 * i + 4], g.pmax = gint[8 * i + 5];
-    g.spc = gint[8 * i + 6], g.shift = gint[8 * i + 7];
+    g.N = gint[9 * i + 0], g.K = gint[9 * i + 1], g.R = gint[9 * i + 2];
+    g.kseg = gint[9 * i + 3], g.nseg = gint[9 * i + 4], g.pmax = gint[9 * i + 5];
+    g.spc = gint[9 * i + 6], g.shift = gint[9 * i + 7], g.code = gint[9 * i + 8];
   }
   p.attn = static_cast<const uint16_t*>(attn);
   p.hres = static_cast<const uint16_t*>(hres);
