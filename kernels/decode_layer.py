@@ -1,8 +1,9 @@
 """The persistent decode layer (`kernels/cuda/decode_layer.cu`): the MLP half of a decoder layer's decode step -- o
 + residual, RMSNorm, gate/up + SiLU*mul, down, with the LoRA shrinks and expands inside -- as ONE launch of
-persistent CTAs (NVFP4, MXFP4 or INT4 weights in qerl's resident repacked layout, bf16/fp16 activations, M <= 16
-tokens; the FP4 pair differ only in their block scales, converted where a unit's scales land, and INT4 -- the same
-nibbles in the same layout -- in its code decode and its one 16-bit scale per 128-wide group); and the
+persistent CTAs (NVFP4, MXFP4 or INT4 weights in qerl's resident repacked layout, or INT8 / FP8 in the checkpoint's
+row-major layout; bf16/fp16 activations, M <= 16 tokens; the FP4 pair differ only in their block scales, converted
+where a unit's scales land, INT4 -- the same nibbles in the same layout -- in its code decode and its one 16-bit
+scale per 128-wide group, W8 in its 2 KiB units, 8-bit mma order and per-row scales); and the
 attention half before the attention (`kernels/cuda/decode_attn.cu`: residual + RMSNorm, the fused q/k/v with LoRA and
 bias, RoPE + KV-cache write) as one more (`attn_half`, `AttnSchedule`, `emulate_attn_half`, `reference_attn_half`; the
 section at the end), on the same device machinery (`kernels/cuda/decode_common.cuh`).
@@ -51,12 +52,13 @@ MAX_RANK = 256  # the partials' scratch is sized for it
 # re-runs bit-equal) and attention half (`--attn`, H200, 2026-11-30: 16 MXFP4 rows per dtype, bf16 bit-equal, fp16
 # <= 2.3e-5, re-runs bit-equal)
 # The MLP half also takes the 8-bit formats (INT8, FP8 E4M3; per-channel scales in the activation dtype) from the
-# checkpoint's row-major bytes, no repack (decode_common.cuh's w8_mma); the engine hands them over once their GPU
-# exactness rows have passed.
+# checkpoint's row-major bytes, no repack (decode_common.cuh's w8_mma). Their GPU rows passed (H200, 2026-11-30: INT8
+# bf16 bit-equal to the emulation, FP8 <= 7.4e-4; 7B at M = 1 / 8: 1.13-1.15x / 1.02-1.05x qerl's Triton W8 path,
+# 0.77x at 16, so ENGINE_MAX_M holds for them too); the attention half takes the 4-bit formats only.
 W8_FORMATS = ("int8", "fp8")
 KERNEL_FORMATS = (*FP4_FORMATS, "int4", *W8_FORMATS)
 ATTN_KERNEL_FORMATS = (*FP4_FORMATS, "int4")
-ENGINE_FORMATS = (*FP4_FORMATS, "int4")
+ENGINE_FORMATS = KERNEL_FORMATS
 # scale bytes per 128-wide chunk of a row (the FP4 pair's block scales, INT4's group; W8 scales each row after the
 # sums) and the tile decode (decode_common.cuh's DEC_*): the kernels' format switches
 SCALE_BYTES_PER_CHUNK = {"nvfp4": 8, "mxfp4": 4, "int4": 2, "int8": 0, "fp8": 0}

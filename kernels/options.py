@@ -158,7 +158,7 @@ class KernelOptions:
     decode_layer: bool = option(
         "QERL_DECODE_LAYER", True, parse_bool,
         "the decode step's MLP half as one persistent kernel (kernels/cuda/decode_layer.cu) where it applies (Hopper; "
-        "NVFP4/MXFP4 at <= 8 tokens, INT4 at <= 16); 0 keeps the per-GEMM path")
+        "NVFP4/MXFP4/INT8/FP8 at <= 8 tokens, INT4 at <= 16); 0 keeps the per-GEMM path")
     decode_layer_attn: str = option(
         "QERL_DECODE_LAYER_ATTN", "auto", choice(*DECODE_LAYER_ATTN),
         "the decode step's attention half before the attention (residual + RMSNorm, q/k/v + LoRA + bias, RoPE + KV "

@@ -219,8 +219,7 @@ def test_format_ints_and_alpha_by_hand() -> None:
         g8 = gemm(q8, None, None)
         assert g8.ints() == [0, 0, code] and g8.alpha().item() == 1.0 and (g8.n, g8.k) == (64, 256)
         assert torch.equal(g8.row_scale(), q8.tensors["weight_scale"].float().reshape(-1))
-    assert set(dl.ENGINE_FORMATS) == {"nvfp4", "mxfp4", "int4"}  # W8 once its GPU exactness rows pass
-    assert set(dl.KERNEL_FORMATS) == {"nvfp4", "mxfp4", "int4", "int8", "fp8"}
+    assert set(dl.ENGINE_FORMATS) == set(dl.KERNEL_FORMATS) == {"nvfp4", "mxfp4", "int4", "int8", "fp8"}
 
 
 def test_w8_launches_take_one_decode_and_not_the_attention_half() -> None:
@@ -254,8 +253,8 @@ def test_int4_takes_one_launch_of_one_format_and_scales_of_the_activation_dtype(
     dn_nv, _ = _quant(H, I, 3, "nvfp4")
     args = [gemm(q, None, None) for q in (o, gu, dn)]
     assert dl.check_shapes(*args, 4, torch.bfloat16) is None
-    assert "INT4 scales in the activation dtype" in dl.check_shapes(*args, 4, torch.float16)
-    assert "every GEMM" in dl.check_shapes(*args[:2], gemm(dn_nv, None, None), 4, torch.bfloat16)
+    assert "scales in the activation dtype" in dl.check_shapes(*args, 4, torch.float16)
+    assert "one tile decode" in dl.check_shapes(*args[:2], gemm(dn_nv, None, None), 4, torch.bfloat16)
     assert dl.engine_max_m("int4") == dl.MAX_M and dl.engine_max_m("nvfp4") == dl.ENGINE_MAX_M
 
 
