@@ -241,7 +241,10 @@ def test_scale_bench_runner_on_two_gloo_ranks(tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert r["world_size"] == 2 and r["tokens_per_step"] == 3 * 2 * (8 + 4)
     step = r["steps_detail"][0]
-    assert step["grad_norm"] > 0 and step["dist/rollout_s_max"] >= step["dist/rollout_s_min"] > 0
+    # ranks claim chunks as they come free: on a loaded machine one rank may claim them all, so the other's busy
+    # time can be 0 (seen on a 2-core CI run while nvcc built beside it)
+    assert step["grad_norm"] > 0 and step["dist/rollout_s_max"] > 0
+    assert step["dist/rollout_s_max"] >= step["dist/rollout_s_min"] >= 0
     assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
 
 
