@@ -282,7 +282,7 @@ class GemmArgs:
 
     def alpha(self) -> torch.Tensor:
         """The fp32 factor the kernel applies to a block's summed partials: 2^8 / global scale (NVFP4), 2^-F
-        (MXFP4), 1 (INT4)."""
+        (MXFP4), 1 (INT4; W8, whose rows' scales come after: `row_scale`)."""
         if self.global_scale is not None:
             return torch.tensor(256.0, dtype=torch.float32) / self.global_scale.float().cpu().reshape(())
         return torch.tensor(2.0 ** -self.shift, dtype=torch.float32)
@@ -313,14 +313,14 @@ class GemmArgs:
 
 def gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None, b: torch.Tensor | None = None, *,
               formats: tuple[str, ...] = ENGINE_FORMATS) -> GemmArgs | None:
-    """The kernel's view of a 4-bit `QuantLinear` (one of `formats`) holding the in-place repack (None: the kernel
-    cannot take it)."""
+    """The kernel's view of a quantized `QuantLinear` (one of `formats`): a 4-bit one's in-place repack, an 8-bit
+    one's stored codes (None: the kernel cannot take it)."""
     if getattr(module, "bias", None) is not None:
         return None
-    return _fp4_args(module, a, b, formats)
+    return _kernel_args(module, a, b, formats)
 
 
-def _fp4_args(module: torch.nn.Module, a: torch.Tensor | None, b: torch.Tensor | None,
+def _kernel_args(module: torch.nn.Module, a: torch.Tensor | None, b: torch.Tensor | None,
               formats: tuple[str, ...]) -> GemmArgs | None:
     from qerl_kernels.backends import kernel_state
 
@@ -363,8 +363,8 @@ def attn_half_wanted(mode: str, fmt: str) -> bool:
 
 
 def engine_max_m(fmt: str) -> int:
-    """The most tokens the engine hands the kernels of a format: FP4 up to ENGINE_MAX_M (measured against the
-    Triton GEMMs), INT4 up to MAX_M (its per-GEMM path dequantizes the whole weight per call)."""
+    """The most tokens the engine hands the kernels of a format: FP4 and W8 up to ENGINE_MAX_M (measured against
+    their Triton GEMMs), INT4 up to MAX_M (its per-GEMM path dequantizes the whole weight per call)."""
     return MAX_M if fmt == "int4" else ENGINE_MAX_M
 
 
@@ -836,7 +836,7 @@ def attn_gemm_args(module: torch.nn.Module, a: torch.Tensor | None = None, b: to
                    formats: tuple[str, ...] = ENGINE_FORMATS) -> tuple[GemmArgs, torch.Tensor | None] | None:
     """The attention-half kernel's view of the fused q/k/v FP4 `QuantLinear` (resident repack) and its bias as the
     cuda FP4 GEMM adds it (fp32, after the LoRA term), or None."""
-    args = _fp4_args(module, a, b, formats)
+    args = _kernel_args(module, a, b, formats)
     if args is None:
         return None
     bias = getattr(module, "bias", None)
