@@ -234,15 +234,13 @@ def seven_b(dev: str, ranks: tuple[int, int, int] = (32, 64, 32), ms: tuple[int,
     return rows
 
 
-def int4_present_path(attn: torch.Tensor, hres: torch.Tensor, lay: dict, eps: float) -> tuple[torch.Tensor, ...]:
-    """The engine's per-GEMM path for an INT4 MLP half (no qerl kernel takes INT4 GEMMs): each weight dequantized per
-    call (as QuantLinear.forward does on CUDA), cuBLAS, the LoRA terms as cuBLAS shrink and expand, the same fused
-    norm and SiLU kernels."""
+def per_gemm_mlp(attn: torch.Tensor, hres: torch.Tensor, lay: dict, eps: float, gemm) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+    """The engine's per-GEMM MLP half with `gemm(x, qw, g)` as each linear's base GEMM, the LoRA shrink and expand in
+    cuBLAS, the same fused norm and SiLU kernels."""
     o, gu, dn = lay["args"]
-    dt = attn.dtype
 
     def lin(x: torch.Tensor, qw, g: dl.GemmArgs) -> torch.Tensor:  # noqa: ANN001
-        y = x @ dequantize(qw, dt).t()
+        y = gemm(x, qw, g)
         return y if g.a is None else y + (x @ g.a.t()) @ g.b.t()
 
     yo = lin(attn, lay["qws"][0], o)
@@ -253,75 +251,55 @@ def int4_present_path(attn: torch.Tensor, hres: torch.Tensor, lay: dict, eps: fl
     return h1, lin(act, lay["qws"][2], dn)
 
 
-def int4_rows(dev: str, shape: str = "7b", ranks: tuple[int, int, int] = (32, 64, 32),
-              ms: tuple[int, ...] = (1, 8, 16)) -> list[dict]:
-    """The INT4 MLP half of `shape` (group 128, bf16 scales) at each M: the persistent kernel (default build) against
-    the engine's per-GEMM INT4 path and the present path's math, with its byte floor (4-bit weights + 2 bytes of
-    scale per 128 + LoRA + activations)."""
+def int4_gemm(x: torch.Tensor, qw, g: dl.GemmArgs) -> torch.Tensor:  # noqa: ANN001
+    """INT4's per-GEMM path: no qerl kernel takes INT4 GEMMs, so the weight is dequantized per call (as
+    QuantLinear.forward does on CUDA) for cuBLAS."""
+    return x @ dequantize(qw, x.dtype).t()
+
+
+def w8_gemm(x: torch.Tensor, qw, g: dl.GemmArgs) -> torch.Tensor:  # noqa: ANN001
+    """W8's per-GEMM path: qerl's Triton W8 GEMM (per-channel scale on its fp32 sums)."""
+    from qerl_kernels._common import num_sms
+    from qerl_kernels.backends import w8_config
+    from qerl_kernels.w8 import w8_matmul
+
+    t = qw.tensors
+    return w8_matmul(x, t["weight"], t["weight_scale"], w8_config(x.shape[0], g.n, g.k, num_sms(x.device)))
+
+
+def format_rows(dev: str, shape: str, fmt: str, gemm, seed: int, slow: bool = False,  # noqa: ANN001
+                ranks: tuple[int, int, int] = (32, 64, 32), ms: tuple[int, ...] = (1, 8, 16)) -> list[dict]:
+    """The `fmt` MLP half of `shape` (scales in bf16) at each M: the persistent kernel (default build) against the
+    engine's per-GEMM path for that format (`per_gemm_mlp` with `gemm`; `slow`: fewer replays), with its byte floor
+    (weights + scales + LoRA + activations)."""
     hd, ko, i = SHAPES[shape]
-    lay = make_layer(hd, ko, i, ranks, torch.bfloat16, dev, 5, dense=False, fmt="int4")
+    lay = make_layer(hd, ko, i, ranks, torch.bfloat16, dev, seed, dense=False, fmt=fmt)
     bw = copy_gbps(dev)
     rows = []
     for m in ms:
         attn, hres = inputs(lay, m, ko, hd, torch.bfloat16, dev)
-        ph1, pout = int4_present_path(attn, hres, lay, 1e-6)
+        ph1, pout = per_gemm_mlp(attn, hres, lay, 1e-6, gemm)
         h1, out = dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"])
-        t_old = graph_ms(lambda: int4_present_path(attn, hres, lay, 1e-6), reps=4, iters=10)  # noqa: B023
+        t_old = graph_ms(lambda: per_gemm_mlp(attn, hres, lay, 1e-6, gemm),  # noqa: B023
+                         **(dict(reps=4, iters=10) if slow else {}))
         t_new = graph_ms(lambda: dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"]))  # noqa: B023
         nbytes = layer_bytes(lay, m, hd, ko, i)
         floor = nbytes / bw / 1e6
-        rows.append(dict(shape=shape, fmt="int4", m=m, ranks=list(ranks), mb=nbytes / 1e6, floor_us=1e3 * floor,
+        rows.append(dict(shape=shape, fmt=fmt, m=m, ranks=list(ranks), mb=nbytes / 1e6, floor_us=1e3 * floor,
                          persistent_us=1e3 * t_new, persistent_pct_floor=100 * floor / t_new,
                          present_us=1e3 * t_old, present_pct_floor=100 * floor / t_old, speedup=t_old / t_new,
                          err_vs_present=max(rel(h1, ph1), rel(out, pout)), copy_gbps=bw))
     return rows
 
 
-def w8_present_path(attn: torch.Tensor, hres: torch.Tensor, lay: dict, eps: float) -> tuple[torch.Tensor, ...]:
-    """The engine's per-GEMM path for a W8 MLP half: qerl's Triton W8 GEMM per linear (per-channel scale on its fp32
-    sums), the LoRA shrink and expand in cuBLAS, the same fused norm and SiLU kernels."""
-    from qerl_kernels._common import num_sms
-    from qerl_kernels.backends import w8_config
-    from qerl_kernels.w8 import w8_matmul
-
-    sms = num_sms(attn.device)
-
-    def lin(x: torch.Tensor, qw, g: dl.GemmArgs) -> torch.Tensor:  # noqa: ANN001
-        t = qw.tensors
-        y = w8_matmul(x, t["weight"], t["weight_scale"], w8_config(x.shape[0], g.n, g.k, sms))
-        return y if g.a is None else y + (x @ g.a.t()) @ g.b.t()
-
-    o, gu, dn = lay["args"]
-    yo = lin(attn, lay["qws"][0], o)
-    h1, x2 = decode.add_rmsnorm(hres, yo, lay["norm_w"], eps)
-    y = lin(x2, lay["qws"][1], gu)
-    i = dn.k
-    act = decode.silu_mul(y[:, :i], y[:, i:])
-    return h1, lin(act, lay["qws"][2], dn)
+def int4_rows(dev: str, shape: str = "7b") -> list[dict]:
+    """INT4 (group 128) against its dequantize-per-call path."""
+    return format_rows(dev, shape, "int4", int4_gemm, 5, slow=True)
 
 
-def w8_rows(dev: str, shape: str = "7b", ranks: tuple[int, int, int] = (32, 64, 32),
-            ms: tuple[int, ...] = (1, 8, 16)) -> list[dict]:
-    """The INT8 and FP8 MLP halves of `shape` (per-channel bf16 scales, row-major codes) at each M: the persistent
-    kernel against the engine's per-GEMM W8 path, with the byte floor (1 byte per weight + scales + LoRA + x)."""
-    hd, ko, i = SHAPES[shape]
-    bw = copy_gbps(dev)
-    rows = []
-    for fmt in dl.W8_FORMATS:
-        lay = make_layer(hd, ko, i, ranks, torch.bfloat16, dev, 6, dense=False, fmt=fmt)
-        for m in ms:
-            attn, hres = inputs(lay, m, ko, hd, torch.bfloat16, dev)
-            ph1, pout = w8_present_path(attn, hres, lay, 1e-6)
-            h1, out = dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"])
-            t_old = graph_ms(lambda: w8_present_path(attn, hres, lay, 1e-6))  # noqa: B023
-            t_new = graph_ms(lambda: dl.mlp_half(attn, hres, lay["norm_w"], 1e-6, *lay["args"]))  # noqa: B023
-            nbytes = layer_bytes(lay, m, hd, ko, i)
-            floor = nbytes / bw / 1e6
-            rows.append(dict(shape=shape, fmt=fmt, m=m, ranks=list(ranks), mb=nbytes / 1e6, floor_us=1e3 * floor,
-                             persistent_us=1e3 * t_new, persistent_pct_floor=100 * floor / t_new,
-                             present_us=1e3 * t_old, present_pct_floor=100 * floor / t_old, speedup=t_old / t_new,
-                             err_vs_present=max(rel(h1, ph1), rel(out, pout)), copy_gbps=bw))
-    return rows
+def w8_rows(dev: str, shape: str = "7b") -> list[dict]:
+    """INT8 and FP8 (row-major codes, per-channel scales) against qerl's Triton W8 path."""
+    return [r for fmt in dl.W8_FORMATS for r in format_rows(dev, shape, fmt, w8_gemm, 6)]
 
 
 def build_variants() -> None:
