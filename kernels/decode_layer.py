@@ -362,6 +362,14 @@ def attn_half_wanted(mode: str, fmt: str) -> bool:
     return mode == "1" or (mode == "auto" and fmt in ATTN_AUTO_FORMATS)
 
 
+def input_misfit(o: GemmArgs, attn: torch.Tensor) -> str | None:
+    """Why o's input `attn` [M, KO] cannot be read as the kernel reads it (None: it can): W8 reads its rows 16 bytes
+    at a time."""
+    if o.fmt in W8_FORMATS and (attn.data_ptr() % 16 or attn.stride(0) % 8):
+        return "W8 reads o's input rows 16 bytes at a time (16-byte aligned rows)"
+    return None
+
+
 def engine_max_m(fmt: str) -> int:
     """The most tokens the engine hands the kernels of a format: FP4 and W8 up to ENGINE_MAX_M (measured against
     their Triton GEMMs), INT4 up to MAX_M (its per-GEMM path dequantizes the whole weight per call)."""
@@ -456,8 +464,9 @@ def mlp_half(attn: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: flo
         raise ValueError("decode layer kernel: bf16/fp16 activations and norm weight of one dtype")
     if attn.stride(1) != 1 or h.stride(1) != 1 or attn.stride(0) % 2 or h.stride(0) % 2:
         raise ValueError("decode layer kernel: rows with unit column stride and even row stride")
-    if o.fmt in W8_FORMATS and (attn.data_ptr() % 16 or attn.stride(0) % 8):
-        raise ValueError("decode layer kernel: W8 reads o's input rows 16 bytes at a time (16-byte aligned rows)")
+    why = input_misfit(o, attn)
+    if why is not None:
+        raise ValueError(f"decode layer kernel: {why}")
     hd, i = o.n, down.k
     dev, dt = attn.device, attn.dtype
     mt = 1 if m <= 8 else 2

@@ -230,6 +230,11 @@ def test_w8_launches_take_one_decode_and_not_the_attention_half() -> None:
     assert "scales in the activation dtype" in dl.check_shapes(*gemms["fp8"], 8, torch.float16)
     qkv = gemm(_quant(384, 256, 0, "int8")[0], None, None)
     assert "4-bit formats" in dl.attn_check_shapes(qkv, 4, 8, 2, 32)
+    # W8 reads o's input 16 bytes at a time: a row view 2 bytes in is declined (the engine then runs per GEMM)
+    wide = torch.zeros(4, KO + 8, dtype=torch.bfloat16)
+    assert dl.input_misfit(gemms["int8"][0], wide[:, :KO]) is None
+    assert "16 bytes" in dl.input_misfit(gemms["int8"][0], wide[:, 1:KO + 1])
+    assert dl.input_misfit(gemm(_quant(H, KO, 0, "nvfp4")[0], None, None), wide[:, 1:KO + 1]) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

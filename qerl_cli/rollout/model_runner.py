@@ -209,8 +209,8 @@ class ModelRunner:
         self.fuse_proj = opts.fused_proj
         self.ops = FusedOps(triton=fused_kernels and opts.fast_decode, fused_lora=self.fused_lora)
         self.plan: FastPlan | None = None
-        # the MLP half of each layer as one persistent 4-bit launch (qerl_kernels.decode_layer) where it applies (the
-        # decode_layer kernel option; on by default: measured faster at <= 8 tokens)
+        # the MLP half of each layer as one persistent quantized launch (qerl_kernels.decode_layer) where it applies
+        # (the decode_layer kernel option; on by default: measured faster at <= 8 tokens)
         self.decode_layer = (opts.kernels.decode_layer and self.fast_lora and self.fused_lora
                              and self.device.type == "cuda")
         self._mlp_args: dict[int, tuple | None] = {}
@@ -344,7 +344,8 @@ class ModelRunner:
         args = self._mlp_args.get(i)
         rows = o.numel() // o.shape[-1]
         if (args is None or rows > decode_layer.engine_max_m(args[0].fmt)
-                or o.dtype not in (torch.bfloat16, torch.float16)):
+                or o.dtype not in (torch.bfloat16, torch.float16)
+                or decode_layer.input_misfit(args[0], o.reshape(rows, -1)) is not None):
             return None
 
         name = f"model.layers.{i}.{self.mlp_norm}"
