@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -486,25 +487,36 @@ def scale_pairs(scale: torch.Tensor, fmt: str, bf16: bool, shift: int = 0) -> tu
     return v, v
 
 
-def emulate_decode(repacked: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype, *, tiled: bool,
-                   shift: int = 0) -> torch.Tensor:
-    """The 16-bit weight tile the tensor cores see, code * scale * 2**F, placed at its true K: [N, K] (dtype)."""
-    bf16 = dtype == torch.bfloat16
-    words = lane_words(repacked, tiled)
+def place_pairs(words: torch.Tensor, dtype: torch.dtype,
+                pair: Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """[N, K] of `dtype` from each lane's words ([N, K/128, 4 lanes q, 4 words i], `lane_words`): `pair(word, i,
+    s)` gives the two 16-bit values the kernel decodes from lane q's word i at decode shift s (each [N, K/128]),
+    placed at their true K (`k_of`). The tile decodes differ only in `pair`."""
     n, kc = words.shape[:2]
-    slo, shi = scale_pairs(scale, fmt, bf16, shift)
     out = torch.zeros(n, kc * 128, dtype=dtype)
     cols = torch.arange(kc) * 128
     for q in range(4):
         for i in range(4):
             for s in SHIFTS:
-                lo_b, hi_b = _decode2((words[:, :, q, i] << s) & 0xFFFFFFFF, bf16)
-                lo = _bits16(lo_b, dtype) * slo[:, :, i]  # one rounding of an exact product, as fma.rn
-                hi = _bits16(hi_b, dtype) * shi[:, :, i]
+                lo, hi = pair(words[:, :, q, i], i, s)
                 klo, khi = k_of(q, i, s)
                 out[:, cols + klo] = lo
                 out[:, cols + khi] = hi
     return out
+
+
+def emulate_decode(repacked: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype, *, tiled: bool,
+                   shift: int = 0) -> torch.Tensor:
+    """The 16-bit weight tile the tensor cores see, code * scale * 2**F, placed at its true K: [N, K] (dtype)."""
+    bf16 = dtype == torch.bfloat16
+    slo, shi = scale_pairs(scale, fmt, bf16, shift)
+
+    def pair(word: torch.Tensor, i: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lo_b, hi_b = _decode2((word << s) & 0xFFFFFFFF, bf16)
+        # one rounding of an exact product, as fma.rn
+        return _bits16(lo_b, dtype) * slo[:, :, i], _bits16(hi_b, dtype) * shi[:, :, i]
+
+    return place_pairs(lane_words(repacked, tiled), dtype, pair)
 
 
 def b_fragments(x: torch.Tensor) -> torch.Tensor:

@@ -525,24 +525,18 @@ def emulate_int4_decode(repacked: torch.Tensor, scale: torch.Tensor, dtype: torc
                         tiled: bool) -> torch.Tensor:
     """The 16-bit INT4 weight the tensor cores see, [N, K] (dtype): each lane's u32 words as the kernel loads them
     (`cuda_fp4.lane_words`), the nibble at bit 12 - s of each half where FP4's decode2 reads q << s (so at FP4's true
-    K, `cuda_fp4.k_of`), code - 8 times its row's scale of that 128-wide chunk, one rounding (fma.rn)."""
-    from qerl_kernels.cuda_fp4 import SHIFTS, k_of, lane_words
+    K, `cuda_fp4.place_pairs`), code - 8 times its row's scale of that 128-wide chunk, one rounding (fma.rn)."""
+    from qerl_kernels.cuda_fp4 import lane_words, place_pairs
 
     words = lane_words(repacked.view(torch.uint8), tiled)
-    n, kc = words.shape[:2]
-    s = scale.float().reshape(n, kc)
-    out = torch.zeros(n, kc * 128, dtype=dtype)
-    cols = torch.arange(kc) * 128
-    for q in range(4):
-        for i in range(4):
-            for sh in SHIFTS:
-                w = words[:, :, q, i]
-                lo = ((w >> (12 - sh)) & 0xF) - 8
-                hi = ((w >> (28 - sh)) & 0xF) - 8
-                klo, khi = k_of(q, i, sh)
-                out[:, cols + klo] = (lo.float() * s).to(dtype)  # exact in fp32 (4 x 11 bits), one rounding
-                out[:, cols + khi] = (hi.float() * s).to(dtype)
-    return out
+    s = scale.float().reshape(words.shape[0], words.shape[1])
+
+    def pair(word: torch.Tensor, i: int, sh: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lo = ((word >> (12 - sh)) & 0xF) - 8
+        hi = ((word >> (28 - sh)) & 0xF) - 8
+        return (lo.float() * s).to(dtype), (hi.float() * s).to(dtype)  # exact in fp32 (4 x 11 bits), one rounding
+
+    return place_pairs(words, dtype, pair)
 
 
 def emulate_weight(g: GemmArgs, dtype: torch.dtype) -> torch.Tensor:
