@@ -339,6 +339,22 @@ def _kernel_args(module: torch.nn.Module, a: torch.Tensor | None, b: torch.Tenso
                     bool(st.tiled), a, b, module.fmt, int(st.shift))
 
 
+def checkpoint_args(qw, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> GemmArgs:  # noqa: ANN001
+    """The kernels' view of a `QuantizedWeight`'s checkpoint tensors, as `kernel_state` builds a module's: 4-bit
+    bytes repacked into a new tensor (tiled where N % 64 == 0; INT4's int32 words as their bytes), NVFP4's global
+    scale, MXFP4's exponent shift; W8's row-major codes as they are. For benches and tests, which have no module."""
+    from qerl_kernels.fp4 import mxfp4_shift, repack_fp4
+
+    t = qw.tensors
+    if qw.fmt in W8_FORMATS:
+        return GemmArgs(t["weight"].view(torch.uint8), t["weight_scale"], None, False, a, b, qw.fmt, 0)
+    tiled = qw.shape[0] % 64 == 0
+    gs = t.get("weight_global_scale")
+    shift = mxfp4_shift(t["weight_scale"]) if qw.fmt == "mxfp4" else 0
+    return GemmArgs(repack_fp4(t["weight_packed"].view(torch.uint8), tiled=tiled), t["weight_scale"],
+                    None if gs is None else gs.float().reshape(1), tiled, a, b, qw.fmt, shift)
+
+
 def format_mismatch(gemms: tuple[GemmArgs, ...], dtype: torch.dtype | None) -> str | None:
     """Why one launch cannot take these GEMMs' formats with activations of `dtype` (None: it can): one tile decode
     for all of them (it is the kernel's template parameter), and INT4's and W8's 16-bit scales in the activation

@@ -37,7 +37,6 @@ import sys
 import torch
 from qerl_kernels import cuda_fp4, decode
 from qerl_kernels import decode_layer as dl
-from qerl_kernels.fp4 import mxfp4_shift, repack_fp4
 
 from qerl_cli.formats import dequantize, quantize
 
@@ -47,18 +46,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     if not torch.isfinite(a).all():
         return float("inf")
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def gemm_of(qw, n: int, a: torch.Tensor | None, b: torch.Tensor | None) -> dl.GemmArgs:  # noqa: ANN001
-    """The kernels' view of a quantized weight as kernel_state builds it (NVFP4 global scale, MXFP4 shift)."""
-    t = qw.tensors
-    if qw.fmt in dl.W8_FORMATS:  # the checkpoint's row-major codes as they are
-        return dl.GemmArgs(t["weight"].view(torch.uint8), t["weight_scale"], None, False, a, b, qw.fmt, 0)
-    gs = t.get("weight_global_scale")
-    shift = mxfp4_shift(t["weight_scale"]) if qw.fmt == "mxfp4" else 0
-    packed = t["weight_packed"].view(torch.uint8)  # INT4's int32 words as their bytes
-    return dl.GemmArgs(repack_fp4(packed, tiled=n % 64 == 0).contiguous(), t["weight_scale"],
-                       None if gs is None else gs.float().reshape(1), n % 64 == 0, a, b, qw.fmt, shift)
 
 
 def on_cpu(g: dl.GemmArgs) -> dl.GemmArgs:
@@ -79,7 +66,7 @@ def make_layer(h: int, ko: int, i: int, ranks: tuple[int, int, int], dtype: torc
         qws.append(qw)
         a = (torch.randn(r, k, generator=g, device=dev) * k**-0.5).to(dtype) if r else None
         b = (torch.randn(n, r, generator=g, device=dev) * 0.3).to(dtype) if r else None
-        args.append(gemm_of(qw, n, a, b))
+        args.append(dl.checkpoint_args(qw, a, b))
         weights.append(dequantize(qw, torch.float32) if dense else None)
         loras.append(None if a is None else (a, b))
     norm_w = (1 + 0.1 * torch.randn(h, generator=g, device=dev)).to(dtype)
@@ -333,7 +320,7 @@ def make_attn_layer(h: int, hq: int, hk: int, d: int, rank: int, bias: bool, dty
     qw = quantize(w, fmt, dtype=dtype)
     a = (torch.randn(rank, h, generator=g, device=dev) * h**-0.5).to(dtype) if rank else None
     b = (torch.randn(n, rank, generator=g, device=dev) * 0.3).to(dtype) if rank else None
-    args = gemm_of(qw, n, a, b)
+    args = dl.checkpoint_args(qw, a, b)
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=dev).float() / d))
     ang = torch.arange(max_len, device=dev).float()[:, None] * inv[None, :]
     emb = torch.cat([ang, ang], dim=-1)

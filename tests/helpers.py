@@ -180,21 +180,3 @@ def name_decisions(source: str, names: Collection[str], kind: str, *, least: int
             if keys and len(keys) >= least:
                 out.append((node.lineno, f"dict keyed by {keys}"))
     return sorted(set(out))
-
-
-
-def decode_gemm(qw, a, b):  # noqa: ANN001, ANN201
-    """The persistent decode kernels' view (`decode_layer.GemmArgs`) of a quantized weight as the engine builds it
-    (kernel_state): the tiled repack (INT4's int32 words as their bytes), the checkpoint scales, NVFP4's global scale
-    or MXFP4's exponent shift; W8's row-major codes and per-channel scales."""
-    import torch
-    from qerl_kernels import decode_layer
-    from qerl_kernels.fp4 import mxfp4_shift, repack_fp4
-
-    t = qw.tensors
-    if qw.fmt in decode_layer.W8_FORMATS:  # the row-major codes as they are
-        return decode_layer.GemmArgs(t["weight"].view(torch.uint8), t["weight_scale"], None, False, a, b, qw.fmt, 0)
-    gs = t.get("weight_global_scale")
-    shift = mxfp4_shift(t["weight_scale"]) if qw.fmt == "mxfp4" else 0
-    return decode_layer.GemmArgs(repack_fp4(t["weight_packed"].view(torch.uint8), tiled=True), t["weight_scale"],
-                                 None if gs is None else gs.float().reshape(1), True, a, b, qw.fmt, shift)

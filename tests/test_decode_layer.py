@@ -13,7 +13,8 @@ import torch
 from qerl_kernels import decode_layer as dl
 
 from qerl_cli.formats import dequantize, quantize
-from tests.helpers import decode_gemm as gemm
+
+gemm = dl.checkpoint_args  # the kernels' view of a quantized weight's checkpoint tensors
 
 H, KO, I = 256, 384, 384  # hidden, o's input (heads * head_dim != hidden), intermediate
 

@@ -16,7 +16,8 @@ from qerl_kernels import decode_layer as dl
 
 from qerl_cli.formats import dequantize, quantize
 from qerl_cli.rollout.fast_layers import FusedOps
-from tests.helpers import decode_gemm as gemm
+
+gemm = dl.checkpoint_args  # the kernels' view of a quantized weight's checkpoint tensors
 
 H, HQ, HK, D = 256, 4, 2, 64  # GQA: 2 query heads per KV head; q/k/v rows (4 + 2 x 2) x 64 = 512
 N = (HQ + 2 * HK) * D
