@@ -1,7 +1,7 @@
 // The attention half of a decoder layer's decode step, before the attention itself, as ONE persistent launch
 // (NVFP4, MXFP4 or INT4 fused q/k/v weight, bf16/fp16 activations, M <= 16 tokens, one token per KV-cache slot), for
-// Hopper (sm_90a). The sibling of decode_layer.cu's MLP half, on the same machinery (decode_common.cuh): 7 GEMM warps and
-// one LoRA warp per CTA, at most as many CTAs as are resident at once, grid-wide counters between phases.
+// Hopper (sm_90a). The sibling of decode_layer.cu's MLP half, on the same machinery (decode_common.cuh): 7 GEMM warps
+// and one LoRA warp per CTA, at most as many CTAs as are resident at once, grid-wide counters between phases.
 //
 //   residual    hn = rnd(h + delta)  (delta: the previous layer's MLP output; none: hn = h)
 //               + per (token, 16-column block) sums of hn^2, each in column order
@@ -381,9 +381,10 @@ int qerl_da_minb() { return qerl_dl::MINB; }
 
 // One launch of the attention half. gptr: the q/k/v GEMM's weight, scales, global scale, A_cat, B_blk, shrink
 // partials, GEMM partials, pair counters, h (9 pointers, as decode_layer.cu's per GEMM); gint: N, K, R, kseg, nseg,
-// pmax, scale bytes per chunk (8 NVFP4, 4 MXFP4, 2 INT4), MXFP4's exponent shift, the tile decode (4-bit only). Preconditions (kernels/decode_layer.py
-// checks them): tiled weight (N % 64 == 0), N = (hq + 2 hk) d, d % 32 == 0, K = H % 128 == 0, M <= 8 * mt <= 16,
-// 4-byte aligned rows, R % 8 == 0 and R <= 256, token m's cache slot is m, cnt and the pair counters zeroed once.
+// pmax, scale bytes per chunk (8 NVFP4, 4 MXFP4, 2 INT4), MXFP4's exponent shift, the tile decode (4-bit only: the
+// kernel is chosen by the scale bytes). Preconditions (kernels/decode_layer.py checks them): tiled weight
+// (N % 64 == 0), N = (hq + 2 hk) d, d % 32 == 0, K = H % 128 == 0, M <= 8 * mt <= 16, 4-byte aligned rows, R % 8 == 0
+// and R <= 256, token m's cache slot is m, cnt and the pair counters zeroed once.
 int qerl_da_attn(const void* const* gptr, const int* gint, const float* bias, const void* hres, const void* delta,
                  const void* nw, void* hout, float* ss, const void* cos, const void* sin, const long long* pos,
                  void* q, void* kc, void* vc, long long kc_slot, long long kc_pos, long long vc_slot,

@@ -1,5 +1,5 @@
-// The MLP half of a decoder layer's decode step as ONE persistent launch (NVFP4, MXFP4 or INT4 weights, bf16/fp16
-// activations, M <= 16 tokens), for Hopper (sm_90a). Seven GEMM warps per CTA stream the weights through three
+// The MLP half of a decoder layer's decode step as ONE persistent launch (NVFP4, MXFP4, INT4, INT8 or FP8 weights,
+// bf16/fp16 activations, M <= 16 tokens), for Hopper (sm_90a). Seven GEMM warps per CTA stream the weights through three
 // phases, a grid-wide counter between them:
 //
 //   o GEMM          h1  = h + rnd(attn @ Wo^T + ho Bo^T)    (+ per-row-block sums of h1^2)
